@@ -1,0 +1,26 @@
+//! # osprey-kernels — CPU kernels
+//!
+//! Brief overview: the arithmetic every model layer is made of, on plain `f32` slices. Owns no state and
+//! talks to no actor; `osprey-models` composes these into layers.
+//!
+//! - [`matmul`]: `y = x · Wᵀ` over weights stored as f32, bf16 or f16 (`WeightView`); AVX2+FMA with runtime
+//!   detection and a portable fallback; one-token rows take a GEMV path that converts weights in registers,
+//!   batches take a GEMM path that converts each weight tile once (matrixmultiply's sgemm).
+//! - [`norm`]: zero-centred RMSNorm `x̂·(1+w)`, gated RMSNorm `x̂·w·silu(z)`, L2 norm.
+//! - [`rope`]: partial NeoX rotary with interleaved mRoPE sections.
+//! - [`attention`]: causal GQA attention of new queries over a sequence's cached K/V.
+//! - [`gdn`]: the gated delta rule (chunked for prefill, recurrent for decode) and its causal conv.
+//!
+//! Every kernel computes in f32 with the reduction orders noted in its docs; parity with the reference is
+//! asserted in the models crate's tests, not here.
+
+mod act;
+pub mod attention;
+pub mod gdn;
+mod matmul;
+pub mod norm;
+pub mod rope;
+mod simd;
+
+pub use act::{sigmoid, silu, softplus};
+pub use matmul::{matmul, matmul_into_strided, DType, WeightView};
