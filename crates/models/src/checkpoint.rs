@@ -1,0 +1,328 @@
+//! Safetensors checkpoints, memory-mapped: one file, or shards listed in `model.safetensors.index.json`.
+//!
+//! Tensors are handed out as [`Weight`]s that borrow the mapping (no copy) when the data is aligned for its
+//! dtype, and own a copy otherwise. Only the header is parsed at open; pages are touched when used.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use osprey_kernels::{DType, WeightView};
+use safetensors::{Dtype as StDtype, SafeTensors};
+
+use crate::error::{Error, Result};
+
+#[derive(Clone, Debug)]
+struct Entry {
+    file: usize,
+    dtype: StDtype,
+    shape: Vec<usize>,
+    /// Absolute byte range in the file.
+    start: usize,
+    end: usize,
+}
+
+/// An opened checkpoint: every tensor name → its file, dtype, shape and byte range.
+#[derive(Debug)]
+pub struct Checkpoint {
+    maps: Vec<Arc<Mmap>>,
+    paths: Vec<PathBuf>,
+    entries: HashMap<String, Entry>,
+}
+
+/// Storage of a weight: a range of a mapped file, or an owned copy.
+#[derive(Clone, Debug)]
+enum Storage {
+    Mapped { map: Arc<Mmap>, start: usize, len: usize },
+    F32(Arc<Vec<f32>>),
+    U16(Arc<Vec<u16>>),
+}
+
+/// A 2-D weight `[rows, cols]` (a Linear's `[out, in]`) in f32, bf16 or f16.
+#[derive(Clone, Debug)]
+pub struct Weight {
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    storage: Storage,
+}
+
+impl Weight {
+    /// Builds an owned f32 weight (tests, converted tensors).
+    pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>) -> Self {
+        assert_eq!(data.len(), rows * cols, "weight shape: this is a bug");
+        Weight { dtype: DType::F32, rows, cols, storage: Storage::F32(Arc::new(data)) }
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Stored element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Bytes of weight data.
+    pub fn bytes(&self) -> usize {
+        self.rows * self.cols * self.dtype.size()
+    }
+
+    /// A typed view for the kernels.
+    pub fn view(&self) -> WeightView<'_> {
+        let n = self.rows * self.cols;
+        match &self.storage {
+            Storage::F32(v) => WeightView::F32(v),
+            Storage::U16(v) => match self.dtype {
+                DType::F16 => WeightView::F16(v),
+                _ => WeightView::Bf16(v),
+            },
+            Storage::Mapped { map, start, len } => {
+                let bytes = &map[*start..*start + *len];
+                // SAFETY: alignment was checked when the Mapped storage was created, the range lies inside
+                // the mapping (checked at open) and the length is n elements of the dtype. safetensors data
+                // is little-endian, which is the byte order of every target we build for.
+                unsafe {
+                    match self.dtype {
+                        DType::F32 => WeightView::F32(std::slice::from_raw_parts(bytes.as_ptr() as *const f32, n)),
+                        DType::BF16 => WeightView::Bf16(std::slice::from_raw_parts(bytes.as_ptr() as *const u16, n)),
+                        DType::F16 => WeightView::F16(std::slice::from_raw_parts(bytes.as_ptr() as *const u16, n)),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Row `r` widened to f32 (embedding lookup).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let c = self.cols;
+        match self.view() {
+            WeightView::F32(w) => out.copy_from_slice(&w[r * c..(r + 1) * c]),
+            WeightView::Bf16(w) => {
+                for (o, &b) in out.iter_mut().zip(&w[r * c..(r + 1) * c]) {
+                    *o = half::bf16::from_bits(b).to_f32();
+                }
+            }
+            WeightView::F16(w) => {
+                for (o, &b) in out.iter_mut().zip(&w[r * c..(r + 1) * c]) {
+                    *o = half::f16::from_bits(b).to_f32();
+                }
+            }
+        }
+    }
+
+    /// The whole weight widened to f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        for r in 0..self.rows {
+            self.row_f32(r, &mut out[r * self.cols..(r + 1) * self.cols]);
+        }
+        out
+    }
+}
+
+fn map_dtype(name: &str, d: StDtype) -> Result<DType> {
+    match d {
+        StDtype::F32 => Ok(DType::F32),
+        StDtype::BF16 => Ok(DType::BF16),
+        StDtype::F16 => Ok(DType::F16),
+        other => Err(Error::UnsupportedDType { name: name.to_string(), dtype: format!("{other:?}") }),
+    }
+}
+
+impl Checkpoint {
+    /// Opens `dir/model.safetensors.index.json` (sharded) or else every `*.safetensors` file in `dir`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(|source| Error::Io { path: index.clone(), source })?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|source| Error::Json { path: index.clone(), source })?;
+            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Safetensors {
+                path: index.clone(),
+                reason: "no weight_map".into(),
+            })?;
+            let mut names: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
+            names.sort_unstable();
+            names.dedup();
+            names.into_iter().map(|f| dir.join(f)).collect()
+        } else {
+            let rd = std::fs::read_dir(dir).map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
+            let mut f: Vec<PathBuf> = rd
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            f.sort();
+            f
+        };
+        if files.is_empty() {
+            return Err(Error::Safetensors { path: dir.to_path_buf(), reason: "no .safetensors files".into() });
+        }
+        let mut ck = Checkpoint { maps: Vec::new(), paths: Vec::new(), entries: HashMap::new() };
+        for path in files {
+            ck.add_file(path)?;
+        }
+        Ok(ck)
+    }
+
+    fn add_file(&mut self, path: PathBuf) -> Result<()> {
+        let file = File::open(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+        // SAFETY: the file is opened read-only; like every mmap-based loader we assume it is not truncated
+        // while in use (checkpoints are immutable inputs).
+        let map = unsafe { Mmap::map(&file) }.map_err(|source| Error::Io { path: path.clone(), source })?;
+        let (header, meta) = SafeTensors::read_metadata(&map)
+            .map_err(|e| Error::Safetensors { path: path.clone(), reason: e.to_string() })?;
+        let base = 8 + header;
+        let idx = self.maps.len();
+        for (name, info) in meta.tensors() {
+            let (s, e) = info.data_offsets;
+            if base + e > map.len() || s > e {
+                return Err(Error::Safetensors { path: path.clone(), reason: format!("tensor {name} lies past the end of the file") });
+            }
+            self.entries.insert(name, Entry { file: idx, dtype: info.dtype, shape: info.shape.clone(), start: base + s, end: base + e });
+        }
+        self.maps.push(Arc::new(map));
+        self.paths.push(path);
+        Ok(())
+    }
+
+    /// Whether a tensor exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// All tensor names (sorted).
+    pub fn names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.entries.keys().map(String::as_str).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Shape of a tensor.
+    pub fn shape(&self, name: &str) -> Result<&[usize]> {
+        self.entry(name).map(|e| e.shape.as_slice())
+    }
+
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        self.entries.get(name).ok_or_else(|| Error::MissingTensor { name: name.to_string() })
+    }
+
+    fn check_shape(name: &str, e: &Entry, expected: &[usize]) -> Result<()> {
+        if e.shape != expected {
+            return Err(Error::ShapeMismatch { name: name.to_string(), expected: expected.to_vec(), found: e.shape.clone() });
+        }
+        Ok(())
+    }
+
+    /// A tensor of exactly `shape`, viewed as a 2-D weight `[shape[0], product(rest)]`.
+    pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+        let e = self.entry(name)?;
+        Self::check_shape(name, e, shape)?;
+        let rows = shape.first().copied().unwrap_or(1);
+        let cols = shape.iter().skip(1).product();
+        self.slice(name, e, 0, rows, cols)
+    }
+
+    /// Rows `[row0, row0+rows)` of the 2-D view of a tensor of exactly `shape`, each row `cols` wide
+    /// (e.g. one expert's `gate` half out of a fused `gate_up_proj [E, 2I, H]`, viewed as `[E·2I, H]`).
+    pub fn weight_rows(&self, name: &str, shape: &[usize], row0: usize, rows: usize, cols: usize) -> Result<Weight> {
+        let e = self.entry(name)?;
+        Self::check_shape(name, e, shape)?;
+        assert!((row0 + rows) * cols <= shape.iter().product(), "weight_rows out of range: this is a bug");
+        self.slice(name, e, row0, rows, cols)
+    }
+
+    fn slice(&self, name: &str, e: &Entry, row0: usize, rows: usize, cols: usize) -> Result<Weight> {
+        let dtype = map_dtype(name, e.dtype)?;
+        let size = dtype.size();
+        let n: usize = e.shape.iter().product();
+        if e.end - e.start != n * size {
+            let path = self.paths[e.file].clone();
+            return Err(Error::Safetensors { path, reason: format!("tensor {name} byte length disagrees with its shape") });
+        }
+        let start = e.start + row0 * cols * size;
+        let len = rows * cols * size;
+        let map = &self.maps[e.file];
+        let storage = if (map.as_ptr() as usize + start) % size == 0 {
+            Storage::Mapped { map: map.clone(), start, len }
+        } else {
+            // Unaligned data (possible in hand-made files): copy once rather than read unaligned.
+            let bytes = &map[start..start + len];
+            match dtype {
+                DType::F32 => Storage::F32(Arc::new(
+                    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+                )),
+                _ => Storage::U16(Arc::new(bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect())),
+            }
+        };
+        Ok(Weight { dtype, rows, cols, storage })
+    }
+
+    /// A 1-D tensor of `len` elements, widened to f32 (norm weights, A_log, dt_bias).
+    pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        Ok(self.weight(name, &[len])?.to_f32())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    fn write(dir: &Path, file: &str, tensors: &[(&str, StDtype, Vec<usize>, Vec<u8>)]) {
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).expect("view")))
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join(file)).expect("write");
+    }
+
+    fn tmpdir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("osprey-ck-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("mkdir");
+        d
+    }
+
+    #[test]
+    fn dtypes_shards_and_errors_name_the_tensor() {
+        let d = tmpdir("shards");
+        let f32b: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f16b: Vec<u8> = [1.0f32, -2.0].iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let i8b = vec![1u8, 2];
+        write(&d, "a.safetensors", &[("w", StDtype::F32, vec![2, 2], f32b)]);
+        write(&d, "b.safetensors", &[("h", StDtype::F16, vec![2], f16b), ("q", StDtype::I8, vec![2], i8b)]);
+        std::fs::write(d.join("model.safetensors.index.json"), r#"{"weight_map":{"w":"a.safetensors","h":"b.safetensors","q":"b.safetensors"}}"#)
+            .expect("index");
+        let ck = Checkpoint::open(&d).expect("open");
+        assert_eq!(ck.weight("w", &[2, 2]).expect("w").to_f32(), vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(ck.vector("h", 2).expect("h"), vec![1.0, -2.0]);
+        assert_eq!(ck.weight_rows("w", &[2, 2], 1, 1, 2).expect("row").to_f32(), vec![3.0, 4.0]);
+        let e = ck.weight("w", &[4]).expect_err("shape").to_string();
+        assert!(e.contains("w") && e.contains("[2, 2]") && e.contains("[4]"), "{e}");
+        assert!(ck.weight("nope", &[1]).expect_err("missing").to_string().contains("nope"));
+        assert!(ck.weight("q", &[2]).expect_err("dtype").to_string().contains("I8"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn truncated_file_is_refused_naming_the_file() {
+        let d = tmpdir("trunc");
+        let b: Vec<u8> = vec![0u8; 64];
+        write(&d, "model.safetensors", &[("t", StDtype::F32, vec![16], b)]);
+        let p = d.join("model.safetensors");
+        let bytes = std::fs::read(&p).expect("read");
+        std::fs::write(&p, &bytes[..bytes.len() - 10]).expect("truncate");
+        let e = Checkpoint::open(&d).expect_err("truncated").to_string();
+        assert!(e.contains("model.safetensors"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}

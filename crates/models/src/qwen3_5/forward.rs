@@ -1,0 +1,195 @@
+//! The batched forward: any mix of prefill chunks and decode tokens from several sequences in one call.
+
+use osprey_kernels::norm::rms_norm_1p;
+
+use super::{Ffn, Mixer, Qwen35};
+use crate::error::{Error, Result};
+use crate::layers::attention::RopeTables;
+use crate::layers::{linear, Segment};
+use crate::state::{KvCache, LayerState, LinearState, SeqState};
+
+/// Positions of a chunk's tokens.
+#[derive(Clone, Copy, Debug)]
+pub enum Positions<'a> {
+    /// Text tokens: token index `t` gets `t + rope_delta` on all three mRoPE axes.
+    Text,
+    /// Explicit `[t, h, w]` per token (media spans; computed by the mRoPE position builder).
+    Explicit(&'a [[i64; 3]]),
+}
+
+/// Which logits a sequence wants back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// None (a prefill chunk that does not end the prompt).
+    None,
+    /// The last token's.
+    Last,
+    /// Every new token's (teacher forcing, prompt logprobs).
+    All,
+}
+
+/// Embedding rows that replace the token embeddings of a span of the chunk (vision rows).
+#[derive(Clone, Copy, Debug)]
+pub struct InjectedRows<'a> {
+    /// First row of the chunk to replace.
+    pub offset: usize,
+    /// `[n, hidden]` rows.
+    pub rows: &'a [f32],
+}
+
+/// One sequence's new tokens for a forward.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqInput<'a> {
+    /// Token ids (placeholders included where rows are injected).
+    pub tokens: &'a [u32],
+    /// Their positions.
+    pub positions: Positions<'a>,
+    /// Rows that replace token embeddings.
+    pub injected: &'a [InjectedRows<'a>],
+    /// Logits to return.
+    pub logits: LogitsWanted,
+}
+
+impl<'a> SeqInput<'a> {
+    /// Text tokens, wanting the last logits.
+    pub fn text(tokens: &'a [u32]) -> Self {
+        SeqInput { tokens, positions: Positions::Text, injected: &[], logits: LogitsWanted::Last }
+    }
+}
+
+/// A sequence's state with its new tokens.
+#[derive(Debug)]
+pub struct SeqStep<'s, 'a> {
+    /// The sequence's state (advanced by the forward).
+    pub state: &'s mut SeqState,
+    /// The new tokens.
+    pub input: SeqInput<'a>,
+}
+
+/// Results of a forward.
+#[derive(Clone, Debug, Default)]
+pub struct ForwardOutput {
+    /// Per sequence: `[vocab]` (Last), `[n, vocab]` (All) or empty (None).
+    pub logits: Vec<Vec<f32>>,
+    /// With `capture_hidden`: transformers' `hidden_states` for the whole batch `[T, hidden]`: the input
+    /// embeddings, the output of every layer but the last, then the final normed output.
+    pub hidden: Vec<Vec<f32>>,
+}
+
+impl Qwen35 {
+    fn check(&self, steps: &[SeqStep<'_, '_>]) -> Result<()> {
+        let h = self.cfg.hidden_size;
+        for s in steps {
+            let n = s.input.tokens.len();
+            if let Some(&t) = s.input.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+                return Err(Error::InvalidInput(format!("token id {t} is outside the vocabulary ({})", self.cfg.vocab_size)));
+            }
+            if let Positions::Explicit(p) = s.input.positions {
+                if p.len() != n {
+                    return Err(Error::InvalidInput(format!("{} positions for {n} tokens", p.len())));
+                }
+            }
+            for inj in s.input.injected {
+                if inj.rows.len() % h != 0 || inj.offset + inj.rows.len() / h > n {
+                    return Err(Error::InvalidInput("injected rows do not fit the chunk".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one step for a batch of sequences. Each state advances by its tokens.
+    pub fn forward(&self, steps: &mut [SeqStep<'_, '_>], capture_hidden: bool) -> Result<ForwardOutput> {
+        self.check(steps)?;
+        let h = self.cfg.hidden_size;
+        let eps = self.cfg.rms_norm_eps as f32;
+        // 1. Segments, embeddings (with injected rows) and positions of the whole batch.
+        let mut segs = Vec::with_capacity(steps.len());
+        let mut positions: Vec<[i64; 3]> = Vec::new();
+        let mut x: Vec<f32> = Vec::new();
+        for s in steps.iter() {
+            let row = segs.iter().map(|g: &Segment| g.len).sum();
+            let (past, n) = (s.state.len, s.input.tokens.len());
+            segs.push(Segment { row, len: n, past });
+            let base = x.len();
+            x.resize(base + n * h, 0.0);
+            for (i, &t) in s.input.tokens.iter().enumerate() {
+                self.embed.row_f32(t as usize, &mut x[base + i * h..base + (i + 1) * h]);
+            }
+            for inj in s.input.injected {
+                let at = base + inj.offset * h;
+                x[at..at + inj.rows.len()].copy_from_slice(inj.rows);
+            }
+            match s.input.positions {
+                Positions::Text => positions.extend((0..n).map(|i| [(past + i) as i64 + s.state.rope_delta; 3])),
+                Positions::Explicit(p) => positions.extend_from_slice(p),
+            }
+        }
+        let t = positions.len();
+        let rope = RopeTables::new(&self.rope, &positions);
+        let mut hidden = Vec::new();
+        if capture_hidden {
+            hidden.push(x.clone());
+        }
+        // 2. Decoder layers: x += mixer(norm(x)); x += ffn(norm(x)).
+        for (li, layer) in self.layers.iter().enumerate() {
+            let mut hn = x.clone();
+            rms_norm_1p(&mut hn, &layer.input_norm, eps);
+            let mixed = match &layer.mixer {
+                Mixer::Linear(g) => {
+                    let mut st: Vec<&mut LinearState> = steps
+                        .iter_mut()
+                        .map(|s| match &mut s.state.layers[li] {
+                            LayerState::Linear(l) => l,
+                            LayerState::Full(_) => unreachable!("state built for another layer stack: this is a bug"),
+                        })
+                        .collect();
+                    g.forward(&hn, &segs, &mut st)
+                }
+                Mixer::Full(a) => {
+                    let mut kv: Vec<&mut KvCache> = steps
+                        .iter_mut()
+                        .map(|s| match &mut s.state.layers[li] {
+                            LayerState::Full(c) => c,
+                            LayerState::Linear(_) => unreachable!("state built for another layer stack: this is a bug"),
+                        })
+                        .collect();
+                    a.forward(&hn, &segs, &mut kv, &rope, &self.rope)
+                }
+            };
+            x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
+            let mut hn = x.clone();
+            rms_norm_1p(&mut hn, &layer.post_norm, eps);
+            let ffn = match &layer.ffn {
+                Ffn::Dense(m) => m.forward(&hn, t),
+                Ffn::Moe(m) => {
+                    let src = self.experts.as_deref().expect("MoE model without an expert source: this is a bug");
+                    m.forward(&hn, src)?
+                }
+            };
+            x.iter_mut().zip(&ffn).for_each(|(a, b)| *a += b);
+            if capture_hidden && li + 1 < self.layers.len() {
+                hidden.push(x.clone());
+            }
+        }
+        // 3. Final norm and lm_head on the rows whose logits are wanted.
+        if capture_hidden {
+            let mut normed = x.clone();
+            rms_norm_1p(&mut normed, &self.norm, eps);
+            hidden.push(normed);
+        }
+        let mut logits = Vec::with_capacity(steps.len());
+        for (s, seg) in steps.iter_mut().zip(&segs) {
+            let rows = match s.input.logits {
+                LogitsWanted::None => 0..0,
+                LogitsWanted::Last => seg.row + seg.len.saturating_sub(1)..seg.row + seg.len,
+                LogitsWanted::All => seg.row..seg.row + seg.len,
+            };
+            let mut sel = x[rows.start * h..rows.end * h].to_vec();
+            rms_norm_1p(&mut sel, &self.norm, eps);
+            logits.push(linear(&sel, rows.len(), &self.lm_head));
+            s.state.len += seg.len;
+        }
+        Ok(ForwardOutput { logits, hidden })
+    }
+}
