@@ -1,1 +1,94 @@
-//! placeholder
+//! # osprey-bench — measurements
+//!
+//! Brief overview: today the synchronous model benchmark behind `osprey bench forward`: prefill
+//! throughput of one prompt chunk and greedy decode throughput on any checkpoint, with the weight bytes
+//! each decode token reads and the bandwidth that implies. Time-to-first-token through the server and
+//! expert residency join here with their issues. Numbers go to `docs/benchmarks.md`, never into tests.
+
+use std::time::Instant;
+
+use osprey_models::{LogitsWanted, Qwen35, Result, SeqInput, SeqStep};
+use serde::Serialize;
+
+/// What to run.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardBench {
+    /// Prompt tokens, prefilled as one chunk.
+    pub prompt_len: usize,
+    /// Greedy decode steps after the prompt.
+    pub decode_tokens: usize,
+    /// Measured repetitions (the median is reported); one unmeasured warm-up run precedes them.
+    pub repeats: usize,
+}
+
+/// Results (medians over repeats).
+#[derive(Clone, Debug, Serialize)]
+pub struct ForwardReport {
+    /// Prompt tokens.
+    pub prompt_len: usize,
+    /// Decode steps.
+    pub decode_tokens: usize,
+    /// Prefill seconds for the whole prompt.
+    pub prefill_s: f64,
+    /// Prompt tokens per second.
+    pub prefill_tok_s: f64,
+    /// Decode tokens per second.
+    pub decode_tok_s: f64,
+    /// Weight bytes one decode token reads: dense part + top-k experts of every MoE layer.
+    pub bytes_per_decode_token: u64,
+    /// `bytes_per_decode_token × decode_tok_s`.
+    pub decode_weight_gb_s: f64,
+}
+
+/// The deterministic prompt both osprey and tools/bench_transformers.py use.
+pub fn bench_prompt(n: usize, vocab: usize) -> Vec<u32> {
+    let span = vocab.saturating_sub(64).max(1);
+    (0..n).map(|i| ((i * 7919 + 13) % span) as u32).collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).unwrap_or(0)
+}
+
+/// Runs the benchmark.
+pub fn bench_forward(model: &Qwen35, b: ForwardBench) -> Result<ForwardReport> {
+    let prompt = bench_prompt(b.prompt_len, model.config().vocab_size);
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    for rep in 0..=b.repeats {
+        let mut st = model.new_state();
+        let t0 = Instant::now();
+        let input = SeqInput { logits: LogitsWanted::Last, ..SeqInput::text(&prompt) };
+        let mut logits = model.forward(&mut [SeqStep { state: &mut st, input }], false)?.logits.remove(0);
+        let t1 = Instant::now();
+        for _ in 0..b.decode_tokens {
+            let tok = [argmax(&logits)];
+            logits =
+                model.forward(&mut [SeqStep { state: &mut st, input: SeqInput::text(&tok) }], false)?.logits.remove(0);
+        }
+        let t2 = Instant::now();
+        if rep > 0 {
+            prefill.push((t1 - t0).as_secs_f64());
+            decode.push((t2 - t1).as_secs_f64());
+        }
+    }
+    let (p, d) = (median(prefill), median(decode));
+    let (dense, per_expert) = model.weight_bytes();
+    let moe_layers = if per_expert > 0 { model.config().num_hidden_layers } else { 0 };
+    let top_k = model.config().num_experts_per_tok.unwrap_or(0);
+    let bytes = (dense + moe_layers * top_k * per_expert) as u64;
+    let decode_tok_s = b.decode_tokens as f64 / d.max(1e-12);
+    Ok(ForwardReport {
+        prompt_len: b.prompt_len,
+        decode_tokens: b.decode_tokens,
+        prefill_s: p,
+        prefill_tok_s: b.prompt_len as f64 / p.max(1e-12),
+        decode_tok_s,
+        bytes_per_decode_token: bytes,
+        decode_weight_gb_s: bytes as f64 * decode_tok_s / 1e9,
+    })
+}

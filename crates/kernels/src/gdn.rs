@@ -170,7 +170,7 @@ pub fn gated_delta_recurrent(s: GdnShape, inp: DeltaInputs<'_>, state: &mut [f32
 
 /// Chunked delta rule (prefill); same contract as [`gated_delta_recurrent`].
 pub fn gated_delta_chunked(s: GdnShape, inp: DeltaInputs<'_>, state: &mut [f32], out: &mut [f32]) {
-    per_head(s, inp, state, out, |io| chunked_head(io));
+    per_head(s, inp, state, out, chunked_head);
 }
 
 fn chunked_head(io: HeadIo<'_>) {

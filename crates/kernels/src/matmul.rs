@@ -5,6 +5,7 @@
 //!   dotted with every input row while it sits in L1;
 //! - many rows (prefill): compute-bound, so each tile of weight rows is widened once into an f32 scratch
 //!   tile and multiplied with matrixmultiply's sgemm (AVX2/FMA microkernels).
+//!
 //! Both split the output columns (weight rows) across the rayon pool.
 
 use rayon::prelude::*;
@@ -180,7 +181,22 @@ pub fn matmul_into_strided(
     assert!(c.0.len() >= span(m, n, c.1, c.2), "gemm C bounds: this is a bug");
     // SAFETY: bounds checked above for non-negative strides (all callers use them).
     unsafe {
-        matrixmultiply::sgemm(m, k, n, alpha, a.0.as_ptr(), a.1, a.2, b.0.as_ptr(), b.1, b.2, beta, c.0.as_mut_ptr(), c.1, c.2);
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            alpha,
+            a.0.as_ptr(),
+            a.1,
+            a.2,
+            b.0.as_ptr(),
+            b.1,
+            b.2,
+            beta,
+            c.0.as_mut_ptr(),
+            c.1,
+            c.2,
+        );
     }
 }
 
@@ -207,11 +223,9 @@ mod tests {
             let wh: Vec<u16> = wf.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
             let wb_f: Vec<f32> = wb.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
             let wh_f: Vec<f32> = wh.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
-            for (view, wref) in [
-                (WeightView::F32(&wf), &wf),
-                (WeightView::Bf16(&wb), &wb_f),
-                (WeightView::F16(&wh), &wh_f),
-            ] {
+            for (view, wref) in
+                [(WeightView::F32(&wf), &wf), (WeightView::Bf16(&wb), &wb_f), (WeightView::F16(&wh), &wh_f)]
+            {
                 let want = reference(&x, m, wref, n, k);
                 let mut got = vec![f32::NAN; m * n];
                 matmul(&x, m, view, n, k, &mut got);

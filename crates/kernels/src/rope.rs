@@ -18,9 +18,7 @@ impl MRope {
     pub fn new(head_dim: usize, rot_dim: usize, theta: f64, section: [usize; 3]) -> Self {
         let half = rot_dim / 2;
         // transformers computes `base ** (arange(0, dim, 2).float() / dim)` in f32.
-        let inv_freq = (0..half)
-            .map(|f| 1.0f32 / (theta as f32).powf((2 * f) as f32 / rot_dim as f32))
-            .collect();
+        let inv_freq = (0..half).map(|f| 1.0f32 / (theta as f32).powf((2 * f) as f32 / rot_dim as f32)).collect();
         let axis = (0..half)
             .map(|f| {
                 if f % 3 == 1 && f < 3 * section[1] {

@@ -146,10 +146,10 @@ impl Checkpoint {
             let text = std::fs::read_to_string(&index).map_err(|source| Error::Io { path: index.clone(), source })?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).map_err(|source| Error::Json { path: index.clone(), source })?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Safetensors {
-                path: index.clone(),
-                reason: "no weight_map".into(),
-            })?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| Error::Safetensors { path: index.clone(), reason: "no weight_map".into() })?;
             let mut names: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
             names.sort_unstable();
             names.dedup();
@@ -185,9 +185,15 @@ impl Checkpoint {
         for (name, info) in meta.tensors() {
             let (s, e) = info.data_offsets;
             if base + e > map.len() || s > e {
-                return Err(Error::Safetensors { path: path.clone(), reason: format!("tensor {name} lies past the end of the file") });
+                return Err(Error::Safetensors {
+                    path: path.clone(),
+                    reason: format!("tensor {name} lies past the end of the file"),
+                });
             }
-            self.entries.insert(name, Entry { file: idx, dtype: info.dtype, shape: info.shape.clone(), start: base + s, end: base + e });
+            self.entries.insert(
+                name,
+                Entry { file: idx, dtype: info.dtype, shape: info.shape.clone(), start: base + s, end: base + e },
+            );
         }
         self.maps.push(Arc::new(map));
         self.paths.push(path);
@@ -217,7 +223,11 @@ impl Checkpoint {
 
     fn check_shape(name: &str, e: &Entry, expected: &[usize]) -> Result<()> {
         if e.shape != expected {
-            return Err(Error::ShapeMismatch { name: name.to_string(), expected: expected.to_vec(), found: e.shape.clone() });
+            return Err(Error::ShapeMismatch {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                found: e.shape.clone(),
+            });
         }
         Ok(())
     }
@@ -246,12 +256,15 @@ impl Checkpoint {
         let n: usize = e.shape.iter().product();
         if e.end - e.start != n * size {
             let path = self.paths[e.file].clone();
-            return Err(Error::Safetensors { path, reason: format!("tensor {name} byte length disagrees with its shape") });
+            return Err(Error::Safetensors {
+                path,
+                reason: format!("tensor {name} byte length disagrees with its shape"),
+            });
         }
         let start = e.start + row0 * cols * size;
         let len = rows * cols * size;
         let map = &self.maps[e.file];
-        let storage = if (map.as_ptr() as usize + start) % size == 0 {
+        let storage = if (map.as_ptr() as usize + start).is_multiple_of(size) {
             Storage::Mapped { map: map.clone(), start, len }
         } else {
             // Unaligned data (possible in hand-made files): copy once rather than read unaligned.
@@ -300,8 +313,11 @@ mod tests {
         let i8b = vec![1u8, 2];
         write(&d, "a.safetensors", &[("w", StDtype::F32, vec![2, 2], f32b)]);
         write(&d, "b.safetensors", &[("h", StDtype::F16, vec![2], f16b), ("q", StDtype::I8, vec![2], i8b)]);
-        std::fs::write(d.join("model.safetensors.index.json"), r#"{"weight_map":{"w":"a.safetensors","h":"b.safetensors","q":"b.safetensors"}}"#)
-            .expect("index");
+        std::fs::write(
+            d.join("model.safetensors.index.json"),
+            r#"{"weight_map":{"w":"a.safetensors","h":"b.safetensors","q":"b.safetensors"}}"#,
+        )
+        .expect("index");
         let ck = Checkpoint::open(&d).expect("open");
         assert_eq!(ck.weight("w", &[2, 2]).expect("w").to_f32(), vec![1.0, 2.0, 3.0, 4.0]);
         assert_eq!(ck.vector("h", 2).expect("h"), vec![1.0, -2.0]);

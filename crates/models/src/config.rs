@@ -238,7 +238,9 @@ impl TextConfig {
             .map(|(i, t)| match t.as_str() {
                 "linear_attention" => Ok(LayerKind::Linear),
                 "full_attention" => Ok(LayerKind::Full),
-                other => Err(Error::Unsupported(format!("layer {i} has layer type {other:?}, which osprey does not implement"))),
+                other => Err(Error::Unsupported(format!(
+                    "layer {i} has layer type {other:?}, which osprey does not implement"
+                ))),
             })
             .collect()
     }
@@ -249,7 +251,8 @@ impl TextConfig {
         if !is_moe {
             return Ok(None);
         }
-        let need = |v: Option<usize>, name: &str| v.ok_or_else(|| Error::Unsupported(format!("MoE config lacks {name}")));
+        let need =
+            |v: Option<usize>, name: &str| v.ok_or_else(|| Error::Unsupported(format!("MoE config lacks {name}")));
         let m = MoeConfig {
             num_experts: need(self.num_experts, "num_experts")?,
             top_k: need(self.num_experts_per_tok, "num_experts_per_tok")?,
@@ -271,16 +274,30 @@ impl TextConfig {
         if self.attention_bias {
             return bad("attention_bias = true".into());
         }
-        if self.num_attention_heads == 0 || self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0 {
-            return bad(format!("{} attention heads with {} KV heads", self.num_attention_heads, self.num_key_value_heads));
+        if self.num_attention_heads == 0
+            || self.num_key_value_heads == 0
+            || !self.num_attention_heads.is_multiple_of(self.num_key_value_heads)
+        {
+            return bad(format!(
+                "{} attention heads with {} KV heads",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
         }
         let rope = self.rope()?;
         if rope.rope_type != "default" {
             return bad(format!("rope_type {:?}", rope.rope_type));
         }
         let rot = self.rot_dim();
-        if rot % 2 != 0 || rot > self.head_dim() || rope.mrope_section.len() != 3 || rope.mrope_section.iter().sum::<usize>() != rot / 2 {
-            return bad(format!("mrope_section {:?} does not cover {} rotary frequencies", rope.mrope_section, rot / 2));
+        if !rot.is_multiple_of(2)
+            || rot > self.head_dim()
+            || rope.mrope_section.len() != 3
+            || rope.mrope_section.iter().sum::<usize>() != rot / 2
+        {
+            return bad(format!(
+                "mrope_section {:?} does not cover {} rotary frequencies",
+                rope.mrope_section,
+                rot / 2
+            ));
         }
         let kinds = self.layer_kinds()?;
         if kinds.contains(&LayerKind::Linear) {
@@ -360,7 +377,8 @@ mod tests {
 
     #[test]
     fn unsupported_values_are_rejected_with_the_field_named() {
-        let bad_layer = TINY.replace("\"some_future_key\":true", "\"layer_types\":[\"linear_attention\",\"sliding_attention\"]");
+        let bad_layer =
+            TINY.replace("\"some_future_key\":true", "\"layer_types\":[\"linear_attention\",\"sliding_attention\"]");
         let e = ModelConfig::from_json(&bad_layer).expect_err("must reject").to_string();
         assert!(e.contains("sliding_attention"), "{e}");
         let bad_type = TINY.replace("qwen3_5_moe_text", "llama");

@@ -101,7 +101,10 @@ impl SeqState {
     /// snapshot's sequence (same prefix) and be at least as long.
     pub fn restore(&mut self, snap: &StateSnapshot) -> Result<()> {
         if snap.len > self.len {
-            return Err(Error::InvalidInput(format!("snapshot at {} tokens is ahead of the state ({} tokens)", snap.len, self.len)));
+            return Err(Error::InvalidInput(format!(
+                "snapshot at {} tokens is ahead of the state ({} tokens)",
+                snap.len, self.len
+            )));
         }
         let n_linear = self.layers.iter().filter(|l| matches!(l, LayerState::Linear(_))).count();
         if n_linear != snap.linear.len() {

@@ -69,8 +69,11 @@ fn model(name: &str) -> Qwen35 {
 }
 
 /// (checkpoint dir, reference set): the fused MoE directory holds the same weights as the Hub one.
-const MODELS: [(&str, &str); 3] =
-    [("qwen3_5-tiny", "qwen3_5-tiny"), ("qwen3_5_moe-tiny", "qwen3_5_moe-tiny"), ("qwen3_5_moe-tiny-fused", "qwen3_5_moe-tiny")];
+const MODELS: [(&str, &str); 3] = [
+    ("qwen3_5-tiny", "qwen3_5-tiny"),
+    ("qwen3_5_moe-tiny", "qwen3_5_moe-tiny"),
+    ("qwen3_5_moe-tiny-fused", "qwen3_5_moe-tiny"),
+];
 const CASES: [&str; 2] = ["text", "long"];
 
 fn prefill(m: &Qwen35, st: &mut SeqState, tokens: &[u32], logits: LogitsWanted) -> Vec<f32> {
@@ -91,7 +94,12 @@ fn hidden_states_and_logits_match_transformers() {
             let out = m.forward(&mut [SeqStep { state: &mut st, input }], true).expect("forward");
             assert_eq!(out.hidden.len(), N_LAYERS + 1);
             for (i, h) in out.hidden.iter().enumerate() {
-                assert_close(&format!("{dir}/{case} hidden_states.{i}"), h, &r.f32s(&format!("hidden_states.{i}")), ATOL);
+                assert_close(
+                    &format!("{dir}/{case} hidden_states.{i}"),
+                    h,
+                    &r.f32s(&format!("hidden_states.{i}")),
+                    ATOL,
+                );
             }
             assert_close(&format!("{dir}/{case} all logits"), &out.logits[0], &r.f32s("all_logits"), ATOL);
         }
@@ -137,7 +145,12 @@ fn chunked_prefill_matches_reference_and_one_shot() {
                 for (c, end) in ends.as_array().expect("ends").iter().enumerate() {
                     let end = end.as_u64().expect("end") as usize;
                     last = prefill(&m, &mut st, &ids[start..end], LogitsWanted::Last);
-                    assert_close(&format!("{dir}/{case} split {name} chunk {c}"), &last, &want[c * v..(c + 1) * v], ATOL);
+                    assert_close(
+                        &format!("{dir}/{case} split {name} chunk {c}"),
+                        &last,
+                        &want[c * v..(c + 1) * v],
+                        ATOL,
+                    );
                     start = end;
                 }
                 assert_close(&format!("{dir}/{case} split {name} vs one-shot"), &last, &one_shot, ATOL);
@@ -153,7 +166,8 @@ fn mixed_batch_gives_the_same_logits_as_each_sequence_alone() {
         let text = Ref::load(refset, "text").ids("input_ids");
         let long = Ref::load(refset, "long").ids("input_ids");
         // Three sequences at different points: a mid-prompt chunk, a first chunk, and a decode token.
-        let setups: [(&[u32], &[u32]); 3] = [(&text[..30], &text[30..40]), (&[], &long[..80]), (&long[..120], &long[120..121])];
+        let setups: [(&[u32], &[u32]); 3] =
+            [(&text[..30], &text[30..40]), (&[], &long[..80]), (&long[..120], &long[120..121])];
         let mut alone = Vec::new();
         for (past, new) in setups {
             let mut st = m.new_state();
@@ -175,7 +189,10 @@ fn mixed_batch_gives_the_same_logits_as_each_sequence_alone() {
         let mut steps: Vec<SeqStep<'_, '_>> = states
             .iter_mut()
             .zip(setups)
-            .map(|(state, (_, new))| SeqStep { state, input: SeqInput { logits: LogitsWanted::All, ..SeqInput::text(new) } })
+            .map(|(state, (_, new))| SeqStep {
+                state,
+                input: SeqInput { logits: LogitsWanted::All, ..SeqInput::text(new) },
+            })
             .collect();
         let out = m.forward(&mut steps, false).expect("batch");
         // Batching changes only which matmul path a row takes (GEMV vs tiled GEMM), i.e. summation order.
@@ -222,7 +239,13 @@ fn injected_rows_replace_token_embeddings() {
     let mut st2 = m.new_state();
     let mut emb = Vec::new();
     let out = m
-        .forward(&mut [SeqStep { state: &mut st2, input: SeqInput { logits: LogitsWanted::None, ..SeqInput::text(&ids[5..9]) } }], true)
+        .forward(
+            &mut [SeqStep {
+                state: &mut st2,
+                input: SeqInput { logits: LogitsWanted::None, ..SeqInput::text(&ids[5..9]) },
+            }],
+            true,
+        )
         .expect("embeddings");
     emb.extend_from_slice(&out.hidden[0][..4 * h]);
     let mut patched = ids.clone();

@@ -77,7 +77,14 @@ impl GatedAttention {
     }
 
     /// `x [T, hidden]` (already normed) → `[T, hidden]`, appending each segment's K/V to its cache.
-    pub fn forward(&self, x: &[f32], segs: &[Segment], caches: &mut [&mut KvCache], rope: &RopeTables, rot: &MRope) -> Vec<f32> {
+    pub fn forward(
+        &self,
+        x: &[f32],
+        segs: &[Segment],
+        caches: &mut [&mut KvCache],
+        rope: &RopeTables,
+        rot: &MRope,
+    ) -> Vec<f32> {
         let AttnShape { heads: nh, kv_heads: nkv, head_dim: hd } = self.shape;
         let t = x.len() / self.q_proj.cols();
         // 1. Projections. q_proj rows are [q_h (hd) | gate_h (hd)] per head.

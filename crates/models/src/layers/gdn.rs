@@ -69,7 +69,10 @@ impl GatedDeltaNet {
 
     /// Zeroed state for a new sequence.
     pub fn new_state(&self) -> LinearState {
-        LinearState { conv: vec![0.0; (self.kernel - 1) * self.conv_dim()], recurrent: vec![0.0; self.shape.state_len()] }
+        LinearState {
+            conv: vec![0.0; (self.kernel - 1) * self.conv_dim()],
+            recurrent: vec![0.0; self.shape.state_len()],
+        }
     }
 
     /// `x [T, hidden]` (already normed) → `[T, hidden]`, advancing each segment's state.
@@ -126,6 +129,10 @@ impl GatedDeltaNet {
 
     /// Bytes of weights.
     pub fn bytes(&self) -> usize {
-        self.in_proj_qkv.bytes() + self.in_proj_z.bytes() + self.in_proj_b.bytes() + self.in_proj_a.bytes() + self.out_proj.bytes()
+        self.in_proj_qkv.bytes()
+            + self.in_proj_z.bytes()
+            + self.in_proj_b.bytes()
+            + self.in_proj_a.bytes()
+            + self.out_proj.bytes()
     }
 }

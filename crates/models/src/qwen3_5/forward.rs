@@ -82,7 +82,10 @@ impl Qwen35 {
         for s in steps {
             let n = s.input.tokens.len();
             if let Some(&t) = s.input.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-                return Err(Error::InvalidInput(format!("token id {t} is outside the vocabulary ({})", self.cfg.vocab_size)));
+                return Err(Error::InvalidInput(format!(
+                    "token id {t} is outside the vocabulary ({})",
+                    self.cfg.vocab_size
+                )));
             }
             if let Positions::Explicit(p) = s.input.positions {
                 if p.len() != n {

@@ -101,7 +101,8 @@ impl Qwen35 {
         let experts = match (moe, experts) {
             (Some(_), Some(src)) => Some(src),
             (Some(m), None) => {
-                let prefixes: Vec<Option<String>> = (0..kinds.len()).map(|i| Some(format!("{p}layers.{i}.mlp"))).collect();
+                let prefixes: Vec<Option<String>> =
+                    (0..kinds.len()).map(|i| Some(format!("{p}layers.{i}.mlp"))).collect();
                 Some(Arc::new(ResidentExperts::load(ck, &prefixes, h, m)?) as Arc<dyn ExpertSource>)
             }
             (None, _) => None,
