@@ -145,7 +145,7 @@ def save_processor(d: pathlib.Path, tok: Tokenizer) -> None:
     video = Qwen3VLVideoProcessor(
         patch_size=16, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 4096, "longest_edge": 25165824},
         image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], fps=2, min_frames=4, max_frames=768,
-        do_sample_frames=True,
+        do_sample_frames=True, cap_pixels_per_frame=False,
     )
     proc = Qwen3VLProcessor(image_processor=image, tokenizer=fast, video_processor=video, chat_template=CHAT_TEMPLATE)
     proc.save_pretrained(d)

@@ -22,6 +22,19 @@ pub fn softplus(x: f32) -> f32 {
     }
 }
 
+/// GELU, tanh approximation (`gelu_pytorch_tanh`): `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const K: f32 = 0.797_884_6; // sqrt(2/pi)
+    0.5 * x * (1.0 + (K * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// Exact GELU (`nn.GELU()`): `0.5·x·(1 + erf(x/√2))`.
+#[inline]
+pub fn gelu_erf(x: f32) -> f32 {
+    0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -32,5 +45,8 @@ mod tests {
         assert!((sigmoid(0.0) - 0.5).abs() < 1e-7);
         assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
         assert_eq!(softplus(30.0), 30.0);
+        // torch.nn.functional.gelu(torch.tensor(1.0)) = 0.8413447; approximate="tanh": 0.8411920
+        assert!((gelu_erf(1.0) - 0.841_344_7).abs() < 1e-6);
+        assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-6);
     }
 }

@@ -22,5 +22,5 @@ pub mod norm;
 pub mod rope;
 mod simd;
 
-pub use act::{sigmoid, silu, softplus};
+pub use act::{gelu_erf, gelu_tanh, sigmoid, silu, softplus};
 pub use matmul::{matmul, matmul_into_strided, DType, WeightView};

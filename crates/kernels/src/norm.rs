@@ -42,6 +42,19 @@ pub fn l2_norm(x: &mut [f32], dim: usize, eps: f32) {
     }
 }
 
+/// LayerNorm of every `w.len()`-wide row, in place: `(x − mean)·rsqrt(var + eps)·w + b` (biased variance).
+pub fn layer_norm(x: &mut [f32], w: &[f32], b: &[f32], eps: f32) {
+    let d = w.len() as f32;
+    for row in x.chunks_mut(w.len()) {
+        let mean = row.iter().sum::<f32>() / d;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d;
+        let r = 1.0 / (var + eps).sqrt();
+        for ((v, wi), bi) in row.iter_mut().zip(w).zip(b) {
+            *v = (*v - mean) * r * wi + bi;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -58,5 +71,8 @@ mod tests {
         let mut g = vec![3.0f32, 4.0];
         rms_norm_gated(&mut g, &[0.0, 100.0], &[1.0, 2.0], 0.0);
         assert!(g[0].abs() < 1e-7 && (g[1] - 8.0 / r * 100.0).abs() < 1e-3);
+        let mut l = vec![1.0f32, 3.0];
+        layer_norm(&mut l, &[2.0, 2.0], &[0.5, 0.5], 0.0);
+        assert!((l[0] + 1.5).abs() < 1e-6 && (l[1] - 2.5).abs() < 1e-6);
     }
 }

@@ -49,13 +49,20 @@ impl MRope {
 
     /// Rotates the first `rot_dim` dims of every head in `x` (`[heads, head_dim]`) with one token's tables.
     pub fn apply(&self, x: &mut [f32], cos: &[f32], sin: &[f32]) {
-        let half = self.rot_dim / 2;
-        for head in x.chunks_mut(self.head_dim) {
-            for f in 0..half {
-                let (a, b) = (head[f], head[f + half]);
-                head[f] = a * cos[f] - b * sin[f];
-                head[f + half] = b * cos[f] + a * sin[f];
-            }
+        rotate_half_pairs(x, self.head_dim, cos, sin);
+    }
+}
+
+/// NeoX rotation of every `head_dim`-wide head of `x`: with `half = cos.len()`, dims `f` and `f + half`
+/// rotate by the angle whose cosine/sine are `cos[f]`/`sin[f]`; dims from `2·half` on pass through.
+/// (`q·cos + rotate_half(q)·sin` with `cos = cat(c, c)`.)
+pub fn rotate_half_pairs(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    for head in x.chunks_mut(head_dim) {
+        for f in 0..half {
+            let (a, b) = (head[f], head[f + half]);
+            head[f] = a * cos[f] - b * sin[f];
+            head[f + half] = b * cos[f] + a * sin[f];
         }
     }
 }

@@ -17,8 +17,10 @@ mod checkpoint;
 pub mod config;
 mod error;
 pub mod layers;
+pub mod positions;
 mod qwen3_5;
 mod state;
+pub mod vision;
 
 pub use checkpoint::{Checkpoint, Weight};
 pub use config::{ModelConfig, TextConfig};

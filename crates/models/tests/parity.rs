@@ -8,65 +8,13 @@
 //! hidden states (relative 7e-6), 3.5e-5 on logits and 1.9e-5 on teacher-forced decode logits.
 //! A real bug (a wrong norm, rope axis, gate order or state carry) moves values by 1e-2 or more.
 
-use std::path::{Path, PathBuf};
+mod common;
 
+use common::{assert_close, model, Ref};
 use osprey_models::{LogitsWanted, Positions, Qwen35, SeqInput, SeqState, SeqStep};
-use safetensors::SafeTensors;
 
 const ATOL: f32 = 1e-4;
 const N_LAYERS: usize = 4;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
-}
-
-struct Ref {
-    bytes: Vec<u8>,
-    meta: serde_json::Value,
-}
-
-impl Ref {
-    fn load(model: &str, case: &str) -> Self {
-        let dir = fixtures().join("ref").join(model);
-        let bytes = std::fs::read(dir.join(format!("{case}.safetensors"))).expect("fixture file");
-        let summary: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).expect("summary")).expect("json");
-        Ref { bytes, meta: summary["cases"][case].clone() }
-    }
-
-    fn f32s(&self, name: &str) -> Vec<f32> {
-        let st = SafeTensors::deserialize(&self.bytes).expect("safetensors");
-        let t = st.tensor(name).unwrap_or_else(|_| panic!("fixture tensor {name}"));
-        assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
-        t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
-    }
-
-    fn ids(&self, name: &str) -> Vec<u32> {
-        let st = SafeTensors::deserialize(&self.bytes).expect("safetensors");
-        let t = st.tensor(name).unwrap_or_else(|_| panic!("fixture tensor {name}"));
-        assert_eq!(t.dtype(), safetensors::Dtype::I64, "{name}");
-        t.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")) as u32).collect()
-    }
-}
-
-/// Max absolute and max relative (to the largest reference magnitude) difference.
-fn diff(got: &[f32], want: &[f32]) -> (f32, f32) {
-    assert_eq!(got.len(), want.len(), "length mismatch");
-    let abs = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-    let scale = want.iter().map(|v| v.abs()).fold(0f32, f32::max).max(1e-12);
-    (abs, abs / scale)
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32) -> f32 {
-    let (abs, rel) = diff(got, want);
-    println!("{what}: max |d| = {abs:.3e} (rel {rel:.3e})");
-    assert!(abs <= atol, "{what}: max |d| = {abs:e} > {atol:e}");
-    abs
-}
-
-fn model(name: &str) -> Qwen35 {
-    Qwen35::load(&fixtures().join("models").join(name)).expect("load model")
-}
 
 /// (checkpoint dir, reference set): the fused MoE directory holds the same weights as the Hub one.
 const MODELS: [(&str, &str); 3] = [

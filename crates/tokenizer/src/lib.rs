@@ -1,11 +1,20 @@
 //! # osprey-tokenizer — text ⇄ token ids
 //!
 //! Brief overview: owns the checkpoint's `tokenizer.json` (a `tokenizers` pipeline: NFC, the Qwen3.5
-//! split regex, byte-level BPE, added special tokens). Today it is the synchronous core: [`TextTokenizer`]
-//! encodes and decodes. The actor shell (chat template, media placeholders, `cache_ids`, streaming
-//! detokenizer) is added with the serving issue on top of this core.
+//! split regex, byte-level BPE, added special tokens) and its chat template. Today it is the synchronous
+//! core: [`TextTokenizer`] encodes and decodes, [`ChatTemplate`] renders messages like transformers, and
+//! [`expand_media_placeholders`] expands image/video placeholders to their soft-token counts. The actor
+//! shell (`cache_ids`, streaming detokenizer) is added with the serving issue on top of this core.
+
+mod chat;
+mod placeholders;
+mod prepare;
 
 use std::path::{Path, PathBuf};
+
+pub use chat::{py_json_dumps, ChatTemplate};
+pub use placeholders::{expand_media_placeholders, format_seconds, MediaPlaceholder, IMAGE_PAD, VIDEO_PAD};
+pub use prepare::{prepare_prompt, Media, Prepared, PreparedItem};
 
 /// Tokenizer errors.
 #[derive(Debug, thiserror::Error)]
@@ -21,6 +30,15 @@ pub enum Error {
     /// Encoding or decoding failed.
     #[error("tokenizer error: {0}")]
     Codec(String),
+    /// The chat template failed to compile or render (including its own `raise_exception`).
+    #[error("chat template error: {0}")]
+    Template(String),
+    /// Media placeholders and media items disagree.
+    #[error("{0}")]
+    Media(String),
+    /// Media preprocessing or position computation refused the input.
+    #[error(transparent)]
+    Model(#[from] osprey_models::Error),
 }
 
 /// Result alias for this crate.
@@ -92,5 +110,38 @@ mod tests {
         assert_eq!(tok.token_id("<|im_end|>"), Some(994));
         assert_eq!(tok.token_id("<|image_pad|>"), Some(1004));
         assert_eq!(tok.token_id("</think>"), Some(1017));
+    }
+
+    #[test]
+    fn chat_template_renders_exactly_as_transformers() {
+        // The messages the fixture generator rendered with transformers (tools/gen_fixtures.py CASES).
+        let t = ChatTemplate::from_dir(&fixture_dir()).expect("template");
+        let summary: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture_dir().join("../../ref/qwen3_5_moe-tiny/summary.json")).expect("summary"),
+        )
+        .expect("json");
+        let text = serde_json::json!([
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Describe the weather in Paris in one sentence."}
+        ]);
+        let long = serde_json::json!([
+            {"role": "system", "content": "You are a careful assistant that answers questions about source code."},
+            {"role": "user", "content": "What does the function get_rope_index compute for a prompt with images?"},
+            {"role": "assistant", "content": "<think>\nThe user asks about positions.\n</think>\n\nIt returns three position rows (temporal, height, width) and a delta per sequence."},
+            {"role": "user", "content": "And how are the rotary frequencies split between the three axes when mrope_interleaved is set? Please explain the interleaving with an example of the first twelve frequencies, and say what happens to text tokens."}
+        ]);
+        let image = serde_json::json!([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}]);
+        let kw = serde_json::Map::new();
+        for (case, m) in [("text", &text), ("long", &long)] {
+            let want = summary["cases"][case]["prompt"].as_str().expect("prompt");
+            assert_eq!(t.render(m, true, &kw).expect("render"), want, "{case}");
+        }
+        let rendered = t.render(&image, true, &kw).expect("render");
+        assert_eq!(rendered, "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is in the image?<|im_end|>\n<|im_start|>assistant\n<think>\n");
+        let mut off = serde_json::Map::new();
+        off.insert("enable_thinking".into(), false.into());
+        assert!(t.render(&text, true, &off).expect("render").ends_with("<think>\n\n</think>\n\n"));
+        let bad = serde_json::json!([{"role": "tool", "content": "x"}]);
+        assert!(t.render(&bad, true, &kw).is_err());
     }
 }

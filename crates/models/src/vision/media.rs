@@ -1,0 +1,194 @@
+//! Decoding media bytes into RGB frames with the `image` crate: PNG, JPEG (EXIF orientation applied),
+//! WebP, GIF (first frame, or every frame as a video) and BMP.
+//!
+//! Alpha is composited onto white with Pillow's `alpha_composite` integer arithmetic, which is what
+//! transformers does for images with transparency (`image_transforms.convert_to_rgb`). The declared size
+//! is checked against a pixel cap before any pixel is decoded (decompression bombs).
+
+use std::io::Cursor;
+use std::time::Duration;
+
+use image::{AnimationDecoder, DynamicImage, ImageDecoder, ImageFormat, ImageReader, RgbaImage};
+
+use crate::error::{Error, Result};
+
+/// An 8-bit RGB image, row-major `[height, width, 3]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RgbImage {
+    /// Columns.
+    pub width: usize,
+    /// Rows.
+    pub height: usize,
+    /// `height·width·3` bytes.
+    pub data: Vec<u8>,
+}
+
+/// Limits applied while decoding.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeLimits {
+    /// Largest `width·height` accepted, checked on the header before decoding.
+    pub max_pixels: u64,
+    /// Most frames decoded from an animation.
+    pub max_frames: usize,
+}
+
+impl Default for DecodeLimits {
+    fn default() -> Self {
+        DecodeLimits { max_pixels: 64 << 20, max_frames: 768 }
+    }
+}
+
+/// Pillow's `alpha_composite` of `src` over an opaque white background (PRECISION_BITS 7 arithmetic).
+fn over_white(r: u8, g: u8, b: u8, a: u8) -> [u8; 3] {
+    if a == 255 {
+        return [r, g, b];
+    }
+    if a == 0 {
+        return [255, 255, 255];
+    }
+    const PB: u32 = 7;
+    let a = a as u32;
+    let blend = 255 * (255 - a);
+    let outa255 = a * 255 + blend;
+    let coef1 = a * 255 * 255 * (1 << PB) / outa255;
+    let coef2 = 255 * (1 << PB) - coef1;
+    let ch = |s: u8| {
+        let t = s as u32 * coef1 + 255 * coef2 + (0x80 << PB);
+        ((((t >> 8) + t) >> 8) >> PB) as u8
+    };
+    [ch(r), ch(g), ch(b)]
+}
+
+fn from_rgba(img: &RgbaImage) -> RgbImage {
+    let data = img.pixels().flat_map(|p| over_white(p[0], p[1], p[2], p[3])).collect();
+    RgbImage { width: img.width() as usize, height: img.height() as usize, data }
+}
+
+fn from_dynamic(img: DynamicImage) -> RgbImage {
+    if img.color().has_alpha() {
+        from_rgba(&img.to_rgba8())
+    } else {
+        let rgb = img.to_rgb8();
+        RgbImage { width: rgb.width() as usize, height: rgb.height() as usize, data: rgb.into_raw() }
+    }
+}
+
+fn bad(e: impl std::fmt::Display) -> Error {
+    Error::InvalidInput(format!("cannot decode image: {e}"))
+}
+
+fn check_size(w: u32, h: u32, limits: DecodeLimits) -> Result<()> {
+    let px = w as u64 * h as u64;
+    if px > limits.max_pixels {
+        return Err(Error::InvalidInput(format!(
+            "image declares {w}x{h} = {px} pixels, more than the limit of {}",
+            limits.max_pixels
+        )));
+    }
+    if px == 0 {
+        return Err(Error::InvalidInput("image has no pixels".into()));
+    }
+    Ok(())
+}
+
+/// Decodes one still image (the first frame of an animation), EXIF orientation applied.
+pub fn decode_image(bytes: &[u8], limits: DecodeLimits) -> Result<RgbImage> {
+    let reader = ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(bad)?;
+    if reader.format().is_none() {
+        return Err(Error::InvalidInput("unsupported or unrecognised image format".into()));
+    }
+    let mut decoder = reader.into_decoder().map_err(bad)?;
+    let (w, h) = decoder.dimensions();
+    check_size(w, h, limits)?;
+    let orientation = decoder.orientation().map_err(bad)?;
+    let mut img = DynamicImage::from_decoder(decoder).map_err(bad)?;
+    img.apply_orientation(orientation);
+    Ok(from_dynamic(img))
+}
+
+/// A decoded animation: frames and their rate.
+#[derive(Clone, Debug)]
+pub struct Frames {
+    /// Frames in order.
+    pub frames: Vec<RgbImage>,
+    /// Frames per second derived from the frame delays (`None` when the file gives no delays).
+    pub fps: Option<f64>,
+}
+
+/// Decodes every frame of an animated GIF or WebP (a still image gives one frame).
+pub fn decode_animation(bytes: &[u8], limits: DecodeLimits) -> Result<Frames> {
+    let format = image::guess_format(bytes).map_err(bad)?;
+    let collect = |frames: image::Frames<'_>| -> Result<Frames> {
+        let mut out = Vec::new();
+        let mut total = Duration::ZERO;
+        for f in frames {
+            let f = f.map_err(bad)?;
+            if out.len() == limits.max_frames {
+                return Err(Error::InvalidInput(format!("animation has more than {} frames", limits.max_frames)));
+            }
+            total += Duration::from(f.delay());
+            let buf = f.into_buffer();
+            check_size(buf.width(), buf.height(), limits)?;
+            out.push(from_rgba(&buf));
+        }
+        if out.is_empty() {
+            return Err(Error::InvalidInput("animation has no frames".into()));
+        }
+        let secs = total.as_secs_f64();
+        let fps = (secs > 0.0).then(|| out.len() as f64 / secs);
+        Ok(Frames { frames: out, fps })
+    };
+    match format {
+        ImageFormat::Gif => {
+            let d = image::codecs::gif::GifDecoder::new(Cursor::new(bytes)).map_err(bad)?;
+            let (w, h) = d.dimensions();
+            check_size(w, h, limits)?;
+            collect(d.into_frames())
+        }
+        ImageFormat::WebP => {
+            let d = image::codecs::webp::WebPDecoder::new(Cursor::new(bytes)).map_err(bad)?;
+            let (w, h) = d.dimensions();
+            check_size(w, h, limits)?;
+            if d.has_animation() {
+                collect(d.into_frames())
+            } else {
+                Ok(Frames { frames: vec![decode_image(bytes, limits)?], fps: None })
+            }
+        }
+        _ => Ok(Frames { frames: vec![decode_image(bytes, limits)?], fps: None }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn png(img: &RgbaImage) -> Vec<u8> {
+        let mut out = Cursor::new(Vec::new());
+        img.write_to(&mut out, ImageFormat::Png).expect("encode");
+        out.into_inner()
+    }
+
+    #[test]
+    fn alpha_is_composited_on_white_and_opaque_pixels_are_kept() {
+        let mut img = RgbaImage::new(3, 1);
+        img.put_pixel(0, 0, image::Rgba([10, 20, 30, 255]));
+        img.put_pixel(1, 0, image::Rgba([0, 0, 0, 0]));
+        img.put_pixel(2, 0, image::Rgba([0, 0, 0, 128]));
+        let out = decode_image(&png(&img), DecodeLimits::default()).expect("decode");
+        assert_eq!(&out.data[..6], &[10, 20, 30, 255, 255, 255]);
+        // Pillow: black at alpha 128 over white = 127.
+        assert_eq!(&out.data[6..], &[127, 127, 127]);
+    }
+
+    #[test]
+    fn pixel_cap_is_checked_before_decoding_and_garbage_is_an_error() {
+        let img = RgbaImage::new(100, 100);
+        let e = decode_image(&png(&img), DecodeLimits { max_pixels: 9_999, max_frames: 1 }).expect_err("cap");
+        assert!(e.to_string().contains("10000 pixels"), "{e}");
+        assert!(decode_image(b"not an image at all", DecodeLimits::default()).is_err());
+        let mut bytes = png(&RgbaImage::new(8, 8));
+        bytes.truncate(bytes.len() / 2);
+        assert!(decode_image(&bytes, DecodeLimits::default()).is_err());
+    }
+}

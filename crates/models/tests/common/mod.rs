@@ -1,0 +1,95 @@
+//! Shared helpers of the parity tests: fixture paths, reference tensors, tolerance assertions.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::path::{Path, PathBuf};
+
+use osprey_models::Qwen35;
+use safetensors::SafeTensors;
+
+pub fn fixtures() -> PathBuf {
+    // The workspace root's fixtures/, from either the models crate or the root package.
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    here.ancestors().map(|a| a.join("fixtures")).find(|f| f.is_dir()).expect("fixtures/ above the crate")
+}
+
+pub struct Ref {
+    pub bytes: Vec<u8>,
+    pub meta: serde_json::Value,
+}
+
+impl Ref {
+    pub fn load(model: &str, case: &str) -> Self {
+        let dir = fixtures().join("ref").join(model);
+        let bytes = std::fs::read(dir.join(format!("{case}.safetensors"))).expect("fixture file");
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).expect("summary")).expect("json");
+        Ref { bytes, meta: summary["cases"][case].clone() }
+    }
+
+    pub fn f32s(&self, name: &str) -> Vec<f32> {
+        let st = SafeTensors::deserialize(&self.bytes).expect("safetensors");
+        let t = st.tensor(name).unwrap_or_else(|_| panic!("fixture tensor {name}"));
+        assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
+        t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    }
+
+    pub fn ids(&self, name: &str) -> Vec<u32> {
+        let st = SafeTensors::deserialize(&self.bytes).expect("safetensors");
+        let t = st.tensor(name).unwrap_or_else(|_| panic!("fixture tensor {name}"));
+        assert_eq!(t.dtype(), safetensors::Dtype::I64, "{name}");
+        t.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")) as u32).collect()
+    }
+}
+
+/// Max absolute and max relative (to the largest reference magnitude) difference.
+pub fn diff(got: &[f32], want: &[f32]) -> (f32, f32) {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    let abs = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let scale = want.iter().map(|v| v.abs()).fold(0f32, f32::max).max(1e-12);
+    (abs, abs / scale)
+}
+
+pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32) -> f32 {
+    let (abs, rel) = diff(got, want);
+    let at = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .enumerate()
+        .fold((0, 0f32), |m, (i, d)| if d > m.1 { (i, d) } else { m })
+        .0;
+    println!("{what}: max |d| = {abs:.3e} (rel {rel:.3e}) at flat index {at}");
+    assert!(abs <= atol, "{what}: max |d| = {abs:e} > {atol:e}");
+    abs
+}
+
+pub fn model(name: &str) -> Qwen35 {
+    Qwen35::load(&fixtures().join("models").join(name)).expect("load model")
+}
+
+impl Ref {
+    /// Raw little-endian bytes of a tensor with its dtype.
+    pub fn raw(&self, name: &str) -> (safetensors::Dtype, Vec<usize>, Vec<u8>) {
+        let st = SafeTensors::deserialize(&self.bytes).expect("safetensors");
+        let t = st.tensor(name).unwrap_or_else(|_| panic!("fixture tensor {name}"));
+        (t.dtype(), t.shape().to_vec(), t.data().to_vec())
+    }
+
+    /// Whether the fixture has a tensor.
+    pub fn has(&self, name: &str) -> bool {
+        SafeTensors::deserialize(&self.bytes).expect("safetensors").tensor(name).is_ok()
+    }
+
+    /// An int64 tensor as i64 values.
+    pub fn i64s(&self, name: &str) -> Vec<i64> {
+        let (d, _, b) = self.raw(name);
+        assert_eq!(d, safetensors::Dtype::I64, "{name}");
+        b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
+    }
+
+    /// Reads a file of `fixtures/ref/` that is not per model.
+    pub fn load_file(file: &str) -> Self {
+        let bytes = std::fs::read(fixtures().join("ref").join(file)).expect("fixture file");
+        Ref { bytes, meta: serde_json::Value::Null }
+    }
+}

@@ -1,0 +1,104 @@
+//! End to end, as a user's request goes: media files + chat messages → chat template → placeholder
+//! expansion → tokenizer → preprocessing → mRoPE positions → vision tower → decoder with rows injected per
+//! chunk. Compared with transformers 5.23.0 (fixtures from tools/gen_vision_fixtures.py).
+//!
+//! The inputs transformers builds are reproduced exactly (rendered prompt, token ids, positions, delta,
+//! placeholder spans, pixel rows); the numeric chain (tower → decoder) is compared with the tolerance of
+//! the layer-by-layer tests (1e-4), see crates/models/tests/vision.rs for why those teacher-force.
+
+#[path = "../crates/models/tests/common/mod.rs"]
+mod common;
+
+use common::{assert_close, fixtures, model, Ref};
+use osprey_models::vision::{
+    decode_image, rows_in_chunk, DecodeLimits, MediaSpan, ProcessorConfig, RgbImage, VisionTower,
+};
+use osprey_models::{LogitsWanted, Positions, SeqInput, SeqStep};
+use osprey_tokenizer::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
+
+const CASES: [&str; 4] = ["image", "two_images", "video", "image_video"];
+
+fn png(name: &str) -> RgbImage {
+    let bytes = std::fs::read(fixtures().join("media").join(name)).expect("media");
+    decode_image(&bytes, DecodeLimits::default()).expect("decode")
+}
+
+fn frames(name: &str) -> usize {
+    if name.starts_with("vid4") {
+        4
+    } else {
+        5
+    }
+}
+
+#[test]
+fn multimodal_requests_build_exactly_the_inputs_transformers_builds_and_match_its_logits() {
+    for name in ["qwen3_5-tiny", "qwen3_5_moe-tiny"] {
+        let dir = fixtures().join("models").join(name);
+        let (tok, tmpl) =
+            (TextTokenizer::from_dir(&dir).expect("tokenizer"), ChatTemplate::from_dir(&dir).expect("template"));
+        let proc = ProcessorConfig::from_dir(&dir).expect("processor");
+        let m = model(name);
+        let tower = VisionTower::from_dir(&dir).expect("load").expect("vision");
+        for case in CASES {
+            let r = Ref::load(name, case);
+            let mut content = Vec::new();
+            let mut media = Vec::new();
+            for item in r.meta["media"].as_array().expect("media") {
+                let (kind, file) = (item[0].as_str().expect("kind"), item[1].as_str().expect("file"));
+                content.push(serde_json::json!({"type": kind}));
+                media.push(if kind == "image" {
+                    Media::Image(png(&format!("{file}.png")))
+                } else {
+                    Media::Video {
+                        frames: (0..frames(file)).map(|i| png(&format!("{file}_{i}.png"))).collect(),
+                        fps: 2.0,
+                    }
+                });
+            }
+            content.push(serde_json::json!({"type": "text", "text": r.meta["question"]}));
+            let messages = serde_json::json!([{"role": "user", "content": content}]);
+            let prompt = tmpl.render(&messages, true, &serde_json::Map::new()).expect("render");
+            assert_eq!(prompt, r.meta["prompt"].as_str().expect("prompt"), "{name}/{case} rendered prompt");
+            let p = prepare_prompt(&tok, &proc, &prompt, &media).expect("prepare");
+            assert_eq!(p.input_ids, r.ids("input_ids"), "{name}/{case} input ids");
+            let pos: Vec<i64> = (0..3).flat_map(|a| p.positions.iter().map(move |x| x[a])).collect();
+            assert_eq!(pos, r.i64s("position_ids"), "{name}/{case} positions");
+            assert_eq!(p.rope_delta, r.i64s("rope_delta")[0], "{name}/{case} delta");
+            let spans: Vec<(usize, usize)> =
+                p.media.iter().flat_map(|i| i.spans.iter().map(|&(o, l)| (o, o + l))).collect();
+            let want: Vec<(usize, usize)> = serde_json::from_value(r.meta["spans"].clone()).expect("spans");
+            let mut sorted = spans.clone();
+            sorted.sort();
+            assert_eq!(sorted, want, "{name}/{case} spans");
+            // Numeric chain: our tower rows placed per span, prefill in two chunks split inside the first span.
+            let h = m.config().hidden_size;
+            let mut rows: Vec<(usize, Vec<f32>)> = Vec::new();
+            for item in &p.media {
+                let emb = tower.encode(&item.patches.rows, item.patches.grid).expect("encode");
+                let mut at = 0;
+                for &(o, l) in &item.spans {
+                    rows.push((o, emb[at * h..(at + l) * h].to_vec()));
+                    at += l;
+                }
+            }
+            let spans: Vec<MediaSpan<'_>> = rows.iter().map(|(o, r)| MediaSpan { offset: *o, rows: r }).collect();
+            let l = p.input_ids.len();
+            let split = want[0].0 + 3;
+            let mut st = m.new_state();
+            let mut logits = Vec::new();
+            for (s, e) in [(0, split), (split, l)] {
+                let inj = rows_in_chunk(&spans, s, e, h);
+                let input = SeqInput {
+                    tokens: &p.input_ids[s..e],
+                    positions: Positions::Explicit(&p.positions[s..e]),
+                    injected: &inj,
+                    logits: LogitsWanted::Last,
+                };
+                logits = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("forward").logits.remove(0);
+            }
+            let v = m.config().vocab_size;
+            assert_close(&format!("{name}/{case} end-to-end last logits"), &logits, &r.f32s("step_logits")[..v], 1e-4);
+        }
+    }
+}
