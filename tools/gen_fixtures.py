@@ -57,7 +57,20 @@ def language_forward(model, emb, pos4, cache):
 
 
 @torch.no_grad()
-def reference_case(model, tok, messages) -> tuple[dict, dict]:
+def f64_logits(model64, emb, pos4):
+    """All prompt logits of transformers in float64 on the same input embeddings: the rounding-free
+    reference for free-running comparisons (REFERENCE.md section 6: f32 noise compounds through layers)."""
+    out = model64.model.language_model(inputs_embeds=emb.double(), position_ids=pos4)
+    return model64.lm_head(out.last_hidden_state)[0].float().contiguous()
+
+
+def load_f64(d):
+    return AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float64, attn_implementation="eager",
+                                                       experts_implementation="eager").eval()
+
+
+@torch.no_grad()
+def reference_case(model, tok, messages, model64) -> tuple[dict, dict]:
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tok.encode(prompt)])
     n = ids.shape[1]
@@ -81,6 +94,7 @@ def reference_case(model, tok, messages) -> tuple[dict, dict]:
         gen.append(nxt)
         p = torch.full((4, 1, 1), n + step)
         logits = language_forward(model, model.model.get_input_embeddings()(torch.tensor([[nxt]])), p, cache)[:, -1]
+    t["all_logits_f64"] = f64_logits(model64, emb, pos)
     t["step_logits"] = torch.stack(steps)
     t["generated_ids"] = torch.tensor(gen, dtype=torch.int64)
     assert torch.equal(t["step_logits"][0], t["all_logits"][-1]) or \
@@ -141,12 +155,13 @@ def main():
         tok = PreTrainedTokenizerFast.from_pretrained(d)
         model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
         model.eval()
+        model64 = load_f64(d)
         ref = out / "ref" / name
         shutil.rmtree(ref, ignore_errors=True)
         ref.mkdir(parents=True)
         summary = {"transformers": __import__("transformers").__version__, "torch": torch.__version__, "cases": {}}
         for case, messages in CASES.items():
-            tensors, meta = reference_case(model, tok, messages)
+            tensors, meta = reference_case(model, tok, messages, model64)
             save_file(tensors, ref / f"{case}.safetensors", metadata={"prompt": meta["prompt"]})
             summary["cases"][case] = meta
             print(name, case, meta["len"], meta["generated_ids"])

@@ -21,6 +21,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache
 from transformers.video_utils import VideoMetadata
 
+from gen_fixtures import f64_logits, load_f64
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIX = ROOT / "fixtures"
 MEDIA = FIX / "media"
@@ -137,7 +139,7 @@ def split_points(n, spans):
 
 
 @torch.no_grad()
-def model_case(model, proc, media, question):
+def model_case(model, proc, media, question, model64):
     content = [{"type": kind} for kind, _ in media] + [{"type": "text", "text": question}]
     prompt = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                       tokenize=False)
@@ -172,6 +174,7 @@ def model_case(model, proc, media, question):
         emb = emb.masked_scatter((ids == cfg.video_token_id).unsqueeze(-1), vid)
         t["video_grid_thw"] = inputs["video_grid_thw"]
     pos4 = torch.cat([torch.arange(n).view(1, 1, n), pos3], 0)
+    t["all_logits_f64"] = f64_logits(model64, emb, pos4)
 
     def lm(e, p, cache):
         out = m.language_model(inputs_embeds=e, position_ids=p, past_key_values=cache, use_cache=True)
@@ -213,11 +216,12 @@ def main():
         d = FIX / "models" / name
         model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
         model.eval()
+        model64 = load_f64(d)
         proc = AutoProcessor.from_pretrained(d)
         ref = FIX / "ref" / name
         summary = json.loads((ref / "summary.json").read_text())
         for case, (media, question) in CASES.items():
-            tensors, meta = model_case(model, proc, media, question)
+            tensors, meta = model_case(model, proc, media, question, model64)
             save_file(tensors, ref / f"{case}.safetensors", metadata={"prompt": meta["prompt"]})
             summary["cases"][case] = meta
             print(name, case, meta["len"], meta["rope_delta"], meta["generated_ids"])

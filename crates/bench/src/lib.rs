@@ -1,12 +1,14 @@
 //! # osprey-bench — measurements
 //!
-//! Brief overview: today the synchronous model benchmark behind `osprey bench forward`: prefill
+//! Brief overview: today the synchronous model benchmarks behind `osprey bench forward` (prefill
 //! throughput of one prompt chunk and greedy decode throughput on any checkpoint, with the weight bytes
-//! each decode token reads and the bandwidth that implies. Time-to-first-token through the server and
+//! each decode token reads and the bandwidth that implies) and `osprey bench vision` (preprocessing and
+//! vision-tower encoding time per image size). Time-to-first-token through the server and
 //! expert residency join here with their issues. Numbers go to `docs/benchmarks.md`, never into tests.
 
 use std::time::Instant;
 
+use osprey_models::vision::{preprocess_image, ImageParams, RgbImage, VisionTower};
 use osprey_models::{LogitsWanted, Qwen35, Result, SeqInput, SeqStep};
 use serde::Serialize;
 
@@ -90,5 +92,67 @@ pub fn bench_forward(model: &Qwen35, b: ForwardBench) -> Result<ForwardReport> {
         decode_tok_s,
         bytes_per_decode_token: bytes,
         decode_weight_gb_s: bytes as f64 * decode_tok_s / 1e9,
+    })
+}
+
+/// Vision encoding of one image size (medians).
+#[derive(Clone, Debug, Serialize)]
+pub struct VisionReport {
+    /// Input width.
+    pub width: usize,
+    /// Input height.
+    pub height: usize,
+    /// `[t, h, w]` in patches after smart_resize.
+    pub grid: [usize; 3],
+    /// Soft tokens the decoder receives.
+    pub tokens: usize,
+    /// Resize + normalise + patchify seconds.
+    pub preprocess_s: f64,
+    /// Tower seconds (patch embed → merger).
+    pub encode_s: f64,
+}
+
+/// The deterministic test image both osprey and tools/bench_vision_transformers.py use.
+pub fn bench_image(width: usize, height: usize) -> RgbImage {
+    let mut data = Vec::with_capacity(width * height * 3);
+    for y in 0..height {
+        for x in 0..width {
+            data.extend_from_slice(&[(x * 255 / width) as u8, (y * 255 / height) as u8, ((x + y) * 7 % 256) as u8]);
+        }
+    }
+    RgbImage { width, height, data }
+}
+
+/// Times preprocessing and encoding of a `width`×`height` image.
+pub fn bench_vision(
+    tower: &VisionTower,
+    p: &ImageParams,
+    width: usize,
+    height: usize,
+    repeats: usize,
+) -> Result<VisionReport> {
+    let img = bench_image(width, height);
+    let (mut pre, mut enc) = (Vec::new(), Vec::new());
+    let mut grid = [0; 3];
+    for rep in 0..=repeats {
+        let t0 = Instant::now();
+        let patches = preprocess_image(&img, p)?;
+        let t1 = Instant::now();
+        tower.encode(&patches.rows, patches.grid)?;
+        let t2 = Instant::now();
+        grid = patches.grid;
+        if rep > 0 {
+            pre.push((t1 - t0).as_secs_f64());
+            enc.push((t2 - t1).as_secs_f64());
+        }
+    }
+    let m = tower.config().spatial_merge_size;
+    Ok(VisionReport {
+        width,
+        height,
+        grid,
+        tokens: grid.iter().product::<usize>() / (m * m),
+        preprocess_s: median(pre),
+        encode_s: median(enc),
     })
 }

@@ -76,6 +76,22 @@ fn portable_dot(a: &[f32], b: impl Iterator<Item = f32>) -> f32 {
     acc.iter().sum()
 }
 
+/// `row[i] = exp(row[i] − max)` for every element; returns the sum (softmax numerator and denominator).
+/// The AVX2 path uses a Cephes-style polynomial exp (within 2 ulp of `f32::exp` over the softmax range).
+pub fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the features were detected above.
+        return unsafe { x86::exp_sub_sum(row, max) };
+    }
+    let mut sum = 0.0;
+    for x in row.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    sum
+}
+
 /// Widen a bf16 row to f32.
 pub fn bf16_row_to_f32(src: &[u16], dst: &mut [f32]) {
     for (d, &s) in dst.iter_mut().zip(src) {
@@ -164,6 +180,52 @@ mod x86 {
     dot_kernel!(dot_bf16, u16, "avx2,fma", |p| load_bf16(p), super::bf16_to_f32);
     dot_kernel!(dot_f16, u16, "avx2,fma,f16c", |p| load_f16(p), |v| half::f16::from_bits(v).to_f32());
 
+    /// 8-lane exp: range reduction by ln 2, degree-6 polynomial, exponent bits from the integer part.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.3));
+        let n = _mm256_round_ps(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut y = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+        }
+        let y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+        let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        _mm256_mul_ps(y, _mm256_castsi256_ps(e))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
+        let n = row.len();
+        let m = _mm256_set1_ps(max);
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        let p = row.as_mut_ptr();
+        // SAFETY: every access is within [0, n).
+        unsafe {
+            while i + 8 <= n {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), m));
+                _mm256_storeu_ps(p.add(i), e);
+                acc = _mm256_add_ps(acc, e);
+                i += 8;
+            }
+            let mut sum = hsum(acc);
+            while i < n {
+                let e = (*p.add(i) - max).exp();
+                *p.add(i) = e;
+                sum += e;
+                i += 1;
+            }
+            sum
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn f16_row_to_f32(src: &[u16], dst: &mut [f32]) {
         let n = src.len().min(dst.len());
@@ -184,6 +246,21 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vector_exp_is_within_two_ulp_of_libm() {
+        let xs: Vec<f32> = (0..4000).map(|i| -80.0 + i as f32 * 0.0201).collect();
+        let mut got = xs.clone();
+        let sum = exp_sub_sum(&mut got, 0.0);
+        let mut want_sum = 0f64;
+        for (g, x) in got.iter().zip(&xs) {
+            let w = x.exp();
+            want_sum += w as f64;
+            let ulp = (w.to_bits() as i64 - g.to_bits() as i64).abs();
+            assert!(ulp <= 2, "exp({x}) = {g}, libm {w} ({ulp} ulp)");
+        }
+        assert!(((sum as f64 - want_sum) / want_sum).abs() < 1e-5);
+    }
 
     #[test]
     fn dots_agree_with_scalar_reference() {

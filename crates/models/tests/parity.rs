@@ -3,15 +3,23 @@
 //! Tolerance: every comparison uses `ATOL = 1e-4` absolute on f32 values of magnitude up to ~8 (hidden
 //! states) and ~5 (logits). Why that number: transformers itself moves by ~1e-6 between runs that differ
 //! only in buffer alignment (REFERENCE.md §1), and our kernels sum in other orders (blocked sgemm, 8-lane
-//! dots, forward substitution instead of LAPACK's trsm), so per-layer differences of a few 1e-6 compound
-//! through 4 layers and 220 tokens; observed maxima (printed by each test, `--nocapture`) are 4.2e-5 on
-//! hidden states (relative 7e-6), 3.5e-5 on logits and 1.9e-5 on teacher-forced decode logits.
+//! dots, forward substitution instead of LAPACK's trsm); a Gated DeltaNet layer alone differs by up to
+//! ~2e-5 between two f32 implementations (transformers' own f32 output is 1e-5 from its float64 output).
 //! A real bug (a wrong norm, rope axis, gate order or state carry) moves values by 1e-2 or more.
+//!
+//! What is compared with what:
+//! - hidden states layer by layer with teacher forcing (layer i reads transformers' `hidden_states[i]`),
+//!   so each number is one layer's own error (observed ≤ 2e-5);
+//! - all prompt logits of the free-running forward against transformers in **float64**: f32 rounding
+//!   compounds through the layers and the random tiny models amplify it at some tokens (crates/models/tests/
+//!   vision.rs shows a 40× case), so two f32 implementations can legitimately differ by more than either
+//!   differs from the exact result; transformers' own f32 logits are ≤ 4e-5 from float64;
+//! - teacher-forced decode logits and chunked-prefill logits (last positions) against transformers' f32 runs.
 
 mod common;
 
 use common::{assert_close, model, Ref};
-use osprey_models::{LogitsWanted, Positions, Qwen35, SeqInput, SeqState, SeqStep};
+use osprey_models::{ForwardOptions, LogitsWanted, Positions, Qwen35, SeqInput, SeqState, SeqStep};
 
 const ATOL: f32 = 1e-4;
 const N_LAYERS: usize = 4;
@@ -37,19 +45,20 @@ fn hidden_states_and_logits_match_transformers() {
         for case in CASES {
             let r = Ref::load(refset, case);
             let ids = r.ids("input_ids");
+            let teacher: Vec<Vec<f32>> = (0..N_LAYERS).map(|i| r.f32s(&format!("hidden_states.{i}"))).collect();
             let mut st = m.new_state();
-            let input = SeqInput { logits: LogitsWanted::All, ..SeqInput::text(&ids) };
-            let out = m.forward(&mut [SeqStep { state: &mut st, input }], true).expect("forward");
+            let input = SeqInput { logits: LogitsWanted::None, ..SeqInput::text(&ids) };
+            let opts = ForwardOptions { capture_hidden: true, teacher_inputs: Some(&teacher) };
+            let out = m.forward_with(&mut [SeqStep { state: &mut st, input }], &opts).expect("forward");
             assert_eq!(out.hidden.len(), N_LAYERS + 1);
             for (i, h) in out.hidden.iter().enumerate() {
-                assert_close(
-                    &format!("{dir}/{case} hidden_states.{i}"),
-                    h,
-                    &r.f32s(&format!("hidden_states.{i}")),
-                    ATOL,
-                );
+                let what = format!("{dir}/{case} hidden_states.{i} (teacher-forced)");
+                assert_close(&what, h, &r.f32s(&format!("hidden_states.{i}")), ATOL);
             }
-            assert_close(&format!("{dir}/{case} all logits"), &out.logits[0], &r.f32s("all_logits"), ATOL);
+            let mut st = m.new_state();
+            let input = SeqInput { logits: LogitsWanted::All, ..SeqInput::text(&ids) };
+            let out = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("forward");
+            assert_close(&format!("{dir}/{case} all logits vs f64"), &out.logits[0], &r.f32s("all_logits_f64"), ATOL);
         }
     }
 }

@@ -66,6 +66,17 @@ pub struct SeqStep<'s, 'a> {
     pub input: SeqInput<'a>,
 }
 
+/// Options of [`Qwen35::forward_with`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ForwardOptions<'a> {
+    /// Return transformers' `hidden_states` list in [`ForwardOutput::hidden`].
+    pub capture_hidden: bool,
+    /// Per-layer teacher forcing (parity tests): layer `i` reads `teacher_inputs[i]` (`[T, hidden]`, the
+    /// reference's `hidden_states[i]`) instead of the previous layer's output, so each captured hidden
+    /// state measures one layer's own error. Implies `capture_hidden`.
+    pub teacher_inputs: Option<&'a [Vec<f32>]>,
+}
+
 /// Results of a forward.
 #[derive(Clone, Debug, Default)]
 pub struct ForwardOutput {
@@ -103,7 +114,19 @@ impl Qwen35 {
 
     /// Runs one step for a batch of sequences. Each state advances by its tokens.
     pub fn forward(&self, steps: &mut [SeqStep<'_, '_>], capture_hidden: bool) -> Result<ForwardOutput> {
+        self.forward_with(steps, &ForwardOptions { capture_hidden, teacher_inputs: None })
+    }
+
+    /// [`Qwen35::forward`] with options (hidden-state capture, per-layer teacher forcing).
+    pub fn forward_with(&self, steps: &mut [SeqStep<'_, '_>], opts: &ForwardOptions<'_>) -> Result<ForwardOutput> {
         self.check(steps)?;
+        let capture_hidden = opts.capture_hidden || opts.teacher_inputs.is_some();
+        if let Some(t) = opts.teacher_inputs {
+            let rows: usize = steps.iter().map(|s| s.input.tokens.len()).sum();
+            if t.len() != self.layers.len() || t.iter().any(|x| x.len() != rows * self.cfg.hidden_size) {
+                return Err(Error::InvalidInput("teacher inputs must be one [T, hidden] matrix per layer".into()));
+            }
+        }
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_norm_eps as f32;
         // 1. Segments, embeddings (with injected rows) and positions of the whole batch.
@@ -136,6 +159,9 @@ impl Qwen35 {
         }
         // 2. Decoder layers: x += mixer(norm(x)); x += ffn(norm(x)).
         for (li, layer) in self.layers.iter().enumerate() {
+            if let Some(t) = opts.teacher_inputs {
+                x.copy_from_slice(&t[li]);
+            }
             let mut hn = x.clone();
             rms_norm_1p(&mut hn, &layer.input_norm, eps);
             let mixed = match &layer.mixer {

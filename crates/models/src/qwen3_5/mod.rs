@@ -20,7 +20,7 @@ use crate::layers::mlp::Mlp;
 use crate::layers::moe::{ExpertSource, ResidentExperts, SparseMoe};
 use crate::state::{LayerState, SeqState};
 
-pub use forward::{ForwardOutput, InjectedRows, LogitsWanted, Positions, SeqInput, SeqStep};
+pub use forward::{ForwardOptions, ForwardOutput, InjectedRows, LogitsWanted, Positions, SeqInput, SeqStep};
 
 #[derive(Debug)]
 enum Mixer {

@@ -115,8 +115,27 @@ pub struct Frames {
     pub fps: Option<f64>,
 }
 
-/// Decodes every frame of an animated GIF or WebP (a still image gives one frame).
+/// Container formats we recognise but do not decode (no system video decoder in this build).
+fn video_container(bytes: &[u8]) -> Option<&'static str> {
+    if bytes.len() >= 12 && &bytes[4..8] == b"ftyp" {
+        Some("MP4/MOV")
+    } else if bytes.starts_with(&[0x1A, 0x45, 0xDF, 0xA3]) {
+        Some("WebM/Matroska")
+    } else if bytes.len() >= 12 && &bytes[..4] == b"RIFF" && &bytes[8..12] == b"AVI " {
+        Some("AVI")
+    } else {
+        None
+    }
+}
+
+/// Decodes every frame of an animated GIF or WebP (a still image gives one frame). Video containers
+/// (MP4, WebM, AVI) are refused with a clear error: send frames or an animated GIF/WebP instead.
 pub fn decode_animation(bytes: &[u8], limits: DecodeLimits) -> Result<Frames> {
+    if let Some(kind) = video_container(bytes) {
+        return Err(Error::Unsupported(format!(
+            "{kind} video is not supported by this build (no system video decoder); send the video as a list of frame images or as an animated GIF/WebP"
+        )));
+    }
     let format = image::guess_format(bytes).map_err(bad)?;
     let collect = |frames: image::Frames<'_>| -> Result<Frames> {
         let mut out = Vec::new();
@@ -179,6 +198,32 @@ mod tests {
         assert_eq!(&out.data[..6], &[10, 20, 30, 255, 255, 255]);
         // Pillow: black at alpha 128 over white = 127.
         assert_eq!(&out.data[6..], &[127, 127, 127]);
+    }
+
+    #[test]
+    fn animated_gif_frames_and_rate_and_containers_refused() {
+        use image::codecs::gif::GifEncoder;
+        let mut out = Vec::new();
+        {
+            let mut enc = GifEncoder::new(&mut out);
+            for v in [0u8, 100, 200] {
+                let buf = RgbaImage::from_pixel(4, 2, image::Rgba([v, v, v, 255]));
+                let frame = image::Frame::from_parts(buf, 0, 0, image::Delay::from_numer_denom_ms(500, 1));
+                enc.encode_frame(frame).expect("frame");
+            }
+        }
+        let f = decode_animation(&out, DecodeLimits::default()).expect("gif");
+        assert_eq!(f.frames.len(), 3);
+        assert_eq!(f.fps, Some(2.0));
+        assert_eq!((f.frames[1].width, f.frames[1].height), (4, 2));
+        assert!(f.frames[2].data[0] >= 195, "{:?}", &f.frames[2].data[..3]);
+        // The first frame of the same GIF as a still image.
+        assert_eq!(decode_image(&out, DecodeLimits::default()).expect("still").data[0], f.frames[0].data[0]);
+        let too_many = decode_animation(&out, DecodeLimits { max_frames: 2, ..DecodeLimits::default() });
+        assert!(too_many.is_err());
+        let mp4 = [0u8, 0, 0, 24, b'f', b't', b'y', b'p', b'i', b's', b'o', b'm'];
+        let e = decode_animation(&mp4, DecodeLimits::default()).expect_err("mp4").to_string();
+        assert!(e.contains("MP4") && e.contains("frame"), "{e}");
     }
 
     #[test]
