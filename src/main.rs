@@ -47,6 +47,12 @@ enum BenchCommand {
         #[arg(long, default_value_t = 3)]
         repeats: usize,
     },
+    /// Sustained DRAM read bandwidth with the compute threads (the decode roofline's denominator).
+    Membw {
+        /// Buffer size in MiB (well above the last-level cache).
+        #[arg(long, default_value_t = 1024)]
+        mib: usize,
+    },
     /// Vision tower encoding time for images of the given sizes (WxH).
     Vision {
         /// Model directory with a vision tower.
@@ -79,6 +85,11 @@ fn main() -> Result<()> {
             let m = load(&model)?;
             let report = bench_forward(&m, ForwardBench { prompt_len, decode_tokens, repeats })?;
             println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Membw { mib }) => {
+            let bw = osprey_bench::measure_read_bandwidth(mib << 20, 5);
+            println!("{}", serde_json::json!({ "read_gb_s": bw / 1e9, "mib": mib }));
             Ok(())
         }
         Command::Bench(BenchCommand::Vision { model, sizes, repeats }) => {

@@ -9,6 +9,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/osprey/target}
 cargo build --release --quiet --manifest-path "$here/../Cargo.toml"
 echo "# $(date -u +%F) $(nproc) cores; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+"$CARGO_TARGET_DIR/release/osprey" --threads 2 bench membw 2>/dev/null
 "$CARGO_TARGET_DIR/release/osprey" --threads 2 bench forward --model "$model" --prompt-len "$plen" --decode-tokens "$dec" --repeats 3 2>/dev/null
 for dt in float32 bfloat16; do
   OMP_NUM_THREADS=2 "$venv/bin/python" "$here/bench_transformers.py" --model "$model" --dtype $dt \

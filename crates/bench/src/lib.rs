@@ -156,3 +156,30 @@ pub fn bench_vision(
         encode_s: median(enc),
     })
 }
+
+/// Sustained read bandwidth of this machine: every thread of the pool sums its share of a large buffer
+/// (16 independent lanes, so the loop is vectorised and memory-bound). Bytes per second, best of `repeats`.
+pub fn measure_read_bandwidth(bytes: usize, repeats: usize) -> f64 {
+    use rayon::prelude::*;
+    let buf: Vec<f32> = (0..bytes / 4).map(|i| (i % 7) as f32).collect();
+    let mut best = 0f64;
+    for _ in 0..repeats.max(1) {
+        let t0 = Instant::now();
+        let total: f32 = buf
+            .par_chunks(1 << 20)
+            .map(|c| {
+                let mut acc = [0f32; 16];
+                for block in c.chunks_exact(16) {
+                    for (a, b) in acc.iter_mut().zip(block) {
+                        *a += b;
+                    }
+                }
+                acc.iter().sum::<f32>()
+            })
+            .sum();
+        let secs = t0.elapsed().as_secs_f64();
+        std::hint::black_box(total);
+        best = best.max(bytes as f64 / secs);
+    }
+    best
+}
