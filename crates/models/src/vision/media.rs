@@ -201,6 +201,28 @@ mod tests {
     }
 
     #[test]
+    fn every_supported_still_format_decodes_to_the_same_pixels() {
+        let mut img = RgbaImage::new(5, 3);
+        for (i, p) in img.pixels_mut().enumerate() {
+            *p = image::Rgba([(i * 13) as u8, (i * 7) as u8, 200, 255]);
+        }
+        let want = decode_image(&png(&img), DecodeLimits::default()).expect("png");
+        for fmt in [ImageFormat::Bmp, ImageFormat::WebP, ImageFormat::Gif] {
+            let mut out = Cursor::new(Vec::new());
+            let rgb = DynamicImage::ImageRgba8(img.clone());
+            // GIF quantises colours; BMP and lossless WebP are exact.
+            if fmt == ImageFormat::Gif {
+                rgb.write_to(&mut out, fmt).expect("encode");
+                let got = decode_image(out.get_ref(), DecodeLimits::default()).expect("gif");
+                assert_eq!((got.width, got.height), (5, 3));
+                continue;
+            }
+            rgb.write_to(&mut out, fmt).expect("encode");
+            assert_eq!(decode_image(out.get_ref(), DecodeLimits::default()).expect("decode"), want, "{fmt:?}");
+        }
+    }
+
+    #[test]
     fn animated_gif_frames_and_rate_and_containers_refused() {
         use image::codecs::gif::GifEncoder;
         let mut out = Vec::new();
