@@ -21,8 +21,93 @@ struct Cli {
     command: Command,
 }
 
+#[derive(clap::Args, Debug, Default)]
+struct ServeArgs {
+    /// Settings file (TOML, see config/osprey.toml); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Model directory (default: the embedded tiny model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Id clients send as `model`.
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Listen address.
+    #[arg(long)]
+    host: Option<String>,
+    /// Listen port.
+    #[arg(long)]
+    port: Option<u16>,
+    /// Require `Authorization: Bearer <key>` on /v1 routes.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Override the model's context length.
+    #[arg(long)]
+    context_len: Option<usize>,
+    /// Prompt tokens per sequence per step (prefill chunk).
+    #[arg(long)]
+    max_prefill_tokens: Option<usize>,
+    /// Tokens per step over all sequences.
+    #[arg(long)]
+    max_batch_tokens: Option<usize>,
+    /// Concurrent sequences.
+    #[arg(long)]
+    max_running_requests: Option<usize>,
+    /// KV capacity in tokens.
+    #[arg(long)]
+    kv_capacity_tokens: Option<usize>,
+    /// Vision encoder cache in MiB.
+    #[arg(long)]
+    vision_cache_mb: Option<usize>,
+    /// Images + videos per request.
+    #[arg(long)]
+    max_media_per_request: Option<usize>,
+    /// Bytes per media item.
+    #[arg(long)]
+    max_media_bytes: Option<usize>,
+    /// Declared pixels per image or frame (checked before decoding).
+    #[arg(long)]
+    max_image_pixels: Option<u64>,
+    /// Frames per video.
+    #[arg(long)]
+    max_video_frames: Option<usize>,
+    /// Hosts whose http(s) media URLs may be fetched (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    allowed_media_domains: Option<Vec<String>>,
+    /// Directory under which file:// media may be read.
+    #[arg(long)]
+    allowed_local_media_path: Option<PathBuf>,
+}
+
+impl ServeArgs {
+    fn settings(&self) -> osprey::Settings {
+        osprey::Settings {
+            model: self.model.clone(),
+            served_model_name: self.served_model_name.clone(),
+            host: self.host.clone(),
+            port: self.port,
+            api_key: self.api_key.clone(),
+            http_workers: None,
+            context_len: self.context_len,
+            max_prefill_tokens: self.max_prefill_tokens,
+            max_batch_tokens: self.max_batch_tokens,
+            max_running_requests: self.max_running_requests,
+            kv_capacity_tokens: self.kv_capacity_tokens,
+            vision_cache_mb: self.vision_cache_mb,
+            max_media_per_request: self.max_media_per_request,
+            max_media_bytes: self.max_media_bytes,
+            max_image_pixels: self.max_image_pixels,
+            max_video_frames: self.max_video_frames,
+            allowed_media_domains: self.allowed_media_domains.clone(),
+            allowed_local_media_path: self.allowed_local_media_path.clone(),
+        }
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8080).
+    Serve(ServeArgs),
     /// Load a model directory, run one prompt (text, images, videos) and print the greedy continuation.
     Run(run::RunArgs),
     /// Measure the runtime.
@@ -77,6 +162,7 @@ fn main() -> Result<()> {
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("thread pool")?;
     }
     match cli.command {
+        Command::Serve(a) => serve(a),
         Command::Run(a) => {
             let m = load(&a.model)?;
             run::run(a, &m)
@@ -110,4 +196,24 @@ fn load(dir: &std::path::Path) -> Result<Qwen35> {
     let m = Qwen35::load(dir).with_context(|| format!("loading {}", dir.display()))?;
     tracing::info!(model = %dir.display(), layers = m.config().num_hidden_layers, secs = t0.elapsed().as_secs_f64(), "model loaded");
     Ok(m)
+}
+
+fn serve(a: ServeArgs) -> Result<()> {
+    let file = match &a.config {
+        Some(p) => osprey::Settings::from_file(p)?,
+        None => osprey::Settings::default(),
+    };
+    let settings = file.overlay(&a.settings());
+    let dir = match &settings.model {
+        Some(d) => d.clone(),
+        None => {
+            let d = osprey::default_model::materialize()?;
+            tracing::info!(dir = %d.display(), "no --model given: serving the embedded default model");
+            d
+        }
+    };
+    actix_web::rt::System::new().block_on(async move {
+        let (server, _) = osprey::start(&settings, &dir)?;
+        server.await.context("HTTP server")
+    })
 }

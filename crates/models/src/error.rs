@@ -61,6 +61,9 @@ pub enum Error {
     /// A request is inconsistent with the model (e.g. a token id beyond the vocabulary).
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    /// Media over a configured limit (declared pixels, frames).
+    #[error("{0}")]
+    MediaLimit(String),
 }
 
 /// Result alias for this crate.

@@ -6,12 +6,14 @@
 //! [`expand_media_placeholders`] expands image/video placeholders to their soft-token counts. The actor
 //! shell (`cache_ids`, streaming detokenizer) is added with the serving issue on top of this core.
 
+mod actor;
 mod chat;
 mod placeholders;
 mod prepare;
 
 use std::path::{Path, PathBuf};
 
+pub use actor::{spawn, TokenizerCore, TokenizerHandle};
 pub use chat::{py_json_dumps, ChatTemplate};
 pub use placeholders::{expand_media_placeholders, format_seconds, MediaPlaceholder, IMAGE_PAD, VIDEO_PAD};
 pub use prepare::{prepare_prompt, Media, Prepared, PreparedItem};
@@ -68,6 +70,11 @@ impl TextTokenizer {
     /// Text of `ids`, keeping special tokens when `skip_special` is false.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         self.inner.decode(ids, skip_special).map_err(|e| Error::Codec(e.to_string()))
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
     }
 
     /// Id of a token string (e.g. `<|im_end|>`), if it is in the vocabulary.

@@ -75,6 +75,16 @@ impl Qwen35 {
     /// Builds the decoder from an opened checkpoint. `experts` replaces the default (every expert
     /// mapped from `ck`) for MoE models, e.g. with the residency manager.
     pub fn from_checkpoint(cfg: &ModelConfig, ck: &Checkpoint, experts: Option<Arc<dyn ExpertSource>>) -> Result<Self> {
+        Self::from_checkpoint_with_progress(cfg, ck, experts, &mut |_, _| {})
+    }
+
+    /// [`Qwen35::from_checkpoint`], reporting `(layers done, layers)` as layers are mapped.
+    pub fn from_checkpoint_with_progress(
+        cfg: &ModelConfig,
+        ck: &Checkpoint,
+        experts: Option<Arc<dyn ExpertSource>>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         let c = cfg.text.clone();
         let (h, v) = (c.hidden_size, c.vocab_size);
         let p = text_prefix(ck);
@@ -97,6 +107,7 @@ impl Qwen35 {
                 mixer,
                 ffn,
             });
+            progress(i + 1, kinds.len());
         }
         let experts = match (moe, experts) {
             (Some(_), Some(src)) => Some(src),

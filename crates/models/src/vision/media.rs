@@ -80,7 +80,7 @@ fn bad(e: impl std::fmt::Display) -> Error {
 fn check_size(w: u32, h: u32, limits: DecodeLimits) -> Result<()> {
     let px = w as u64 * h as u64;
     if px > limits.max_pixels {
-        return Err(Error::InvalidInput(format!(
+        return Err(Error::MediaLimit(format!(
             "image declares {w}x{h} = {px} pixels, more than the limit of {}",
             limits.max_pixels
         )));
@@ -143,7 +143,7 @@ pub fn decode_animation(bytes: &[u8], limits: DecodeLimits) -> Result<Frames> {
         for f in frames {
             let f = f.map_err(bad)?;
             if out.len() == limits.max_frames {
-                return Err(Error::InvalidInput(format!("animation has more than {} frames", limits.max_frames)));
+                return Err(Error::MediaLimit(format!("animation has more than {} frames", limits.max_frames)));
             }
             total += Duration::from(f.delay());
             let buf = f.into_buffer();

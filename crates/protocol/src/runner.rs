@@ -1,0 +1,83 @@
+//! Messages to the runner actor: a batch plan in, sampled tokens out.
+
+use std::sync::Arc;
+
+use tokio::sync::oneshot;
+
+use crate::scheduler::SamplingParams;
+use crate::tokenizer::PreparedPrompt;
+use crate::SeqId;
+
+/// What the runner needs to know about a sequence the first time it sees it.
+#[derive(Clone, Debug)]
+pub struct Admission {
+    /// The prompt.
+    pub prompt: Arc<PreparedPrompt>,
+    /// Sampling settings.
+    pub sampling: SamplingParams,
+}
+
+/// One sequence's work in a step.
+#[derive(Clone, Debug)]
+pub struct PlanItem {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Present on the sequence's first step.
+    pub admit: Option<Admission>,
+    /// Tokens `[start, end)` of the sequence (prompt, then generated tokens) to feed.
+    pub start: usize,
+    /// End (exclusive).
+    pub end: usize,
+    /// Sample a token after this chunk (the prompt is complete).
+    pub sample: bool,
+}
+
+/// A step: the work of every scheduled sequence, plus sequences to forget.
+#[derive(Clone, Debug, Default)]
+pub struct BatchPlan {
+    /// Scheduled work.
+    pub items: Vec<PlanItem>,
+    /// Sequences that finished or were cancelled: free their state.
+    pub release: Vec<SeqId>,
+}
+
+/// Log-probabilities of a sampled token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// log p of the sampled token (after temperature, before top-k/top-p truncation, as OpenAI reports).
+    pub logprob: f32,
+    /// The most likely alternatives `(token, logprob)`, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// A sampled token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    /// The sequence.
+    pub seq: SeqId,
+    /// The token.
+    pub token: u32,
+    /// Its log-probabilities when asked for.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// Result of a step.
+#[derive(Clone, Debug, Default)]
+pub struct StepResult {
+    /// One entry per item with `sample`.
+    pub sampled: Vec<Sampled>,
+    /// Sequences whose step failed, with why (they are released by the runner).
+    pub failed: Vec<(SeqId, String)>,
+}
+
+/// Commands of the runner actor.
+#[derive(Debug)]
+pub enum RunnerCommand {
+    /// Execute a plan.
+    Step {
+        /// The plan.
+        plan: BatchPlan,
+        /// Its result.
+        reply: oneshot::Sender<StepResult>,
+    },
+}

@@ -1,0 +1,142 @@
+//! Messages to the scheduler actor: requests in, token events out.
+
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::runner::TokenLogprobs;
+use crate::tokenizer::PreparedPrompt;
+use crate::{RequestError, SeqId};
+
+/// Sampling settings of a request (OpenAI / vLLM semantics).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 → greedy.
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1].
+    pub top_p: f32,
+    /// 0 → off.
+    pub top_k: usize,
+    /// Minimum probability relative to the best token; 0 → off.
+    pub min_p: f32,
+    /// RNG seed (None: from the clock).
+    pub seed: Option<u64>,
+    /// > 1 discourages tokens already in the prompt or output (multiplicative, as HF/vLLM).
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence in the generated text.
+    pub frequency_penalty: f32,
+    /// Return logprobs with this many alternatives (None: no logprobs).
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: None,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logprobs: None,
+        }
+    }
+}
+
+/// A generation request.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    /// Unique id.
+    pub id: SeqId,
+    /// The prompt.
+    pub prompt: Arc<PreparedPrompt>,
+    /// Sampling settings.
+    pub sampling: SamplingParams,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Tokens that end the generation (EOS ids).
+    pub stop_token_ids: Vec<u32>,
+}
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+}
+
+/// Events of one request, in order.
+#[derive(Clone, Debug)]
+pub enum EngineEvent {
+    /// A new token.
+    Token {
+        /// The token.
+        token: u32,
+        /// Its log-probabilities when asked for.
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// The generation ended (after its last token event).
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Prompt tokens served from the prefix cache.
+        cached_tokens: usize,
+        /// Generated tokens.
+        completion_tokens: usize,
+    },
+    /// The request failed.
+    Failed(RequestError),
+}
+
+/// Counters and gauges of the scheduler (for /metrics).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SchedulerStats {
+    /// Requests waiting for admission.
+    pub waiting: usize,
+    /// Sequences being computed.
+    pub running: usize,
+    /// Tokens held in KV by running sequences.
+    pub kv_tokens: usize,
+    /// KV capacity in tokens.
+    pub kv_capacity: usize,
+    /// Prompt tokens computed since start.
+    pub prompt_tokens_total: u64,
+    /// Tokens generated since start.
+    pub generated_tokens_total: u64,
+    /// Prompt tokens served from the prefix cache since start.
+    pub cached_tokens_total: u64,
+    /// Sequences cancelled because their client left.
+    pub cancelled_total: u64,
+    /// Steps executed.
+    pub steps_total: u64,
+}
+
+/// Commands of the scheduler actor.
+#[derive(Debug)]
+pub enum SchedulerCommand {
+    /// Queue a request; its events go to `events` (dropping the receiver cancels it).
+    Submit {
+        /// The request.
+        request: GenerateRequest,
+        /// Where its events go.
+        events: mpsc::UnboundedSender<EngineEvent>,
+    },
+    /// Stop a request (stop string matched, client left).
+    Cancel {
+        /// The request.
+        id: SeqId,
+    },
+    /// Counters.
+    Stats {
+        /// Counters.
+        reply: oneshot::Sender<SchedulerStats>,
+    },
+}

@@ -1,0 +1,122 @@
+//! Messages to the tokenizer actor: prompt preparation (template, media, tokens, positions) and decoding.
+
+use std::sync::Arc;
+
+use osprey_models::vision::PixelPatches;
+use tokio::sync::oneshot;
+
+use crate::{MediaHash, RequestError};
+
+/// A media item as the client sent it (already fetched or decoded from its data URL).
+#[derive(Clone, Debug)]
+pub enum MediaInput {
+    /// One encoded image (PNG, JPEG, WebP, GIF, BMP).
+    Image {
+        /// File bytes.
+        bytes: Vec<u8>,
+    },
+    /// A video as encoded frame images in order, with their frame rate (None: 24, as transformers assumes).
+    VideoFrames {
+        /// One encoded image per frame.
+        frames: Vec<Vec<u8>>,
+        /// Frames per second.
+        fps: Option<f64>,
+    },
+    /// A video as one animated file (GIF, WebP).
+    VideoFile {
+        /// File bytes.
+        bytes: Vec<u8>,
+    },
+}
+
+/// Limits applied while decoding media.
+#[derive(Clone, Copy, Debug)]
+pub struct MediaLimits {
+    /// Largest declared width·height of one image or frame.
+    pub max_pixels: u64,
+    /// Most frames in one video.
+    pub max_frames: usize,
+}
+
+/// A chat prompt to render and tokenize.
+#[derive(Clone, Debug)]
+pub struct ChatPrompt {
+    /// OpenAI messages; media parts already replaced by `{"type": "image"}` / `{"type": "video"}`.
+    pub messages: serde_json::Value,
+    /// Media in the order of their parts.
+    pub media: Vec<MediaInput>,
+    /// `chat_template_kwargs` (e.g. `enable_thinking`).
+    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// Decoding limits.
+    pub limits: MediaLimits,
+}
+
+/// A completion prompt.
+#[derive(Clone, Debug)]
+pub enum CompletionPrompt {
+    /// Text, tokenized as is.
+    Text(String),
+    /// Token ids.
+    Ids(Vec<u32>),
+}
+
+/// One preprocessed media item of a prompt.
+#[derive(Clone, Debug)]
+pub struct PreparedMedia {
+    /// Content hash of the item's bytes (the vision cache key).
+    pub hash: MediaHash,
+    /// Pixel rows and grid.
+    pub patches: Arc<PixelPatches>,
+    /// Placeholder runs `(offset, len)`: one for an image, one per frame group of a video.
+    pub spans: Vec<(usize, usize)>,
+}
+
+/// A prompt ready for the engine.
+#[derive(Clone, Debug)]
+pub struct PreparedPrompt {
+    /// Token ids.
+    pub input_ids: Vec<u32>,
+    /// mRoPE positions per token (`None`: text positions).
+    pub positions: Option<Vec<[i64; 3]>>,
+    /// Decode position delta.
+    pub rope_delta: i64,
+    /// Media items.
+    pub media: Vec<PreparedMedia>,
+    /// The prompt ends inside an open `<think>` block (the reply starts with reasoning).
+    pub thinking_open: bool,
+}
+
+/// Commands of the tokenizer actor.
+#[derive(Debug)]
+pub enum TokenizerCommand {
+    /// Render, expand, tokenize a chat prompt.
+    PrepareChat {
+        /// The prompt.
+        prompt: ChatPrompt,
+        /// The prepared prompt or why not.
+        reply: oneshot::Sender<Result<PreparedPrompt, RequestError>>,
+    },
+    /// Tokenize a completion prompt.
+    PrepareCompletion {
+        /// The prompt.
+        prompt: CompletionPrompt,
+        /// The prepared prompt or why not.
+        reply: oneshot::Sender<Result<PreparedPrompt, RequestError>>,
+    },
+    /// Decode ids to text (incremental detokenization decodes growing windows).
+    Decode {
+        /// Token ids.
+        ids: Vec<u32>,
+        /// Drop special tokens.
+        skip_special: bool,
+        /// The text.
+        reply: oneshot::Sender<String>,
+    },
+    /// Text of each single token (logprobs).
+    TokenTexts {
+        /// Token ids.
+        ids: Vec<u32>,
+        /// One string per id.
+        reply: oneshot::Sender<Vec<String>>,
+    },
+}

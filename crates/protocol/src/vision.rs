@@ -1,0 +1,38 @@
+//! Messages to the vision encoder actor.
+
+use std::sync::Arc;
+
+use osprey_models::vision::PixelPatches;
+use tokio::sync::oneshot;
+
+use crate::MediaHash;
+
+/// Encoder cache counters.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VisionStats {
+    /// Encodes served from the cache.
+    pub hits: u64,
+    /// Encodes computed.
+    pub misses: u64,
+    /// Bytes held by the cache.
+    pub cached_bytes: u64,
+}
+
+/// Commands of the vision actor.
+#[derive(Debug)]
+pub enum VisionCommand {
+    /// Vision rows `[tokens, hidden]` of one media item (from the cache when the hash is known).
+    Encode {
+        /// Content hash.
+        hash: MediaHash,
+        /// Pixel rows and grid.
+        patches: Arc<PixelPatches>,
+        /// The rows or an error message.
+        reply: oneshot::Sender<Result<Arc<Vec<f32>>, String>>,
+    },
+    /// Cache counters.
+    Stats {
+        /// Counters.
+        reply: oneshot::Sender<VisionStats>,
+    },
+}

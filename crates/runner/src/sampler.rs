@@ -1,0 +1,163 @@
+//! Sampling: penalties, temperature, top-k, top-p, min-p, seeded randomness, logprobs.
+//!
+//! Order (as vLLM): repetition penalty over prompt + output tokens, presence/frequency penalties over output
+//! tokens, then temperature (0 = greedy), top-k, top-p, min-p, and a draw. Reported logprobs are the
+//! log-softmax of the model's raw logits (vLLM's default `raw_logprobs`), so they do not depend on the
+//! sampling settings.
+
+use std::collections::HashMap;
+
+use osprey_protocol::runner::TokenLogprobs;
+use osprey_protocol::scheduler::SamplingParams;
+
+/// A small seeded generator (splitmix64): reproducible draws per request seed.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// From a seed.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f32>().ln();
+    logits.iter().map(|l| l - lse).collect()
+}
+
+fn argmax(v: &[f32]) -> usize {
+    // First index of the maximum (torch.argmax's tie rule).
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Samples one token from `logits` (raw model output for the last position).
+pub fn sample(
+    logits: &[f32],
+    p: &SamplingParams,
+    prompt: &[u32],
+    output: &[u32],
+    rng: &mut Rng,
+) -> (u32, Option<TokenLogprobs>) {
+    let raw_lp = p.logprobs.map(|_| log_softmax(logits));
+    let mut l = logits.to_vec();
+    if p.repetition_penalty != 1.0 {
+        let mut seen: Vec<u32> = prompt.iter().chain(output).copied().collect();
+        seen.sort_unstable();
+        seen.dedup();
+        for t in seen {
+            let x = &mut l[t as usize];
+            *x = if *x > 0.0 { *x / p.repetition_penalty } else { *x * p.repetition_penalty };
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        let mut counts: HashMap<u32, usize> = HashMap::new();
+        for &t in output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, c) in counts {
+            l[t as usize] -= p.presence_penalty + p.frequency_penalty * c as f32;
+        }
+    }
+    let token = if p.temperature <= 0.0 { argmax(&l) } else { draw(&l, p, rng) };
+    let lp = raw_lp.map(|lp| {
+        let mut idx: Vec<usize> = (0..lp.len()).collect();
+        let n = p.logprobs.unwrap_or(0).min(lp.len());
+        idx.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
+        TokenLogprobs { logprob: lp[token], top: idx[..n].iter().map(|&i| (i as u32, lp[i])).collect() }
+    });
+    (token as u32, lp)
+}
+
+fn draw(l: &[f32], p: &SamplingParams, rng: &mut Rng) -> usize {
+    let mut cand: Vec<(usize, f32)> = l.iter().enumerate().map(|(i, x)| (i, x / p.temperature)).collect();
+    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 {
+        cand.truncate(p.top_k);
+    }
+    let max = cand[0].1;
+    let mut probs: Vec<f64> = cand.iter().map(|(_, x)| ((x - max) as f64).exp()).collect();
+    let sum: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|x| *x /= sum);
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        let mut keep = probs.len();
+        for (i, q) in probs.iter().enumerate() {
+            acc += q;
+            if acc >= p.top_p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+        probs.truncate(keep);
+        cand.truncate(keep);
+    }
+    if p.min_p > 0.0 {
+        let floor = probs[0] * p.min_p as f64;
+        let keep = probs.iter().take_while(|&&q| q >= floor).count().max(1);
+        probs.truncate(keep);
+        cand.truncate(keep);
+    }
+    let total: f64 = probs.iter().sum();
+    let mut u = rng.uniform() * total;
+    for (i, q) in probs.iter().enumerate() {
+        if u < *q {
+            return cand[i].0;
+        }
+        u -= q;
+    }
+    cand[cand.len() - 1].0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_penalties_and_logprobs() {
+        let logits = [1.0f32, 3.0, 2.0, -1.0];
+        let greedy = SamplingParams { temperature: 0.0, logprobs: Some(2), ..SamplingParams::default() };
+        let (t, lp) = sample(&logits, &greedy, &[], &[], &mut Rng::new(1));
+        assert_eq!(t, 1);
+        let lp = lp.expect("logprobs");
+        let lse = (1f32.exp() + 3f32.exp() + 2f32.exp() + (-1f32).exp()).ln();
+        assert!((lp.logprob - (3.0 - lse)).abs() < 1e-6);
+        assert_eq!(lp.top.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2]);
+        // Presence penalty 1.5 on token 1 (already generated) makes token 2 the argmax.
+        let pen = SamplingParams { temperature: 0.0, presence_penalty: 1.5, ..SamplingParams::default() };
+        assert_eq!(sample(&logits, &pen, &[], &[1], &mut Rng::new(1)).0, 2);
+        // Repetition penalty 4 on prompt token 1: 3/4 < 2.
+        let rep = SamplingParams { temperature: 0.0, repetition_penalty: 4.0, ..SamplingParams::default() };
+        assert_eq!(sample(&logits, &rep, &[1], &[], &mut Rng::new(1)).0, 2);
+    }
+
+    #[test]
+    fn seeded_sampling_is_reproducible_and_truncation_works() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let p = SamplingParams { temperature: 0.8, top_p: 0.9, seed: Some(3), ..SamplingParams::default() };
+        let a: Vec<u32> = (0..20).scan(Rng::new(3), |r, _| Some(sample(&logits, &p, &[], &[], r).0)).collect();
+        let b: Vec<u32> = (0..20).scan(Rng::new(3), |r, _| Some(sample(&logits, &p, &[], &[], r).0)).collect();
+        assert_eq!(a, b);
+        let k1 = SamplingParams { temperature: 1.0, top_k: 1, ..SamplingParams::default() };
+        let best = argmax(&logits) as u32;
+        assert!((0..20).all(|s| sample(&logits, &k1, &[], &[], &mut Rng::new(s)).0 == best));
+        let minp = SamplingParams { temperature: 1.0, min_p: 1.0, ..SamplingParams::default() };
+        assert!((0..20).all(|s| sample(&logits, &minp, &[], &[], &mut Rng::new(s)).0 == best));
+    }
+}

@@ -1,0 +1,90 @@
+//! # osprey-scheduler — continuous batching with chunked prefill
+//!
+//! Brief overview: owns the waiting and running queues and the token budget. Accepts
+//! [`SchedulerCommand`]s (submit, cancel, stats); each step it builds a `BatchPlan`, sends it to the
+//! runner, and turns the `StepResult` into per-request `EngineEvent`s. The logic is the synchronous
+//! [`Scheduler`] core; [`spawn`] wraps it in a thread. A request whose event receiver is dropped (the
+//! client left) is cancelled at the next step and its state released.
+
+mod core;
+
+use std::thread;
+
+use osprey_protocol::runner::RunnerCommand;
+use osprey_protocol::scheduler::SchedulerCommand;
+use tokio::sync::{mpsc, oneshot};
+
+pub use crate::core::{Scheduler, SchedulerConfig};
+
+/// Cloneable handle to the scheduler actor.
+#[derive(Clone, Debug)]
+pub struct SchedulerHandle {
+    tx: mpsc::UnboundedSender<SchedulerCommand>,
+}
+
+impl SchedulerHandle {
+    /// Sends a command; `false` when the actor is gone.
+    pub fn send(&self, cmd: SchedulerCommand) -> bool {
+        self.tx.send(cmd).is_ok()
+    }
+
+    /// The actor's inbox, for actors that talk to it through `osprey-protocol` messages only.
+    pub fn sender(&self) -> mpsc::UnboundedSender<SchedulerCommand> {
+        self.tx.clone()
+    }
+}
+
+/// Starts the scheduler thread, driving `runner`.
+pub fn spawn(cfg: SchedulerConfig, runner: mpsc::UnboundedSender<RunnerCommand>) -> SchedulerHandle {
+    let (tx, mut rx) = mpsc::unbounded_channel::<SchedulerCommand>();
+    thread::Builder::new()
+        .name("osprey-scheduler".into())
+        .spawn(move || {
+            let mut s = Scheduler::new(cfg);
+            loop {
+                // Block only when idle; otherwise take what is queued and step.
+                let first = if s.has_work() {
+                    match rx.try_recv() {
+                        Ok(c) => Some(c),
+                        Err(mpsc::error::TryRecvError::Empty) => None,
+                        Err(mpsc::error::TryRecvError::Disconnected) => return,
+                    }
+                } else {
+                    match rx.blocking_recv() {
+                        Some(c) => Some(c),
+                        None => return,
+                    }
+                };
+                let mut next = first;
+                while let Some(cmd) = next {
+                    match cmd {
+                        SchedulerCommand::Submit { request, events } => {
+                            if let Err(e) = s.submit(request, events.clone()) {
+                                let _ = events.send(osprey_protocol::scheduler::EngineEvent::Failed(e));
+                            }
+                        }
+                        SchedulerCommand::Cancel { id } => s.cancel(id),
+                        SchedulerCommand::Stats { reply } => {
+                            let _ = reply.send(s.stats());
+                        }
+                    }
+                    next = rx.try_recv().ok();
+                }
+                let Some(plan) = s.schedule() else { continue };
+                let (reply, wait) = oneshot::channel();
+                if runner.send(RunnerCommand::Step { plan: plan.clone(), reply }).is_err() {
+                    tracing::error!("runner is gone; scheduler stops");
+                    return;
+                }
+                match wait.blocking_recv() {
+                    Ok(result) => s.update(&plan, result),
+                    Err(_) => {
+                        tracing::error!("runner dropped a step; scheduler stops");
+                        return;
+                    }
+                }
+            }
+        })
+        .expect("spawn scheduler thread");
+    SchedulerHandle { tx }
+}

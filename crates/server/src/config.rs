@@ -1,0 +1,55 @@
+//! Server settings (from config/osprey.toml and CLI flags, merged by the binary).
+
+use std::path::PathBuf;
+
+/// Limits on what one request may carry.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Most media items (images + videos) per request.
+    pub max_media_per_request: usize,
+    /// Largest decoded size of one media item (data URL payload, fetched or local file), bytes.
+    pub max_media_bytes: usize,
+    /// Largest declared width·height of an image or frame (checked on the header, before decoding).
+    pub max_image_pixels: u64,
+    /// Most frames in one video.
+    pub max_video_frames: usize,
+    /// Hosts whose http(s) media URLs may be fetched (empty: none).
+    pub allowed_media_domains: Vec<String>,
+    /// Directory under which `file://` media may be read (None: no local files).
+    pub allowed_local_media_path: Option<PathBuf>,
+    /// Largest request body, bytes.
+    pub max_body_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_media_per_request: 8,
+            max_media_bytes: 16 << 20,
+            max_image_pixels: 64 << 20,
+            max_video_frames: 64,
+            allowed_media_domains: Vec::new(),
+            allowed_local_media_path: None,
+            max_body_bytes: 64 << 20,
+        }
+    }
+}
+
+/// Everything the HTTP layer needs to know.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The id clients use in `model` (and /v1/models lists).
+    pub model_id: String,
+    /// Context length of the model.
+    pub context_len: usize,
+    /// Vocabulary size (token-id prompts are checked against it).
+    pub vocab_size: usize,
+    /// The model takes images and videos.
+    pub vision: bool,
+    /// Bearer key required on /v1 routes (None: open).
+    pub api_key: Option<String>,
+    /// End-of-sequence token ids.
+    pub eos_token_ids: Vec<u32>,
+    /// Request limits.
+    pub limits: Limits,
+}

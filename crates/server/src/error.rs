@@ -1,0 +1,69 @@
+//! The one place where errors become HTTP: status codes and the OpenAI error envelope
+//! `{"error": {"message", "type", "param", "code"}}`, also used as an SSE event mid-stream.
+
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, ResponseError};
+use osprey_protocol::{ErrorCode, RequestError};
+
+/// An error on its way to the client.
+#[derive(Debug)]
+pub struct ApiError(pub RequestError);
+
+impl From<RequestError> for ApiError {
+    fn from(e: RequestError) -> Self {
+        ApiError(e)
+    }
+}
+
+impl ApiError {
+    /// Shorthand constructor.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ApiError(RequestError::new(code, message))
+    }
+
+    /// Names the offending parameter.
+    pub fn param(mut self, p: impl Into<String>) -> Self {
+        self.0.param = Some(p.into());
+        self
+    }
+
+    /// The envelope as JSON.
+    pub fn body(&self) -> serde_json::Value {
+        let kind = match self.status_code().as_u16() {
+            401 => "authentication_error",
+            404 => "not_found_error",
+            500..=599 => "server_error",
+            _ => "invalid_request_error",
+        };
+        serde_json::json!({"error": {
+            "message": self.0.message,
+            "type": kind,
+            "param": self.0.param,
+            "code": self.0.code.as_str(),
+        }})
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        match self.0.code {
+            ErrorCode::InvalidApiKey => StatusCode::UNAUTHORIZED,
+            ErrorCode::ModelNotFound => StatusCode::NOT_FOUND,
+            ErrorCode::MediaTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::MediaUrlNotAllowed => StatusCode::FORBIDDEN,
+            ErrorCode::EngineError => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::BAD_REQUEST,
+        }
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        HttpResponse::build(self.status_code()).json(self.body())
+    }
+}

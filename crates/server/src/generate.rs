@@ -1,0 +1,248 @@
+//! One request's generation as seen from HTTP: submit to the scheduler, turn engine events into text
+//! deltas (with stop strings, reasoning split, logprobs), record latency metrics. Dropping a
+//! `Generation` drops its event receiver, which cancels the sequence at the engine's next step.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use osprey_protocol::runner::TokenLogprobs;
+use osprey_protocol::scheduler::{EngineEvent, FinishReason, GenerateRequest, SchedulerCommand};
+use osprey_protocol::tokenizer::{PreparedPrompt, TokenizerCommand};
+use osprey_protocol::{ErrorCode, SeqId};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::ApiError;
+use crate::text::{ReasoningSplit, TextState};
+use crate::validate::GenParams;
+use crate::AppState;
+
+/// Token counts of a finished request.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt: usize,
+    /// Of which served from the prefix cache.
+    pub cached: usize,
+    /// Generated tokens.
+    pub completion: usize,
+}
+
+impl Usage {
+    /// The OpenAI `usage` object.
+    pub fn json(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": self.prompt + self.completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
+        })
+    }
+}
+
+/// One token's logprobs with token texts.
+#[derive(Clone, Debug)]
+pub struct LogprobEntry {
+    /// Token text.
+    pub token: String,
+    /// log p.
+    pub logprob: f32,
+    /// Alternatives `(text, logprob)`.
+    pub top: Vec<(String, f32)>,
+}
+
+/// A piece of output.
+#[derive(Debug)]
+pub enum Piece {
+    /// New text (either part may be empty) and the logprobs of the tokens it came from.
+    Delta {
+        /// Reasoning text.
+        reasoning: String,
+        /// Answer text.
+        content: String,
+        /// Per token.
+        logprobs: Vec<LogprobEntry>,
+    },
+    /// The end.
+    Done {
+        /// `stop` or `length`.
+        finish: &'static str,
+        /// Counts.
+        usage: Usage,
+    },
+}
+
+/// A running generation.
+#[derive(Debug)]
+pub struct Generation {
+    state: Arc<AppState>,
+    id: SeqId,
+    rx: mpsc::UnboundedReceiver<EngineEvent>,
+    gen: GenParams,
+    ids: Vec<u32>,
+    text: TextState,
+    split: ReasoningSplit,
+    started: Instant,
+    last_token: Option<Instant>,
+    usage: Usage,
+    done: bool,
+    queue: VecDeque<Piece>,
+}
+
+async fn ask<T>(state: &AppState, make: impl FnOnce(oneshot::Sender<T>) -> TokenizerCommand) -> Result<T, ApiError> {
+    let (tx, rx) = oneshot::channel();
+    if state.tokenizer.send(make(tx)).is_err() {
+        return Err(ApiError::new(ErrorCode::Unavailable, "the tokenizer is gone"));
+    }
+    rx.await.map_err(|_| ApiError::new(ErrorCode::Unavailable, "the tokenizer dropped the request"))
+}
+
+impl Generation {
+    /// Submits `prompt`; `reasoning` enables the `<think>` split (chat only).
+    pub fn start(
+        state: Arc<AppState>,
+        prompt: PreparedPrompt,
+        gen: GenParams,
+        started: Instant,
+        reasoning: bool,
+    ) -> Result<Self, ApiError> {
+        let prompt_len = prompt.input_ids.len();
+        let ctx = state.cfg.context_len;
+        if prompt_len >= ctx {
+            return Err(ApiError::new(
+                ErrorCode::ContextLengthExceeded,
+                format!("the prompt has {prompt_len} tokens; this model's context length is {ctx}"),
+            )
+            .param("messages"));
+        }
+        let max_tokens = gen.max_tokens.unwrap_or(ctx - prompt_len);
+        let id = state.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let open = reasoning && prompt.thinking_open;
+        let request = GenerateRequest {
+            id,
+            prompt: Arc::new(prompt),
+            sampling: gen.sampling.clone(),
+            max_tokens,
+            stop_token_ids: if gen.ignore_eos { Vec::new() } else { state.cfg.eos_token_ids.clone() },
+        };
+        if state.scheduler.send(SchedulerCommand::Submit { request, events: tx }).is_err() {
+            return Err(ApiError::new(ErrorCode::Unavailable, "the scheduler is gone"));
+        }
+        Ok(Generation {
+            state,
+            id,
+            rx,
+            gen,
+            ids: Vec::new(),
+            text: TextState::default(),
+            split: ReasoningSplit::new(open),
+            started,
+            last_token: None,
+            usage: Usage { prompt: prompt_len, ..Usage::default() },
+            done: false,
+            queue: VecDeque::new(),
+        })
+    }
+
+    async fn entries(&self, lp: TokenLogprobs, token: u32) -> Result<LogprobEntry, ApiError> {
+        let mut ids = vec![token];
+        ids.extend(lp.top.iter().map(|(t, _)| *t));
+        let texts = ask(&self.state, |reply| TokenizerCommand::TokenTexts { ids, reply }).await?;
+        Ok(LogprobEntry {
+            token: texts[0].clone(),
+            logprob: lp.logprob,
+            top: lp.top.iter().zip(&texts[1..]).map(|((_, l), t)| (t.clone(), *l)).collect(),
+        })
+    }
+
+    /// The next piece; `None` after `Done`.
+    pub async fn next(&mut self) -> Option<Result<Piece, ApiError>> {
+        if let Some(p) = self.queue.pop_front() {
+            return Some(Ok(p));
+        }
+        if self.done {
+            return None;
+        }
+        loop {
+            let Some(ev) = self.rx.recv().await else {
+                self.done = true;
+                return Some(Err(ApiError::new(ErrorCode::Unavailable, "the engine stopped")));
+            };
+            match ev {
+                EngineEvent::Token { token, logprobs } => {
+                    let now = Instant::now();
+                    match self.last_token {
+                        None => self.state.metrics.ttft.observe((now - self.started).as_secs_f64()),
+                        Some(t) => self.state.metrics.itl.observe((now - t).as_secs_f64()),
+                    }
+                    self.last_token = Some(now);
+                    self.usage.completion += 1;
+                    self.ids.push(token);
+                    let full = match ask(&self.state, |reply| TokenizerCommand::Decode {
+                        ids: self.ids.clone(),
+                        skip_special: true,
+                        reply,
+                    })
+                    .await
+                    {
+                        Ok(t) => t,
+                        Err(e) => return Some(Err(e)),
+                    };
+                    let delta = self.text.advance(&full, &self.gen.stop, false);
+                    let logprobs = match logprobs {
+                        Some(lp) => match self.entries(lp, token).await {
+                            Ok(e) => vec![e],
+                            Err(e) => return Some(Err(e)),
+                        },
+                        None => Vec::new(),
+                    };
+                    let (mut reasoning, mut content) = self.split.feed(&delta);
+                    if self.text.stopped() {
+                        // A stop string ended the text: stop the engine and finish here.
+                        let _ = self.state.scheduler.send(SchedulerCommand::Cancel { id: self.id });
+                        let (r, c) = self.split.flush();
+                        reasoning.push_str(&r);
+                        content.push_str(&c);
+                        self.rx.close();
+                        self.done = true;
+                        self.queue.push_back(Piece::Done { finish: "stop", usage: self.usage });
+                        return Some(Ok(Piece::Delta { reasoning, content, logprobs }));
+                    }
+                    if reasoning.is_empty() && content.is_empty() && logprobs.is_empty() {
+                        continue;
+                    }
+                    return Some(Ok(Piece::Delta { reasoning, content, logprobs }));
+                }
+                EngineEvent::Finished { reason, prompt_tokens, cached_tokens, completion_tokens } => {
+                    self.usage = Usage { prompt: prompt_tokens, cached: cached_tokens, completion: completion_tokens };
+                    self.done = true;
+                    let finish = match reason {
+                        FinishReason::Stop => "stop",
+                        FinishReason::Length => "length",
+                    };
+                    // The rest of the text (a held-back stop prefix that never matched, a pending tag).
+                    let full = ask(&self.state, |reply| TokenizerCommand::Decode {
+                        ids: self.ids.clone(),
+                        skip_special: true,
+                        reply,
+                    })
+                    .await;
+                    let delta = full.map(|f| self.text.advance(&f, &self.gen.stop, true)).unwrap_or_default();
+                    let (mut r, mut c) = self.split.feed(&delta);
+                    let (r2, c2) = self.split.flush();
+                    r.push_str(&r2);
+                    c.push_str(&c2);
+                    self.queue.push_back(Piece::Done { finish, usage: self.usage });
+                    return Some(Ok(Piece::Delta { reasoning: r, content: c, logprobs: Vec::new() }));
+                }
+                EngineEvent::Failed(e) => {
+                    self.done = true;
+                    return Some(Err(ApiError(e)));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! # osprey-server — the OpenAI-compatible HTTP endpoint
+//!
+//! Brief overview: actix-web routes `POST /v1/chat/completions`, `POST /v1/completions`,
+//! `GET /v1/models`, `GET /health`, `GET /metrics`. Handlers parse and validate the OpenAI body into
+//! protocol messages, ask the tokenizer actor to prepare the prompt, submit it to the scheduler actor and
+//! stream its token events back (SSE or one JSON body). The server owns only its HTTP metrics; it talks to
+//! the engine through `osprey-protocol` senders. Errors become OpenAI error envelopes in one place
+//! ([`ApiError`]).
+
+pub mod config;
+mod error;
+mod generate;
+mod handlers;
+mod metrics;
+mod text;
+mod validate;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+
+use actix_web::dev::Server;
+use actix_web::{web, App, HttpServer};
+use osprey_protocol::scheduler::SchedulerCommand;
+use osprey_protocol::tokenizer::TokenizerCommand;
+use osprey_protocol::vision::VisionCommand;
+use osprey_protocol::ErrorCode;
+use tokio::sync::mpsc::UnboundedSender;
+
+pub use config::{Limits, ServerConfig};
+pub use error::ApiError;
+pub use metrics::Metrics;
+
+/// Shared state of the HTTP layer.
+#[derive(Debug)]
+pub struct AppState {
+    cfg: ServerConfig,
+    tokenizer: UnboundedSender<TokenizerCommand>,
+    scheduler: UnboundedSender<SchedulerCommand>,
+    vision: Option<UnboundedSender<VisionCommand>>,
+    metrics: Metrics,
+    next_id: AtomicU64,
+    ready: AtomicBool,
+    created: u64,
+}
+
+/// The actors the server talks to.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    /// Tokenizer actor inbox.
+    pub tokenizer: UnboundedSender<TokenizerCommand>,
+    /// Scheduler actor inbox.
+    pub scheduler: UnboundedSender<SchedulerCommand>,
+    /// Vision actor inbox (stats only), when the model has a tower.
+    pub vision: Option<UnboundedSender<VisionCommand>>,
+}
+
+/// Binds the HTTP server; returns it (to be awaited) and the bound address (port 0 picks one).
+pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> std::io::Result<(Server, SocketAddr)> {
+    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let body_limit = cfg.limits.max_body_bytes;
+    let state = web::Data::new(AppState {
+        cfg,
+        tokenizer: engine.tokenizer,
+        scheduler: engine.scheduler,
+        vision: engine.vision,
+        metrics: Metrics::default(),
+        next_id: AtomicU64::new(1),
+        ready: AtomicBool::new(true),
+        created,
+    });
+    let json_cfg = web::JsonConfig::default().limit(body_limit).content_type_required(false).error_handler(|err, _| {
+        let code = match &err {
+            actix_web::error::JsonPayloadError::Overflow { .. }
+            | actix_web::error::JsonPayloadError::OverflowKnownLength { .. } => ErrorCode::MediaTooLarge,
+            _ => ErrorCode::InvalidJson,
+        };
+        ApiError::new(code, format!("could not parse the request body: {err}")).into()
+    });
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(state.clone())
+            .app_data(json_cfg.clone())
+            .route("/v1/chat/completions", web::post().to(handlers::chat))
+            .route("/v1/completions", web::post().to(handlers::completions))
+            .route("/v1/models", web::get().to(handlers::models))
+            .route("/health", web::get().to(handlers::health))
+            .route("/metrics", web::get().to(handlers::metrics))
+            .default_service(web::to(|| async {
+                ApiError::new(ErrorCode::InvalidRequest, "no such endpoint").param("path").error_response_owned()
+            }))
+    })
+    .workers(workers.max(1))
+    .disable_signals()
+    .bind(addr)?;
+    let bound = server.addrs().first().copied().ok_or_else(|| std::io::Error::other("no address bound"))?;
+    Ok((server.run(), bound))
+}
+
+impl ApiError {
+    fn error_response_owned(self) -> actix_web::HttpResponse {
+        actix_web::ResponseError::error_response(&self)
+    }
+}

@@ -1,0 +1,179 @@
+//! HTTP-side metrics (owned by the server; engine gauges are asked from the scheduler per scrape) and the
+//! Prometheus text rendering.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use osprey_protocol::scheduler::SchedulerStats;
+use osprey_protocol::vision::VisionStats;
+
+const BUCKETS: [f64; 12] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+
+/// A fixed-bucket histogram of seconds.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    counts: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    /// Records one observation.
+    pub fn observe(&self, secs: f64) {
+        for (b, c) in BUCKETS.iter().zip(&self.counts) {
+            if secs <= *b {
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_micros.fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
+    }
+
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} histogram\n"));
+        for (b, c) in BUCKETS.iter().zip(&self.counts) {
+            out.push_str(&format!("{name}_bucket{{le=\"{b}\"}} {}\n", c.load(Ordering::Relaxed)));
+        }
+        let n = self.count.load(Ordering::Relaxed);
+        out.push_str(&format!("{name}_bucket{{le=\"+Inf\"}} {n}\n"));
+        out.push_str(&format!("{name}_sum {}\n", self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6));
+        out.push_str(&format!("{name}_count {n}\n"));
+    }
+}
+
+/// Counters of the HTTP layer.
+#[derive(Debug)]
+pub struct Metrics {
+    /// Requests that returned a response (any status), per endpoint.
+    pub chat_requests: AtomicU64,
+    /// Completion requests.
+    pub completion_requests: AtomicU64,
+    /// Requests answered with an error.
+    pub failed_requests: AtomicU64,
+    /// Time to first token.
+    pub ttft: Histogram,
+    /// Time between consecutive tokens.
+    pub itl: Histogram,
+    last_scrape: Mutex<Option<(Instant, u64)>>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            chat_requests: AtomicU64::new(0),
+            completion_requests: AtomicU64::new(0),
+            failed_requests: AtomicU64::new(0),
+            ttft: Histogram::default(),
+            itl: Histogram::default(),
+            last_scrape: Mutex::new(None),
+        }
+    }
+}
+
+fn gauge(out: &mut String, name: &str, help: &str, kind: &str, v: f64) {
+    out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"));
+}
+
+impl Metrics {
+    /// Prometheus exposition text.
+    pub fn render(&self, s: &SchedulerStats, v: &VisionStats) -> String {
+        let mut out = String::new();
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        out.push_str(
+            "# HELP osprey_requests_total Requests received, by endpoint.\n# TYPE osprey_requests_total counter\n",
+        );
+        out.push_str(&format!("osprey_requests_total{{endpoint=\"chat\"}} {}\n", ld(&self.chat_requests)));
+        out.push_str(&format!("osprey_requests_total{{endpoint=\"completions\"}} {}\n", ld(&self.completion_requests)));
+        gauge(
+            &mut out,
+            "osprey_requests_failed_total",
+            "Requests answered with an error.",
+            "counter",
+            ld(&self.failed_requests),
+        );
+        self.ttft.render(
+            "osprey_time_to_first_token_seconds",
+            "Time from request arrival to the first token.",
+            &mut out,
+        );
+        self.itl.render(
+            "osprey_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request.",
+            &mut out,
+        );
+        gauge(&mut out, "osprey_queue_length", "Requests waiting for admission.", "gauge", s.waiting as f64);
+        gauge(&mut out, "osprey_running_sequences", "Sequences being computed.", "gauge", s.running as f64);
+        gauge(&mut out, "osprey_kv_tokens", "Tokens held in KV by running sequences.", "gauge", s.kv_tokens as f64);
+        gauge(&mut out, "osprey_kv_capacity_tokens", "KV capacity in tokens.", "gauge", s.kv_capacity as f64);
+        gauge(
+            &mut out,
+            "osprey_prompt_tokens_total",
+            "Prompt tokens computed.",
+            "counter",
+            s.prompt_tokens_total as f64,
+        );
+        gauge(
+            &mut out,
+            "osprey_generated_tokens_total",
+            "Tokens generated.",
+            "counter",
+            s.generated_tokens_total as f64,
+        );
+        gauge(
+            &mut out,
+            "osprey_cancelled_total",
+            "Sequences cancelled because the client left or a stop string matched.",
+            "counter",
+            s.cancelled_total as f64,
+        );
+        gauge(&mut out, "osprey_steps_total", "Engine steps executed.", "counter", s.steps_total as f64);
+        let now = Instant::now();
+        let rate = {
+            let mut last = self.last_scrape.lock().unwrap_or_else(|p| p.into_inner());
+            let r = match *last {
+                Some((t, n)) if now > t => {
+                    (s.generated_tokens_total.saturating_sub(n)) as f64 / (now - t).as_secs_f64()
+                }
+                _ => 0.0,
+            };
+            *last = Some((now, s.generated_tokens_total));
+            r
+        };
+        gauge(
+            &mut out,
+            "osprey_generation_tokens_per_second",
+            "Tokens generated per second since the previous scrape.",
+            "gauge",
+            rate,
+        );
+        let prefix_rate = if s.prompt_tokens_total + s.cached_tokens_total > 0 {
+            s.cached_tokens_total as f64 / (s.prompt_tokens_total + s.cached_tokens_total) as f64
+        } else {
+            0.0
+        };
+        gauge(
+            &mut out,
+            "osprey_prefix_cache_hit_rate",
+            "Fraction of prompt tokens served from the prefix cache.",
+            "gauge",
+            prefix_rate,
+        );
+        let vt = v.hits + v.misses;
+        gauge(
+            &mut out,
+            "osprey_vision_cache_hit_rate",
+            "Fraction of media encodes served from the encoder cache.",
+            "gauge",
+            if vt > 0 { v.hits as f64 / vt as f64 } else { 0.0 },
+        );
+        gauge(
+            &mut out,
+            "osprey_vision_cache_bytes",
+            "Bytes held by the encoder cache.",
+            "gauge",
+            v.cached_bytes as f64,
+        );
+        out
+    }
+}

@@ -1,0 +1,196 @@
+//! The tokenizer actor: a thread owning the tokenizer, chat template and processor config.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::thread;
+
+use blake2::digest::{Update, VariableOutput};
+use blake2::Blake2bVar;
+use osprey_models::vision::{decode_animation, decode_image, DecodeLimits, ProcessorConfig};
+use osprey_protocol::tokenizer::{
+    ChatPrompt, CompletionPrompt, MediaInput, MediaLimits, PreparedMedia, PreparedPrompt, TokenizerCommand,
+};
+use osprey_protocol::{ErrorCode, MediaHash, RequestError};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
+
+/// Everything the actor owns.
+#[derive(Debug)]
+pub struct TokenizerCore {
+    tok: TextTokenizer,
+    template: Option<ChatTemplate>,
+    processor: ProcessorConfig,
+    vision: bool,
+}
+
+fn media_error(e: osprey_models::Error) -> RequestError {
+    match e {
+        osprey_models::Error::MediaLimit(m) => RequestError::new(ErrorCode::MediaTooLarge, m),
+        other => RequestError::new(ErrorCode::InvalidMedia, other.to_string()),
+    }
+}
+
+fn hash(parts: &[&[u8]]) -> MediaHash {
+    let mut h = Blake2bVar::new(16).expect("16-byte blake2b");
+    for p in parts {
+        h.update(&(p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    let mut out = [0u8; 16];
+    h.finalize_variable(&mut out).expect("16 bytes");
+    out
+}
+
+fn decode(m: &MediaInput, limits: MediaLimits) -> Result<(Media, MediaHash), RequestError> {
+    let lim = DecodeLimits { max_pixels: limits.max_pixels, max_frames: limits.max_frames };
+    match m {
+        MediaInput::Image { bytes } => {
+            Ok((Media::Image(decode_image(bytes, lim).map_err(media_error)?), hash(&[b"image", bytes])))
+        }
+        MediaInput::VideoFrames { frames, fps } => {
+            if frames.len() > limits.max_frames {
+                return Err(RequestError::new(
+                    ErrorCode::MediaTooLarge,
+                    format!("the video has {} frames, more than the limit of {}", frames.len(), limits.max_frames),
+                ));
+            }
+            let decoded =
+                frames.iter().map(|f| decode_image(f, lim).map_err(media_error)).collect::<Result<Vec<_>, _>>()?;
+            let fps = fps.unwrap_or(24.0);
+            let mut parts: Vec<&[u8]> = vec![b"frames"];
+            let fps_bytes = fps.to_le_bytes();
+            parts.push(&fps_bytes);
+            parts.extend(frames.iter().map(Vec::as_slice));
+            Ok((Media::Video { frames: decoded, fps }, hash(&parts)))
+        }
+        MediaInput::VideoFile { bytes } => {
+            let f = decode_animation(bytes, lim).map_err(media_error)?;
+            Ok((Media::Video { frames: f.frames, fps: f.fps.unwrap_or(24.0) }, hash(&[b"video", bytes])))
+        }
+    }
+}
+
+impl TokenizerCore {
+    /// Loads the tokenizer, chat template (optional) and processor config of a model directory.
+    pub fn from_dir(dir: &Path, vision: bool) -> crate::Result<Self> {
+        Ok(TokenizerCore {
+            tok: TextTokenizer::from_dir(dir)?,
+            template: ChatTemplate::from_dir(dir).ok(),
+            processor: ProcessorConfig::from_dir(dir)?,
+            vision,
+        })
+    }
+
+    /// The text tokenizer.
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tok
+    }
+
+    /// Renders, expands, tokenizes a chat prompt.
+    pub fn prepare_chat(&self, p: ChatPrompt) -> Result<PreparedPrompt, RequestError> {
+        if !p.media.is_empty() && !self.vision {
+            return Err(RequestError::new(
+                ErrorCode::VisionUnsupported,
+                "this model does not accept image or video input",
+            ));
+        }
+        let template = self.template.as_ref().ok_or_else(|| {
+            RequestError::new(ErrorCode::InvalidRequest, "this model has no chat template; use /v1/completions")
+        })?;
+        let mut media = Vec::with_capacity(p.media.len());
+        let mut hashes = Vec::with_capacity(p.media.len());
+        for (i, m) in p.media.iter().enumerate() {
+            let (d, h) = decode(m, p.limits).map_err(|e| e.with_param(format!("media[{i}]")))?;
+            media.push(d);
+            hashes.push(h);
+        }
+        let text = template
+            .render(&p.messages, true, &p.template_kwargs)
+            .map_err(|e| RequestError::new(ErrorCode::InvalidRequest, e.to_string()).with_param("messages"))?;
+        let prepared = prepare_prompt(&self.tok, &self.processor, &text, &media).map_err(|e| match e {
+            crate::Error::Model(m) => media_error(m),
+            other => RequestError::new(ErrorCode::InvalidRequest, other.to_string()),
+        })?;
+        let thinking_open =
+            text.rfind("<think>").map(|o| text.rfind("</think>").is_none_or(|c| c < o)).unwrap_or(false);
+        let media = prepared
+            .media
+            .into_iter()
+            .zip(hashes)
+            .map(|(item, hash)| PreparedMedia { hash, patches: Arc::new(item.patches), spans: item.spans })
+            .collect();
+        let positions = (!p.media.is_empty()).then_some(prepared.positions);
+        Ok(PreparedPrompt {
+            input_ids: prepared.input_ids,
+            positions,
+            rope_delta: prepared.rope_delta,
+            media,
+            thinking_open,
+        })
+    }
+
+    /// Tokenizes a completion prompt (no template, no media).
+    pub fn prepare_completion(&self, p: CompletionPrompt) -> Result<PreparedPrompt, RequestError> {
+        let ids = match p {
+            CompletionPrompt::Ids(ids) => ids,
+            CompletionPrompt::Text(t) => {
+                self.tok.encode(&t).map_err(|e| RequestError::new(ErrorCode::InvalidRequest, e.to_string()))?
+            }
+        };
+        Ok(PreparedPrompt { input_ids: ids, positions: None, rope_delta: 0, media: Vec::new(), thinking_open: false })
+    }
+}
+
+/// Cloneable handle to the tokenizer actor.
+#[derive(Clone, Debug)]
+pub struct TokenizerHandle {
+    tx: mpsc::UnboundedSender<TokenizerCommand>,
+}
+
+impl TokenizerHandle {
+    /// Sends a command; `false` when the actor is gone.
+    pub fn send(&self, cmd: TokenizerCommand) -> bool {
+        self.tx.send(cmd).is_ok()
+    }
+
+    /// The actor's inbox, for actors that talk to it through `osprey-protocol` messages only.
+    pub fn sender(&self) -> mpsc::UnboundedSender<TokenizerCommand> {
+        self.tx.clone()
+    }
+
+    /// Decodes ids (await from async code).
+    pub async fn decode(&self, ids: Vec<u32>, skip_special: bool) -> Option<String> {
+        let (reply, rx) = oneshot::channel();
+        self.send(TokenizerCommand::Decode { ids, skip_special, reply }).then_some(())?;
+        rx.await.ok()
+    }
+}
+
+/// Starts the tokenizer thread.
+pub fn spawn(core: TokenizerCore) -> TokenizerHandle {
+    let (tx, mut rx) = mpsc::unbounded_channel::<TokenizerCommand>();
+    thread::Builder::new()
+        .name("osprey-tokenizer".into())
+        .spawn(move || {
+            while let Some(cmd) = rx.blocking_recv() {
+                match cmd {
+                    TokenizerCommand::PrepareChat { prompt, reply } => {
+                        let _ = reply.send(core.prepare_chat(prompt));
+                    }
+                    TokenizerCommand::PrepareCompletion { prompt, reply } => {
+                        let _ = reply.send(core.prepare_completion(prompt));
+                    }
+                    TokenizerCommand::Decode { ids, skip_special, reply } => {
+                        let _ = reply.send(core.tok.decode(&ids, skip_special).unwrap_or_default());
+                    }
+                    TokenizerCommand::TokenTexts { ids, reply } => {
+                        let texts = ids.iter().map(|&i| core.tok.decode(&[i], false).unwrap_or_default()).collect();
+                        let _ = reply.send(texts);
+                    }
+                }
+            }
+        })
+        .expect("spawn tokenizer thread");
+    TokenizerHandle { tx }
+}

@@ -1,0 +1,103 @@
+//! The `osprey` application: wires the actors into a serving engine. The binary (`main.rs`) parses the
+//! command line; this library builds the graph so integration tests start exactly what `osprey serve`
+//! starts.
+
+pub mod default_model;
+pub mod settings;
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use osprey_models::vision::VisionTower;
+use osprey_models::{Checkpoint, ModelConfig, Qwen35};
+use osprey_scheduler::SchedulerConfig;
+use osprey_server::{Engine, Limits, ServerConfig};
+use osprey_tokenizer::TokenizerCore;
+
+pub use settings::Settings;
+
+/// A textual progress bar on stderr (only when stderr is a terminal or `force`).
+fn progress_bar(label: &str, done: usize, total: usize) {
+    let width = 30;
+    let filled = width * done / total.max(1);
+    eprint!("\r{label} [{}{}] {done}/{total}", "=".repeat(filled), " ".repeat(width - filled));
+    if done == total {
+        eprintln!();
+    }
+    let _ = std::io::stderr().flush();
+}
+
+/// Loads the model and starts the tokenizer, vision, runner and scheduler actors and the HTTP server
+/// (bound, not yet awaited). Returns the server future and the address it listens on.
+pub fn start(settings: &Settings, model_dir: &Path) -> Result<(actix_web::dev::Server, SocketAddr)> {
+    let t0 = Instant::now();
+    let cfg = ModelConfig::from_dir(model_dir).with_context(|| format!("reading {}", model_dir.display()))?;
+    let ck = Checkpoint::open(model_dir)?;
+    let model =
+        Qwen35::from_checkpoint_with_progress(&cfg, &ck, None, &mut |d, n| progress_bar("loading weights", d, n))?;
+    let tower = match &cfg.vision {
+        Some(v) => Some(VisionTower::load(&ck, v)?),
+        None => None,
+    };
+    let context_len = settings.context_len.unwrap_or(cfg.text.max_position_embeddings.max(1));
+    let vocab = cfg.text.vocab_size;
+    let mut eos = cfg.text.eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default();
+    let tok = TokenizerCore::from_dir(model_dir, tower.is_some())?;
+    if let Some(im_end) = tok.tokenizer().token_id("<|im_end|>") {
+        if !eos.contains(&im_end) {
+            eos.push(im_end);
+        }
+    }
+    let vision = tower.map(|t| osprey_vision::spawn(t, settings.vision_cache_mb.unwrap_or(512) << 20));
+    let has_vision = vision.is_some();
+    let runner = osprey_runner::spawn(osprey_runner::Runner::new(model, vision.as_ref().map(|v| v.sender())));
+    let sched_cfg = SchedulerConfig {
+        max_batch_tokens: settings.max_batch_tokens.unwrap_or(2048),
+        max_prefill_tokens: settings.max_prefill_tokens.unwrap_or(512),
+        max_running_requests: settings.max_running_requests.unwrap_or(16),
+        kv_capacity_tokens: settings.kv_capacity_tokens.unwrap_or(4 * context_len),
+        context_len,
+    };
+    let scheduler = osprey_scheduler::spawn(sched_cfg, runner);
+    let tokenizer = osprey_tokenizer::spawn(tok);
+    let defaults = Limits::default();
+    let limits = Limits {
+        max_media_per_request: settings.max_media_per_request.unwrap_or(defaults.max_media_per_request),
+        max_media_bytes: settings.max_media_bytes.unwrap_or(defaults.max_media_bytes),
+        max_image_pixels: settings.max_image_pixels.unwrap_or(defaults.max_image_pixels),
+        max_video_frames: settings.max_video_frames.unwrap_or(defaults.max_video_frames),
+        allowed_media_domains: settings.allowed_media_domains.clone().unwrap_or_default(),
+        allowed_local_media_path: settings.allowed_local_media_path.clone(),
+        max_body_bytes: defaults.max_body_bytes,
+    };
+    let model_id = settings.served_model_name.clone().unwrap_or_else(|| {
+        model_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "osprey".into())
+    });
+    let server_cfg = ServerConfig {
+        model_id: model_id.clone(),
+        context_len,
+        vocab_size: vocab,
+        vision: has_vision,
+        api_key: settings.api_key.clone(),
+        eos_token_ids: eos,
+        limits,
+    };
+    let engine =
+        Engine { tokenizer: tokenizer.sender(), scheduler: scheduler.sender(), vision: vision.map(|v| v.sender()) };
+    let addr = format!("{}:{}", settings.host.as_deref().unwrap_or("127.0.0.1"), settings.port.unwrap_or(8080));
+    let (server, bound) = osprey_server::bind(server_cfg, engine, &addr, settings.http_workers.unwrap_or(2))?;
+    tracing::info!(
+        model = %model_dir.display(),
+        id = %model_id,
+        model_type = %cfg.model_type,
+        layers = cfg.text.num_hidden_layers,
+        vision = has_vision,
+        context = context_len,
+        secs = t0.elapsed().as_secs_f64(),
+        "model loaded; listening on http://{bound}"
+    );
+    Ok((server, bound))
+}

@@ -1,0 +1,88 @@
+//! `osprey serve` settings: `config/osprey.toml` (documented field by field there), overridden by CLI
+//! flags. Every field is optional; `None` means the built-in default.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::Deserialize;
+
+/// Merged settings.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// Model directory (None: the embedded default model).
+    pub model: Option<PathBuf>,
+    /// Id clients send as `model` (default: the directory name).
+    pub served_model_name: Option<String>,
+    /// Listen address (default 127.0.0.1).
+    pub host: Option<String>,
+    /// Listen port (default 8080).
+    pub port: Option<u16>,
+    /// Bearer key required on /v1 routes.
+    pub api_key: Option<String>,
+    /// HTTP worker threads (default 2).
+    pub http_workers: Option<usize>,
+    /// Override of the model's context length.
+    pub context_len: Option<usize>,
+    /// Prompt tokens per sequence per step (default 512).
+    pub max_prefill_tokens: Option<usize>,
+    /// Tokens per step over all sequences (default 2048).
+    pub max_batch_tokens: Option<usize>,
+    /// Concurrent sequences (default 16).
+    pub max_running_requests: Option<usize>,
+    /// KV capacity in tokens (default 4 × context length).
+    pub kv_capacity_tokens: Option<usize>,
+    /// Vision encoder cache size in MiB (default 512).
+    pub vision_cache_mb: Option<usize>,
+    /// Images + videos per request (default 8).
+    pub max_media_per_request: Option<usize>,
+    /// Bytes per media item (default 16 MiB).
+    pub max_media_bytes: Option<usize>,
+    /// Declared pixels per image or frame (default 64 Mi).
+    pub max_image_pixels: Option<u64>,
+    /// Frames per video (default 64).
+    pub max_video_frames: Option<usize>,
+    /// Hosts whose http(s) media may be fetched (default none).
+    pub allowed_media_domains: Option<Vec<String>>,
+    /// Directory for `file://` media (default none).
+    pub allowed_local_media_path: Option<PathBuf>,
+}
+
+macro_rules! overlay {
+    ($base:ident, $over:ident, $($f:ident),*) => { $( if $over.$f.is_some() { $base.$f = $over.$f.clone(); } )* };
+}
+
+impl Settings {
+    /// Reads a TOML file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+
+    /// `self` with every field `over` sets replaced (CLI over file).
+    pub fn overlay(mut self, over: &Settings) -> Self {
+        overlay!(
+            self,
+            over,
+            model,
+            served_model_name,
+            host,
+            port,
+            api_key,
+            http_workers,
+            context_len,
+            max_prefill_tokens,
+            max_batch_tokens,
+            max_running_requests,
+            kv_capacity_tokens,
+            vision_cache_mb,
+            max_media_per_request,
+            max_media_bytes,
+            max_image_pixels,
+            max_video_frames,
+            allowed_media_domains,
+            allowed_local_media_path
+        );
+        self
+    }
+}
