@@ -86,3 +86,19 @@ impl Settings {
         self
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_config_file_parses_and_flags_override_it() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/osprey.toml");
+        let file = Settings::from_file(&path).expect("config/osprey.toml parses");
+        assert_eq!(file.port, Some(8080));
+        assert_eq!(file.max_prefill_tokens, Some(512));
+        let merged = file.overlay(&Settings { port: Some(9000), ..Settings::default() });
+        assert_eq!((merged.port, merged.max_batch_tokens), (Some(9000), Some(2048)));
+        assert!(toml::from_str::<Settings>("no_such_key = 1").is_err(), "unknown keys are errors");
+    }
+}
