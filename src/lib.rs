@@ -53,15 +53,28 @@ pub fn start(settings: &Settings, model_dir: &Path) -> Result<(actix_web::dev::S
     }
     let vision = tower.map(|t| osprey_vision::spawn(t, settings.vision_cache_mb.unwrap_or(512) << 20));
     let has_vision = vision.is_some();
-    let runner = osprey_runner::spawn(osprey_runner::Runner::new(model, vision.as_ref().map(|v| v.sender())));
+    let page_size = settings.page_size.unwrap_or(16).max(1);
+    let grid = settings.snapshot_interval.unwrap_or(64).max(page_size) / page_size * page_size;
+    let runner =
+        osprey_runner::spawn(osprey_runner::Runner::new(model, vision.as_ref().map(|v| v.sender()), page_size));
+    let prefix_on = !settings.disable_prefix_cache.unwrap_or(false);
+    let prefix = prefix_on.then(|| {
+        osprey_prefix_cache::spawn(
+            page_size,
+            (settings.prefix_cache_mb.unwrap_or(1024.0).max(0.0) * 1048576.0) as usize,
+        )
+    });
     let sched_cfg = SchedulerConfig {
         max_batch_tokens: settings.max_batch_tokens.unwrap_or(2048),
         max_prefill_tokens: settings.max_prefill_tokens.unwrap_or(512),
         max_running_requests: settings.max_running_requests.unwrap_or(16),
         kv_capacity_tokens: settings.kv_capacity_tokens.unwrap_or(4 * context_len),
         context_len,
+        page_size,
+        snapshot_interval: grid,
+        prefix_cache: prefix_on,
     };
-    let scheduler = osprey_scheduler::spawn(sched_cfg, runner);
+    let scheduler = osprey_scheduler::spawn(sched_cfg, runner, prefix.clone());
     let tokenizer = osprey_tokenizer::spawn(tok);
     let defaults = Limits::default();
     let limits = Limits {
@@ -85,8 +98,12 @@ pub fn start(settings: &Settings, model_dir: &Path) -> Result<(actix_web::dev::S
         eos_token_ids: eos,
         limits,
     };
-    let engine =
-        Engine { tokenizer: tokenizer.sender(), scheduler: scheduler.sender(), vision: vision.map(|v| v.sender()) };
+    let engine = Engine {
+        tokenizer: tokenizer.sender(),
+        scheduler: scheduler.sender(),
+        vision: vision.map(|v| v.sender()),
+        prefix,
+    };
     let addr = format!("{}:{}", settings.host.as_deref().unwrap_or("127.0.0.1"), settings.port.unwrap_or(8080));
     let (server, bound) = osprey_server::bind(server_cfg, engine, &addr, settings.http_workers.unwrap_or(2))?;
     tracing::info!(
@@ -96,6 +113,7 @@ pub fn start(settings: &Settings, model_dir: &Path) -> Result<(actix_web::dev::S
         layers = cfg.text.num_hidden_layers,
         vision = has_vision,
         context = context_len,
+        prefix_cache = prefix_on,
         secs = t0.elapsed().as_secs_f64(),
         "model loaded; listening on http://{bound}"
     );

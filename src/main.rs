@@ -59,6 +59,18 @@ struct ServeArgs {
     /// Vision encoder cache in MiB.
     #[arg(long)]
     vision_cache_mb: Option<usize>,
+    /// Turn the prefix cache off.
+    #[arg(long)]
+    disable_prefix_cache: bool,
+    /// Prefix cache budget (KV pages + recurrent snapshots) in MiB.
+    #[arg(long)]
+    prefix_cache_mb: Option<f64>,
+    /// Prefix cache page size in tokens.
+    #[arg(long)]
+    page_size: Option<usize>,
+    /// Recurrent-state snapshot grid in tokens (a multiple of the page size).
+    #[arg(long)]
+    snapshot_interval: Option<usize>,
     /// Images + videos per request.
     #[arg(long)]
     max_media_per_request: Option<usize>,
@@ -94,6 +106,10 @@ impl ServeArgs {
             max_running_requests: self.max_running_requests,
             kv_capacity_tokens: self.kv_capacity_tokens,
             vision_cache_mb: self.vision_cache_mb,
+            disable_prefix_cache: self.disable_prefix_cache.then_some(true),
+            prefix_cache_mb: self.prefix_cache_mb,
+            page_size: self.page_size,
+            snapshot_interval: self.snapshot_interval,
             max_media_per_request: self.max_media_per_request,
             max_media_bytes: self.max_media_bytes,
             max_image_pixels: self.max_image_pixels,

@@ -34,6 +34,14 @@ pub struct Settings {
     pub kv_capacity_tokens: Option<usize>,
     /// Vision encoder cache size in MiB (default 512).
     pub vision_cache_mb: Option<usize>,
+    /// Turn the prefix cache off (default on).
+    pub disable_prefix_cache: Option<bool>,
+    /// Prefix cache budget (KV pages + recurrent snapshots) in MiB (default 1024; fractions allowed).
+    pub prefix_cache_mb: Option<f64>,
+    /// Prefix cache page size in tokens (default 16).
+    pub page_size: Option<usize>,
+    /// Recurrent-state snapshot grid in tokens, a multiple of the page size (default 64).
+    pub snapshot_interval: Option<usize>,
     /// Images + videos per request (default 8).
     pub max_media_per_request: Option<usize>,
     /// Bytes per media item (default 16 MiB).

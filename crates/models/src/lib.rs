@@ -27,4 +27,4 @@ pub use config::{ModelConfig, TextConfig};
 pub use error::{Error, Result};
 pub use layers::moe::{ExpertHandle, ExpertSource, ExpertWeights, ResidentExperts};
 pub use qwen3_5::{ForwardOptions, ForwardOutput, InjectedRows, LogitsWanted, Positions, Qwen35, SeqInput, SeqStep};
-pub use state::{SeqState, StateSnapshot};
+pub use state::{KvBlock, SeqState, StateSnapshot};

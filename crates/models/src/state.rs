@@ -40,6 +40,26 @@ pub struct SeqState {
     pub(crate) layers: Vec<LayerState>,
 }
 
+/// KV rows `[start, end)` of every full-attention layer: one page of the prefix cache.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvBlock {
+    tokens: usize,
+    /// Per full-attention layer: (K rows, V rows), each `[tokens, kv_heads·head_dim]`.
+    kv: Vec<(Vec<f32>, Vec<f32>)>,
+}
+
+impl KvBlock {
+    /// Tokens in the block.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.kv.iter().map(|(k, v)| (k.len() + v.len()) * 4).sum()
+    }
+}
+
 /// The part of a [`SeqState`] that cannot be rebuilt from KV rows: taken at a token boundary.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StateSnapshot {
@@ -81,6 +101,48 @@ impl SeqState {
                 LayerState::Full(kv) => (kv.k.len() + kv.v.len()) * 4,
             })
             .sum()
+    }
+
+    /// KV rows `[start, end)` of every full-attention layer (a prefix-cache page).
+    pub fn kv_block(&self, start: usize, end: usize) -> KvBlock {
+        assert!(start <= end && end <= self.len, "kv_block range: this is a bug");
+        let kv = self
+            .layers
+            .iter()
+            .filter_map(|l| match l {
+                LayerState::Full(c) => {
+                    let row = c.k.len() / self.len.max(1);
+                    Some((c.k[start * row..end * row].to_vec(), c.v[start * row..end * row].to_vec()))
+                }
+                LayerState::Linear(_) => None,
+            })
+            .collect();
+        KvBlock { tokens: end - start, kv }
+    }
+
+    /// Rebuilds a fresh state from cached pages (in order, from token 0) and the snapshot taken right
+    /// after them: KV rows are copied in, linear states replaced, the length set.
+    pub fn restore_prefix(&mut self, blocks: &[&KvBlock], snap: &StateSnapshot) -> Result<()> {
+        let total: usize = blocks.iter().map(|b| b.tokens).sum();
+        if self.len != 0 || total != snap.len {
+            return Err(Error::InvalidInput(format!(
+                "prefix of {total} tokens does not match a snapshot at {}",
+                snap.len
+            )));
+        }
+        let mut full = 0;
+        for l in &mut self.layers {
+            if let LayerState::Full(c) = l {
+                for b in blocks {
+                    let (k, v) = b.kv.get(full).ok_or_else(|| Error::InvalidInput("page from another model".into()))?;
+                    c.k.extend_from_slice(k);
+                    c.v.extend_from_slice(v);
+                }
+                full += 1;
+            }
+        }
+        self.len = total;
+        self.restore(snap)
     }
 
     /// Copies the linear states at the current length.

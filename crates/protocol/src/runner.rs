@@ -4,6 +4,9 @@ use std::sync::Arc;
 
 use tokio::sync::oneshot;
 
+use osprey_models::{KvBlock, StateSnapshot};
+
+use crate::prefix::PrefixMatch;
 use crate::scheduler::SamplingParams;
 use crate::tokenizer::PreparedPrompt;
 use crate::SeqId;
@@ -15,6 +18,8 @@ pub struct Admission {
     pub prompt: Arc<PreparedPrompt>,
     /// Sampling settings.
     pub sampling: SamplingParams,
+    /// A prefix-cache hit to restore before computing (pages + snapshot), if any.
+    pub prefix: Option<PrefixMatch>,
 }
 
 /// One sequence's work in a step.
@@ -30,6 +35,22 @@ pub struct PlanItem {
     pub end: usize,
     /// Sample a token after this chunk (the prompt is complete).
     pub sample: bool,
+    /// Snapshot the state after this chunk (its end is on the snapshot grid) and return the pages
+    /// computed since the sequence's last snapshot.
+    pub snapshot: bool,
+}
+
+/// A snapshot taken after a plan item, with the KV pages it covers that the cache may lack.
+#[derive(Clone, Debug)]
+pub struct SnapshotTaken {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Tokens covered (a page multiple).
+    pub tokens: usize,
+    /// `(page index, rows)` of pages computed by this sequence since its previous snapshot.
+    pub pages: Vec<(usize, std::sync::Arc<KvBlock>)>,
+    /// Recurrent state after `tokens`.
+    pub snapshot: std::sync::Arc<StateSnapshot>,
 }
 
 /// A step: the work of every scheduled sequence, plus sequences to forget.
@@ -68,6 +89,8 @@ pub struct StepResult {
     pub sampled: Vec<Sampled>,
     /// Sequences whose step failed, with why (they are released by the runner).
     pub failed: Vec<(SeqId, String)>,
+    /// Snapshots taken for the prefix cache.
+    pub snapshots: Vec<SnapshotTaken>,
 }
 
 /// Commands of the runner actor.

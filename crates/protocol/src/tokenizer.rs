@@ -76,6 +76,9 @@ pub struct PreparedMedia {
 pub struct PreparedPrompt {
     /// Token ids.
     pub input_ids: Vec<u32>,
+    /// The prefix-cache key of each position: the token id, except media placeholders, which get
+    /// `2^62 | (content hash + offset within the item)` so different media never share a key.
+    pub cache_ids: Vec<u64>,
     /// mRoPE positions per token (`None`: text positions).
     pub positions: Option<Vec<[i64; 3]>>,
     /// Decode position delta.

@@ -15,7 +15,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use osprey_models::vision::{rows_in_chunk, MediaSpan};
 use osprey_models::{LogitsWanted, Positions, Qwen35, SeqInput, SeqState, SeqStep};
-use osprey_protocol::runner::{BatchPlan, RunnerCommand, Sampled, StepResult};
+use osprey_protocol::runner::{BatchPlan, RunnerCommand, Sampled, SnapshotTaken, StepResult};
 use osprey_protocol::scheduler::SamplingParams;
 use osprey_protocol::tokenizer::PreparedPrompt;
 use osprey_protocol::vision::VisionCommand;
@@ -39,6 +39,8 @@ struct SeqRec {
     rng: Rng,
     /// Vision rows per media item, fetched on first need, dropped when the prefill ends.
     rows: MediaRows,
+    /// Pages `[0, pages_reported)` are in the prefix cache or were sent with an earlier snapshot.
+    pages_reported: usize,
 }
 
 /// The runner's synchronous core.
@@ -46,6 +48,7 @@ pub struct Runner {
     model: Qwen35,
     vision: Option<VisionSender>,
     seqs: HashMap<SeqId, SeqRec>,
+    page_size: usize,
 }
 
 impl std::fmt::Debug for Runner {
@@ -61,8 +64,8 @@ fn clock_seed(seq: SeqId) -> u64 {
 
 impl Runner {
     /// A runner over a loaded model; `vision` serves media rows (None for text-only models).
-    pub fn new(model: Qwen35, vision: Option<VisionSender>) -> Self {
-        Runner { model, vision, seqs: HashMap::new() }
+    pub fn new(model: Qwen35, vision: Option<VisionSender>, page_size: usize) -> Self {
+        Runner { model, vision, seqs: HashMap::new(), page_size: page_size.max(1) }
     }
 
     /// Sequences held.
@@ -97,14 +100,34 @@ impl Runner {
         for (k, item) in plan.items.iter().enumerate() {
             if let Some(a) = &item.admit {
                 let mut state = self.model.new_state();
+                let mut pages_reported = 0;
+                if let Some(hit) = &a.prefix {
+                    let pages: Vec<&osprey_models::KvBlock> = hit.pages.iter().map(|p| p.as_ref()).collect();
+                    match hit.snapshot.as_deref().map(|s| state.restore_prefix(&pages, s)) {
+                        Some(Ok(())) => pages_reported = hit.cached_tokens / self.page_size,
+                        _ => {
+                            result
+                                .failed
+                                .push((item.seq, "prefix-cache hit without a usable snapshot: this is a bug".into()));
+                            continue;
+                        }
+                    }
+                }
+                // The snapshot's delta belongs to the sequence that made it; positions are this prompt's.
                 state.rope_delta = a.prompt.rope_delta;
                 let rng = Rng::new(a.sampling.seed.unwrap_or_else(|| clock_seed(item.seq)));
                 let rows = vec![None; a.prompt.media.len()];
                 let tokens = a.prompt.input_ids.clone();
-                self.seqs.insert(
-                    item.seq,
-                    SeqRec { state, prompt: a.prompt.clone(), tokens, sampling: a.sampling.clone(), rng, rows },
-                );
+                let rec = SeqRec {
+                    state,
+                    prompt: a.prompt.clone(),
+                    tokens,
+                    sampling: a.sampling.clone(),
+                    rng,
+                    rows,
+                    pages_reported,
+                };
+                self.seqs.insert(item.seq, rec);
             }
             match self.seqs.remove(&item.seq) {
                 Some(rec) => work.push((k, rec)),
@@ -176,6 +199,19 @@ impl Runner {
             Ok(out) => {
                 for ((k, mut rec), logits) in ok.into_iter().zip(out.logits) {
                     let item = &plan.items[k];
+                    if item.snapshot && item.end.is_multiple_of(self.page_size) {
+                        let p = self.page_size;
+                        let pages = (rec.pages_reported..item.end / p)
+                            .map(|i| (i, Arc::new(rec.state.kv_block(i * p, (i + 1) * p))))
+                            .collect();
+                        rec.pages_reported = item.end / p;
+                        result.snapshots.push(SnapshotTaken {
+                            seq: item.seq,
+                            tokens: item.end,
+                            pages,
+                            snapshot: Arc::new(rec.state.snapshot()),
+                        });
+                    }
                     if item.sample {
                         let plen = rec.prompt.input_ids.len();
                         let (prompt, output) = rec.tokens.split_at(plen);

@@ -8,7 +8,10 @@
 
 use std::collections::VecDeque;
 
-use osprey_protocol::runner::{Admission, BatchPlan, PlanItem, StepResult};
+use std::sync::Arc;
+
+use osprey_protocol::prefix::{InsertRequest, LeaseId, MatchRequest, PrefixMatch};
+use osprey_protocol::runner::{Admission, BatchPlan, PlanItem, SnapshotTaken, StepResult};
 use osprey_protocol::scheduler::{EngineEvent, FinishReason, GenerateRequest, SchedulerStats};
 use osprey_protocol::{ErrorCode, RequestError, SeqId};
 use tokio::sync::mpsc::UnboundedSender;
@@ -26,6 +29,36 @@ pub struct SchedulerConfig {
     pub kv_capacity_tokens: usize,
     /// Model context length (prompt + generated).
     pub context_len: usize,
+    /// Prefix-cache page size in tokens.
+    pub page_size: usize,
+    /// Recurrent-state snapshot grid in tokens (a multiple of `page_size`; prefill chunks end on it).
+    pub snapshot_interval: usize,
+    /// Use the prefix cache.
+    pub prefix_cache: bool,
+}
+
+/// The scheduler's view of the prefix cache: one batched exchange per step.
+pub trait PrefixPort {
+    /// Releases, then inserts, then matches; one answer per match.
+    fn step(
+        &mut self,
+        matches: Vec<MatchRequest>,
+        inserts: Vec<InsertRequest>,
+        releases: Vec<LeaseId>,
+    ) -> Vec<PrefixMatch>;
+}
+
+/// No cache: every lookup misses.
+#[derive(Debug, Default)]
+pub struct NoPrefixCache;
+
+impl PrefixPort for NoPrefixCache {
+    fn step(&mut self, matches: Vec<MatchRequest>, _: Vec<InsertRequest>, _: Vec<LeaseId>) -> Vec<PrefixMatch> {
+        matches
+            .into_iter()
+            .map(|m| PrefixMatch { seq: m.seq, cached_tokens: 0, pages: Vec::new(), snapshot: None, lease: None })
+            .collect()
+    }
 }
 
 #[derive(Debug)]
@@ -36,6 +69,14 @@ struct Seq {
     generated: usize,
     computed: usize,
     sent_to_runner: bool,
+    /// Prompt cache ids followed by generated token ids.
+    cache_ids: Vec<u64>,
+    /// Prefix-cache hit (None until matched).
+    hit: Option<PrefixMatch>,
+    /// Tokens served by the hit.
+    cached: usize,
+    /// Latest snapshot off the grid (request end), inserted when the sequence finishes.
+    pending_end: Option<SnapshotTaken>,
 }
 
 impl Seq {
@@ -55,13 +96,23 @@ pub struct Scheduler {
     running: Vec<Seq>,
     release: Vec<SeqId>,
     stats: SchedulerStats,
+    inserts: Vec<InsertRequest>,
+    leases: Vec<LeaseId>,
 }
 
 impl Scheduler {
     /// An empty scheduler.
     pub fn new(cfg: SchedulerConfig) -> Self {
         let stats = SchedulerStats { kv_capacity: cfg.kv_capacity_tokens, ..SchedulerStats::default() };
-        Scheduler { cfg, waiting: VecDeque::new(), running: Vec::new(), release: Vec::new(), stats }
+        Scheduler {
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            release: Vec::new(),
+            stats,
+            inserts: Vec::new(),
+            leases: Vec::new(),
+        }
     }
 
     /// Queues a request, or refuses one that can never fit (a clear error, not a hang).
@@ -89,7 +140,19 @@ impl Scheduler {
                 ),
             ));
         }
-        self.waiting.push_back(Seq { req, events, prompt_len, generated: 0, computed: 0, sent_to_runner: false });
+        let cache_ids = req.prompt.cache_ids.clone();
+        self.waiting.push_back(Seq {
+            req,
+            events,
+            prompt_len,
+            generated: 0,
+            computed: 0,
+            sent_to_runner: false,
+            cache_ids,
+            hit: None,
+            cached: 0,
+            pending_end: None,
+        });
         Ok(())
     }
 
@@ -104,13 +167,18 @@ impl Scheduler {
             if s.sent_to_runner {
                 self.release.push(id);
             }
+            self.leases.extend(s.hit.and_then(|h| h.lease));
             self.stats.cancelled_total += 1;
         }
     }
 
     /// Whether there is anything to do.
     pub fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty() || !self.release.is_empty()
+        !self.waiting.is_empty()
+            || !self.running.is_empty()
+            || !self.release.is_empty()
+            || !self.inserts.is_empty()
+            || !self.leases.is_empty()
     }
 
     /// Counters and gauges.
@@ -131,11 +199,42 @@ impl Scheduler {
         }
     }
 
-    /// The next step, or `None` when idle.
-    pub fn schedule(&mut self) -> Option<BatchPlan> {
+    /// Where a chunk starting at `from` and allowed to reach `to` should end so that snapshots land on
+    /// the grid, and whether to snapshot there. Snapshot points: multiples of `snapshot_interval`, and the
+    /// last page boundary of the prompt (what the next turn of a conversation can reuse); during decode,
+    /// every page boundary (the latest becomes the end-of-request snapshot).
+    fn chunk_end(&self, s: &Seq, from: usize, to: usize) -> (usize, bool) {
+        if !self.cfg.prefix_cache {
+            return (to, false);
+        }
+        let (page, grid) = (self.cfg.page_size, self.cfg.snapshot_interval);
+        if from >= s.prompt_len {
+            return (to, to.is_multiple_of(page) && to > s.cached);
+        }
+        let prompt_end_page = s.prompt_len / page * page;
+        let mut best = None;
+        let mut k = (from / grid + 1) * grid;
+        while k <= to.min(s.prompt_len) {
+            best = Some(k);
+            k += grid;
+        }
+        if prompt_end_page > from && prompt_end_page <= to && best.is_none_or(|b| prompt_end_page > b) {
+            best = Some(prompt_end_page);
+        }
+        match best {
+            // End on the snapshot point unless the chunk would be empty.
+            Some(b) if b > from && b > s.cached => (b, true),
+            _ => (to, false),
+        }
+    }
+
+    /// The next step, or `None` when idle. New sequences are matched against the prefix cache (one
+    /// batched call per step, together with the step's inserts and releases).
+    pub fn schedule(&mut self, prefix: &mut dyn PrefixPort) -> Option<BatchPlan> {
         self.drop_closed();
         let mut budget = self.cfg.max_batch_tokens;
         let mut reserved: usize = self.running.iter().map(Seq::reserve).sum();
+        let first_new = self.running.len();
         while self.running.len() < self.cfg.max_running_requests {
             let Some(next) = self.waiting.front() else { break };
             if reserved + next.reserve() > self.cfg.kv_capacity_tokens {
@@ -145,29 +244,66 @@ impl Scheduler {
             let seq = self.waiting.pop_front().expect("front exists");
             self.running.push(seq);
         }
+        let matches: Vec<MatchRequest> = if self.cfg.prefix_cache {
+            self.running[first_new..]
+                .iter()
+                .map(|s| MatchRequest {
+                    seq: s.req.id,
+                    cache_ids: Arc::new(s.cache_ids.clone()),
+                    cap: s.prompt_len - 1,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let (inserts, leases) = (std::mem::take(&mut self.inserts), std::mem::take(&mut self.leases));
+        if !(matches.is_empty() && inserts.is_empty() && leases.is_empty()) {
+            for m in prefix.step(matches, inserts, leases) {
+                if let Some(s) = self.running.iter_mut().find(|s| s.req.id == m.seq) {
+                    s.cached = m.cached_tokens;
+                    s.computed = m.cached_tokens;
+                    self.stats.cached_tokens_total += m.cached_tokens as u64;
+                    s.hit = Some(m);
+                }
+            }
+        }
         let mut items = Vec::new();
-        for s in &mut self.running {
+        for i in 0..self.running.len() {
+            let s = &self.running[i];
             let n = (s.total() - s.computed).min(self.cfg.max_prefill_tokens).min(budget);
             if n == 0 {
                 continue;
             }
-            budget -= n;
-            let admit = (!s.sent_to_runner)
-                .then(|| Admission { prompt: s.req.prompt.clone(), sampling: s.req.sampling.clone() });
-            s.sent_to_runner = true;
-            items.push(PlanItem {
-                seq: s.req.id,
-                admit,
-                start: s.computed,
-                end: s.computed + n,
-                sample: s.computed + n == s.total(),
+            let (end, snapshot) = self.chunk_end(s, s.computed, s.computed + n);
+            let s = &mut self.running[i];
+            budget -= end - s.computed;
+            let admit = (!s.sent_to_runner).then(|| Admission {
+                prompt: s.req.prompt.clone(),
+                sampling: s.req.sampling.clone(),
+                prefix: s.hit.clone().filter(|h| h.cached_tokens > 0),
             });
+            s.sent_to_runner = true;
+            items.push(PlanItem { seq: s.req.id, admit, start: s.computed, end, sample: end == s.total(), snapshot });
         }
         let release = std::mem::take(&mut self.release);
         if items.is_empty() && release.is_empty() {
             return None;
         }
         Some(BatchPlan { items, release })
+    }
+
+    fn finish(&mut self, i: usize) -> Seq {
+        let s = self.running.remove(i);
+        if let Some(end) = &s.pending_end {
+            self.inserts.push(InsertRequest {
+                cache_ids: s.cache_ids[..end.tokens].to_vec(),
+                pages: end.pages.clone(),
+                snapshot: end.snapshot.clone(),
+            });
+        }
+        self.leases.extend(s.hit.as_ref().and_then(|h| h.lease));
+        self.release.push(s.req.id);
+        s
     }
 
     /// Applies a step's result: advances sequences, sends their events, finishes and releases them.
@@ -185,13 +321,32 @@ impl Scheduler {
         for (id, why) in result.failed {
             if let Some(i) = self.running.iter().position(|s| s.req.id == id) {
                 let s = self.running.remove(i);
+                self.leases.extend(s.hit.as_ref().and_then(|h| h.lease));
                 let _ = s.events.send(EngineEvent::Failed(RequestError::new(ErrorCode::EngineError, why)));
+            }
+        }
+        for snap in result.snapshots {
+            let grid = self.cfg.snapshot_interval;
+            let Some(s) = self.running.iter_mut().find(|s| s.req.id == snap.seq) else { continue };
+            // Pages of a snapshot that is not inserted now are carried to the next one of this sequence.
+            let mut pages = s.pending_end.take().map(|p| p.pages).unwrap_or_default();
+            pages.extend(snap.pages);
+            if snap.tokens <= s.prompt_len || snap.tokens % grid == 0 {
+                self.inserts.push(InsertRequest {
+                    cache_ids: s.cache_ids[..snap.tokens].to_vec(),
+                    pages,
+                    snapshot: snap.snapshot,
+                });
+            } else {
+                // Off-grid decode snapshot: kept as the end-of-request snapshot until a newer one.
+                s.pending_end = Some(SnapshotTaken { pages, ..snap });
             }
         }
         for t in result.sampled {
             let Some(i) = self.running.iter().position(|s| s.req.id == t.seq) else { continue };
             let s = &mut self.running[i];
             s.generated += 1;
+            s.cache_ids.push(t.token as u64);
             self.stats.generated_tokens_total += 1;
             let stop = s.req.stop_token_ids.contains(&t.token);
             let sent = s.events.send(EngineEvent::Token { token: t.token, logprobs: t.logprobs }).is_ok();
@@ -206,14 +361,13 @@ impl Scheduler {
                 let id = s.req.id;
                 self.cancel(id);
             } else if let Some(reason) = reason {
-                let s = self.running.remove(i);
+                let s = self.finish(i);
                 let _ = s.events.send(EngineEvent::Finished {
                     reason,
                     prompt_tokens: s.prompt_len,
-                    cached_tokens: 0,
+                    cached_tokens: s.cached,
                     completion_tokens: s.generated,
                 });
-                self.release.push(s.req.id);
             }
         }
     }
@@ -237,6 +391,7 @@ mod tests {
             rope_delta: 0,
             media: Vec::new(),
             thinking_open: false,
+            cache_ids: vec![1; prompt],
         };
         GenerateRequest {
             id,
@@ -254,13 +409,16 @@ mod tests {
             max_running_requests: 2,
             kv_capacity_tokens: 40,
             context_len: 30,
+            page_size: 2,
+            snapshot_interval: 4,
+            prefix_cache: false,
         }
     }
 
     fn sample_all(plan: &BatchPlan, token: u32) -> StepResult {
         let sampled =
             plan.items.iter().filter(|i| i.sample).map(|i| Sampled { seq: i.seq, token, logprobs: None }).collect();
-        StepResult { sampled, failed: Vec::new() }
+        StepResult { sampled, failed: Vec::new(), snapshots: Vec::new() }
     }
 
     #[test]
@@ -270,14 +428,14 @@ mod tests {
         s.submit(req(1, 8, 2), tx.clone()).expect("fits");
         s.submit(req(2, 3, 1), tx.clone()).expect("fits");
         // Step 1: seq 1 gets a 6-token chunk, seq 2 the remaining budget (3 tokens, all of it → sample).
-        let p = s.schedule().expect("work");
+        let p = s.schedule(&mut NoPrefixCache).expect("work");
         let spans: Vec<(SeqId, usize, usize, bool)> =
             p.items.iter().map(|i| (i.seq, i.start, i.end, i.sample)).collect();
         assert_eq!(spans, vec![(1, 0, 6, false), (2, 0, 3, true)]);
         assert!(p.items.iter().all(|i| i.admit.is_some()));
         s.update(&p, sample_all(&p, 5));
         // Seq 2 finished (max_tokens 1) and is released next step; seq 1 finishes its prompt.
-        let p = s.schedule().expect("work");
+        let p = s.schedule(&mut NoPrefixCache).expect("work");
         let spans: Vec<(SeqId, usize, usize, bool)> =
             p.items.iter().map(|i| (i.seq, i.start, i.end, i.sample)).collect();
         assert_eq!(spans, vec![(1, 6, 8, true)]);
@@ -285,7 +443,7 @@ mod tests {
         assert!(p.items[0].admit.is_none());
         s.update(&p, sample_all(&p, 5));
         // Decode: one token.
-        let p = s.schedule().expect("work");
+        let p = s.schedule(&mut NoPrefixCache).expect("work");
         assert_eq!((p.items[0].start, p.items[0].end, p.items[0].sample), (8, 9, true));
         s.update(&p, sample_all(&p, 9)); // stop token
         let events: Vec<EngineEvent> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
@@ -294,8 +452,64 @@ mod tests {
             .filter_map(|e| if let EngineEvent::Finished { reason, .. } = e { Some(*reason) } else { None })
             .collect();
         assert_eq!(finishes, vec![FinishReason::Length, FinishReason::Stop]);
-        assert_eq!(s.schedule().map(|p| p.release), Some(vec![1]));
-        assert!(s.schedule().is_none());
+        assert_eq!(s.schedule(&mut NoPrefixCache).map(|p| p.release), Some(vec![1]));
+        assert!(s.schedule(&mut NoPrefixCache).is_none());
+    }
+
+    /// A port that records what it is sent and hits 4 tokens for every match.
+    #[derive(Default)]
+    struct Recorder {
+        inserts: Vec<InsertRequest>,
+        releases: Vec<LeaseId>,
+    }
+
+    impl PrefixPort for Recorder {
+        fn step(&mut self, m: Vec<MatchRequest>, i: Vec<InsertRequest>, r: Vec<LeaseId>) -> Vec<PrefixMatch> {
+            self.inserts.extend(i);
+            self.releases.extend(r);
+            m.into_iter()
+                .map(|m| PrefixMatch {
+                    seq: m.seq,
+                    cached_tokens: 4,
+                    pages: Vec::new(),
+                    snapshot: None,
+                    lease: Some(7),
+                })
+                .collect()
+        }
+    }
+
+    #[test]
+    fn a_hit_skips_cached_tokens_and_chunks_end_on_the_snapshot_grid() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            prefix_cache: true,
+            max_prefill_tokens: 20,
+            max_batch_tokens: 20,
+            ..cfg()
+        });
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        s.submit(req(1, 15, 3), tx).expect("fits");
+        let mut port = Recorder::default();
+        // Hit of 4; grid 4, page 2: the chunk ends on the furthest snapshot point it can reach, the
+        // prompt's last page boundary 14 (grid points 8 and 12 inside it are not snapshotted), then 15
+        // samples; then the first decode token ends on page boundary 16 and snapshots.
+        let mut ends = Vec::new();
+        for _ in 0..3 {
+            let p = s.schedule(&mut port).expect("work");
+            let it = &p.items[0];
+            ends.push((it.start, it.end, it.snapshot, it.sample));
+            s.update(&p, sample_all(&p, 5));
+        }
+        assert_eq!(ends, vec![(4, 14, true, false), (14, 15, false, true), (15, 16, true, true)]);
+        let p = s.schedule(&mut port).expect("decode");
+        s.update(&p, sample_all(&p, 5));
+        s.schedule(&mut port);
+        assert_eq!(port.releases, vec![7], "the lease is released when the request finishes");
+        let done = std::iter::from_fn(|| rx.try_recv().ok()).find_map(|e| match e {
+            EngineEvent::Finished { cached_tokens, .. } => Some(cached_tokens),
+            _ => None,
+        });
+        assert_eq!(done, Some(4), "usage reports the cached tokens");
     }
 
     #[test]
@@ -306,7 +520,7 @@ mod tests {
         for id in 1..=3 {
             s.submit(req(id, 5, 10), tx.clone()).expect("fits");
         }
-        let p = s.schedule().expect("work");
+        let p = s.schedule(&mut NoPrefixCache).expect("work");
         assert_eq!(p.items.len(), 2, "max_running_requests = 2");
         assert_eq!(s.stats().waiting, 1);
     }
@@ -316,10 +530,10 @@ mod tests {
         let mut s = Scheduler::new(cfg());
         let (tx, rx) = mpsc::unbounded_channel();
         s.submit(req(1, 8, 5), tx).expect("fits");
-        let p = s.schedule().expect("work");
+        let p = s.schedule(&mut NoPrefixCache).expect("work");
         s.update(&p, sample_all(&p, 5));
         drop(rx);
-        let p = s.schedule().expect("release");
+        let p = s.schedule(&mut NoPrefixCache).expect("release");
         assert!(p.items.is_empty());
         assert_eq!(p.release, vec![1]);
         assert_eq!(s.stats().running, 0);

@@ -10,11 +10,32 @@ mod core;
 
 use std::thread;
 
+use osprey_protocol::prefix::{InsertRequest, LeaseId, MatchRequest, PrefixCommand, PrefixMatch};
 use osprey_protocol::runner::RunnerCommand;
 use osprey_protocol::scheduler::SchedulerCommand;
 use tokio::sync::{mpsc, oneshot};
 
-pub use crate::core::{Scheduler, SchedulerConfig};
+pub use crate::core::{NoPrefixCache, PrefixPort, Scheduler, SchedulerConfig};
+
+/// The prefix-cache actor as a [`PrefixPort`]: one blocking exchange per step.
+struct ActorPort(mpsc::UnboundedSender<PrefixCommand>);
+
+impl PrefixPort for ActorPort {
+    fn step(
+        &mut self,
+        matches: Vec<MatchRequest>,
+        inserts: Vec<InsertRequest>,
+        releases: Vec<LeaseId>,
+    ) -> Vec<PrefixMatch> {
+        let misses: Vec<PrefixMatch> = NoPrefixCache.step(matches.clone(), Vec::new(), Vec::new());
+        let (reply, rx) = oneshot::channel();
+        if self.0.send(PrefixCommand::Step { matches, inserts, releases, reply }).is_err() {
+            tracing::error!("prefix cache is gone; continuing without it");
+            return misses;
+        }
+        rx.blocking_recv().unwrap_or(misses)
+    }
+}
 
 /// Cloneable handle to the scheduler actor.
 #[derive(Clone, Debug)]
@@ -35,12 +56,20 @@ impl SchedulerHandle {
 }
 
 /// Starts the scheduler thread, driving `runner`.
-pub fn spawn(cfg: SchedulerConfig, runner: mpsc::UnboundedSender<RunnerCommand>) -> SchedulerHandle {
+pub fn spawn(
+    cfg: SchedulerConfig,
+    runner: mpsc::UnboundedSender<RunnerCommand>,
+    prefix: Option<mpsc::UnboundedSender<PrefixCommand>>,
+) -> SchedulerHandle {
     let (tx, mut rx) = mpsc::unbounded_channel::<SchedulerCommand>();
     thread::Builder::new()
         .name("osprey-scheduler".into())
         .spawn(move || {
             let mut s = Scheduler::new(cfg);
+            let mut port: Box<dyn PrefixPort> = match prefix {
+                Some(tx) => Box::new(ActorPort(tx)),
+                None => Box::new(NoPrefixCache),
+            };
             loop {
                 // Block only when idle; otherwise take what is queued and step.
                 let first = if s.has_work() {
@@ -70,7 +99,7 @@ pub fn spawn(cfg: SchedulerConfig, runner: mpsc::UnboundedSender<RunnerCommand>)
                     }
                     next = rx.try_recv().ok();
                 }
-                let Some(plan) = s.schedule() else { continue };
+                let Some(plan) = s.schedule(port.as_mut()) else { continue };
                 let (reply, wait) = oneshot::channel();
                 if runner.send(RunnerCommand::Step { plan: plan.clone(), reply }).is_err() {
                     tracing::error!("runner is gone; scheduler stops");

@@ -6,6 +6,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
+use osprey_protocol::prefix::{PrefixCommand, PrefixStats};
 use osprey_protocol::tokenizer::{CompletionPrompt, PreparedPrompt, TokenizerCommand};
 use osprey_protocol::vision::{VisionCommand, VisionStats};
 use osprey_protocol::{scheduler::SchedulerCommand, ErrorCode};
@@ -313,5 +314,13 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         }
         None => VisionStats::default(),
     };
-    Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(state.metrics.render(&s, &v)))
+    let p = match &state.prefix {
+        Some(prefix) => {
+            let (tx, rx) = oneshot::channel();
+            let _ = prefix.send(PrefixCommand::Stats { reply: tx });
+            rx.await.unwrap_or_default()
+        }
+        None => PrefixStats::default(),
+    };
+    Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(state.metrics.render(&s, &v, &p)))
 }

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use actix_web::dev::Server;
 use actix_web::{web, App, HttpServer};
+use osprey_protocol::prefix::PrefixCommand;
 use osprey_protocol::scheduler::SchedulerCommand;
 use osprey_protocol::tokenizer::TokenizerCommand;
 use osprey_protocol::vision::VisionCommand;
@@ -37,6 +38,7 @@ pub struct AppState {
     tokenizer: UnboundedSender<TokenizerCommand>,
     scheduler: UnboundedSender<SchedulerCommand>,
     vision: Option<UnboundedSender<VisionCommand>>,
+    prefix: Option<UnboundedSender<PrefixCommand>>,
     metrics: Metrics,
     next_id: AtomicU64,
     ready: AtomicBool,
@@ -52,6 +54,8 @@ pub struct Engine {
     pub scheduler: UnboundedSender<SchedulerCommand>,
     /// Vision actor inbox (stats only), when the model has a tower.
     pub vision: Option<UnboundedSender<VisionCommand>>,
+    /// Prefix-cache actor inbox (stats only), when the cache is on.
+    pub prefix: Option<UnboundedSender<PrefixCommand>>,
 }
 
 /// Binds the HTTP server; returns it (to be awaited) and the bound address (port 0 picks one).
@@ -63,6 +67,7 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
         tokenizer: engine.tokenizer,
         scheduler: engine.scheduler,
         vision: engine.vision,
+        prefix: engine.prefix,
         metrics: Metrics::default(),
         next_id: AtomicU64::new(1),
         ready: AtomicBool::new(true),

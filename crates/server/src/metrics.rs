@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use osprey_protocol::prefix::PrefixStats;
 use osprey_protocol::scheduler::SchedulerStats;
 use osprey_protocol::vision::VisionStats;
 
@@ -77,7 +78,7 @@ fn gauge(out: &mut String, name: &str, help: &str, kind: &str, v: f64) {
 
 impl Metrics {
     /// Prometheus exposition text.
-    pub fn render(&self, s: &SchedulerStats, v: &VisionStats) -> String {
+    pub fn render(&self, s: &SchedulerStats, v: &VisionStats, p: &PrefixStats) -> String {
         let mut out = String::new();
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
         out.push_str(
@@ -159,6 +160,36 @@ impl Metrics {
             "gauge",
             prefix_rate,
         );
+        gauge(
+            &mut out,
+            "osprey_prefix_cache_cached_tokens_total",
+            "Prompt tokens served from the prefix cache.",
+            "counter",
+            s.cached_tokens_total as f64,
+        );
+        gauge(&mut out, "osprey_prefix_cache_lookups_total", "Prefix-cache lookups.", "counter", p.lookups as f64);
+        gauge(
+            &mut out,
+            "osprey_prefix_cache_hits_total",
+            "Prefix-cache lookups that reused at least one page.",
+            "counter",
+            p.hits as f64,
+        );
+        gauge(
+            &mut out,
+            "osprey_prefix_cache_evictions_total",
+            "Prefix-cache nodes evicted.",
+            "counter",
+            p.evictions as f64,
+        );
+        gauge(
+            &mut out,
+            "osprey_prefix_cache_bytes",
+            "Bytes held by the prefix cache (KV pages + snapshots).",
+            "gauge",
+            p.bytes as f64,
+        );
+        gauge(&mut out, "osprey_prefix_cache_nodes", "Pages in the prefix tree.", "gauge", p.nodes as f64);
         let vt = v.hits + v.misses;
         gauge(
             &mut out,

@@ -71,6 +71,25 @@ fn decode(m: &MediaInput, limits: MediaLimits) -> Result<(Media, MediaHash), Req
     }
 }
 
+/// Prefix-cache keys: token ids, except that every placeholder of a media item gets
+/// `2^62 | (hash + offset)` (offset counted over the item's spans), above any vocabulary, distinct per
+/// position, equal for equal bytes wherever the item appears.
+pub fn cache_ids(ids: &[u32], media: &[PreparedMedia]) -> Vec<u64> {
+    const MEDIA_BIT: u64 = 1 << 62;
+    let mut out: Vec<u64> = ids.iter().map(|&t| t as u64).collect();
+    for m in media {
+        let base = u64::from_le_bytes(m.hash[..8].try_into().expect("8 bytes"));
+        let mut off = 0u64;
+        for &(o, l) in &m.spans {
+            for j in 0..l {
+                out[o + j] = MEDIA_BIT | (base.wrapping_add(off) & (MEDIA_BIT - 1));
+                off += 1;
+            }
+        }
+    }
+    out
+}
+
 impl TokenizerCore {
     /// Loads the tokenizer, chat template (optional) and processor config of a model directory.
     pub fn from_dir(dir: &Path, vision: bool) -> crate::Result<Self> {
@@ -114,15 +133,17 @@ impl TokenizerCore {
         })?;
         let thinking_open =
             text.rfind("<think>").map(|o| text.rfind("</think>").is_none_or(|c| c < o)).unwrap_or(false);
-        let media = prepared
+        let media: Vec<PreparedMedia> = prepared
             .media
             .into_iter()
             .zip(hashes)
             .map(|(item, hash)| PreparedMedia { hash, patches: Arc::new(item.patches), spans: item.spans })
             .collect();
         let positions = (!p.media.is_empty()).then_some(prepared.positions);
+        let cache_ids = cache_ids(&prepared.input_ids, &media);
         Ok(PreparedPrompt {
             input_ids: prepared.input_ids,
+            cache_ids,
             positions,
             rope_delta: prepared.rope_delta,
             media,
@@ -138,7 +159,15 @@ impl TokenizerCore {
                 self.tok.encode(&t).map_err(|e| RequestError::new(ErrorCode::InvalidRequest, e.to_string()))?
             }
         };
-        Ok(PreparedPrompt { input_ids: ids, positions: None, rope_delta: 0, media: Vec::new(), thinking_open: false })
+        let cache_ids = ids.iter().map(|&t| t as u64).collect();
+        Ok(PreparedPrompt {
+            input_ids: ids,
+            cache_ids,
+            positions: None,
+            rope_delta: 0,
+            media: Vec::new(),
+            thinking_open: false,
+        })
     }
 }
 

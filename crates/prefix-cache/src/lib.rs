@@ -1,0 +1,66 @@
+//! # osprey-prefix-cache — the prefix-cache actor
+//!
+//! Brief overview: owns a [`RadixTree`] of KV pages keyed by `cache_ids` (token ids, with media
+//! placeholders replaced by content-hash ids) plus recurrent-state snapshots. Accepts one batched
+//! [`PrefixCommand::Step`] per scheduler step (releases, then inserts, then matches) and emits
+//! [`PrefixMatch`]es: cached length, opaque pages, the snapshot, and a lease. Runs on its own thread.
+
+mod tree;
+
+use std::thread;
+
+use osprey_models::{KvBlock, StateSnapshot};
+use osprey_protocol::prefix::{PrefixCommand, PrefixMatch, PrefixStats};
+use tokio::sync::mpsc;
+
+pub use tree::{Bytes, Hit, RadixTree, TreeStats};
+
+/// Starts the prefix-cache thread: pages of `page_size` tokens, at most `budget_bytes` unpinned.
+pub fn spawn(page_size: usize, budget_bytes: usize) -> mpsc::UnboundedSender<PrefixCommand> {
+    let (tx, mut rx) = mpsc::unbounded_channel::<PrefixCommand>();
+    thread::Builder::new()
+        .name("osprey-prefix-cache".into())
+        .spawn(move || {
+            let mut tree: RadixTree<KvBlock, StateSnapshot> = RadixTree::new(page_size, budget_bytes);
+            while let Some(cmd) = rx.blocking_recv() {
+                match cmd {
+                    PrefixCommand::Step { matches, inserts, releases, reply } => {
+                        for l in releases {
+                            tree.release(l);
+                        }
+                        for ins in inserts {
+                            tree.insert(&ins.cache_ids, &ins.pages, ins.snapshot);
+                        }
+                        let out = matches
+                            .into_iter()
+                            .map(|m| {
+                                let h = tree.match_prefix(&m.cache_ids, m.cap);
+                                PrefixMatch {
+                                    seq: m.seq,
+                                    cached_tokens: h.tokens,
+                                    pages: h.pages,
+                                    snapshot: h.snapshot,
+                                    lease: h.lease,
+                                }
+                            })
+                            .collect();
+                        let _ = reply.send(out);
+                    }
+                    PrefixCommand::Stats { reply } => {
+                        let s = tree.stats();
+                        let _ = reply.send(PrefixStats {
+                            lookups: s.lookups,
+                            hits: s.hits,
+                            cached_tokens: s.cached_tokens,
+                            evictions: s.evictions,
+                            bytes: tree.used() as u64,
+                            budget: tree.budget() as u64,
+                            nodes: tree.len() as u64,
+                        });
+                    }
+                }
+            }
+        })
+        .expect("spawn prefix-cache thread");
+    tx
+}

@@ -1,0 +1,401 @@
+//! The radix tree core: a tree whose edges are pages of `page_size` cache ids, each node holding that
+//! page's KV rows and optionally the recurrent-state snapshot taken right after it.
+//!
+//! Rules (each enforced here, in code):
+//! - keys are `cache_ids`, not token ids: media placeholders carry content-hash ids, so a different image
+//!   diverges at its first placeholder;
+//! - a match is capped by the caller (prompt length − 1) and page-aligned, and is truncated to the
+//!   deepest node that has a snapshot (Gated DeltaNet state cannot be rewound);
+//! - a matched path is pinned (lock count) until its lease is released, so pages being copied into a
+//!   sequence are never evicted under it; pages are immutable once inserted (never shared while written);
+//! - eviction drops least-recently-used unlocked leaves until pages + snapshots fit the byte budget.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Anything with a size in bytes (pages, snapshots).
+pub trait Bytes {
+    /// Bytes held.
+    fn bytes(&self) -> usize;
+}
+
+impl Bytes for osprey_models::KvBlock {
+    fn bytes(&self) -> usize {
+        osprey_models::KvBlock::bytes(self)
+    }
+}
+
+impl Bytes for osprey_models::StateSnapshot {
+    fn bytes(&self) -> usize {
+        osprey_models::StateSnapshot::bytes(self)
+    }
+}
+
+#[derive(Debug)]
+struct Node<P, S> {
+    parent: usize,
+    key: Vec<u64>,
+    children: HashMap<Vec<u64>, usize>,
+    page: Option<Arc<P>>,
+    snapshot: Option<Arc<S>>,
+    lock: u32,
+    last_use: u64,
+}
+
+/// A match: the pinned path and what it holds.
+#[derive(Debug)]
+pub struct Hit<P, S> {
+    /// Tokens covered.
+    pub tokens: usize,
+    /// Pages from the root.
+    pub pages: Vec<Arc<P>>,
+    /// Snapshot after the last page.
+    pub snapshot: Option<Arc<S>>,
+    /// Lease id (None on a miss).
+    pub lease: Option<u64>,
+}
+
+/// Counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TreeStats {
+    /// Lookups.
+    pub lookups: u64,
+    /// Lookups with a hit.
+    pub hits: u64,
+    /// Tokens served.
+    pub cached_tokens: u64,
+    /// Nodes evicted.
+    pub evictions: u64,
+}
+
+/// The tree.
+#[derive(Debug)]
+pub struct RadixTree<P, S> {
+    page: usize,
+    budget: usize,
+    used: usize,
+    nodes: Vec<Option<Node<P, S>>>,
+    free: Vec<usize>,
+    tick: u64,
+    leases: HashMap<u64, Vec<usize>>,
+    next_lease: u64,
+    stats: TreeStats,
+}
+
+impl<P: Bytes, S: Bytes> RadixTree<P, S> {
+    /// An empty tree of `page`-token pages holding at most `budget` bytes when nothing is pinned.
+    pub fn new(page: usize, budget: usize) -> Self {
+        let root = Node {
+            parent: 0,
+            key: Vec::new(),
+            children: HashMap::new(),
+            page: None,
+            snapshot: None,
+            lock: 0,
+            last_use: 0,
+        };
+        RadixTree {
+            page: page.max(1),
+            budget,
+            used: 0,
+            nodes: vec![Some(root)],
+            free: Vec::new(),
+            tick: 0,
+            leases: HashMap::new(),
+            next_lease: 1,
+            stats: TreeStats::default(),
+        }
+    }
+
+    /// Page size in tokens.
+    pub fn page_size(&self) -> usize {
+        self.page
+    }
+
+    fn node(&self, i: usize) -> &Node<P, S> {
+        self.nodes[i].as_ref().expect("live node: this is a bug")
+    }
+
+    fn node_mut(&mut self, i: usize) -> &mut Node<P, S> {
+        self.nodes[i].as_mut().expect("live node: this is a bug")
+    }
+
+    /// Longest cached prefix of `ids` usable up to `cap` tokens, ending at a snapshot; pins it.
+    pub fn match_prefix(&mut self, ids: &[u64], cap: usize) -> Hit<P, S> {
+        self.tick += 1;
+        self.stats.lookups += 1;
+        let mut path = Vec::new();
+        let mut cur = 0;
+        let mut d = 0;
+        while (d + 1) * self.page <= cap.min(ids.len()) {
+            let key = &ids[d * self.page..(d + 1) * self.page];
+            match self.node(cur).children.get(key) {
+                Some(&c) => {
+                    path.push(c);
+                    cur = c;
+                    d += 1;
+                }
+                None => break,
+            }
+        }
+        while let Some(&last) = path.last() {
+            if self.node(last).snapshot.is_some() {
+                break;
+            }
+            path.pop();
+        }
+        if path.is_empty() {
+            return Hit { tokens: 0, pages: Vec::new(), snapshot: None, lease: None };
+        }
+        let tick = self.tick;
+        for &n in &path {
+            let node = self.node_mut(n);
+            node.lock += 1;
+            node.last_use = tick;
+        }
+        let lease = self.next_lease;
+        self.next_lease += 1;
+        let pages = path.iter().map(|&n| self.node(n).page.clone().expect("non-root page")).collect();
+        let snapshot = self.node(*path.last().expect("non-empty")).snapshot.clone();
+        self.leases.insert(lease, path.clone());
+        self.stats.hits += 1;
+        self.stats.cached_tokens += (path.len() * self.page) as u64;
+        Hit { tokens: path.len() * self.page, pages, snapshot, lease: Some(lease) }
+    }
+
+    /// Unpins a lease (unknown ids are ignored).
+    pub fn release(&mut self, lease: u64) {
+        if let Some(path) = self.leases.remove(&lease) {
+            for n in path {
+                if let Some(node) = self.nodes[n].as_mut() {
+                    node.lock -= 1;
+                }
+            }
+        }
+        self.evict();
+    }
+
+    /// Stores `ids` (a page multiple) with the snapshot after them. `pages` gives the rows of pages the
+    /// tree may lack (by page index); insertion stops where a missing page is not provided.
+    pub fn insert(&mut self, ids: &[u64], pages: &[(usize, Arc<P>)], snapshot: Arc<S>) {
+        self.tick += 1;
+        let n_pages = ids.len() / self.page;
+        if n_pages == 0 || !ids.len().is_multiple_of(self.page) {
+            return;
+        }
+        let given: HashMap<usize, &Arc<P>> = pages.iter().map(|(i, p)| (*i, p)).collect();
+        let mut cur = 0;
+        for d in 0..n_pages {
+            let key = ids[d * self.page..(d + 1) * self.page].to_vec();
+            let next = match self.node(cur).children.get(&key) {
+                Some(&c) => c,
+                None => {
+                    let Some(page) = given.get(&d) else { return };
+                    self.used += page.bytes();
+                    let node = Node {
+                        parent: cur,
+                        key: key.clone(),
+                        children: HashMap::new(),
+                        page: Some((*page).clone()),
+                        snapshot: None,
+                        lock: 0,
+                        last_use: self.tick,
+                    };
+                    let idx = match self.free.pop() {
+                        Some(i) => {
+                            self.nodes[i] = Some(node);
+                            i
+                        }
+                        None => {
+                            self.nodes.push(Some(node));
+                            self.nodes.len() - 1
+                        }
+                    };
+                    self.node_mut(cur).children.insert(key, idx);
+                    idx
+                }
+            };
+            let tick = self.tick;
+            self.node_mut(next).last_use = tick;
+            cur = next;
+        }
+        if self.node(cur).snapshot.is_none() {
+            self.used += snapshot.bytes();
+            self.node_mut(cur).snapshot = Some(snapshot);
+        }
+        self.evict();
+    }
+
+    /// Drops LRU unlocked leaves until the budget holds (or nothing more can go).
+    pub fn evict(&mut self) {
+        while self.used > self.budget {
+            let victim = self
+                .nodes
+                .iter()
+                .enumerate()
+                .skip(1)
+                .filter_map(|(i, n)| n.as_ref().map(|n| (i, n)))
+                .filter(|(_, n)| n.children.is_empty() && n.lock == 0)
+                .min_by_key(|(_, n)| n.last_use)
+                .map(|(i, _)| i);
+            let Some(v) = victim else { return };
+            let node = self.nodes[v].take().expect("live");
+            self.used -= node.page.as_ref().map_or(0, |p| p.bytes()) + node.snapshot.as_ref().map_or(0, |s| s.bytes());
+            self.node_mut(node.parent).children.remove(&node.key);
+            self.free.push(v);
+            self.stats.evictions += 1;
+        }
+    }
+
+    /// Bytes held.
+    pub fn used(&self) -> usize {
+        self.used
+    }
+
+    /// Byte budget.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Live nodes (root excluded).
+    pub fn len(&self) -> usize {
+        self.nodes.iter().skip(1).filter(|n| n.is_some()).count()
+    }
+
+    /// Whether only the root is left.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> TreeStats {
+        self.stats
+    }
+
+    /// Checks every structural invariant (tests).
+    pub fn check(&self) {
+        let mut bytes = 0;
+        let mut locks: HashMap<usize, u32> = HashMap::new();
+        for path in self.leases.values() {
+            for &n in path {
+                *locks.entry(n).or_default() += 1;
+            }
+        }
+        for (i, n) in self.nodes.iter().enumerate().skip(1) {
+            let Some(n) = n else { continue };
+            bytes += n.page.as_ref().map_or(0, |p| p.bytes()) + n.snapshot.as_ref().map_or(0, |s| s.bytes());
+            assert_eq!(n.key.len(), self.page, "edge length");
+            assert_eq!(self.node(n.parent).children.get(&n.key), Some(&i), "parent link");
+            assert_eq!(n.lock, locks.get(&i).copied().unwrap_or(0), "lock count = leases through the node");
+            assert!(n.page.is_some());
+        }
+        assert_eq!(bytes, self.used, "byte accounting");
+        if self.leases.is_empty() {
+            assert!(self.used <= self.budget, "over budget with nothing pinned");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq)]
+    struct Blob(usize, u64);
+    impl Bytes for Blob {
+        fn bytes(&self) -> usize {
+            self.0
+        }
+    }
+
+    fn pages(ids: &[u64], page: usize) -> Vec<(usize, Arc<Blob>)> {
+        (0..ids.len() / page).map(|i| (i, Arc::new(Blob(10, ids[i * page])))).collect()
+    }
+
+    #[test]
+    fn match_truncates_to_the_deepest_snapshot_and_respects_the_cap() {
+        let mut t: RadixTree<Blob, Blob> = RadixTree::new(2, 1000);
+        let ids = [1, 2, 3, 4, 5, 6, 7, 8];
+        t.insert(&ids[..4], &pages(&ids, 2), Arc::new(Blob(5, 4)));
+        t.insert(&ids, &pages(&ids, 2), Arc::new(Blob(5, 8)));
+        let h = t.match_prefix(&ids, 7);
+        assert_eq!(
+            (h.tokens, h.snapshot.as_ref().map(|s| s.1)),
+            (4, Some(4)),
+            "cap 7 → page 3 unusable → snapshot at 4"
+        );
+        let h2 = t.match_prefix(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 8);
+        assert_eq!(h2.tokens, 8);
+        assert_eq!(h2.pages.iter().map(|p| p.1).collect::<Vec<_>>(), vec![1, 3, 5, 7]);
+        let miss = t.match_prefix(&[1, 2, 9, 9], 4);
+        assert_eq!((miss.tokens, miss.lease), (0, None), "page 1 exists but has no snapshot");
+        t.check();
+        t.release(h.lease.expect("lease"));
+        t.release(h2.lease.expect("lease"));
+        t.check();
+    }
+
+    #[test]
+    fn eviction_is_lru_over_unlocked_leaves_and_never_touches_pinned_paths() {
+        let mut t: RadixTree<Blob, Blob> = RadixTree::new(1, 45);
+        for k in 0..3u64 {
+            let ids = [k, 100 + k];
+            t.insert(&ids, &pages(&ids, 1), Arc::new(Blob(1, k)));
+        }
+        // Budget 45 < 3 × 21: the oldest branch (0) lost its leaf, then its page.
+        assert!(t.used() <= 45);
+        assert_eq!(t.match_prefix(&[0, 100], 2).tokens, 0);
+        let pinned = t.match_prefix(&[2, 102], 2);
+        assert_eq!(pinned.tokens, 2);
+        for k in 3..6u64 {
+            let ids = [k, 100 + k];
+            t.insert(&ids, &pages(&ids, 1), Arc::new(Blob(1, k)));
+        }
+        assert_eq!(t.match_prefix(&[2, 102], 2).tokens, 2, "a pinned path survives");
+        t.check();
+        assert!(t.stats().evictions >= 4);
+    }
+
+    #[test]
+    fn randomized_invariants_small_vocabulary() {
+        let mut seed = 42u64;
+        let mut rnd = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        let mut t: RadixTree<Blob, Blob> = RadixTree::new(2, 300);
+        let mut leases = Vec::new();
+        for _ in 0..5000 {
+            let len = 2 * (1 + rnd(5)) as usize;
+            let ids: Vec<u64> = (0..len).map(|_| rnd(3)).collect();
+            match rnd(4) {
+                0 | 1 => t.insert(&ids, &pages(&ids, 2), Arc::new(Blob(3, len as u64))),
+                2 => {
+                    let cap = rnd(len as u64 + 1) as usize;
+                    let h = t.match_prefix(&ids, cap);
+                    assert!(h.tokens <= cap && h.tokens.is_multiple_of(2));
+                    assert_eq!(h.pages.len() * 2, h.tokens);
+                    if let Some(s) = &h.snapshot {
+                        // The snapshot was inserted for a prefix of exactly this length.
+                        assert_eq!(s.1 as usize, h.tokens);
+                    }
+                    if let Some(l) = h.lease {
+                        leases.push(l);
+                    }
+                }
+                _ => {
+                    if !leases.is_empty() {
+                        let i = rnd(leases.len() as u64) as usize;
+                        t.release(leases.swap_remove(i));
+                    }
+                }
+            }
+            t.check();
+        }
+        for l in leases {
+            t.release(l);
+        }
+        t.check();
+        assert!(t.used() <= t.budget());
+    }
+}

@@ -1,0 +1,88 @@
+//! Messages to the prefix-cache actor: one batched exchange per scheduler step.
+
+use std::sync::Arc;
+
+use osprey_models::{KvBlock, StateSnapshot};
+use tokio::sync::oneshot;
+
+use crate::SeqId;
+
+/// A pin on a matched path of the tree; released with [`PrefixCommand::Step`]'s `releases`.
+pub type LeaseId = u64;
+
+/// Look up the longest cached prefix of a new sequence.
+#[derive(Clone, Debug)]
+pub struct MatchRequest {
+    /// The sequence (echoed in the answer).
+    pub seq: SeqId,
+    /// Its prompt's cache ids.
+    pub cache_ids: Arc<Vec<u64>>,
+    /// Longest usable hit (prompt length − 1: the last prompt token must be computed for its logits).
+    pub cap: usize,
+}
+
+/// The answer to a [`MatchRequest`] (opaque pages, never tree nodes).
+#[derive(Clone, Debug)]
+pub struct PrefixMatch {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Tokens served from the cache (a page multiple; 0 on a miss).
+    pub cached_tokens: usize,
+    /// KV pages covering `[0, cached_tokens)`.
+    pub pages: Vec<Arc<KvBlock>>,
+    /// Recurrent state after `cached_tokens` tokens.
+    pub snapshot: Option<Arc<StateSnapshot>>,
+    /// The pin to release when the sequence ends.
+    pub lease: Option<LeaseId>,
+}
+
+/// Store the prefix `cache_ids` (a page multiple) with the state after it.
+#[derive(Clone, Debug)]
+pub struct InsertRequest {
+    /// Cache ids of the prefix.
+    pub cache_ids: Vec<u64>,
+    /// Pages `(page index, rows)` the inserting sequence computed (the pages it matched are not sent).
+    pub pages: Vec<(usize, Arc<KvBlock>)>,
+    /// Recurrent state after the prefix.
+    pub snapshot: Arc<StateSnapshot>,
+}
+
+/// Counters of the prefix cache.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PrefixStats {
+    /// Lookups.
+    pub lookups: u64,
+    /// Lookups that returned at least one page.
+    pub hits: u64,
+    /// Tokens served from the cache.
+    pub cached_tokens: u64,
+    /// Nodes evicted.
+    pub evictions: u64,
+    /// Bytes held (pages + snapshots).
+    pub bytes: u64,
+    /// Budget in bytes.
+    pub budget: u64,
+    /// Nodes in the tree.
+    pub nodes: u64,
+}
+
+/// Commands of the prefix-cache actor.
+#[derive(Debug)]
+pub enum PrefixCommand {
+    /// A step's batch: releases first, then inserts, then matches.
+    Step {
+        /// New sequences to match.
+        matches: Vec<MatchRequest>,
+        /// Prefixes to store.
+        inserts: Vec<InsertRequest>,
+        /// Pins to drop.
+        releases: Vec<LeaseId>,
+        /// One answer per match, in order.
+        reply: oneshot::Sender<Vec<PrefixMatch>>,
+    },
+    /// Counters.
+    Stats {
+        /// Counters.
+        reply: oneshot::Sender<PrefixStats>,
+    },
+}
