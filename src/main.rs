@@ -123,7 +123,7 @@ impl ServeArgs {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8080).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Load a model directory, run one prompt (text, images, videos) and print the greedy continuation.
     Run(run::RunArgs),
     /// Measure the runtime.
@@ -178,7 +178,7 @@ fn main() -> Result<()> {
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("thread pool")?;
     }
     match cli.command {
-        Command::Serve(a) => serve(a),
+        Command::Serve(a) => serve(*a),
         Command::Run(a) => {
             let m = load(&a.model)?;
             run::run(a, &m)
