@@ -4,10 +4,10 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Merged settings.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Settings {
     /// Model directory (None: the embedded default model).
@@ -56,10 +56,6 @@ pub struct Settings {
     pub allowed_local_media_path: Option<PathBuf>,
 }
 
-macro_rules! overlay {
-    ($base:ident, $over:ident, $($f:ident),*) => { $( if $over.$f.is_some() { $base.$f = $over.$f.clone(); } )* };
-}
-
 impl Settings {
     /// Reads a TOML file.
     pub fn from_file(path: &Path) -> Result<Self> {
@@ -67,31 +63,19 @@ impl Settings {
         toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
     }
 
-    /// `self` with every field `over` sets replaced (CLI over file).
-    pub fn overlay(mut self, over: &Settings) -> Self {
-        overlay!(
-            self,
-            over,
-            model,
-            served_model_name,
-            host,
-            port,
-            api_key,
-            http_workers,
-            context_len,
-            max_prefill_tokens,
-            max_batch_tokens,
-            max_running_requests,
-            kv_capacity_tokens,
-            vision_cache_mb,
-            max_media_per_request,
-            max_media_bytes,
-            max_image_pixels,
-            max_video_frames,
-            allowed_media_domains,
-            allowed_local_media_path
-        );
-        self
+    /// `self` with every field `over` sets replaced (CLI over file). Done on the serialized form, so a
+    /// field added to `Settings` can never be forgotten here.
+    pub fn overlay(self, over: &Settings) -> Self {
+        let mut base = serde_json::to_value(&self).expect("settings serialize");
+        let top = serde_json::to_value(over).expect("settings serialize");
+        if let (Some(b), Some(t)) = (base.as_object_mut(), top.as_object()) {
+            for (k, v) in t {
+                if !v.is_null() {
+                    b.insert(k.clone(), v.clone());
+                }
+            }
+        }
+        serde_json::from_value(base).expect("settings round-trip")
     }
 }
 
@@ -108,5 +92,8 @@ mod tests {
         let merged = file.overlay(&Settings { port: Some(9000), ..Settings::default() });
         assert_eq!((merged.port, merged.max_batch_tokens), (Some(9000), Some(2048)));
         assert!(toml::from_str::<Settings>("no_such_key = 1").is_err(), "unknown keys are errors");
+        let flags = Settings { disable_prefix_cache: Some(true), prefix_cache_mb: Some(0.5), ..Settings::default() };
+        let m = Settings::default().overlay(&flags);
+        assert_eq!((m.disable_prefix_cache, m.prefix_cache_mb), (Some(true), Some(0.5)));
     }
 }
