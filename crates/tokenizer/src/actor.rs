@@ -223,3 +223,32 @@ pub fn spawn(core: TokenizerCore) -> TokenizerHandle {
         .expect("spawn tokenizer thread");
     TokenizerHandle { tx }
 }
+
+#[cfg(test)]
+mod tests {
+    use osprey_models::vision::PixelPatches;
+
+    use super::*;
+
+    fn item(bytes: &[u8], spans: Vec<(usize, usize)>) -> PreparedMedia {
+        let patches = Arc::new(PixelPatches { rows: Vec::new(), grid: [1, 2, 2] });
+        PreparedMedia { hash: hash(&[b"image", bytes]), patches, spans }
+    }
+
+    #[test]
+    fn cache_ids_are_content_addressed_per_position() {
+        let ids = [7, 8, 1004, 1004, 1004, 9];
+        let a = cache_ids(&ids, &[item(b"picture A", vec![(2, 3)])]);
+        let a2 = cache_ids(&ids, &[item(b"picture A", vec![(2, 3)])]);
+        let b = cache_ids(&ids, &[item(b"picture B", vec![(2, 3)])]);
+        assert_eq!(a, a2, "same bytes, same ids");
+        assert_eq!(&a[..2], &[7, 8]);
+        assert_eq!(a[5], 9);
+        assert!(a[2..5].iter().all(|&c| c >= 1 << 62), "above any vocabulary");
+        assert_eq!(a[2..5].iter().collect::<std::collections::HashSet<_>>().len(), 3, "every position differs");
+        assert_ne!(a[2], b[2], "a different image diverges at its first placeholder");
+        // A video's frame groups continue the offset across spans.
+        let v = cache_ids(&[1005, 1005, 5, 1005, 1005], &[item(b"video", vec![(0, 2), (3, 2)])]);
+        assert_eq!(v[3], v[1] + 1);
+    }
+}
