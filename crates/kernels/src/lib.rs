@@ -6,6 +6,7 @@
 //! - [`matmul`]: `y = x · Wᵀ` over weights stored as f32, bf16 or f16 (`WeightView`); AVX2+FMA with runtime
 //!   detection and a portable fallback; one-token rows take a GEMV path that converts weights in registers,
 //!   batches take a GEMM path that converts each weight tile once (matrixmultiply's sgemm).
+//! - [`nvfp4`]: NVFP4 decoding and the dequantise-in-registers dot product.
 //! - [`norm`]: zero-centred RMSNorm `x̂·(1+w)`, gated RMSNorm `x̂·w·silu(z)`, L2 norm.
 //! - [`rope`]: partial NeoX rotary with interleaved mRoPE sections.
 //! - [`attention`]: causal GQA attention of new queries over a sequence's cached K/V.
@@ -19,6 +20,7 @@ pub mod attention;
 pub mod gdn;
 mod matmul;
 pub mod norm;
+pub mod nvfp4;
 pub mod rope;
 mod simd;
 

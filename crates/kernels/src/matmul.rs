@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use crate::simd;
+use crate::{nvfp4, simd};
 
 /// Up to this many input rows a matmul takes the GEMV path.
 pub const GEMV_MAX_ROWS: usize = 4;
@@ -24,6 +24,8 @@ pub enum DType {
     BF16,
     /// IEEE half (stored as raw u16 bits).
     F16,
+    /// NVFP4: packed e2m1 pairs with e4m3 block scales and a global scale.
+    Nvfp4,
 }
 
 impl DType {
@@ -32,6 +34,8 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::BF16 | DType::F16 => 2,
+            // Half a byte per value plus one scale byte per 16 values, rounded up to a byte.
+            DType::Nvfp4 => 1,
         }
     }
 }
@@ -45,6 +49,15 @@ pub enum WeightView<'a> {
     Bf16(&'a [u16]),
     /// f16 bit patterns.
     F16(&'a [u16]),
+    /// NVFP4 rows: `packed [n, k/2]`, `scales [n, k/16]` (e4m3), one global scale.
+    Nvfp4 {
+        /// Two e2m1 codes per byte, even column in the low nibble.
+        packed: &'a [u8],
+        /// One e4m3 scale per 16 values.
+        scales: &'a [u8],
+        /// Tensor-wide scale.
+        global: f32,
+    },
 }
 
 impl WeightView<'_> {
@@ -52,6 +65,7 @@ impl WeightView<'_> {
         match self {
             WeightView::F32(w) => w.len(),
             WeightView::Bf16(w) | WeightView::F16(w) => w.len(),
+            WeightView::Nvfp4 { packed, .. } => packed.len() * 2,
         }
     }
 
@@ -62,6 +76,10 @@ impl WeightView<'_> {
             WeightView::F32(w) => simd::dot_f32(x, &w[r * k..(r + 1) * k]),
             WeightView::Bf16(w) => simd::dot_bf16(x, &w[r * k..(r + 1) * k]),
             WeightView::F16(w) => simd::dot_f16(x, &w[r * k..(r + 1) * k]),
+            WeightView::Nvfp4 { packed, scales, global } => {
+                let (pk, sk) = (k / 2, k / nvfp4::BLOCK);
+                nvfp4::dot(x, &packed[r * pk..(r + 1) * pk], &scales[r * sk..(r + 1) * sk], *global)
+            }
         }
     }
 
@@ -78,6 +96,15 @@ impl WeightView<'_> {
             WeightView::F16(w) => {
                 scratch.resize(b - a, 0.0);
                 simd::f16_row_to_f32(&w[a..b], scratch);
+                scratch
+            }
+            WeightView::Nvfp4 { packed, scales, global } => {
+                scratch.resize(b - a, 0.0);
+                let (pk, sk) = (k / 2, k / nvfp4::BLOCK);
+                for (i, r) in (r0..r1).enumerate() {
+                    let out = &mut scratch[i * k..(i + 1) * k];
+                    nvfp4::dequant_row(&packed[r * pk..(r + 1) * pk], &scales[r * sk..(r + 1) * sk], *global, out);
+                }
                 scratch
             }
         }
@@ -212,6 +239,33 @@ mod tests {
             }
         }
         y
+    }
+
+    #[test]
+    fn nvfp4_gemv_and_gemm_equal_dequantise_then_f32_matmul() {
+        let (n, k) = (40, 64);
+        let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
+        let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
+        let view = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.25 };
+        let mut dense = vec![0f32; n * k];
+        for r in 0..n {
+            nvfp4::dequant_row(
+                &packed[r * k / 2..(r + 1) * k / 2],
+                &scales[r * k / 16..(r + 1) * k / 16],
+                0.25,
+                &mut dense[r * k..(r + 1) * k],
+            );
+        }
+        for m in [1usize, 3, 9] {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 97.0) - 0.5).collect();
+            let want = reference(&x, m, &dense, n, k);
+            let mut got = vec![0f32; m * n];
+            matmul(&x, m, view, n, k, &mut got);
+            // Same products, other summation orders (block partial sums × scale): f32 rounding only.
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() < 1e-4 * w.abs().max(1.0), "m={m}: {g} vs {w}");
+            }
+        }
     }
 
     #[test]

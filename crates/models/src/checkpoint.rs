@@ -35,9 +35,35 @@ pub struct Checkpoint {
 /// Storage of a weight: a range of a mapped file, or an owned copy.
 #[derive(Clone, Debug)]
 enum Storage {
-    Mapped { map: Arc<Mmap>, start: usize, len: usize },
+    Mapped {
+        map: Arc<Mmap>,
+        start: usize,
+        len: usize,
+    },
     F32(Arc<Vec<f32>>),
     U16(Arc<Vec<u16>>),
+    /// NVFP4: packed codes and e4m3 block scales (each mapped or owned) and the global scale.
+    Nvfp4 {
+        packed: ByteRange,
+        scales: ByteRange,
+        global: f32,
+    },
+}
+
+/// Bytes of a tensor: mapped or owned.
+#[derive(Clone, Debug)]
+pub(crate) enum ByteRange {
+    Mapped { map: Arc<Mmap>, start: usize, len: usize },
+    Owned(Arc<Vec<u8>>),
+}
+
+impl ByteRange {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            ByteRange::Mapped { map, start, len } => &map[*start..*start + *len],
+            ByteRange::Owned(v) => v,
+        }
+    }
 }
 
 /// A 2-D weight `[rows, cols]` (a Linear's `[out, in]`) in f32, bf16 or f16.
@@ -73,13 +99,38 @@ impl Weight {
 
     /// Bytes of weight data.
     pub fn bytes(&self) -> usize {
-        self.rows * self.cols * self.dtype.size()
+        match self.dtype {
+            DType::Nvfp4 => self.rows * self.cols / 2 + self.rows * self.cols / 16 + 4,
+            d => self.rows * self.cols * d.size(),
+        }
+    }
+
+    /// An NVFP4 weight from owned parts (`packed [rows, cols/2]`, `scales [rows, cols/16]`).
+    pub fn nvfp4(rows: usize, cols: usize, packed: Vec<u8>, scales: Vec<u8>, global: f32) -> Self {
+        assert!(packed.len() == rows * cols / 2 && scales.len() == rows * cols / 16, "nvfp4 shapes: this is a bug");
+        let storage = Storage::Nvfp4 {
+            packed: ByteRange::Owned(Arc::new(packed)),
+            scales: ByteRange::Owned(Arc::new(scales)),
+            global,
+        };
+        Weight { dtype: DType::Nvfp4, rows, cols, storage }
+    }
+
+    /// NVFP4 parts `(packed, scales, global)`, or `None` for other dtypes.
+    pub fn nvfp4_parts(&self) -> Option<(&[u8], &[u8], f32)> {
+        match &self.storage {
+            Storage::Nvfp4 { packed, scales, global } => Some((packed.as_slice(), scales.as_slice(), *global)),
+            _ => None,
+        }
     }
 
     /// A typed view for the kernels.
     pub fn view(&self) -> WeightView<'_> {
         let n = self.rows * self.cols;
         match &self.storage {
+            Storage::Nvfp4 { packed, scales, global } => {
+                WeightView::Nvfp4 { packed: packed.as_slice(), scales: scales.as_slice(), global: *global }
+            }
             Storage::F32(v) => WeightView::F32(v),
             Storage::U16(v) => match self.dtype {
                 DType::F16 => WeightView::F16(v),
@@ -95,6 +146,7 @@ impl Weight {
                         DType::F32 => WeightView::F32(std::slice::from_raw_parts(bytes.as_ptr() as *const f32, n)),
                         DType::BF16 => WeightView::Bf16(std::slice::from_raw_parts(bytes.as_ptr() as *const u16, n)),
                         DType::F16 => WeightView::F16(std::slice::from_raw_parts(bytes.as_ptr() as *const u16, n)),
+                        DType::Nvfp4 => unreachable!("nvfp4 weights use Storage::Nvfp4: this is a bug"),
                     }
                 }
             }
@@ -115,6 +167,15 @@ impl Weight {
                 for (o, &b) in out.iter_mut().zip(&w[r * c..(r + 1) * c]) {
                     *o = half::f16::from_bits(b).to_f32();
                 }
+            }
+            WeightView::Nvfp4 { packed, scales, global } => {
+                let (pk, sk) = (c / 2, c / osprey_kernels::nvfp4::BLOCK);
+                osprey_kernels::nvfp4::dequant_row(
+                    &packed[r * pk..(r + 1) * pk],
+                    &scales[r * sk..(r + 1) * sk],
+                    global,
+                    out,
+                );
             }
         }
     }
@@ -277,6 +338,54 @@ impl Checkpoint {
             }
         };
         Ok(Weight { dtype, rows, cols, storage })
+    }
+
+    fn bytes_of(&self, name: &str, dtype: StDtype, shape: &[usize]) -> Result<ByteRange> {
+        let e = self.entry(name)?;
+        Self::check_shape(name, e, shape)?;
+        if e.dtype != dtype {
+            return Err(Error::UnsupportedDType {
+                name: name.to_string(),
+                dtype: format!("{:?} (expected {dtype:?})", e.dtype),
+            });
+        }
+        Ok(ByteRange::Mapped { map: self.maps[e.file].clone(), start: e.start, len: e.end - e.start })
+    }
+
+    fn scalar_f32(&self, name: &str) -> Result<f32> {
+        let e = self.entry(name)?;
+        if e.shape.iter().product::<usize>() != 1 || e.dtype != StDtype::F32 {
+            return Err(Error::ShapeMismatch { name: name.to_string(), expected: vec![], found: e.shape.clone() });
+        }
+        let b = &self.maps[e.file][e.start..e.start + 4];
+        Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    /// The `[out, inp]` weight of the linear layer `prefix`, in whatever format the checkpoint stores it:
+    /// dense (`{prefix}.weight` f32/bf16/f16), NVFP4 ModelOpt (`weight` U8 `[out, inp/2]`, `weight_scale`
+    /// F8_E4M3 `[out, inp/16]`, `weight_scale_2` F32 scalar; `input_scale` is not needed for weight-only
+    /// compute), or compressed-tensors `nvfp4-pack-quantized` (`weight_packed`, `weight_scale`,
+    /// `weight_global_scale`, stored inverted). A missing or mis-shaped scale is an error naming it.
+    pub fn linear(&self, prefix: &str, out: usize, inp: usize) -> Result<Weight> {
+        let w = format!("{prefix}.weight");
+        let modelopt = self.entries.get(&w).is_some_and(|e| e.dtype == StDtype::U8);
+        let packed_name = format!("{prefix}.weight_packed");
+        let ct = self.contains(&packed_name);
+        if !modelopt && !ct {
+            return self.weight(&w, &[out, inp]);
+        }
+        if inp % osprey_kernels::nvfp4::BLOCK != 0 {
+            return Err(Error::Unsupported(format!("{prefix}: NVFP4 needs input features divisible by 16, got {inp}")));
+        }
+        let scale_name = format!("{prefix}.weight_scale");
+        let (packed, global) = if modelopt {
+            (self.bytes_of(&w, StDtype::U8, &[out, inp / 2])?, self.scalar_f32(&format!("{prefix}.weight_scale_2"))?)
+        } else {
+            let g = self.scalar_f32(&format!("{prefix}.weight_global_scale"))?;
+            (self.bytes_of(&packed_name, StDtype::U8, &[out, inp / 2])?, 1.0 / g)
+        };
+        let scales = self.bytes_of(&scale_name, StDtype::F8_E4M3, &[out, inp / 16])?;
+        Ok(Weight { dtype: DType::Nvfp4, rows: out, cols: inp, storage: Storage::Nvfp4 { packed, scales, global } })
     }
 
     /// A 1-D tensor of `len` elements, widened to f32 (norm weights, A_log, dt_bias).

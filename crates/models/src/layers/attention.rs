@@ -58,7 +58,7 @@ impl GatedAttention {
     /// Loads `{prefix}.{q,k,v,o}_proj`, `q_norm`, `k_norm`.
     pub fn load(ck: &Checkpoint, prefix: &str, cfg: &TextConfig) -> Result<Self> {
         let (h, nh, nkv, hd) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim());
-        let w = |n: &str, s: &[usize]| ck.weight(&format!("{prefix}.{n}.weight"), s);
+        let w = |n: &str, s: &[usize]| ck.linear(&format!("{prefix}.{n}"), s[0], s[1]);
         Ok(GatedAttention {
             q_proj: w("q_proj", &[nh * hd * 2, h])?,
             k_proj: w("k_proj", &[nkv * hd, h])?,

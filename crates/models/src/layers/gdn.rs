@@ -45,15 +45,15 @@ impl GatedDeltaNet {
         let (kd, vd) = (shape.nk * shape.dk, shape.nv * shape.dv);
         let conv_dim = 2 * kd + vd;
         let kernel = cfg.linear_conv_kernel_dim;
-        let w = |n: &str, s: &[usize]| ck.weight(&format!("{prefix}.{n}"), s);
+        let w = |n: &str, s: &[usize]| ck.linear(&format!("{prefix}.{n}"), s[0], s[1]);
         let a_log = ck.vector(&format!("{prefix}.A_log"), shape.nv)?;
         Ok(GatedDeltaNet {
-            in_proj_qkv: w("in_proj_qkv.weight", &[conv_dim, h])?,
-            in_proj_z: w("in_proj_z.weight", &[vd, h])?,
-            in_proj_b: w("in_proj_b.weight", &[shape.nv, h])?,
-            in_proj_a: w("in_proj_a.weight", &[shape.nv, h])?,
-            out_proj: w("out_proj.weight", &[h, vd])?,
-            conv_w: w("conv1d.weight", &[conv_dim, 1, kernel])?.to_f32(),
+            in_proj_qkv: w("in_proj_qkv", &[conv_dim, h])?,
+            in_proj_z: w("in_proj_z", &[vd, h])?,
+            in_proj_b: w("in_proj_b", &[shape.nv, h])?,
+            in_proj_a: w("in_proj_a", &[shape.nv, h])?,
+            out_proj: w("out_proj", &[h, vd])?,
+            conv_w: ck.weight(&format!("{prefix}.conv1d.weight"), &[conv_dim, 1, kernel])?.to_f32(),
             neg_a: a_log.iter().map(|a| -a.exp()).collect(),
             dt_bias: ck.vector(&format!("{prefix}.dt_bias"), shape.nv)?,
             norm_w: ck.vector(&format!("{prefix}.norm.weight"), shape.dv)?,

@@ -21,9 +21,9 @@ impl Mlp {
     /// Loads `{prefix}.{gate,up,down}_proj.weight`.
     pub fn load(ck: &Checkpoint, prefix: &str, hidden: usize, inter: usize) -> Result<Self> {
         Ok(Mlp {
-            gate: ck.weight(&format!("{prefix}.gate_proj.weight"), &[inter, hidden])?,
-            up: ck.weight(&format!("{prefix}.up_proj.weight"), &[inter, hidden])?,
-            down: ck.weight(&format!("{prefix}.down_proj.weight"), &[hidden, inter])?,
+            gate: ck.linear(&format!("{prefix}.gate_proj"), inter, hidden)?,
+            up: ck.linear(&format!("{prefix}.up_proj"), inter, hidden)?,
+            down: ck.linear(&format!("{prefix}.down_proj"), hidden, inter)?,
         })
     }
 

@@ -138,9 +138,9 @@ impl SparseMoe {
     pub fn load(ck: &Checkpoint, prefix: &str, layer: usize, hidden: usize, cfg: MoeConfig) -> Result<Self> {
         Ok(SparseMoe {
             layer,
-            router: ck.weight(&format!("{prefix}.gate.weight"), &[cfg.num_experts, hidden])?,
+            router: ck.linear(&format!("{prefix}.gate"), cfg.num_experts, hidden)?,
             shared: Mlp::load(ck, &format!("{prefix}.shared_expert"), hidden, cfg.shared_intermediate)?,
-            shared_gate: ck.weight(&format!("{prefix}.shared_expert_gate.weight"), &[1, hidden])?,
+            shared_gate: ck.linear(&format!("{prefix}.shared_expert_gate"), 1, hidden)?,
             cfg,
         })
     }

@@ -119,7 +119,7 @@ impl Qwen35 {
             (None, _) => None,
         };
         let embed = ck.weight(&format!("{p}embed_tokens.weight"), &[v, h])?;
-        let lm_head = if c.tie_word_embeddings { embed.clone() } else { ck.weight("lm_head.weight", &[v, h])? };
+        let lm_head = if c.tie_word_embeddings { embed.clone() } else { ck.linear("lm_head", v, h)? };
         let rope_p = c.rope()?;
         let sec = &rope_p.mrope_section;
         let rope = MRope::new(c.head_dim(), c.rot_dim(), rope_p.rope_theta, [sec[0], sec[1], sec[2]]);

@@ -1,0 +1,186 @@
+//! NVFP4 (NVIDIA ModelOpt layout): 4-bit e2m1 values, two per byte (even column in the low nibble), one
+//! e4m3 scale per 16 consecutive values of a row, one f32 global scale per tensor:
+//! `W[n, k] = e2m1(q[n, k]) · e4m3(s[n, k/16]) · global`.
+//!
+//! The dot product dequantises in registers: per 16-value block, 8 bytes are widened to 16 codes, the
+//! 3-bit magnitude indexes an 8-entry table (`vpermps`), the sign bit is xor-ed in, and the block scale
+//! multiplies the partial sum once. A portable path does the same with scalar code.
+
+/// The 8 e2m1 magnitudes; bit 3 of a code is the sign.
+pub const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+
+/// Values per scale block.
+pub const BLOCK: usize = 16;
+
+/// Decodes one float8 e4m3fn (bias 7, no infinities; 0x7F/0xFF are NaN).
+#[inline]
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = ((b >> 3) & 0x0F) as i32;
+    let m = (b & 0x07) as f32;
+    if e == 0x0F && b & 0x07 == 0x07 {
+        return f32::NAN;
+    }
+    if e == 0 {
+        sign * m / 8.0 * 2f32.powi(-6)
+    } else {
+        sign * (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    }
+}
+
+/// Encodes to e4m3fn with round-to-nearest-even, saturating at ±448 (what torch's `to(float8_e4m3fn)`
+/// does for finite inputs within range; callers keep scales in range).
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7F;
+    }
+    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    let a = x.abs().min(448.0);
+    // Candidates are exactly representable; pick the nearest by enumerating the 127 finite codes.
+    let mut best = 0u8;
+    let mut best_err = f32::INFINITY;
+    for code in 0u8..0x7F {
+        let v = e4m3_to_f32(code);
+        let err = (v - a).abs();
+        // Ties go to the even code (mantissa lsb 0).
+        if err < best_err || (err == best_err && code & 1 == 0) {
+            best = code;
+            best_err = err;
+        }
+    }
+    sign | best
+}
+
+/// Decodes one e2m1 code.
+#[inline]
+pub fn e2m1_to_f32(code: u8) -> f32 {
+    let v = E2M1[(code & 7) as usize];
+    if code & 8 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+/// Dequantises one row of `k` values.
+pub fn dequant_row(packed: &[u8], scales: &[u8], global: f32, out: &mut [f32]) {
+    for (b, o) in out.chunks_mut(BLOCK).enumerate() {
+        let s = e4m3_to_f32(scales[b]) * global;
+        for (j, v) in o.iter_mut().enumerate() {
+            let byte = packed[(b * BLOCK + j) / 2];
+            let code = if j % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+            *v = e2m1_to_f32(code) * s;
+        }
+    }
+}
+
+/// `Σ x[i]·W[i]` for one NVFP4 row (`x.len()` a multiple of 16).
+pub fn dot(x: &[f32], packed: &[u8], scales: &[u8], global: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        // SAFETY: the features were detected above.
+        return unsafe { x86::dot(x, packed, scales, global) };
+    }
+    let mut total = 0f32;
+    for (b, xb) in x.chunks(BLOCK).enumerate() {
+        let mut acc = 0f32;
+        for (j, xv) in xb.iter().enumerate() {
+            let byte = packed[(b * BLOCK + j) / 2];
+            let code = if j % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+            acc += xv * e2m1_to_f32(code);
+        }
+        total += acc * e4m3_to_f32(scales[b]);
+    }
+    total * global
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{e4m3_to_f32, BLOCK, E2M1};
+
+    /// 8 codes from 4 bytes: lane i = nibble i (low nibble first).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn codes8(p: *const u8) -> __m256i {
+        // SAFETY: caller guarantees 4 readable bytes.
+        let bytes = unsafe { (p as *const u32).read_unaligned() };
+        let v = _mm256_cvtepu8_epi32(_mm_set_epi64x(0, {
+            let b = bytes.to_le_bytes();
+            i64::from_le_bytes([b[0], b[0], b[1], b[1], b[2], b[2], b[3], b[3]])
+        }));
+        let shifted = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+        _mm256_and_si256(shifted, _mm256_set1_epi32(0x0F))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn values8(codes: __m256i, lut: __m256) -> __m256 {
+        let mag = _mm256_permutevar8x32_ps(lut, codes);
+        let sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
+        _mm256_xor_ps(mag, _mm256_castsi256_ps(sign))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot(x: &[f32], packed: &[u8], scales: &[u8], global: f32) -> f32 {
+        // SAFETY: E2M1 holds exactly 8 floats.
+        let lut = unsafe { _mm256_loadu_ps(E2M1.as_ptr()) };
+        let mut total = _mm256_setzero_ps();
+        let blocks = x.len() / BLOCK;
+        for b in 0..blocks {
+            // SAFETY: block b covers x[16b..16b+16] and packed[8b..8b+8], both in bounds.
+            unsafe {
+                let xp = x.as_ptr().add(b * BLOCK);
+                let pp = packed.as_ptr().add(b * BLOCK / 2);
+                let w0 = values8(codes8(pp), lut);
+                let w1 = values8(codes8(pp.add(4)), lut);
+                let part = _mm256_fmadd_ps(_mm256_loadu_ps(xp), w0, _mm256_mul_ps(_mm256_loadu_ps(xp.add(8)), w1));
+                total = _mm256_fmadd_ps(part, _mm256_set1_ps(e4m3_to_f32(scales[b])), total);
+            }
+        }
+        let lo = _mm256_castps256_ps128(total);
+        let hi = _mm256_extractf128_ps(total, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s) * global
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e4m3_round_trips_and_known_values() {
+        assert_eq!(e4m3_to_f32(0x38), 1.0);
+        assert_eq!(e4m3_to_f32(0x7E), 448.0);
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3_to_f32(0xB8), -1.0);
+        assert!(e4m3_to_f32(0x7F).is_nan());
+        for code in 0u8..0x7F {
+            assert_eq!(f32_to_e4m3(e4m3_to_f32(code)), code, "code {code:#x}");
+        }
+        // 1.0625 is halfway between 1.0 (0x38, even) and 1.125 (0x39): ties to even.
+        assert_eq!(f32_to_e4m3(1.0625), 0x38);
+    }
+
+    #[test]
+    fn vector_dot_equals_dequantise_then_dot() {
+        let k = 64;
+        let packed: Vec<u8> = (0..k / 2).map(|i| (i * 37 % 256) as u8).collect();
+        let scales: Vec<u8> = vec![0x38, 0x30, 0x41, 0xB4];
+        let x: Vec<f32> = (0..k).map(|i| ((i * 13 % 17) as f32 - 8.0) * 0.125).collect();
+        let mut w = vec![0f32; k];
+        dequant_row(&packed, &scales, 0.5, &mut w);
+        let want: f32 = x.iter().zip(&w).map(|(a, b)| a * b).sum();
+        let got = dot(&x, &packed, &scales, 0.5);
+        // Exact products of dyadic values; only the summation order differs.
+        assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "{got} vs {want}");
+        // Nibble order: byte 0x21 holds column 0 = code 1 (0.5) and column 1 = code 2 (1.0).
+        let mut row = vec![0f32; 16];
+        dequant_row(&[0x21, 0, 0, 0, 0, 0, 0, 0x9F], &[0x38], 1.0, &mut row);
+        assert_eq!((row[0], row[1], row[14], row[15]), (0.5, 1.0, -6.0, -0.5));
+    }
+}
