@@ -18,6 +18,7 @@ pub mod config;
 mod error;
 pub mod layers;
 pub mod positions;
+pub mod quant;
 mod qwen3_5;
 mod state;
 pub mod vision;
