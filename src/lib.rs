@@ -19,8 +19,8 @@ use osprey_tokenizer::TokenizerCore;
 
 pub use settings::Settings;
 
-/// A textual progress bar on stderr (only when stderr is a terminal or `force`).
-fn progress_bar(label: &str, done: usize, total: usize) {
+/// A textual progress bar on stderr.
+pub fn progress_bar(label: &str, done: usize, total: usize) {
     let width = 30;
     let filled = width * done / total.max(1);
     eprint!("\r{label} [{}{}] {done}/{total}", "=".repeat(filled), " ".repeat(width - filled));

@@ -126,6 +126,18 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Load a model directory, run one prompt (text, images, videos) and print the greedy continuation.
     Run(run::RunArgs),
+    /// Convert a dense checkpoint into an NVFP4 (ModelOpt layout) checkpoint.
+    Quantize {
+        /// Source model directory.
+        #[arg(long)]
+        model: PathBuf,
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Quantise every decoder linear (not routers, embeddings, lm_head, norms, vision), not only experts.
+        #[arg(long)]
+        all_linear: bool,
+    },
     /// Measure the runtime.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -179,6 +191,12 @@ fn main() -> Result<()> {
     }
     match cli.command {
         Command::Serve(a) => serve(*a),
+        Command::Quantize { model, out, all_linear } => {
+            let opts = osprey_models::QuantizeOptions { all_linear };
+            osprey_models::quantize_dir(&model, &out, opts, &mut |d, n| osprey::progress_bar("quantizing", d, n))?;
+            tracing::info!(out = %out.display(), "wrote the NVFP4 checkpoint");
+            Ok(())
+        }
         Command::Run(a) => {
             let m = load(&a.model)?;
             run::run(a, &m)

@@ -273,6 +273,12 @@ impl Checkpoint {
         v
     }
 
+    /// Dtype and raw little-endian bytes of a tensor (copying checkpoints).
+    pub fn raw(&self, name: &str) -> Result<(StDtype, &[u8])> {
+        let e = self.entry(name)?;
+        Ok((e.dtype, &self.maps[e.file][e.start..e.end]))
+    }
+
     /// Shape of a tensor.
     pub fn shape(&self, name: &str) -> Result<&[usize]> {
         self.entry(name).map(|e| e.shape.as_slice())
@@ -374,7 +380,7 @@ impl Checkpoint {
         if !modelopt && !ct {
             return self.weight(&w, &[out, inp]);
         }
-        if inp % osprey_kernels::nvfp4::BLOCK != 0 {
+        if !inp.is_multiple_of(osprey_kernels::nvfp4::BLOCK) {
             return Err(Error::Unsupported(format!("{prefix}: NVFP4 needs input features divisible by 16, got {inp}")));
         }
         let scale_name = format!("{prefix}.weight_scale");

@@ -61,7 +61,20 @@ mod tests {
 
     #[test]
     fn e2m1_rounding_is_nearest_even() {
-        let cases = [(0.26, 1u8), (0.24, 0), (0.25, 0), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6), (7.0, 7), (-0.5, 9), (-0.1, 0)];
+        let cases = [
+            (0.26, 1u8),
+            (0.24, 0),
+            (0.25, 0),
+            (0.75, 2),
+            (1.25, 2),
+            (1.75, 4),
+            (2.5, 4),
+            (3.5, 6),
+            (5.0, 6),
+            (7.0, 7),
+            (-0.5, 9),
+            (-0.1, 0),
+        ];
         for (x, code) in cases {
             assert_eq!(f32_to_e2m1(x), code, "{x}");
         }
@@ -74,7 +87,12 @@ mod tests {
         let q = quantize_nvfp4(&w, rows, cols);
         let mut back = vec![0f32; cols];
         for r in 0..rows {
-            osprey_kernels::nvfp4::dequant_row(&q.packed[r * cols / 2..(r + 1) * cols / 2], &q.scales[r * 2..(r + 1) * 2], q.global, &mut back);
+            osprey_kernels::nvfp4::dequant_row(
+                &q.packed[r * cols / 2..(r + 1) * cols / 2],
+                &q.scales[r * 2..(r + 1) * 2],
+                q.global,
+                &mut back,
+            );
             for (j, (a, b)) in w[r * cols..(r + 1) * cols].iter().zip(&back).enumerate() {
                 let s = e4m3_to_f32(q.scales[r * 2 + j / 16]) * q.global;
                 // The largest e2m1 gap is 2 (between 4 and 6): error ≤ one step of the block's scale.

@@ -6,6 +6,7 @@ mod common;
 use common::Ref;
 use osprey_kernels::nvfp4::dequant_row;
 use osprey_models::quant::quantize_nvfp4;
+use osprey_models::{SeqInput, SeqStep};
 
 #[test]
 fn quantisation_and_dequantisation_equal_the_numpy_reference_exactly() {
@@ -20,9 +21,104 @@ fn quantisation_and_dequantisation_equal_the_numpy_reference_exactly() {
         let want = r.f32s(&format!("{name}.dequant"));
         let mut got = vec![0f32; rows * cols];
         for row in 0..rows {
-            let (p, s) = (&q.packed[row * cols / 2..(row + 1) * cols / 2], &q.scales[row * cols / 16..(row + 1) * cols / 16]);
+            let (p, s) =
+                (&q.packed[row * cols / 2..(row + 1) * cols / 2], &q.scales[row * cols / 16..(row + 1) * cols / 16]);
             dequant_row(p, s, q.global, &mut got[row * cols..(row + 1) * cols]);
         }
         assert_eq!(got, want, "{name} dequantised values");
     }
+}
+
+fn quantized_model(src: &str, tag: &str) -> (std::path::PathBuf, osprey_models::Qwen35) {
+    let dst = std::env::temp_dir().join(format!("osprey-nvfp4-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    osprey_models::quantize_dir(&common::fixtures().join("models").join(src), &dst, Default::default(), &mut |_, _| {})
+        .expect("quantize");
+    let m = osprey_models::Qwen35::load(&dst).expect("load the NVFP4 checkpoint");
+    (dst, m)
+}
+
+/// Tolerance as in parity.rs (1e-4): the dequantised weights are bit-identical on both sides, only
+/// summation orders differ (the NVFP4 dot sums per 16-value block, then scales).
+#[test]
+fn an_nvfp4_checkpoint_made_by_osprey_quantize_matches_dequantised_transformers() {
+    use osprey_models::{ForwardOptions, LogitsWanted};
+    let (dir, m) = quantized_model("qwen3_5_moe-tiny", "hub");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config")).expect("json");
+    assert_eq!(cfg["quantization_config"]["quant_algo"], "NVFP4");
+    assert!(dir.join("hf_quant_config.json").exists());
+    let v = m.config().vocab_size;
+    for case in ["text", "long"] {
+        let r = Ref::load("qwen3_5_moe-tiny-nvfp4", case);
+        let ids = r.ids("input_ids");
+        let teacher: Vec<Vec<f32>> = (0..4).map(|i| r.f32s(&format!("hidden_states.{i}"))).collect();
+        let mut st = m.new_state();
+        let input = SeqInput { logits: LogitsWanted::None, ..SeqInput::text(&ids) };
+        let out = m
+            .forward_with(
+                &mut [SeqStep { state: &mut st, input }],
+                &ForwardOptions { capture_hidden: true, teacher_inputs: Some(&teacher) },
+            )
+            .expect("forward");
+        for (i, h) in out.hidden.iter().enumerate() {
+            common::assert_close(
+                &format!("nvfp4 {case} hidden_states.{i}"),
+                h,
+                &r.f32s(&format!("hidden_states.{i}")),
+                1e-4,
+            );
+        }
+        let mut st = m.new_state();
+        let input = SeqInput { logits: LogitsWanted::All, ..SeqInput::text(&ids) };
+        let all = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("forward").logits.remove(0);
+        common::assert_close(&format!("nvfp4 {case} all logits vs f64"), &all, &r.f32s("all_logits_f64"), 1e-4);
+        let steps = r.f32s("step_logits");
+        let mut st = m.new_state();
+        let input = SeqInput { logits: LogitsWanted::Last, ..SeqInput::text(&ids) };
+        let mut logits = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("prefill").logits.remove(0);
+        for (i, tok) in r.ids("generated_ids").into_iter().enumerate() {
+            common::assert_close(&format!("nvfp4 {case} step {i}"), &logits, &steps[i * v..(i + 1) * v], 1e-4);
+            logits = m
+                .forward(&mut [SeqStep { state: &mut st, input: SeqInput::text(std::slice::from_ref(&tok)) }], false)
+                .expect("decode")
+                .logits
+                .remove(0);
+        }
+    }
+    // The fused-layout source quantises to the same checkpoint: identical logits.
+    let (_, fused) = quantized_model("qwen3_5_moe-tiny-fused", "fused");
+    let ids = Ref::load("qwen3_5_moe-tiny-nvfp4", "text").ids("input_ids");
+    let run = |m: &osprey_models::Qwen35| {
+        let mut st = m.new_state();
+        m.forward(&mut [SeqStep { state: &mut st, input: SeqInput::text(&ids) }], false)
+            .expect("forward")
+            .logits
+            .remove(0)
+    };
+    assert_eq!(run(&m), run(&fused));
+}
+
+#[test]
+fn malformed_nvfp4_tensors_are_refused_naming_the_tensor() {
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+    let dir = std::env::temp_dir().join(format!("osprey-nvfp4-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let packed = vec![0u8; 4 * 16];
+    let bad_scale = vec![0u8; 4 * 3]; // should be [4, 2]
+    let g = 1f32.to_le_bytes().to_vec();
+    let views = vec![
+        ("l.weight".to_string(), TensorView::new(Dtype::U8, vec![4, 16], &packed).expect("view")),
+        ("l.weight_scale".to_string(), TensorView::new(Dtype::F8_E4M3, vec![4, 3], &bad_scale).expect("view")),
+        ("l.weight_scale_2".to_string(), TensorView::new(Dtype::F32, vec![], &g).expect("view")),
+        ("m.weight".to_string(), TensorView::new(Dtype::U8, vec![4, 16], &packed).expect("view")),
+    ];
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).expect("write");
+    let ck = osprey_models::Checkpoint::open(&dir).expect("open");
+    let e = ck.linear("l", 4, 32).expect_err("bad scale shape").to_string();
+    assert!(e.contains("l.weight_scale") && e.contains("[4, 2]"), "{e}");
+    let e = ck.linear("m", 4, 32).expect_err("missing scale").to_string();
+    assert!(e.contains("m.weight_scale_2") || e.contains("m.weight_scale"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
