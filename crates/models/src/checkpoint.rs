@@ -24,10 +24,29 @@ struct Entry {
     end: usize,
 }
 
+/// Bytes a weight can borrow from: a memory-mapped file, or a buffer read from disk (an expert).
+pub trait ByteSource: AsRef<[u8]> + std::fmt::Debug + Send + Sync {}
+impl ByteSource for Mmap {}
+
+/// A tensor's place in a file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorLocation {
+    /// The file.
+    pub path: PathBuf,
+    /// Stored dtype.
+    pub dtype: StDtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Absolute byte offset.
+    pub offset: u64,
+    /// Byte length.
+    pub len: u64,
+}
+
 /// An opened checkpoint: every tensor name → its file, dtype, shape and byte range.
 #[derive(Debug)]
 pub struct Checkpoint {
-    maps: Vec<Arc<Mmap>>,
+    maps: Vec<Arc<dyn ByteSource>>,
     paths: Vec<PathBuf>,
     entries: HashMap<String, Entry>,
 }
@@ -36,7 +55,7 @@ pub struct Checkpoint {
 #[derive(Clone, Debug)]
 enum Storage {
     Mapped {
-        map: Arc<Mmap>,
+        map: Arc<dyn ByteSource>,
         start: usize,
         len: usize,
     },
@@ -53,14 +72,14 @@ enum Storage {
 /// Bytes of a tensor: mapped or owned.
 #[derive(Clone, Debug)]
 pub(crate) enum ByteRange {
-    Mapped { map: Arc<Mmap>, start: usize, len: usize },
+    Mapped { map: Arc<dyn ByteSource>, start: usize, len: usize },
     Owned(Arc<Vec<u8>>),
 }
 
 impl ByteRange {
     fn as_slice(&self) -> &[u8] {
         match self {
-            ByteRange::Mapped { map, start, len } => &map[*start..*start + *len],
+            ByteRange::Mapped { map, start, len } => &(**map).as_ref()[*start..*start + *len],
             ByteRange::Owned(v) => v,
         }
     }
@@ -137,7 +156,7 @@ impl Weight {
                 _ => WeightView::Bf16(v),
             },
             Storage::Mapped { map, start, len } => {
-                let bytes = &map[*start..*start + *len];
+                let bytes = &(**map).as_ref()[*start..*start + *len];
                 // SAFETY: alignment was checked when the Mapped storage was created, the range lies inside
                 // the mapping (checked at open) and the length is n elements of the dtype. safetensors data
                 // is little-endian, which is the byte order of every target we build for.
@@ -190,6 +209,40 @@ impl Weight {
     }
 }
 
+/// Borrows `[start, start+len)` of `buf` when aligned for `dtype`, else copies it (hand-made files).
+fn storage_for(buf: &Arc<dyn ByteSource>, dtype: DType, start: usize, len: usize) -> Storage {
+    let bytes = &(**buf).as_ref()[start..start + len];
+    if (bytes.as_ptr() as usize).is_multiple_of(dtype.size()) {
+        return Storage::Mapped { map: buf.clone(), start, len };
+    }
+    match dtype {
+        DType::F32 => Storage::F32(Arc::new(
+            bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        )),
+        _ => Storage::U16(Arc::new(bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect())),
+    }
+}
+
+impl Weight {
+    /// A dense weight over `[start, start + rows·cols·size)` of a shared buffer (an expert read from disk).
+    pub fn from_buffer(dtype: DType, rows: usize, cols: usize, buf: &Arc<dyn ByteSource>, start: usize) -> Self {
+        assert!(dtype != DType::Nvfp4, "use Weight::nvfp4_from_buffer: this is a bug");
+        Weight { dtype, rows, cols, storage: storage_for(buf, dtype, start, rows * cols * dtype.size()) }
+    }
+
+    /// An NVFP4 weight whose codes and scales lie in shared buffers (`(buffer, offset)` each).
+    pub fn nvfp4_from_parts(
+        (rows, cols): (usize, usize),
+        packed: (&Arc<dyn ByteSource>, usize),
+        scales: (&Arc<dyn ByteSource>, usize),
+        global: f32,
+    ) -> Self {
+        let packed = ByteRange::Mapped { map: packed.0.clone(), start: packed.1, len: rows * cols / 2 };
+        let scales = ByteRange::Mapped { map: scales.0.clone(), start: scales.1, len: rows * cols / 16 };
+        Weight { dtype: DType::Nvfp4, rows, cols, storage: Storage::Nvfp4 { packed, scales, global } }
+    }
+}
+
 fn map_dtype(name: &str, d: StDtype) -> Result<DType> {
     match d {
         StDtype::F32 => Ok(DType::F32),
@@ -239,7 +292,7 @@ impl Checkpoint {
         // SAFETY: the file is opened read-only; like every mmap-based loader we assume it is not truncated
         // while in use (checkpoints are immutable inputs).
         let map = unsafe { Mmap::map(&file) }.map_err(|source| Error::Io { path: path.clone(), source })?;
-        let (header, meta) = SafeTensors::read_metadata(&map)
+        let (header, meta) = SafeTensors::read_metadata(&map[..])
             .map_err(|e| Error::Safetensors { path: path.clone(), reason: e.to_string() })?;
         let base = 8 + header;
         let idx = self.maps.len();
@@ -256,7 +309,7 @@ impl Checkpoint {
                 Entry { file: idx, dtype: info.dtype, shape: info.shape.clone(), start: base + s, end: base + e },
             );
         }
-        self.maps.push(Arc::new(map));
+        self.maps.push(Arc::new(map) as Arc<dyn ByteSource>);
         self.paths.push(path);
         Ok(())
     }
@@ -273,10 +326,22 @@ impl Checkpoint {
         v
     }
 
+    /// Where a tensor's bytes are on disk (the expert store reads them itself).
+    pub fn locate(&self, name: &str) -> Result<TensorLocation> {
+        let e = self.entry(name)?;
+        Ok(TensorLocation {
+            path: self.paths[e.file].clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            offset: e.start as u64,
+            len: (e.end - e.start) as u64,
+        })
+    }
+
     /// Dtype and raw little-endian bytes of a tensor (copying checkpoints).
     pub fn raw(&self, name: &str) -> Result<(StDtype, &[u8])> {
         let e = self.entry(name)?;
-        Ok((e.dtype, &self.maps[e.file][e.start..e.end]))
+        Ok((e.dtype, &(*self.maps[e.file]).as_ref()[e.start..e.end]))
     }
 
     /// Shape of a tensor.
@@ -330,20 +395,7 @@ impl Checkpoint {
         }
         let start = e.start + row0 * cols * size;
         let len = rows * cols * size;
-        let map = &self.maps[e.file];
-        let storage = if (map.as_ptr() as usize + start).is_multiple_of(size) {
-            Storage::Mapped { map: map.clone(), start, len }
-        } else {
-            // Unaligned data (possible in hand-made files): copy once rather than read unaligned.
-            let bytes = &map[start..start + len];
-            match dtype {
-                DType::F32 => Storage::F32(Arc::new(
-                    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-                )),
-                _ => Storage::U16(Arc::new(bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect())),
-            }
-        };
-        Ok(Weight { dtype, rows, cols, storage })
+        Ok(Weight { dtype, rows, cols, storage: storage_for(&self.maps[e.file], dtype, start, len) })
     }
 
     fn bytes_of(&self, name: &str, dtype: StDtype, shape: &[usize]) -> Result<ByteRange> {
@@ -363,7 +415,7 @@ impl Checkpoint {
         if e.shape.iter().product::<usize>() != 1 || e.dtype != StDtype::F32 {
             return Err(Error::ShapeMismatch { name: name.to_string(), expected: vec![], found: e.shape.clone() });
         }
-        let b = &self.maps[e.file][e.start..e.start + 4];
+        let b = &(*self.maps[e.file]).as_ref()[e.start..e.start + 4];
         Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 

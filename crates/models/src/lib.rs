@@ -24,10 +24,10 @@ mod qwen3_5;
 mod state;
 pub mod vision;
 
-pub use checkpoint::{Checkpoint, Weight};
+pub use checkpoint::{ByteSource, Checkpoint, TensorLocation, Weight};
 pub use config::{ModelConfig, TextConfig};
 pub use error::{Error, Result};
-pub use layers::moe::{ExpertHandle, ExpertSource, ExpertWeights, ResidentExperts};
+pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, ResidentExperts};
 pub use quantize_dir::{quantize_dir, QuantizeOptions};
 pub use qwen3_5::{ForwardOptions, ForwardOutput, InjectedRows, LogitsWanted, Positions, Qwen35, SeqInput, SeqStep};
 pub use state::{KvBlock, SeqState, StateSnapshot};

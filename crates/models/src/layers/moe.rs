@@ -48,11 +48,38 @@ impl ExpertHandle {
     }
 }
 
+/// Experts on their way: `wait` returns the handles (reads may be in flight until then).
+pub struct ExpertTicket(Box<dyn FnOnce() -> Result<Vec<ExpertHandle>> + Send>);
+
+impl Debug for ExpertTicket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ExpertTicket")
+    }
+}
+
+impl ExpertTicket {
+    /// An already-available result.
+    pub fn ready(r: Result<Vec<ExpertHandle>>) -> Self {
+        ExpertTicket(Box::new(move || r))
+    }
+
+    /// A result produced by `wait`.
+    pub fn new(f: impl FnOnce() -> Result<Vec<ExpertHandle>> + Send + 'static) -> Self {
+        ExpertTicket(Box::new(f))
+    }
+
+    /// Blocks until the experts are available.
+    pub fn wait(self) -> Result<Vec<ExpertHandle>> {
+        (self.0)()
+    }
+}
+
 /// Where routed experts come from.
 pub trait ExpertSource: Debug + Send + Sync {
-    /// Handles for `experts` of `layer`, in the same order. Called once per layer per step with every
-    /// expert that step routes to.
-    fn fetch(&self, layer: usize, experts: &[usize]) -> Result<Vec<ExpertHandle>>;
+    /// Starts fetching `experts` of `layer` (handles come back in the same order). Called once per
+    /// layer per step with every expert the step routes to, so misses can be read in one batch while
+    /// the caller computes the shared expert.
+    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket;
 }
 
 /// Every expert mapped from the checkpoint (the page cache decides what is in RAM).
@@ -103,8 +130,11 @@ impl ResidentExperts {
 }
 
 impl ExpertSource for ResidentExperts {
-    fn fetch(&self, layer: usize, experts: &[usize]) -> Result<Vec<ExpertHandle>> {
-        Ok(experts.iter().map(|&e| ExpertHandle::new(self.experts[layer][e].clone(), None)).collect())
+    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
+        ExpertTicket::ready(Ok(experts
+            .iter()
+            .map(|&e| ExpertHandle::new(self.experts[layer][e].clone(), None))
+            .collect()))
     }
 }
 
@@ -161,9 +191,10 @@ impl SparseMoe {
         let hit: Vec<usize> = (0..self.cfg.num_experts).filter(|&e| !by_expert[e].is_empty()).collect();
         // 2. Ask for every routed expert of this layer at once, then compute the shared expert (a source
         //    that reads from disk overlaps its reads with this).
-        let handles = experts.fetch(self.layer, &hit)?;
+        let ticket = experts.request(self.layer, &hit);
         let shared = self.shared.forward(x, t);
         let sgate = linear(x, t, &self.shared_gate);
+        let handles = ticket.wait()?;
         // 3. Routed experts on their gathered rows, weighted and scattered back.
         let mut out = vec![0f32; t * h];
         for (e, handle) in hit.iter().zip(&handles) {

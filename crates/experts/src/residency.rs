@@ -1,0 +1,447 @@
+//! The residency table (synchronous core) and the residency-manager actor.
+//!
+//! The table holds experts read from disk under a RAM budget (total bytes, or experts per layer). An
+//! expert in use is leased and never evicted; eviction picks among unleased experts by policy (LRU, or
+//! LFU with exponential decay). The actor thread owns the table and the reader: a `Need` for a layer
+//! serves hits at once and reads all of that layer's misses in one batch. The runner's side
+//! ([`ResidentSet`], an `ExpertSource`) sends `Need` and returns a ticket, so the MoE block computes the
+//! shared expert while the reads are in flight; each handle carries a lease whose drop sends `Release`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use osprey_models::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::reader::Reader;
+use crate::store::ExpertIndex;
+
+/// How much RAM experts may hold.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Budget {
+    /// Total bytes over all layers.
+    Bytes(usize),
+    /// Experts per layer.
+    PerLayer(usize),
+}
+
+/// Which unleased expert to evict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// Least recently used.
+    Lru,
+    /// Least frequently used, counts halved every `half_life` accesses of the layer.
+    LfuDecay {
+        /// Accesses per halving.
+        half_life: u32,
+    },
+}
+
+/// Counters of one layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerStats {
+    /// Expert accesses served from RAM.
+    pub hits: u64,
+    /// Expert accesses read from disk.
+    pub misses: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Seconds spent in read batches.
+    pub read_secs: f64,
+    /// Read batches.
+    pub batches: u64,
+}
+
+#[derive(Debug)]
+struct Slot {
+    weights: Arc<ExpertWeights>,
+    bytes: usize,
+    leases: u32,
+    last_use: u64,
+    freq: f64,
+}
+
+/// The synchronous core.
+#[derive(Debug)]
+pub struct ResidencyTable {
+    budget: Budget,
+    policy: Policy,
+    slots: HashMap<(usize, usize), Slot>,
+    used: usize,
+    per_layer: Vec<usize>,
+    tick: u64,
+    /// Per-layer counters.
+    pub stats: Vec<LayerStats>,
+    /// Experts evicted.
+    pub evictions: u64,
+}
+
+impl ResidencyTable {
+    /// An empty table for `layers` layers.
+    pub fn new(layers: usize, budget: Budget, policy: Policy) -> Self {
+        ResidencyTable {
+            budget,
+            policy,
+            slots: HashMap::new(),
+            used: 0,
+            per_layer: vec![0; layers],
+            tick: 0,
+            stats: vec![LayerStats::default(); layers],
+            evictions: 0,
+        }
+    }
+
+    /// Bytes held.
+    pub fn used(&self) -> usize {
+        self.used
+    }
+
+    /// Experts held.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    fn touch(&mut self, key: (usize, usize)) {
+        self.tick += 1;
+        let tick = self.tick;
+        let decay = match self.policy {
+            Policy::LfuDecay { half_life } => 0.5f64.powf(1.0 / half_life.max(1) as f64),
+            Policy::Lru => 1.0,
+        };
+        if decay != 1.0 {
+            for (k, s) in self.slots.iter_mut() {
+                if k.0 == key.0 {
+                    s.freq *= decay;
+                }
+            }
+        }
+        if let Some(s) = self.slots.get_mut(&key) {
+            s.last_use = tick;
+            s.freq += 1.0;
+        }
+    }
+
+    /// A resident expert, leased; `None` on a miss.
+    pub fn lease(&mut self, layer: usize, expert: usize) -> Option<Arc<ExpertWeights>> {
+        let key = (layer, expert);
+        if !self.slots.contains_key(&key) {
+            self.stats[layer].misses += 1;
+            return None;
+        }
+        self.stats[layer].hits += 1;
+        self.touch(key);
+        let s = self.slots.get_mut(&key).expect("present");
+        s.leases += 1;
+        Some(s.weights.clone())
+    }
+
+    /// Inserts a freshly read expert, leased once, then evicts unleased experts over the budget.
+    pub fn insert(
+        &mut self,
+        layer: usize,
+        expert: usize,
+        weights: Arc<ExpertWeights>,
+        bytes: usize,
+    ) -> Arc<ExpertWeights> {
+        let key = (layer, expert);
+        if let Some(s) = self.slots.get_mut(&key) {
+            // Read twice in one batch (duplicate request): keep the first copy.
+            s.leases += 1;
+            return s.weights.clone();
+        }
+        self.slots.insert(key, Slot { weights: weights.clone(), bytes, leases: 1, last_use: 0, freq: 0.0 });
+        self.used += bytes;
+        self.per_layer[layer] += 1;
+        self.touch(key);
+        self.evict(layer);
+        weights
+    }
+
+    /// Drops one lease.
+    pub fn release(&mut self, layer: usize, expert: usize) {
+        if let Some(s) = self.slots.get_mut(&(layer, expert)) {
+            s.leases = s.leases.saturating_sub(1);
+        }
+        self.evict(layer);
+    }
+
+    fn over(&self, layer: usize) -> bool {
+        match self.budget {
+            Budget::Bytes(b) => self.used > b,
+            Budget::PerLayer(n) => self.per_layer[layer] > n,
+        }
+    }
+
+    fn evict(&mut self, layer: usize) {
+        while self.over(layer) {
+            let scope = |k: &(usize, usize)| matches!(self.budget, Budget::Bytes(_)) || k.0 == layer;
+            let victim = self
+                .slots
+                .iter()
+                .filter(|(k, s)| s.leases == 0 && scope(k))
+                .min_by(|a, b| match self.policy {
+                    Policy::Lru => a.1.last_use.cmp(&b.1.last_use),
+                    Policy::LfuDecay { .. } => a.1.freq.total_cmp(&b.1.freq).then(a.1.last_use.cmp(&b.1.last_use)),
+                })
+                .map(|(k, _)| *k);
+            let Some(k) = victim else { return };
+            let s = self.slots.remove(&k).expect("present");
+            self.used -= s.bytes;
+            self.per_layer[k.0] -= 1;
+            self.evictions += 1;
+        }
+    }
+}
+
+/// Messages between the runner-side source and the manager thread.
+#[derive(Debug)]
+pub enum ResidencyCommand {
+    /// Lease these experts of a layer (misses are read in one batch).
+    Need {
+        /// Layer.
+        layer: usize,
+        /// Experts.
+        experts: Vec<usize>,
+        /// Weights in order, or the read error.
+        reply: oneshot::Sender<Result<Vec<Arc<ExpertWeights>>, String>>,
+    },
+    /// A lease was dropped.
+    Release {
+        /// Layer.
+        layer: usize,
+        /// Expert.
+        expert: usize,
+    },
+    /// Counters.
+    Stats {
+        /// Per-layer counters, bytes held, evictions.
+        reply: oneshot::Sender<ResidencyStats>,
+    },
+}
+
+/// A snapshot of the counters.
+#[derive(Clone, Debug, Default)]
+pub struct ResidencyStats {
+    /// Per layer.
+    pub layers: Vec<LayerStats>,
+    /// Bytes of experts in RAM.
+    pub resident_bytes: u64,
+    /// Experts in RAM.
+    pub resident_experts: u64,
+    /// Evictions.
+    pub evictions: u64,
+    /// Seconds the runner waited for experts after computing the shared expert.
+    pub stall_secs: f64,
+    /// Reader in use.
+    pub reader: String,
+}
+
+impl ResidencyStats {
+    /// Fraction of expert accesses served from RAM.
+    pub fn residency(&self) -> f64 {
+        let (h, m) = self.layers.iter().fold((0, 0), |(h, m), l| (h + l.hits, m + l.misses));
+        if h + m == 0 {
+            1.0
+        } else {
+            h as f64 / (h + m) as f64
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Lease {
+    tx: mpsc::UnboundedSender<ResidencyCommand>,
+    layer: usize,
+    expert: usize,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let _ = self.tx.send(ResidencyCommand::Release { layer: self.layer, expert: self.expert });
+    }
+}
+
+/// The runner's `ExpertSource`: asks the manager thread, returns tickets.
+#[derive(Debug, Clone)]
+pub struct ResidentSet {
+    tx: mpsc::UnboundedSender<ResidencyCommand>,
+    stall_nanos: Arc<AtomicU64>,
+}
+
+impl ResidentSet {
+    /// The manager's inbox (stats).
+    pub fn sender(&self) -> mpsc::UnboundedSender<ResidencyCommand> {
+        self.tx.clone()
+    }
+}
+
+impl ExpertSource for ResidentSet {
+    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
+        let (reply, rx) = oneshot::channel();
+        let sent = self.tx.send(ResidencyCommand::Need { layer, experts: experts.to_vec(), reply }).is_ok();
+        let (tx, stall) = (self.tx.clone(), self.stall_nanos.clone());
+        let experts = experts.to_vec();
+        ExpertTicket::new(move || {
+            if !sent {
+                return Err(osprey_models::Error::InvalidInput("the expert residency manager is gone".into()));
+            }
+            let t0 = Instant::now();
+            let got = rx.blocking_recv().map_err(|_| {
+                osprey_models::Error::InvalidInput("the expert residency manager dropped a request".into())
+            })?;
+            stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            let weights = got.map_err(|e| {
+                osprey_models::Error::InvalidInput(format!("reading experts of layer {layer} failed: {e}"))
+            })?;
+            Ok(weights
+                .into_iter()
+                .zip(experts)
+                .map(|(w, expert)| ExpertHandle::new(w, Some(Box::new(Lease { tx: tx.clone(), layer, expert }))))
+                .collect())
+        })
+    }
+}
+
+/// Starts the manager thread over `index` with `reader`.
+pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy: Policy) -> ResidentSet {
+    let (tx, mut rx) = mpsc::unbounded_channel::<ResidencyCommand>();
+    let stall_nanos = Arc::new(AtomicU64::new(0));
+    let stall = stall_nanos.clone();
+    std::thread::Builder::new()
+        .name("osprey-experts".into())
+        .spawn(move || {
+            let mut reader = reader;
+            let mut table = ResidencyTable::new(index.experts.len(), budget, policy);
+            while let Some(cmd) = rx.blocking_recv() {
+                match cmd {
+                    ResidencyCommand::Need { layer, experts, reply } => {
+                        let _ = reply.send(need(&index, reader.as_mut(), &mut table, layer, &experts));
+                    }
+                    ResidencyCommand::Release { layer, expert } => table.release(layer, expert),
+                    ResidencyCommand::Stats { reply } => {
+                        let _ = reply.send(ResidencyStats {
+                            layers: table.stats.clone(),
+                            resident_bytes: table.used() as u64,
+                            resident_experts: table.len() as u64,
+                            evictions: table.evictions,
+                            stall_secs: stall.load(Ordering::Relaxed) as f64 / 1e9,
+                            reader: format!("{:?}", reader.kind()),
+                        });
+                    }
+                }
+            }
+        })
+        .expect("spawn expert residency thread");
+    ResidentSet { tx, stall_nanos }
+}
+
+/// Serves one `Need`: hits from the table, all misses of the layer in one read batch.
+fn need(
+    index: &ExpertIndex,
+    reader: &mut dyn Reader,
+    table: &mut ResidencyTable,
+    layer: usize,
+    experts: &[usize],
+) -> Result<Vec<Arc<ExpertWeights>>, String> {
+    if layer >= index.experts.len() || experts.iter().any(|&e| e >= index.experts[layer].len()) {
+        return Err(format!("no such expert in layer {layer}"));
+    }
+    let mut out: Vec<Option<Arc<ExpertWeights>>> = experts.iter().map(|&e| table.lease(layer, e)).collect();
+    let missing: Vec<usize> = (0..experts.len()).filter(|&i| out[i].is_none()).collect();
+    if !missing.is_empty() {
+        let mut reqs = Vec::new();
+        let mut counts = Vec::new();
+        for &i in &missing {
+            let r = index.reads(layer, experts[i]);
+            counts.push(r.len());
+            reqs.extend(r);
+        }
+        let t0 = Instant::now();
+        let results = reader.read_batch(&reqs);
+        let st = &mut table.stats[layer];
+        st.read_secs += t0.elapsed().as_secs_f64();
+        st.batches += 1;
+        let mut results = results.into_iter();
+        let mut first_err = None;
+        for (&i, n) in missing.iter().zip(counts) {
+            let done: Result<Vec<_>, _> = (&mut results).take(n).collect();
+            match done {
+                Ok(done) => {
+                    let (w, held) = index.assemble(layer, experts[i], done);
+                    table.stats[layer].bytes_read += held as u64;
+                    out[i] = Some(table.insert(layer, experts[i], Arc::new(w), held));
+                }
+                Err(e) => first_err = first_err.or(Some(e.to_string())),
+            }
+        }
+        if let Some(e) = first_err {
+            // Give back what this request leased before failing it.
+            for (i, w) in out.iter().enumerate() {
+                if w.is_some() {
+                    table.release(layer, experts[i]);
+                }
+            }
+            return Err(e);
+        }
+    }
+    Ok(out.into_iter().map(|w| w.expect("every expert served")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use osprey_models::Weight;
+
+    use super::*;
+
+    fn w() -> Arc<ExpertWeights> {
+        let m = Weight::from_f32(1, 1, vec![0.0]);
+        Arc::new(ExpertWeights { gate: m.clone(), up: m.clone(), down: m })
+    }
+
+    #[test]
+    fn leased_experts_are_never_evicted_and_lru_goes_first() {
+        let mut t = ResidencyTable::new(1, Budget::PerLayer(2), Policy::Lru);
+        assert!(t.lease(0, 1).is_none());
+        t.insert(0, 1, w(), 10);
+        t.insert(0, 2, w(), 10);
+        t.release(0, 1);
+        t.release(0, 2);
+        assert!(t.lease(0, 1).is_some()); // 1 is now more recent than 2
+        t.release(0, 1);
+        t.insert(0, 3, w(), 10); // over budget: 2 (least recent, unleased) goes
+        assert!(t.lease(0, 2).is_none());
+        assert!(t.lease(0, 1).is_some());
+        // 1 and 3 leased: inserting 4 exceeds the budget but nothing can be evicted.
+        t.insert(0, 4, w(), 10);
+        assert_eq!(t.len(), 3);
+        t.release(0, 1);
+        t.release(0, 3);
+        t.release(0, 4);
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.stats[0].hits, 2);
+    }
+
+    #[test]
+    fn lfu_decay_keeps_the_frequent_expert() {
+        let mut t = ResidencyTable::new(1, Budget::Bytes(20), Policy::LfuDecay { half_life: 100 });
+        t.insert(0, 1, w(), 10);
+        t.release(0, 1);
+        for _ in 0..5 {
+            t.lease(0, 1);
+            t.release(0, 1);
+        }
+        t.insert(0, 2, w(), 10);
+        t.release(0, 2);
+        t.insert(0, 3, w(), 10); // 2 is newer but rarer than 1: LFU evicts 2
+        t.release(0, 3);
+        assert!(t.lease(0, 1).is_some());
+        assert!(t.lease(0, 2).is_none());
+    }
+}
