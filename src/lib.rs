@@ -8,6 +8,7 @@ pub mod settings;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -30,14 +31,55 @@ pub fn progress_bar(label: &str, done: usize, total: usize) {
     let _ = std::io::stderr().flush();
 }
 
+/// The residency manager when the settings ask for a RAM budget and the model has routed experts.
+fn expert_source(
+    settings: &Settings,
+    cfg: &ModelConfig,
+    ck: &Checkpoint,
+) -> Result<Option<osprey_experts::ResidentSet>> {
+    use osprey_experts::{Budget, ExpertIndex, Policy, ReaderKind};
+    let budget = match (settings.expert_ram_experts, settings.expert_ram_gb) {
+        (Some(n), _) => Budget::PerLayer(n.max(1)),
+        (None, Some(gb)) => Budget::Bytes((gb.max(0.0) * 1e9) as usize),
+        (None, None) => return Ok(None),
+    };
+    let Some(moe) = cfg.text.moe()? else {
+        tracing::warn!("--expert-ram-* given but the model has no routed experts; ignored");
+        return Ok(None);
+    };
+    let prefix =
+        if ck.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
+    let prefixes: Vec<String> = (0..cfg.text.num_hidden_layers).map(|i| format!("{prefix}layers.{i}.mlp")).collect();
+    let index = ExpertIndex::build(ck, &prefixes, moe.num_experts, cfg.text.hidden_size, moe.intermediate)?;
+    let kind = match settings.expert_reader.as_deref() {
+        None | Some("auto") => None,
+        Some("io_uring") => Some(ReaderKind::IoUring),
+        Some("pread") => Some(ReaderKind::Pread),
+        Some(other) => anyhow::bail!("unknown expert reader {other:?} (auto, io_uring, pread)"),
+    };
+    let policy = match settings.expert_policy.as_deref() {
+        None | Some("lru") => Policy::Lru,
+        Some("lfu") => Policy::LfuDecay { half_life: 64 },
+        Some(other) => anyhow::bail!("unknown expert policy {other:?} (lru, lfu)"),
+    };
+    let reader = osprey_experts::open_reader(&index.files, kind)?;
+    let total: usize = (0..index.experts.len())
+        .map(|l| (0..index.experts[l].len()).map(|e| index.expert_bytes(l, e)).sum::<usize>())
+        .sum();
+    tracing::info!(?budget, ?policy, reader = ?reader.kind(), expert_bytes = total, "streaming experts from disk");
+    Ok(Some(osprey_experts::spawn(index, reader, budget, policy)))
+}
+
 /// Loads the model and starts the tokenizer, vision, runner and scheduler actors and the HTTP server
 /// (bound, not yet awaited). Returns the server future and the address it listens on.
 pub fn start(settings: &Settings, model_dir: &Path) -> Result<(actix_web::dev::Server, SocketAddr)> {
     let t0 = Instant::now();
     let cfg = ModelConfig::from_dir(model_dir).with_context(|| format!("reading {}", model_dir.display()))?;
     let ck = Checkpoint::open(model_dir)?;
+    let experts = expert_source(settings, &cfg, &ck)?;
+    let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
     let model =
-        Qwen35::from_checkpoint_with_progress(&cfg, &ck, None, &mut |d, n| progress_bar("loading weights", d, n))?;
+        Qwen35::from_checkpoint_with_progress(&cfg, &ck, source, &mut |d, n| progress_bar("loading weights", d, n))?;
     let tower = match &cfg.vision {
         Some(v) => Some(VisionTower::load(&ck, v)?),
         None => None,
@@ -103,6 +145,7 @@ pub fn start(settings: &Settings, model_dir: &Path) -> Result<(actix_web::dev::S
         scheduler: scheduler.sender(),
         vision: vision.map(|v| v.sender()),
         prefix,
+        experts: experts.map(|e| e.sender()),
     };
     let addr = format!("{}:{}", settings.host.as_deref().unwrap_or("127.0.0.1"), settings.port.unwrap_or(8080));
     let (server, bound) = osprey_server::bind(server_cfg, engine, &addr, settings.http_workers.unwrap_or(2))?;

@@ -71,6 +71,18 @@ struct ServeArgs {
     /// Recurrent-state snapshot grid in tokens (a multiple of the page size).
     #[arg(long)]
     snapshot_interval: Option<usize>,
+    /// Stream routed experts from disk, keeping at most this many GB of them in RAM.
+    #[arg(long)]
+    expert_ram_gb: Option<f64>,
+    /// Stream routed experts from disk, keeping at most this many experts per layer in RAM.
+    #[arg(long)]
+    expert_ram_experts: Option<usize>,
+    /// Expert reader: auto, io_uring or pread.
+    #[arg(long)]
+    expert_reader: Option<String>,
+    /// Expert eviction policy: lru or lfu.
+    #[arg(long)]
+    expert_policy: Option<String>,
     /// Images + videos per request.
     #[arg(long)]
     max_media_per_request: Option<usize>,
@@ -110,6 +122,10 @@ impl ServeArgs {
             prefix_cache_mb: self.prefix_cache_mb,
             page_size: self.page_size,
             snapshot_interval: self.snapshot_interval,
+            expert_ram_gb: self.expert_ram_gb,
+            expert_ram_experts: self.expert_ram_experts,
+            expert_reader: self.expert_reader.clone(),
+            expert_policy: self.expert_policy.clone(),
             max_media_per_request: self.max_media_per_request,
             max_media_bytes: self.max_media_bytes,
             max_image_pixels: self.max_image_pixels,

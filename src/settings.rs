@@ -42,6 +42,14 @@ pub struct Settings {
     pub page_size: Option<usize>,
     /// Recurrent-state snapshot grid in tokens, a multiple of the page size (default 64).
     pub snapshot_interval: Option<usize>,
+    /// Stream routed experts from disk, keeping at most this many GB of them in RAM (MoE models).
+    pub expert_ram_gb: Option<f64>,
+    /// Stream routed experts from disk, keeping at most this many experts per layer in RAM.
+    pub expert_ram_experts: Option<usize>,
+    /// Expert reader: "auto" (io_uring, else pread), "io_uring" or "pread".
+    pub expert_reader: Option<String>,
+    /// Expert eviction policy: "lru" (default) or "lfu".
+    pub expert_policy: Option<String>,
     /// Images + videos per request (default 8).
     pub max_media_per_request: Option<usize>,
     /// Bytes per media item (default 16 MiB).

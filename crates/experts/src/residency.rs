@@ -15,6 +15,8 @@ use std::time::Instant;
 use osprey_models::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights};
 use tokio::sync::{mpsc, oneshot};
 
+pub use osprey_protocol::experts::{LayerStats, ResidencyCommand, ResidencyStats};
+
 use crate::reader::Reader;
 use crate::store::ExpertIndex;
 
@@ -37,21 +39,6 @@ pub enum Policy {
         /// Accesses per halving.
         half_life: u32,
     },
-}
-
-/// Counters of one layer.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct LayerStats {
-    /// Expert accesses served from RAM.
-    pub hits: u64,
-    /// Expert accesses read from disk.
-    pub misses: u64,
-    /// Bytes read.
-    pub bytes_read: u64,
-    /// Seconds spent in read batches.
-    pub read_secs: f64,
-    /// Read batches.
-    pub batches: u64,
 }
 
 #[derive(Debug)]
@@ -196,61 +183,6 @@ impl ResidencyTable {
             self.used -= s.bytes;
             self.per_layer[k.0] -= 1;
             self.evictions += 1;
-        }
-    }
-}
-
-/// Messages between the runner-side source and the manager thread.
-#[derive(Debug)]
-pub enum ResidencyCommand {
-    /// Lease these experts of a layer (misses are read in one batch).
-    Need {
-        /// Layer.
-        layer: usize,
-        /// Experts.
-        experts: Vec<usize>,
-        /// Weights in order, or the read error.
-        reply: oneshot::Sender<Result<Vec<Arc<ExpertWeights>>, String>>,
-    },
-    /// A lease was dropped.
-    Release {
-        /// Layer.
-        layer: usize,
-        /// Expert.
-        expert: usize,
-    },
-    /// Counters.
-    Stats {
-        /// Per-layer counters, bytes held, evictions.
-        reply: oneshot::Sender<ResidencyStats>,
-    },
-}
-
-/// A snapshot of the counters.
-#[derive(Clone, Debug, Default)]
-pub struct ResidencyStats {
-    /// Per layer.
-    pub layers: Vec<LayerStats>,
-    /// Bytes of experts in RAM.
-    pub resident_bytes: u64,
-    /// Experts in RAM.
-    pub resident_experts: u64,
-    /// Evictions.
-    pub evictions: u64,
-    /// Seconds the runner waited for experts after computing the shared expert.
-    pub stall_secs: f64,
-    /// Reader in use.
-    pub reader: String,
-}
-
-impl ResidencyStats {
-    /// Fraction of expert accesses served from RAM.
-    pub fn residency(&self) -> f64 {
-        let (h, m) = self.layers.iter().fold((0, 0), |(h, m), l| (h + l.hits, m + l.misses));
-        if h + m == 0 {
-            1.0
-        } else {
-            h as f64 / (h + m) as f64
         }
     }
 }

@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod error;
+pub mod experts;
 pub mod prefix;
 pub mod runner;
 pub mod scheduler;

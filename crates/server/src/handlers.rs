@@ -6,6 +6,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
+use osprey_protocol::experts::ResidencyCommand;
 use osprey_protocol::prefix::{PrefixCommand, PrefixStats};
 use osprey_protocol::tokenizer::{CompletionPrompt, PreparedPrompt, TokenizerCommand};
 use osprey_protocol::vision::{VisionCommand, VisionStats};
@@ -322,5 +323,13 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         }
         None => PrefixStats::default(),
     };
-    Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(state.metrics.render(&s, &v, &p)))
+    let mut body = state.metrics.render(&s, &v, &p);
+    if let Some(experts) = &state.experts {
+        let (tx, rx) = oneshot::channel();
+        let _ = experts.send(ResidencyCommand::Stats { reply: tx });
+        if let Ok(e) = rx.await {
+            body.push_str(&crate::metrics::render_experts(&e));
+        }
+    }
+    Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(body))
 }

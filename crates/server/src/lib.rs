@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use actix_web::dev::Server;
 use actix_web::{web, App, HttpServer};
+use osprey_protocol::experts::ResidencyCommand;
 use osprey_protocol::prefix::PrefixCommand;
 use osprey_protocol::scheduler::SchedulerCommand;
 use osprey_protocol::tokenizer::TokenizerCommand;
@@ -39,6 +40,7 @@ pub struct AppState {
     scheduler: UnboundedSender<SchedulerCommand>,
     vision: Option<UnboundedSender<VisionCommand>>,
     prefix: Option<UnboundedSender<PrefixCommand>>,
+    experts: Option<UnboundedSender<ResidencyCommand>>,
     metrics: Metrics,
     next_id: AtomicU64,
     ready: AtomicBool,
@@ -56,6 +58,8 @@ pub struct Engine {
     pub vision: Option<UnboundedSender<VisionCommand>>,
     /// Prefix-cache actor inbox (stats only), when the cache is on.
     pub prefix: Option<UnboundedSender<PrefixCommand>>,
+    /// Expert residency manager inbox (stats only), when experts stream from disk.
+    pub experts: Option<UnboundedSender<ResidencyCommand>>,
 }
 
 /// Binds the HTTP server; returns it (to be awaited) and the bound address (port 0 picks one).
@@ -68,6 +72,7 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
         scheduler: engine.scheduler,
         vision: engine.vision,
         prefix: engine.prefix,
+        experts: engine.experts,
         metrics: Metrics::default(),
         next_id: AtomicU64::new(1),
         ready: AtomicBool::new(true),

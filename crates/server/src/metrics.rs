@@ -208,3 +208,47 @@ impl Metrics {
         out
     }
 }
+
+/// Expert residency metrics: per layer and total hits, misses, bytes read, read time, stall, residency.
+pub fn render_experts(e: &osprey_protocol::experts::ResidencyStats) -> String {
+    let mut out = String::new();
+    let metric = |out: &mut String,
+                  name: &str,
+                  help: &str,
+                  kind: &str,
+                  per: &dyn Fn(&osprey_protocol::experts::LayerStats) -> f64| {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for (i, l) in e.layers.iter().enumerate() {
+            out.push_str(&format!("{name}{{layer=\"{i}\"}} {}\n", per(l)));
+        }
+    };
+    metric(&mut out, "osprey_expert_hits_total", "Expert accesses served from RAM.", "counter", &|l| l.hits as f64);
+    metric(&mut out, "osprey_expert_misses_total", "Expert accesses read from disk.", "counter", &|l| l.misses as f64);
+    metric(&mut out, "osprey_expert_bytes_read_total", "Bytes of experts read from disk.", "counter", &|l| {
+        l.bytes_read as f64
+    });
+    metric(&mut out, "osprey_expert_read_seconds_total", "Seconds spent in expert read batches.", "counter", &|l| {
+        l.read_secs
+    });
+    metric(
+        &mut out,
+        "osprey_expert_read_batches_total",
+        "Expert read batches (one per layer step with misses).",
+        "counter",
+        &|l| l.batches as f64,
+    );
+    let (h, m) = e.layers.iter().fold((0u64, 0u64), |(h, m), l| (h + l.hits, m + l.misses));
+    let residency = if h + m == 0 { 1.0 } else { h as f64 / (h + m) as f64 };
+    gauge(&mut out, "osprey_expert_residency", "Fraction of expert accesses served from RAM.", "gauge", residency);
+    gauge(
+        &mut out,
+        "osprey_expert_stall_seconds_total",
+        "Seconds the runner waited for experts after the shared expert.",
+        "counter",
+        e.stall_secs,
+    );
+    gauge(&mut out, "osprey_expert_resident_bytes", "Bytes of experts held in RAM.", "gauge", e.resident_bytes as f64);
+    gauge(&mut out, "osprey_expert_resident", "Experts held in RAM.", "gauge", e.resident_experts as f64);
+    gauge(&mut out, "osprey_expert_evictions_total", "Experts evicted.", "counter", e.evictions as f64);
+    out
+}

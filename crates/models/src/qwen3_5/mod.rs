@@ -30,8 +30,8 @@ enum Mixer {
 
 #[derive(Debug)]
 enum Ffn {
-    Dense(Mlp),
-    Moe(SparseMoe),
+    Dense(Box<Mlp>),
+    Moe(Box<SparseMoe>),
 }
 
 #[derive(Debug)]
@@ -98,8 +98,13 @@ impl Qwen35 {
                 LayerKind::Full => Mixer::Full(GatedAttention::load(ck, &format!("{lp}.self_attn"), &c)?),
             };
             let ffn = match moe {
-                Some(m) => Ffn::Moe(SparseMoe::load(ck, &format!("{lp}.mlp"), i, h, m)?),
-                None => Ffn::Dense(Mlp::load(ck, &format!("{lp}.mlp"), h, c.intermediate_size.unwrap_or_default())?),
+                Some(m) => Ffn::Moe(Box::new(SparseMoe::load(ck, &format!("{lp}.mlp"), i, h, m)?)),
+                None => Ffn::Dense(Box::new(Mlp::load(
+                    ck,
+                    &format!("{lp}.mlp"),
+                    h,
+                    c.intermediate_size.unwrap_or_default(),
+                )?)),
             };
             layers.push(DecoderLayer {
                 input_norm: ck.vector(&format!("{lp}.input_layernorm.weight"), h)?,

@@ -1,0 +1,64 @@
+//! Messages to the expert residency manager (experts streamed from disk under a RAM budget).
+
+use std::sync::Arc;
+
+use osprey_models::ExpertWeights;
+use tokio::sync::oneshot;
+
+/// Counters of one layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerStats {
+    /// Expert accesses served from RAM.
+    pub hits: u64,
+    /// Expert accesses read from disk.
+    pub misses: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Seconds spent in read batches.
+    pub read_secs: f64,
+    /// Read batches.
+    pub batches: u64,
+}
+
+/// Messages between the runner-side source and the manager thread.
+#[derive(Debug)]
+pub enum ResidencyCommand {
+    /// Lease these experts of a layer (misses are read in one batch).
+    Need {
+        /// Layer.
+        layer: usize,
+        /// Experts.
+        experts: Vec<usize>,
+        /// Weights in order, or the read error.
+        reply: oneshot::Sender<Result<Vec<Arc<ExpertWeights>>, String>>,
+    },
+    /// A lease was dropped.
+    Release {
+        /// Layer.
+        layer: usize,
+        /// Expert.
+        expert: usize,
+    },
+    /// Counters.
+    Stats {
+        /// Per-layer counters, bytes held, evictions.
+        reply: oneshot::Sender<ResidencyStats>,
+    },
+}
+
+/// A snapshot of the counters.
+#[derive(Clone, Debug, Default)]
+pub struct ResidencyStats {
+    /// Per layer.
+    pub layers: Vec<LayerStats>,
+    /// Bytes of experts in RAM.
+    pub resident_bytes: u64,
+    /// Experts in RAM.
+    pub resident_experts: u64,
+    /// Evictions.
+    pub evictions: u64,
+    /// Seconds the runner waited for experts after computing the shared expert.
+    pub stall_secs: f64,
+    /// Reader in use.
+    pub reader: String,
+}
