@@ -267,7 +267,8 @@ mod tests {
             ReadReq { file: 0, offset: 4095, len: 8193 },
             ReadReq { file: 0, offset: 49_990, len: 10 },
         ];
-        let mut readers: Vec<Box<dyn Reader>> = vec![Box::new(PreadReader::new(std::slice::from_ref(&path), 2).expect("pread"))];
+        let mut readers: Vec<Box<dyn Reader>> =
+            vec![Box::new(PreadReader::new(std::slice::from_ref(&path), 2).expect("pread"))];
         if let Ok(u) = UringReader::new(std::slice::from_ref(&path), 8) {
             readers.push(Box::new(u));
         }
