@@ -176,6 +176,22 @@ enum BenchCommand {
         #[arg(long, default_value_t = 3)]
         repeats: usize,
     },
+    /// Decode with routed experts streamed from disk under a RAM budget (one budget per process, so the
+    /// peak RSS is that budget's); compares eviction policies on the recorded routing trace.
+    Experts {
+        /// MoE model directory (NVFP4 or dense).
+        #[arg(long)]
+        model: PathBuf,
+        /// Budget as a fraction of all expert bytes.
+        #[arg(long, default_value_t = 1.0)]
+        budget: f64,
+        /// Prompt tokens before decoding.
+        #[arg(long, default_value_t = 64)]
+        prompt_len: usize,
+        /// Decode steps measured.
+        #[arg(long, default_value_t = 32)]
+        decode_tokens: usize,
+    },
     /// Sustained DRAM read bandwidth with the compute threads (the decode roofline's denominator).
     Membw {
         /// Buffer size in MiB (well above the last-level cache).
@@ -221,6 +237,11 @@ fn main() -> Result<()> {
             let m = load(&model)?;
             let report = bench_forward(&m, ForwardBench { prompt_len, decode_tokens, repeats })?;
             println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Experts { model, budget, prompt_len, decode_tokens }) => {
+            let report = osprey_bench::bench_experts(&model, budget, prompt_len, decode_tokens)?;
+            println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }
         Command::Bench(BenchCommand::Membw { mib }) => {

@@ -6,7 +6,11 @@
 //! vision-tower encoding time per image size). Time-to-first-token through the server and
 //! expert residency join here with their issues. Numbers go to `docs/benchmarks.md`, never into tests.
 
+mod experts;
+
 use std::time::Instant;
+
+pub use experts::{bench_experts, ExpertsReport, PolicyHitRates};
 
 use osprey_models::vision::{preprocess_image, ImageParams, RgbImage, VisionTower};
 use osprey_models::{LogitsWanted, Qwen35, Result, SeqInput, SeqStep};

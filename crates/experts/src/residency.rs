@@ -99,8 +99,8 @@ impl ResidencyTable {
         self.tick += 1;
         let tick = self.tick;
         let decay = match self.policy {
-            Policy::LfuDecay { half_life } => 0.5f64.powf(1.0 / half_life.max(1) as f64),
-            Policy::Lru => 1.0,
+            Policy::LfuDecay { half_life } if half_life < u32::MAX => 0.5f64.powf(1.0 / half_life.max(1) as f64),
+            _ => 1.0,
         };
         if decay != 1.0 {
             for (k, s) in self.slots.iter_mut() {
@@ -112,6 +112,14 @@ impl ResidencyTable {
         if let Some(s) = self.slots.get_mut(&key) {
             s.last_use = tick;
             s.freq += 1.0;
+        }
+    }
+
+    /// Overrides an expert's frequency (a static routing-frequency profile; with decay off, LFU then
+    /// evicts the experts the profile says are rarest).
+    pub fn set_frequency(&mut self, layer: usize, expert: usize, freq: f64) {
+        if let Some(s) = self.slots.get_mut(&(layer, expert)) {
+            s.freq = freq;
         }
     }
 

@@ -130,6 +130,19 @@ impl ExpertIndex {
             .collect()
     }
 
+    /// RAM one resident expert takes: its tensors read into 4 KiB-aligned windows.
+    pub fn expert_footprint(&self, layer: usize, expert: usize) -> usize {
+        use crate::buf::ALIGN;
+        self.experts[layer][expert]
+            .iter()
+            .flat_map(LinearLoc::ranges)
+            .map(|r| {
+                let start = r.offset as usize / ALIGN * ALIGN;
+                (r.offset as usize - start + r.len).div_ceil(ALIGN) * ALIGN
+            })
+            .sum()
+    }
+
     /// Bytes of one expert's tensors.
     pub fn expert_bytes(&self, layer: usize, expert: usize) -> usize {
         self.experts[layer][expert].iter().flat_map(LinearLoc::ranges).map(|r| r.len).sum()

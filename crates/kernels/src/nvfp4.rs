@@ -29,25 +29,35 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
 }
 
 /// Encodes to e4m3fn with round-to-nearest-even, saturating at ±448 (what torch's `to(float8_e4m3fn)`
-/// does for finite inputs within range; callers keep scales in range).
+/// does for finite inputs; callers keep scales in range). Positive codes 0x00..=0x7E are increasing, so
+/// the nearest is found by binary search.
 pub fn f32_to_e4m3(x: f32) -> u8 {
     if x.is_nan() {
         return 0x7F;
     }
     let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
     let a = x.abs().min(448.0);
-    // Candidates are exactly representable; pick the nearest by enumerating the 127 finite codes.
-    let mut best = 0u8;
-    let mut best_err = f32::INFINITY;
-    for code in 0u8..0x7F {
-        let v = e4m3_to_f32(code);
-        let err = (v - a).abs();
-        // Ties go to the even code (mantissa lsb 0).
-        if err < best_err || (err == best_err && code & 1 == 0) {
-            best = code;
-            best_err = err;
+    // Largest code whose value is <= a.
+    let (mut lo, mut hi) = (0u8, 0x7Eu8);
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if e4m3_to_f32(mid) <= a {
+            lo = mid;
+        } else {
+            hi = mid - 1;
         }
     }
+    let below = lo;
+    let best = if below == 0x7E {
+        below
+    } else {
+        let (d0, d1) = (a - e4m3_to_f32(below), e4m3_to_f32(below + 1) - a);
+        if d1 < d0 || (d1 == d0 && (below + 1) % 2 == 0) {
+            below + 1
+        } else {
+            below
+        }
+    };
     sign | best
 }
 

@@ -1,0 +1,192 @@
+//! `osprey bench experts`: decode with routed experts streamed from disk under a RAM budget, and the
+//! eviction policies compared on the routing trace that run recorded.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use osprey_experts::{
+    open_reader, spawn, Budget, ExpertIndex, Policy, ResidencyCommand, ResidencyStats, ResidencyTable,
+};
+use osprey_models::{
+    Checkpoint, ExpertSource, ExpertTicket, ExpertWeights, ModelConfig, Qwen35, SeqInput, SeqStep, Weight,
+};
+use serde::Serialize;
+
+/// Records every request (the routing trace) and forwards it.
+#[derive(Debug)]
+struct Recording {
+    inner: Arc<dyn ExpertSource>,
+    trace: Arc<Mutex<Vec<(usize, Vec<usize>)>>>,
+}
+
+impl ExpertSource for Recording {
+    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
+        if let Ok(mut t) = self.trace.lock() {
+            t.push((layer, experts.to_vec()));
+        }
+        self.inner.request(layer, experts)
+    }
+}
+
+/// Hit rate of each policy on a trace (warm-up on the first half, measured on the second).
+#[derive(Clone, Debug, Serialize)]
+pub struct PolicyHitRates {
+    /// Least recently used.
+    pub lru: f64,
+    /// LFU with decay (half-life 64 accesses per layer).
+    pub lfu_decay: f64,
+    /// Static routing-frequency profile from the first half (evict the rarest).
+    pub profile: f64,
+}
+
+/// One budget's run.
+#[derive(Clone, Debug, Serialize)]
+pub struct ExpertsReport {
+    /// Budget as a fraction of all expert bytes.
+    pub budget_fraction: f64,
+    /// Budget in bytes.
+    pub budget_bytes: u64,
+    /// RAM all routed experts would take resident (aligned read windows).
+    pub expert_bytes: u64,
+    /// Reader used.
+    pub reader: String,
+    /// Decode tokens per second.
+    pub decode_tok_s: f64,
+    /// Fraction of expert accesses served from RAM during decode.
+    pub residency: f64,
+    /// Expert bytes read per decode token.
+    pub bytes_read_per_token: f64,
+    /// Achieved read throughput during read batches.
+    pub read_gb_s: f64,
+    /// Seconds the runner waited for experts during decode (after the shared expert).
+    pub stall_s: f64,
+    /// Peak resident set of the process (VmHWM).
+    pub peak_rss_bytes: u64,
+    /// Policies on the recorded trace at this budget.
+    pub policies: PolicyHitRates,
+}
+
+fn stats(tx: &tokio::sync::mpsc::UnboundedSender<ResidencyCommand>) -> ResidencyStats {
+    let (reply, rx) = tokio::sync::oneshot::channel();
+    let _ = tx.send(ResidencyCommand::Stats { reply });
+    rx.blocking_recv().unwrap_or_default()
+}
+
+fn totals(s: &ResidencyStats) -> (u64, u64, u64, f64) {
+    s.layers
+        .iter()
+        .fold((0, 0, 0, 0.0), |(h, m, b, t), l| (h + l.hits, m + l.misses, b + l.bytes_read, t + l.read_secs))
+}
+
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024
+}
+
+fn simulate(trace: &[(usize, Vec<usize>)], layers: usize, per_layer_experts: usize, capacity: usize) -> PolicyHitRates {
+    let dummy = {
+        let m = Weight::from_f32(1, 1, vec![0.0]);
+        Arc::new(ExpertWeights { gate: m.clone(), up: m.clone(), down: m })
+    };
+    let half = trace.len() / 2;
+    let run = |policy: Policy, profile: Option<&Vec<f64>>| -> f64 {
+        let mut t = ResidencyTable::new(layers, Budget::Bytes(capacity), policy);
+        let (mut hits, mut total) = (0u64, 0u64);
+        for (i, (layer, experts)) in trace.iter().enumerate() {
+            for &e in experts {
+                let hit = t.lease(*layer, e).is_some();
+                if !hit {
+                    t.insert(*layer, e, dummy.clone(), 1);
+                }
+                if let Some(p) = profile {
+                    t.set_frequency(*layer, e, p[layer * per_layer_experts + e]);
+                }
+                if i >= half {
+                    total += 1;
+                    hits += hit as u64;
+                }
+            }
+            for &e in experts {
+                t.release(*layer, e);
+            }
+        }
+        hits as f64 / total.max(1) as f64
+    };
+    let mut freq = vec![0f64; layers * per_layer_experts];
+    for (layer, experts) in &trace[..half] {
+        for &e in experts {
+            freq[layer * per_layer_experts + e] += 1.0;
+        }
+    }
+    // A static profile is LFU whose counts never change: decay off, counts set from the first half.
+    PolicyHitRates {
+        lru: run(Policy::Lru, None),
+        lfu_decay: run(Policy::LfuDecay { half_life: 64 }, None),
+        profile: run(Policy::LfuDecay { half_life: u32::MAX }, Some(&freq)),
+    }
+}
+
+/// Prefills `prompt_len` tokens then decodes `decode_tokens` with experts under `fraction` of their bytes.
+pub fn bench_experts(
+    dir: &Path,
+    fraction: f64,
+    prompt_len: usize,
+    decode_tokens: usize,
+) -> osprey_models::Result<ExpertsReport> {
+    let cfg = ModelConfig::from_dir(dir)?;
+    let ck = Checkpoint::open(dir)?;
+    let moe =
+        cfg.text.moe()?.ok_or_else(|| osprey_models::Error::Unsupported("bench experts needs a MoE model".into()))?;
+    let prefix =
+        if ck.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
+    let prefixes: Vec<String> = (0..cfg.text.num_hidden_layers).map(|i| format!("{prefix}layers.{i}.mlp")).collect();
+    let index = ExpertIndex::build(&ck, &prefixes, moe.num_experts, cfg.text.hidden_size, moe.intermediate)?;
+    // Budgets are RAM: what a resident expert really takes (aligned read windows), not its tensor bytes.
+    let per_expert = index.expert_footprint(0, 0);
+    let total = per_expert * moe.num_experts * prefixes.len();
+    let budget_bytes = (total as f64 * fraction) as usize;
+    let reader = open_reader(&index.files, None)
+        .map_err(|source| osprey_models::Error::Io { path: dir.to_path_buf(), source })?;
+    let reader_kind = format!("{:?}", reader.kind());
+    let set = spawn(index, reader, Budget::Bytes(budget_bytes), Policy::Lru);
+    let tx = set.sender();
+    let trace = Arc::new(Mutex::new(Vec::new()));
+    let source = Arc::new(Recording { inner: Arc::new(set), trace: trace.clone() });
+    let model = Qwen35::from_checkpoint(&cfg, &ck, Some(source))?;
+    let prompt = crate::bench_prompt(prompt_len, cfg.text.vocab_size);
+    let mut st = model.new_state();
+    let mut logits =
+        model.forward(&mut [SeqStep { state: &mut st, input: SeqInput::text(&prompt) }], false)?.logits.remove(0);
+    let before = stats(&tx);
+    let t0 = Instant::now();
+    for _ in 0..decode_tokens {
+        let tok = [logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).unwrap_or(0)];
+        logits = model.forward(&mut [SeqStep { state: &mut st, input: SeqInput::text(&tok) }], false)?.logits.remove(0);
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let after = stats(&tx);
+    let (h0, m0, b0, r0) = totals(&before);
+    let (h1, m1, b1, r1) = totals(&after);
+    let (hits, misses, bytes, read_s) = (h1 - h0, m1 - m0, b1 - b0, r1 - r0);
+    let trace = trace.lock().map(|t| t.clone()).unwrap_or_default();
+    let capacity_experts = budget_bytes / per_expert.max(1);
+    Ok(ExpertsReport {
+        budget_fraction: fraction,
+        budget_bytes: budget_bytes as u64,
+        expert_bytes: total as u64,
+        reader: reader_kind,
+        decode_tok_s: decode_tokens as f64 / secs,
+        residency: hits as f64 / (hits + misses).max(1) as f64,
+        bytes_read_per_token: bytes as f64 / decode_tokens.max(1) as f64,
+        read_gb_s: if read_s > 0.0 { bytes as f64 / read_s / 1e9 } else { 0.0 },
+        stall_s: after.stall_secs - before.stall_secs,
+        peak_rss_bytes: peak_rss(),
+        policies: simulate(&trace, prefixes.len(), moe.num_experts, capacity_experts.max(moe.top_k)),
+    })
+}
