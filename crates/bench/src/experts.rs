@@ -13,11 +13,14 @@ use osprey_models::{
 };
 use serde::Serialize;
 
+/// A routing trace: per MoE request, the layer and the experts it routed to.
+type Trace = Vec<(usize, Vec<usize>)>;
+
 /// Records every request (the routing trace) and forwards it.
 #[derive(Debug)]
 struct Recording {
     inner: Arc<dyn ExpertSource>,
-    trace: Arc<Mutex<Vec<(usize, Vec<usize>)>>>,
+    trace: Arc<Mutex<Trace>>,
 }
 
 impl ExpertSource for Recording {
@@ -89,7 +92,7 @@ fn peak_rss() -> u64 {
         * 1024
 }
 
-fn simulate(trace: &[(usize, Vec<usize>)], layers: usize, per_layer_experts: usize, capacity: usize) -> PolicyHitRates {
+fn simulate(trace: &Trace, layers: usize, per_layer_experts: usize, capacity: usize) -> PolicyHitRates {
     let dummy = {
         let m = Weight::from_f32(1, 1, vec![0.0]);
         Arc::new(ExpertWeights { gate: m.clone(), up: m.clone(), down: m })
