@@ -12,20 +12,21 @@ pub const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 /// Values per scale block.
 pub const BLOCK: usize = 16;
 
-/// Decodes one float8 e4m3fn (bias 7, no infinities; 0x7F/0xFF are NaN).
+/// Decodes one float8 e4m3fn (bias 7, no infinities; 0x7F/0xFF are NaN), by moving its bits into an f32.
 #[inline]
 pub fn e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let e = ((b >> 3) & 0x0F) as i32;
-    let m = (b & 0x07) as f32;
-    if e == 0x0F && b & 0x07 == 0x07 {
+    let sign = ((b & 0x80) as u32) << 24;
+    let e = ((b >> 3) & 0x0F) as u32;
+    let m = (b & 0x07) as u32;
+    if e == 0x0F && m == 0x07 {
         return f32::NAN;
     }
     if e == 0 {
-        sign * m / 8.0 * 2f32.powi(-6)
-    } else {
-        sign * (1.0 + m / 8.0) * 2f32.powi(e - 7)
+        // Subnormal: m/8 · 2^-6 = m · 2^-9 (exact).
+        let v = m as f32 * (1.0 / 512.0);
+        return if sign != 0 { -v } else { v };
     }
+    f32::from_bits(sign | ((e + 120) << 23) | (m << 20))
 }
 
 /// Encodes to e4m3fn with round-to-nearest-even, saturating at ±448 (what torch's `to(float8_e4m3fn)`
@@ -74,6 +75,12 @@ pub fn e2m1_to_f32(code: u8) -> f32 {
 
 /// Dequantises one row of `k` values.
 pub fn dequant_row(packed: &[u8], scales: &[u8], global: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && out.len().is_multiple_of(BLOCK) {
+        // SAFETY: the features were detected above; lengths are checked inside.
+        unsafe { x86::dequant_row(packed, scales, global, out) };
+        return;
+    }
     for (b, o) in out.chunks_mut(BLOCK).enumerate() {
         let s = e4m3_to_f32(scales[b]) * global;
         for (j, v) in o.iter_mut().enumerate() {
@@ -110,18 +117,21 @@ mod x86 {
 
     use super::{e4m3_to_f32, BLOCK, E2M1};
 
-    /// 8 codes from 4 bytes: lane i = nibble i (low nibble first).
+    /// The 16 codes of one block (8 bytes) as two vectors of 8 f32 values.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn codes8(p: *const u8) -> __m256i {
-        // SAFETY: caller guarantees 4 readable bytes.
-        let bytes = unsafe { (p as *const u32).read_unaligned() };
-        let v = _mm256_cvtepu8_epi32(_mm_set_epi64x(0, {
-            let b = bytes.to_le_bytes();
-            i64::from_le_bytes([b[0], b[0], b[1], b[1], b[2], b[2], b[3], b[3]])
-        }));
-        let shifted = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-        _mm256_and_si256(shifted, _mm256_set1_epi32(0x0F))
+    unsafe fn block16(p: *const u8, lut: __m256) -> (__m256, __m256) {
+        // SAFETY: caller guarantees 8 readable bytes.
+        let b = unsafe { _mm_loadl_epi64(p as *const __m128i) };
+        let mask = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(b, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+        // Byte j holds column 2j (low nibble) and 2j+1 (high nibble): interleave to column order.
+        let codes = _mm_unpacklo_epi8(lo, hi);
+        let c0 = _mm256_cvtepu8_epi32(codes);
+        let c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8));
+        // SAFETY: same target features as this function.
+        unsafe { (values8(c0, lut), values8(c1, lut)) }
     }
 
     #[inline]
@@ -130,6 +140,23 @@ mod x86 {
         let mag = _mm256_permutevar8x32_ps(lut, codes);
         let sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
         _mm256_xor_ps(mag, _mm256_castsi256_ps(sign))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dequant_row(packed: &[u8], scales: &[u8], global: f32, out: &mut [f32]) {
+        let blocks = out.len() / BLOCK;
+        assert!(packed.len() >= blocks * BLOCK / 2 && scales.len() >= blocks, "nvfp4 row: this is a bug");
+        // SAFETY: E2M1 holds 8 floats; every block access below is within the checked lengths.
+        unsafe {
+            let lut = _mm256_loadu_ps(E2M1.as_ptr());
+            for b in 0..blocks {
+                let s = _mm256_set1_ps(e4m3_to_f32(scales[b]) * global);
+                let (w0, w1) = block16(packed.as_ptr().add(b * BLOCK / 2), lut);
+                let o = out.as_mut_ptr().add(b * BLOCK);
+                _mm256_storeu_ps(o, _mm256_mul_ps(w0, s));
+                _mm256_storeu_ps(o.add(8), _mm256_mul_ps(w1, s));
+            }
+        }
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -142,9 +169,7 @@ mod x86 {
             // SAFETY: block b covers x[16b..16b+16] and packed[8b..8b+8], both in bounds.
             unsafe {
                 let xp = x.as_ptr().add(b * BLOCK);
-                let pp = packed.as_ptr().add(b * BLOCK / 2);
-                let w0 = values8(codes8(pp), lut);
-                let w1 = values8(codes8(pp.add(4)), lut);
+                let (w0, w1) = block16(packed.as_ptr().add(b * BLOCK / 2), lut);
                 let part = _mm256_fmadd_ps(_mm256_loadu_ps(xp), w0, _mm256_mul_ps(_mm256_loadu_ps(xp.add(8)), w1));
                 total = _mm256_fmadd_ps(part, _mm256_set1_ps(e4m3_to_f32(scales[b])), total);
             }
