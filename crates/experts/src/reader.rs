@@ -155,10 +155,18 @@ impl Reader for PreadReader {
     }
 }
 
+/// Registered (fixed) staging buffers: the kernel pins them once, reads into them skip per-I/O page
+/// pinning; completed reads are copied into the expert's own buffer.
+struct Fixed {
+    slots: Vec<AlignedBuf>,
+    size: usize,
+}
+
 /// io_uring: all reads of a batch submitted together, then reaped.
 pub struct UringReader {
     files: Vec<Opened>,
     ring: io_uring::IoUring,
+    fixed: Option<Fixed>,
 }
 
 impl std::fmt::Debug for UringReader {
@@ -168,10 +176,31 @@ impl std::fmt::Debug for UringReader {
 }
 
 impl UringReader {
-    /// Sets up a ring; fails when the kernel or the container refuses io_uring.
+    /// Sets up a ring; fails when the kernel or the container refuses io_uring. Registers
+    /// `min(entries, 16)` staging buffers of 2 MiB when the memlock limit allows (logged once if not).
     pub fn new(paths: &[PathBuf], entries: u32) -> std::io::Result<Self> {
         let ring = io_uring::IoUring::new(entries)?;
-        Ok(UringReader { files: open_all(paths)?, ring })
+        let size = 2 << 20;
+        let slots: Vec<AlignedBuf> = (0..entries.min(16)).map(|_| AlignedBuf::new(size)).collect();
+        let iovecs: Vec<libc::iovec> = slots
+            .iter()
+            .map(|b| libc::iovec { iov_base: b.as_ref().as_ptr() as *mut libc::c_void, iov_len: b.len() })
+            .collect();
+        // SAFETY: the buffers outlive their registration: both are owned by the reader and `ring` is
+        // declared before `fixed`, so the ring (and its registration) is dropped first.
+        let fixed = match unsafe { ring.submitter().register_buffers(&iovecs) } {
+            Ok(()) => Some(Fixed { slots, size }),
+            Err(e) => {
+                tracing::warn!(error = %e, "io_uring buffer registration refused (memlock limit?); using unregistered buffers");
+                None
+            }
+        };
+        Ok(UringReader { files: open_all(paths)?, ring, fixed })
+    }
+
+    /// Whether reads go through registered buffers.
+    pub fn registered(&self) -> bool {
+        self.fixed.is_some()
     }
 }
 
@@ -186,18 +215,35 @@ impl Reader for UringReader {
             .collect();
         let mut results: Vec<Option<std::io::Result<usize>>> = (0..reqs.len()).map(|_| None).collect();
         let cap = self.ring.params().sq_entries() as usize;
+        let mut free: Vec<usize> = self.fixed.as_ref().map(|f| (0..f.slots.len()).collect()).unwrap_or_default();
+        let mut slot_of: Vec<Option<usize>> = vec![None; reqs.len()];
         let mut next = 0;
         let mut inflight = 0;
         while next < reqs.len() || inflight > 0 {
             while next < reqs.len() && inflight < cap {
                 let (buf, start, _, total) = &mut bufs[next];
                 let fd = io_uring::types::Fd(self.files[reqs[next].file].file.as_raw_fd());
-                let e = io_uring::opcode::Read::new(fd, buf.as_mut_ptr(), *total as u32)
-                    .offset(*start)
-                    .build()
-                    .user_data(next as u64);
+                let fits = self.fixed.as_ref().is_some_and(|f| *total <= f.size);
+                let e = if fits {
+                    // Wait for a staging slot rather than reorder.
+                    let Some(slot) = free.pop() else { break };
+                    slot_of[next] = Some(slot);
+                    let f = self.fixed.as_mut().expect("fits implies fixed");
+                    io_uring::opcode::ReadFixed::new(fd, f.slots[slot].as_mut_ptr(), *total as u32, slot as u16)
+                        .offset(*start)
+                        .build()
+                        .user_data(next as u64)
+                } else {
+                    io_uring::opcode::Read::new(fd, buf.as_mut_ptr(), *total as u32)
+                        .offset(*start)
+                        .build()
+                        .user_data(next as u64)
+                };
                 // SAFETY: the buffer outlives the operation (we wait for every completion below).
                 if unsafe { self.ring.submission().push(&e) }.is_err() {
+                    if let Some(slot) = slot_of[next].take() {
+                        free.push(slot);
+                    }
                     break;
                 }
                 next += 1;
@@ -213,10 +259,17 @@ impl Reader for UringReader {
                 }
                 break;
             }
-            for cqe in self.ring.completion() {
+            let done: Vec<(usize, i32)> =
+                self.ring.completion().map(|c| (c.user_data() as usize, c.result())).collect();
+            for (i, res) in done {
                 inflight -= 1;
-                let i = cqe.user_data() as usize;
-                let res = cqe.result();
+                if let (Some(slot), Some(f)) = (slot_of[i], self.fixed.as_ref()) {
+                    if res > 0 {
+                        let n = res as usize;
+                        bufs[i].0.as_mut()[..n].copy_from_slice(&f.slots[slot].as_ref()[..n]);
+                    }
+                    free.push(slot);
+                }
                 results[i] =
                     Some(if res < 0 { Err(std::io::Error::from_raw_os_error(-res)) } else { Ok(res as usize) });
             }
@@ -270,6 +323,7 @@ mod tests {
         let mut readers: Vec<Box<dyn Reader>> =
             vec![Box::new(PreadReader::new(std::slice::from_ref(&path), 2).expect("pread"))];
         if let Ok(u) = UringReader::new(std::slice::from_ref(&path), 8) {
+            eprintln!("io_uring available; registered buffers: {}", u.registered());
             readers.push(Box::new(u));
         }
         for mut r in readers {

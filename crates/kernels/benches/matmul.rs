@@ -6,7 +6,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use osprey_kernels::{matmul, WeightView};
 
 /// (name, out features, in features): expert gate/up, expert down, attention q (with gate).
-const SHAPES: [(&str, usize, usize); 3] = [("expert_gate_up_512x2048", 512, 2048), ("expert_down_2048x512", 2048, 512), ("attn_q_8192x2048", 8192, 2048)];
+const SHAPES: [(&str, usize, usize); 3] =
+    [("expert_gate_up_512x2048", 512, 2048), ("expert_down_2048x512", 2048, 512), ("attn_q_8192x2048", 8192, 2048)];
 
 fn bench(c: &mut Criterion) {
     for &(name, n, k) in &SHAPES {
@@ -26,7 +27,9 @@ fn bench(c: &mut Criterion) {
             let mut out = vec![0f32; m * n];
             for (fmt, view, bytes) in formats {
                 g.throughput(Throughput::Bytes(bytes as u64));
-                g.bench_with_input(BenchmarkId::from_parameter(fmt), &view, |b, v| b.iter(|| matmul(&x, m, *v, n, k, &mut out)));
+                g.bench_with_input(BenchmarkId::from_parameter(fmt), &view, |b, v| {
+                    b.iter(|| matmul(&x, m, *v, n, k, &mut out))
+                });
             }
             g.finish();
         }

@@ -322,15 +322,57 @@ impl TextConfig {
     }
 }
 
+/// Accepts the quantisation configs the loader implements: ModelOpt NVFP4 (group 16) and
+/// compressed-tensors `nvfp4-pack-quantized`. Which tensors are quantised is read per tensor at load
+/// (`Checkpoint::linear`), so `exclude_modules` / `ignore` lists need no interpretation: excluded
+/// modules are simply stored dense.
+pub fn check_quantization(q: &serde_json::Value) -> Result<()> {
+    let s = |k: &str| q.get(k).and_then(|v| v.as_str()).unwrap_or_default().to_string();
+    let algo = if q.get("quantization").is_some() {
+        q["quantization"]["quant_algo"].as_str().unwrap_or_default().to_string()
+    } else {
+        s("quant_algo")
+    };
+    let group = q
+        .get("group_size")
+        .or_else(|| q.get("quantization").and_then(|x| x.get("group_size")))
+        .and_then(|g| g.as_u64());
+    match s("quant_method").as_str() {
+        "compressed-tensors" => {
+            if s("format") != "nvfp4-pack-quantized" {
+                return Err(Error::Unsupported(format!(
+                    "compressed-tensors format {:?} (only nvfp4-pack-quantized)",
+                    s("format")
+                )));
+            }
+        }
+        _ => {
+            if algo != "NVFP4" {
+                return Err(Error::Unsupported(format!("quant_algo {algo:?} (only NVFP4)")));
+            }
+            if group.is_some_and(|g| g != 16) {
+                return Err(Error::Unsupported(format!("NVFP4 group_size {group:?} (only 16)")));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl ModelConfig {
-    /// Reads and validates `dir/config.json`.
+    /// Reads and validates `dir/config.json` (and `hf_quant_config.json` when present).
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
-        Self::from_json(&text).map_err(|e| match e {
+        let cfg = Self::from_json(&text).map_err(|e| match e {
             Error::Json { source, .. } => Error::Json { path, source },
             other => other,
-        })
+        })?;
+        let hq = dir.join("hf_quant_config.json");
+        if let Ok(t) = std::fs::read_to_string(&hq) {
+            let v: serde_json::Value = serde_json::from_str(&t).map_err(|source| Error::Json { path: hq, source })?;
+            check_quantization(&v)?;
+        }
+        Ok(cfg)
     }
 
     /// Parses a `config.json` body.
@@ -353,6 +395,9 @@ impl ModelConfig {
         }
         let media_tokens: MediaTokens = serde_json::from_value(v.clone()).map_err(json_err)?;
         text.validate()?;
+        if let Some(q) = v.get("quantization_config") {
+            check_quantization(q)?;
+        }
         Ok(ModelConfig { model_type, text, vision: v.get("vision_config").cloned(), media_tokens })
     }
 }
@@ -383,6 +428,16 @@ mod tests {
         assert!(e.contains("sliding_attention"), "{e}");
         let bad_type = TINY.replace("qwen3_5_moe_text", "llama");
         assert!(ModelConfig::from_json(&bad_type).expect_err("reject").to_string().contains("llama"));
+        let int8 = TINY.replace(
+            "\"some_future_key\":true",
+            "\"quantization_config\":{\"quant_method\":\"modelopt\",\"quant_algo\":\"INT8\"}",
+        );
+        assert!(ModelConfig::from_json(&int8).expect_err("reject").to_string().contains("INT8"));
+        let nvfp4 = TINY.replace(
+            "\"some_future_key\":true",
+            "\"quantization_config\":{\"quant_method\":\"modelopt\",\"quant_algo\":\"NVFP4\",\"group_size\":16}",
+        );
+        assert!(ModelConfig::from_json(&nvfp4).is_ok());
         let bad_section = TINY.replace("[1,0,0]", "[2,1,0]");
         assert!(ModelConfig::from_json(&bad_section).expect_err("reject").to_string().contains("mrope_section"));
     }

@@ -122,3 +122,34 @@ fn malformed_nvfp4_tensors_are_refused_naming_the_tensor() {
     assert!(e.contains("m.weight_scale_2") || e.contains("m.weight_scale"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn compressed_tensors_nvfp4_loads_to_the_same_weights_as_modelopt() {
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+    let r = Ref::load_file("nvfp4.safetensors");
+    let (rows, cols) = (64usize, 128usize);
+    let q = quantize_nvfp4(&r.f32s("a.w"), rows, cols);
+    let dir = std::env::temp_dir().join(format!("osprey-ct-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let (g, inv) = (q.global.to_le_bytes().to_vec(), (1.0 / q.global).to_le_bytes().to_vec());
+    let views = vec![
+        ("mo.weight".to_string(), TensorView::new(Dtype::U8, vec![rows, cols / 2], &q.packed).expect("v")),
+        ("mo.weight_scale".to_string(), TensorView::new(Dtype::F8_E4M3, vec![rows, cols / 16], &q.scales).expect("v")),
+        ("mo.weight_scale_2".to_string(), TensorView::new(Dtype::F32, vec![], &g).expect("v")),
+        ("ct.weight_packed".to_string(), TensorView::new(Dtype::U8, vec![rows, cols / 2], &q.packed).expect("v")),
+        ("ct.weight_scale".to_string(), TensorView::new(Dtype::F8_E4M3, vec![rows, cols / 16], &q.scales).expect("v")),
+        // compressed-tensors stores the global scale inverted.
+        ("ct.weight_global_scale".to_string(), TensorView::new(Dtype::F32, vec![1], &inv).expect("v")),
+    ];
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).expect("write");
+    let ck = osprey_models::Checkpoint::open(&dir).expect("open");
+    let a = ck.linear("mo", rows, cols).expect("modelopt").to_f32();
+    let b = ck.linear("ct", rows, cols).expect("compressed-tensors").to_f32();
+    for (x, y) in a.iter().zip(&b) {
+        // 1/(1/g) may differ from g in the last bit.
+        assert!((x - y).abs() <= 1e-6 * x.abs().max(1e-3), "{x} vs {y}");
+    }
+    assert_eq!(a, r.f32s("a.dequant"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
