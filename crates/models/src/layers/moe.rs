@@ -80,6 +80,11 @@ pub trait ExpertSource: Debug + Send + Sync {
     /// layer per step with every expert the step routes to, so misses can be read in one batch while
     /// the caller computes the shared expert.
     fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket;
+
+    /// Bytes of one expert's weights, when the source knows them (benchmarks).
+    fn expert_bytes(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Every expert mapped from the checkpoint (the page cache decides what is in RAM).
@@ -130,6 +135,11 @@ impl ResidentExperts {
 }
 
 impl ExpertSource for ResidentExperts {
+    fn expert_bytes(&self) -> Option<usize> {
+        let w = self.experts.iter().find_map(|l| l.first())?;
+        Some(w.gate.bytes() + w.up.bytes() + w.down.bytes())
+    }
+
     fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
         ExpertTicket::ready(Ok(experts
             .iter()

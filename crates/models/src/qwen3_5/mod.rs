@@ -163,7 +163,11 @@ impl Qwen35 {
             };
         }
         let per_expert = match self.cfg.moe() {
-            Ok(Some(m)) => 3 * m.intermediate * self.cfg.hidden_size * self.embed.dtype().size(),
+            Ok(Some(m)) => self
+                .experts
+                .as_ref()
+                .and_then(|e| e.expert_bytes())
+                .unwrap_or(3 * m.intermediate * self.cfg.hidden_size * self.embed.dtype().size()),
             _ => 0,
         };
         (dense, per_expert)
