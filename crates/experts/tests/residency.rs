@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use osprey_experts::{open_reader, spawn, Budget, ExpertIndex, Policy, ReadDone, ReadReq, Reader, ReaderKind};
 use osprey_models::{Checkpoint, ExpertSource, ModelConfig, Qwen35, SeqInput, SeqStep};
@@ -13,9 +13,12 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
 }
 
+/// Quantised once per test process: the tests run in parallel threads, and two of them writing the same
+/// checkpoint while a third maps it would read a file being truncated (SIGBUS).
 fn nvfp4_dir() -> PathBuf {
-    let dst = std::env::temp_dir().join(format!("osprey-experts-nvfp4-{}", std::process::id()));
-    if !dst.join("config.json").exists() {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dst = std::env::temp_dir().join(format!("osprey-experts-nvfp4-{}", std::process::id()));
         osprey_models::quantize_dir(
             &fixtures().join("models/qwen3_5_moe-tiny"),
             &dst,
@@ -23,8 +26,9 @@ fn nvfp4_dir() -> PathBuf {
             &mut |_, _| {},
         )
         .expect("quantize");
-    }
-    dst
+        dst
+    })
+    .clone()
 }
 
 fn index(dir: &Path) -> ExpertIndex {
