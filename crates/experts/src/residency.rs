@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use osprey_models::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights};
+use osprey_models::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts};
 use tokio::sync::{mpsc, oneshot};
 
 pub use osprey_protocol::experts::{LayerStats, ResidencyCommand, ResidencyStats};
@@ -224,27 +224,35 @@ impl ResidentSet {
 
 impl ExpertSource for ResidentSet {
     fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
+        let (resident_tx, resident_rx) = oneshot::channel();
         let (reply, rx) = oneshot::channel();
-        let sent = self.tx.send(ResidencyCommand::Need { layer, experts: experts.to_vec(), reply }).is_ok();
+        let sent = self
+            .tx
+            .send(ResidencyCommand::Need { layer, experts: experts.to_vec(), resident: resident_tx, reply })
+            .is_ok();
         let (tx, stall) = (self.tx.clone(), self.stall_nanos.clone());
         let experts = experts.to_vec();
+        let gone = || osprey_models::Error::InvalidInput("the expert residency manager is gone".into());
         ExpertTicket::new(move || {
             if !sent {
-                return Err(osprey_models::Error::InvalidInput("the expert residency manager is gone".into()));
+                return Err(gone());
             }
+            let lease = move |w, expert| ExpertHandle::new(w, Some(Box::new(Lease { tx: tx.clone(), layer, expert })));
             let t0 = Instant::now();
-            let got = rx.blocking_recv().map_err(|_| {
-                osprey_models::Error::InvalidInput("the expert residency manager dropped a request".into())
-            })?;
+            let have = resident_rx.blocking_recv().map_err(|_| gone())?.map_err(osprey_models::Error::InvalidInput)?;
             stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            let weights = got.map_err(|e| {
-                osprey_models::Error::InvalidInput(format!("reading experts of layer {layer} failed: {e}"))
-            })?;
-            Ok(weights
-                .into_iter()
-                .zip(experts)
-                .map(|(w, expert)| ExpertHandle::new(w, Some(Box::new(Lease { tx: tx.clone(), layer, expert }))))
-                .collect())
+            let missing: Vec<usize> = experts.iter().zip(&have).filter(|(_, w)| w.is_none()).map(|(&e, _)| e).collect();
+            let have = have.into_iter().zip(&experts).map(|(w, &e)| w.map(|w| lease(w, e))).collect();
+            let pending = PendingExperts::new(move || {
+                let t0 = Instant::now();
+                let got = rx.blocking_recv().map_err(|_| gone())?;
+                stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                let weights = got.map_err(|e| {
+                    osprey_models::Error::InvalidInput(format!("reading experts of layer {layer} failed: {e}"))
+                })?;
+                Ok(weights.into_iter().zip(missing).map(|(w, e)| lease(w, e)).collect())
+            });
+            Ok((have, pending))
         })
     }
 }
@@ -261,8 +269,8 @@ pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy
             let mut table = ResidencyTable::new(index.experts.len(), budget, policy);
             while let Some(cmd) = rx.blocking_recv() {
                 match cmd {
-                    ResidencyCommand::Need { layer, experts, reply } => {
-                        let _ = reply.send(need(&index, reader.as_mut(), &mut table, layer, &experts));
+                    ResidencyCommand::Need { layer, experts, resident, reply } => {
+                        need(&index, reader.as_mut(), &mut table, layer, &experts, resident, reply)
                     }
                     ResidencyCommand::Release { layer, expert } => table.release(layer, expert),
                     ResidencyCommand::Stats { reply } => {
@@ -282,56 +290,81 @@ pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy
     ResidentSet { tx, stall_nanos }
 }
 
-/// Serves one `Need`: hits from the table, all misses of the layer in one read batch.
+type Reply<T> = oneshot::Sender<Result<T, String>>;
+
+/// Serves one `Need`: leases and answers the hits at once (the runner computes them meanwhile), then
+/// reads all misses of the layer in one batch and answers them.
 fn need(
     index: &ExpertIndex,
     reader: &mut dyn Reader,
     table: &mut ResidencyTable,
     layer: usize,
     experts: &[usize],
-) -> Result<Vec<Arc<ExpertWeights>>, String> {
+    resident: Reply<Vec<Option<Arc<ExpertWeights>>>>,
+    reply: Reply<Vec<Arc<ExpertWeights>>>,
+) {
     if layer >= index.experts.len() || experts.iter().any(|&e| e >= index.experts[layer].len()) {
-        return Err(format!("no such expert in layer {layer}"));
+        let _ = resident.send(Err(format!("no such expert in layer {layer}")));
+        return;
     }
-    let mut out: Vec<Option<Arc<ExpertWeights>>> = experts.iter().map(|&e| table.lease(layer, e)).collect();
-    let missing: Vec<usize> = (0..experts.len()).filter(|&i| out[i].is_none()).collect();
-    if !missing.is_empty() {
-        let mut reqs = Vec::new();
-        let mut counts = Vec::new();
-        for &i in &missing {
-            let r = index.reads(layer, experts[i]);
-            counts.push(r.len());
-            reqs.extend(r);
-        }
-        let t0 = Instant::now();
-        let results = reader.read_batch(&reqs);
-        let st = &mut table.stats[layer];
-        st.read_secs += t0.elapsed().as_secs_f64();
-        st.batches += 1;
-        let mut results = results.into_iter();
-        let mut first_err = None;
-        for (&i, n) in missing.iter().zip(counts) {
-            let done: Result<Vec<_>, _> = (&mut results).take(n).collect();
-            match done {
-                Ok(done) => {
-                    let (w, held) = index.assemble(layer, experts[i], done);
-                    table.stats[layer].bytes_read += held as u64;
-                    out[i] = Some(table.insert(layer, experts[i], Arc::new(w), held));
-                }
-                Err(e) => first_err = first_err.or(Some(e.to_string())),
+    let have: Vec<Option<Arc<ExpertWeights>>> = experts.iter().map(|&e| table.lease(layer, e)).collect();
+    let (hits, missing): (Vec<usize>, Vec<usize>) = (0..experts.len()).partition(|&i| have[i].is_some());
+    if resident.send(Ok(have)).is_err() {
+        // The requester is gone: give its leases back and read nothing.
+        hits.iter().for_each(|&i| table.release(layer, experts[i]));
+        return;
+    }
+    if missing.is_empty() {
+        let _ = reply.send(Ok(Vec::new()));
+        return;
+    }
+    let read = read_missing(index, reader, table, layer, &missing.iter().map(|&i| experts[i]).collect::<Vec<_>>());
+    if let Err(Ok(unclaimed)) = reply.send(read) {
+        // Nobody took the experts just read: release their leases (they stay cached).
+        drop(unclaimed);
+        missing.iter().for_each(|&i| table.release(layer, experts[i]));
+    }
+}
+
+/// Reads `experts` of `layer` in one batch, inserts them leased; on any failure releases what it inserted.
+fn read_missing(
+    index: &ExpertIndex,
+    reader: &mut dyn Reader,
+    table: &mut ResidencyTable,
+    layer: usize,
+    experts: &[usize],
+) -> Result<Vec<Arc<ExpertWeights>>, String> {
+    let mut reqs = Vec::new();
+    let mut counts = Vec::new();
+    for &e in experts {
+        let r = index.reads(layer, e);
+        counts.push(r.len());
+        reqs.extend(r);
+    }
+    let t0 = Instant::now();
+    let results = reader.read_batch(&reqs);
+    let st = &mut table.stats[layer];
+    st.read_secs += t0.elapsed().as_secs_f64();
+    st.batches += 1;
+    let mut results = results.into_iter();
+    let mut out = Vec::with_capacity(experts.len());
+    let mut first_err = None;
+    for (&e, n) in experts.iter().zip(counts) {
+        let done: Result<Vec<_>, _> = (&mut results).take(n).collect();
+        match done {
+            Ok(done) => {
+                let (w, held) = index.assemble(layer, e, done);
+                table.stats[layer].bytes_read += held as u64;
+                out.push((e, table.insert(layer, e, Arc::new(w), held)));
             }
-        }
-        if let Some(e) = first_err {
-            // Give back what this request leased before failing it.
-            for (i, w) in out.iter().enumerate() {
-                if w.is_some() {
-                    table.release(layer, experts[i]);
-                }
-            }
-            return Err(e);
+            Err(err) => first_err = first_err.or(Some(err.to_string())),
         }
     }
-    Ok(out.into_iter().map(|w| w.expect("every expert served")).collect())
+    if let Some(err) = first_err {
+        out.iter().for_each(|&(e, _)| table.release(layer, e));
+        return Err(err);
+    }
+    Ok(out.into_iter().map(|(_, w)| w).collect())
 }
 
 #[cfg(test)]

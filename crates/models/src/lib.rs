@@ -27,7 +27,7 @@ pub mod vision;
 pub use checkpoint::{ByteSource, Checkpoint, TensorLocation, Weight};
 pub use config::{ModelConfig, TextConfig};
 pub use error::{Error, Result};
-pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, ResidentExperts};
+pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts, ResidentExperts};
 pub use quantize_dir::{quantize_dir, QuantizeOptions};
 pub use qwen3_5::{ForwardOptions, ForwardOutput, InjectedRows, LogitsWanted, Positions, Qwen35, SeqInput, SeqStep};
 pub use state::{KvBlock, SeqState, StateSnapshot};

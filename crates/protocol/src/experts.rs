@@ -29,7 +29,10 @@ pub enum ResidencyCommand {
         layer: usize,
         /// Experts.
         experts: Vec<usize>,
-        /// Weights in order, or the read error.
+        /// Answered before any read: per requested expert, its weights if resident (leased), or `None`
+        /// if it is being read; an error for a request naming no such expert.
+        resident: oneshot::Sender<Result<Vec<Option<Arc<ExpertWeights>>>, String>>,
+        /// The experts `resident` left out, in request order, once read (leased), or the read error.
         reply: oneshot::Sender<Result<Vec<Arc<ExpertWeights>>, String>>,
     },
     /// A lease was dropped.

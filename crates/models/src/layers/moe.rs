@@ -2,9 +2,9 @@
 //! plus a shared expert scaled by `sigmoid(shared_expert_gate(x))`.
 //!
 //! Routed experts are reached only through [`ExpertSource`], one expert at a time, never stacked into one
-//! tensor: the residency manager (a later crate) implements it to stream experts from disk. All experts a
-//! layer needs for a step are asked for in one `fetch`, so an implementation can batch its misses, and the
-//! shared expert is computed before the routed ones so reads can overlap it.
+//! tensor: the residency manager (`osprey-experts`) implements it to stream experts from disk. All experts
+//! a layer needs for a step are asked for in one `request`, so an implementation can batch its misses, and
+//! the shared expert and the already-resident experts are computed while the misses are read.
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -48,8 +48,38 @@ impl ExpertHandle {
     }
 }
 
-/// Experts on their way: `wait` returns the handles (reads may be in flight until then).
-pub struct ExpertTicket(Box<dyn FnOnce() -> Result<Vec<ExpertHandle>> + Send>);
+/// The experts of a request still being read: `wait` returns them in request order, skipping those
+/// [`ExpertTicket::resident`] already gave.
+pub struct PendingExperts(Box<dyn FnOnce() -> Result<Vec<ExpertHandle>> + Send>);
+
+impl Debug for PendingExperts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PendingExperts")
+    }
+}
+
+impl PendingExperts {
+    /// Nothing pending.
+    pub fn none() -> Self {
+        PendingExperts(Box::new(|| Ok(Vec::new())))
+    }
+
+    /// Pending experts produced by `f` (blocks until the reads land).
+    pub fn new(f: impl FnOnce() -> Result<Vec<ExpertHandle>> + Send + 'static) -> Self {
+        PendingExperts(Box::new(f))
+    }
+
+    /// Blocks until the missing experts are read.
+    pub fn wait(self) -> Result<Vec<ExpertHandle>> {
+        (self.0)()
+    }
+}
+
+type Resident = Result<(Vec<Option<ExpertHandle>>, PendingExperts)>;
+
+/// Experts on their way, in two steps so the caller can work on the resident ones while the misses are
+/// read: [`resident`](Self::resident) answers as soon as the source has looked its table up (no I/O).
+pub struct ExpertTicket(Box<dyn FnOnce() -> Resident + Send>);
 
 impl Debug for ExpertTicket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -58,19 +88,33 @@ impl Debug for ExpertTicket {
 }
 
 impl ExpertTicket {
-    /// An already-available result.
+    /// Every expert already available.
     pub fn ready(r: Result<Vec<ExpertHandle>>) -> Self {
-        ExpertTicket(Box::new(move || r))
+        ExpertTicket(Box::new(move || Ok((r?.into_iter().map(Some).collect(), PendingExperts::none()))))
     }
 
-    /// A result produced by `wait`.
-    pub fn new(f: impl FnOnce() -> Result<Vec<ExpertHandle>> + Send + 'static) -> Self {
+    /// `f` returns, per requested expert, the handle if it is resident (`None` if it is being read), and
+    /// the pending rest.
+    pub fn new(f: impl FnOnce() -> Resident + Send + 'static) -> Self {
         ExpertTicket(Box::new(f))
     }
 
-    /// Blocks until the experts are available.
-    pub fn wait(self) -> Result<Vec<ExpertHandle>> {
+    /// The resident experts now, and the missing ones to wait for.
+    pub fn resident(self) -> Resident {
         (self.0)()
+    }
+
+    /// Blocks until every expert is available (request order).
+    pub fn wait(self) -> Result<Vec<ExpertHandle>> {
+        let (mut have, pending) = self.resident()?;
+        let mut rest = pending.wait()?.into_iter();
+        have.iter_mut()
+            .map(|h| {
+                h.take().or_else(|| rest.next()).ok_or_else(|| {
+                    crate::error::Error::InvalidInput("an expert source returned too few experts".into())
+                })
+            })
+            .collect()
     }
 }
 
@@ -199,32 +243,44 @@ impl SparseMoe {
             }
         }
         let hit: Vec<usize> = (0..self.cfg.num_experts).filter(|&e| !by_expert[e].is_empty()).collect();
-        // 2. Ask for every routed expert of this layer at once, then compute the shared expert (a source
-        //    that reads from disk overlaps its reads with this).
-        let ticket = experts.request(self.layer, &hit);
+        // 2. Ask for every routed expert of this layer at once, then compute the shared expert and the
+        //    resident experts while a disk-backed source reads the misses.
+        let (resident, pending) = experts.request(self.layer, &hit).resident()?;
         let shared = self.shared.forward(x, t);
         let sgate = linear(x, t, &self.shared_gate);
-        let handles = ticket.wait()?;
-        // 3. Routed experts on their gathered rows, weighted and scattered back.
+        // 3. Routed experts on their gathered rows, weighted and scattered back, always accumulated in
+        //    ascending expert order (so the answer does not depend on what was resident): a resident
+        //    expert after a missing one is kept aside until the gap is filled.
         let mut out = vec![0f32; t * h];
-        for (e, handle) in hit.iter().zip(&handles) {
-            let rows = &by_expert[*e];
-            let mut xs = Vec::with_capacity(rows.len() * h);
-            for &(i, _) in rows {
-                xs.extend_from_slice(&x[i * h..(i + 1) * h]);
-            }
-            let w = handle.weights();
-            let mut g = linear(&xs, rows.len(), &w.gate);
-            let u = linear(&xs, rows.len(), &w.up);
-            for (a, b) in g.iter_mut().zip(&u) {
-                *a = silu(*a) * b;
-            }
-            let d = linear(&g, rows.len(), &w.down);
-            for (j, &(i, wt)) in rows.iter().enumerate() {
-                for (o, v) in out[i * h..(i + 1) * h].iter_mut().zip(&d[j * h..(j + 1) * h]) {
-                    *o += v * wt;
+        let mut done: Vec<Option<Vec<f32>>> = vec![None; hit.len()];
+        let mut next = 0; // first expert not yet accumulated
+        for (k, handle) in resident.iter().enumerate() {
+            let Some(handle) = handle else { continue };
+            let d = self.expert(x, &by_expert[hit[k]], handle.weights());
+            if k == next {
+                scatter(&mut out, h, &by_expert[hit[k]], &d);
+                next += 1;
+                while let Some(d) = done.get_mut(next).and_then(Option::take) {
+                    scatter(&mut out, h, &by_expert[hit[next]], &d);
+                    next += 1;
                 }
+            } else {
+                done[k] = Some(d);
             }
+        }
+        drop(resident);
+        let mut read = pending.wait()?.into_iter();
+        for k in next..hit.len() {
+            let d = match done[k].take() {
+                Some(d) => d,
+                None => {
+                    let handle = read.next().ok_or_else(|| {
+                        crate::error::Error::InvalidInput("an expert source returned too few experts".into())
+                    })?;
+                    self.expert(x, &by_expert[hit[k]], handle.weights())
+                }
+            };
+            scatter(&mut out, h, &by_expert[hit[k]], &d);
         }
         for i in 0..t {
             let gs = sigmoid(sgate[i]);
@@ -235,9 +291,33 @@ impl SparseMoe {
         Ok(out)
     }
 
+    /// One expert on its gathered rows: `[rows, hidden]`.
+    fn expert(&self, x: &[f32], rows: &[(usize, f32)], w: &ExpertWeights) -> Vec<f32> {
+        let h = self.router.cols();
+        let mut xs = Vec::with_capacity(rows.len() * h);
+        for &(i, _) in rows {
+            xs.extend_from_slice(&x[i * h..(i + 1) * h]);
+        }
+        let mut g = linear(&xs, rows.len(), &w.gate);
+        let u = linear(&xs, rows.len(), &w.up);
+        for (a, b) in g.iter_mut().zip(&u) {
+            *a = silu(*a) * b;
+        }
+        linear(&g, rows.len(), &w.down)
+    }
+
     /// Bytes of the dense part (router + shared expert).
     pub fn bytes(&self) -> usize {
         self.router.bytes() + self.shared.bytes() + self.shared_gate.bytes()
+    }
+}
+
+/// Adds one expert's weighted output rows into `out`.
+fn scatter(out: &mut [f32], h: usize, rows: &[(usize, f32)], d: &[f32]) {
+    for (j, &(i, wt)) in rows.iter().enumerate() {
+        for (o, v) in out[i * h..(i + 1) * h].iter_mut().zip(&d[j * h..(j + 1) * h]) {
+            *o += v * wt;
+        }
     }
 }
 
