@@ -191,6 +191,10 @@ enum BenchCommand {
         /// Decode steps measured.
         #[arg(long, default_value_t = 32)]
         decode_tokens: usize,
+        /// Baseline: compute routed experts only once all of a layer's are read (no overlap of resident
+        /// experts with the reads).
+        #[arg(long)]
+        wait_all: bool,
     },
     /// Sustained DRAM read bandwidth with the compute threads (the decode roofline's denominator).
     Membw {
@@ -239,8 +243,8 @@ fn main() -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }
-        Command::Bench(BenchCommand::Experts { model, budget, prompt_len, decode_tokens }) => {
-            let report = osprey_bench::bench_experts(&model, budget, prompt_len, decode_tokens)?;
+        Command::Bench(BenchCommand::Experts { model, budget, prompt_len, decode_tokens, wait_all }) => {
+            let report = osprey_bench::bench_experts(&model, budget, prompt_len, decode_tokens, wait_all)?;
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }

@@ -9,7 +9,8 @@ use osprey_experts::{
     open_reader, spawn, Budget, ExpertIndex, Policy, ResidencyCommand, ResidencyStats, ResidencyTable,
 };
 use osprey_models::{
-    Checkpoint, ExpertSource, ExpertTicket, ExpertWeights, ModelConfig, Qwen35, SeqInput, SeqStep, Weight,
+    Checkpoint, ExpertSource, ExpertTicket, ExpertWeights, ModelConfig, PendingExperts, Qwen35, SeqInput, SeqStep,
+    Weight,
 };
 use serde::Serialize;
 
@@ -21,6 +22,9 @@ type Trace = Vec<(usize, Vec<usize>)>;
 struct Recording {
     inner: Arc<dyn ExpertSource>,
     trace: Arc<Mutex<Trace>>,
+    /// Baseline: hand the model no resident expert early, so it computes routed experts only once all of
+    /// the layer's are in RAM (what the runner did before overlapping resident experts with the reads).
+    wait_all: bool,
 }
 
 impl ExpertSource for Recording {
@@ -28,7 +32,12 @@ impl ExpertSource for Recording {
         if let Ok(mut t) = self.trace.lock() {
             t.push((layer, experts.to_vec()));
         }
-        self.inner.request(layer, experts)
+        let ticket = self.inner.request(layer, experts);
+        if !self.wait_all {
+            return ticket;
+        }
+        let n = experts.len();
+        ExpertTicket::new(move || Ok(((0..n).map(|_| None).collect(), PendingExperts::new(move || ticket.wait()))))
     }
 }
 
@@ -68,6 +77,8 @@ pub struct ExpertsReport {
     pub peak_rss_bytes: u64,
     /// Policies on the recorded trace at this budget.
     pub policies: PolicyHitRates,
+    /// Baseline run: routed experts computed only after all of a layer's were in RAM.
+    pub wait_all: bool,
 }
 
 fn stats(tx: &tokio::sync::mpsc::UnboundedSender<ResidencyCommand>) -> ResidencyStats {
@@ -135,12 +146,14 @@ fn simulate(trace: &Trace, layers: usize, per_layer_experts: usize, capacity: us
     }
 }
 
-/// Prefills `prompt_len` tokens then decodes `decode_tokens` with experts under `fraction` of their bytes.
+/// Prefills `prompt_len` tokens then decodes `decode_tokens` with experts under `fraction` of their bytes
+/// (`wait_all`: the no-overlap baseline, see [`Recording`]).
 pub fn bench_experts(
     dir: &Path,
     fraction: f64,
     prompt_len: usize,
     decode_tokens: usize,
+    wait_all: bool,
 ) -> osprey_models::Result<ExpertsReport> {
     let cfg = ModelConfig::from_dir(dir)?;
     let ck = Checkpoint::open(dir)?;
@@ -160,7 +173,7 @@ pub fn bench_experts(
     let set = spawn(index, reader, Budget::Bytes(budget_bytes), Policy::Lru);
     let tx = set.sender();
     let trace = Arc::new(Mutex::new(Vec::new()));
-    let source = Arc::new(Recording { inner: Arc::new(set), trace: trace.clone() });
+    let source = Arc::new(Recording { inner: Arc::new(set), trace: trace.clone(), wait_all });
     let model = Qwen35::from_checkpoint(&cfg, &ck, Some(source))?;
     let prompt = crate::bench_prompt(prompt_len, cfg.text.vocab_size);
     let mut st = model.new_state();
@@ -191,5 +204,6 @@ pub fn bench_experts(
         stall_s: after.stall_secs - before.stall_secs,
         peak_rss_bytes: peak_rss(),
         policies: simulate(&trace, prefixes.len(), moe.num_experts, capacity_experts.max(moe.top_k)),
+        wait_all,
     })
 }
