@@ -36,6 +36,7 @@ fn expert_source(
     settings: &Settings,
     cfg: &ModelConfig,
     ck: &Checkpoint,
+    wrap_reader: Option<ReaderLayer>,
 ) -> Result<Option<osprey_experts::ResidentSet>> {
     use osprey_experts::{Budget, ExpertIndex, Policy, ReaderKind};
     let budget = match (settings.expert_ram_experts, settings.expert_ram_gb) {
@@ -62,7 +63,10 @@ fn expert_source(
         Some("lfu") => Policy::LfuDecay { half_life: 64 },
         Some(other) => anyhow::bail!("unknown expert policy {other:?} (lru, lfu)"),
     };
-    let reader = osprey_experts::open_reader(&index.files, kind)?;
+    let mut reader = osprey_experts::open_reader(&index.files, kind)?;
+    if let Some(wrap) = wrap_reader {
+        reader = wrap(reader);
+    }
     let total: usize = (0..index.experts.len())
         .map(|l| (0..index.experts[l].len()).map(|e| index.expert_bytes(l, e)).sum::<usize>())
         .sum();
@@ -70,13 +74,26 @@ fn expert_source(
     Ok(Some(osprey_experts::spawn(index, reader, budget, policy)))
 }
 
+/// Wraps the expert reader the server opens (instrumentation, or fault injection in tests); applies only
+/// when the settings stream experts from disk.
+pub type ReaderLayer = Box<dyn FnOnce(Box<dyn osprey_experts::Reader>) -> Box<dyn osprey_experts::Reader> + Send>;
+
 /// Loads the model and starts the tokenizer, vision, runner and scheduler actors and the HTTP server
 /// (bound, not yet awaited). Returns the server future and the address it listens on.
 pub fn start(settings: &Settings, model_dir: &Path) -> Result<(actix_web::dev::Server, SocketAddr)> {
+    start_with(settings, model_dir, None)
+}
+
+/// [`start`] with the expert reader wrapped by `wrap_reader`.
+pub fn start_with(
+    settings: &Settings,
+    model_dir: &Path,
+    wrap_reader: Option<ReaderLayer>,
+) -> Result<(actix_web::dev::Server, SocketAddr)> {
     let t0 = Instant::now();
     let cfg = ModelConfig::from_dir(model_dir).with_context(|| format!("reading {}", model_dir.display()))?;
     let ck = Checkpoint::open(model_dir)?;
-    let experts = expert_source(settings, &cfg, &ck)?;
+    let experts = expert_source(settings, &cfg, &ck, wrap_reader)?;
     let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
     let model =
         Qwen35::from_checkpoint_with_progress(&cfg, &ck, source, &mut |d, n| progress_bar("loading weights", d, n))?;

@@ -9,15 +9,57 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::fixtures;
-use osprey::Settings;
+use osprey::{ReaderLayer, Settings};
+use osprey_experts::{ReadDone, ReadReq, Reader, ReaderKind};
 use serde_json::{json, Value};
 
+/// Fails every read of the `fail_at`-th batch (0-based) with an injected I/O error.
+struct Faulty {
+    inner: Box<dyn Reader>,
+    batch: usize,
+    fail_at: usize,
+}
+
+impl Reader for Faulty {
+    fn read_batch(&mut self, reqs: &[ReadReq]) -> Vec<std::io::Result<ReadDone>> {
+        self.batch += 1;
+        if self.batch - 1 == self.fail_at {
+            return reqs.iter().map(|_| Err(std::io::Error::other("injected I/O error"))).collect();
+        }
+        self.inner.read_batch(reqs)
+    }
+    fn kind(&self) -> ReaderKind {
+        self.inner.kind()
+    }
+}
+
+/// Quantised once per process (tests run in parallel threads and map the result).
+fn nvfp4_dir() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("osprey-serve-nvfp4-{}", std::process::id()));
+        osprey_models::quantize_dir(
+            &fixtures().join("models/qwen3_5_moe-tiny"),
+            &dir,
+            Default::default(),
+            &mut |_, _| {},
+        )
+        .expect("quantize");
+        dir
+    })
+    .clone()
+}
+
 fn start(settings: Settings, dir: PathBuf) -> SocketAddr {
+    start_with(settings, dir, None)
+}
+
+fn start_with(settings: Settings, dir: PathBuf, layer: Option<ReaderLayer>) -> SocketAddr {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         actix_web::rt::System::new().block_on(async move {
             let settings = Settings { port: Some(0), ..settings };
-            let (server, addr) = osprey::start(&settings, &dir).expect("start");
+            let (server, addr) = osprey::start_with(&settings, &dir, layer).expect("start");
             tx.send(addr).expect("addr");
             server.await.expect("server");
         })
@@ -37,9 +79,7 @@ fn metric(addr: SocketAddr, name: &str) -> f64 {
 
 #[test]
 fn a_budget_of_top_k_experts_per_layer_answers_exactly_as_fully_resident() {
-    let dir = std::env::temp_dir().join(format!("osprey-serve-nvfp4-{}", std::process::id()));
-    osprey_models::quantize_dir(&fixtures().join("models/qwen3_5_moe-tiny"), &dir, Default::default(), &mut |_, _| {})
-        .expect("quantize");
+    let dir = nvfp4_dir();
     let full = start(Settings::default(), dir.clone());
     // Same settings but the budget (chunking, and so summation order, must match for bit equality).
     // 2 of 8 experts per layer = top_k: every step evicts and re-reads.
@@ -67,4 +107,26 @@ fn a_budget_of_top_k_experts_per_layer_answers_exactly_as_fully_resident() {
     assert!(metric(streamed, "osprey_expert_residency") < 1.0);
     assert!(metric(streamed, "osprey_expert_evictions_total") > 0.0);
     assert!(metric(lean, "osprey_expert_resident_bytes") < 200_000.0, "the byte budget bounds what stays resident");
+}
+
+#[test]
+fn a_failed_expert_read_fails_that_request_with_an_engine_error_and_the_server_keeps_serving() {
+    let dir = nvfp4_dir();
+    let full = start(Settings::default(), dir.clone());
+    let layer: ReaderLayer = Box::new(|inner| Box::new(Faulty { inner, batch: 0, fail_at: 1 }));
+    let faulty = start_with(Settings { expert_ram_experts: Some(2), ..Settings::default() }, dir, Some(layer));
+    let body =
+        json!({"messages": [{"role": "user", "content": "Tell me about experts."}], "max_tokens": 8, "temperature": 0});
+    let r = ureq::post(&format!("http://{faulty}/v1/chat/completions")).send_string(&body.to_string());
+    let Err(ureq::Error::Status(code, resp)) = r else { panic!("the injected fault must fail the request") };
+    assert_eq!(code, 500);
+    let e: Value = serde_json::from_str(&resp.into_string().expect("body")).expect("json");
+    assert_eq!(e["error"]["code"], "engine_error", "{e}");
+    let msg = e["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("injected I/O error") && msg.contains("layer"), "{msg}");
+    // The next request is served, and exactly as with every expert resident.
+    let want = ask(full, &body);
+    let got = ask(faulty, &body);
+    assert_eq!(got["choices"][0]["message"], want["choices"][0]["message"]);
+    assert_eq!(metric(faulty, "osprey_running_sequences"), 0.0);
 }
