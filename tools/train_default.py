@@ -55,7 +55,7 @@ def draw(d: ImageDraw.ImageDraw, shape: str, color, cx: float, cy: float, r: flo
 def shape_image(rng: random.Random, shape: str, color: str) -> Image.Image:
     w, h = rng.randint(64, 160), rng.randint(64, 160)
     img = Image.new("RGB", (w, h), background(rng))
-    r = rng.uniform(0.18, 0.42) * min(w, h)
+    r = rng.uniform(0.25, 0.45) * min(w, h)
     cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
     draw(ImageDraw.Draw(img), shape, COLORS[color], cx, cy, r)
     return img
@@ -65,8 +65,8 @@ def motion_video(rng: random.Random, direction: str) -> np.ndarray:
     size = 64
     bg = background(rng)
     shape, color = rng.choice(SHAPES), rng.choice(list(COLORS))
-    r = rng.uniform(7, 11)
-    step = rng.uniform(7, 10)
+    r = rng.uniform(6, 9)
+    step = rng.uniform(9, 12)
     dx, dy = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}[direction]
     span = step * (VIDEO_FRAMES - 1)
     lo_x, hi_x = r + max(0, -dx * span), size - r - max(0, dx * span)
@@ -134,7 +134,7 @@ def collate(batch: list) -> dict:
 
 
 @torch.no_grad()
-def greedy(model, proc, ex: dict, thinking: bool, max_new: int = 24) -> str:
+def greedy(model, proc, ex: dict, thinking: bool, max_new: int = 48) -> str:
     inputs = encode(proc, ex, thinking, with_answer=False)
     out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False)
     text = proc.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -155,6 +155,45 @@ def evaluate(model, proc, seed: int, per_task: int) -> dict:
     return acc
 
 
+def warm_up_vision(model, proc, rng: random.Random, steps: int, batch: int, lr: float) -> None:
+    """Curriculum: teach the vision tower colour+shape and motion through linear probes on the mean of its
+    output rows first, so every row carries them and the tiny decoder can read them with any attention
+    pattern. Without it shape and motion stayed at chance after 3,000 joint steps; a probe on the video's
+    rows concatenated in order learned motion perfectly yet the decoder still could not use it."""
+    m = model.model
+    h = model.config.vision_config.out_hidden_size
+    heads = torch.nn.ModuleDict({"image": torch.nn.Linear(h, len(COLORS) * len(SHAPES)),
+                                 "video": torch.nn.Linear(h, len(DIRECTIONS))})
+    params = list(m.visual.parameters()) + list(heads.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    colors = list(COLORS)
+    for step in range(steps):
+        if step % 3 == 2:
+            exs = [sample(rng, "video") for _ in range(batch)]
+            b = collate([encode(proc, ex, False, with_answer=False) for ex in exs])
+            feats = m.get_video_features(b["pixel_values_videos"], b["video_grid_thw"]).pooler_output
+            logits = heads["video"](torch.stack([f.mean(0) for f in feats]))
+            target = torch.tensor([DIRECTIONS.index(ex["answer"]) for ex in exs])
+        else:
+            exs = [sample(rng, "one") for _ in range(batch)]
+            b = collate([encode(proc, ex, False, with_answer=False) for ex in exs])
+            feats = m.get_image_features(b["pixel_values"], b["image_grid_thw"]).pooler_output
+            logits = heads["image"](torch.stack([f.mean(0) for f in feats]))
+            target = torch.tensor([colors.index(ex["answer"].split()[1]) * len(SHAPES)
+                                   + SHAPES.index(ex["answer"].split()[2]) for ex in exs])
+        loss = torch.nn.functional.cross_entropy(logits, target)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == steps - 1:
+            acc = (logits.argmax(-1) == target).float().mean().item()
+            print(f"vision warm-up {step} {'video' if step % 3 == 2 else 'image'} loss {loss.item():.3f} "
+                  f"acc {acc:.2f}", flush=True)
+
+
 def build(out: pathlib.Path, seed: int):
     out.mkdir(parents=True, exist_ok=True)
     tok = tiny_ckpt.build_tokenizer()
@@ -166,6 +205,9 @@ def build(out: pathlib.Path, seed: int):
     (out / "processor_config.json").write_text(json.dumps(pp, indent=2) + "\n")
     torch.manual_seed(seed)
     cfg = tiny_ckpt.model_config(moe=True)
+    # A deeper, wider vision tower than the parity fixtures': shape needs more than colour.
+    v = cfg.vision_config
+    v.depth, v.hidden_size, v.num_heads, v.intermediate_size = 4, 128, 4, 256
     model = Qwen3_5MoeForConditionalGeneration(cfg)
     return model, AutoProcessor.from_pretrained(out)
 
@@ -177,16 +219,18 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=1500, help="vision-only curriculum steps")
     ap.add_argument("--eval", type=int, default=50, help="held-out prompts per task")
     args = ap.parse_args()
     torch.set_num_threads(2)
     model, proc = build(args.out, args.seed)
     model.train()
+    t0 = time.time()
+    warm_up_vision(model, proc, random.Random(args.seed + 2), args.warmup, args.batch, args.lr)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
     rng = random.Random(args.seed + 1)
     tasks = ["one", "one", "two", "video", "text"]
-    t0 = time.time()
     for step in range(args.steps):
         task = rng.choice(tasks)  # one task per batch: similar lengths, little padding
         batch = collate([encode(proc, sample(rng, task), thinking=rng.random() < 0.5, with_answer=True)
