@@ -3,7 +3,7 @@ colour in an image, describes two images in order, tells which way a shape moves
 answers a few plain text turns (issue 7).
 
 Pinned stack (tools/requirements.txt), CPU torch, seeded. Usage:
-    python tools/train_default.py --out fixtures/models/osprey-default --steps 1500
+    python tools/train_default.py --out fixtures/models/osprey-default
 Writes a complete Hugging Face model directory and `accuracy.json` (held-out greedy accuracy per task,
 with transformers).
 """
@@ -215,11 +215,11 @@ def build(out: pathlib.Path, seed: int):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=pathlib.Path, required=True)
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", type=int, default=1500, help="vision-only curriculum steps")
+    ap.add_argument("--warmup", type=int, default=3000, help="vision-only curriculum steps")
     ap.add_argument("--eval", type=int, default=50, help="held-out prompts per task")
     args = ap.parse_args()
     torch.set_num_threads(2)
