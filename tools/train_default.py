@@ -215,7 +215,7 @@ def build(out: pathlib.Path, seed: int):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=pathlib.Path, required=True)
-    ap.add_argument("--steps", type=int, default=5000)
+    ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -230,7 +230,8 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
     rng = random.Random(args.seed + 1)
-    tasks = ["one", "one", "two", "video", "text"]
+    # Two images is the hardest task (0.82 held-out when it had a fifth of the batches): give it two fifths.
+    tasks = ["one", "two", "two", "video", "text"]
     for step in range(args.steps):
         task = rng.choice(tasks)  # one task per batch: similar lengths, little padding
         batch = collate([encode(proc, sample(rng, task), thinking=rng.random() < 0.5, with_answer=True)
