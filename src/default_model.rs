@@ -1,23 +1,26 @@
-//! The embedded default model: `osprey serve` with no model argument serves the tiny `qwen3_5_moe`
-//! checkpoint from `fixtures/` (random weights, a complete HF directory) until a trained default
-//! exists. Its files are compiled into the binary and written once to a cache directory.
+//! The embedded default model: `osprey serve` with no model argument serves `osprey-default`, a tiny
+//! `qwen3_5_moe` vision-language model trained by `tools/train_default.py` (names the shape and colour
+//! in an image, describes two images in order, tells which way a shape moves in a short video, answers
+//! a few text turns; see docs/default_model.md). Its files (a complete HF directory, 5.6 MB) are compiled
+//! into the binary and written once to a cache directory.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{Context, Result};
 
 const FILES: [(&str, &[u8]); 7] = [
-    ("config.json", include_bytes!("../fixtures/models/qwen3_5_moe-tiny/config.json")),
-    ("generation_config.json", include_bytes!("../fixtures/models/qwen3_5_moe-tiny/generation_config.json")),
-    ("model.safetensors", include_bytes!("../fixtures/models/qwen3_5_moe-tiny/model.safetensors")),
-    ("tokenizer.json", include_bytes!("../fixtures/models/qwen3_5_moe-tiny/tokenizer.json")),
-    ("tokenizer_config.json", include_bytes!("../fixtures/models/qwen3_5_moe-tiny/tokenizer_config.json")),
-    ("processor_config.json", include_bytes!("../fixtures/models/qwen3_5_moe-tiny/processor_config.json")),
-    ("chat_template.jinja", include_bytes!("../fixtures/models/qwen3_5_moe-tiny/chat_template.jinja")),
+    ("config.json", include_bytes!("../fixtures/models/osprey-default/config.json")),
+    ("generation_config.json", include_bytes!("../fixtures/models/osprey-default/generation_config.json")),
+    ("model.safetensors", include_bytes!("../fixtures/models/osprey-default/model.safetensors")),
+    ("tokenizer.json", include_bytes!("../fixtures/models/osprey-default/tokenizer.json")),
+    ("tokenizer_config.json", include_bytes!("../fixtures/models/osprey-default/tokenizer_config.json")),
+    ("processor_config.json", include_bytes!("../fixtures/models/osprey-default/processor_config.json")),
+    ("chat_template.jinja", include_bytes!("../fixtures/models/osprey-default/chat_template.jinja")),
 ];
 
 /// Name the default model is served under.
-pub const NAME: &str = "qwen3_5_moe-tiny";
+pub const NAME: &str = "osprey-default";
 
 /// Writes the embedded files (if missing or different) and returns the directory.
 pub fn materialize() -> Result<PathBuf> {
@@ -31,7 +34,11 @@ pub fn materialize() -> Result<PathBuf> {
         let path = dir.join(name);
         let same = std::fs::read(&path).map(|b| b == bytes).unwrap_or(false);
         if !same {
-            let tmp = dir.join(format!("{name}.tmp"));
+            // A name of its own per writer: two servers (or test threads) may materialize at once, and
+            // each rename is atomic, so readers see one complete file or the other (they are equal).
+            static WRITES: AtomicUsize = AtomicUsize::new(0);
+            let n = WRITES.fetch_add(1, Ordering::Relaxed);
+            let tmp = dir.join(format!("{name}.{}.{n}.tmp", std::process::id()));
             std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
             std::fs::rename(&tmp, &path)?;
         }

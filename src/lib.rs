@@ -7,7 +7,7 @@ pub mod settings;
 
 use std::io::Write;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -80,6 +80,19 @@ pub type ReaderLayer = Box<dyn FnOnce(Box<dyn osprey_experts::Reader>) -> Box<dy
 
 /// Loads the model and starts the tokenizer, vision, runner and scheduler actors and the HTTP server
 /// (bound, not yet awaited). Returns the server future and the address it listens on.
+/// The directory `osprey serve` serves: `settings.model`, else the embedded default model (written to the
+/// cache directory on first use).
+pub fn model_dir(settings: &Settings) -> Result<PathBuf> {
+    match &settings.model {
+        Some(d) => Ok(d.clone()),
+        None => {
+            let d = default_model::materialize()?;
+            tracing::info!(dir = %d.display(), "no --model given: serving the embedded default model");
+            Ok(d)
+        }
+    }
+}
+
 pub fn start(settings: &Settings, model_dir: &Path) -> Result<(actix_web::dev::Server, SocketAddr)> {
     start_with(settings, model_dir, None)
 }

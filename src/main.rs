@@ -279,14 +279,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         None => osprey::Settings::default(),
     };
     let settings = file.overlay(&a.settings());
-    let dir = match &settings.model {
-        Some(d) => d.clone(),
-        None => {
-            let d = osprey::default_model::materialize()?;
-            tracing::info!(dir = %d.display(), "no --model given: serving the embedded default model");
-            d
-        }
-    };
+    let dir = osprey::model_dir(&settings)?;
     actix_web::rt::System::new().block_on(async move {
         let (server, _) = osprey::start(&settings, &dir)?;
         server.await.context("HTTP server")

@@ -3,12 +3,12 @@
 
 #[path = "../crates/models/tests/common/mod.rs"]
 mod common;
+mod harness;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use common::fixtures;
+use harness::{chat as ask, metric, quantize_to_temp, start, start_with};
 use osprey::{ReaderLayer, Settings};
 use osprey_experts::{ReadDone, ReadReq, Reader, ReaderKind};
 use serde_json::{json, Value};
@@ -36,45 +36,7 @@ impl Reader for Faulty {
 /// Quantised once per process (tests run in parallel threads and map the result).
 fn nvfp4_dir() -> PathBuf {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("osprey-serve-nvfp4-{}", std::process::id()));
-        osprey_models::quantize_dir(
-            &fixtures().join("models/qwen3_5_moe-tiny"),
-            &dir,
-            Default::default(),
-            &mut |_, _| {},
-        )
-        .expect("quantize");
-        dir
-    })
-    .clone()
-}
-
-fn start(settings: Settings, dir: PathBuf) -> SocketAddr {
-    start_with(settings, dir, None)
-}
-
-fn start_with(settings: Settings, dir: PathBuf, layer: Option<ReaderLayer>) -> SocketAddr {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        actix_web::rt::System::new().block_on(async move {
-            let settings = Settings { port: Some(0), ..settings };
-            let (server, addr) = osprey::start_with(&settings, &dir, layer).expect("start");
-            tx.send(addr).expect("addr");
-            server.await.expect("server");
-        })
-    });
-    rx.recv_timeout(Duration::from_secs(60)).expect("started")
-}
-
-fn ask(addr: SocketAddr, body: &Value) -> Value {
-    let r = ureq::post(&format!("http://{addr}/v1/chat/completions")).send_string(&body.to_string()).expect("request");
-    serde_json::from_str(&r.into_string().expect("body")).expect("json")
-}
-
-fn metric(addr: SocketAddr, name: &str) -> f64 {
-    let text = ureq::get(&format!("http://{addr}/metrics")).call().expect("metrics").into_string().expect("body");
-    text.lines().find_map(|l| l.strip_prefix(&format!("{name} ")).and_then(|v| v.parse().ok())).unwrap_or(f64::NAN)
+    DIR.get_or_init(|| quantize_to_temp(&fixtures().join("models/qwen3_5_moe-tiny"), "serve-nvfp4")).clone()
 }
 
 #[test]

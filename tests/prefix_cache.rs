@@ -7,28 +7,17 @@
 
 #[path = "../crates/models/tests/common/mod.rs"]
 mod common;
+mod harness;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::time::Duration;
 
-use base64::Engine;
 use common::fixtures;
+use harness::{data_url, metric};
 use osprey::Settings;
 use serde_json::{json, Value};
 
 fn start(settings: Settings) -> SocketAddr {
-    let dir = fixtures().join("models/qwen3_5_moe-tiny");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        actix_web::rt::System::new().block_on(async move {
-            let settings = Settings { port: Some(0), ..settings };
-            let (server, addr) = osprey::start(&settings, &dir).expect("start server");
-            tx.send(addr).expect("address");
-            server.await.expect("server");
-        })
-    });
-    rx.recv_timeout(Duration::from_secs(60)).expect("started")
+    harness::start(settings, fixtures().join("models/qwen3_5_moe-tiny"))
 }
 
 /// Small chunks on a 16-token grid, so snapshots exist inside images too.
@@ -41,8 +30,7 @@ fn uncached() -> SocketAddr {
 }
 
 fn image(name: &str) -> Value {
-    let bytes = std::fs::read(fixtures().join("media").join(format!("{name}.png"))).expect("png");
-    json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))}})
+    json!({"type": "image_url", "image_url": {"url": data_url(&fixtures().join("media").join(format!("{name}.png")))}})
 }
 
 struct Answer {
@@ -80,11 +68,6 @@ fn assert_same(what: &str, a: &Answer, b: &Answer) {
 
 fn user(parts: Vec<Value>) -> Value {
     json!([{"role": "user", "content": parts}])
-}
-
-fn metric(addr: SocketAddr, name: &str) -> f64 {
-    let text = ureq::get(&format!("http://{addr}/metrics")).call().expect("metrics").into_string().expect("body");
-    text.lines().find_map(|l| l.strip_prefix(&format!("{name} ")).and_then(|v| v.parse().ok())).unwrap_or(f64::NAN)
 }
 
 #[test]
@@ -206,6 +189,4 @@ fn disable_prefix_cache_flag_turns_it_off() {
     ask(c, &long);
     assert!(ask(c, &long).cached > 0, "on by default");
     assert!(metric(c, "osprey_prefix_cache_hit_rate") > 0.0);
-    let _ = Path::new("."); // keep imports used when the fixture layout changes
-    let _: Option<PathBuf> = None;
 }

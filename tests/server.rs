@@ -3,32 +3,21 @@
 
 #[path = "../crates/models/tests/common/mod.rs"]
 mod common;
+mod harness;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
 use common::{fixtures, Ref};
+use harness::{data_url, get, metric, post, sse, start};
 use osprey::Settings;
 use serde_json::{json, Value};
 
 const V: usize = 1024;
-
-fn start(settings: Settings, dir: PathBuf) -> SocketAddr {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        actix_web::rt::System::new().block_on(async move {
-            let settings = Settings { port: Some(0), ..settings };
-            let (server, addr) = osprey::start(&settings, &dir).expect("start server");
-            tx.send(addr).expect("report address");
-            server.await.expect("server");
-        })
-    });
-    rx.recv_timeout(Duration::from_secs(60)).expect("server started")
-}
 
 fn moe_dir() -> PathBuf {
     fixtures().join("models/qwen3_5_moe-tiny")
@@ -38,33 +27,6 @@ fn moe_dir() -> PathBuf {
 fn server() -> SocketAddr {
     static S: OnceLock<SocketAddr> = OnceLock::new();
     *S.get_or_init(|| start(Settings::default(), moe_dir()))
-}
-
-fn post(addr: SocketAddr, path: &str, body: &str, key: Option<&str>) -> (u16, Value) {
-    let mut req = ureq::post(&format!("http://{addr}{path}")).set("content-type", "application/json");
-    if let Some(k) = key {
-        req = req.set("authorization", &format!("Bearer {k}"));
-    }
-    match req.send_string(body) {
-        Ok(r) => (r.status(), serde_json::from_str(&r.into_string().expect("body")).expect("json body")),
-        Err(ureq::Error::Status(code, r)) => {
-            (code, serde_json::from_str(&r.into_string().expect("body")).expect("json error body"))
-        }
-        Err(e) => panic!("transport error: {e}"),
-    }
-}
-
-fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    match ureq::get(&format!("http://{addr}{path}")).call() {
-        Ok(r) => (r.status(), r.into_string().expect("body")),
-        Err(ureq::Error::Status(code, r)) => (code, r.into_string().expect("body")),
-        Err(e) => panic!("transport error: {e}"),
-    }
-}
-
-fn data_url(path: &Path) -> String {
-    let bytes = std::fs::read(path).expect("media");
-    format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))
 }
 
 fn media_part(kind: &str, name: &str) -> Value {
@@ -100,17 +62,6 @@ fn log_softmax(l: &[f32]) -> Vec<f32> {
     let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let lse = m + l.iter().map(|x| (x - m).exp()).sum::<f32>().ln();
     l.iter().map(|x| x - lse).collect()
-}
-
-/// Reads an SSE response into its `data:` payloads.
-fn sse(addr: SocketAddr, path: &str, body: &Value) -> Vec<String> {
-    let r = ureq::post(&format!("http://{addr}{path}")).send_string(&body.to_string()).expect("stream");
-    assert_eq!(r.header("content-type"), Some("text/event-stream"));
-    BufReader::new(r.into_reader())
-        .lines()
-        .map_while(Result::ok)
-        .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
-        .collect()
 }
 
 #[test]
@@ -244,11 +195,6 @@ fn eight_concurrent_clients_get_the_same_greedy_outputs_as_alone() {
             assert!((x - y).abs() < 1e-4, "client {i}: {x} vs {y}");
         }
     }
-}
-
-fn metric(addr: SocketAddr, name: &str) -> f64 {
-    let (_, text) = get(addr, "/metrics");
-    text.lines().find_map(|l| l.strip_prefix(&format!("{name} ")).and_then(|v| v.parse().ok())).unwrap_or(f64::NAN)
 }
 
 #[test]

@@ -60,18 +60,22 @@ impl TextState {
 
 const THINK_END: &str = "</think>";
 
-/// Routes text to `reasoning_content` until `</think>`, then to `content`.
+/// Routes text to `reasoning_content` until `</think>`, then to `content`. Reasoning is streamed
+/// trimmed like the non-streaming `reasoning_content` (`str::trim`): leading whitespace is dropped and
+/// trailing whitespace held back until more reasoning text follows, so the deltas concatenate to exactly
+/// the non-streaming field.
 #[derive(Debug)]
 pub struct ReasoningSplit {
     in_reasoning: bool,
     pending: String,
+    reasoning_started: bool,
     content_started: bool,
 }
 
 impl ReasoningSplit {
     /// `open`: the prompt ended inside `<think>`.
     pub fn new(open: bool) -> Self {
-        ReasoningSplit { in_reasoning: open, pending: String::new(), content_started: false }
+        ReasoningSplit { in_reasoning: open, pending: String::new(), reasoning_started: false, content_started: false }
     }
 
     fn content(&mut self, s: &str) -> String {
@@ -85,6 +89,15 @@ impl ReasoningSplit {
         t.to_string()
     }
 
+    /// Reasoning text that ends before anything held back (leading whitespace dropped).
+    fn reasoning(&mut self, s: &str) -> String {
+        let t = if self.reasoning_started { s } else { s.trim_start() };
+        if !t.is_empty() {
+            self.reasoning_started = true;
+        }
+        t.to_string()
+    }
+
     /// Splits a delta into (reasoning, content).
     pub fn feed(&mut self, s: &str) -> (String, String) {
         if !self.in_reasoning {
@@ -92,23 +105,25 @@ impl ReasoningSplit {
         }
         self.pending.push_str(s);
         if let Some(i) = self.pending.find(THINK_END) {
-            let reasoning = self.pending[..i].to_string();
+            let before = self.pending[..i].trim_end().to_string();
             let rest = self.pending[i + THINK_END.len()..].to_string();
             self.pending.clear();
             self.in_reasoning = false;
-            return (reasoning, self.content(&rest));
+            return (self.reasoning(&before), self.content(&rest));
         }
-        let keep = held_suffix(&self.pending, &[THINK_END]);
+        let tag = held_suffix(&self.pending, &[THINK_END]);
+        let body = &self.pending[..self.pending.len() - tag];
+        let keep = self.pending.len() - body.trim_end().len();
         let out = self.pending[..self.pending.len() - keep].to_string();
         self.pending.drain(..self.pending.len() - keep);
-        (out, String::new())
+        (self.reasoning(&out), String::new())
     }
 
-    /// What is still held at the end.
+    /// What is still held at the end (trailing whitespace of unfinished reasoning is dropped).
     pub fn flush(&mut self) -> (String, String) {
         let p = std::mem::take(&mut self.pending);
         if self.in_reasoning {
-            (p, String::new())
+            (self.reasoning(p.trim_end()), String::new())
         } else {
             (String::new(), p)
         }
@@ -140,6 +155,15 @@ mod tests {
         assert_eq!(s.feed("I think</th"), ("I think".into(), String::new()));
         assert_eq!(s.feed("ink>\n\nAnswer"), (String::new(), "Answer".into()));
         assert_eq!(s.feed(" more"), (String::new(), " more".into()));
+        let mut ws = ReasoningSplit::new(true);
+        let deltas = ["\n", " a", "b \n", " c\n", "\n</think>\n\nok"];
+        let streamed: String = deltas.iter().map(|d| ws.feed(d).0).collect();
+        let whole = deltas.concat();
+        assert_eq!(streamed, whole[..whole.find(THINK_END).unwrap()].trim(), "streamed = non-streaming trim()");
+        assert_eq!(streamed, "ab \n c");
+        let mut unfinished = ReasoningSplit::new(true);
+        assert_eq!(unfinished.feed("\nx \n"), ("x".into(), String::new()));
+        assert_eq!(unfinished.flush(), (String::new(), String::new()));
         let mut plain = ReasoningSplit::new(false);
         assert_eq!(plain.feed("hi"), (String::new(), "hi".into()));
     }

@@ -1,0 +1,92 @@
+//! Shared helpers of the HTTP integration tests: a real server on an ephemeral port (its own thread and
+//! actix System) and a blocking client (ureq) for JSON, SSE and metrics.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use base64::Engine;
+use osprey::{ReaderLayer, Settings};
+use serde_json::Value;
+
+/// Starts `osprey serve` on `dir` with `settings` (port forced to 0) and returns its address.
+pub fn start(settings: Settings, dir: PathBuf) -> SocketAddr {
+    start_with(settings, dir, None)
+}
+
+/// As [`start`], with the expert reader wrapped by `layer` (fault injection).
+pub fn start_with(settings: Settings, dir: PathBuf, layer: Option<ReaderLayer>) -> SocketAddr {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        actix_web::rt::System::new().block_on(async move {
+            let settings = Settings { port: Some(0), ..settings };
+            let (server, addr) = osprey::start_with(&settings, &dir, layer).expect("start server");
+            tx.send(addr).expect("report address");
+            server.await.expect("server");
+        })
+    });
+    rx.recv_timeout(Duration::from_secs(60)).expect("server started")
+}
+
+/// POSTs `body`; returns the status and the JSON body (success or OpenAI error).
+pub fn post(addr: SocketAddr, path: &str, body: &str, key: Option<&str>) -> (u16, Value) {
+    let mut req = ureq::post(&format!("http://{addr}{path}")).set("content-type", "application/json");
+    if let Some(k) = key {
+        req = req.set("authorization", &format!("Bearer {k}"));
+    }
+    match req.send_string(body) {
+        Ok(r) => (r.status(), serde_json::from_str(&r.into_string().expect("body")).expect("json body")),
+        Err(ureq::Error::Status(code, r)) => {
+            (code, serde_json::from_str(&r.into_string().expect("body")).expect("json error body"))
+        }
+        Err(e) => panic!("transport error: {e}"),
+    }
+}
+
+/// A chat completion that must succeed.
+pub fn chat(addr: SocketAddr, body: &Value) -> Value {
+    let (status, v) = post(addr, "/v1/chat/completions", &body.to_string(), None);
+    assert_eq!(status, 200, "{v}");
+    v
+}
+
+pub fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    match ureq::get(&format!("http://{addr}{path}")).call() {
+        Ok(r) => (r.status(), r.into_string().expect("body")),
+        Err(ureq::Error::Status(code, r)) => (code, r.into_string().expect("body")),
+        Err(e) => panic!("transport error: {e}"),
+    }
+}
+
+/// Reads an SSE response into its `data:` payloads.
+pub fn sse(addr: SocketAddr, path: &str, body: &Value) -> Vec<String> {
+    let r = ureq::post(&format!("http://{addr}{path}")).send_string(&body.to_string()).expect("stream");
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    BufReader::new(r.into_reader())
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+/// One Prometheus sample from `/metrics` (NaN when absent).
+pub fn metric(addr: SocketAddr, name: &str) -> f64 {
+    let (_, text) = get(addr, "/metrics");
+    text.lines().find_map(|l| l.strip_prefix(&format!("{name} ")).and_then(|v| v.parse().ok())).unwrap_or(f64::NAN)
+}
+
+/// A PNG file as a `data:` URL.
+pub fn data_url(path: &Path) -> String {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))
+}
+
+/// `osprey quantize` (NVFP4 experts) of `src` into a fresh temporary directory named after `tag` and
+/// this process. Callers keep the result in a `OnceLock`: tests run in parallel threads.
+pub fn quantize_to_temp(src: &Path, tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("osprey-{tag}-{}", std::process::id()));
+    osprey_models::quantize_dir(src, &dir, Default::default(), &mut |_, _| {}).expect("quantize");
+    dir
+}
