@@ -159,7 +159,11 @@ mod tests {
         let deltas = ["\n", " a", "b \n", " c\n", "\n</think>\n\nok"];
         let streamed: String = deltas.iter().map(|d| ws.feed(d).0).collect();
         let whole = deltas.concat();
-        assert_eq!(streamed, whole[..whole.find(THINK_END).unwrap()].trim(), "streamed = non-streaming trim()");
+        assert_eq!(
+            streamed,
+            whole[..whole.find(THINK_END).expect("the deltas close </think>")].trim(),
+            "streamed = non-streaming trim()"
+        );
         assert_eq!(streamed, "ab \n c");
         let mut unfinished = ReasoningSplit::new(true);
         assert_eq!(unfinished.feed("\nx \n"), ("x".into(), String::new()));
