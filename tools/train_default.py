@@ -226,8 +226,7 @@ def build(out: pathlib.Path, seed: int):
 def linear_patch_embed(pe) -> None:
     """Trains the patch embedding as the matmul it is: a Conv3d whose stride equals its kernel over
     rows that are already one patch each. The same weights and the same function (the saved model keeps
-    the Conv3d layout), but oneDNN's Conv3d backward took 19% of a joint step and most of a curriculum
-    step on this 2-core machine."""
+    the Conv3d layout), but oneDNN's Conv3d backward took 19% of a joint step on this 2-core machine."""
     w = pe.proj.weight
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
