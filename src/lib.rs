@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use osprey_models::vision::VisionTower;
-use osprey_models::{Checkpoint, ModelConfig, Qwen35};
+use osprey_models::{Checkpoint, ModelConfig};
 use osprey_scheduler::SchedulerConfig;
 use osprey_server::{Engine, Limits, ServerConfig};
 use osprey_tokenizer::TokenizerCore;
@@ -44,14 +44,11 @@ fn expert_source(
         (None, Some(gb)) => Budget::Bytes((gb.max(0.0) * 1e9) as usize),
         (None, None) => return Ok(None),
     };
-    let Some(moe) = cfg.text.moe()? else {
+    let Some(layout) = osprey_models::expert_layout(cfg, ck)? else {
         tracing::warn!("--expert-ram-* given but the model has no routed experts; ignored");
         return Ok(None);
     };
-    let prefix =
-        if ck.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
-    let prefixes: Vec<String> = (0..cfg.text.num_hidden_layers).map(|i| format!("{prefix}layers.{i}.mlp")).collect();
-    let index = ExpertIndex::build(ck, &prefixes, moe.num_experts, cfg.text.hidden_size, moe.intermediate)?;
+    let index = ExpertIndex::build(ck, &layout.prefixes, layout.num_experts, layout.hidden, layout.intermediate)?;
     let kind = match settings.expert_reader.as_deref() {
         None | Some("auto") => None,
         Some("io_uring") => Some(ReaderKind::IoUring),
@@ -109,14 +106,15 @@ pub fn start_with(
     let experts = expert_source(settings, &cfg, &ck, wrap_reader)?;
     let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
     let model =
-        Qwen35::from_checkpoint_with_progress(&cfg, &ck, source, &mut |d, n| progress_bar("loading weights", d, n))?;
+        osprey_models::load_with_progress(&cfg, &ck, source, &mut |d, n| progress_bar("loading weights", d, n))?;
     let tower = match &cfg.vision {
         Some(v) => Some(VisionTower::load(&ck, v)?),
         None => None,
     };
-    let context_len = settings.context_len.unwrap_or(cfg.text.max_position_embeddings.max(1));
-    let vocab = cfg.text.vocab_size;
-    let mut eos = cfg.text.eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default();
+    let info = model.info().clone();
+    let context_len = settings.context_len.unwrap_or(info.max_position_embeddings.max(1));
+    let vocab = info.vocab_size;
+    let mut eos = info.eos_token_ids.clone();
     let tok = TokenizerCore::from_dir(model_dir, tower.is_some())?;
     if let Some(im_end) = tok.tokenizer().token_id("<|im_end|>") {
         if !eos.contains(&im_end) {
@@ -183,7 +181,8 @@ pub fn start_with(
         model = %model_dir.display(),
         id = %model_id,
         model_type = %cfg.model_type,
-        layers = cfg.text.num_hidden_layers,
+        family = info.family,
+        layers = info.num_layers,
         vision = has_vision,
         context = context_len,
         prefix_cache = prefix_on,

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use osprey_bench::{bench_forward, bench_vision, ForwardBench};
 use osprey_models::vision::VisionTower;
-use osprey_models::Qwen35;
+use osprey_models::Model;
 
 mod run;
 
@@ -235,11 +235,11 @@ fn main() -> Result<()> {
         }
         Command::Run(a) => {
             let m = load(&a.model)?;
-            run::run(a, &m)
+            run::run(a, m.as_ref())
         }
         Command::Bench(BenchCommand::Forward { model, prompt_len, decode_tokens, repeats }) => {
             let m = load(&model)?;
-            let report = bench_forward(&m, ForwardBench { prompt_len, decode_tokens, repeats })?;
+            let report = bench_forward(m.as_ref(), ForwardBench { prompt_len, decode_tokens, repeats })?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }
@@ -266,10 +266,10 @@ fn main() -> Result<()> {
     }
 }
 
-fn load(dir: &std::path::Path) -> Result<Qwen35> {
+fn load(dir: &std::path::Path) -> Result<Model> {
     let t0 = Instant::now();
-    let m = Qwen35::load(dir).with_context(|| format!("loading {}", dir.display()))?;
-    tracing::info!(model = %dir.display(), layers = m.config().num_hidden_layers, secs = t0.elapsed().as_secs_f64(), "model loaded");
+    let m = osprey_models::load(dir).with_context(|| format!("loading {}", dir.display()))?;
+    tracing::info!(model = %dir.display(), family = m.info().family, layers = m.info().num_layers, secs = t0.elapsed().as_secs_f64(), "model loaded");
     Ok(m)
 }
 

@@ -8,7 +8,7 @@ use clap::Args;
 use osprey_models::vision::{
     decode_animation, decode_image, rows_in_chunk, DecodeLimits, MediaSpan, ProcessorConfig, VisionTower,
 };
-use osprey_models::{LogitsWanted, Positions, Qwen35, SeqInput, SeqStep};
+use osprey_models::{CausalLm, LogitsWanted, Positions, SeqInput, SeqStep};
 use osprey_tokenizer::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
 
 #[derive(Args, Debug)]
@@ -61,7 +61,7 @@ fn load_video(spec: &str, fps: f64, limits: DecodeLimits) -> Result<Media> {
 }
 
 /// Runs the command.
-pub fn run(a: RunArgs, model: &Qwen35) -> Result<()> {
+pub fn run(a: RunArgs, model: &dyn CausalLm) -> Result<()> {
     let tok = TextTokenizer::from_dir(&a.model).ok();
     let limits = DecodeLimits::default();
     let mut media: Vec<Media> = Vec::new();
@@ -97,7 +97,7 @@ pub fn run(a: RunArgs, model: &Qwen35) -> Result<()> {
             let mut spans = Vec::new();
             if !p.media.is_empty() {
                 let tower = VisionTower::from_dir(&a.model)?.context("this model has no vision tower")?;
-                let h = model.config().hidden_size;
+                let h = model.info().hidden_size;
                 for item in &p.media {
                     let emb = tower.encode(&item.patches.rows, item.patches.grid)?;
                     let mut at = 0;
@@ -113,7 +113,7 @@ pub fn run(a: RunArgs, model: &Qwen35) -> Result<()> {
     if ids.is_empty() {
         bail!("the prompt is empty");
     }
-    let eos: Vec<u32> = model.config().eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default();
+    let eos: Vec<u32> = model.info().eos_token_ids.clone();
     let media_spans: Vec<MediaSpan<'_>> = spans.iter().map(|(o, r)| MediaSpan { offset: *o, rows: r }).collect();
     let mut st = model.new_state();
     let t0 = Instant::now();
@@ -122,7 +122,7 @@ pub fn run(a: RunArgs, model: &Qwen35) -> Result<()> {
     let mut start = 0;
     while start < ids.len() {
         let end = (start + chunk).min(ids.len());
-        let inj = rows_in_chunk(&media_spans, start, end, model.config().hidden_size);
+        let inj = rows_in_chunk(&media_spans, start, end, model.info().hidden_size);
         let input = SeqInput {
             tokens: &ids[start..end],
             positions: positions.as_ref().map_or(Positions::Text, |p| Positions::Explicit(&p[start..end])),

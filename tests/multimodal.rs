@@ -72,7 +72,7 @@ fn multimodal_requests_build_exactly_the_inputs_transformers_builds_and_match_it
             sorted.sort();
             assert_eq!(sorted, want, "{name}/{case} spans");
             // Numeric chain: our tower rows placed per span, prefill in two chunks split inside the first span.
-            let h = m.config().hidden_size;
+            let h = m.info().hidden_size;
             let mut rows: Vec<(usize, Vec<f32>)> = Vec::new();
             for item in &p.media {
                 let emb = tower.encode(&item.patches.rows, item.patches.grid).expect("encode");
@@ -97,7 +97,7 @@ fn multimodal_requests_build_exactly_the_inputs_transformers_builds_and_match_it
                 };
                 logits = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("forward").logits.remove(0);
             }
-            let v = m.config().vocab_size;
+            let v = m.info().vocab_size;
             assert_close(&format!("{name}/{case} end-to-end last logits"), &logits, &r.f32s("step_logits")[..v], 1e-4);
         }
     }

@@ -9,8 +9,7 @@ use osprey_experts::{
     open_reader, spawn, Budget, ExpertIndex, Policy, ResidencyCommand, ResidencyStats, ResidencyTable,
 };
 use osprey_models::{
-    Checkpoint, ExpertSource, ExpertTicket, ExpertWeights, ModelConfig, PendingExperts, Qwen35, SeqInput, SeqStep,
-    Weight,
+    Checkpoint, ExpertSource, ExpertTicket, ExpertWeights, ModelConfig, PendingExperts, SeqInput, SeqStep, Weight,
 };
 use serde::Serialize;
 
@@ -157,15 +156,13 @@ pub fn bench_experts(
 ) -> osprey_models::Result<ExpertsReport> {
     let cfg = ModelConfig::from_dir(dir)?;
     let ck = Checkpoint::open(dir)?;
-    let moe =
-        cfg.text.moe()?.ok_or_else(|| osprey_models::Error::Unsupported("bench experts needs a MoE model".into()))?;
-    let prefix =
-        if ck.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
-    let prefixes: Vec<String> = (0..cfg.text.num_hidden_layers).map(|i| format!("{prefix}layers.{i}.mlp")).collect();
-    let index = ExpertIndex::build(&ck, &prefixes, moe.num_experts, cfg.text.hidden_size, moe.intermediate)?;
+    let layout = osprey_models::expert_layout(&cfg, &ck)?
+        .ok_or_else(|| osprey_models::Error::Unsupported("bench experts needs a MoE model".into()))?;
+    let prefixes = &layout.prefixes;
+    let index = ExpertIndex::build(&ck, prefixes, layout.num_experts, layout.hidden, layout.intermediate)?;
     // Budgets are RAM: what a resident expert really takes (aligned read windows), not its tensor bytes.
     let per_expert = index.expert_footprint(0, 0);
-    let total = per_expert * moe.num_experts * prefixes.len();
+    let total = per_expert * layout.num_experts * prefixes.len();
     let budget_bytes = (total as f64 * fraction) as usize;
     let reader = open_reader(&index.files, None)
         .map_err(|source| osprey_models::Error::Io { path: dir.to_path_buf(), source })?;
@@ -174,8 +171,8 @@ pub fn bench_experts(
     let tx = set.sender();
     let trace = Arc::new(Mutex::new(Vec::new()));
     let source = Arc::new(Recording { inner: Arc::new(set), trace: trace.clone(), wait_all });
-    let model = Qwen35::from_checkpoint(&cfg, &ck, Some(source))?;
-    let prompt = crate::bench_prompt(prompt_len, cfg.text.vocab_size);
+    let model = osprey_models::load_checkpoint(&cfg, &ck, Some(source))?;
+    let prompt = crate::bench_prompt(prompt_len, model.info().vocab_size);
     let mut st = model.new_state();
     let mut logits =
         model.forward(&mut [SeqStep { state: &mut st, input: SeqInput::text(&prompt) }], false)?.logits.remove(0);
@@ -203,7 +200,12 @@ pub fn bench_experts(
         read_gb_s: if read_s > 0.0 { bytes as f64 / read_s / 1e9 } else { 0.0 },
         stall_s: after.stall_secs - before.stall_secs,
         peak_rss_bytes: peak_rss(),
-        policies: simulate(&trace, prefixes.len(), moe.num_experts, capacity_experts.max(moe.top_k)),
+        policies: simulate(
+            &trace,
+            prefixes.len(),
+            layout.num_experts,
+            capacity_experts.max(model.info().experts_per_token),
+        ),
         wait_all,
     })
 }

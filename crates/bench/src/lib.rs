@@ -13,7 +13,7 @@ use std::time::Instant;
 pub use experts::{bench_experts, ExpertsReport, PolicyHitRates};
 
 use osprey_models::vision::{preprocess_image, ImageParams, RgbImage, VisionTower};
-use osprey_models::{LogitsWanted, Qwen35, Result, SeqInput, SeqStep};
+use osprey_models::{CausalLm, LogitsWanted, Result, SeqInput, SeqStep};
 use serde::Serialize;
 
 /// What to run.
@@ -62,8 +62,8 @@ fn argmax(v: &[f32]) -> u32 {
 }
 
 /// Runs the benchmark.
-pub fn bench_forward(model: &Qwen35, b: ForwardBench) -> Result<ForwardReport> {
-    let prompt = bench_prompt(b.prompt_len, model.config().vocab_size);
+pub fn bench_forward(model: &dyn CausalLm, b: ForwardBench) -> Result<ForwardReport> {
+    let prompt = bench_prompt(b.prompt_len, model.info().vocab_size);
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
     for rep in 0..=b.repeats {
         let mut st = model.new_state();
@@ -84,8 +84,8 @@ pub fn bench_forward(model: &Qwen35, b: ForwardBench) -> Result<ForwardReport> {
     }
     let (p, d) = (median(prefill), median(decode));
     let (dense, per_expert) = model.weight_bytes();
-    let moe_layers = if per_expert > 0 { model.config().num_hidden_layers } else { 0 };
-    let top_k = model.config().num_experts_per_tok.unwrap_or(0);
+    let moe_layers = if per_expert > 0 { model.info().moe_layers } else { 0 };
+    let top_k = model.info().experts_per_token;
     let bytes = (dense + moe_layers * top_k * per_expert) as u64;
     let decode_tok_s = b.decode_tokens as f64 / d.max(1e-12);
     Ok(ForwardReport {

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use osprey_models::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts};
+use osprey_protocol::Handle;
 use tokio::sync::{mpsc, oneshot};
 
 pub use osprey_protocol::experts::{LayerStats, ResidencyCommand, ResidencyStats};
@@ -242,7 +243,7 @@ impl ExpertSource for ResidentSet {
             let have = resident_rx.blocking_recv().map_err(|_| gone())?.map_err(osprey_models::Error::InvalidInput)?;
             stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
             let missing: Vec<usize> = experts.iter().zip(&have).filter(|(_, w)| w.is_none()).map(|(&e, _)| e).collect();
-            let have = have.into_iter().zip(&experts).map(|(w, &e)| w.map(|w| lease(w, e))).collect();
+            let have = have.into_iter().zip(&experts).map(|(w, &e)| w.map(|w| lease(from_handle(&w), e))).collect();
             let pending = PendingExperts::new(move || {
                 let t0 = Instant::now();
                 let got = rx.blocking_recv().map_err(|_| gone())?;
@@ -250,7 +251,7 @@ impl ExpertSource for ResidentSet {
                 let weights = got.map_err(|e| {
                     osprey_models::Error::InvalidInput(format!("reading experts of layer {layer} failed: {e}"))
                 })?;
-                Ok(weights.into_iter().zip(missing).map(|(w, e)| lease(w, e)).collect())
+                Ok(weights.into_iter().zip(missing).map(|(w, e)| lease(from_handle(&w), e)).collect())
             });
             Ok((have, pending))
         })
@@ -292,6 +293,26 @@ pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy
 
 type Reply<T> = oneshot::Sender<Result<T, String>>;
 
+/// Leased expert weights as they travel in [`ResidencyCommand`] (an opaque handle: the protocol crate
+/// knows no model types).
+#[derive(Debug)]
+struct Leased(Arc<ExpertWeights>);
+
+impl osprey_protocol::Opaque for Leased {
+    fn bytes(&self) -> usize {
+        self.0.gate.bytes() + self.0.up.bytes() + self.0.down.bytes()
+    }
+}
+
+fn to_handle(w: Arc<ExpertWeights>) -> Handle {
+    Arc::new(Leased(w))
+}
+
+fn from_handle(h: &Handle) -> Arc<ExpertWeights> {
+    let any: &dyn std::any::Any = h.as_ref();
+    any.downcast_ref::<Leased>().expect("the residency manager answers with its own handles: this is a bug").0.clone()
+}
+
 /// Serves one `Need`: leases and answers the hits at once (the runner computes them meanwhile), then
 /// reads all misses of the layer in one batch and answers them.
 fn need(
@@ -300,14 +321,14 @@ fn need(
     table: &mut ResidencyTable,
     layer: usize,
     experts: &[usize],
-    resident: Reply<Vec<Option<Arc<ExpertWeights>>>>,
-    reply: Reply<Vec<Arc<ExpertWeights>>>,
+    resident: Reply<Vec<Option<Handle>>>,
+    reply: Reply<Vec<Handle>>,
 ) {
     if layer >= index.experts.len() || experts.iter().any(|&e| e >= index.experts[layer].len()) {
         let _ = resident.send(Err(format!("no such expert in layer {layer}")));
         return;
     }
-    let have: Vec<Option<Arc<ExpertWeights>>> = experts.iter().map(|&e| table.lease(layer, e)).collect();
+    let have: Vec<Option<Handle>> = experts.iter().map(|&e| table.lease(layer, e).map(to_handle)).collect();
     let (hits, missing): (Vec<usize>, Vec<usize>) = (0..experts.len()).partition(|&i| have[i].is_some());
     if resident.send(Ok(have)).is_err() {
         // The requester is gone: give its leases back and read nothing.
@@ -318,7 +339,8 @@ fn need(
         let _ = reply.send(Ok(Vec::new()));
         return;
     }
-    let read = read_missing(index, reader, table, layer, &missing.iter().map(|&i| experts[i]).collect::<Vec<_>>());
+    let read = read_missing(index, reader, table, layer, &missing.iter().map(|&i| experts[i]).collect::<Vec<_>>())
+        .map(|ws| ws.into_iter().map(to_handle).collect());
     if let Err(Ok(unclaimed)) = reply.send(read) {
         // Nobody took the experts just read: release their leases (they stay cached).
         drop(unclaimed);

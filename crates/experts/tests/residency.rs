@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use osprey_experts::{open_reader, spawn, Budget, ExpertIndex, Policy, ReadDone, ReadReq, Reader, ReaderKind};
-use osprey_models::{Checkpoint, ExpertSource, ModelConfig, Qwen35, SeqInput, SeqStep};
+use osprey_models::{CausalLm, Checkpoint, ExpertSource, Model, ModelConfig, SeqInput, SeqStep};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
@@ -34,19 +34,17 @@ fn nvfp4_dir() -> PathBuf {
 fn index(dir: &Path) -> ExpertIndex {
     let cfg = ModelConfig::from_dir(dir).expect("config");
     let ck = Checkpoint::open(dir).expect("open");
-    let moe = cfg.text.moe().expect("moe").expect("is moe");
-    let prefixes: Vec<String> =
-        (0..cfg.text.num_hidden_layers).map(|i| format!("model.language_model.layers.{i}.mlp")).collect();
-    ExpertIndex::build(&ck, &prefixes, moe.num_experts, cfg.text.hidden_size, moe.intermediate).expect("index")
+    let l = osprey_models::expert_layout(&cfg, &ck).expect("layout").expect("is moe");
+    ExpertIndex::build(&ck, &l.prefixes, l.num_experts, l.hidden, l.intermediate).expect("index")
 }
 
-fn model_with(dir: &Path, source: Option<Arc<dyn ExpertSource>>) -> Qwen35 {
+fn model_with(dir: &Path, source: Option<Arc<dyn ExpertSource>>) -> Model {
     let cfg = ModelConfig::from_dir(dir).expect("config");
     let ck = Checkpoint::open(dir).expect("open");
-    Qwen35::from_checkpoint(&cfg, &ck, source).expect("model")
+    osprey_models::load_checkpoint(&cfg, &ck, source).expect("model")
 }
 
-fn run(m: &Qwen35, ids: &[u32]) -> osprey_models::Result<Vec<f32>> {
+fn run(m: &dyn CausalLm, ids: &[u32]) -> osprey_models::Result<Vec<f32>> {
     let mut st = m.new_state();
     let mut out = m
         .forward(&mut [SeqStep { state: &mut st, input: SeqInput::text(&ids[..ids.len() - 3]) }], false)?

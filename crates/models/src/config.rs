@@ -14,6 +14,8 @@ use crate::error::{Error, Result};
 pub struct ModelConfig {
     /// `model_type` at the top level (`qwen3_5`, `qwen3_5_moe`, `qwen3_5_moe_text`, ...).
     pub model_type: String,
+    /// `architectures` (the registry's second key).
+    pub architectures: Vec<String>,
     /// The decoder's config.
     pub text: TextConfig,
     /// The vision tower's config, kept raw until the vision tower reads it.
@@ -380,10 +382,13 @@ impl ModelConfig {
         let json_err = |source| Error::Json { path: "config.json".into(), source };
         let v: serde_json::Value = serde_json::from_str(text).map_err(json_err)?;
         let model_type = v.get("model_type").and_then(|m| m.as_str()).unwrap_or_default().to_string();
-        let supported = ["qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"];
-        if !supported.contains(&model_type.as_str()) {
-            return Err(Error::Unsupported(format!("model_type {model_type:?} (supported: {})", supported.join(", "))));
-        }
+        let architectures: Vec<String> = v
+            .get("architectures")
+            .and_then(|a| a.as_array())
+            .map(|a| a.iter().filter_map(|s| s.as_str().map(String::from)).collect())
+            .unwrap_or_default();
+        // Refuse what no family serves before parsing family fields (the error names what is served).
+        crate::registry::family_of(&model_type, &architectures)?;
         let text_v = v.get("text_config").cloned().unwrap_or_else(|| v.clone());
         let mut text: TextConfig = serde_json::from_value(text_v).map_err(json_err)?;
         if text.model_type.is_empty() {
@@ -398,7 +403,7 @@ impl ModelConfig {
         if let Some(q) = v.get("quantization_config") {
             check_quantization(q)?;
         }
-        Ok(ModelConfig { model_type, text, vision: v.get("vision_config").cloned(), media_tokens })
+        Ok(ModelConfig { model_type, architectures, text, vision: v.get("vision_config").cloned(), media_tokens })
     }
 }
 

@@ -6,8 +6,10 @@
 //!
 //! - [`config`]: serde structs with the HF field names; unsupported values are rejected at load.
 //! - [`Checkpoint`]: tensor lookup with shape checks; errors name the tensor and both shapes.
-//! - [`Qwen35`]: the decoder; [`Qwen35::forward`] runs a batch of sequences, each with any number of new
-//!   tokens (prefill chunk or decode token), and advances their [`SeqState`]s.
+//! - [`CausalLm`]: the model-family seam the runtime drives; [`CausalLm::forward`] runs a batch of
+//!   sequences, each with any number of new tokens (prefill chunk or decode token), and advances their
+//!   [`SeqState`]s. [`registry`] maps `config.json` to a family and loads it ([`load`]); one directory per
+//!   family (`qwen3_5/`).
 //! - [`SeqState`] / [`StateSnapshot`]: KV + Gated DeltaNet state per sequence, snapshot and restore.
 //! - [`layers`]: shared layers; routed experts sit behind [`ExpertSource`] so they can be streamed.
 //!
@@ -16,18 +18,24 @@
 mod checkpoint;
 pub mod config;
 mod error;
+mod family;
 pub mod layers;
 pub mod positions;
 pub mod quant;
 mod quantize_dir;
 mod qwen3_5;
+pub mod registry;
 mod state;
 pub mod vision;
 
 pub use checkpoint::{ByteSource, Checkpoint, TensorLocation, Weight};
 pub use config::{ModelConfig, TextConfig};
 pub use error::{Error, Result};
+pub use family::{
+    CausalLm, ForwardOptions, ForwardOutput, InjectedRows, KvLayout, LmInfo, LogitsWanted, Model, Positions, SeqInput,
+    SeqStep,
+};
 pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts, ResidentExperts};
 pub use quantize_dir::{quantize_dir, QuantizeOptions};
-pub use qwen3_5::{ForwardOptions, ForwardOutput, InjectedRows, LogitsWanted, Positions, Qwen35, SeqInput, SeqStep};
+pub use registry::{expert_layout, load, load_checkpoint, load_with_progress, ExpertLayout};
 pub use state::{KvBlock, SeqState, StateSnapshot};

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use osprey_models::{
-    Checkpoint, ExpertHandle, ExpertSource, ExpertTicket, ModelConfig, PendingExperts, Qwen35, ResidentExperts,
+    CausalLm, Checkpoint, ExpertHandle, ExpertSource, ExpertTicket, ModelConfig, PendingExperts, ResidentExperts,
     SeqInput, SeqStep,
 };
 
@@ -60,7 +60,7 @@ impl ExpertSource for HalfResident {
     }
 }
 
-fn logits(m: &Qwen35, ids: &[u32]) -> Vec<f32> {
+fn logits(m: &dyn CausalLm, ids: &[u32]) -> Vec<f32> {
     let mut st = m.new_state();
     let mut out = m
         .forward(&mut [SeqStep { state: &mut st, input: SeqInput::text(&ids[..6]) }], false)
@@ -84,8 +84,8 @@ fn resident_experts_are_computed_before_waiting_for_the_missing_ones_with_identi
     let cfg = ModelConfig::from_dir(&dir).expect("config");
     let ck = Checkpoint::open(&dir).expect("open");
     let moe = cfg.text.moe().expect("moe").expect("is moe");
-    let prefixes: Vec<Option<String>> =
-        (0..cfg.text.num_hidden_layers).map(|i| Some(format!("model.language_model.layers.{i}.mlp"))).collect();
+    let layout = osprey_models::expert_layout(&cfg, &ck).expect("layout").expect("is moe");
+    let prefixes: Vec<Option<String>> = layout.prefixes.into_iter().map(Some).collect();
     let ids: Vec<u32> = (0..10).map(|i| (i * 37 + 5) % 200).collect();
     let reference = logits(&common::model("qwen3_5_moe-tiny"), &ids);
     for parity in [0, 1] {
@@ -96,7 +96,7 @@ fn resident_experts_are_computed_before_waiting_for_the_missing_ones_with_identi
             released: Arc::new(AtomicUsize::new(0)),
             waits: waits.clone(),
         };
-        let m = Qwen35::from_checkpoint(&cfg, &ck, Some(Arc::new(src))).expect("model");
+        let m = osprey_models::load_checkpoint(&cfg, &ck, Some(Arc::new(src))).expect("model");
         // Bit-identical: the same per-expert products summed in the same order.
         assert_eq!(logits(&m, &ids), reference, "missing parity {parity}");
         let waits = waits.lock().expect("lock");

@@ -6,7 +6,7 @@ mod common;
 use common::Ref;
 use osprey_kernels::nvfp4::dequant_row;
 use osprey_models::quant::quantize_nvfp4;
-use osprey_models::{SeqInput, SeqStep};
+use osprey_models::{CausalLm, SeqInput, SeqStep};
 
 #[test]
 fn quantisation_and_dequantisation_equal_the_numpy_reference_exactly() {
@@ -29,12 +29,12 @@ fn quantisation_and_dequantisation_equal_the_numpy_reference_exactly() {
     }
 }
 
-fn quantized_model(src: &str, tag: &str) -> (std::path::PathBuf, osprey_models::Qwen35) {
+fn quantized_model(src: &str, tag: &str) -> (std::path::PathBuf, osprey_models::Model) {
     let dst = std::env::temp_dir().join(format!("osprey-nvfp4-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dst);
     osprey_models::quantize_dir(&common::fixtures().join("models").join(src), &dst, Default::default(), &mut |_, _| {})
         .expect("quantize");
-    let m = osprey_models::Qwen35::load(&dst).expect("load the NVFP4 checkpoint");
+    let m = osprey_models::load(&dst).expect("load the NVFP4 checkpoint");
     (dst, m)
 }
 
@@ -48,7 +48,7 @@ fn an_nvfp4_checkpoint_made_by_osprey_quantize_matches_dequantised_transformers(
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config")).expect("json");
     assert_eq!(cfg["quantization_config"]["quant_algo"], "NVFP4");
     assert!(dir.join("hf_quant_config.json").exists());
-    let v = m.config().vocab_size;
+    let v = m.info().vocab_size;
     for case in ["text", "long"] {
         let r = Ref::load("qwen3_5_moe-tiny-nvfp4", case);
         let ids = r.ids("input_ids");
@@ -89,7 +89,7 @@ fn an_nvfp4_checkpoint_made_by_osprey_quantize_matches_dequantised_transformers(
     // The fused-layout source quantises to the same checkpoint: identical logits.
     let (_, fused) = quantized_model("qwen3_5_moe-tiny-fused", "fused");
     let ids = Ref::load("qwen3_5_moe-tiny-nvfp4", "text").ids("input_ids");
-    let run = |m: &osprey_models::Qwen35| {
+    let run = |m: &dyn osprey_models::CausalLm| {
         let mut st = m.new_state();
         m.forward(&mut [SeqStep { state: &mut st, input: SeqInput::text(&ids) }], false)
             .expect("forward")

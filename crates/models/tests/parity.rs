@@ -19,7 +19,7 @@
 mod common;
 
 use common::{assert_close, model, Ref};
-use osprey_models::{ForwardOptions, LogitsWanted, Positions, Qwen35, SeqInput, SeqState, SeqStep};
+use osprey_models::{CausalLm, ForwardOptions, LogitsWanted, Positions, SeqInput, SeqState, SeqStep};
 
 const ATOL: f32 = 1e-4;
 const N_LAYERS: usize = 4;
@@ -32,7 +32,7 @@ const MODELS: [(&str, &str); 3] = [
 ];
 const CASES: [&str; 2] = ["text", "long"];
 
-fn prefill(m: &Qwen35, st: &mut SeqState, tokens: &[u32], logits: LogitsWanted) -> Vec<f32> {
+fn prefill(m: &dyn CausalLm, st: &mut SeqState, tokens: &[u32], logits: LogitsWanted) -> Vec<f32> {
     let input = SeqInput { logits, ..SeqInput::text(tokens) };
     let mut out = m.forward(&mut [SeqStep { state: st, input }], false).expect("forward");
     out.logits.remove(0)
@@ -71,7 +71,7 @@ fn teacher_forced_decode_matches_reference_steps() {
             let r = Ref::load(refset, case);
             let (ids, gen) = (r.ids("input_ids"), r.ids("generated_ids"));
             let steps = r.f32s("step_logits");
-            let v = m.config().vocab_size;
+            let v = m.info().vocab_size;
             let mut st = m.new_state();
             let mut logits = prefill(&m, &mut st, &ids, LogitsWanted::Last);
             for (i, &tok) in gen.iter().enumerate() {
@@ -90,7 +90,7 @@ fn chunked_prefill_matches_reference_and_one_shot() {
         for case in CASES {
             let r = Ref::load(refset, case);
             let ids = r.ids("input_ids");
-            let v = m.config().vocab_size;
+            let v = m.info().vocab_size;
             let mut st = m.new_state();
             let one_shot = prefill(&m, &mut st, &ids, LogitsWanted::Last);
             let splits = r.meta["splits"].as_object().expect("splits");
@@ -192,7 +192,7 @@ fn injected_rows_replace_token_embeddings() {
     let mut st = m.new_state();
     let plain = prefill(&m, &mut st, &ids, LogitsWanted::All);
     // Inject the embeddings of tokens 5..9 over placeholder ids: the result must not change.
-    let h = m.config().hidden_size;
+    let h = m.info().hidden_size;
     let mut st2 = m.new_state();
     let mut emb = Vec::new();
     let out = m

@@ -30,7 +30,7 @@ use osprey_models::vision::{
     decode_image, preprocess_image, preprocess_video, rows_in_chunk, DecodeLimits, MediaSpan, ProcessorConfig,
     RgbImage, VisionTower,
 };
-use osprey_models::{ForwardOptions, LogitsWanted, Positions, Qwen35, SeqInput, SeqState, SeqStep};
+use osprey_models::{CausalLm, ForwardOptions, LogitsWanted, Positions, SeqInput, SeqState, SeqStep};
 
 const ATOL: f32 = 1e-4;
 const MODELS: [&str; 2] = ["qwen3_5-tiny", "qwen3_5_moe-tiny"];
@@ -135,7 +135,7 @@ struct Case {
     spans: Vec<(usize, Vec<f32>)>,
 }
 
-fn build_case(m: &Qwen35, tower: &VisionTower, r: &Ref) -> Case {
+fn build_case(m: &dyn CausalLm, tower: &VisionTower, r: &Ref) -> Case {
     let ids = r.ids("input_ids");
     let cfg = osprey_models::ModelConfig::from_dir(&fixtures().join("models/qwen3_5_moe-tiny")).expect("config");
     let (img_id, vid_id) =
@@ -152,7 +152,7 @@ fn build_case(m: &Qwen35, tower: &VisionTower, r: &Ref) -> Case {
     let _ = tower;
     let take = |name: &str| if r.has(name) { r.f32s(name) } else { Vec::new() };
     let (img, vid) = (take("image_embeds"), take("video_embeds"));
-    let h = m.config().hidden_size;
+    let h = m.info().hidden_size;
     let (mut img_at, mut vid_at) = (0, 0);
     let spans = r.meta["spans"]
         .as_array()
@@ -175,9 +175,9 @@ fn build_case(m: &Qwen35, tower: &VisionTower, r: &Ref) -> Case {
 }
 
 /// Feeds prompt tokens `[start, end)` with their positions and the vision rows that fall inside.
-fn feed(m: &Qwen35, st: &mut SeqState, c: &Case, start: usize, end: usize, logits: LogitsWanted) -> Vec<f32> {
+fn feed(m: &dyn CausalLm, st: &mut SeqState, c: &Case, start: usize, end: usize, logits: LogitsWanted) -> Vec<f32> {
     let spans: Vec<MediaSpan<'_>> = c.spans.iter().map(|(o, rows)| MediaSpan { offset: *o, rows }).collect();
-    let inj = rows_in_chunk(&spans, start, end, m.config().hidden_size);
+    let inj = rows_in_chunk(&spans, start, end, m.info().hidden_size);
     let input = SeqInput {
         tokens: &c.ids[start..end],
         positions: Positions::Explicit(&c.positions[start..end]),
@@ -194,7 +194,7 @@ fn positions_and_multimodal_logits_match_transformers() {
     for name in MODELS {
         let m = model(name);
         let tower = VisionTower::from_dir(&fixtures().join("models").join(name)).expect("load").expect("vision");
-        let v = m.config().vocab_size;
+        let v = m.info().vocab_size;
         for case in CASES {
             let r = Ref::load(name, case);
             let c = build_case(&m, &tower, &r);
@@ -207,9 +207,9 @@ fn positions_and_multimodal_logits_match_transformers() {
             // One shot. Hidden states layer by layer with teacher forcing (layer i reads the reference's
             // hidden_states[i]), then all prompt logits of the free-running forward.
             let spans: Vec<MediaSpan<'_>> = c.spans.iter().map(|(o, rows)| MediaSpan { offset: *o, rows }).collect();
-            let inj = rows_in_chunk(&spans, 0, l, m.config().hidden_size);
+            let inj = rows_in_chunk(&spans, 0, l, m.info().hidden_size);
             let teacher: Vec<Vec<f32>> =
-                (0..m.config().num_hidden_layers).map(|i| r.f32s(&format!("hidden_states.{i}"))).collect();
+                (0..m.info().num_layers).map(|i| r.f32s(&format!("hidden_states.{i}"))).collect();
             let mut st = m.new_state();
             let input = SeqInput {
                 tokens: &c.ids,

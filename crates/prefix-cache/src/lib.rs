@@ -9,8 +9,8 @@ mod tree;
 
 use std::thread;
 
-use osprey_models::{KvBlock, StateSnapshot};
 use osprey_protocol::prefix::{PrefixCommand, PrefixMatch, PrefixStats};
+use osprey_protocol::Opaque;
 use tokio::sync::mpsc;
 
 pub use tree::{Bytes, Hit, RadixTree, TreeStats};
@@ -21,7 +21,7 @@ pub fn spawn(page_size: usize, budget_bytes: usize) -> mpsc::UnboundedSender<Pre
     thread::Builder::new()
         .name("osprey-prefix-cache".into())
         .spawn(move || {
-            let mut tree: RadixTree<KvBlock, StateSnapshot> = RadixTree::new(page_size, budget_bytes);
+            let mut tree: RadixTree<dyn Opaque, dyn Opaque> = RadixTree::new(page_size, budget_bytes);
             while let Some(cmd) = rx.blocking_recv() {
                 match cmd {
                     PrefixCommand::Step { matches, inserts, releases, reply } => {

@@ -19,20 +19,14 @@ pub trait Bytes {
     fn bytes(&self) -> usize;
 }
 
-impl Bytes for osprey_models::KvBlock {
+impl Bytes for dyn osprey_protocol::Opaque {
     fn bytes(&self) -> usize {
-        osprey_models::KvBlock::bytes(self)
-    }
-}
-
-impl Bytes for osprey_models::StateSnapshot {
-    fn bytes(&self) -> usize {
-        osprey_models::StateSnapshot::bytes(self)
+        osprey_protocol::Opaque::bytes(self)
     }
 }
 
 #[derive(Debug)]
-struct Node<P, S> {
+struct Node<P: ?Sized, S: ?Sized> {
     parent: usize,
     key: Vec<u64>,
     children: HashMap<Vec<u64>, usize>,
@@ -44,7 +38,7 @@ struct Node<P, S> {
 
 /// A match: the pinned path and what it holds.
 #[derive(Debug)]
-pub struct Hit<P, S> {
+pub struct Hit<P: ?Sized, S: ?Sized> {
     /// Tokens covered.
     pub tokens: usize,
     /// Pages from the root.
@@ -70,7 +64,7 @@ pub struct TreeStats {
 
 /// The tree.
 #[derive(Debug)]
-pub struct RadixTree<P, S> {
+pub struct RadixTree<P: ?Sized, S: ?Sized> {
     page: usize,
     budget: usize,
     used: usize,
@@ -82,7 +76,7 @@ pub struct RadixTree<P, S> {
     stats: TreeStats,
 }
 
-impl<P: Bytes, S: Bytes> RadixTree<P, S> {
+impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
     /// An empty tree of `page`-token pages holding at most `budget` bytes when nothing is pinned.
     pub fn new(page: usize, budget: usize) -> Self {
         let root = Node {

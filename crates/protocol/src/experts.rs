@@ -1,9 +1,8 @@
 //! Messages to the expert residency manager (experts streamed from disk under a RAM budget).
 
-use std::sync::Arc;
-
-use osprey_models::ExpertWeights;
 use tokio::sync::oneshot;
+
+use crate::Handle;
 
 /// Counters of one layer.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -31,9 +30,9 @@ pub enum ResidencyCommand {
         experts: Vec<usize>,
         /// Answered before any read: per requested expert, its weights if resident (leased), or `None`
         /// if it is being read; an error for a request naming no such expert.
-        resident: oneshot::Sender<Result<Vec<Option<Arc<ExpertWeights>>>, String>>,
+        resident: oneshot::Sender<Result<Vec<Option<Handle>>, String>>,
         /// The experts `resident` left out, in request order, once read (leased), or the read error.
-        reply: oneshot::Sender<Result<Vec<Arc<ExpertWeights>>, String>>,
+        reply: oneshot::Sender<Result<Vec<Handle>, String>>,
     },
     /// A lease was dropped.
     Release {

@@ -16,6 +16,19 @@ pub mod vision;
 
 pub use error::{ErrorCode, RequestError};
 
+use std::sync::Arc;
+
+/// Engine-owned data that other actors hold without looking inside: a KV page, a recurrent-state
+/// snapshot, a leased expert. Only the actor that made it downcasts it (through `&dyn Any`); the others
+/// see its size. This keeps model types out of the messages, so the HTTP side never compiles model code.
+pub trait Opaque: std::any::Any + Send + Sync + std::fmt::Debug {
+    /// Bytes held (what a cache charges for it).
+    fn bytes(&self) -> usize;
+}
+
+/// A shared handle to [`Opaque`] data; the data lives until the last handle drops.
+pub type Handle = Arc<dyn Opaque>;
+
 /// A sequence (one generation request) inside the engine.
 pub type SeqId = u64;
 

@@ -2,10 +2,9 @@
 
 use std::sync::Arc;
 
-use osprey_models::{KvBlock, StateSnapshot};
 use tokio::sync::oneshot;
 
-use crate::SeqId;
+use crate::{Handle, SeqId};
 
 /// A pin on a matched path of the tree; released with [`PrefixCommand::Step`]'s `releases`.
 pub type LeaseId = u64;
@@ -29,9 +28,9 @@ pub struct PrefixMatch {
     /// Tokens served from the cache (a page multiple; 0 on a miss).
     pub cached_tokens: usize,
     /// KV pages covering `[0, cached_tokens)`.
-    pub pages: Vec<Arc<KvBlock>>,
+    pub pages: Vec<Handle>,
     /// Recurrent state after `cached_tokens` tokens.
-    pub snapshot: Option<Arc<StateSnapshot>>,
+    pub snapshot: Option<Handle>,
     /// The pin to release when the sequence ends.
     pub lease: Option<LeaseId>,
 }
@@ -42,9 +41,9 @@ pub struct InsertRequest {
     /// Cache ids of the prefix.
     pub cache_ids: Vec<u64>,
     /// Pages `(page index, rows)` the inserting sequence computed (the pages it matched are not sent).
-    pub pages: Vec<(usize, Arc<KvBlock>)>,
+    pub pages: Vec<(usize, Handle)>,
     /// Recurrent state after the prefix.
-    pub snapshot: Arc<StateSnapshot>,
+    pub snapshot: Handle,
 }
 
 /// Counters of the prefix cache.

@@ -4,12 +4,10 @@ use std::sync::Arc;
 
 use tokio::sync::oneshot;
 
-use osprey_models::{KvBlock, StateSnapshot};
-
 use crate::prefix::PrefixMatch;
 use crate::scheduler::SamplingParams;
 use crate::tokenizer::PreparedPrompt;
-use crate::SeqId;
+use crate::{Handle, SeqId};
 
 /// What the runner needs to know about a sequence the first time it sees it.
 #[derive(Clone, Debug)]
@@ -48,9 +46,9 @@ pub struct SnapshotTaken {
     /// Tokens covered (a page multiple).
     pub tokens: usize,
     /// `(page index, rows)` of pages computed by this sequence since its previous snapshot.
-    pub pages: Vec<(usize, std::sync::Arc<KvBlock>)>,
+    pub pages: Vec<(usize, Handle)>,
     /// Recurrent state after `tokens`.
-    pub snapshot: std::sync::Arc<StateSnapshot>,
+    pub snapshot: Handle,
 }
 
 /// A step: the work of every scheduled sequence, plus sequences to forget.

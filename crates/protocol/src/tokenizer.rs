@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use osprey_models::vision::PixelPatches;
+use crate::vision::PixelPatches;
 use tokio::sync::oneshot;
 
 use crate::{MediaHash, RequestError};
@@ -89,6 +89,20 @@ pub struct PreparedPrompt {
     pub thinking_open: bool,
 }
 
+/// Incremental detokenizer state of one answer. Plain data that travels with the request, so the
+/// tokenizer actor keeps nothing per request.
+#[derive(Clone, Debug, Default)]
+pub struct DecodeState {
+    /// Context ids (the text emitted last) followed by ids whose text is not settled yet.
+    pub window: Vec<u32>,
+    /// Text of `window[..context]`.
+    pub prefix: String,
+    /// Number of context ids at the start of `window`.
+    pub context: usize,
+    /// Drop special tokens.
+    pub skip_special: bool,
+}
+
 /// Commands of the tokenizer actor.
 #[derive(Debug)]
 pub enum TokenizerCommand {
@@ -106,7 +120,19 @@ pub enum TokenizerCommand {
         /// The prepared prompt or why not.
         reply: oneshot::Sender<Result<PreparedPrompt, RequestError>>,
     },
-    /// Decode ids to text (incremental detokenization decodes growing windows).
+    /// Incremental detokenization: append `ids` to an answer's [`DecodeState`] and get the text they
+    /// settle (with `finish`, also the text still held); constant work per token.
+    DecodeStep {
+        /// The answer's state so far (returned updated).
+        state: DecodeState,
+        /// New ids.
+        ids: Vec<u32>,
+        /// The answer ended: flush what is held.
+        finish: bool,
+        /// The updated state and the new text.
+        reply: oneshot::Sender<(DecodeState, String)>,
+    },
+    /// Decode ids to text, whole.
     Decode {
         /// Token ids.
         ids: Vec<u32>,

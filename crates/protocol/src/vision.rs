@@ -2,10 +2,18 @@
 
 use std::sync::Arc;
 
-use osprey_models::vision::PixelPatches;
 use tokio::sync::oneshot;
 
 use crate::MediaHash;
+
+/// Patch rows of one image or video and its grid, as the processor made them (plain data).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PixelPatches {
+    /// `[t·h·w, C·T·P·P]` in merge-block-major order.
+    pub rows: Vec<f32>,
+    /// `[t, h, w]` in patches (`t` in temporal patches).
+    pub grid: [usize; 3],
+}
 
 /// Encoder cache counters.
 #[derive(Clone, Copy, Debug, Default)]

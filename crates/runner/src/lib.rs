@@ -14,18 +14,44 @@ use std::thread;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use osprey_models::vision::{rows_in_chunk, MediaSpan};
-use osprey_models::{LogitsWanted, Positions, Qwen35, SeqInput, SeqState, SeqStep};
+use osprey_models::{KvBlock, LogitsWanted, Model, Positions, SeqInput, SeqState, SeqStep, StateSnapshot};
 use osprey_protocol::runner::{BatchPlan, RunnerCommand, Sampled, SnapshotTaken, StepResult};
 use osprey_protocol::scheduler::SamplingParams;
 use osprey_protocol::tokenizer::PreparedPrompt;
 use osprey_protocol::vision::VisionCommand;
-use osprey_protocol::SeqId;
+use osprey_protocol::{Handle, Opaque, SeqId};
 use tokio::sync::{mpsc, oneshot};
 
 /// The vision actor's inbox (the runner asks it for rows; actor crates do not depend on each other).
 pub type VisionSender = mpsc::UnboundedSender<VisionCommand>;
 
 pub use sampler::{sample, Rng};
+
+/// A KV page as the prefix cache holds it (opaque outside the runner).
+#[derive(Debug)]
+struct Page(KvBlock);
+
+impl Opaque for Page {
+    fn bytes(&self) -> usize {
+        self.0.bytes()
+    }
+}
+
+/// A recurrent-state snapshot as the prefix cache holds it.
+#[derive(Debug)]
+struct Snapshot(StateSnapshot);
+
+impl Opaque for Snapshot {
+    fn bytes(&self) -> usize {
+        self.0.bytes()
+    }
+}
+
+/// The runner's own data behind a handle the prefix cache gave back.
+fn own<T: 'static>(h: &Handle) -> Option<&T> {
+    let any: &dyn std::any::Any = h.as_ref();
+    any.downcast_ref::<T>()
+}
 
 /// Vision rows of a prompt's media items (shared; `None` until fetched).
 type MediaRows = Vec<Option<Arc<Vec<f32>>>>;
@@ -45,7 +71,7 @@ struct SeqRec {
 
 /// The runner's synchronous core.
 pub struct Runner {
-    model: Qwen35,
+    model: Model,
     vision: Option<VisionSender>,
     seqs: HashMap<SeqId, SeqRec>,
     page_size: usize,
@@ -64,7 +90,7 @@ fn clock_seed(seq: SeqId) -> u64 {
 
 impl Runner {
     /// A runner over a loaded model; `vision` serves media rows (None for text-only models).
-    pub fn new(model: Qwen35, vision: Option<VisionSender>, page_size: usize) -> Self {
+    pub fn new(model: Model, vision: Option<VisionSender>, page_size: usize) -> Self {
         Runner { model, vision, seqs: HashMap::new(), page_size: page_size.max(1) }
     }
 
@@ -102,8 +128,9 @@ impl Runner {
                 let mut state = self.model.new_state();
                 let mut pages_reported = 0;
                 if let Some(hit) = &a.prefix {
-                    let pages: Vec<&osprey_models::KvBlock> = hit.pages.iter().map(|p| p.as_ref()).collect();
-                    match hit.snapshot.as_deref().map(|s| state.restore_prefix(&pages, s)) {
+                    let pages: Option<Vec<&KvBlock>> = hit.pages.iter().map(|p| own::<Page>(p).map(|p| &p.0)).collect();
+                    let snap = hit.snapshot.as_ref().and_then(own::<Snapshot>);
+                    match pages.zip(snap).map(|(pages, s)| state.restore_prefix(&pages, &s.0)) {
                         Some(Ok(())) => pages_reported = hit.cached_tokens / self.page_size,
                         _ => {
                             result
@@ -145,7 +172,7 @@ impl Runner {
             }
         }
         // 3. One batched forward.
-        let hidden = self.model.config().hidden_size;
+        let hidden = self.model.info().hidden_size;
         // Rows and prompts are shared (`Arc`), so the spans can borrow copies while states are borrowed mutably.
         let held: Vec<(Arc<PreparedPrompt>, MediaRows)> =
             ok.iter().map(|(_, rec)| (rec.prompt.clone(), rec.rows.clone())).collect();
@@ -202,14 +229,14 @@ impl Runner {
                     if item.snapshot && item.end.is_multiple_of(self.page_size) {
                         let p = self.page_size;
                         let pages = (rec.pages_reported..item.end / p)
-                            .map(|i| (i, Arc::new(rec.state.kv_block(i * p, (i + 1) * p))))
+                            .map(|i| (i, Arc::new(Page(rec.state.kv_block(i * p, (i + 1) * p))) as Handle))
                             .collect();
                         rec.pages_reported = item.end / p;
                         result.snapshots.push(SnapshotTaken {
                             seq: item.seq,
                             tokens: item.end,
                             pages,
-                            snapshot: Arc::new(rec.state.snapshot()),
+                            snapshot: Arc::new(Snapshot(rec.state.snapshot())),
                         });
                     }
                     if item.sample {

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use osprey_protocol::runner::TokenLogprobs;
 use osprey_protocol::scheduler::{EngineEvent, FinishReason, GenerateRequest, SchedulerCommand};
-use osprey_protocol::tokenizer::{PreparedPrompt, TokenizerCommand};
+use osprey_protocol::tokenizer::{DecodeState, PreparedPrompt, TokenizerCommand};
 use osprey_protocol::{ErrorCode, SeqId};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
@@ -81,7 +81,7 @@ pub struct Generation {
     id: SeqId,
     rx: mpsc::UnboundedReceiver<EngineEvent>,
     gen: GenParams,
-    ids: Vec<u32>,
+    detok: DecodeState,
     text: TextState,
     split: ReasoningSplit,
     started: Instant,
@@ -136,7 +136,7 @@ impl Generation {
             id,
             rx,
             gen,
-            ids: Vec::new(),
+            detok: DecodeState { skip_special: true, ..DecodeState::default() },
             text: TextState::default(),
             split: ReasoningSplit::new(open),
             started,
@@ -145,6 +145,15 @@ impl Generation {
             done: false,
             queue: VecDeque::new(),
         })
+    }
+
+    /// Feeds new ids to the incremental detokenizer (the state travels with the request).
+    async fn detokenize(&mut self, ids: Vec<u32>, finish: bool) -> Result<String, ApiError> {
+        let state = std::mem::take(&mut self.detok);
+        let (state, text) =
+            ask(&self.state, |reply| TokenizerCommand::DecodeStep { state, ids, finish, reply }).await?;
+        self.detok = state;
+        Ok(text)
     }
 
     async fn entries(&self, lp: TokenLogprobs, token: u32) -> Result<LogprobEntry, ApiError> {
@@ -180,18 +189,11 @@ impl Generation {
                     }
                     self.last_token = Some(now);
                     self.usage.completion += 1;
-                    self.ids.push(token);
-                    let full = match ask(&self.state, |reply| TokenizerCommand::Decode {
-                        ids: self.ids.clone(),
-                        skip_special: true,
-                        reply,
-                    })
-                    .await
-                    {
+                    let text = match self.detokenize(vec![token], false).await {
                         Ok(t) => t,
                         Err(e) => return Some(Err(e)),
                     };
-                    let delta = self.text.advance(&full, &self.gen.stop, false);
+                    let delta = self.text.advance(&text, &self.gen.stop, false);
                     let logprobs = match logprobs {
                         Some(lp) => match self.entries(lp, token).await {
                             Ok(e) => vec![e],
@@ -224,13 +226,8 @@ impl Generation {
                         FinishReason::Length => "length",
                     };
                     // The rest of the text (a held-back stop prefix that never matched, a pending tag).
-                    let full = ask(&self.state, |reply| TokenizerCommand::Decode {
-                        ids: self.ids.clone(),
-                        skip_special: true,
-                        reply,
-                    })
-                    .await;
-                    let delta = full.map(|f| self.text.advance(&f, &self.gen.stop, true)).unwrap_or_default();
+                    let rest = self.detokenize(Vec::new(), true).await;
+                    let delta = rest.map(|f| self.text.advance(&f, &self.gen.stop, true)).unwrap_or_default();
                     let (mut r, mut c) = self.split.feed(&delta);
                     let (r2, c2) = self.split.flush();
                     r.push_str(&r2);

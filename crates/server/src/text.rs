@@ -14,47 +14,47 @@ fn held_suffix(text: &str, pats: &[&str]) -> usize {
     best
 }
 
-/// Text emitted so far for one choice.
+/// Stop-string state of one choice. It sees the answer as deltas (from the incremental detokenizer, which
+/// already holds incomplete characters back) and keeps only the text it may still have to cut, so the work
+/// per delta is bounded by the stop strings' lengths, not the answer's.
+///
+/// Invariant: no suffix of the emitted text is a proper prefix of a stop string (such a suffix is held in
+/// `pending`), so a stop string can only start inside `pending`.
 #[derive(Debug, Default)]
 pub struct TextState {
-    /// Bytes of the decoded text already emitted.
-    emitted: usize,
-    /// Final text once a stop string matched.
-    stopped: Option<String>,
+    /// Text received but not emitted: a suffix that may still begin a stop string.
+    pending: String,
+    /// A stop string ended the text.
+    stopped: bool,
 }
 
 impl TextState {
-    /// Given the full decoded text of all generated ids, returns the new safe delta; a stop string
-    /// truncates the text and ends the choice (`stopped()` becomes true).
-    pub fn advance(&mut self, full: &str, stops: &[String], finished: bool) -> String {
-        if self.stopped.is_some() {
+    /// Takes the next delta of the answer and returns the text now safe to emit; a stop string truncates
+    /// the text and ends the choice (`stopped()` becomes true). `finished`: the answer ended, release
+    /// what is held.
+    pub fn advance(&mut self, delta: &str, stops: &[String], finished: bool) -> String {
+        if self.stopped {
             return String::new();
         }
-        let stop_at = stops.iter().filter_map(|s| full.find(s.as_str())).min();
-        if let Some(i) = stop_at {
-            let delta = full[self.emitted.min(i)..i].to_string();
-            self.emitted = i;
-            self.stopped = Some(full[..i].to_string());
-            return delta;
+        self.pending.push_str(delta);
+        if let Some(i) = stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+            self.pending.truncate(i);
+            self.stopped = true;
+            return std::mem::take(&mut self.pending);
         }
-        // A trailing replacement char means a multi-byte character is still incomplete.
-        let mut end =
-            if !finished && full.ends_with('\u{FFFD}') { full.trim_end_matches('\u{FFFD}').len() } else { full.len() };
-        if !finished {
+        let held = if finished {
+            0
+        } else {
             let pats: Vec<&str> = stops.iter().map(String::as_str).collect();
-            end -= held_suffix(&full[..end], &pats);
-        }
-        if end <= self.emitted {
-            return String::new();
-        }
-        let delta = full[self.emitted..end].to_string();
-        self.emitted = end;
-        delta
+            held_suffix(&self.pending, &pats)
+        };
+        let out: String = self.pending.drain(..self.pending.len() - held).collect();
+        out
     }
 
     /// Whether a stop string ended the text.
     pub fn stopped(&self) -> bool {
-        self.stopped.is_some()
+        self.stopped
     }
 }
 
@@ -139,14 +139,21 @@ mod tests {
         let stops = vec!["END".to_string()];
         let mut t = TextState::default();
         assert_eq!(t.advance("hello E", &stops, false), "hello ");
-        assert_eq!(t.advance("hello EN", &stops, false), "");
-        assert_eq!(t.advance("hello ENDx", &stops, false), "");
+        assert_eq!(t.advance("N", &stops, false), "");
+        assert_eq!(t.advance("Dx", &stops, false), "");
         assert!(t.stopped());
+        assert_eq!(t.advance("more", &stops, false), "", "nothing after a stop");
         let mut u = TextState::default();
         assert_eq!(u.advance("hello E", &stops, false), "hello ");
-        assert_eq!(u.advance("hello Ex", &stops, false), "Ex");
-        assert_eq!(u.advance("hello Ex\u{FFFD}", &stops, false), "");
-        assert_eq!(u.advance("hello Exé", &stops, true), "é");
+        assert_eq!(u.advance("x", &stops, false), "Ex");
+        assert_eq!(u.advance("E", &stops, false), "");
+        assert_eq!(u.advance("", &stops, true), "E", "the end releases a held prefix");
+        // A stop string split over three deltas, with text before it in the same delta.
+        let mut v = TextState::default();
+        let stops = vec!["<stop>".to_string(), "zz".to_string()];
+        let out: String = ["ab<s", "to", "p>cd"].iter().map(|d| v.advance(d, &stops, false)).collect();
+        assert_eq!(out, "ab");
+        assert!(v.stopped());
     }
 
     #[test]

@@ -8,8 +8,9 @@ use blake2::digest::{Update, VariableOutput};
 use blake2::Blake2bVar;
 use osprey_models::vision::{decode_animation, decode_image, DecodeLimits, ProcessorConfig};
 use osprey_protocol::tokenizer::{
-    ChatPrompt, CompletionPrompt, MediaInput, MediaLimits, PreparedMedia, PreparedPrompt, TokenizerCommand,
+    ChatPrompt, CompletionPrompt, DecodeState, MediaInput, MediaLimits, PreparedMedia, PreparedPrompt, TokenizerCommand,
 };
+use osprey_protocol::vision::PixelPatches;
 use osprey_protocol::{ErrorCode, MediaHash, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
@@ -137,7 +138,11 @@ impl TokenizerCore {
             .media
             .into_iter()
             .zip(hashes)
-            .map(|(item, hash)| PreparedMedia { hash, patches: Arc::new(item.patches), spans: item.spans })
+            .map(|(item, hash)| {
+                // The processor's rows move into the plain message type (no copy).
+                let patches = PixelPatches { rows: item.patches.rows, grid: item.patches.grid };
+                PreparedMedia { hash, patches: Arc::new(patches), spans: item.spans }
+            })
             .collect();
         let positions = (!p.media.is_empty()).then_some(prepared.positions);
         let cache_ids = cache_ids(&prepared.input_ids, &media);
@@ -149,6 +154,18 @@ impl TokenizerCore {
             media,
             thinking_open,
         })
+    }
+
+    /// One step of incremental detokenization (see [`crate::Detokenizer`]).
+    pub fn decode_step(&self, state: &mut DecodeState, ids: &[u32], finish: bool) -> String {
+        let skip = state.skip_special;
+        let mut f = |w: &[u32]| self.tok.decode(w, skip).unwrap_or_default();
+        let mut det = crate::Detokenizer::default();
+        let mut text = det.step(state, ids, &mut f);
+        if finish {
+            text.push_str(&det.flush(state, &mut f));
+        }
+        text
     }
 
     /// Tokenizes a completion prompt (no template, no media).
@@ -210,6 +227,10 @@ pub fn spawn(core: TokenizerCore) -> TokenizerHandle {
                     TokenizerCommand::PrepareCompletion { prompt, reply } => {
                         let _ = reply.send(core.prepare_completion(prompt));
                     }
+                    TokenizerCommand::DecodeStep { mut state, ids, finish, reply } => {
+                        let text = core.decode_step(&mut state, &ids, finish);
+                        let _ = reply.send((state, text));
+                    }
                     TokenizerCommand::Decode { ids, skip_special, reply } => {
                         let _ = reply.send(core.tok.decode(&ids, skip_special).unwrap_or_default());
                     }
@@ -226,7 +247,6 @@ pub fn spawn(core: TokenizerCore) -> TokenizerHandle {
 
 #[cfg(test)]
 mod tests {
-    use osprey_models::vision::PixelPatches;
 
     use super::*;
 

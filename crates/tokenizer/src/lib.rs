@@ -8,6 +8,7 @@
 
 mod actor;
 mod chat;
+mod detok;
 mod placeholders;
 mod prepare;
 
@@ -15,6 +16,7 @@ use std::path::{Path, PathBuf};
 
 pub use actor::{cache_ids, spawn, TokenizerCore, TokenizerHandle};
 pub use chat::{py_json_dumps, ChatTemplate};
+pub use detok::Detokenizer;
 pub use placeholders::{expand_media_placeholders, format_seconds, MediaPlaceholder, IMAGE_PAD, VIDEO_PAD};
 pub use prepare::{prepare_prompt, Media, Prepared, PreparedItem};
 

@@ -85,7 +85,7 @@ impl VisionHandle {
     pub fn encode_blocking(
         &self,
         hash: MediaHash,
-        patches: Arc<osprey_models::vision::PixelPatches>,
+        patches: Arc<osprey_protocol::vision::PixelPatches>,
     ) -> Result<Arc<Vec<f32>>, String> {
         let (reply, rx) = oneshot::channel();
         if !self.send(VisionCommand::Encode { hash, patches, reply }) {

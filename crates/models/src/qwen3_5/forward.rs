@@ -4,88 +4,10 @@ use osprey_kernels::norm::rms_norm_1p;
 
 use super::{Ffn, Mixer, Qwen35};
 use crate::error::{Error, Result};
+use crate::family::{ForwardOptions, ForwardOutput, LogitsWanted, Positions, SeqStep};
 use crate::layers::attention::RopeTables;
 use crate::layers::{linear, Segment};
-use crate::state::{KvCache, LayerState, LinearState, SeqState};
-
-/// Positions of a chunk's tokens.
-#[derive(Clone, Copy, Debug)]
-pub enum Positions<'a> {
-    /// Text tokens: token index `t` gets `t + rope_delta` on all three mRoPE axes.
-    Text,
-    /// Explicit `[t, h, w]` per token (media spans; computed by the mRoPE position builder).
-    Explicit(&'a [[i64; 3]]),
-}
-
-/// Which logits a sequence wants back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogitsWanted {
-    /// None (a prefill chunk that does not end the prompt).
-    None,
-    /// The last token's.
-    Last,
-    /// Every new token's (teacher forcing, prompt logprobs).
-    All,
-}
-
-/// Embedding rows that replace the token embeddings of a span of the chunk (vision rows).
-#[derive(Clone, Copy, Debug)]
-pub struct InjectedRows<'a> {
-    /// First row of the chunk to replace.
-    pub offset: usize,
-    /// `[n, hidden]` rows.
-    pub rows: &'a [f32],
-}
-
-/// One sequence's new tokens for a forward.
-#[derive(Clone, Copy, Debug)]
-pub struct SeqInput<'a> {
-    /// Token ids (placeholders included where rows are injected).
-    pub tokens: &'a [u32],
-    /// Their positions.
-    pub positions: Positions<'a>,
-    /// Rows that replace token embeddings.
-    pub injected: &'a [InjectedRows<'a>],
-    /// Logits to return.
-    pub logits: LogitsWanted,
-}
-
-impl<'a> SeqInput<'a> {
-    /// Text tokens, wanting the last logits.
-    pub fn text(tokens: &'a [u32]) -> Self {
-        SeqInput { tokens, positions: Positions::Text, injected: &[], logits: LogitsWanted::Last }
-    }
-}
-
-/// A sequence's state with its new tokens.
-#[derive(Debug)]
-pub struct SeqStep<'s, 'a> {
-    /// The sequence's state (advanced by the forward).
-    pub state: &'s mut SeqState,
-    /// The new tokens.
-    pub input: SeqInput<'a>,
-}
-
-/// Options of [`Qwen35::forward_with`].
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ForwardOptions<'a> {
-    /// Return transformers' `hidden_states` list in [`ForwardOutput::hidden`].
-    pub capture_hidden: bool,
-    /// Per-layer teacher forcing (parity tests): layer `i` reads `teacher_inputs[i]` (`[T, hidden]`, the
-    /// reference's `hidden_states[i]`) instead of the previous layer's output, so each captured hidden
-    /// state measures one layer's own error. Implies `capture_hidden`.
-    pub teacher_inputs: Option<&'a [Vec<f32>]>,
-}
-
-/// Results of a forward.
-#[derive(Clone, Debug, Default)]
-pub struct ForwardOutput {
-    /// Per sequence: `[vocab]` (Last), `[n, vocab]` (All) or empty (None).
-    pub logits: Vec<Vec<f32>>,
-    /// With `capture_hidden`: transformers' `hidden_states` for the whole batch `[T, hidden]`: the input
-    /// embeddings, the output of every layer but the last, then the final normed output.
-    pub hidden: Vec<Vec<f32>>,
-}
+use crate::state::{KvCache, LayerState, LinearState};
 
 impl Qwen35 {
     fn check(&self, steps: &[SeqStep<'_, '_>]) -> Result<()> {
@@ -112,13 +34,8 @@ impl Qwen35 {
         Ok(())
     }
 
-    /// Runs one step for a batch of sequences. Each state advances by its tokens.
-    pub fn forward(&self, steps: &mut [SeqStep<'_, '_>], capture_hidden: bool) -> Result<ForwardOutput> {
-        self.forward_with(steps, &ForwardOptions { capture_hidden, teacher_inputs: None })
-    }
-
-    /// [`Qwen35::forward`] with options (hidden-state capture, per-layer teacher forcing).
-    pub fn forward_with(&self, steps: &mut [SeqStep<'_, '_>], opts: &ForwardOptions<'_>) -> Result<ForwardOutput> {
+    /// Runs one step for a batch of sequences (the seam's `forward_with`). Each state advances by its tokens.
+    pub(crate) fn run(&self, steps: &mut [SeqStep<'_, '_>], opts: &ForwardOptions<'_>) -> Result<ForwardOutput> {
         self.check(steps)?;
         let capture_hidden = opts.capture_hidden || opts.teacher_inputs.is_some();
         if let Some(t) = opts.teacher_inputs {

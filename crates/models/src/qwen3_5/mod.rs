@@ -1,12 +1,13 @@
 //! Qwen3.5 / Qwen3.6 text decoder, dense (`qwen3_5`) and MoE (`qwen3_5_moe`): a hybrid stack of Gated
 //! DeltaNet and gated full-attention layers, each followed by a dense MLP or a sparse MoE block.
 //!
-//! One [`Qwen35::forward`] runs a batch of sequences, each contributing any number of new tokens (a
-//! prefill chunk, or one decode token): projections run on all rows at once, token mixers per sequence.
+//! One forward runs a batch of sequences, each contributing any number of new tokens (a prefill chunk, or
+//! one decode token): projections run on all rows at once, token mixers per sequence. The runtime reaches
+//! it only through the [`CausalLm`] seam and the registry entry [`FAMILY`]; the Qwen3.5 tensor names
+//! (`model.language_model.…`) live in this directory alone.
 
 mod forward;
 
-use std::path::Path;
 use std::sync::Arc;
 
 use osprey_kernels::rope::MRope;
@@ -14,13 +15,41 @@ use osprey_kernels::rope::MRope;
 use crate::checkpoint::{Checkpoint, Weight};
 use crate::config::{LayerKind, ModelConfig, TextConfig};
 use crate::error::Result;
+use crate::family::{CausalLm, ForwardOptions, ForwardOutput, KvLayout, LmInfo, Model, SeqStep};
 use crate::layers::attention::GatedAttention;
 use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::{ExpertSource, ResidentExperts, SparseMoe};
+use crate::registry::{ExpertLayout, Family};
 use crate::state::{LayerState, SeqState};
 
-pub use forward::{ForwardOptions, ForwardOutput, InjectedRows, LogitsWanted, Positions, SeqInput, SeqStep};
+/// The registry entry of Qwen3.5 / Qwen3.6, dense and MoE, multimodal wrapper or text-only.
+pub(crate) static FAMILY: Family = Family {
+    name: "qwen3_5",
+    model_types: &["qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"],
+    architectures: &[
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+    ],
+    load: |cfg, ck, experts, progress| {
+        Ok(Box::new(Qwen35::from_checkpoint_with_progress(cfg, ck, experts, progress)?) as Model)
+    },
+    experts: expert_layout,
+};
+
+/// The routed experts of a Qwen3.5-MoE checkpoint: one MoE block per layer.
+fn expert_layout(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<ExpertLayout>> {
+    let Some(moe) = cfg.text.moe()? else { return Ok(None) };
+    let p = text_prefix(ck);
+    Ok(Some(ExpertLayout {
+        prefixes: (0..cfg.text.num_hidden_layers).map(|i| format!("{p}layers.{i}.mlp")).collect(),
+        num_experts: moe.num_experts,
+        hidden: cfg.text.hidden_size,
+        intermediate: moe.intermediate,
+    }))
+}
 
 #[derive(Debug)]
 enum Mixer {
@@ -44,8 +73,9 @@ struct DecoderLayer {
 
 /// A loaded Qwen3.5 text decoder.
 #[derive(Debug)]
-pub struct Qwen35 {
+pub(crate) struct Qwen35 {
     cfg: TextConfig,
+    info: LmInfo,
     embed: Weight,
     layers: Vec<DecoderLayer>,
     norm: Vec<f32>,
@@ -65,21 +95,10 @@ fn text_prefix(ck: &Checkpoint) -> &'static str {
 }
 
 impl Qwen35 {
-    /// Loads a Hugging Face model directory with every expert mapped from the checkpoint.
-    pub fn load(dir: &Path) -> Result<Self> {
-        let cfg = ModelConfig::from_dir(dir)?;
-        let ck = Checkpoint::open(dir)?;
-        Self::from_checkpoint(&cfg, &ck, None)
-    }
-
-    /// Builds the decoder from an opened checkpoint. `experts` replaces the default (every expert
-    /// mapped from `ck`) for MoE models, e.g. with the residency manager.
-    pub fn from_checkpoint(cfg: &ModelConfig, ck: &Checkpoint, experts: Option<Arc<dyn ExpertSource>>) -> Result<Self> {
-        Self::from_checkpoint_with_progress(cfg, ck, experts, &mut |_, _| {})
-    }
-
-    /// [`Qwen35::from_checkpoint`], reporting `(layers done, layers)` as layers are mapped.
-    pub fn from_checkpoint_with_progress(
+    /// Builds the decoder from an opened checkpoint, reporting `(layers done, layers)` as layers are
+    /// mapped. `experts` replaces the default (every expert mapped from `ck`) for MoE models, e.g. with
+    /// the residency manager.
+    fn from_checkpoint_with_progress(
         cfg: &ModelConfig,
         ck: &Checkpoint,
         experts: Option<Arc<dyn ExpertSource>>,
@@ -128,16 +147,36 @@ impl Qwen35 {
         let rope_p = c.rope()?;
         let sec = &rope_p.mrope_section;
         let rope = MRope::new(c.head_dim(), c.rot_dim(), rope_p.rope_theta, [sec[0], sec[1], sec[2]]);
-        Ok(Qwen35 { norm: ck.vector(&format!("{p}norm.weight"), h)?, cfg: c, embed, layers, lm_head, rope, experts })
+        let info = LmInfo {
+            family: FAMILY.name,
+            hidden_size: h,
+            vocab_size: v,
+            num_layers: kinds.len(),
+            moe_layers: if moe.is_some() { kinds.len() } else { 0 },
+            experts_per_token: moe.map_or(0, |m| m.top_k),
+            eos_token_ids: c.eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default(),
+            max_position_embeddings: c.max_position_embeddings,
+        };
+        let norm = ck.vector(&format!("{p}norm.weight"), h)?;
+        Ok(Qwen35 { norm, cfg: c, info, embed, layers, lm_head, rope, experts })
+    }
+}
+
+impl CausalLm for Qwen35 {
+    fn info(&self) -> &LmInfo {
+        &self.info
     }
 
-    /// The decoder's config.
-    pub fn config(&self) -> &TextConfig {
-        &self.cfg
+    fn kv_layout(&self) -> KvLayout {
+        let layers = self.layers.iter().filter(|l| matches!(l.mixer, Mixer::Full(_))).count();
+        KvLayout { layers, kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim() }
     }
 
-    /// A fresh state for a new sequence.
-    pub fn new_state(&self) -> SeqState {
+    fn forward_with(&self, steps: &mut [SeqStep<'_, '_>], opts: &ForwardOptions<'_>) -> Result<ForwardOutput> {
+        self.run(steps, opts)
+    }
+
+    fn new_state(&self) -> SeqState {
         SeqState::new(
             self.layers
                 .iter()
@@ -149,8 +188,7 @@ impl Qwen35 {
         )
     }
 
-    /// Bytes of weights read per token excluding routed experts (the dense part), and per routed expert.
-    pub fn weight_bytes(&self) -> (usize, usize) {
+    fn weight_bytes(&self) -> (usize, usize) {
         let mut dense = self.embed.bytes() / self.cfg.vocab_size + self.lm_head.bytes();
         for l in &self.layers {
             dense += match &l.mixer {

@@ -14,7 +14,7 @@ pub use preprocess::{
 pub use processor::{ImageParams, ProcessorConfig, VideoParams};
 pub use tower::{VisionConfig, VisionTower};
 
-use crate::qwen3_5::InjectedRows;
+use crate::family::InjectedRows;
 
 /// Vision rows of one placeholder run of a prompt: an image, or one frame group of a video.
 #[derive(Clone, Copy, Debug)]

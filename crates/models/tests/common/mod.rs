@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use osprey_models::Qwen35;
+use osprey_models::Model;
 use safetensors::SafeTensors;
 
 pub fn fixtures() -> PathBuf {
@@ -63,8 +63,8 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32) -> f32 {
     abs
 }
 
-pub fn model(name: &str) -> Qwen35 {
-    Qwen35::load(&fixtures().join("models").join(name)).expect("load model")
+pub fn model(name: &str) -> Model {
+    osprey_models::load(&fixtures().join("models").join(name)).expect("load model")
 }
 
 impl Ref {

@@ -1,0 +1,174 @@
+//! The model-family seam: all the runtime (runner, `osprey run`, the bench, the binary) sees of a
+//! causal-LM family. A family is a directory of this crate plus one entry in [`crate::registry`]; it is
+//! built from a model directory, forwards a batch of segments (prefill chunks and decode tokens of several
+//! sequences) with per-sequence state, and describes its KV geometry. Nothing outside the family's
+//! directory names its structs or its tensor names.
+
+use std::fmt::Debug;
+
+use crate::error::Result;
+use crate::state::SeqState;
+
+/// Positions of a chunk's tokens.
+#[derive(Clone, Copy, Debug)]
+pub enum Positions<'a> {
+    /// Text tokens: token index `t` gets `t + rope_delta` on all three mRoPE axes.
+    Text,
+    /// Explicit `[t, h, w]` per token (media spans; computed by the mRoPE position builder).
+    Explicit(&'a [[i64; 3]]),
+}
+
+/// Which logits a sequence wants back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// None (a prefill chunk that does not end the prompt).
+    None,
+    /// The last token's.
+    Last,
+    /// Every new token's (teacher forcing, prompt logprobs).
+    All,
+}
+
+/// Embedding rows that replace the token embeddings of a span of the chunk (vision rows).
+#[derive(Clone, Copy, Debug)]
+pub struct InjectedRows<'a> {
+    /// First row of the chunk to replace.
+    pub offset: usize,
+    /// `[n, hidden]` rows.
+    pub rows: &'a [f32],
+}
+
+/// One sequence's new tokens for a forward.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqInput<'a> {
+    /// Token ids (placeholders included where rows are injected).
+    pub tokens: &'a [u32],
+    /// Their positions.
+    pub positions: Positions<'a>,
+    /// Rows that replace token embeddings.
+    pub injected: &'a [InjectedRows<'a>],
+    /// Logits to return.
+    pub logits: LogitsWanted,
+}
+
+impl<'a> SeqInput<'a> {
+    /// Text tokens, wanting the last logits.
+    pub fn text(tokens: &'a [u32]) -> Self {
+        SeqInput { tokens, positions: Positions::Text, injected: &[], logits: LogitsWanted::Last }
+    }
+}
+
+/// A sequence's state with its new tokens.
+#[derive(Debug)]
+pub struct SeqStep<'s, 'a> {
+    /// The sequence's state (advanced by the forward).
+    pub state: &'s mut SeqState,
+    /// The new tokens.
+    pub input: SeqInput<'a>,
+}
+
+/// Options of [`CausalLm::forward_with`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ForwardOptions<'a> {
+    /// Return transformers' `hidden_states` list in [`ForwardOutput::hidden`].
+    pub capture_hidden: bool,
+    /// Per-layer teacher forcing (parity tests): layer `i` reads `teacher_inputs[i]` (`[T, hidden]`, the
+    /// reference's `hidden_states[i]`) instead of the previous layer's output, so each captured hidden
+    /// state measures one layer's own error. Implies `capture_hidden`.
+    pub teacher_inputs: Option<&'a [Vec<f32>]>,
+}
+
+/// Results of a forward.
+#[derive(Clone, Debug, Default)]
+pub struct ForwardOutput {
+    /// Per sequence: `[vocab]` (Last), `[n, vocab]` (All) or empty (None).
+    pub logits: Vec<Vec<f32>>,
+    /// With `capture_hidden`: transformers' `hidden_states` for the whole batch `[T, hidden]`: the input
+    /// embeddings, the output of every layer but the last, then the final normed output.
+    pub hidden: Vec<Vec<f32>>,
+}
+
+/// Shape facts the runtime needs about a loaded decoder.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LmInfo {
+    /// Registry name of the family (`qwen3_5`).
+    pub family: &'static str,
+    /// Residual width (rows injected by the vision tower have this width).
+    pub hidden_size: usize,
+    /// Vocabulary rows of the embedding and lm_head.
+    pub vocab_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Layers with routed experts (0 for a dense model).
+    pub moe_layers: usize,
+    /// Routed experts per token (0 for a dense model).
+    pub experts_per_token: usize,
+    /// End-of-sequence ids from the config.
+    pub eos_token_ids: Vec<u32>,
+    /// Longest context the config declares.
+    pub max_position_embeddings: usize,
+}
+
+/// Full-attention KV geometry of a family, for sizing and paging its KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Layers that keep KV (full attention; linear-attention layers keep a fixed-size state instead).
+    pub layers: usize,
+    /// KV heads per layer.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// Bytes of K and V one token occupies over all KV layers (f32 today).
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.layers * self.kv_heads * self.head_dim * std::mem::size_of::<f32>()
+    }
+}
+
+/// A loaded causal-LM family, as the runtime drives it.
+pub trait CausalLm: Send + Sync + Debug {
+    /// Shape facts.
+    fn info(&self) -> &LmInfo;
+
+    /// KV geometry.
+    fn kv_layout(&self) -> KvLayout;
+
+    /// A fresh state for a new sequence.
+    fn new_state(&self) -> SeqState;
+
+    /// Runs one step for a batch of sequences, with options (hidden-state capture, per-layer teacher
+    /// forcing). Each state advances by its tokens.
+    fn forward_with(&self, steps: &mut [SeqStep<'_, '_>], opts: &ForwardOptions<'_>) -> Result<ForwardOutput>;
+
+    /// [`CausalLm::forward_with`] with default options.
+    fn forward(&self, steps: &mut [SeqStep<'_, '_>], capture_hidden: bool) -> Result<ForwardOutput> {
+        self.forward_with(steps, &ForwardOptions { capture_hidden, teacher_inputs: None })
+    }
+
+    /// Bytes of weights read per token excluding routed experts (the dense part), and per routed expert.
+    fn weight_bytes(&self) -> (usize, usize);
+}
+
+/// A loaded model behind the seam.
+pub type Model = Box<dyn CausalLm>;
+
+/// A boxed model is a model (so `&Model` passes where `&dyn CausalLm` is asked for).
+impl<T: CausalLm + ?Sized> CausalLm for Box<T> {
+    fn info(&self) -> &LmInfo {
+        (**self).info()
+    }
+    fn kv_layout(&self) -> KvLayout {
+        (**self).kv_layout()
+    }
+    fn new_state(&self) -> SeqState {
+        (**self).new_state()
+    }
+    fn forward_with(&self, steps: &mut [SeqStep<'_, '_>], opts: &ForwardOptions<'_>) -> Result<ForwardOutput> {
+        (**self).forward_with(steps, opts)
+    }
+    fn weight_bytes(&self) -> (usize, usize) {
+        (**self).weight_bytes()
+    }
+}

@@ -1,0 +1,114 @@
+//! The family registry: maps `config.json`'s `model_type` (or, failing that, its `architectures`) to a
+//! model family, and builds the family's decoder behind the [`CausalLm`] seam. An unknown model is refused
+//! here, at load, with the list of what is served. Adding a family adds a directory and one entry to
+//! [`FAMILIES`]; nothing else in the runtime changes.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::checkpoint::Checkpoint;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::family::Model;
+use crate::layers::moe::ExpertSource;
+
+/// Where a model's routed experts live in its checkpoint (what the expert store indexes).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertLayout {
+    /// Per layer, the tensor prefix of its MoE block (`…layers.{i}.mlp`).
+    pub prefixes: Vec<String>,
+    /// Routed experts per layer.
+    pub num_experts: usize,
+    /// Residual width.
+    pub hidden: usize,
+    /// Expert width.
+    pub intermediate: usize,
+}
+
+/// Loads a family's decoder from a parsed config and an opened checkpoint; `experts` replaces the
+/// default source of routed experts (all mapped from the checkpoint); `progress` gets (layers done, layers).
+pub type LoadFn =
+    fn(&ModelConfig, &Checkpoint, Option<Arc<dyn ExpertSource>>, &mut dyn FnMut(usize, usize)) -> Result<Model>;
+
+/// The routed-expert layout of a checkpoint of this family (`None` for a dense model).
+pub type ExpertsFn = fn(&ModelConfig, &Checkpoint) -> Result<Option<ExpertLayout>>;
+
+/// One registry entry.
+#[derive(Debug)]
+pub struct Family {
+    /// Registry name (also [`crate::LmInfo::family`]).
+    pub name: &'static str,
+    /// `model_type` values served (the wrapper's and the text config's).
+    pub model_types: &'static [&'static str],
+    /// `architectures` entries served, for configs without a known `model_type`.
+    pub architectures: &'static [&'static str],
+    /// Builds the decoder.
+    pub load: LoadFn,
+    /// Finds the routed experts.
+    pub experts: ExpertsFn,
+}
+
+/// Every family osprey serves.
+pub static FAMILIES: &[&Family] = &[&crate::qwen3_5::FAMILY];
+
+/// The family of a config, by `model_type`, then by `architectures`; a clear error naming what is served.
+pub fn family_of(model_type: &str, architectures: &[String]) -> Result<&'static Family> {
+    if let Some(f) = FAMILIES.iter().find(|f| f.model_types.contains(&model_type)) {
+        return Ok(f);
+    }
+    if let Some(f) = FAMILIES.iter().find(|f| architectures.iter().any(|a| f.architectures.contains(&a.as_str()))) {
+        return Ok(f);
+    }
+    let served: Vec<&str> = FAMILIES.iter().flat_map(|f| f.model_types.iter().copied()).collect();
+    Err(Error::Unsupported(format!(
+        "model_type {model_type:?} (architectures {architectures:?}) is not served by osprey; supported model_types: {}",
+        served.join(", ")
+    )))
+}
+
+fn family(cfg: &ModelConfig) -> Result<&'static Family> {
+    family_of(&cfg.model_type, &cfg.architectures)
+}
+
+/// Loads a Hugging Face model directory with every expert mapped from the checkpoint.
+pub fn load(dir: &Path) -> Result<Model> {
+    let cfg = ModelConfig::from_dir(dir)?;
+    let ck = Checkpoint::open(dir)?;
+    load_checkpoint(&cfg, &ck, None)
+}
+
+/// Builds the decoder from an opened checkpoint; `experts` replaces the default expert source of MoE
+/// models (e.g. with the residency manager).
+pub fn load_checkpoint(cfg: &ModelConfig, ck: &Checkpoint, experts: Option<Arc<dyn ExpertSource>>) -> Result<Model> {
+    load_with_progress(cfg, ck, experts, &mut |_, _| {})
+}
+
+/// [`load_checkpoint`], reporting `(layers done, layers)`.
+pub fn load_with_progress(
+    cfg: &ModelConfig,
+    ck: &Checkpoint,
+    experts: Option<Arc<dyn ExpertSource>>,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Model> {
+    (family(cfg)?.load)(cfg, ck, experts, progress)
+}
+
+/// Where the checkpoint's routed experts are (`None` for a dense model).
+pub fn expert_layout(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<ExpertLayout>> {
+    (family(cfg)?.experts)(cfg, ck)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configs_map_to_families_and_unknown_ones_are_refused_by_name() {
+        assert_eq!(family_of("qwen3_5_moe", &[]).expect("served").name, "qwen3_5");
+        assert_eq!(family_of("qwen3_5_text", &[]).expect("served").name, "qwen3_5");
+        let by_arch = family_of("", &["Qwen3_5MoeForConditionalGeneration".into()]).expect("by architecture");
+        assert_eq!(by_arch.name, "qwen3_5");
+        let e = family_of("llama", &["LlamaForCausalLM".into()]).expect_err("unknown").to_string();
+        assert!(e.contains("\"llama\"") && e.contains("qwen3_5_moe"), "{e}");
+    }
+}
