@@ -235,11 +235,11 @@ fn main() -> Result<()> {
         }
         Command::Run(a) => {
             let m = load(&a.model)?;
-            run::run(a, m.as_ref())
+            run::run(a, m)
         }
         Command::Bench(BenchCommand::Forward { model, prompt_len, decode_tokens, repeats }) => {
-            let m = load(&model)?;
-            let report = bench_forward(m.as_ref(), ForwardBench { prompt_len, decode_tokens, repeats })?;
+            let mut driver = osprey_runner::Driver::new(load(&model)?, 16);
+            let report = bench_forward(&mut driver, ForwardBench { prompt_len, decode_tokens, repeats })?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }

@@ -1,14 +1,17 @@
 //! `osprey run`: one prompt (text, images, videos) through the whole pipeline, greedy continuation.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use osprey_models::vision::{
-    decode_animation, decode_image, rows_in_chunk, DecodeLimits, MediaSpan, ProcessorConfig, VisionTower,
-};
-use osprey_models::{CausalLm, LogitsWanted, Positions, SeqInput, SeqStep};
+use osprey_models::vision::{decode_animation, decode_image, DecodeLimits, ProcessorConfig, VisionTower};
+use osprey_models::Model;
+use osprey_protocol::scheduler::SamplingParams;
+use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
+use osprey_protocol::vision::PixelPatches;
+use osprey_protocol::{ErrorCode, RequestError};
+use osprey_runner::{Driver, GenerateOptions, RowSource};
 use osprey_tokenizer::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
 
 #[derive(Args, Debug)]
@@ -61,7 +64,7 @@ fn load_video(spec: &str, fps: f64, limits: DecodeLimits) -> Result<Media> {
 }
 
 /// Runs the command.
-pub fn run(a: RunArgs, model: &dyn CausalLm) -> Result<()> {
+pub fn run(a: RunArgs, model: Model) -> Result<()> {
     let tok = TextTokenizer::from_dir(&a.model).ok();
     let limits = DecodeLimits::default();
     let mut media: Vec<Media> = Vec::new();
@@ -71,8 +74,8 @@ pub fn run(a: RunArgs, model: &dyn CausalLm) -> Result<()> {
     for v in &a.video {
         media.push(load_video(v, a.fps, limits)?);
     }
-    let (ids, positions, delta, spans) = match (&a.prompt, &a.ids) {
-        (None, Some(ids)) if media.is_empty() => (ids.clone(), None, 0, Vec::new()),
+    let prompt = match (&a.prompt, &a.ids) {
+        (None, Some(ids)) if media.is_empty() => text_prompt(ids.clone()),
         (None, Some(_)) => bail!("--ids cannot carry media; use --prompt"),
         (None, None) => bail!("give --prompt or --ids"),
         (Some(text), _) => {
@@ -94,61 +97,70 @@ pub fn run(a: RunArgs, model: &dyn CausalLm) -> Result<()> {
             };
             let proc = ProcessorConfig::from_dir(&a.model)?;
             let p = prepare_prompt(tok, &proc, &prompt, &media)?;
-            let mut spans = Vec::new();
-            if !p.media.is_empty() {
-                let tower = VisionTower::from_dir(&a.model)?.context("this model has no vision tower")?;
-                let h = model.info().hidden_size;
-                for item in &p.media {
-                    let emb = tower.encode(&item.patches.rows, item.patches.grid)?;
-                    let mut at = 0;
-                    for &(o, l) in &item.spans {
-                        spans.push((o, emb[at * h..(at + l) * h].to_vec()));
-                        at += l;
-                    }
-                }
-            }
-            (p.input_ids, Some(p.positions), p.rope_delta, spans)
+            let media = p
+                .media
+                .into_iter()
+                .map(|item| PreparedMedia {
+                    hash: [0; 16],
+                    patches: Arc::new(PixelPatches { rows: item.patches.rows, grid: item.patches.grid }),
+                    spans: item.spans,
+                })
+                .collect();
+            PreparedPrompt { positions: Some(p.positions), rope_delta: p.rope_delta, media, ..text_prompt(p.input_ids) }
         }
     };
-    if ids.is_empty() {
+    if prompt.input_ids.is_empty() {
         bail!("the prompt is empty");
     }
-    let eos: Vec<u32> = model.info().eos_token_ids.clone();
-    let media_spans: Vec<MediaSpan<'_>> = spans.iter().map(|(o, r)| MediaSpan { offset: *o, rows: r }).collect();
-    let mut st = model.new_state();
-    let t0 = Instant::now();
-    let mut logits = Vec::new();
-    let chunk = a.chunk.max(1);
-    let mut start = 0;
-    while start < ids.len() {
-        let end = (start + chunk).min(ids.len());
-        let inj = rows_in_chunk(&media_spans, start, end, model.info().hidden_size);
-        let input = SeqInput {
-            tokens: &ids[start..end],
-            positions: positions.as_ref().map_or(Positions::Text, |p| Positions::Explicit(&p[start..end])),
-            injected: &inj,
-            logits: if end == ids.len() { LogitsWanted::Last } else { LogitsWanted::None },
-        };
-        logits = model.forward(&mut [SeqStep { state: &mut st, input }], false)?.logits.remove(0);
-        start = end;
-    }
-    st.rope_delta = delta;
-    let ttft = t0.elapsed();
-    let mut out = Vec::new();
-    for _ in 0..a.max_tokens {
-        let next = logits.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map(|(i, _)| i as u32).unwrap_or(0);
-        out.push(next);
-        if eos.contains(&next) {
-            break;
-        }
-        let input = SeqInput::text(std::slice::from_ref(&next));
-        logits = model.forward(&mut [SeqStep { state: &mut st, input }], false)?.logits.remove(0);
-    }
-    println!("prompt tokens: {}", ids.len());
-    println!("generated ids: {out:?}");
+    let tower = if prompt.media.is_empty() {
+        None
+    } else {
+        Some(VisionTower::from_dir(&a.model)?.context("this model has no vision tower")?)
+    };
+    let n_prompt = prompt.input_ids.len();
+    let opts = GenerateOptions {
+        chunk: a.chunk.max(1),
+        max_tokens: a.max_tokens.max(1),
+        stop_token_ids: model.info().eos_token_ids.clone(),
+    };
+    let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
+    let mut driver = Driver::new(model, 16);
+    let out = driver.generate(Arc::new(prompt), greedy, &opts, &mut TowerRows(tower.as_ref()))?;
+    println!("prompt tokens: {n_prompt}");
+    println!("generated ids: {:?}", out.tokens);
     if let Some(t) = &tok {
-        println!("generated text: {:?}", t.decode(&out, false)?);
+        println!("generated text: {:?}", t.decode(&out.tokens, false)?);
     }
-    eprintln!("ttft {:.3}s, {} tokens in {:.3}s", ttft.as_secs_f64(), out.len(), t0.elapsed().as_secs_f64());
+    eprintln!(
+        "ttft {:.3}s, {} tokens in {:.3}s",
+        out.prefill_secs,
+        out.tokens.len(),
+        out.prefill_secs + out.decode_secs
+    );
     Ok(())
+}
+
+/// A text prompt (no media, text positions).
+fn text_prompt(ids: Vec<u32>) -> PreparedPrompt {
+    PreparedPrompt {
+        cache_ids: ids.iter().map(|&t| u64::from(t)).collect(),
+        input_ids: ids,
+        positions: None,
+        rope_delta: 0,
+        media: Vec::new(),
+        thinking_open: false,
+    }
+}
+
+/// Media rows encoded in-process by the vision tower, on first need (as the vision actor would).
+struct TowerRows<'a>(Option<&'a VisionTower>);
+
+impl RowSource for TowerRows<'_> {
+    fn rows(&mut self, m: &PreparedMedia) -> Result<Arc<Vec<f32>>, RequestError> {
+        let tower = self.0.ok_or_else(|| RequestError::new(ErrorCode::VisionUnsupported, "no vision tower"))?;
+        let rows = tower
+            .encode(&m.patches.rows, m.patches.grid)
+            .map_err(|e| RequestError::new(ErrorCode::EngineError, e.to_string()))?;
+        Ok(Arc::new(rows))
+    }
 }

@@ -9,11 +9,18 @@
 #[path = "../crates/models/tests/common/mod.rs"]
 mod common;
 
+use std::sync::Arc;
+
 use common::{assert_close, fixtures, model, Ref};
 use osprey_models::vision::{
     decode_image, rows_in_chunk, DecodeLimits, MediaSpan, ProcessorConfig, RgbImage, VisionTower,
 };
 use osprey_models::{LogitsWanted, Positions, SeqInput, SeqStep};
+use osprey_protocol::scheduler::SamplingParams;
+use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
+use osprey_protocol::vision::PixelPatches;
+use osprey_protocol::RequestError;
+use osprey_runner::{Driver, GenerateOptions, RowSource};
 use osprey_tokenizer::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
 
 const CASES: [&str; 4] = ["image", "two_images", "video", "image_video"];
@@ -31,34 +38,36 @@ fn frames(name: &str) -> usize {
     }
 }
 
+/// The case's media and rendered prompt, as a chat request would build them.
+fn case_prompt(dir: &std::path::Path, r: &Ref) -> (Vec<Media>, String) {
+    let tmpl = ChatTemplate::from_dir(dir).expect("template");
+    let mut content = Vec::new();
+    let mut media = Vec::new();
+    for item in r.meta["media"].as_array().expect("media") {
+        let (kind, file) = (item[0].as_str().expect("kind"), item[1].as_str().expect("file"));
+        content.push(serde_json::json!({"type": kind}));
+        media.push(if kind == "image" {
+            Media::Image(png(&format!("{file}.png")))
+        } else {
+            Media::Video { frames: (0..frames(file)).map(|i| png(&format!("{file}_{i}.png"))).collect(), fps: 2.0 }
+        });
+    }
+    content.push(serde_json::json!({"type": "text", "text": r.meta["question"]}));
+    let messages = serde_json::json!([{"role": "user", "content": content}]);
+    (media, tmpl.render(&messages, true, &serde_json::Map::new()).expect("render"))
+}
+
 #[test]
 fn multimodal_requests_build_exactly_the_inputs_transformers_builds_and_match_its_logits() {
     for name in ["qwen3_5-tiny", "qwen3_5_moe-tiny"] {
         let dir = fixtures().join("models").join(name);
-        let (tok, tmpl) =
-            (TextTokenizer::from_dir(&dir).expect("tokenizer"), ChatTemplate::from_dir(&dir).expect("template"));
+        let tok = TextTokenizer::from_dir(&dir).expect("tokenizer");
         let proc = ProcessorConfig::from_dir(&dir).expect("processor");
         let m = model(name);
         let tower = VisionTower::from_dir(&dir).expect("load").expect("vision");
         for case in CASES {
             let r = Ref::load(name, case);
-            let mut content = Vec::new();
-            let mut media = Vec::new();
-            for item in r.meta["media"].as_array().expect("media") {
-                let (kind, file) = (item[0].as_str().expect("kind"), item[1].as_str().expect("file"));
-                content.push(serde_json::json!({"type": kind}));
-                media.push(if kind == "image" {
-                    Media::Image(png(&format!("{file}.png")))
-                } else {
-                    Media::Video {
-                        frames: (0..frames(file)).map(|i| png(&format!("{file}_{i}.png"))).collect(),
-                        fps: 2.0,
-                    }
-                });
-            }
-            content.push(serde_json::json!({"type": "text", "text": r.meta["question"]}));
-            let messages = serde_json::json!([{"role": "user", "content": content}]);
-            let prompt = tmpl.render(&messages, true, &serde_json::Map::new()).expect("render");
+            let (media, prompt) = case_prompt(&dir, &r);
             assert_eq!(prompt, r.meta["prompt"].as_str().expect("prompt"), "{name}/{case} rendered prompt");
             let p = prepare_prompt(&tok, &proc, &prompt, &media).expect("prepare");
             assert_eq!(p.input_ids, r.ids("input_ids"), "{name}/{case} input ids");
@@ -100,5 +109,63 @@ fn multimodal_requests_build_exactly_the_inputs_transformers_builds_and_match_it
             let v = m.info().vocab_size;
             assert_close(&format!("{name}/{case} end-to-end last logits"), &logits, &r.f32s("step_logits")[..v], 1e-4);
         }
+    }
+}
+
+/// Media rows from the tower, in-process (what `osprey run` does); counts the encodes.
+struct Tower<'a>(&'a VisionTower, usize);
+
+impl RowSource for Tower<'_> {
+    fn rows(&mut self, m: &PreparedMedia) -> Result<Arc<Vec<f32>>, RequestError> {
+        self.1 += 1;
+        let rows = self.0.encode(&m.patches.rows, m.patches.grid).expect("encode");
+        Ok(Arc::new(rows))
+    }
+}
+
+/// The one generation driver (the server's runner, `osprey run` and the bench all use it) reproduces
+/// transformers' greedy ids for every media case, whatever the prefill chunk: 1 token (every media item
+/// spread over many chunks), 7 (chunks that start and end inside media spans) and the whole prompt. It
+/// encodes each media item once per generation.
+#[test]
+fn the_generation_driver_reproduces_transformers_greedy_ids_at_any_chunk_size() {
+    for name in ["qwen3_5-tiny", "qwen3_5_moe-tiny"] {
+        let dir = fixtures().join("models").join(name);
+        let tok = TextTokenizer::from_dir(&dir).expect("tokenizer");
+        let proc = ProcessorConfig::from_dir(&dir).expect("processor");
+        let tower = VisionTower::from_dir(&dir).expect("load").expect("vision");
+        let mut driver = Driver::new(model(name), 16);
+        for case in CASES {
+            let r = Ref::load(name, case);
+            let (media, prompt) = case_prompt(&dir, &r);
+            let p = prepare_prompt(&tok, &proc, &prompt, &media).expect("prepare");
+            let items = p.media.len();
+            let prompt = Arc::new(PreparedPrompt {
+                cache_ids: p.input_ids.iter().map(|&t| u64::from(t)).collect(),
+                input_ids: p.input_ids,
+                positions: Some(p.positions),
+                rope_delta: p.rope_delta,
+                media: p
+                    .media
+                    .into_iter()
+                    .map(|i| PreparedMedia {
+                        hash: [0; 16],
+                        patches: Arc::new(PixelPatches { rows: i.patches.rows, grid: i.patches.grid }),
+                        spans: i.spans,
+                    })
+                    .collect(),
+                thinking_open: true,
+            });
+            let want = r.ids("generated_ids");
+            for chunk in [1, 7, prompt.input_ids.len()] {
+                let opts = GenerateOptions { chunk, max_tokens: want.len(), stop_token_ids: Vec::new() };
+                let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
+                let mut rows = Tower(&tower, 0);
+                let got = driver.generate(prompt.clone(), greedy, &opts, &mut rows).expect("generate");
+                assert_eq!(got.tokens, want, "{name}/{case} chunk {chunk}");
+                assert_eq!(rows.1, items, "{name}/{case} chunk {chunk}: one encode per media item");
+            }
+        }
+        assert_eq!(driver.sequences(), 0, "generate releases its sequence");
     }
 }

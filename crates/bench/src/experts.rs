@@ -3,14 +3,12 @@
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use osprey_experts::{
     open_reader, spawn, Budget, ExpertIndex, Policy, ResidencyCommand, ResidencyStats, ResidencyTable,
 };
-use osprey_models::{
-    Checkpoint, ExpertSource, ExpertTicket, ExpertWeights, ModelConfig, PendingExperts, SeqInput, SeqStep, Weight,
-};
+use osprey_models::{Checkpoint, ExpertSource, ExpertTicket, ExpertWeights, ModelConfig, PendingExperts, Weight};
+use osprey_runner::{Driver, GenerateOptions, NoMedia};
 use serde::Serialize;
 
 /// A routing trace: per MoE request, the layer and the experts it routed to.
@@ -153,7 +151,7 @@ pub fn bench_experts(
     prompt_len: usize,
     decode_tokens: usize,
     wait_all: bool,
-) -> osprey_models::Result<ExpertsReport> {
+) -> crate::Result<ExpertsReport> {
     let cfg = ModelConfig::from_dir(dir)?;
     let ck = Checkpoint::open(dir)?;
     let layout = osprey_models::expert_layout(&cfg, &ck)?
@@ -172,17 +170,16 @@ pub fn bench_experts(
     let trace = Arc::new(Mutex::new(Vec::new()));
     let source = Arc::new(Recording { inner: Arc::new(set), trace: trace.clone(), wait_all });
     let model = osprey_models::load_checkpoint(&cfg, &ck, Some(source))?;
-    let prompt = crate::bench_prompt(prompt_len, model.info().vocab_size);
-    let mut st = model.new_state();
-    let mut logits =
-        model.forward(&mut [SeqStep { state: &mut st, input: SeqInput::text(&prompt) }], false)?.logits.remove(0);
-    let before = stats(&tx);
-    let t0 = Instant::now();
-    for _ in 0..decode_tokens {
-        let tok = [logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).unwrap_or(0)];
-        logits = model.forward(&mut [SeqStep { state: &mut st, input: SeqInput::text(&tok) }], false)?.logits.remove(0);
-    }
-    let secs = t0.elapsed().as_secs_f64();
+    let top_k = model.info().experts_per_token;
+    let prompt = crate::text_prompt(crate::bench_prompt(prompt_len, model.info().vocab_size));
+    let mut driver = Driver::new(model, 16);
+    // Counters are sampled at the first token, so they cover the decode only.
+    let mut before = None;
+    let opts = GenerateOptions { chunk: prompt_len.max(1), max_tokens: decode_tokens + 1, stop_token_ids: Vec::new() };
+    let g =
+        driver.generate_observed(prompt, crate::greedy(), &opts, &mut NoMedia, &mut || before = Some(stats(&tx)))?;
+    let before = before.unwrap_or_default();
+    let secs = g.decode_secs;
     let after = stats(&tx);
     let (h0, m0, b0, r0) = totals(&before);
     let (h1, m1, b1, r1) = totals(&after);
@@ -200,12 +197,7 @@ pub fn bench_experts(
         read_gb_s: if read_s > 0.0 { bytes as f64 / read_s / 1e9 } else { 0.0 },
         stall_s: after.stall_secs - before.stall_secs,
         peak_rss_bytes: peak_rss(),
-        policies: simulate(
-            &trace,
-            prefixes.len(),
-            layout.num_experts,
-            capacity_experts.max(model.info().experts_per_token),
-        ),
+        policies: simulate(&trace, prefixes.len(), layout.num_experts, capacity_experts.max(top_k)),
         wait_all,
     })
 }

@@ -13,7 +13,13 @@ use std::time::Instant;
 pub use experts::{bench_experts, ExpertsReport, PolicyHitRates};
 
 use osprey_models::vision::{preprocess_image, ImageParams, RgbImage, VisionTower};
-use osprey_models::{CausalLm, LogitsWanted, Result, SeqInput, SeqStep};
+use std::sync::Arc;
+
+use osprey_models::CausalLm;
+use osprey_protocol::scheduler::SamplingParams;
+use osprey_protocol::tokenizer::PreparedPrompt;
+use osprey_protocol::RequestError;
+use osprey_runner::{Driver, GenerateOptions, NoMedia};
 use serde::Serialize;
 
 /// What to run.
@@ -57,31 +63,53 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn argmax(v: &[f32]) -> u32 {
-    v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).unwrap_or(0)
+/// Errors of the benchmarks.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Loading or running the model.
+    #[error(transparent)]
+    Model(#[from] osprey_models::Error),
+    /// The generation driver refused or failed.
+    #[error(transparent)]
+    Engine(#[from] RequestError),
 }
 
-/// Runs the benchmark.
-pub fn bench_forward(model: &dyn CausalLm, b: ForwardBench) -> Result<ForwardReport> {
-    let prompt = bench_prompt(b.prompt_len, model.info().vocab_size);
+/// Result alias of this crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// A text prompt for the driver.
+fn text_prompt(ids: Vec<u32>) -> Arc<PreparedPrompt> {
+    Arc::new(PreparedPrompt {
+        cache_ids: ids.iter().map(|&t| u64::from(t)).collect(),
+        input_ids: ids,
+        positions: None,
+        rope_delta: 0,
+        media: Vec::new(),
+        thinking_open: false,
+    })
+}
+
+/// Greedy decoding, as every engine is compared.
+fn greedy() -> SamplingParams {
+    SamplingParams { temperature: 0.0, ..SamplingParams::default() }
+}
+
+/// Runs the benchmark through the generation driver (the code path of the server's runner): the prompt
+/// prefilled as one chunk, then `decode_tokens` greedy decode forwards.
+pub fn bench_forward(driver: &mut Driver, b: ForwardBench) -> Result<ForwardReport> {
+    let prompt = text_prompt(bench_prompt(b.prompt_len, driver.model().info().vocab_size));
+    // The first token comes from the prefill; each further token costs one decode forward.
+    let opts =
+        GenerateOptions { chunk: b.prompt_len.max(1), max_tokens: b.decode_tokens + 1, stop_token_ids: Vec::new() };
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
     for rep in 0..=b.repeats {
-        let mut st = model.new_state();
-        let t0 = Instant::now();
-        let input = SeqInput { logits: LogitsWanted::Last, ..SeqInput::text(&prompt) };
-        let mut logits = model.forward(&mut [SeqStep { state: &mut st, input }], false)?.logits.remove(0);
-        let t1 = Instant::now();
-        for _ in 0..b.decode_tokens {
-            let tok = [argmax(&logits)];
-            logits =
-                model.forward(&mut [SeqStep { state: &mut st, input: SeqInput::text(&tok) }], false)?.logits.remove(0);
-        }
-        let t2 = Instant::now();
+        let g = driver.generate(prompt.clone(), greedy(), &opts, &mut NoMedia)?;
         if rep > 0 {
-            prefill.push((t1 - t0).as_secs_f64());
-            decode.push((t2 - t1).as_secs_f64());
+            prefill.push(g.prefill_secs);
+            decode.push(g.decode_secs);
         }
     }
+    let model = driver.model();
     let (p, d) = (median(prefill), median(decode));
     let (dense, per_expert) = model.weight_bytes();
     let moe_layers = if per_expert > 0 { model.info().moe_layers } else { 0 };

@@ -7,7 +7,7 @@ use tokio::sync::oneshot;
 use crate::prefix::PrefixMatch;
 use crate::scheduler::SamplingParams;
 use crate::tokenizer::PreparedPrompt;
-use crate::{Handle, SeqId};
+use crate::{Handle, RequestError, SeqId};
 
 /// What the runner needs to know about a sequence the first time it sees it.
 #[derive(Clone, Debug)]
@@ -86,7 +86,7 @@ pub struct StepResult {
     /// One entry per item with `sample`.
     pub sampled: Vec<Sampled>,
     /// Sequences whose step failed, with why (they are released by the runner).
-    pub failed: Vec<(SeqId, String)>,
+    pub failed: Vec<(SeqId, RequestError)>,
     /// Snapshots taken for the prefix cache.
     pub snapshots: Vec<SnapshotTaken>,
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use tokio::sync::oneshot;
 
-use crate::MediaHash;
+use crate::{MediaHash, RequestError};
 
 /// Patch rows of one image or video and its grid, as the processor made them (plain data).
 #[derive(Clone, Debug, PartialEq)]
@@ -35,8 +35,8 @@ pub enum VisionCommand {
         hash: MediaHash,
         /// Pixel rows and grid.
         patches: Arc<PixelPatches>,
-        /// The rows or an error message.
-        reply: oneshot::Sender<Result<Arc<Vec<f32>>, String>>,
+        /// The rows, or why not (a typed error that reaches the client as is).
+        reply: oneshot::Sender<Result<Arc<Vec<f32>>, RequestError>>,
     },
     /// Cache counters.
     Stats {

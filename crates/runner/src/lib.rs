@@ -6,21 +6,21 @@
 //! a prompt chunk receives exactly the vision rows whose placeholders fall inside it (rows come from the
 //! vision actor, keyed by media hash, and are held until the sequence's prefill ends).
 
+mod driver;
 mod sampler;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread;
-use std::time::{SystemTime, UNIX_EPOCH};
 
-use osprey_models::vision::{rows_in_chunk, MediaSpan};
-use osprey_models::{KvBlock, LogitsWanted, Model, Positions, SeqInput, SeqState, SeqStep, StateSnapshot};
+use osprey_models::{KvBlock, Model, StateSnapshot};
+use osprey_protocol::prefix::PrefixMatch;
 use osprey_protocol::runner::{BatchPlan, RunnerCommand, Sampled, SnapshotTaken, StepResult};
-use osprey_protocol::scheduler::SamplingParams;
-use osprey_protocol::tokenizer::PreparedPrompt;
+use osprey_protocol::tokenizer::PreparedMedia;
 use osprey_protocol::vision::VisionCommand;
-use osprey_protocol::{Handle, Opaque, SeqId};
+use osprey_protocol::{ErrorCode, Handle, Opaque, RequestError};
 use tokio::sync::{mpsc, oneshot};
+
+pub use driver::{Done, Driver, GenerateOptions, Generated, NoMedia, Resume, RowSource, Taken, Work};
 
 /// The vision actor's inbox (the runner asks it for rows; actor crates do not depend on each other).
 pub type VisionSender = mpsc::UnboundedSender<VisionCommand>;
@@ -53,206 +53,103 @@ fn own<T: 'static>(h: &Handle) -> Option<&T> {
     any.downcast_ref::<T>()
 }
 
-/// Vision rows of a prompt's media items (shared; `None` until fetched).
-type MediaRows = Vec<Option<Arc<Vec<f32>>>>;
+/// Rows from the vision actor (the server's [`RowSource`]).
+struct VisionRows<'a>(Option<&'a VisionSender>);
 
-struct SeqRec {
-    state: SeqState,
-    prompt: Arc<PreparedPrompt>,
-    /// Prompt tokens followed by generated ones.
-    tokens: Vec<u32>,
-    sampling: SamplingParams,
-    rng: Rng,
-    /// Vision rows per media item, fetched on first need, dropped when the prefill ends.
-    rows: MediaRows,
-    /// Pages `[0, pages_reported)` are in the prefix cache or were sent with an earlier snapshot.
-    pages_reported: usize,
-}
-
-/// The runner's synchronous core.
-pub struct Runner {
-    model: Model,
-    vision: Option<VisionSender>,
-    seqs: HashMap<SeqId, SeqRec>,
-    page_size: usize,
-}
-
-impl std::fmt::Debug for Runner {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Runner").field("sequences", &self.seqs.len()).finish()
+impl RowSource for VisionRows<'_> {
+    fn rows(&mut self, m: &PreparedMedia) -> Result<Arc<Vec<f32>>, RequestError> {
+        let gone = |what: &str| RequestError::new(ErrorCode::Unavailable, format!("the vision encoder {what}"));
+        let v = self
+            .0
+            .ok_or_else(|| RequestError::new(ErrorCode::VisionUnsupported, "this model has no vision encoder"))?;
+        let (reply, rx) = oneshot::channel();
+        v.send(VisionCommand::Encode { hash: m.hash, patches: m.patches.clone(), reply })
+            .map_err(|_| gone("is gone"))?;
+        rx.blocking_recv().map_err(|_| gone("dropped the request"))?
     }
 }
 
-fn clock_seed(seq: SeqId) -> u64 {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-    nanos ^ seq.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+/// The runner's synchronous core: the generation driver plus the protocol around it.
+#[derive(Debug)]
+pub struct Runner {
+    driver: Driver,
+    vision: Option<VisionSender>,
 }
 
 impl Runner {
     /// A runner over a loaded model; `vision` serves media rows (None for text-only models).
     pub fn new(model: Model, vision: Option<VisionSender>, page_size: usize) -> Self {
-        Runner { model, vision, seqs: HashMap::new(), page_size: page_size.max(1) }
+        Runner { driver: Driver::new(model, page_size), vision }
     }
 
     /// Sequences held.
     pub fn sequences(&self) -> usize {
-        self.seqs.len()
-    }
-
-    /// Fetches the vision rows a chunk `[start, end)` of `rec`'s prompt needs.
-    fn ensure_rows(vision: Option<&VisionSender>, rec: &mut SeqRec, start: usize, end: usize) -> Result<(), String> {
-        for (i, m) in rec.prompt.media.iter().enumerate() {
-            let needed = m.spans.iter().any(|&(o, l)| o < end && o + l > start);
-            if needed && rec.rows[i].is_none() {
-                let v = vision.ok_or("this model has no vision encoder")?;
-                let (reply, rx) = oneshot::channel();
-                v.send(VisionCommand::Encode { hash: m.hash, patches: m.patches.clone(), reply })
-                    .map_err(|_| "the vision encoder is gone".to_string())?;
-                let rows = rx.blocking_recv().map_err(|_| "the vision encoder dropped the request".to_string())??;
-                rec.rows[i] = Some(rows);
-            }
-        }
-        Ok(())
+        self.driver.sequences()
     }
 
     /// Executes one plan.
     pub fn step(&mut self, plan: BatchPlan) -> StepResult {
         let mut result = StepResult::default();
         for id in &plan.release {
-            self.seqs.remove(id);
+            self.driver.release(*id);
         }
-        // 1. Admit new sequences and take every scheduled record out of the map (disjoint &mut borrows).
-        let mut work: Vec<(usize, SeqRec)> = Vec::new();
-        for (k, item) in plan.items.iter().enumerate() {
+        // 1. Admit new sequences (restoring prefix-cache hits).
+        let mut work = Vec::with_capacity(plan.items.len());
+        for item in &plan.items {
             if let Some(a) = &item.admit {
-                let mut state = self.model.new_state();
-                let mut pages_reported = 0;
-                if let Some(hit) = &a.prefix {
-                    let pages: Option<Vec<&KvBlock>> = hit.pages.iter().map(|p| own::<Page>(p).map(|p| &p.0)).collect();
-                    let snap = hit.snapshot.as_ref().and_then(own::<Snapshot>);
-                    match pages.zip(snap).map(|(pages, s)| state.restore_prefix(&pages, &s.0)) {
-                        Some(Ok(())) => pages_reported = hit.cached_tokens / self.page_size,
-                        _ => {
-                            result
-                                .failed
-                                .push((item.seq, "prefix-cache hit without a usable snapshot: this is a bug".into()));
-                            continue;
-                        }
-                    }
-                }
-                // The snapshot's delta belongs to the sequence that made it; positions are this prompt's.
-                state.rope_delta = a.prompt.rope_delta;
-                let rng = Rng::new(a.sampling.seed.unwrap_or_else(|| clock_seed(item.seq)));
-                let rows = vec![None; a.prompt.media.len()];
-                let tokens = a.prompt.input_ids.clone();
-                let rec = SeqRec {
-                    state,
-                    prompt: a.prompt.clone(),
-                    tokens,
-                    sampling: a.sampling.clone(),
-                    rng,
-                    rows,
-                    pages_reported,
+                let resume = match &a.prefix {
+                    None => Ok(None),
+                    Some(hit) => resume(hit).map(Some),
                 };
-                self.seqs.insert(item.seq, rec);
-            }
-            match self.seqs.remove(&item.seq) {
-                Some(rec) => work.push((k, rec)),
-                None => result.failed.push((item.seq, "unknown sequence: this is a bug".into())),
-            }
-        }
-        // 2. Vision rows for prompt chunks.
-        let mut ok: Vec<(usize, SeqRec)> = Vec::new();
-        for (k, mut rec) in work {
-            let item = &plan.items[k];
-            let plen = rec.prompt.input_ids.len();
-            match Self::ensure_rows(self.vision.as_ref(), &mut rec, item.start, item.end.min(plen)) {
-                Ok(()) => ok.push((k, rec)),
-                Err(e) => result.failed.push((item.seq, e)),
-            }
-        }
-        // 3. One batched forward.
-        let hidden = self.model.info().hidden_size;
-        // Rows and prompts are shared (`Arc`), so the spans can borrow copies while states are borrowed mutably.
-        let held: Vec<(Arc<PreparedPrompt>, MediaRows)> =
-            ok.iter().map(|(_, rec)| (rec.prompt.clone(), rec.rows.clone())).collect();
-        let spans: Vec<Vec<MediaSpan<'_>>> = held
-            .iter()
-            .map(|(prompt, rows)| {
-                let mut v = Vec::new();
-                for (m, rows) in prompt.media.iter().zip(rows) {
-                    let Some(rows) = rows else { continue };
-                    let mut at = 0;
-                    for &(o, l) in &m.spans {
-                        v.push(MediaSpan { offset: o, rows: &rows[at * hidden..(at + l) * hidden] });
-                        at += l;
-                    }
-                }
-                v
-            })
-            .collect();
-        let injected: Vec<_> = ok
-            .iter()
-            .zip(&spans)
-            .map(|((k, _), sp)| rows_in_chunk(sp, plan.items[*k].start, plan.items[*k].end, hidden))
-            .collect();
-        let outcome = {
-            let mut steps: Vec<SeqStep<'_, '_>> = Vec::with_capacity(ok.len());
-            for ((k, rec), inj) in ok.iter_mut().zip(&injected) {
-                let item = &plan.items[*k];
-                let plen = rec.prompt.input_ids.len();
-                let positions = match &rec.prompt.positions {
-                    Some(p) if item.start < plen => Positions::Explicit(&p[item.start..item.end]),
-                    _ => Positions::Text,
-                };
-                let logits = if item.sample { LogitsWanted::Last } else { LogitsWanted::None };
-                let tokens = &rec.tokens[item.start..item.end];
-                steps.push(SeqStep {
-                    state: &mut rec.state,
-                    input: SeqInput { tokens, positions, injected: inj, logits },
-                });
-            }
-            self.model.forward(&mut steps, false)
-        };
-        drop(injected);
-        drop(spans);
-        // 4. Sample, record, put the sequences back.
-        match outcome {
-            Err(e) => {
-                for (k, _) in &ok {
-                    result.failed.push((plan.items[*k].seq, e.to_string()));
+                let admitted =
+                    resume.and_then(|r| self.driver.admit(item.seq, a.prompt.clone(), a.sampling.clone(), r));
+                if let Err(e) = admitted {
+                    result.failed.push((item.seq, e));
+                    continue;
                 }
             }
-            Ok(out) => {
-                for ((k, mut rec), logits) in ok.into_iter().zip(out.logits) {
-                    let item = &plan.items[k];
-                    if item.snapshot && item.end.is_multiple_of(self.page_size) {
-                        let p = self.page_size;
-                        let pages = (rec.pages_reported..item.end / p)
-                            .map(|i| (i, Arc::new(Page(rec.state.kv_block(i * p, (i + 1) * p))) as Handle))
-                            .collect();
-                        rec.pages_reported = item.end / p;
+            work.push(Work {
+                seq: item.seq,
+                start: item.start,
+                end: item.end,
+                sample: item.sample,
+                snapshot: item.snapshot,
+            });
+        }
+        // 2. One batched forward, then the results in protocol form.
+        for (seq, res) in self.driver.step(&work, &mut VisionRows(self.vision.as_ref())) {
+            match res {
+                Err(e) => {
+                    self.driver.release(seq);
+                    result.failed.push((seq, e));
+                }
+                Ok(done) => {
+                    if let Some(t) = done.snapshot {
                         result.snapshots.push(SnapshotTaken {
-                            seq: item.seq,
-                            tokens: item.end,
-                            pages,
-                            snapshot: Arc::new(Snapshot(rec.state.snapshot())),
+                            seq,
+                            tokens: t.tokens,
+                            pages: t.pages.into_iter().map(|(i, b)| (i, Arc::new(Page(b)) as Handle)).collect(),
+                            snapshot: Arc::new(Snapshot(t.state)),
                         });
                     }
-                    if item.sample {
-                        let plen = rec.prompt.input_ids.len();
-                        let (prompt, output) = rec.tokens.split_at(plen);
-                        let (token, logprobs) = sample(&logits, &rec.sampling, prompt, output, &mut rec.rng);
-                        rec.tokens.push(token);
-                        rec.rows.iter_mut().for_each(|r| *r = None);
-                        result.sampled.push(Sampled { seq: item.seq, token, logprobs });
+                    if let Some((token, logprobs)) = done.sampled {
+                        result.sampled.push(Sampled { seq, token, logprobs });
                     }
-                    self.seqs.insert(item.seq, rec);
                 }
             }
         }
         result
     }
+}
+
+/// A prefix-cache hit as the driver takes it: the runner's own pages and snapshot behind the handles.
+fn resume(hit: &PrefixMatch) -> Result<Resume<'_>, RequestError> {
+    let bug = || {
+        RequestError::new(ErrorCode::EngineError, "prefix-cache hit without usable pages or snapshot: this is a bug")
+    };
+    let pages: Option<Vec<&KvBlock>> = hit.pages.iter().map(|p| own::<Page>(p).map(|p| &p.0)).collect();
+    let snapshot = hit.snapshot.as_ref().and_then(own::<Snapshot>).ok_or_else(bug)?;
+    Ok(Resume { tokens: hit.cached_tokens, pages: pages.ok_or_else(bug)?, snapshot: &snapshot.0 })
 }
 
 /// Starts the runner thread; the scheduler sends it plans.

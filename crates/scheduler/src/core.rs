@@ -318,11 +318,11 @@ impl Scheduler {
                 s.computed = item.end;
             }
         }
-        for (id, why) in result.failed {
+        for (id, err) in result.failed {
             if let Some(i) = self.running.iter().position(|s| s.req.id == id) {
                 let s = self.running.remove(i);
                 self.leases.extend(s.hit.as_ref().and_then(|h| h.lease));
-                let _ = s.events.send(EngineEvent::Failed(RequestError::new(ErrorCode::EngineError, why)));
+                let _ = s.events.send(EngineEvent::Failed(err));
             }
         }
         for snap in result.snapshots {

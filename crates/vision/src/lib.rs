@@ -5,40 +5,37 @@
 //! `[tokens, hidden]` (shared `Arc`, so a request keeps its rows alive until its prefill ends even if the
 //! cache evicts them), `Stats` returns hit/miss counters. Repeated images are encoded once.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread;
 
+use lru::LruCache;
 use osprey_models::vision::VisionTower;
 use osprey_protocol::vision::{VisionCommand, VisionStats};
-use osprey_protocol::MediaHash;
+use osprey_protocol::{ErrorCode, MediaHash, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
-/// LRU cache of encoder outputs, bounded by bytes.
+/// LRU cache of encoder outputs, bounded by bytes (the `lru` crate keeps the recency order).
 #[derive(Debug)]
 pub struct EncoderCache {
-    map: HashMap<MediaHash, (Arc<Vec<f32>>, u64)>,
+    map: LruCache<MediaHash, Arc<Vec<f32>>>,
     bytes: usize,
     capacity: usize,
-    tick: u64,
     stats: VisionStats,
 }
 
 impl EncoderCache {
     /// A cache holding at most `capacity` bytes of rows.
     pub fn new(capacity: usize) -> Self {
-        EncoderCache { map: HashMap::new(), bytes: 0, capacity, tick: 0, stats: VisionStats::default() }
+        EncoderCache { map: LruCache::unbounded(), bytes: 0, capacity, stats: VisionStats::default() }
     }
 
     /// The rows of `hash`, computing and inserting them with `encode` on a miss.
     pub fn get_or_encode(
         &mut self,
         hash: MediaHash,
-        encode: impl FnOnce() -> Result<Vec<f32>, String>,
-    ) -> Result<Arc<Vec<f32>>, String> {
-        self.tick += 1;
-        if let Some((rows, t)) = self.map.get_mut(&hash) {
-            *t = self.tick;
+        encode: impl FnOnce() -> Result<Vec<f32>, RequestError>,
+    ) -> Result<Arc<Vec<f32>>, RequestError> {
+        if let Some(rows) = self.map.get(&hash) {
             self.stats.hits += 1;
             return Ok(rows.clone());
         }
@@ -46,13 +43,11 @@ impl EncoderCache {
         let rows = Arc::new(encode()?);
         let size = rows.len() * 4;
         while self.bytes + size > self.capacity {
-            let Some((&oldest, _)) = self.map.iter().min_by_key(|(_, (_, t))| *t) else { break };
-            if let Some((r, _)) = self.map.remove(&oldest) {
-                self.bytes -= r.len() * 4;
-            }
+            let Some((_, r)) = self.map.pop_lru() else { break };
+            self.bytes -= r.len() * 4;
         }
         if size <= self.capacity {
-            self.map.insert(hash, (rows.clone(), self.tick));
+            self.map.put(hash, rows.clone());
             self.bytes += size;
         }
         Ok(rows)
@@ -86,12 +81,13 @@ impl VisionHandle {
         &self,
         hash: MediaHash,
         patches: Arc<osprey_protocol::vision::PixelPatches>,
-    ) -> Result<Arc<Vec<f32>>, String> {
+    ) -> Result<Arc<Vec<f32>>, RequestError> {
+        let gone = || RequestError::new(ErrorCode::Unavailable, "the vision encoder is gone");
         let (reply, rx) = oneshot::channel();
         if !self.send(VisionCommand::Encode { hash, patches, reply }) {
-            return Err("the vision encoder is gone".into());
+            return Err(gone());
         }
-        rx.blocking_recv().map_err(|_| "the vision encoder dropped the request".to_string())?
+        rx.blocking_recv().map_err(|_| gone())?
     }
 }
 
@@ -106,7 +102,9 @@ pub fn spawn(tower: VisionTower, cache_bytes: usize) -> VisionHandle {
                 match cmd {
                     VisionCommand::Encode { hash, patches, reply } => {
                         let out = cache.get_or_encode(hash, || {
-                            tower.encode(&patches.rows, patches.grid).map_err(|e| e.to_string())
+                            tower
+                                .encode(&patches.rows, patches.grid)
+                                .map_err(|e| RequestError::new(ErrorCode::EngineError, e.to_string()))
                         });
                         let _ = reply.send(out);
                     }
@@ -130,9 +128,12 @@ mod tests {
         let enc = |v: f32| move || Ok(vec![v; 8]);
         c.get_or_encode([1; 16], enc(1.0)).expect("a");
         c.get_or_encode([2; 16], enc(2.0)).expect("b");
-        assert_eq!(c.get_or_encode([1; 16], || Err("must hit".into())).expect("hit")[0], 1.0);
+        assert_eq!(
+            c.get_or_encode([1; 16], || Err(RequestError::new(ErrorCode::EngineError, "must hit"))).expect("hit")[0],
+            1.0
+        );
         c.get_or_encode([3; 16], enc(3.0)).expect("c evicts b, the least recently used");
-        assert!(c.get_or_encode([2; 16], || Err("miss".into())).is_err());
+        assert!(c.get_or_encode([2; 16], || Err(RequestError::new(ErrorCode::EngineError, "miss"))).is_err());
         assert_eq!(c.stats().hits, 1);
         assert_eq!(c.stats().cached_bytes, 64);
     }

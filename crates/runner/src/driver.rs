@@ -1,0 +1,364 @@
+//! The generation driver: the one loop that turns prompts into tokens. It admits sequences (fresh, or
+//! resumed from a prefix-cache hit), runs chunked prefill with each media item's rows injected into exactly
+//! the chunks that hold its placeholders (whether the item began in an earlier chunk or before the hit),
+//! decodes, samples and stops. The runner actor drives it one batch plan at a time ([`Driver::step`]);
+//! `osprey run` and the bench call [`Driver::generate`] for one sequence, so all three run the same code.
+//!
+//! It sees the model only through the [`CausalLm`] seam and owns every sequence's state.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use osprey_models::vision::{rows_in_chunk, MediaSpan};
+use osprey_models::{KvBlock, LogitsWanted, Model, Positions, SeqInput, SeqState, SeqStep, StateSnapshot};
+use osprey_protocol::runner::TokenLogprobs;
+use osprey_protocol::scheduler::{FinishReason, SamplingParams};
+use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
+use osprey_protocol::{ErrorCode, RequestError, SeqId};
+
+use crate::sampler::{sample, Rng};
+
+/// Where a sequence's media rows come from: the vision actor in the server, the tower in-process for
+/// `osprey run`.
+pub trait RowSource {
+    /// `[tokens, hidden]` rows of one media item.
+    fn rows(&mut self, media: &PreparedMedia) -> Result<Arc<Vec<f32>>, RequestError>;
+}
+
+/// A row source for text-only prompts: any media item is an error.
+#[derive(Debug, Default)]
+pub struct NoMedia;
+
+impl RowSource for NoMedia {
+    fn rows(&mut self, _: &PreparedMedia) -> Result<Arc<Vec<f32>>, RequestError> {
+        Err(RequestError::new(ErrorCode::VisionUnsupported, "this model has no vision encoder"))
+    }
+}
+
+/// A prefix-cache hit to resume from: KV pages covering `[0, tokens)` and the recurrent state after them.
+#[derive(Debug)]
+pub struct Resume<'a> {
+    /// Tokens covered (a page multiple).
+    pub tokens: usize,
+    /// The pages, in order from token 0.
+    pub pages: Vec<&'a KvBlock>,
+    /// State after the pages.
+    pub snapshot: &'a StateSnapshot,
+}
+
+/// One sequence's work in a step: feed tokens `[start, end)` (prompt, then generated tokens).
+#[derive(Clone, Copy, Debug)]
+pub struct Work {
+    /// The sequence.
+    pub seq: SeqId,
+    /// First token to feed.
+    pub start: usize,
+    /// End (exclusive).
+    pub end: usize,
+    /// Sample a token after this chunk.
+    pub sample: bool,
+    /// Snapshot the state after this chunk (its end is a page boundary) with the pages computed since the
+    /// sequence's previous snapshot.
+    pub snapshot: bool,
+}
+
+/// A snapshot taken after a work item.
+#[derive(Debug)]
+pub struct Taken {
+    /// Tokens covered.
+    pub tokens: usize,
+    /// `(page index, rows)` of pages computed since the previous snapshot of this sequence.
+    pub pages: Vec<(usize, KvBlock)>,
+    /// The recurrent state after `tokens`.
+    pub state: StateSnapshot,
+}
+
+/// What a work item produced.
+#[derive(Debug, Default)]
+pub struct Done {
+    /// The sampled token and its logprobs (items with `sample`).
+    pub sampled: Option<(u32, Option<TokenLogprobs>)>,
+    /// The snapshot (items with `snapshot` ending on a page boundary).
+    pub snapshot: Option<Taken>,
+}
+
+/// Vision rows of a prompt's media items (shared; `None` until fetched).
+type MediaRows = Vec<Option<Arc<Vec<f32>>>>;
+
+#[derive(Debug)]
+struct SeqRec {
+    state: SeqState,
+    prompt: Arc<PreparedPrompt>,
+    /// Prompt tokens followed by generated ones.
+    tokens: Vec<u32>,
+    sampling: SamplingParams,
+    rng: Rng,
+    /// Vision rows per media item, fetched on first need, dropped when the prefill ends.
+    rows: MediaRows,
+    /// Pages `[0, pages_reported)` are in the prefix cache or were sent with an earlier snapshot.
+    pages_reported: usize,
+}
+
+/// Settings of [`Driver::generate`].
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// Prompt tokens per forward.
+    pub chunk: usize,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Tokens that end the generation (they are included in the output).
+    pub stop_token_ids: Vec<u32>,
+}
+
+/// The result of [`Driver::generate`].
+#[derive(Clone, Debug)]
+pub struct Generated {
+    /// Generated tokens.
+    pub tokens: Vec<u32>,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// Seconds from the start to the first token (prefill).
+    pub prefill_secs: f64,
+    /// Seconds of the decode forwards after the first token.
+    pub decode_secs: f64,
+}
+
+fn clock_seed(seq: SeqId) -> u64 {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    nanos ^ seq.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+fn engine_error(e: impl std::fmt::Display) -> RequestError {
+    RequestError::new(ErrorCode::EngineError, e.to_string())
+}
+
+/// The driver: a model behind the seam and the sequences it is running.
+#[derive(Debug)]
+pub struct Driver {
+    model: Model,
+    seqs: HashMap<SeqId, SeqRec>,
+    page_size: usize,
+    /// Ids for [`Driver::generate`]'s private sequences (counting down from the top of the id space).
+    next_private: SeqId,
+}
+
+impl Driver {
+    /// A driver over a loaded model; snapshots cut KV into pages of `page_size` tokens.
+    pub fn new(model: Model, page_size: usize) -> Self {
+        Driver { model, seqs: HashMap::new(), page_size: page_size.max(1), next_private: SeqId::MAX }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Sequences held.
+    pub fn sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Starts a sequence, from a prefix-cache hit when given.
+    pub fn admit(
+        &mut self,
+        seq: SeqId,
+        prompt: Arc<PreparedPrompt>,
+        sampling: SamplingParams,
+        resume: Option<Resume<'_>>,
+    ) -> Result<(), RequestError> {
+        let mut state = self.model.new_state();
+        let mut pages_reported = 0;
+        if let Some(r) = resume {
+            state.restore_prefix(&r.pages, r.snapshot).map_err(engine_error)?;
+            pages_reported = r.tokens / self.page_size;
+        }
+        // The snapshot's delta belongs to the sequence that made it; positions are this prompt's.
+        state.rope_delta = prompt.rope_delta;
+        let rng = Rng::new(sampling.seed.unwrap_or_else(|| clock_seed(seq)));
+        let rows = vec![None; prompt.media.len()];
+        let tokens = prompt.input_ids.clone();
+        self.seqs.insert(seq, SeqRec { state, prompt, tokens, sampling, rng, rows, pages_reported });
+        Ok(())
+    }
+
+    /// Forgets a sequence (finished, cancelled or failed).
+    pub fn release(&mut self, seq: SeqId) {
+        self.seqs.remove(&seq);
+    }
+
+    /// Fetches the vision rows a chunk `[start, end)` of `rec`'s prompt needs.
+    fn ensure_rows(rows: &mut dyn RowSource, rec: &mut SeqRec, start: usize, end: usize) -> Result<(), RequestError> {
+        for (i, m) in rec.prompt.media.iter().enumerate() {
+            let needed = m.spans.iter().any(|&(o, l)| o < end && o + l > start);
+            if needed && rec.rows[i].is_none() {
+                rec.rows[i] = Some(rows.rows(m)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one batched forward over `work` (each sequence at most once) and samples. A sequence whose
+    /// item fails is released.
+    pub fn step(&mut self, work: &[Work], rows: &mut dyn RowSource) -> Vec<(SeqId, Result<Done, RequestError>)> {
+        let mut out = Vec::with_capacity(work.len());
+        // 1. Take every scheduled record out of the map (disjoint &mut borrows) and fetch its rows.
+        let mut ok: Vec<(Work, SeqRec)> = Vec::new();
+        for w in work {
+            let Some(mut rec) = self.seqs.remove(&w.seq) else {
+                out.push((w.seq, Err(engine_error("unknown sequence: this is a bug"))));
+                continue;
+            };
+            let plen = rec.prompt.input_ids.len();
+            if w.start >= w.end || w.end > rec.tokens.len() || w.start != rec.state.len() {
+                out.push((w.seq, Err(engine_error("work out of order with the sequence: this is a bug"))));
+                continue;
+            }
+            match Self::ensure_rows(rows, &mut rec, w.start, w.end.min(plen)) {
+                Ok(()) => ok.push((*w, rec)),
+                Err(e) => out.push((w.seq, Err(e))),
+            }
+        }
+        // 2. One batched forward. Rows and prompts are shared (`Arc`), so the spans can borrow copies while
+        //    states are borrowed mutably.
+        let hidden = self.model.info().hidden_size;
+        let held: Vec<(Arc<PreparedPrompt>, MediaRows)> =
+            ok.iter().map(|(_, rec)| (rec.prompt.clone(), rec.rows.clone())).collect();
+        let spans: Vec<Vec<MediaSpan<'_>>> = held.iter().map(|(p, r)| media_spans(p, r, hidden)).collect();
+        let injected: Vec<_> =
+            ok.iter().zip(&spans).map(|((w, _), sp)| rows_in_chunk(sp, w.start, w.end, hidden)).collect();
+        let outcome = {
+            let mut steps: Vec<SeqStep<'_, '_>> = Vec::with_capacity(ok.len());
+            for ((w, rec), inj) in ok.iter_mut().zip(&injected) {
+                let plen = rec.prompt.input_ids.len();
+                let positions = match &rec.prompt.positions {
+                    Some(p) if w.start < plen => Positions::Explicit(&p[w.start..w.end]),
+                    _ => Positions::Text,
+                };
+                let logits = if w.sample { LogitsWanted::Last } else { LogitsWanted::None };
+                let tokens = &rec.tokens[w.start..w.end];
+                steps.push(SeqStep {
+                    state: &mut rec.state,
+                    input: SeqInput { tokens, positions, injected: inj, logits },
+                });
+            }
+            self.model.forward(&mut steps, false)
+        };
+        drop(injected);
+        drop(spans);
+        // 3. Sample, snapshot, put the sequences back.
+        let logits = match outcome {
+            Ok(o) => o.logits,
+            Err(e) => {
+                let e = engine_error(e);
+                out.extend(ok.into_iter().map(|(w, _)| (w.seq, Err(e.clone()))));
+                return out;
+            }
+        };
+        for ((w, mut rec), logits) in ok.into_iter().zip(logits) {
+            let mut done = Done::default();
+            let p = self.page_size;
+            if w.snapshot && w.end.is_multiple_of(p) {
+                let pages =
+                    (rec.pages_reported..w.end / p).map(|i| (i, rec.state.kv_block(i * p, (i + 1) * p))).collect();
+                rec.pages_reported = w.end / p;
+                done.snapshot = Some(Taken { tokens: w.end, pages, state: rec.state.snapshot() });
+            }
+            if w.sample {
+                let plen = rec.prompt.input_ids.len();
+                let (prompt, output) = rec.tokens.split_at(plen);
+                let (token, logprobs) = sample(&logits, &rec.sampling, prompt, output, &mut rec.rng);
+                rec.tokens.push(token);
+                rec.rows.iter_mut().for_each(|r| *r = None);
+                done.sampled = Some((token, logprobs));
+            }
+            self.seqs.insert(w.seq, rec);
+            out.push((w.seq, Ok(done)));
+        }
+        out
+    }
+
+    /// One sequence from prompt to its last token: prefill in chunks of `opts.chunk`, then decode until a
+    /// stop token or `opts.max_tokens`. The sequence is released at the end.
+    pub fn generate(
+        &mut self,
+        prompt: Arc<PreparedPrompt>,
+        sampling: SamplingParams,
+        opts: &GenerateOptions,
+        rows: &mut dyn RowSource,
+    ) -> Result<Generated, RequestError> {
+        self.generate_observed(prompt, sampling, opts, rows, &mut || {})
+    }
+
+    /// [`Driver::generate`], calling `at_first_token` between the prefill and the decode (where a
+    /// benchmark samples its counters); its time counts in neither phase.
+    pub fn generate_observed(
+        &mut self,
+        prompt: Arc<PreparedPrompt>,
+        sampling: SamplingParams,
+        opts: &GenerateOptions,
+        rows: &mut dyn RowSource,
+        at_first_token: &mut dyn FnMut(),
+    ) -> Result<Generated, RequestError> {
+        let seq = self.next_private;
+        self.next_private -= 1;
+        let plen = prompt.input_ids.len();
+        if plen == 0 {
+            return Err(RequestError::new(ErrorCode::InvalidRequest, "the prompt is empty"));
+        }
+        self.admit(seq, prompt, sampling, None)?;
+        let result = self.generate_admitted(seq, plen, opts, rows, at_first_token);
+        self.release(seq);
+        result
+    }
+
+    fn generate_admitted(
+        &mut self,
+        seq: SeqId,
+        plen: usize,
+        opts: &GenerateOptions,
+        rows: &mut dyn RowSource,
+        at_first_token: &mut dyn FnMut(),
+    ) -> Result<Generated, RequestError> {
+        let t0 = Instant::now();
+        let mut tokens = Vec::new();
+        let mut start = 0;
+        // (time to the first token, start of the decode)
+        let mut first: Option<(f64, Instant)> = None;
+        let finish = loop {
+            let end = if start < plen { (start + opts.chunk.max(1)).min(plen) } else { start + 1 };
+            let work = Work { seq, start, end, sample: end >= plen, snapshot: false };
+            let (_, res) = self.step(&[work], rows).pop().expect("one result per work item");
+            start = end;
+            let Some((token, _)) = res?.sampled else { continue };
+            if first.is_none() {
+                let ttft = t0.elapsed().as_secs_f64();
+                at_first_token();
+                first = Some((ttft, Instant::now()));
+            }
+            tokens.push(token);
+            if opts.stop_token_ids.contains(&token) {
+                break FinishReason::Stop;
+            }
+            if tokens.len() >= opts.max_tokens {
+                break FinishReason::Length;
+            }
+        };
+        let (prefill_secs, decode_start) = first.expect("the loop ends after a sampled token");
+        Ok(Generated { tokens, finish, prefill_secs, decode_secs: decode_start.elapsed().as_secs_f64() })
+    }
+}
+
+/// The rows of each placeholder run of a prompt's media items that have been fetched.
+fn media_spans<'a>(prompt: &PreparedPrompt, rows: &'a MediaRows, hidden: usize) -> Vec<MediaSpan<'a>> {
+    let mut v = Vec::new();
+    for (m, rows) in prompt.media.iter().zip(rows) {
+        let Some(rows) = rows else { continue };
+        let mut at = 0;
+        for &(o, l) in &m.spans {
+            v.push(MediaSpan { offset: o, rows: &rows[at * hidden..(at + l) * hidden] });
+            at += l;
+        }
+    }
+    v
+}
