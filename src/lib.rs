@@ -125,8 +125,10 @@ pub fn start_with(
     let has_vision = vision.is_some();
     let page_size = settings.page_size.unwrap_or(16).max(1);
     let grid = settings.snapshot_interval.unwrap_or(64).max(page_size) / page_size * page_size;
-    let runner =
-        osprey_runner::spawn(osprey_runner::Runner::new(model, vision.as_ref().map(|v| v.sender()), page_size));
+    let kv_capacity_tokens = settings.kv_capacity_tokens.unwrap_or(4 * context_len);
+    let kv_pages = kv_capacity_tokens.div_ceil(page_size);
+    let runner = osprey_runner::Runner::new(model, vision.as_ref().map(|v| v.sender()), page_size, kv_pages);
+    let runner = osprey_runner::spawn(runner);
     let prefix_on = !settings.disable_prefix_cache.unwrap_or(false);
     let prefix = prefix_on.then(|| {
         osprey_prefix_cache::spawn(
@@ -138,7 +140,7 @@ pub fn start_with(
         max_batch_tokens: settings.max_batch_tokens.unwrap_or(2048),
         max_prefill_tokens: settings.max_prefill_tokens.unwrap_or(512),
         max_running_requests: settings.max_running_requests.unwrap_or(16),
-        kv_capacity_tokens: settings.kv_capacity_tokens.unwrap_or(4 * context_len),
+        kv_capacity_tokens,
         context_len,
         page_size,
         snapshot_interval: grid,

@@ -23,6 +23,46 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], start: usize, s: AttnSh
     attend(q, k, v, s, scale, out, |i| start + i + 1);
 }
 
+/// Keys and values stored in pages: `k[i]` and `v[i]` hold rows `[i·page, (i+1)·page)` as
+/// `[page, kv_heads, head_dim]` (the last page may be partly filled).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKv<'a> {
+    /// K planes, one per page.
+    pub k: &'a [&'a [f32]],
+    /// V planes, one per page.
+    pub v: &'a [&'a [f32]],
+    /// Rows per page.
+    pub page: usize,
+}
+
+/// [`causal_attention`] over paged keys and values. Decode (a few queries) reads the pages in place;
+/// prefill gathers the visible rows into contiguous buffers for its GEMMs. Both compute exactly what
+/// `causal_attention` computes on the same rows.
+pub fn causal_attention_paged(q: &[f32], kv: PagedKv<'_>, start: usize, s: AttnShape, scale: f32, out: &mut [f32]) {
+    let PagedKv { k: k_pages, v: v_pages, page } = kv;
+    let n = q.len() / (s.heads * s.head_dim);
+    let kv_row = s.kv_heads * s.head_dim;
+    let t = start + n;
+    assert!(k_pages.len() * page >= t && v_pages.len() == k_pages.len(), "attention pages too short: this is a bug");
+    assert!(out.len() == q.len(), "attention shapes: this is a bug");
+    let visible = |i: usize| start + i + 1;
+    if n >= 8 {
+        let gather = |pages: &[&[f32]]| -> Vec<f32> {
+            let mut v = Vec::with_capacity(t * kv_row);
+            for (i, p) in pages.iter().enumerate().take(t.div_ceil(page)) {
+                let rows = page.min(t - i * page);
+                v.extend_from_slice(&p[..rows * kv_row]);
+            }
+            v
+        };
+        attend_blocked(q, &gather(k_pages), &gather(v_pages), s, scale, out, &visible);
+    } else {
+        let key = |j: usize| &k_pages[j / page][(j % page) * kv_row..(j % page + 1) * kv_row];
+        let val = |j: usize| &v_pages[j / page][(j % page) * kv_row..(j % page + 1) * kv_row];
+        attend_rows(q, &key, &val, s, scale, out, &visible);
+    }
+}
+
 /// Every query attends to every key (vision tower: one image or one video frame group at a time).
 pub fn bidirectional_attention(q: &[f32], k: &[f32], v: &[f32], s: AttnShape, scale: f32, out: &mut [f32]) {
     let m = k.len() / (s.kv_heads * s.head_dim);
@@ -47,22 +87,31 @@ fn attend(
     if n >= 8 {
         attend_blocked(q, k, v, s, scale, out, &visible);
     } else {
-        attend_rows(q, k, v, s, scale, out, &visible);
+        let kv_row = s.kv_heads * s.head_dim;
+        attend_rows(
+            q,
+            &|j| &k[j * kv_row..(j + 1) * kv_row],
+            &|j| &v[j * kv_row..(j + 1) * kv_row],
+            s,
+            scale,
+            out,
+            &visible,
+        );
     }
 }
 
-/// Few queries (decode): one task per (query, head), dot products against each key.
-fn attend_rows(
+/// Few queries (decode): one task per (query, head), dot products against each key. `k(j)`, `v(j)` give
+/// the `[kv_heads, head_dim]` row of key `j` (contiguous or paged storage).
+fn attend_rows<'a>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &(impl Fn(usize) -> &'a [f32] + Sync),
+    v: &(impl Fn(usize) -> &'a [f32] + Sync),
     s: AttnShape,
     scale: f32,
     out: &mut [f32],
     visible: &(impl Fn(usize) -> usize + Sync),
 ) {
     let (hd, nh, nkv) = (s.head_dim, s.heads, s.kv_heads);
-    let kv_row = nkv * hd;
     let group = nh / nkv;
     out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
         let (i, h) = (idx / nh, idx % nh);
@@ -72,7 +121,7 @@ fn attend_rows(
         scores.clear();
         let mut max = f32::NEG_INFINITY;
         for j in 0..t {
-            let kr = &k[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
+            let kr = &k(j)[kvh * hd..(kvh + 1) * hd];
             let sc = crate::simd::dot_f32(qv, kr) * scale;
             max = max.max(sc);
             scores.push(sc);
@@ -85,7 +134,7 @@ fn attend_rows(
         o.fill(0.0);
         for (j, p) in scores.iter().enumerate() {
             let w = p / sum;
-            let vr = &v[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
+            let vr = &v(j)[kvh * hd..(kvh + 1) * hd];
             for (a, b) in o.iter_mut().zip(vr) {
                 *a += w * b;
             }
@@ -183,11 +232,47 @@ mod tests {
         for causal in [true, false] {
             let vis = |i: usize| if causal { past + i + 1 } else { n + past };
             let (mut a, mut b) = (vec![0f32; q.len()], vec![0f32; q.len()]);
-            attend_rows(&q, &k, &v, s, 0.3, &mut a, &vis);
+            let (kk, vv) = (k.as_slice(), v.as_slice());
+            let (kr, vr) = (move |j: usize| &kk[j * 16..(j + 1) * 16], move |j: usize| &vv[j * 16..(j + 1) * 16]);
+            attend_rows(&q, &kr, &vr, s, 0.3, &mut a, &vis);
             attend_blocked(&q, &k, &v, s, 0.3, &mut b, &vis);
             let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
             // Same math, different summation order over <= 157 keys of O(1) values.
             assert!(d < 1e-5, "causal={causal}: {d}");
+        }
+    }
+
+    #[test]
+    fn paged_attention_equals_contiguous_attention_bit_for_bit() {
+        let s = AttnShape { heads: 4, kv_heads: 2, head_dim: 8 };
+        let val = |i: usize| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0;
+        let page = 5;
+        // Decode (3 queries: the row path) and prefill (40 queries: the blocked path), with a partly filled
+        // last page and spare pages beyond the visible rows.
+        for (n, past) in [(3usize, 21usize), (40, 7)] {
+            let t = n + past;
+            let q: Vec<f32> = (0..n * 32).map(val).collect();
+            let k: Vec<f32> = (0..t * 16).map(|i| val(i + 17)).collect();
+            let v: Vec<f32> = (0..t * 16).map(|i| val(i + 99)).collect();
+            let paged = |x: &[f32]| -> Vec<Vec<f32>> {
+                (0..t.div_ceil(page) + 1)
+                    .map(|p| {
+                        let mut buf = vec![f32::NAN; page * 16];
+                        let rows = x.len().saturating_sub(p * page * 16).min(page * 16);
+                        if rows > 0 {
+                            buf[..rows].copy_from_slice(&x[p * page * 16..p * page * 16 + rows]);
+                        }
+                        buf
+                    })
+                    .collect()
+            };
+            let (kp, vp) = (paged(&k), paged(&v));
+            let kr: Vec<&[f32]> = kp.iter().map(|p| p.as_slice()).collect();
+            let vr: Vec<&[f32]> = vp.iter().map(|p| p.as_slice()).collect();
+            let (mut a, mut b) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+            causal_attention(&q, &k, &v, past, s, 0.3, &mut a);
+            causal_attention_paged(&q, PagedKv { k: &kr, v: &vr, page }, past, s, 0.3, &mut b);
+            assert_eq!(a, b, "n={n}: paged attention must equal contiguous attention exactly");
         }
     }
 }

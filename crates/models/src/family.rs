@@ -7,7 +7,11 @@
 use std::fmt::Debug;
 
 use crate::error::Result;
+use crate::kv::{PageGeometry, PageTable};
 use crate::state::SeqState;
+
+/// Tokens per KV page unless the runtime says otherwise (`--page-size`).
+pub const DEFAULT_PAGE_SIZE: usize = 16;
 
 /// Positions of a chunk's tokens.
 #[derive(Clone, Copy, Debug)]
@@ -135,8 +139,14 @@ pub trait CausalLm: Send + Sync + Debug {
     /// KV geometry.
     fn kv_layout(&self) -> KvLayout;
 
-    /// A fresh state for a new sequence.
-    fn new_state(&self) -> SeqState;
+    /// A fresh state for a new sequence whose KV lives in `kv` (from [`crate::KvPool::table`], or an
+    /// unpooled table).
+    fn new_state_with(&self, kv: PageTable) -> SeqState;
+
+    /// A fresh state whose KV pages are allocated as it grows, outside any pool (tests, one-off runs).
+    fn new_state(&self) -> SeqState {
+        self.new_state_with(PageTable::unpooled(PageGeometry::new(self.kv_layout(), DEFAULT_PAGE_SIZE)))
+    }
 
     /// Runs one step for a batch of sequences, with options (hidden-state capture, per-layer teacher
     /// forcing). Each state advances by its tokens.
@@ -162,8 +172,8 @@ impl<T: CausalLm + ?Sized> CausalLm for Box<T> {
     fn kv_layout(&self) -> KvLayout {
         (**self).kv_layout()
     }
-    fn new_state(&self) -> SeqState {
-        (**self).new_state()
+    fn new_state_with(&self, kv: PageTable) -> SeqState {
+        (**self).new_state_with(kv)
     }
     fn forward_with(&self, steps: &mut [SeqStep<'_, '_>], opts: &ForwardOptions<'_>) -> Result<ForwardOutput> {
         (**self).forward_with(steps, opts)

@@ -19,6 +19,7 @@ mod checkpoint;
 pub mod config;
 mod error;
 mod family;
+pub mod kv;
 pub mod layers;
 pub mod positions;
 pub mod quant;
@@ -33,9 +34,10 @@ pub use config::{ModelConfig, TextConfig};
 pub use error::{Error, Result};
 pub use family::{
     CausalLm, ForwardOptions, ForwardOutput, InjectedRows, KvLayout, LmInfo, LogitsWanted, Model, Positions, SeqInput,
-    SeqStep,
+    SeqStep, DEFAULT_PAGE_SIZE,
 };
+pub use kv::{KvPool, PageGeometry, PageRef, PageTable, PoolStats};
 pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts, ResidentExperts};
 pub use quantize_dir::{quantize_dir, QuantizeOptions};
 pub use registry::{expert_layout, load, load_checkpoint, load_with_progress, ExpertLayout};
-pub use state::{KvBlock, SeqState, StateSnapshot};
+pub use state::{SeqState, StateSnapshot};

@@ -1,19 +1,13 @@
-//! Per-sequence decoder state: paged-later KV for full-attention layers, conv + fp32 recurrent state for
-//! Gated DeltaNet layers, the token count and the mRoPE delta.
+//! Per-sequence decoder state: a page table of KV rows for the full-attention layers ([`crate::kv`]), conv
+//! + fp32 recurrent state for Gated DeltaNet layers, the token count and the mRoPE delta.
 //!
-//! Invariant: `len` tokens have been fed; every KV cache holds exactly `len` rows; every linear state is
-//! the state after token `len - 1`. A [`StateSnapshot`] holds only what cannot be recomputed by slicing:
-//! the linear states (they cannot be rewound) plus `len` and the rope delta; KV rows `[..len]` are kept by
-//! whoever owns them (this state, or later the prefix cache's pages).
+//! Invariant: `len` tokens have been fed; the page table covers at least `len` slots and rows `[0, len)`
+//! are written; every linear state is the state after token `len - 1`. A [`StateSnapshot`] holds only what
+//! cannot be recovered from KV pages: the linear states (they cannot be rewound) plus `len` and the rope
+//! delta; the KV pages `[..len]` are kept by whoever holds them (this state, or the prefix cache).
 
 use crate::error::{Error, Result};
-
-/// KV rows of one full-attention layer, `[len, kv_heads, head_dim]` each.
-#[derive(Clone, Debug, Default)]
-pub struct KvCache {
-    pub(crate) k: Vec<f32>,
-    pub(crate) v: Vec<f32>,
-}
+use crate::kv::{PageRef, PageTable};
 
 /// Conv + recurrent state of one Gated DeltaNet layer.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,7 +21,10 @@ pub struct LinearState {
 #[derive(Clone, Debug)]
 pub(crate) enum LayerState {
     Linear(LinearState),
-    Full(KvCache),
+    /// A full-attention layer: its rows are plane `kv_layer` of the page table.
+    Full {
+        kv_layer: usize,
+    },
 }
 
 /// Everything one sequence carries between forwards.
@@ -38,29 +35,10 @@ pub struct SeqState {
     /// (0 for text-only prompts; negative after images, which advance positions by less than their length).
     pub rope_delta: i64,
     pub(crate) layers: Vec<LayerState>,
+    pub(crate) kv: PageTable,
 }
 
-/// KV rows `[start, end)` of every full-attention layer: one page of the prefix cache.
-#[derive(Clone, Debug, PartialEq)]
-pub struct KvBlock {
-    tokens: usize,
-    /// Per full-attention layer: (K rows, V rows), each `[tokens, kv_heads·head_dim]`.
-    kv: Vec<(Vec<f32>, Vec<f32>)>,
-}
-
-impl KvBlock {
-    /// Tokens in the block.
-    pub fn tokens(&self) -> usize {
-        self.tokens
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        self.kv.iter().map(|(k, v)| (k.len() + v.len()) * 4).sum()
-    }
-}
-
-/// The part of a [`SeqState`] that cannot be rebuilt from KV rows: taken at a token boundary.
+/// The part of a [`SeqState`] that cannot be rebuilt from KV pages: taken at a token boundary.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StateSnapshot {
     /// Tokens fed when the snapshot was taken.
@@ -78,8 +56,8 @@ impl StateSnapshot {
 }
 
 impl SeqState {
-    pub(crate) fn new(layers: Vec<LayerState>) -> Self {
-        SeqState { len: 0, rope_delta: 0, layers }
+    pub(crate) fn new(layers: Vec<LayerState>, kv: PageTable) -> Self {
+        SeqState { len: 0, rope_delta: 0, layers, kv }
     }
 
     /// Tokens fed so far.
@@ -92,56 +70,49 @@ impl SeqState {
         self.len == 0
     }
 
-    /// Bytes held by KV and linear states.
+    /// Bytes held by linear states and KV pages (shared pages counted in full).
     pub fn bytes(&self) -> usize {
-        self.layers
+        let linear: usize = self
+            .layers
             .iter()
             .map(|l| match l {
                 LayerState::Linear(s) => (s.conv.len() + s.recurrent.len()) * 4,
-                LayerState::Full(kv) => (kv.k.len() + kv.v.len()) * 4,
+                LayerState::Full { .. } => 0,
             })
-            .sum()
+            .sum();
+        linear + self.kv.pages().len() * self.kv.geometry().bytes()
     }
 
-    /// KV rows `[start, end)` of every full-attention layer (a prefix-cache page).
-    pub fn kv_block(&self, start: usize, end: usize) -> KvBlock {
-        assert!(start <= end && end <= self.len, "kv_block range: this is a bug");
-        let kv = self
-            .layers
-            .iter()
-            .filter_map(|l| match l {
-                LayerState::Full(c) => {
-                    let row = c.k.len() / self.len.max(1);
-                    Some((c.k[start * row..end * row].to_vec(), c.v[start * row..end * row].to_vec()))
-                }
-                LayerState::Linear(_) => None,
-            })
-            .collect();
-        KvBlock { tokens: end - start, kv }
+    /// The KV page table.
+    pub fn pages(&self) -> &PageTable {
+        &self.kv
     }
 
-    /// Rebuilds a fresh state from cached pages (in order, from token 0) and the snapshot taken right
-    /// after them: KV rows are copied in, linear states replaced, the length set.
-    pub fn restore_prefix(&mut self, blocks: &[&KvBlock], snap: &StateSnapshot) -> Result<()> {
-        let total: usize = blocks.iter().map(|b| b.tokens).sum();
-        if self.len != 0 || total != snap.len {
+    /// The KV page table, for a pool to reserve pages in before a forward.
+    pub fn pages_mut(&mut self) -> &mut PageTable {
+        &mut self.kv
+    }
+
+    /// Page `i` (tokens `[i·page_size, (i+1)·page_size)`), once full: what the prefix cache stores.
+    pub fn full_page(&self, i: usize) -> PageRef {
+        let ps = self.kv.geometry().page_size;
+        assert!((i + 1) * ps <= self.len, "page {i} is not full: this is a bug");
+        self.kv.pages()[i].clone()
+    }
+
+    /// Rebuilds a fresh state from cached pages (in order, from token 0; shared, not copied) and the
+    /// snapshot taken right after them.
+    pub fn restore_prefix(&mut self, pages: &[&PageRef], snap: &StateSnapshot) -> Result<()> {
+        let ps = self.kv.geometry().page_size;
+        if self.len != 0 || pages.len() * ps != snap.len {
             return Err(Error::InvalidInput(format!(
-                "prefix of {total} tokens does not match a snapshot at {}",
+                "prefix of {} pages does not match a snapshot at {}",
+                pages.len(),
                 snap.len
             )));
         }
-        let mut full = 0;
-        for l in &mut self.layers {
-            if let LayerState::Full(c) = l {
-                for b in blocks {
-                    let (k, v) = b.kv.get(full).ok_or_else(|| Error::InvalidInput("page from another model".into()))?;
-                    c.k.extend_from_slice(k);
-                    c.v.extend_from_slice(v);
-                }
-                full += 1;
-            }
-        }
-        self.len = total;
+        self.kv.share(pages).map_err(|e| Error::InvalidInput(format!("page from another model: {e}")))?;
+        self.len = snap.len;
         self.restore(snap)
     }
 
@@ -152,13 +123,13 @@ impl SeqState {
             .iter()
             .filter_map(|l| match l {
                 LayerState::Linear(s) => Some(s.clone()),
-                LayerState::Full(_) => None,
+                LayerState::Full { .. } => None,
             })
             .collect();
         StateSnapshot { len: self.len, rope_delta: self.rope_delta, linear }
     }
 
-    /// Rewinds to `snap`: KV caches are cut to `snap.len` rows and linear states replaced. The KV rows
+    /// Rewinds to `snap`: the page table is cut to `snap.len` slots and linear states replaced. The KV rows
     /// `[..snap.len]` must be the ones the snapshot was taken over, so this state must descend from the
     /// snapshot's sequence (same prefix) and be at least as long.
     pub fn restore(&mut self, snap: &StateSnapshot) -> Result<()> {
@@ -174,19 +145,13 @@ impl SeqState {
         }
         let mut lin = snap.linear.iter();
         for l in &mut self.layers {
-            match l {
-                LayerState::Linear(s) => {
-                    if let Some(src) = lin.next() {
-                        s.clone_from(src);
-                    }
-                }
-                LayerState::Full(kv) => {
-                    let row = kv.k.len() / self.len.max(1);
-                    kv.k.truncate(snap.len * row);
-                    kv.v.truncate(snap.len * row);
+            if let LayerState::Linear(s) = l {
+                if let Some(src) = lin.next() {
+                    s.clone_from(src);
                 }
             }
         }
+        self.kv.truncate(snap.len);
         self.len = snap.len;
         self.rope_delta = snap.rope_delta;
         Ok(())

@@ -2,7 +2,8 @@
 //!
 //! Brief overview: owns a [`RadixTree`] of KV pages keyed by `cache_ids` (token ids, with media
 //! placeholders replaced by content-hash ids) plus recurrent-state snapshots. Accepts one batched
-//! [`PrefixCommand::Step`] per scheduler step (releases, then inserts, then matches) and emits
+//! [`PrefixCommand::Step`] per scheduler step (releases, inserts, pages reclaimed for the KV pool, then
+//! matches) and emits
 //! [`PrefixMatch`]es: cached length, opaque pages, the snapshot, and a lease. Runs on its own thread.
 
 mod tree;
@@ -24,12 +25,16 @@ pub fn spawn(page_size: usize, budget_bytes: usize) -> mpsc::UnboundedSender<Pre
             let mut tree: RadixTree<dyn Opaque, dyn Opaque> = RadixTree::new(page_size, budget_bytes);
             while let Some(cmd) = rx.blocking_recv() {
                 match cmd {
-                    PrefixCommand::Step { matches, inserts, releases, reply } => {
+                    PrefixCommand::Step { matches, inserts, releases, reclaim_pages, reply } => {
                         for l in releases {
                             tree.release(l);
                         }
                         for ins in inserts {
                             tree.insert(&ins.cache_ids, &ins.pages, ins.snapshot);
+                        }
+                        if reclaim_pages > 0 {
+                            let dropped = tree.reclaim(reclaim_pages);
+                            tracing::debug!(asked = reclaim_pages, dropped, "prefix cache gave KV pages back");
                         }
                         let out = matches
                             .into_iter()

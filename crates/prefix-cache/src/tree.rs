@@ -222,7 +222,22 @@ impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
 
     /// Drops LRU unlocked leaves until the budget holds (or nothing more can go).
     pub fn evict(&mut self) {
-        while self.used > self.budget {
+        while self.used > self.budget && self.evict_one() {}
+    }
+
+    /// Drops LRU unlocked leaves until `pages` pages are gone (or nothing more can go): the KV pool
+    /// needs the pages back for running sequences. Returns the pages dropped.
+    pub fn reclaim(&mut self, pages: usize) -> usize {
+        let mut dropped = 0;
+        while dropped < pages && self.evict_one() {
+            dropped += 1;
+        }
+        dropped
+    }
+
+    /// Drops the least recently used unlocked leaf; false when none is left.
+    fn evict_one(&mut self) -> bool {
+        {
             let victim = self
                 .nodes
                 .iter()
@@ -232,13 +247,14 @@ impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
                 .filter(|(_, n)| n.children.is_empty() && n.lock == 0)
                 .min_by_key(|(_, n)| n.last_use)
                 .map(|(i, _)| i);
-            let Some(v) = victim else { return };
+            let Some(v) = victim else { return false };
             let node = self.nodes[v].take().expect("live");
             self.used -= node.page.as_ref().map_or(0, |p| p.bytes()) + node.snapshot.as_ref().map_or(0, |s| s.bytes());
             self.node_mut(node.parent).children.remove(&node.key);
             self.free.push(v);
             self.stats.evictions += 1;
         }
+        true
     }
 
     /// Bytes held.

@@ -68,7 +68,7 @@ pub struct PrefixStats {
 /// Commands of the prefix-cache actor.
 #[derive(Debug)]
 pub enum PrefixCommand {
-    /// A step's batch: releases first, then inserts, then matches.
+    /// A step's batch: releases first, then reclaim, then inserts, then matches.
     Step {
         /// New sequences to match.
         matches: Vec<MatchRequest>,
@@ -76,6 +76,9 @@ pub enum PrefixCommand {
         inserts: Vec<InsertRequest>,
         /// Pins to drop.
         releases: Vec<LeaseId>,
+        /// KV pages the pool needs back: evict this many unpinned pages (least recently used first)
+        /// before matching.
+        reclaim_pages: usize,
         /// One answer per match, in order.
         reply: oneshot::Sender<Vec<PrefixMatch>>,
     },

@@ -18,6 +18,9 @@ pub struct Admission {
     pub sampling: SamplingParams,
     /// A prefix-cache hit to restore before computing (pages + snapshot), if any.
     pub prefix: Option<PrefixMatch>,
+    /// Tokens generated before the sequence was preempted (recomputed after the prompt; empty for a new
+    /// sequence).
+    pub generated: Vec<u32>,
 }
 
 /// One sequence's work in a step.
@@ -58,6 +61,9 @@ pub struct BatchPlan {
     pub items: Vec<PlanItem>,
     /// Sequences that finished or were cancelled: free their state.
     pub release: Vec<SeqId>,
+    /// Sequences preempted to free KV pages: free their state but keep what makes their recomputation
+    /// exact (the sampler's random state); they are admitted again later with their generated tokens.
+    pub preempt: Vec<SeqId>,
 }
 
 /// Log-probabilities of a sampled token.
@@ -89,6 +95,19 @@ pub struct StepResult {
     pub failed: Vec<(SeqId, RequestError)>,
     /// Snapshots taken for the prefix cache.
     pub snapshots: Vec<SnapshotTaken>,
+    /// The KV page pool after the step.
+    pub kv: KvPages,
+}
+
+/// Page counts of the runner's KV pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvPages {
+    /// Pages in the pool.
+    pub total: usize,
+    /// Pages nobody holds.
+    pub free: usize,
+    /// Pages of running sequences that another holder (the prefix cache, another sequence) also holds.
+    pub shared: usize,
 }
 
 /// Commands of the runner actor.

@@ -107,6 +107,14 @@ pub struct SchedulerStats {
     pub kv_tokens: usize,
     /// KV capacity in tokens.
     pub kv_capacity: usize,
+    /// KV pages in the pool.
+    pub kv_pages_total: usize,
+    /// KV pages nobody holds (as of the last step).
+    pub kv_pages_free: usize,
+    /// KV pages of running sequences shared with another holder (as of the last step).
+    pub kv_pages_shared: usize,
+    /// Sequences preempted (KV pages ran out) since start.
+    pub preemptions_total: u64,
     /// Prompt tokens computed since start.
     pub prompt_tokens_total: u64,
     /// Tokens generated since start.

@@ -11,8 +11,10 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use osprey_models::vision::{rows_in_chunk, MediaSpan};
-use osprey_models::{KvBlock, LogitsWanted, Model, Positions, SeqInput, SeqState, SeqStep, StateSnapshot};
-use osprey_protocol::runner::TokenLogprobs;
+use osprey_models::{
+    KvPool, LogitsWanted, Model, PageGeometry, PageRef, Positions, SeqInput, SeqState, SeqStep, StateSnapshot,
+};
+use osprey_protocol::runner::{KvPages, TokenLogprobs};
 use osprey_protocol::scheduler::{FinishReason, SamplingParams};
 use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
 use osprey_protocol::{ErrorCode, RequestError, SeqId};
@@ -41,8 +43,8 @@ impl RowSource for NoMedia {
 pub struct Resume<'a> {
     /// Tokens covered (a page multiple).
     pub tokens: usize,
-    /// The pages, in order from token 0.
-    pub pages: Vec<&'a KvBlock>,
+    /// The pages, in order from token 0 (shared with the cache, not copied).
+    pub pages: Vec<&'a PageRef>,
     /// State after the pages.
     pub snapshot: &'a StateSnapshot,
 }
@@ -68,8 +70,8 @@ pub struct Work {
 pub struct Taken {
     /// Tokens covered.
     pub tokens: usize,
-    /// `(page index, rows)` of pages computed since the previous snapshot of this sequence.
-    pub pages: Vec<(usize, KvBlock)>,
+    /// `(page index, page)` of pages computed since the previous snapshot of this sequence.
+    pub pages: Vec<(usize, PageRef)>,
     /// The recurrent state after `tokens`.
     pub state: StateSnapshot,
 }
@@ -133,20 +135,47 @@ fn engine_error(e: impl std::fmt::Display) -> RequestError {
     RequestError::new(ErrorCode::EngineError, e.to_string())
 }
 
-/// The driver: a model behind the seam and the sequences it is running.
+/// The driver: a model behind the seam, the KV page pool and the sequences it is running.
 #[derive(Debug)]
 pub struct Driver {
     model: Model,
+    pool: KvPool,
     seqs: HashMap<SeqId, SeqRec>,
     page_size: usize,
+    /// Sampler states of preempted sequences, until they are admitted again (so a recomputed sequence
+    /// draws exactly the numbers it would have drawn).
+    parked: HashMap<SeqId, Rng>,
     /// Ids for [`Driver::generate`]'s private sequences (counting down from the top of the id space).
     next_private: SeqId,
 }
 
 impl Driver {
-    /// A driver over a loaded model; snapshots cut KV into pages of `page_size` tokens.
+    /// A driver whose KV pool is bounded only by memory (one-off runs, the bench).
     pub fn new(model: Model, page_size: usize) -> Self {
-        Driver { model, seqs: HashMap::new(), page_size: page_size.max(1), next_private: SeqId::MAX }
+        Self::with_pool(model, page_size, u32::MAX as usize)
+    }
+
+    /// A driver whose KV pool holds `pages` pages of `page_size` tokens (the server: `--kv-capacity-tokens`).
+    pub fn with_pool(model: Model, page_size: usize, pages: usize) -> Self {
+        let page_size = page_size.max(1);
+        let pool = KvPool::new(PageGeometry::new(model.kv_layout(), page_size), pages);
+        Driver { model, pool, seqs: HashMap::new(), page_size, parked: HashMap::new(), next_private: SeqId::MAX }
+    }
+
+    /// Page counts of the pool; `shared` counts the running sequences' pages that another holder (the
+    /// prefix cache or another sequence) also references.
+    pub fn kv_pages(&mut self) -> KvPages {
+        let st = self.pool.stats();
+        let mut shared: Vec<u32> = self
+            .seqs
+            .values()
+            .flat_map(|r| r.state.pages().pages().iter())
+            .filter(|p| std::sync::Arc::strong_count(p) > 1)
+            .map(|p| p.id())
+            .collect();
+        shared.sort_unstable();
+        shared.dedup();
+        KvPages { total: st.total, free: st.free, shared: shared.len() }
     }
 
     /// The model.
@@ -159,15 +188,17 @@ impl Driver {
         self.seqs.len()
     }
 
-    /// Starts a sequence, from a prefix-cache hit when given.
+    /// Starts a sequence, from a prefix-cache hit when given; `generated` are tokens it produced before
+    /// a preemption (fed again after the prompt).
     pub fn admit(
         &mut self,
         seq: SeqId,
         prompt: Arc<PreparedPrompt>,
         sampling: SamplingParams,
         resume: Option<Resume<'_>>,
+        generated: &[u32],
     ) -> Result<(), RequestError> {
-        let mut state = self.model.new_state();
+        let mut state = self.model.new_state_with(self.pool.table());
         let mut pages_reported = 0;
         if let Some(r) = resume {
             state.restore_prefix(&r.pages, r.snapshot).map_err(engine_error)?;
@@ -175,16 +206,27 @@ impl Driver {
         }
         // The snapshot's delta belongs to the sequence that made it; positions are this prompt's.
         state.rope_delta = prompt.rope_delta;
-        let rng = Rng::new(sampling.seed.unwrap_or_else(|| clock_seed(seq)));
+        let rng =
+            self.parked.remove(&seq).unwrap_or_else(|| Rng::new(sampling.seed.unwrap_or_else(|| clock_seed(seq))));
         let rows = vec![None; prompt.media.len()];
-        let tokens = prompt.input_ids.clone();
+        let mut tokens = prompt.input_ids.clone();
+        tokens.extend_from_slice(generated);
         self.seqs.insert(seq, SeqRec { state, prompt, tokens, sampling, rng, rows, pages_reported });
         Ok(())
     }
 
-    /// Forgets a sequence (finished, cancelled or failed).
+    /// Forgets a sequence (finished, cancelled or failed); its pages go back to the pool unless another
+    /// holder shares them.
     pub fn release(&mut self, seq: SeqId) {
         self.seqs.remove(&seq);
+        self.parked.remove(&seq);
+    }
+
+    /// Drops a sequence's state to free its pages, keeping its sampler state for its recomputation.
+    pub fn preempt(&mut self, seq: SeqId) {
+        if let Some(rec) = self.seqs.remove(&seq) {
+            self.parked.insert(seq, rec.rng);
+        }
     }
 
     /// Fetches the vision rows a chunk `[start, end)` of `rec`'s prompt needs.
@@ -214,10 +256,19 @@ impl Driver {
                 out.push((w.seq, Err(engine_error("work out of order with the sequence: this is a bug"))));
                 continue;
             }
+            if let Err(st) = self.pool.reserve(rec.state.pages_mut(), w.end) {
+                // The scheduler plans by the pool's free pages, so this is never reached when it is right.
+                let msg = format!("KV pool exhausted ({} of {} pages free): this is a bug", st.free, st.total);
+                out.push((w.seq, Err(engine_error(msg))));
+                continue;
+            }
             match Self::ensure_rows(rows, &mut rec, w.start, w.end.min(plen)) {
                 Ok(()) => ok.push((*w, rec)),
                 Err(e) => out.push((w.seq, Err(e))),
             }
+        }
+        if ok.is_empty() {
+            return out;
         }
         // 2. One batched forward. Rows and prompts are shared (`Arc`), so the spans can borrow copies while
         //    states are borrowed mutably.
@@ -259,8 +310,7 @@ impl Driver {
             let mut done = Done::default();
             let p = self.page_size;
             if w.snapshot && w.end.is_multiple_of(p) {
-                let pages =
-                    (rec.pages_reported..w.end / p).map(|i| (i, rec.state.kv_block(i * p, (i + 1) * p))).collect();
+                let pages = (rec.pages_reported..w.end / p).map(|i| (i, rec.state.full_page(i))).collect();
                 rec.pages_reported = w.end / p;
                 done.snapshot = Some(Taken { tokens: w.end, pages, state: rec.state.snapshot() });
             }
@@ -306,7 +356,7 @@ impl Driver {
         if plen == 0 {
             return Err(RequestError::new(ErrorCode::InvalidRequest, "the prompt is empty"));
         }
-        self.admit(seq, prompt, sampling, None)?;
+        self.admit(seq, prompt, sampling, None, &[])?;
         let result = self.generate_admitted(seq, plen, opts, rows, at_first_token);
         self.release(seq);
         result

@@ -12,7 +12,7 @@ mod sampler;
 use std::sync::Arc;
 use std::thread;
 
-use osprey_models::{KvBlock, Model, StateSnapshot};
+use osprey_models::{Model, PageRef, StateSnapshot};
 use osprey_protocol::prefix::PrefixMatch;
 use osprey_protocol::runner::{BatchPlan, RunnerCommand, Sampled, SnapshotTaken, StepResult};
 use osprey_protocol::tokenizer::PreparedMedia;
@@ -27,9 +27,9 @@ pub type VisionSender = mpsc::UnboundedSender<VisionCommand>;
 
 pub use sampler::{sample, Rng};
 
-/// A KV page as the prefix cache holds it (opaque outside the runner).
+/// A KV page as the prefix cache holds it (opaque outside the runner): the pool's page itself, shared.
 #[derive(Debug)]
-struct Page(KvBlock);
+struct Page(PageRef);
 
 impl Opaque for Page {
     fn bytes(&self) -> usize {
@@ -77,9 +77,15 @@ pub struct Runner {
 }
 
 impl Runner {
-    /// A runner over a loaded model; `vision` serves media rows (None for text-only models).
-    pub fn new(model: Model, vision: Option<VisionSender>, page_size: usize) -> Self {
-        Runner { driver: Driver::new(model, page_size), vision }
+    /// A runner over a loaded model with a KV pool of `pages` pages of `page_size` tokens; `vision` serves
+    /// media rows (None for text-only models).
+    pub fn new(model: Model, vision: Option<VisionSender>, page_size: usize, pages: usize) -> Self {
+        Runner { driver: Driver::with_pool(model, page_size, pages), vision }
+    }
+
+    /// Page counts of the KV pool.
+    pub fn kv_pages(&mut self) -> osprey_protocol::runner::KvPages {
+        self.driver.kv_pages()
     }
 
     /// Sequences held.
@@ -93,6 +99,9 @@ impl Runner {
         for id in &plan.release {
             self.driver.release(*id);
         }
+        for id in &plan.preempt {
+            self.driver.preempt(*id);
+        }
         // 1. Admit new sequences (restoring prefix-cache hits).
         let mut work = Vec::with_capacity(plan.items.len());
         for item in &plan.items {
@@ -101,8 +110,8 @@ impl Runner {
                     None => Ok(None),
                     Some(hit) => resume(hit).map(Some),
                 };
-                let admitted =
-                    resume.and_then(|r| self.driver.admit(item.seq, a.prompt.clone(), a.sampling.clone(), r));
+                let admitted = resume
+                    .and_then(|r| self.driver.admit(item.seq, a.prompt.clone(), a.sampling.clone(), r, &a.generated));
                 if let Err(e) = admitted {
                     result.failed.push((item.seq, e));
                     continue;
@@ -128,7 +137,7 @@ impl Runner {
                         result.snapshots.push(SnapshotTaken {
                             seq,
                             tokens: t.tokens,
-                            pages: t.pages.into_iter().map(|(i, b)| (i, Arc::new(Page(b)) as Handle)).collect(),
+                            pages: t.pages.into_iter().map(|(i, p)| (i, Arc::new(Page(p)) as Handle)).collect(),
                             snapshot: Arc::new(Snapshot(t.state)),
                         });
                     }
@@ -138,6 +147,7 @@ impl Runner {
                 }
             }
         }
+        result.kv = self.driver.kv_pages();
         result
     }
 }
@@ -147,7 +157,7 @@ fn resume(hit: &PrefixMatch) -> Result<Resume<'_>, RequestError> {
     let bug = || {
         RequestError::new(ErrorCode::EngineError, "prefix-cache hit without usable pages or snapshot: this is a bug")
     };
-    let pages: Option<Vec<&KvBlock>> = hit.pages.iter().map(|p| own::<Page>(p).map(|p| &p.0)).collect();
+    let pages: Option<Vec<&PageRef>> = hit.pages.iter().map(|p| own::<Page>(p).map(|p| &p.0)).collect();
     let snapshot = hit.snapshot.as_ref().and_then(own::<Snapshot>).ok_or_else(bug)?;
     Ok(Resume { tokens: hit.cached_tokens, pages: pages.ok_or_else(bug)?, snapshot: &snapshot.0 })
 }

@@ -3,15 +3,22 @@
 //! There is no prefill phase or decode phase: each sequence has `computed` and `total` tokens (prompt +
 //! generated) and a step gives it `min(total − computed, per-sequence chunk, budget left)` tokens;
 //! a sequence samples when its step reaches `total`. Running sequences are served first (decode tokens
-//! cost 1), then waiting ones are admitted while the running count and the KV capacity allow. KV is
-//! reserved for `prompt + max_tokens` at admission, so a running sequence never has to be preempted.
+//! cost 1), then waiting ones are admitted while the running count and the KV pages allow.
+//!
+//! KV is counted in pages of the runner's pool, as the runner last reported them. A waiting request is
+//! admitted when the pages of its whole prompt fit beside what the running sequences' next chunks need;
+//! nothing is reserved for `max_tokens`. Decode takes pages as it needs them; when the pool runs dry the
+//! prefix cache is asked to give pages back and, if running sequences still cannot all advance, the most
+//! recently admitted ones are preempted by recomputation: their state is dropped, they go back to the
+//! front of the queue, and when readmitted they prefill their prompt and the tokens they had generated
+//! (through the prefix cache when it holds them), then continue exactly where they stopped.
 
 use std::collections::VecDeque;
 
 use std::sync::Arc;
 
 use osprey_protocol::prefix::{InsertRequest, LeaseId, MatchRequest, PrefixMatch};
-use osprey_protocol::runner::{Admission, BatchPlan, PlanItem, SnapshotTaken, StepResult};
+use osprey_protocol::runner::{Admission, BatchPlan, KvPages, PlanItem, SnapshotTaken, StepResult};
 use osprey_protocol::scheduler::{EngineEvent, FinishReason, GenerateRequest, SchedulerStats};
 use osprey_protocol::{ErrorCode, RequestError, SeqId};
 use tokio::sync::mpsc::UnboundedSender;
@@ -25,7 +32,8 @@ pub struct SchedulerConfig {
     pub max_prefill_tokens: usize,
     /// Sequences computed concurrently.
     pub max_running_requests: usize,
-    /// KV capacity in tokens (sum over running sequences of prompt + max_tokens).
+    /// KV capacity in tokens: the runner's page pool holds `kv_capacity_tokens / page_size` pages
+    /// (rounded up).
     pub kv_capacity_tokens: usize,
     /// Model context length (prompt + generated).
     pub context_len: usize,
@@ -37,6 +45,13 @@ pub struct SchedulerConfig {
     pub prefix_cache: bool,
 }
 
+impl SchedulerConfig {
+    /// Pages of the runner's KV pool.
+    pub fn kv_pages(&self) -> usize {
+        self.kv_capacity_tokens.div_ceil(self.page_size.max(1))
+    }
+}
+
 /// The scheduler's view of the prefix cache: one batched exchange per step.
 pub trait PrefixPort {
     /// Releases, then inserts, then matches; one answer per match.
@@ -45,6 +60,7 @@ pub trait PrefixPort {
         matches: Vec<MatchRequest>,
         inserts: Vec<InsertRequest>,
         releases: Vec<LeaseId>,
+        reclaim_pages: usize,
     ) -> Vec<PrefixMatch>;
 }
 
@@ -53,7 +69,13 @@ pub trait PrefixPort {
 pub struct NoPrefixCache;
 
 impl PrefixPort for NoPrefixCache {
-    fn step(&mut self, matches: Vec<MatchRequest>, _: Vec<InsertRequest>, _: Vec<LeaseId>) -> Vec<PrefixMatch> {
+    fn step(
+        &mut self,
+        matches: Vec<MatchRequest>,
+        _: Vec<InsertRequest>,
+        _: Vec<LeaseId>,
+        _: usize,
+    ) -> Vec<PrefixMatch> {
         matches
             .into_iter()
             .map(|m| PrefixMatch { seq: m.seq, cached_tokens: 0, pages: Vec::new(), snapshot: None, lease: None })
@@ -77,14 +99,13 @@ struct Seq {
     cached: usize,
     /// Latest snapshot off the grid (request end), inserted when the sequence finishes.
     pending_end: Option<SnapshotTaken>,
+    /// It was preempted at least once (the runner may hold its sampler state while it waits).
+    preempted: bool,
 }
 
 impl Seq {
     fn total(&self) -> usize {
         self.prompt_len + self.generated
-    }
-    fn reserve(&self) -> usize {
-        self.prompt_len + self.req.max_tokens
     }
 }
 
@@ -98,12 +119,19 @@ pub struct Scheduler {
     stats: SchedulerStats,
     inserts: Vec<InsertRequest>,
     leases: Vec<LeaseId>,
+    /// The runner's pool as of its last report.
+    kv: KvPages,
+    /// Pages to ask the prefix cache for at the next exchange.
+    reclaim: usize,
+    /// Sequences preempted since the last plan.
+    preempt: Vec<SeqId>,
 }
 
 impl Scheduler {
     /// An empty scheduler.
     pub fn new(cfg: SchedulerConfig) -> Self {
         let stats = SchedulerStats { kv_capacity: cfg.kv_capacity_tokens, ..SchedulerStats::default() };
+        let pages = cfg.kv_pages();
         Scheduler {
             cfg,
             waiting: VecDeque::new(),
@@ -112,7 +140,15 @@ impl Scheduler {
             stats,
             inserts: Vec::new(),
             leases: Vec::new(),
+            kv: KvPages { total: pages, free: pages, shared: 0 },
+            reclaim: 0,
+            preempt: Vec::new(),
         }
+    }
+
+    /// Pages covering `tokens` KV slots.
+    fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.cfg.page_size.max(1))
     }
 
     /// Queues a request, or refuses one that can never fit (a clear error, not a hang).
@@ -131,12 +167,12 @@ impl Scheduler {
                 ),
             ));
         }
-        if need > self.cfg.kv_capacity_tokens {
+        if self.pages_for(need) > self.cfg.kv_pages() {
             return Err(RequestError::new(
                 ErrorCode::ContextLengthExceeded,
                 format!(
                     "the request needs {need} KV tokens, more than the server's capacity of {}",
-                    self.cfg.kv_capacity_tokens
+                    self.cfg.kv_pages() * self.cfg.page_size
                 ),
             ));
         }
@@ -152,6 +188,7 @@ impl Scheduler {
             hit: None,
             cached: 0,
             pending_end: None,
+            preempted: false,
         });
         Ok(())
     }
@@ -159,7 +196,12 @@ impl Scheduler {
     /// Drops a request wherever it is.
     pub fn cancel(&mut self, id: SeqId) {
         if let Some(i) = self.waiting.iter().position(|s| s.req.id == id) {
-            self.waiting.remove(i);
+            if let Some(s) = self.waiting.remove(i) {
+                if s.preempted {
+                    // The runner may hold its sampler state from before the preemption.
+                    self.release.push(id);
+                }
+            }
             self.stats.cancelled_total += 1;
         }
         if let Some(i) = self.running.iter().position(|s| s.req.id == id) {
@@ -177,6 +219,7 @@ impl Scheduler {
         !self.waiting.is_empty()
             || !self.running.is_empty()
             || !self.release.is_empty()
+            || !self.preempt.is_empty()
             || !self.inserts.is_empty()
             || !self.leases.is_empty()
     }
@@ -187,6 +230,9 @@ impl Scheduler {
             waiting: self.waiting.len(),
             running: self.running.len(),
             kv_tokens: self.running.iter().map(Seq::total).sum(),
+            kv_pages_total: self.kv.total,
+            kv_pages_free: self.kv.free,
+            kv_pages_shared: self.kv.shared,
             ..self.stats
         }
     }
@@ -228,45 +274,89 @@ impl Scheduler {
         }
     }
 
+    /// New pages the next chunk of `s` needs (at most `max_prefill_tokens` tokens).
+    fn next_pages(&self, s: &Seq) -> usize {
+        let end = s.total().min(s.computed + self.cfg.max_prefill_tokens);
+        self.pages_for(end) - self.pages_for(s.computed)
+    }
+
+    /// Sends running sequence `i` back to the front of the queue; its state is dropped by the runner and
+    /// recomputed (prompt + generated tokens) when it is admitted again.
+    fn preempt(&mut self, i: usize) {
+        let mut s = self.running.remove(i);
+        if s.sent_to_runner {
+            self.preempt.push(s.req.id);
+        }
+        self.leases.extend(s.hit.take().and_then(|h| h.lease));
+        s.computed = 0;
+        s.sent_to_runner = false;
+        s.pending_end = None;
+        s.preempted = true;
+        self.stats.preemptions_total += 1;
+        tracing::debug!(seq = s.req.id, tokens = s.total(), "preempted: KV pages ran out");
+        self.waiting.push_front(s);
+    }
+
     /// The next step, or `None` when idle. New sequences are matched against the prefix cache (one
-    /// batched call per step, together with the step's inserts and releases).
+    /// batched call per step, together with the step's inserts, releases and page reclaim).
     pub fn schedule(&mut self, prefix: &mut dyn PrefixPort) -> Option<BatchPlan> {
         self.drop_closed();
-        let mut budget = self.cfg.max_batch_tokens;
-        let mut reserved: usize = self.running.iter().map(Seq::reserve).sum();
+        let free = self.kv.free;
+        // 1. Every running sequence must be able to advance by one token. When the pages for that are
+        //    missing, ask the cache for them and preempt from the most recently admitted (their pages
+        //    come back for the next step; the first sequence is never preempted for itself).
+        let ps = self.cfg.page_size.max(1);
+        let one_more = move |s: &Seq| (s.computed + 1).div_ceil(ps) - s.computed.div_ceil(ps);
+        let mut need: usize = self.running.iter().map(one_more).sum();
+        if need > free {
+            self.reclaim = self.reclaim.max(need - free);
+        }
+        while need > free && self.running.len() > 1 {
+            let last = self.running.len() - 1;
+            need -= one_more(&self.running[last]);
+            self.preempt(last);
+        }
+        // 2. Admission by pages: the whole prompt (and re-fed tokens) beside the running sequences' next
+        //    chunks; nothing is reserved for max_tokens.
+        let mut avail = free.saturating_sub(self.running.iter().map(|s| self.next_pages(s)).sum());
         let first_new = self.running.len();
-        while self.running.len() < self.cfg.max_running_requests {
+        while self.running.len() < self.cfg.max_running_requests && self.preempt.is_empty() {
             let Some(next) = self.waiting.front() else { break };
-            if reserved + next.reserve() > self.cfg.kv_capacity_tokens {
+            let want = self.pages_for(next.total());
+            if want > avail {
+                self.reclaim = self.reclaim.max(want - avail);
                 break;
             }
-            reserved += next.reserve();
+            avail -= want;
             let seq = self.waiting.pop_front().expect("front exists");
             self.running.push(seq);
         }
+        // 3. One exchange with the prefix cache.
         let matches: Vec<MatchRequest> = if self.cfg.prefix_cache {
             self.running[first_new..]
                 .iter()
-                .map(|s| MatchRequest {
-                    seq: s.req.id,
-                    cache_ids: Arc::new(s.cache_ids.clone()),
-                    cap: s.prompt_len - 1,
-                })
+                .map(|s| MatchRequest { seq: s.req.id, cache_ids: Arc::new(s.cache_ids.clone()), cap: s.total() - 1 })
                 .collect()
         } else {
             Vec::new()
         };
         let (inserts, leases) = (std::mem::take(&mut self.inserts), std::mem::take(&mut self.leases));
-        if !(matches.is_empty() && inserts.is_empty() && leases.is_empty()) {
-            for m in prefix.step(matches, inserts, leases) {
+        let reclaim = if self.cfg.prefix_cache { std::mem::take(&mut self.reclaim) } else { 0 };
+        if !(matches.is_empty() && inserts.is_empty() && leases.is_empty() && reclaim == 0) {
+            for m in prefix.step(matches, inserts, leases, reclaim) {
                 if let Some(s) = self.running.iter_mut().find(|s| s.req.id == m.seq) {
-                    s.cached = m.cached_tokens;
+                    if !s.preempted {
+                        s.cached = m.cached_tokens;
+                    }
                     s.computed = m.cached_tokens;
                     self.stats.cached_tokens_total += m.cached_tokens as u64;
                     s.hit = Some(m);
                 }
             }
         }
+        // 4. Chunks under the token budget and the free pages (a chunk is cut short to the pages left).
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut pages_left = free;
         let mut items = Vec::new();
         for i in 0..self.running.len() {
             let s = &self.running[i];
@@ -274,22 +364,30 @@ impl Scheduler {
             if n == 0 {
                 continue;
             }
-            let (end, snapshot) = self.chunk_end(s, s.computed, s.computed + n);
+            let held = self.pages_for(s.computed);
+            let room = (held + pages_left) * self.cfg.page_size;
+            if room <= s.computed {
+                continue;
+            }
+            let (end, snapshot) = self.chunk_end(s, s.computed, (s.computed + n).min(room));
+            pages_left -= self.pages_for(end) - held;
             let s = &mut self.running[i];
             budget -= end - s.computed;
             let admit = (!s.sent_to_runner).then(|| Admission {
                 prompt: s.req.prompt.clone(),
                 sampling: s.req.sampling.clone(),
                 prefix: s.hit.clone().filter(|h| h.cached_tokens > 0),
+                generated: s.cache_ids[s.prompt_len..].iter().map(|&t| t as u32).collect(),
             });
             s.sent_to_runner = true;
             items.push(PlanItem { seq: s.req.id, admit, start: s.computed, end, sample: end == s.total(), snapshot });
         }
         let release = std::mem::take(&mut self.release);
-        if items.is_empty() && release.is_empty() {
+        let preempt = std::mem::take(&mut self.preempt);
+        if items.is_empty() && release.is_empty() && preempt.is_empty() {
             return None;
         }
-        Some(BatchPlan { items, release })
+        Some(BatchPlan { items, release, preempt })
     }
 
     fn finish(&mut self, i: usize) -> Seq {
@@ -309,6 +407,9 @@ impl Scheduler {
     /// Applies a step's result: advances sequences, sends their events, finishes and releases them.
     pub fn update(&mut self, plan: &BatchPlan, result: StepResult) {
         self.stats.steps_total += 1;
+        if result.kv.total > 0 {
+            self.kv = result.kv;
+        }
         for item in &plan.items {
             if let Some(s) = self.running.iter_mut().find(|s| s.req.id == item.seq) {
                 let n = item.end - item.start;
@@ -418,7 +519,7 @@ mod tests {
     fn sample_all(plan: &BatchPlan, token: u32) -> StepResult {
         let sampled =
             plan.items.iter().filter(|i| i.sample).map(|i| Sampled { seq: i.seq, token, logprobs: None }).collect();
-        StepResult { sampled, failed: Vec::new(), snapshots: Vec::new() }
+        StepResult { sampled, ..StepResult::default() }
     }
 
     #[test]
@@ -464,7 +565,7 @@ mod tests {
     }
 
     impl PrefixPort for Recorder {
-        fn step(&mut self, m: Vec<MatchRequest>, i: Vec<InsertRequest>, r: Vec<LeaseId>) -> Vec<PrefixMatch> {
+        fn step(&mut self, m: Vec<MatchRequest>, i: Vec<InsertRequest>, r: Vec<LeaseId>, _: usize) -> Vec<PrefixMatch> {
             self.inserts.extend(i);
             self.releases.extend(r);
             m.into_iter()
@@ -538,5 +639,78 @@ mod tests {
         assert_eq!(p.release, vec![1]);
         assert_eq!(s.stats().running, 0);
         assert_eq!(s.stats().cancelled_total, 1);
+    }
+
+    /// A runner stand-in that keeps page counts like the real pool: a sequence holds the pages covering
+    /// the tokens it computed; release and preemption give them back.
+    struct Pool {
+        page: usize,
+        total: usize,
+        held: std::collections::HashMap<SeqId, usize>,
+    }
+
+    impl Pool {
+        fn run(&mut self, plan: &BatchPlan, token: u32) -> StepResult {
+            for id in plan.release.iter().chain(&plan.preempt) {
+                self.held.remove(id);
+            }
+            for it in &plan.items {
+                self.held.insert(it.seq, it.end.div_ceil(self.page));
+            }
+            let used: usize = self.held.values().sum();
+            assert!(used <= self.total, "the plan overcommits the pool: {used} of {} pages", self.total);
+            let mut r = sample_all(plan, token);
+            r.kv = KvPages { total: self.total, free: self.total - used, shared: 0 };
+            r
+        }
+    }
+
+    #[test]
+    fn admission_counts_pages_not_prompt_plus_max_tokens() {
+        // 40 KV tokens: the up-front reservation (5 + 30 each) admitted one of these at a time.
+        let mut s = Scheduler::new(SchedulerConfig { max_running_requests: 4, ..cfg() });
+        let (tx, _rx) = mpsc::unbounded_channel();
+        s.submit(req(1, 5, 25), tx.clone()).expect("fits");
+        s.submit(req(2, 5, 25), tx.clone()).expect("fits");
+        let p = s.schedule(&mut NoPrefixCache).expect("work");
+        assert_eq!(p.items.iter().map(|i| i.seq).collect::<Vec<_>>(), vec![1, 2], "both admitted at once");
+        assert!(p.items.iter().all(|i| i.admit.as_ref().is_some_and(|a| a.generated.is_empty())));
+    }
+
+    #[test]
+    fn when_pages_run_out_the_newest_sequence_is_preempted_and_recomputed_with_its_tokens() {
+        // 12 KV tokens of 2-token pages; two requests of 3 + 8 tokens cannot both finish side by side.
+        let c = SchedulerConfig { kv_capacity_tokens: 12, context_len: 30, max_running_requests: 2, ..cfg() };
+        let mut s = Scheduler::new(c);
+        let mut pool = Pool { page: 2, total: 6, held: Default::default() };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        s.submit(req(1, 3, 8), tx.clone()).expect("fits");
+        s.submit(req(2, 3, 8), tx.clone()).expect("fits");
+        let mut preempted_at = None;
+        let mut readmitted = None;
+        for step in 0..60 {
+            let Some(p) = s.schedule(&mut NoPrefixCache) else { break };
+            if p.preempt.contains(&2) {
+                preempted_at.get_or_insert(step);
+            }
+            if let Some(a) =
+                p.items.iter().find(|i| i.seq == 2 && preempted_at.is_some()).and_then(|i| i.admit.as_ref())
+            {
+                readmitted.get_or_insert(a.generated.clone());
+            }
+            let r = pool.run(&p, 5);
+            s.update(&p, r);
+        }
+        assert!(preempted_at.is_some(), "the pool ran out: sequence 2 was preempted");
+        let generated = readmitted.expect("sequence 2 was admitted again");
+        assert!(!generated.is_empty() && generated.iter().all(|&t| t == 5), "with the tokens it had: {generated:?}");
+        assert_eq!(s.stats().preemptions_total, 1);
+        let done: Vec<usize> = std::iter::from_fn(|| rx.try_recv().ok())
+            .filter_map(|e| match e {
+                EngineEvent::Finished { completion_tokens, .. } => Some(completion_tokens),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(done, vec![8, 8], "both requests finish with all their tokens");
     }
 }

@@ -26,10 +26,11 @@ impl PrefixPort for ActorPort {
         matches: Vec<MatchRequest>,
         inserts: Vec<InsertRequest>,
         releases: Vec<LeaseId>,
+        reclaim_pages: usize,
     ) -> Vec<PrefixMatch> {
-        let misses: Vec<PrefixMatch> = NoPrefixCache.step(matches.clone(), Vec::new(), Vec::new());
+        let misses: Vec<PrefixMatch> = NoPrefixCache.step(matches.clone(), Vec::new(), Vec::new(), 0);
         let (reply, rx) = oneshot::channel();
-        if self.0.send(PrefixCommand::Step { matches, inserts, releases, reply }).is_err() {
+        if self.0.send(PrefixCommand::Step { matches, inserts, releases, reclaim_pages, reply }).is_err() {
             tracing::error!("prefix cache is gone; continuing without it");
             return misses;
         }

@@ -107,6 +107,30 @@ impl Metrics {
         gauge(&mut out, "osprey_running_sequences", "Sequences being computed.", "gauge", s.running as f64);
         gauge(&mut out, "osprey_kv_tokens", "Tokens held in KV by running sequences.", "gauge", s.kv_tokens as f64);
         gauge(&mut out, "osprey_kv_capacity_tokens", "KV capacity in tokens.", "gauge", s.kv_capacity as f64);
+        let used = s.kv_pages_total.saturating_sub(s.kv_pages_free);
+        gauge(&mut out, "osprey_kv_pages_total", "Pages in the KV pool.", "gauge", s.kv_pages_total as f64);
+        gauge(
+            &mut out,
+            "osprey_kv_pages_used",
+            "KV pages held by sequences or the prefix cache.",
+            "gauge",
+            used as f64,
+        );
+        gauge(&mut out, "osprey_kv_pages_free", "KV pages nobody holds.", "gauge", s.kv_pages_free as f64);
+        gauge(
+            &mut out,
+            "osprey_kv_pages_shared",
+            "KV pages of running sequences shared with the prefix cache or another sequence.",
+            "gauge",
+            s.kv_pages_shared as f64,
+        );
+        gauge(
+            &mut out,
+            "osprey_preemptions_total",
+            "Sequences preempted (and later recomputed) because KV pages ran out.",
+            "counter",
+            s.preemptions_total as f64,
+        );
         gauge(
             &mut out,
             "osprey_prompt_tokens_total",

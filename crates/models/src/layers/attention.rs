@@ -2,7 +2,7 @@
 //! q/k get a zero-centred RMSNorm per head, partial mRoPE, GQA causal attention over the sequence's KV,
 //! then `o_proj(attn · sigmoid(gate))`.
 
-use osprey_kernels::attention::{causal_attention, AttnShape};
+use osprey_kernels::attention::{causal_attention_paged, AttnShape, PagedKv};
 use osprey_kernels::norm::rms_norm_1p;
 use osprey_kernels::rope::MRope;
 use osprey_kernels::sigmoid;
@@ -11,7 +11,7 @@ use super::{linear, Segment};
 use crate::checkpoint::{Checkpoint, Weight};
 use crate::config::TextConfig;
 use crate::error::Result;
-use crate::state::KvCache;
+use crate::kv::PageTable;
 
 /// Per-row rotary tables for one forward (shared by every full-attention layer).
 #[derive(Clone, Debug)]
@@ -71,17 +71,13 @@ impl GatedAttention {
         })
     }
 
-    /// New empty KV for a sequence.
-    pub fn new_cache(&self) -> KvCache {
-        KvCache::default()
-    }
-
-    /// `x [T, hidden]` (already normed) → `[T, hidden]`, appending each segment's K/V to its cache.
+    /// `x [T, hidden]` (already normed) → `[T, hidden]`, writing each segment's K/V into plane `kv_layer`
+    /// of its page table (slots `[past, past + len)`, reserved by the caller) and attending through it.
     pub fn forward(
         &self,
         x: &[f32],
         segs: &[Segment],
-        caches: &mut [&mut KvCache],
+        (tables, kv_layer): (&mut [&mut PageTable], usize),
         rope: &RopeTables,
         rot: &MRope,
     ) -> Vec<f32> {
@@ -108,17 +104,22 @@ impl GatedAttention {
             rot.apply(&mut q[i * nh * hd..(i + 1) * nh * hd], c, s);
             rot.apply(&mut k[i * nkv * hd..(i + 1) * nkv * hd], c, s);
         }
-        // 3. Append to each sequence's cache and attend.
+        // 3. Write into each sequence's pages and attend through its page table.
         let mut attn = vec![0f32; t * nh * hd];
         let kv_row = nkv * hd;
-        for (seg, cache) in segs.iter().zip(caches.iter_mut()) {
+        for (seg, table) in segs.iter().zip(tables.iter_mut()) {
             let rows = seg.row..seg.row + seg.len;
-            cache.k.extend_from_slice(&k[rows.start * kv_row..rows.end * kv_row]);
-            cache.v.extend_from_slice(&v[rows.start * kv_row..rows.end * kv_row]);
-            causal_attention(
+            table.write(
+                kv_layer,
+                seg.past,
+                &k[rows.start * kv_row..rows.end * kv_row],
+                &v[rows.start * kv_row..rows.end * kv_row],
+            );
+            let (kp, vp) = table.planes(kv_layer);
+            let paged = PagedKv { k: &kp, v: &vp, page: table.geometry().page_size };
+            causal_attention_paged(
                 &q[rows.start * nh * hd..rows.end * nh * hd],
-                &cache.k,
-                &cache.v,
+                paged,
                 seg.past,
                 self.shape,
                 (hd as f32).powf(-0.5),

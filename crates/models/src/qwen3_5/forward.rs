@@ -5,9 +5,10 @@ use osprey_kernels::norm::rms_norm_1p;
 use super::{Ffn, Mixer, Qwen35};
 use crate::error::{Error, Result};
 use crate::family::{ForwardOptions, ForwardOutput, LogitsWanted, Positions, SeqStep};
+use crate::kv::PageTable;
 use crate::layers::attention::RopeTables;
 use crate::layers::{linear, Segment};
-use crate::state::{KvCache, LayerState, LinearState};
+use crate::state::{LayerState, LinearState};
 
 impl Qwen35 {
     fn check(&self, steps: &[SeqStep<'_, '_>]) -> Result<()> {
@@ -37,6 +38,14 @@ impl Qwen35 {
     /// Runs one step for a batch of sequences (the seam's `forward_with`). Each state advances by its tokens.
     pub(crate) fn run(&self, steps: &mut [SeqStep<'_, '_>], opts: &ForwardOptions<'_>) -> Result<ForwardOutput> {
         self.check(steps)?;
+        if steps.is_empty() {
+            return Ok(ForwardOutput::default());
+        }
+        // KV slots for the new tokens (a pooled table was reserved by its pool; an unpooled one grows).
+        for s in steps.iter_mut() {
+            let need = s.state.len + s.input.tokens.len();
+            s.state.kv.grow(need).map_err(Error::InvalidInput)?;
+        }
         let capture_hidden = opts.capture_hidden || opts.teacher_inputs.is_some();
         if let Some(t) = opts.teacher_inputs {
             let rows: usize = steps.iter().map(|s| s.input.tokens.len()).sum();
@@ -87,20 +96,20 @@ impl Qwen35 {
                         .iter_mut()
                         .map(|s| match &mut s.state.layers[li] {
                             LayerState::Linear(l) => l,
-                            LayerState::Full(_) => unreachable!("state built for another layer stack: this is a bug"),
+                            LayerState::Full { .. } => {
+                                unreachable!("state built for another layer stack: this is a bug")
+                            }
                         })
                         .collect();
                     g.forward(&hn, &segs, &mut st)
                 }
                 Mixer::Full(a) => {
-                    let mut kv: Vec<&mut KvCache> = steps
-                        .iter_mut()
-                        .map(|s| match &mut s.state.layers[li] {
-                            LayerState::Full(c) => c,
-                            LayerState::Linear(_) => unreachable!("state built for another layer stack: this is a bug"),
-                        })
-                        .collect();
-                    a.forward(&hn, &segs, &mut kv, &rope, &self.rope)
+                    let kv_layer = match steps.first().map(|s| &s.state.layers[li]) {
+                        Some(LayerState::Full { kv_layer }) => *kv_layer,
+                        _ => unreachable!("state built for another layer stack: this is a bug"),
+                    };
+                    let mut tables: Vec<&mut PageTable> = steps.iter_mut().map(|s| &mut s.state.kv).collect();
+                    a.forward(&hn, &segs, (&mut tables, kv_layer), &rope, &self.rope)
                 }
             };
             x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);

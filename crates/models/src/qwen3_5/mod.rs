@@ -16,6 +16,7 @@ use crate::checkpoint::{Checkpoint, Weight};
 use crate::config::{LayerKind, ModelConfig, TextConfig};
 use crate::error::Result;
 use crate::family::{CausalLm, ForwardOptions, ForwardOutput, KvLayout, LmInfo, Model, SeqStep};
+use crate::kv::PageTable;
 use crate::layers::attention::GatedAttention;
 use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
@@ -176,16 +177,17 @@ impl CausalLm for Qwen35 {
         self.run(steps, opts)
     }
 
-    fn new_state(&self) -> SeqState {
-        SeqState::new(
-            self.layers
-                .iter()
-                .map(|l| match &l.mixer {
-                    Mixer::Linear(g) => LayerState::Linear(g.new_state()),
-                    Mixer::Full(a) => LayerState::Full(a.new_cache()),
-                })
-                .collect(),
-        )
+    fn new_state_with(&self, kv: PageTable) -> SeqState {
+        let mut kv_layers = 0..;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Linear(g) => LayerState::Linear(g.new_state()),
+                Mixer::Full(_) => LayerState::Full { kv_layer: kv_layers.next().unwrap_or_default() },
+            })
+            .collect();
+        SeqState::new(layers, kv)
     }
 
     fn weight_bytes(&self) -> (usize, usize) {

@@ -1,0 +1,61 @@
+//! The paged KV pool through the real server: a pool too small for the concurrent requests preempts and
+//! recomputes sequences, and every answer equals the answer of a server with room for all of them.
+//!
+//! Tolerance: a recomputed sequence prefills its prompt and generated tokens in other chunks than the
+//! original, which moves logits by at most the parity bound (1e-4, crates/models/tests/parity.rs); greedy
+//! text and seeded draws are compared exactly, as the prefix-cache tests do for the same reason.
+
+#[path = "../crates/models/tests/common/mod.rs"]
+mod common;
+mod harness;
+
+use std::net::SocketAddr;
+
+use common::fixtures;
+use harness::metric;
+use osprey::Settings;
+use serde_json::{json, Value};
+
+fn start(settings: Settings) -> SocketAddr {
+    harness::start(settings, fixtures().join("models/qwen3_5_moe-tiny"))
+}
+
+fn ask(addr: SocketAddr, i: usize) -> (String, u64) {
+    let q = format!("Question {i}: tell me about the number {}.", i * 7);
+    // Half greedy, half seeded sampling (the sampler state survives a preemption).
+    let sampling = if i.is_multiple_of(2) { json!({"temperature": 0}) } else { json!({"temperature": 1.0, "seed": i}) };
+    let mut body = json!({"messages": [{"role": "user", "content": q}], "max_tokens": 40, "ignore_eos": true});
+    body.as_object_mut().expect("object").extend(sampling.as_object().expect("object").clone());
+    let r = ureq::post(&format!("http://{addr}/v1/chat/completions")).send_string(&body.to_string()).expect("request");
+    let v: Value = serde_json::from_str(&r.into_string().expect("body")).expect("json");
+    let m = &v["choices"][0]["message"];
+    let text = format!("{}|{}", m["reasoning_content"].as_str().unwrap_or(""), m["content"].as_str().unwrap_or(""));
+    (text, v["usage"]["completion_tokens"].as_u64().expect("usage"))
+}
+
+fn ask_all(addr: SocketAddr, n: usize) -> Vec<(String, u64)> {
+    let handles: Vec<_> = (0..n).map(|i| std::thread::spawn(move || ask(addr, i))).collect();
+    handles.into_iter().map(|h| h.join().expect("client thread")).collect()
+}
+
+#[test]
+fn preemption_under_a_tiny_page_pool_returns_the_same_answers_as_an_unconstrained_server() {
+    // Each request is ~30 prompt tokens + 40 generated = 5 pages of 16; six of them need ~30 pages side
+    // by side, the tiny pool has 10.
+    let tiny = start(Settings {
+        kv_capacity_tokens: Some(160),
+        page_size: Some(16),
+        max_running_requests: Some(6),
+        ..Settings::default()
+    });
+    let roomy = start(Settings { max_running_requests: Some(6), ..Settings::default() });
+    let want = ask_all(roomy, 6);
+    let got = ask_all(tiny, 6);
+    assert!(metric(tiny, "osprey_preemptions_total") > 0.0, "the tiny pool must have preempted");
+    assert_eq!(metric(roomy, "osprey_preemptions_total"), 0.0);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.1, 40, "request {i}: all tokens generated");
+        assert_eq!(g, w, "request {i}: same answer with and without preemption");
+    }
+    assert_eq!(metric(tiny, "osprey_kv_pages_total"), 10.0);
+}
