@@ -229,7 +229,13 @@ impl ExpertSource for ResidentSet {
         let (reply, rx) = oneshot::channel();
         let sent = self
             .tx
-            .send(ResidencyCommand::Need { layer, experts: experts.to_vec(), resident: resident_tx, reply })
+            .send(ResidencyCommand::Need {
+                layer,
+                experts: experts.to_vec(),
+                span: tracing::Span::current(),
+                resident: resident_tx,
+                reply,
+            })
             .is_ok();
         let (tx, stall) = (self.tx.clone(), self.stall_nanos.clone());
         let experts = experts.to_vec();
@@ -270,7 +276,8 @@ pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy
             let mut table = ResidencyTable::new(index.experts.len(), budget, policy);
             while let Some(cmd) = rx.blocking_recv() {
                 match cmd {
-                    ResidencyCommand::Need { layer, experts, resident, reply } => {
+                    ResidencyCommand::Need { layer, experts, span, resident, reply } => {
+                        let _in = span.enter();
                         need(&index, reader.as_mut(), &mut table, layer, &experts, resident, reply)
                     }
                     ResidencyCommand::Release { layer, expert } => table.release(layer, expert),
@@ -335,6 +342,7 @@ fn need(
         hits.iter().for_each(|&i| table.release(layer, experts[i]));
         return;
     }
+    tracing::debug!(layer, hits = hits.len(), misses = missing.len(), "experts needed");
     if missing.is_empty() {
         let _ = reply.send(Ok(Vec::new()));
         return;

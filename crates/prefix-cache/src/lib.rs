@@ -2,15 +2,15 @@
 //!
 //! Brief overview: owns a [`RadixTree`] of KV pages keyed by `cache_ids` (token ids, with media
 //! placeholders replaced by content-hash ids) plus recurrent-state snapshots. Accepts one batched
-//! [`PrefixCommand::Step`] per scheduler step (releases, inserts, pages reclaimed for the KV pool, then
-//! matches) and emits
-//! [`PrefixMatch`]es: cached length, opaque pages, the snapshot, and a lease. Runs on its own thread.
+//! [`PrefixCommand::Step`] per scheduler step (inserts, pages reclaimed for the KV pool, then matches) and
+//! emits [`PrefixMatch`]es: cached length, opaque pages (shared with the runner's pool), the snapshot, and
+//! a pin ([`PrefixPin`], an RAII guard whose last clone sends `Release` back here). Runs on its own thread.
 
 mod tree;
 
 use std::thread;
 
-use osprey_protocol::prefix::{PrefixCommand, PrefixMatch, PrefixStats};
+use osprey_protocol::prefix::{PrefixCommand, PrefixMatch, PrefixPin, PrefixStats};
 use osprey_protocol::Opaque;
 use tokio::sync::mpsc;
 
@@ -19,16 +19,18 @@ pub use tree::{Bytes, Hit, RadixTree, TreeStats};
 /// Starts the prefix-cache thread: pages of `page_size` tokens, at most `budget_bytes` unpinned.
 pub fn spawn(page_size: usize, budget_bytes: usize) -> mpsc::UnboundedSender<PrefixCommand> {
     let (tx, mut rx) = mpsc::unbounded_channel::<PrefixCommand>();
+    let weak = tx.downgrade();
     thread::Builder::new()
         .name("osprey-prefix-cache".into())
         .spawn(move || {
             let mut tree: RadixTree<dyn Opaque, dyn Opaque> = RadixTree::new(page_size, budget_bytes);
+            // Pins send their release here; the actor keeps only a weak sender so that it still stops
+            // when every outside handle is gone.
+            let inbox = weak;
             while let Some(cmd) = rx.blocking_recv() {
                 match cmd {
-                    PrefixCommand::Step { matches, inserts, releases, reclaim_pages, reply } => {
-                        for l in releases {
-                            tree.release(l);
-                        }
+                    PrefixCommand::Release { lease } => tree.release(lease),
+                    PrefixCommand::Step { matches, inserts, reclaim_pages, reply } => {
                         for ins in inserts {
                             tree.insert(&ins.cache_ids, &ins.pages, ins.snapshot);
                         }
@@ -45,7 +47,7 @@ pub fn spawn(page_size: usize, budget_bytes: usize) -> mpsc::UnboundedSender<Pre
                                     cached_tokens: h.tokens,
                                     pages: h.pages,
                                     snapshot: h.snapshot,
-                                    lease: h.lease,
+                                    lease: h.lease.map(|l| PrefixPin::new(l, inbox.upgrade())),
                                 }
                             })
                             .collect();

@@ -28,6 +28,8 @@ pub enum ResidencyCommand {
         layer: usize,
         /// Experts.
         experts: Vec<usize>,
+        /// The runner's step span (it names the sequences of the step).
+        span: tracing::Span,
         /// Answered before any read: per requested expert, its weights if resident (leased), or `None`
         /// if it is being read; an error for a request naming no such expert.
         resident: oneshot::Sender<Result<Vec<Option<Handle>>, String>>,

@@ -2,12 +2,46 @@
 
 use std::sync::Arc;
 
+use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
 use crate::{Handle, SeqId};
 
-/// A pin on a matched path of the tree; released with [`PrefixCommand::Step`]'s `releases`.
+/// The id of a pin on a matched path of the tree.
 pub type LeaseId = u64;
+
+/// A pin on a matched path of the tree (an RAII guard, like an expert lease): while any clone is alive the
+/// path's pages and snapshot cannot be evicted; dropping the last clone sends a
+/// [`PrefixCommand::Release`], which the cache handles in order, before the next step.
+#[derive(Clone, Debug)]
+pub struct PrefixPin(Arc<PinInner>);
+
+#[derive(Debug)]
+struct PinInner {
+    lease: LeaseId,
+    release: Option<UnboundedSender<PrefixCommand>>,
+}
+
+impl PrefixPin {
+    /// A pin on lease `lease` that `release` (the cache's inbox) gets back; `None`: nothing to release.
+    pub fn new(lease: LeaseId, release: Option<UnboundedSender<PrefixCommand>>) -> Self {
+        PrefixPin(Arc::new(PinInner { lease, release }))
+    }
+
+    /// The lease id.
+    pub fn lease(&self) -> LeaseId {
+        self.0.lease
+    }
+}
+
+impl Drop for PinInner {
+    fn drop(&mut self) {
+        if let Some(tx) = &self.release {
+            // The cache may be gone (shutdown): then there is nothing left to unpin.
+            let _ = tx.send(PrefixCommand::Release { lease: self.lease });
+        }
+    }
+}
 
 /// Look up the longest cached prefix of a new sequence.
 #[derive(Clone, Debug)]
@@ -31,8 +65,8 @@ pub struct PrefixMatch {
     pub pages: Vec<Handle>,
     /// Recurrent state after `cached_tokens` tokens.
     pub snapshot: Option<Handle>,
-    /// The pin to release when the sequence ends.
-    pub lease: Option<LeaseId>,
+    /// The pin; the path is unpinned when the last clone drops (the sequence ended).
+    pub lease: Option<PrefixPin>,
 }
 
 /// Store the prefix `cache_ids` (a page multiple) with the state after it.
@@ -68,19 +102,22 @@ pub struct PrefixStats {
 /// Commands of the prefix-cache actor.
 #[derive(Debug)]
 pub enum PrefixCommand {
-    /// A step's batch: releases first, then reclaim, then inserts, then matches.
+    /// A step's batch: inserts, then reclaim, then matches.
     Step {
         /// New sequences to match.
         matches: Vec<MatchRequest>,
         /// Prefixes to store.
         inserts: Vec<InsertRequest>,
-        /// Pins to drop.
-        releases: Vec<LeaseId>,
         /// KV pages the pool needs back: evict this many unpinned pages (least recently used first)
         /// before matching.
         reclaim_pages: usize,
         /// One answer per match, in order.
         reply: oneshot::Sender<Vec<PrefixMatch>>,
+    },
+    /// A pin was dropped (sent by [`PrefixPin`]'s last clone).
+    Release {
+        /// Its lease.
+        lease: LeaseId,
     },
     /// Counters.
     Stats {

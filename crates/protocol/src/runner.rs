@@ -39,6 +39,8 @@ pub struct PlanItem {
     /// Snapshot the state after this chunk (its end is on the snapshot grid) and return the pages
     /// computed since the sequence's last snapshot.
     pub snapshot: bool,
+    /// The request's span.
+    pub span: tracing::Span,
 }
 
 /// A snapshot taken after a plan item, with the KV pages it covers that the cache may lack.

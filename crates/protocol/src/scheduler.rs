@@ -60,6 +60,8 @@ pub struct GenerateRequest {
     pub max_tokens: usize,
     /// Tokens that end the generation (EOS ids).
     pub stop_token_ids: Vec<u32>,
+    /// The request's span (its id, followed across actors in the log).
+    pub span: tracing::Span,
 }
 
 /// Why a generation ended.

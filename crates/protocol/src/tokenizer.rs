@@ -110,6 +110,8 @@ pub enum TokenizerCommand {
     PrepareChat {
         /// The prompt.
         prompt: ChatPrompt,
+        /// The request's span (its id, followed across actors in the log).
+        span: tracing::Span,
         /// The prepared prompt or why not.
         reply: oneshot::Sender<Result<PreparedPrompt, RequestError>>,
     },
@@ -117,6 +119,8 @@ pub enum TokenizerCommand {
     PrepareCompletion {
         /// The prompt.
         prompt: CompletionPrompt,
+        /// The request's span.
+        span: tracing::Span,
         /// The prepared prompt or why not.
         reply: oneshot::Sender<Result<PreparedPrompt, RequestError>>,
     },

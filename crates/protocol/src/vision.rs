@@ -35,6 +35,8 @@ pub enum VisionCommand {
         hash: MediaHash,
         /// Pixel rows and grid.
         patches: Arc<PixelPatches>,
+        /// The span of the request that needs the rows.
+        span: tracing::Span,
         /// The rows, or why not (a typed error that reaches the client as is).
         reply: oneshot::Sender<Result<Arc<Vec<f32>>, RequestError>>,
     },

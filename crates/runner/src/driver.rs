@@ -50,7 +50,7 @@ pub struct Resume<'a> {
 }
 
 /// One sequence's work in a step: feed tokens `[start, end)` (prompt, then generated tokens).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Work {
     /// The sequence.
     pub seq: SeqId,
@@ -63,6 +63,8 @@ pub struct Work {
     /// Snapshot the state after this chunk (its end is a page boundary) with the pages computed since the
     /// sequence's previous snapshot.
     pub snapshot: bool,
+    /// The request's span (entered while this item's media rows are fetched).
+    pub span: tracing::Span,
 }
 
 /// A snapshot taken after a work item.
@@ -262,8 +264,12 @@ impl Driver {
                 out.push((w.seq, Err(engine_error(msg))));
                 continue;
             }
-            match Self::ensure_rows(rows, &mut rec, w.start, w.end.min(plen)) {
-                Ok(()) => ok.push((*w, rec)),
+            let fetched = w.span.in_scope(|| {
+                tracing::debug!(start = w.start, end = w.end, sample = w.sample, "chunk");
+                Self::ensure_rows(rows, &mut rec, w.start, w.end.min(plen))
+            });
+            match fetched {
+                Ok(()) => ok.push((w.clone(), rec)),
                 Err(e) => out.push((w.seq, Err(e))),
             }
         }
@@ -377,7 +383,8 @@ impl Driver {
         let mut first: Option<(f64, Instant)> = None;
         let finish = loop {
             let end = if start < plen { (start + opts.chunk.max(1)).min(plen) } else { start + 1 };
-            let work = Work { seq, start, end, sample: end >= plen, snapshot: false };
+            let span = tracing::Span::current();
+            let work = Work { seq, start, end, sample: end >= plen, snapshot: false, span };
             let (_, res) = self.step(&[work], rows).pop().expect("one result per work item");
             start = end;
             let Some((token, _)) = res?.sampled else { continue };

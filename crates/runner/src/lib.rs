@@ -63,7 +63,8 @@ impl RowSource for VisionRows<'_> {
             .0
             .ok_or_else(|| RequestError::new(ErrorCode::VisionUnsupported, "this model has no vision encoder"))?;
         let (reply, rx) = oneshot::channel();
-        v.send(VisionCommand::Encode { hash: m.hash, patches: m.patches.clone(), reply })
+        let span = tracing::Span::current();
+        v.send(VisionCommand::Encode { hash: m.hash, patches: m.patches.clone(), span, reply })
             .map_err(|_| gone("is gone"))?;
         rx.blocking_recv().map_err(|_| gone("dropped the request"))?
     }
@@ -123,10 +124,18 @@ impl Runner {
                 end: item.end,
                 sample: item.sample,
                 snapshot: item.snapshot,
+                span: item.span.clone(),
             });
         }
-        // 2. One batched forward, then the results in protocol form.
-        for (seq, res) in self.driver.step(&work, &mut VisionRows(self.vision.as_ref())) {
+        // 2. One batched forward (in a span naming its sequences, which the expert reads inherit), then the
+        //    results in protocol form.
+        let seqs: Vec<u64> = work.iter().map(|w| w.seq).collect();
+        let step = tracing::debug_span!("step", seqs = ?seqs);
+        for w in &work {
+            step.follows_from(&w.span);
+        }
+        let done = step.in_scope(|| self.driver.step(&work, &mut VisionRows(self.vision.as_ref())));
+        for (seq, res) in done {
             match res {
                 Err(e) => {
                     self.driver.release(seq);

@@ -17,7 +17,7 @@ use std::collections::VecDeque;
 
 use std::sync::Arc;
 
-use osprey_protocol::prefix::{InsertRequest, LeaseId, MatchRequest, PrefixMatch};
+use osprey_protocol::prefix::{InsertRequest, MatchRequest, PrefixMatch};
 use osprey_protocol::runner::{Admission, BatchPlan, KvPages, PlanItem, SnapshotTaken, StepResult};
 use osprey_protocol::scheduler::{EngineEvent, FinishReason, GenerateRequest, SchedulerStats};
 use osprey_protocol::{ErrorCode, RequestError, SeqId};
@@ -54,12 +54,12 @@ impl SchedulerConfig {
 
 /// The scheduler's view of the prefix cache: one batched exchange per step.
 pub trait PrefixPort {
-    /// Releases, then inserts, then matches; one answer per match.
+    /// Inserts, then page reclaim, then matches; one answer per match. (Pins are released by dropping
+    /// them.)
     fn step(
         &mut self,
         matches: Vec<MatchRequest>,
         inserts: Vec<InsertRequest>,
-        releases: Vec<LeaseId>,
         reclaim_pages: usize,
     ) -> Vec<PrefixMatch>;
 }
@@ -69,13 +69,7 @@ pub trait PrefixPort {
 pub struct NoPrefixCache;
 
 impl PrefixPort for NoPrefixCache {
-    fn step(
-        &mut self,
-        matches: Vec<MatchRequest>,
-        _: Vec<InsertRequest>,
-        _: Vec<LeaseId>,
-        _: usize,
-    ) -> Vec<PrefixMatch> {
+    fn step(&mut self, matches: Vec<MatchRequest>, _: Vec<InsertRequest>, _: usize) -> Vec<PrefixMatch> {
         matches
             .into_iter()
             .map(|m| PrefixMatch { seq: m.seq, cached_tokens: 0, pages: Vec::new(), snapshot: None, lease: None })
@@ -118,7 +112,6 @@ pub struct Scheduler {
     release: Vec<SeqId>,
     stats: SchedulerStats,
     inserts: Vec<InsertRequest>,
-    leases: Vec<LeaseId>,
     /// The runner's pool as of its last report.
     kv: KvPages,
     /// Pages to ask the prefix cache for at the next exchange.
@@ -139,7 +132,6 @@ impl Scheduler {
             release: Vec::new(),
             stats,
             inserts: Vec::new(),
-            leases: Vec::new(),
             kv: KvPages { total: pages, free: pages, shared: 0 },
             reclaim: 0,
             preempt: Vec::new(),
@@ -177,6 +169,7 @@ impl Scheduler {
             ));
         }
         let cache_ids = req.prompt.cache_ids.clone();
+        req.span.in_scope(|| tracing::debug!(prompt_len, max_tokens = req.max_tokens, "queued"));
         self.waiting.push_back(Seq {
             req,
             events,
@@ -209,7 +202,6 @@ impl Scheduler {
             if s.sent_to_runner {
                 self.release.push(id);
             }
-            self.leases.extend(s.hit.and_then(|h| h.lease));
             self.stats.cancelled_total += 1;
         }
     }
@@ -221,7 +213,6 @@ impl Scheduler {
             || !self.release.is_empty()
             || !self.preempt.is_empty()
             || !self.inserts.is_empty()
-            || !self.leases.is_empty()
     }
 
     /// Counters and gauges.
@@ -287,18 +278,19 @@ impl Scheduler {
         if s.sent_to_runner {
             self.preempt.push(s.req.id);
         }
-        self.leases.extend(s.hit.take().and_then(|h| h.lease));
+        // Dropping the hit unpins its path in the cache.
+        s.hit = None;
         s.computed = 0;
         s.sent_to_runner = false;
         s.pending_end = None;
         s.preempted = true;
         self.stats.preemptions_total += 1;
-        tracing::debug!(seq = s.req.id, tokens = s.total(), "preempted: KV pages ran out");
+        s.req.span.in_scope(|| tracing::debug!(tokens = s.total(), "preempted: KV pages ran out"));
         self.waiting.push_front(s);
     }
 
     /// The next step, or `None` when idle. New sequences are matched against the prefix cache (one
-    /// batched call per step, together with the step's inserts, releases and page reclaim).
+    /// batched call per step, together with the step's inserts and page reclaim).
     pub fn schedule(&mut self, prefix: &mut dyn PrefixPort) -> Option<BatchPlan> {
         self.drop_closed();
         let free = self.kv.free;
@@ -340,15 +332,16 @@ impl Scheduler {
         } else {
             Vec::new()
         };
-        let (inserts, leases) = (std::mem::take(&mut self.inserts), std::mem::take(&mut self.leases));
+        let inserts = std::mem::take(&mut self.inserts);
         let reclaim = if self.cfg.prefix_cache { std::mem::take(&mut self.reclaim) } else { 0 };
-        if !(matches.is_empty() && inserts.is_empty() && leases.is_empty() && reclaim == 0) {
-            for m in prefix.step(matches, inserts, leases, reclaim) {
+        if !(matches.is_empty() && inserts.is_empty() && reclaim == 0) {
+            for m in prefix.step(matches, inserts, reclaim) {
                 if let Some(s) = self.running.iter_mut().find(|s| s.req.id == m.seq) {
                     if !s.preempted {
                         s.cached = m.cached_tokens;
                     }
                     s.computed = m.cached_tokens;
+                    s.req.span.in_scope(|| tracing::debug!(cached_tokens = m.cached_tokens, "prefix matched"));
                     self.stats.cached_tokens_total += m.cached_tokens as u64;
                     s.hit = Some(m);
                 }
@@ -380,7 +373,9 @@ impl Scheduler {
                 generated: s.cache_ids[s.prompt_len..].iter().map(|&t| t as u32).collect(),
             });
             s.sent_to_runner = true;
-            items.push(PlanItem { seq: s.req.id, admit, start: s.computed, end, sample: end == s.total(), snapshot });
+            let span = s.req.span.clone();
+            let sample = end == s.total();
+            items.push(PlanItem { seq: s.req.id, admit, start: s.computed, end, sample, snapshot, span });
         }
         let release = std::mem::take(&mut self.release);
         let preempt = std::mem::take(&mut self.preempt);
@@ -399,7 +394,6 @@ impl Scheduler {
                 snapshot: end.snapshot.clone(),
             });
         }
-        self.leases.extend(s.hit.as_ref().and_then(|h| h.lease));
         self.release.push(s.req.id);
         s
     }
@@ -422,7 +416,6 @@ impl Scheduler {
         for (id, err) in result.failed {
             if let Some(i) = self.running.iter().position(|s| s.req.id == id) {
                 let s = self.running.remove(i);
-                self.leases.extend(s.hit.as_ref().and_then(|h| h.lease));
                 let _ = s.events.send(EngineEvent::Failed(err));
             }
         }
@@ -463,6 +456,7 @@ impl Scheduler {
                 self.cancel(id);
             } else if let Some(reason) = reason {
                 let s = self.finish(i);
+                s.req.span.in_scope(|| tracing::debug!(?reason, generated = s.generated, "finished"));
                 let _ = s.events.send(EngineEvent::Finished {
                     reason,
                     prompt_tokens: s.prompt_len,
@@ -484,6 +478,7 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
+    use osprey_protocol::prefix::{PrefixCommand, PrefixPin};
 
     fn req(id: SeqId, prompt: usize, max_tokens: usize) -> GenerateRequest {
         let prompt = PreparedPrompt {
@@ -500,6 +495,7 @@ mod tests {
             sampling: SamplingParams::default(),
             max_tokens,
             stop_token_ids: vec![9],
+            span: tracing::Span::none(),
         }
     }
 
@@ -561,20 +557,20 @@ mod tests {
     #[derive(Default)]
     struct Recorder {
         inserts: Vec<InsertRequest>,
-        releases: Vec<LeaseId>,
+        /// Where the pins it hands out are released.
+        pins: Option<mpsc::UnboundedSender<PrefixCommand>>,
     }
 
     impl PrefixPort for Recorder {
-        fn step(&mut self, m: Vec<MatchRequest>, i: Vec<InsertRequest>, r: Vec<LeaseId>, _: usize) -> Vec<PrefixMatch> {
+        fn step(&mut self, m: Vec<MatchRequest>, i: Vec<InsertRequest>, _: usize) -> Vec<PrefixMatch> {
             self.inserts.extend(i);
-            self.releases.extend(r);
             m.into_iter()
                 .map(|m| PrefixMatch {
                     seq: m.seq,
                     cached_tokens: 4,
                     pages: Vec::new(),
                     snapshot: None,
-                    lease: Some(7),
+                    lease: Some(PrefixPin::new(7, self.pins.clone())),
                 })
                 .collect()
         }
@@ -590,7 +586,8 @@ mod tests {
         });
         let (tx, mut rx) = mpsc::unbounded_channel();
         s.submit(req(1, 15, 3), tx).expect("fits");
-        let mut port = Recorder::default();
+        let (pin_tx, mut pin_rx) = mpsc::unbounded_channel();
+        let mut port = Recorder { pins: Some(pin_tx), ..Recorder::default() };
         // Hit of 4; grid 4, page 2: the chunk ends on the furthest snapshot point it can reach, the
         // prompt's last page boundary 14 (grid points 8 and 12 inside it are not snapshotted), then 15
         // samples; then the first decode token ends on page boundary 16 and snapshots.
@@ -603,9 +600,12 @@ mod tests {
         }
         assert_eq!(ends, vec![(4, 14, true, false), (14, 15, false, true), (15, 16, true, true)]);
         let p = s.schedule(&mut port).expect("decode");
+        assert!(pin_rx.try_recv().is_err(), "the path stays pinned while the request runs");
         s.update(&p, sample_all(&p, 5));
-        s.schedule(&mut port);
-        assert_eq!(port.releases, vec![7], "the lease is released when the request finishes");
+        let released: Vec<u64> = std::iter::from_fn(|| pin_rx.try_recv().ok())
+            .filter_map(|c| if let PrefixCommand::Release { lease } = c { Some(lease) } else { None })
+            .collect();
+        assert_eq!(released, vec![7], "the pin is released when the request finishes");
         let done = std::iter::from_fn(|| rx.try_recv().ok()).find_map(|e| match e {
             EngineEvent::Finished { cached_tokens, .. } => Some(cached_tokens),
             _ => None,

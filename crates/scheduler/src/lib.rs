@@ -10,7 +10,7 @@ mod core;
 
 use std::thread;
 
-use osprey_protocol::prefix::{InsertRequest, LeaseId, MatchRequest, PrefixCommand, PrefixMatch};
+use osprey_protocol::prefix::{InsertRequest, MatchRequest, PrefixCommand, PrefixMatch};
 use osprey_protocol::runner::RunnerCommand;
 use osprey_protocol::scheduler::SchedulerCommand;
 use tokio::sync::{mpsc, oneshot};
@@ -25,12 +25,11 @@ impl PrefixPort for ActorPort {
         &mut self,
         matches: Vec<MatchRequest>,
         inserts: Vec<InsertRequest>,
-        releases: Vec<LeaseId>,
         reclaim_pages: usize,
     ) -> Vec<PrefixMatch> {
-        let misses: Vec<PrefixMatch> = NoPrefixCache.step(matches.clone(), Vec::new(), Vec::new(), 0);
+        let misses: Vec<PrefixMatch> = NoPrefixCache.step(matches.clone(), Vec::new(), 0);
         let (reply, rx) = oneshot::channel();
-        if self.0.send(PrefixCommand::Step { matches, inserts, releases, reclaim_pages, reply }).is_err() {
+        if self.0.send(PrefixCommand::Step { matches, inserts, reclaim_pages, reply }).is_err() {
             tracing::error!("prefix cache is gone; continuing without it");
             return misses;
         }

@@ -74,6 +74,26 @@ pub enum Piece {
     },
 }
 
+/// Who a request is across the engine: its id (the sequence id, and the number in the response id) and
+/// its `tracing` span, carried in every message about it so one request can be followed through the log.
+#[derive(Debug)]
+pub struct RequestCtx {
+    /// The id.
+    pub id: SeqId,
+    /// `request{id=…}`.
+    pub span: tracing::Span,
+    /// When the HTTP request arrived.
+    pub started: Instant,
+}
+
+impl RequestCtx {
+    /// A new request of `state`.
+    pub fn new(state: &AppState) -> Self {
+        let id = state.next_id.fetch_add(1, Ordering::Relaxed);
+        RequestCtx { id, span: tracing::info_span!("request", id), started: Instant::now() }
+    }
+}
+
 /// A running generation.
 #[derive(Debug)]
 pub struct Generation {
@@ -100,14 +120,15 @@ async fn ask<T>(state: &AppState, make: impl FnOnce(oneshot::Sender<T>) -> Token
 }
 
 impl Generation {
-    /// Submits `prompt`; `reasoning` enables the `<think>` split (chat only).
+    /// Submits `prompt` as request `req`; `reasoning` enables the `<think>` split (chat only).
     pub fn start(
         state: Arc<AppState>,
         prompt: PreparedPrompt,
         gen: GenParams,
-        started: Instant,
+        req: &RequestCtx,
         reasoning: bool,
     ) -> Result<Self, ApiError> {
+        let (id, started) = (req.id, req.started);
         let prompt_len = prompt.input_ids.len();
         let ctx = state.cfg.context_len;
         if prompt_len >= ctx {
@@ -118,7 +139,6 @@ impl Generation {
             .param("messages"));
         }
         let max_tokens = gen.max_tokens.unwrap_or(ctx - prompt_len);
-        let id = state.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
         let open = reasoning && prompt.thinking_open;
         let request = GenerateRequest {
@@ -127,6 +147,7 @@ impl Generation {
             sampling: gen.sampling.clone(),
             max_tokens,
             stop_token_ids: if gen.ignore_eos { Vec::new() } else { state.cfg.eos_token_ids.clone() },
+            span: req.span.clone(),
         };
         if state.scheduler.send(SchedulerCommand::Submit { request, events: tx }).is_err() {
             return Err(ApiError::new(ErrorCode::Unavailable, "the scheduler is gone"));

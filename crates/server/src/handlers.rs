@@ -2,7 +2,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::ApiError;
-use crate::generate::{Generation, LogprobEntry, Piece, Usage};
+use crate::generate::{Generation, LogprobEntry, Piece, RequestCtx, Usage};
 use crate::validate::{self, ChatRequest, CompletionRequest, GenParams};
 use crate::AppState;
 
@@ -170,17 +170,13 @@ async fn respond(
     kind: Kind,
     prompt: PreparedPrompt,
     gen: GenParams,
-    started: Instant,
+    req: &RequestCtx,
 ) -> Result<HttpResponse, ApiError> {
     let want_logprobs = gen.sampling.logprobs.is_some();
     let (stream, include_usage) = (gen.stream, gen.include_usage);
-    let g = Generation::start(state.clone(), prompt, gen, started, kind == Kind::Chat)?;
+    let g = Generation::start(state.clone(), prompt, gen, req, kind == Kind::Chat)?;
     let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
-    let ids = Ids {
-        id: format!("{prefix}-{}", state.next_id.fetch_add(1, Ordering::Relaxed)),
-        created: now(),
-        model: state.cfg.model_id.clone(),
-    };
+    let ids = Ids { id: format!("{prefix}-{}", req.id), created: now(), model: state.cfg.model_id.clone() };
     if stream {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
         actix_web::rt::spawn(stream_task(kind, g, ids, include_usage, want_logprobs, tx));
@@ -243,7 +239,7 @@ pub async fn chat(
 ) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
     state.metrics.chat_requests.fetch_add(1, Ordering::Relaxed);
-    let started = Instant::now();
+    let ctx = RequestCtx::new(&state);
     let r = async {
         check_key(&state, &req)?;
         let parsed: ChatRequest = parse(&body)?;
@@ -251,8 +247,9 @@ pub async fn chat(
         let (prompt, gen) = web::block(move || validate::chat(&parsed, &st.cfg))
             .await
             .map_err(|_| ApiError::new(ErrorCode::Unavailable, "validation worker failed"))??;
-        let prepared = prepare(&state, |reply| TokenizerCommand::PrepareChat { prompt, reply }).await?;
-        respond(state.clone(), Kind::Chat, prepared, gen, started).await
+        let span = ctx.span.clone();
+        let prepared = prepare(&state, |reply| TokenizerCommand::PrepareChat { prompt, span, reply }).await?;
+        respond(state.clone(), Kind::Chat, prepared, gen, &ctx).await
     }
     .await;
     counted(&state, r)
@@ -266,13 +263,14 @@ pub async fn completions(
 ) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
     state.metrics.completion_requests.fetch_add(1, Ordering::Relaxed);
-    let started = Instant::now();
+    let ctx = RequestCtx::new(&state);
     let r = async {
         check_key(&state, &req)?;
         let parsed: CompletionRequest = parse(&body)?;
         let (prompt, gen): (CompletionPrompt, GenParams) = validate::completion(&parsed, &state.cfg)?;
-        let prepared = prepare(&state, |reply| TokenizerCommand::PrepareCompletion { prompt, reply }).await?;
-        respond(state.clone(), Kind::Completion, prepared, gen, started).await
+        let span = ctx.span.clone();
+        let prepared = prepare(&state, |reply| TokenizerCommand::PrepareCompletion { prompt, span, reply }).await?;
+        respond(state.clone(), Kind::Completion, prepared, gen, &ctx).await
     }
     .await;
     counted(&state, r)

@@ -213,6 +213,13 @@ impl TokenizerHandle {
     }
 }
 
+fn log_prepared(out: &Result<PreparedPrompt, RequestError>) {
+    match out {
+        Ok(p) => tracing::debug!(tokens = p.input_ids.len(), media = p.media.len(), "prompt prepared"),
+        Err(e) => tracing::debug!(error = %e, "prompt refused"),
+    }
+}
+
 /// Starts the tokenizer thread.
 pub fn spawn(core: TokenizerCore) -> TokenizerHandle {
     let (tx, mut rx) = mpsc::unbounded_channel::<TokenizerCommand>();
@@ -221,11 +228,17 @@ pub fn spawn(core: TokenizerCore) -> TokenizerHandle {
         .spawn(move || {
             while let Some(cmd) = rx.blocking_recv() {
                 match cmd {
-                    TokenizerCommand::PrepareChat { prompt, reply } => {
-                        let _ = reply.send(core.prepare_chat(prompt));
+                    TokenizerCommand::PrepareChat { prompt, span, reply } => {
+                        let _in = span.enter();
+                        let out = core.prepare_chat(prompt);
+                        log_prepared(&out);
+                        let _ = reply.send(out);
                     }
-                    TokenizerCommand::PrepareCompletion { prompt, reply } => {
-                        let _ = reply.send(core.prepare_completion(prompt));
+                    TokenizerCommand::PrepareCompletion { prompt, span, reply } => {
+                        let _in = span.enter();
+                        let out = core.prepare_completion(prompt);
+                        log_prepared(&out);
+                        let _ = reply.send(out);
                     }
                     TokenizerCommand::DecodeStep { mut state, ids, finish, reply } => {
                         let text = core.decode_step(&mut state, &ids, finish);

@@ -84,7 +84,7 @@ impl VisionHandle {
     ) -> Result<Arc<Vec<f32>>, RequestError> {
         let gone = || RequestError::new(ErrorCode::Unavailable, "the vision encoder is gone");
         let (reply, rx) = oneshot::channel();
-        if !self.send(VisionCommand::Encode { hash, patches, reply }) {
+        if !self.send(VisionCommand::Encode { hash, patches, span: tracing::Span::current(), reply }) {
             return Err(gone());
         }
         rx.blocking_recv().map_err(|_| gone())?
@@ -100,12 +100,16 @@ pub fn spawn(tower: VisionTower, cache_bytes: usize) -> VisionHandle {
             let mut cache = EncoderCache::new(cache_bytes);
             while let Some(cmd) = rx.blocking_recv() {
                 match cmd {
-                    VisionCommand::Encode { hash, patches, reply } => {
+                    VisionCommand::Encode { hash, patches, span, reply } => {
+                        let _in = span.enter();
+                        let before = cache.stats().hits;
                         let out = cache.get_or_encode(hash, || {
                             tower
                                 .encode(&patches.rows, patches.grid)
                                 .map_err(|e| RequestError::new(ErrorCode::EngineError, e.to_string()))
                         });
+                        let hit = cache.stats().hits > before;
+                        tracing::debug!(hit, grid = ?patches.grid, ok = out.is_ok(), "vision rows");
                         let _ = reply.send(out);
                     }
                     VisionCommand::Stats { reply } => {
