@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use osprey_models::vision::VisionTower;
 use osprey_models::{Checkpoint, ModelConfig};
 use osprey_scheduler::SchedulerConfig;
 use osprey_server::{Engine, Limits, ServerConfig};
@@ -107,9 +106,9 @@ pub fn start_with(
     let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
     let model =
         osprey_models::load_with_progress(&cfg, &ck, source, &mut |d, n| progress_bar("loading weights", d, n))?;
-    let tower = match &cfg.vision {
-        Some(v) => Some(VisionTower::load(&ck, v)?),
-        None => None,
+    let (tower, media) = match osprey_models::load_vision(&cfg, &ck)? {
+        Some((t, media)) => (Some(t), Some(media)),
+        None => (None, None),
     };
     let info = model.info().clone();
     let context_len = settings.context_len.unwrap_or(info.max_position_embeddings.max(1));
@@ -166,6 +165,7 @@ pub fn start_with(
         context_len,
         vocab_size: vocab,
         vision: has_vision,
+        video: media.is_some_and(|m| m.video),
         api_key: settings.api_key.clone(),
         eos_token_ids: eos,
         limits,

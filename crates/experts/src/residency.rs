@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use osprey_models::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts};
-use osprey_protocol::Handle;
+use osprey_protocol::{ErrorCode, Handle, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
 pub use osprey_protocol::experts::{LayerStats, ResidencyCommand, ResidencyStats};
@@ -246,7 +246,10 @@ impl ExpertSource for ResidentSet {
             }
             let lease = move |w, expert| ExpertHandle::new(w, Some(Box::new(Lease { tx: tx.clone(), layer, expert })));
             let t0 = Instant::now();
-            let have = resident_rx.blocking_recv().map_err(|_| gone())?.map_err(osprey_models::Error::InvalidInput)?;
+            let have = resident_rx
+                .blocking_recv()
+                .map_err(|_| gone())?
+                .map_err(|e| osprey_models::Error::InvalidInput(e.message))?;
             stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
             let missing: Vec<usize> = experts.iter().zip(&have).filter(|(_, w)| w.is_none()).map(|(&e, _)| e).collect();
             let have = have.into_iter().zip(&experts).map(|(w, &e)| w.map(|w| lease(from_handle(&w), e))).collect();
@@ -255,7 +258,10 @@ impl ExpertSource for ResidentSet {
                 let got = rx.blocking_recv().map_err(|_| gone())?;
                 stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
                 let weights = got.map_err(|e| {
-                    osprey_models::Error::InvalidInput(format!("reading experts of layer {layer} failed: {e}"))
+                    osprey_models::Error::InvalidInput(format!(
+                        "reading experts of layer {layer} failed: {}",
+                        e.message
+                    ))
                 })?;
                 Ok(weights.into_iter().zip(missing).map(|(w, e)| lease(from_handle(&w), e)).collect())
             });
@@ -298,7 +304,11 @@ pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy
     ResidentSet { tx, stall_nanos }
 }
 
-type Reply<T> = oneshot::Sender<Result<T, String>>;
+type Reply<T> = oneshot::Sender<Result<T, RequestError>>;
+
+fn engine_error(message: String) -> RequestError {
+    RequestError::new(ErrorCode::EngineError, message)
+}
 
 /// Leased expert weights as they travel in [`ResidencyCommand`] (an opaque handle: the protocol crate
 /// knows no model types).
@@ -332,7 +342,7 @@ fn need(
     reply: Reply<Vec<Handle>>,
 ) {
     if layer >= index.experts.len() || experts.iter().any(|&e| e >= index.experts[layer].len()) {
-        let _ = resident.send(Err(format!("no such expert in layer {layer}")));
+        let _ = resident.send(Err(engine_error(format!("no such expert in layer {layer}"))));
         return;
     }
     let have: Vec<Option<Handle>> = experts.iter().map(|&e| table.lease(layer, e).map(to_handle)).collect();
@@ -363,7 +373,7 @@ fn read_missing(
     table: &mut ResidencyTable,
     layer: usize,
     experts: &[usize],
-) -> Result<Vec<Arc<ExpertWeights>>, String> {
+) -> Result<Vec<Arc<ExpertWeights>>, RequestError> {
     let mut reqs = Vec::new();
     let mut counts = Vec::new();
     for &e in experts {
@@ -392,7 +402,7 @@ fn read_missing(
     }
     if let Some(err) = first_err {
         out.iter().for_each(|&(e, _)| table.release(layer, e));
-        return Err(err);
+        return Err(engine_error(err));
     }
     Ok(out.into_iter().map(|(_, w)| w).collect())
 }

@@ -31,18 +31,6 @@ struct Out {
     data: Vec<u8>,
 }
 
-fn is_routed_expert(name: &str) -> bool {
-    name.contains(".mlp.experts.") && name.ends_with("_proj.weight") && !name.contains("gate_up_proj")
-}
-
-fn eligible_linear(name: &str, shape: &[usize]) -> bool {
-    let excluded = ["embed_tokens", "lm_head", "visual", ".mlp.gate.weight", "shared_expert_gate", "conv1d", "norm"];
-    shape.len() == 2
-        && name.ends_with(".weight")
-        && name.contains("layers.")
-        && !excluded.iter().any(|x| name.contains(x))
-}
-
 fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
     move |source| Error::Io { path: path.to_path_buf(), source }
 }
@@ -54,6 +42,7 @@ pub fn quantize_dir(
     opts: QuantizeOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<()> {
+    let rules = &crate::registry::family_for(&crate::config::ModelConfig::from_dir(src)?)?.quant;
     let ck = Checkpoint::open(src)?;
     std::fs::create_dir_all(dst).map_err(io(dst))?;
     let names: Vec<String> = ck.names().into_iter().map(str::to_string).collect();
@@ -81,13 +70,18 @@ pub fn quantize_dir(
         let shape = ck.shape(name)?.to_vec();
         let raw = ck.raw(name)?;
         // Fused experts: split into the Hub layout, then quantise each expert.
-        if name.ends_with("mlp.experts.gate_up_proj") || name.ends_with("mlp.experts.down_proj") {
+        let (fused_gate_up, fused_down) = rules.fused_experts;
+        if name.ends_with(fused_gate_up) || name.ends_with(fused_down) {
             let (e_n, rows, cols) = (shape[0], shape[1], shape[2]);
             let w = ck.weight(name, &shape)?.to_f32();
-            let base = name.trim_end_matches(if name.ends_with("gate_up_proj") { "gate_up_proj" } else { "down_proj" });
+            let gate_up = name.ends_with(fused_gate_up);
+            // `…mlp.experts.` + e: the per-expert names of the Hub layout.
+            let suffix = if gate_up { fused_gate_up } else { fused_down };
+            let base =
+                format!("{}{}", name.trim_end_matches(suffix), &suffix[..suffix.rfind('.').map_or(0, |i| i + 1)]);
             for e in 0..e_n {
                 let m = &w[e * rows * cols..(e + 1) * rows * cols];
-                if name.ends_with("gate_up_proj") {
+                if gate_up {
                     let half = rows / 2;
                     for (k, part) in [("gate_proj", &m[..half * cols]), ("up_proj", &m[half * cols..])] {
                         let n = format!("{base}{e}.{k}.weight");
@@ -102,7 +96,7 @@ pub fn quantize_dir(
             }
             continue;
         }
-        let wanted = is_routed_expert(name) || (opts.all_linear && eligible_linear(name, &shape));
+        let wanted = (rules.is_routed_expert)(name) || (opts.all_linear && (rules.eligible_linear)(name, &shape));
         if wanted && shape.len() == 2 && shape[1] % 16 == 0 && raw.0 != Dtype::U8 {
             let w = ck.weight(name, &shape)?.to_f32();
             quantize(name, shape[0], shape[1], &w, &mut out);
@@ -116,19 +110,7 @@ pub fn quantize_dir(
     let cfg_path = src.join("config.json");
     let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?)
         .map_err(|source| Error::Json { path: cfg_path.clone(), source })?;
-    let exclude: Vec<&str> = if opts.all_linear {
-        vec!["lm_head", "*embed_tokens*", "*.mlp.gate", "*shared_expert_gate*", "model.visual*"]
-    } else {
-        vec![
-            "lm_head",
-            "*embed_tokens*",
-            "*self_attn*",
-            "*linear_attn*",
-            "*shared_expert*",
-            "*.mlp.gate",
-            "model.visual*",
-        ]
-    };
+    let exclude: Vec<&str> = (rules.exclude_modules)(opts.all_linear);
     let qc = json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": exclude});
     cfg["quantization_config"] = qc.clone();
     let write_json = |p: &Path, v: &serde_json::Value| {

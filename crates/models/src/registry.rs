@@ -11,6 +11,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::family::Model;
 use crate::layers::moe::ExpertSource;
+use crate::vision::VisionTower;
 
 /// Where a model's routed experts live in its checkpoint (what the expert store indexes).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,6 +34,29 @@ pub type LoadFn =
 /// The routed-expert layout of a checkpoint of this family (`None` for a dense model).
 pub type ExpertsFn = fn(&ModelConfig, &Checkpoint) -> Result<Option<ExpertLayout>>;
 
+/// How `osprey quantize` picks a family's tensors (tensor names are the family's business).
+#[derive(Debug)]
+pub struct QuantRules {
+    /// A routed expert's projection in the per-expert (Hub) layout.
+    pub is_routed_expert: fn(&str) -> bool,
+    /// A decoder linear that `--all-linear` quantises (`name`, `shape`).
+    pub eligible_linear: fn(&str, &[usize]) -> bool,
+    /// Name suffixes of the fused expert tensors `[E, 2I, H]` (gate rows first) and `[E, H, I]`, which
+    /// are split into the Hub layout; the per-expert names are `{prefix}{e}.{gate,up,down}_proj.weight`.
+    pub fused_experts: (&'static str, &'static str),
+    /// `exclude_modules` written to `quantization_config` (experts only, or `--all-linear`).
+    pub exclude_modules: fn(bool) -> Vec<&'static str>,
+}
+
+/// The media a family's checkpoints accept (when they carry a vision tower).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MediaSupport {
+    /// Still images.
+    pub images: bool,
+    /// Videos (frame lists, animated files).
+    pub video: bool,
+}
+
 /// One registry entry.
 #[derive(Debug)]
 pub struct Family {
@@ -46,7 +70,16 @@ pub struct Family {
     pub load: LoadFn,
     /// Finds the routed experts.
     pub experts: ExpertsFn,
+    /// Loads the vision tower of a multimodal checkpoint (`None`: text-only).
+    pub vision: VisionFn,
+    /// What media the vision tower takes.
+    pub media: MediaSupport,
+    /// Tensor selection for `osprey quantize`.
+    pub quant: QuantRules,
 }
+
+/// The vision tower of a checkpoint of this family (`None` for a text-only one).
+pub type VisionFn = fn(&ModelConfig, &Checkpoint) -> Result<Option<VisionTower>>;
 
 /// Every family osprey serves.
 pub static FAMILIES: &[&Family] = &[&crate::qwen3_5::FAMILY];
@@ -96,6 +129,17 @@ pub fn load_with_progress(
 /// Where the checkpoint's routed experts are (`None` for a dense model).
 pub fn expert_layout(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<ExpertLayout>> {
     (family(cfg)?.experts)(cfg, ck)
+}
+
+/// The checkpoint's vision tower and the media it takes (`None` for a text-only checkpoint).
+pub fn load_vision(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<(VisionTower, MediaSupport)>> {
+    let f = family(cfg)?;
+    Ok((f.vision)(cfg, ck)?.map(|t| (t, f.media)))
+}
+
+/// The family a config belongs to.
+pub fn family_for(cfg: &ModelConfig) -> Result<&'static Family> {
+    family(cfg)
 }
 
 #[cfg(test)]

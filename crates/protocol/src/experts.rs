@@ -2,7 +2,7 @@
 
 use tokio::sync::oneshot;
 
-use crate::Handle;
+use crate::{Handle, RequestError};
 
 /// Counters of one layer.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -32,9 +32,9 @@ pub enum ResidencyCommand {
         span: tracing::Span,
         /// Answered before any read: per requested expert, its weights if resident (leased), or `None`
         /// if it is being read; an error for a request naming no such expert.
-        resident: oneshot::Sender<Result<Vec<Option<Handle>>, String>>,
+        resident: oneshot::Sender<Result<Vec<Option<Handle>>, RequestError>>,
         /// The experts `resident` left out, in request order, once read (leased), or the read error.
-        reply: oneshot::Sender<Result<Vec<Handle>, String>>,
+        reply: oneshot::Sender<Result<Vec<Handle>, RequestError>>,
     },
     /// A lease was dropped.
     Release {

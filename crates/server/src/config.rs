@@ -44,8 +44,10 @@ pub struct ServerConfig {
     pub context_len: usize,
     /// Vocabulary size (token-id prompts are checked against it).
     pub vocab_size: usize,
-    /// The model takes images and videos.
+    /// The model takes images (it has a vision tower).
     pub vision: bool,
+    /// The model takes videos too (its family says so).
+    pub video: bool,
     /// Bearer key required on /v1 routes (None: open).
     pub api_key: Option<String>,
     /// End-of-sequence token ids.

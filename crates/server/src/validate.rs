@@ -441,6 +441,13 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
                 &param,
             ));
         }
+        if !cfg.video && media.iter().any(|m| !matches!(m, MediaInput::Image { .. })) {
+            return Err(bad(
+                ErrorCode::VisionUnsupported,
+                format!("the model `{}` does not accept video input", cfg.model_id),
+                &param,
+            ));
+        }
         out.insert("content".into(), content);
         messages.push(Value::Object(out));
     }

@@ -21,8 +21,9 @@ use crate::layers::attention::GatedAttention;
 use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::{ExpertSource, ResidentExperts, SparseMoe};
-use crate::registry::{ExpertLayout, Family};
+use crate::registry::{ExpertLayout, Family, MediaSupport, QuantRules};
 use crate::state::{LayerState, SeqState};
+use crate::vision::VisionTower;
 
 /// The registry entry of Qwen3.5 / Qwen3.6, dense and MoE, multimodal wrapper or text-only.
 pub(crate) static FAMILY: Family = Family {
@@ -38,7 +39,41 @@ pub(crate) static FAMILY: Family = Family {
         Ok(Box::new(Qwen35::from_checkpoint_with_progress(cfg, ck, experts, progress)?) as Model)
     },
     experts: expert_layout,
+    vision: |cfg, ck| cfg.vision.as_ref().map(|v| VisionTower::load(ck, v)).transpose(),
+    media: MediaSupport { images: true, video: true },
+    quant: QuantRules {
+        is_routed_expert: |name| {
+            name.contains(".mlp.experts.") && name.ends_with("_proj.weight") && !name.contains("gate_up_proj")
+        },
+        eligible_linear,
+        fused_experts: ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+        exclude_modules: |all_linear| {
+            if all_linear {
+                vec!["lm_head", "*embed_tokens*", "*.mlp.gate", "*shared_expert_gate*", "model.visual*"]
+            } else {
+                vec![
+                    "lm_head",
+                    "*embed_tokens*",
+                    "*self_attn*",
+                    "*linear_attn*",
+                    "*shared_expert*",
+                    "*.mlp.gate",
+                    "model.visual*",
+                ]
+            }
+        },
+    },
 };
+
+/// Decoder linears `--all-linear` quantises: not the routers, the shared-expert gate, embeddings,
+/// `lm_head`, norms, convolutions or the vision tower.
+fn eligible_linear(name: &str, shape: &[usize]) -> bool {
+    let excluded = ["embed_tokens", "lm_head", "visual", ".mlp.gate.weight", "shared_expert_gate", "conv1d", "norm"];
+    shape.len() == 2
+        && name.ends_with(".weight")
+        && name.contains("layers.")
+        && !excluded.iter().any(|x| name.contains(x))
+}
 
 /// The routed experts of a Qwen3.5-MoE checkpoint: one MoE block per layer.
 fn expert_layout(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<ExpertLayout>> {
