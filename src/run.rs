@@ -9,7 +9,6 @@ use osprey_models::vision::{decode_animation, decode_image, DecodeLimits, Proces
 use osprey_models::Model;
 use osprey_protocol::scheduler::SamplingParams;
 use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
-use osprey_protocol::vision::PixelPatches;
 use osprey_protocol::{ErrorCode, RequestError};
 use osprey_runner::{Driver, GenerateOptions, RowSource};
 use osprey_tokenizer::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
@@ -75,7 +74,7 @@ pub fn run(a: RunArgs, model: Model) -> Result<()> {
         media.push(load_video(v, a.fps, limits)?);
     }
     let prompt = match (&a.prompt, &a.ids) {
-        (None, Some(ids)) if media.is_empty() => text_prompt(ids.clone()),
+        (None, Some(ids)) if media.is_empty() => PreparedPrompt::text(ids.clone()),
         (None, Some(_)) => bail!("--ids cannot carry media; use --prompt"),
         (None, None) => bail!("give --prompt or --ids"),
         (Some(text), _) => {
@@ -97,16 +96,9 @@ pub fn run(a: RunArgs, model: Model) -> Result<()> {
             };
             let proc = ProcessorConfig::from_dir(&a.model)?;
             let p = prepare_prompt(tok, &proc, &prompt, &media)?;
-            let media = p
-                .media
-                .into_iter()
-                .map(|item| PreparedMedia {
-                    hash: [0; 16],
-                    patches: Arc::new(PixelPatches { rows: item.patches.rows, grid: item.patches.grid }),
-                    spans: item.spans,
-                })
-                .collect();
-            PreparedPrompt { positions: Some(p.positions), rope_delta: p.rope_delta, media, ..text_prompt(p.input_ids) }
+            let media = p.media.into_iter().map(|item| item.into_media([0; 16])).collect();
+            let text = PreparedPrompt::text(p.input_ids);
+            PreparedPrompt { positions: Some(p.positions), rope_delta: p.rope_delta, media, ..text }
         }
     };
     if prompt.input_ids.is_empty() {
@@ -138,18 +130,6 @@ pub fn run(a: RunArgs, model: Model) -> Result<()> {
         out.prefill_secs + out.decode_secs
     );
     Ok(())
-}
-
-/// A text prompt (no media, text positions).
-fn text_prompt(ids: Vec<u32>) -> PreparedPrompt {
-    PreparedPrompt {
-        cache_ids: ids.iter().map(|&t| u64::from(t)).collect(),
-        input_ids: ids,
-        positions: None,
-        rope_delta: 0,
-        media: Vec::new(),
-        thinking_open: false,
-    }
 }
 
 /// Media rows encoded in-process by the vision tower, on first need (as the vision actor would).

@@ -18,7 +18,6 @@ use osprey_models::vision::{
 use osprey_models::{LogitsWanted, Positions, SeqInput, SeqStep};
 use osprey_protocol::scheduler::SamplingParams;
 use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
-use osprey_protocol::vision::PixelPatches;
 use osprey_protocol::RequestError;
 use osprey_runner::{Driver, GenerateOptions, RowSource};
 use osprey_tokenizer::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
@@ -140,22 +139,10 @@ fn the_generation_driver_reproduces_transformers_greedy_ids_at_any_chunk_size() 
             let (media, prompt) = case_prompt(&dir, &r);
             let p = prepare_prompt(&tok, &proc, &prompt, &media).expect("prepare");
             let items = p.media.len();
-            let prompt = Arc::new(PreparedPrompt {
-                cache_ids: p.input_ids.iter().map(|&t| u64::from(t)).collect(),
-                input_ids: p.input_ids,
-                positions: Some(p.positions),
-                rope_delta: p.rope_delta,
-                media: p
-                    .media
-                    .into_iter()
-                    .map(|i| PreparedMedia {
-                        hash: [0; 16],
-                        patches: Arc::new(PixelPatches { rows: i.patches.rows, grid: i.patches.grid }),
-                        spans: i.spans,
-                    })
-                    .collect(),
-                thinking_open: true,
-            });
+            let media = p.media.into_iter().map(|i| i.into_media([0; 16])).collect();
+            let text = PreparedPrompt::text(p.input_ids);
+            let prompt =
+                Arc::new(PreparedPrompt { positions: Some(p.positions), rope_delta: p.rope_delta, media, ..text });
             let want = r.ids("generated_ids");
             for chunk in [1, 7, prompt.input_ids.len()] {
                 let opts = GenerateOptions { chunk, max_tokens: want.len(), stop_token_ids: Vec::new() };

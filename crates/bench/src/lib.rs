@@ -79,14 +79,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 /// A text prompt for the driver.
 fn text_prompt(ids: Vec<u32>) -> Arc<PreparedPrompt> {
-    Arc::new(PreparedPrompt {
-        cache_ids: ids.iter().map(|&t| u64::from(t)).collect(),
-        input_ids: ids,
-        positions: None,
-        rope_delta: 0,
-        media: Vec::new(),
-        thinking_open: false,
-    })
+    Arc::new(PreparedPrompt::text(ids))
 }
 
 /// Greedy decoding, as every engine is compared.

@@ -47,15 +47,27 @@ pub fn causal_attention_paged(q: &[f32], kv: PagedKv<'_>, start: usize, s: AttnS
     assert!(out.len() == q.len(), "attention shapes: this is a bug");
     let visible = |i: usize| start + i + 1;
     if n >= 8 {
-        let gather = |pages: &[&[f32]]| -> Vec<f32> {
-            let mut v = Vec::with_capacity(t * kv_row);
-            for (i, p) in pages.iter().enumerate().take(t.div_ceil(page)) {
-                let rows = page.min(t - i * page);
-                v.extend_from_slice(&p[..rows * kv_row]);
+        // Gathered into buffers kept per thread: a long context would otherwise page-fault tens of MB of
+        // fresh memory for every layer of every chunk.
+        GATHER.with(|g| {
+            let (k, v) = &mut *g.borrow_mut();
+            let fill = |dst: &mut Vec<f32>, pages: &[&[f32]]| {
+                dst.clear();
+                for (i, p) in pages.iter().enumerate().take(t.div_ceil(page)) {
+                    let rows = page.min(t - i * page);
+                    dst.extend_from_slice(&p[..rows * kv_row]);
+                }
+            };
+            fill(k, k_pages);
+            fill(v, v_pages);
+            attend_blocked(q, k, v, s, scale, out, &visible);
+            // Keep at most 64 MiB each between calls (a very long context pays the faults instead).
+            for buf in [k, v] {
+                if buf.capacity() > GATHER_KEEP {
+                    *buf = Vec::new();
+                }
             }
-            v
-        };
-        attend_blocked(q, &gather(k_pages), &gather(v_pages), s, scale, out, &visible);
+        });
     } else {
         let key = |j: usize| &k_pages[j / page][(j % page) * kv_row..(j % page + 1) * kv_row];
         let val = |j: usize| &v_pages[j / page][(j % page) * kv_row..(j % page + 1) * kv_row];
@@ -68,6 +80,14 @@ pub fn bidirectional_attention(q: &[f32], k: &[f32], v: &[f32], s: AttnShape, sc
     let m = k.len() / (s.kv_heads * s.head_dim);
     attend(q, k, v, s, scale, out, |_| m);
 }
+
+thread_local! {
+    /// Contiguous K and V rows gathered from pages for the GEMM path.
+    static GATHER: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Floats of a gather buffer kept between calls.
+const GATHER_KEEP: usize = 16 << 20;
 
 /// Queries per block of the GEMM path.
 const QBLOCK: usize = 256;

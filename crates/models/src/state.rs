@@ -1,63 +1,89 @@
-//! Per-sequence decoder state: a page table of KV rows for the full-attention layers ([`crate::kv`]), conv
-//! + fp32 recurrent state for Gated DeltaNet layers, the token count and the mRoPE delta.
+//! Per-sequence decoder state behind the family seam: the token count, the mRoPE delta, the KV page table
+//! (every full-attention layer's rows, [`crate::kv`]) and the family's own state ([`FamilyState`]: for
+//! Qwen3.5 the Gated DeltaNet conv + fp32 recurrent states; `qwen4_exp` adds its PLE conv state, n-gram
+//! history and indexer keys), which the runtime snapshots and restores without knowing its type.
 //!
 //! Invariant: `len` tokens have been fed; the page table covers at least `len` slots and rows `[0, len)`
-//! are written; every linear state is the state after token `len - 1`. A [`StateSnapshot`] holds only what
-//! cannot be recovered from KV pages: the linear states (they cannot be rewound) plus `len` and the rope
-//! delta; the KV pages `[..len]` are kept by whoever holds them (this state, or the prefix cache).
+//! are written; the family state is the state after token `len - 1`. A [`StateSnapshot`] holds only what
+//! cannot be recovered from KV pages (the family's snapshot, plus `len` and the rope delta); the KV pages
+//! `[..len]` are kept by whoever holds them (this state, or the prefix cache).
+
+use std::any::Any;
+use std::fmt::Debug;
 
 use crate::error::{Error, Result};
 use crate::kv::{PageRef, PageTable};
 
-/// Conv + recurrent state of one Gated DeltaNet layer.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LinearState {
-    /// The last `kernel - 1` pre-conv inputs `[kernel-1, conv_dim]`, oldest first.
-    pub(crate) conv: Vec<f32>,
-    /// `[nv, dk, dv]` in f32.
-    pub(crate) recurrent: Vec<f32>,
+/// A family's own per-sequence state (everything but the KV pages).
+pub trait FamilyState: Any + Send + Sync + Debug {
+    /// Bytes held.
+    fn bytes(&self) -> usize;
+    /// What a resumed sequence needs from this state, taken now.
+    fn snapshot(&self) -> Box<dyn FamilySnapshot>;
+    /// Replaces the state with a snapshot's (one this family made).
+    fn restore(&mut self, snap: &dyn FamilySnapshot) -> Result<()>;
+    /// A copy.
+    fn boxed_clone(&self) -> Box<dyn FamilyState>;
 }
 
-#[derive(Clone, Debug)]
-pub(crate) enum LayerState {
-    Linear(LinearState),
-    /// A full-attention layer: its rows are plane `kv_layer` of the page table.
-    Full {
-        kv_layer: usize,
-    },
+/// A family's snapshot of its [`FamilyState`].
+pub trait FamilySnapshot: Any + Send + Sync + Debug {
+    /// Bytes held (what a prefix cache charges for it).
+    fn bytes(&self) -> usize;
+    /// A copy.
+    fn boxed_clone(&self) -> Box<dyn FamilySnapshot>;
 }
 
 /// Everything one sequence carries between forwards.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct SeqState {
     pub(crate) len: usize,
     /// mRoPE delta: text position of the token at index `t` is `t + rope_delta` on all three axes
     /// (0 for text-only prompts; negative after images, which advance positions by less than their length).
     pub rope_delta: i64,
-    pub(crate) layers: Vec<LayerState>,
     pub(crate) kv: PageTable,
+    pub(crate) family: Box<dyn FamilyState>,
+}
+
+impl Clone for SeqState {
+    fn clone(&self) -> Self {
+        SeqState { len: self.len, rope_delta: self.rope_delta, kv: self.kv.clone(), family: self.family.boxed_clone() }
+    }
 }
 
 /// The part of a [`SeqState`] that cannot be rebuilt from KV pages: taken at a token boundary.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug)]
 pub struct StateSnapshot {
     /// Tokens fed when the snapshot was taken.
     pub len: usize,
     /// mRoPE delta at that point.
     pub rope_delta: i64,
-    linear: Vec<LinearState>,
+    family: Box<dyn FamilySnapshot>,
+}
+
+impl Clone for StateSnapshot {
+    fn clone(&self) -> Self {
+        StateSnapshot { len: self.len, rope_delta: self.rope_delta, family: self.family.boxed_clone() }
+    }
 }
 
 impl StateSnapshot {
     /// Bytes held (what a prefix cache charges for it).
     pub fn bytes(&self) -> usize {
-        self.linear.iter().map(|l| (l.conv.len() + l.recurrent.len()) * 4).sum()
+        self.family.bytes()
     }
 }
 
 impl SeqState {
-    pub(crate) fn new(layers: Vec<LayerState>, kv: PageTable) -> Self {
-        SeqState { len: 0, rope_delta: 0, layers, kv }
+    /// A fresh state of a family (its own state, and the KV page table it writes).
+    pub fn new(family: Box<dyn FamilyState>, kv: PageTable) -> Self {
+        SeqState { len: 0, rope_delta: 0, kv, family }
+    }
+
+    /// The family's state, when it is of type `T`.
+    pub fn family<T: FamilyState>(&self) -> Option<&T> {
+        let any: &dyn Any = self.family.as_ref();
+        any.downcast_ref()
     }
 
     /// Tokens fed so far.
@@ -70,17 +96,9 @@ impl SeqState {
         self.len == 0
     }
 
-    /// Bytes held by linear states and KV pages (shared pages counted in full).
+    /// Bytes held by the family state and KV pages (shared pages counted in full).
     pub fn bytes(&self) -> usize {
-        let linear: usize = self
-            .layers
-            .iter()
-            .map(|l| match l {
-                LayerState::Linear(s) => (s.conv.len() + s.recurrent.len()) * 4,
-                LayerState::Full { .. } => 0,
-            })
-            .sum();
-        linear + self.kv.pages().len() * self.kv.geometry().bytes()
+        self.family.bytes() + self.kv.pages().len() * self.kv.geometry().bytes()
     }
 
     /// The KV page table.
@@ -116,20 +134,12 @@ impl SeqState {
         self.restore(snap)
     }
 
-    /// Copies the linear states at the current length.
+    /// Copies what cannot be recovered from KV pages, at the current length.
     pub fn snapshot(&self) -> StateSnapshot {
-        let linear = self
-            .layers
-            .iter()
-            .filter_map(|l| match l {
-                LayerState::Linear(s) => Some(s.clone()),
-                LayerState::Full { .. } => None,
-            })
-            .collect();
-        StateSnapshot { len: self.len, rope_delta: self.rope_delta, linear }
+        StateSnapshot { len: self.len, rope_delta: self.rope_delta, family: self.family.snapshot() }
     }
 
-    /// Rewinds to `snap`: the page table is cut to `snap.len` slots and linear states replaced. The KV rows
+    /// Rewinds to `snap`: the page table is cut to `snap.len` slots and the family state replaced. The KV rows
     /// `[..snap.len]` must be the ones the snapshot was taken over, so this state must descend from the
     /// snapshot's sequence (same prefix) and be at least as long.
     pub fn restore(&mut self, snap: &StateSnapshot) -> Result<()> {
@@ -139,18 +149,7 @@ impl SeqState {
                 snap.len, self.len
             )));
         }
-        let n_linear = self.layers.iter().filter(|l| matches!(l, LayerState::Linear(_))).count();
-        if n_linear != snap.linear.len() {
-            return Err(Error::InvalidInput("snapshot belongs to another model".into()));
-        }
-        let mut lin = snap.linear.iter();
-        for l in &mut self.layers {
-            if let LayerState::Linear(s) = l {
-                if let Some(src) = lin.next() {
-                    s.clone_from(src);
-                }
-            }
-        }
+        self.family.restore(snap.family.as_ref())?;
         self.kv.truncate(snap.len);
         self.len = snap.len;
         self.rope_delta = snap.rope_delta;

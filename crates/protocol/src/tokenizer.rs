@@ -103,6 +103,20 @@ pub struct DecodeState {
     pub skip_special: bool,
 }
 
+impl PreparedPrompt {
+    /// A text prompt of `ids`: text positions, no media, cache ids equal to the token ids.
+    pub fn text(ids: Vec<u32>) -> Self {
+        PreparedPrompt {
+            cache_ids: ids.iter().map(|&t| u64::from(t)).collect(),
+            input_ids: ids,
+            positions: None,
+            rope_delta: 0,
+            media: Vec::new(),
+            thinking_open: false,
+        }
+    }
+}
+
 /// Commands of the tokenizer actor.
 #[derive(Debug)]
 pub enum TokenizerCommand {

@@ -13,15 +13,7 @@ use osprey_protocol::tokenizer::PreparedPrompt;
 use osprey_runner::Runner;
 
 fn prompt(n: usize) -> Arc<PreparedPrompt> {
-    let ids: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 11) % 200).collect();
-    Arc::new(PreparedPrompt {
-        cache_ids: ids.iter().map(|&t| u64::from(t)).collect(),
-        input_ids: ids,
-        positions: None,
-        rope_delta: 0,
-        media: Vec::new(),
-        thinking_open: false,
-    })
+    Arc::new(PreparedPrompt::text((0..n as u32).map(|i| (i * 37 + 11) % 200).collect()))
 }
 
 /// Admits `seq` at `start` and feeds `[start, end)` (the scheduler ends chunks on snapshot points).

@@ -1,7 +1,6 @@
 //! The tokenizer actor: a thread owning the tokenizer, chat template and processor config.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::thread;
 
 use blake2::digest::{Update, VariableOutput};
@@ -10,7 +9,6 @@ use osprey_models::vision::{decode_animation, decode_image, DecodeLimits, Proces
 use osprey_protocol::tokenizer::{
     ChatPrompt, CompletionPrompt, DecodeState, MediaInput, MediaLimits, PreparedMedia, PreparedPrompt, TokenizerCommand,
 };
-use osprey_protocol::vision::PixelPatches;
 use osprey_protocol::{ErrorCode, MediaHash, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
@@ -134,16 +132,8 @@ impl TokenizerCore {
         })?;
         let thinking_open =
             text.rfind("<think>").map(|o| text.rfind("</think>").is_none_or(|c| c < o)).unwrap_or(false);
-        let media: Vec<PreparedMedia> = prepared
-            .media
-            .into_iter()
-            .zip(hashes)
-            .map(|(item, hash)| {
-                // The processor's rows move into the plain message type (no copy).
-                let patches = PixelPatches { rows: item.patches.rows, grid: item.patches.grid };
-                PreparedMedia { hash, patches: Arc::new(patches), spans: item.spans }
-            })
-            .collect();
+        let media: Vec<PreparedMedia> =
+            prepared.media.into_iter().zip(hashes).map(|(item, hash)| item.into_media(hash)).collect();
         let positions = (!p.media.is_empty()).then_some(prepared.positions);
         let cache_ids = cache_ids(&prepared.input_ids, &media);
         Ok(PreparedPrompt {
@@ -260,6 +250,10 @@ pub fn spawn(core: TokenizerCore) -> TokenizerHandle {
 
 #[cfg(test)]
 mod tests {
+
+    use std::sync::Arc;
+
+    use osprey_protocol::vision::PixelPatches;
 
     use super::*;
 

@@ -2,8 +2,13 @@
 //! expanded prompt's token ids, mRoPE positions and delta, and the placeholder span of every image and
 //! every video frame group (where the vision rows go).
 
+use std::sync::Arc;
+
 use osprey_models::positions::{mrope_positions, runs, token_types, TokenType};
 use osprey_models::vision::{preprocess_image, preprocess_video, PixelPatches, ProcessorConfig, RgbImage};
+use osprey_protocol::tokenizer::PreparedMedia;
+use osprey_protocol::vision::PixelPatches as ProtocolPatches;
+use osprey_protocol::MediaHash;
 
 use crate::placeholders::{expand_media_placeholders, MediaPlaceholder, IMAGE_PAD, VIDEO_PAD};
 use crate::{Error, Result, TextTokenizer};
@@ -31,6 +36,15 @@ pub struct PreparedItem {
     pub is_video: bool,
     /// Placeholder runs `(offset, len)` in the prompt: one for an image, one per frame group of a video.
     pub spans: Vec<(usize, usize)>,
+}
+
+impl PreparedItem {
+    /// The item as the engine's messages carry it, under content hash `hash` (the processor's rows move,
+    /// no copy).
+    pub fn into_media(self, hash: MediaHash) -> PreparedMedia {
+        let patches = ProtocolPatches { rows: self.patches.rows, grid: self.patches.grid };
+        PreparedMedia { hash, patches: Arc::new(patches), spans: self.spans }
+    }
 }
 
 /// The model-ready prompt.

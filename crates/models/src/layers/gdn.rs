@@ -11,7 +11,22 @@ use super::{linear, Segment};
 use crate::checkpoint::{Checkpoint, Weight};
 use crate::config::TextConfig;
 use crate::error::Result;
-use crate::state::LinearState;
+
+/// Conv + recurrent state of one Gated DeltaNet layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LinearState {
+    /// The last `kernel - 1` pre-conv inputs `[kernel-1, conv_dim]`, oldest first.
+    pub(crate) conv: Vec<f32>,
+    /// `[nv, dk, dv]` in f32.
+    pub(crate) recurrent: Vec<f32>,
+}
+
+impl LinearState {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        (self.conv.len() + self.recurrent.len()) * std::mem::size_of::<f32>()
+    }
+}
 
 /// One Gated DeltaNet layer.
 #[derive(Debug)]

@@ -2,17 +2,23 @@
 
 use osprey_kernels::norm::rms_norm_1p;
 
+use super::state::{HybridState, LayerState};
 use super::{Ffn, Mixer, Qwen35};
 use crate::error::{Error, Result};
 use crate::family::{ForwardOptions, ForwardOutput, LogitsWanted, Positions, SeqStep};
 use crate::kv::PageTable;
 use crate::layers::attention::RopeTables;
+use crate::layers::gdn::LinearState;
 use crate::layers::{linear, Segment};
-use crate::state::{LayerState, LinearState};
 
 impl Qwen35 {
     fn check(&self, steps: &[SeqStep<'_, '_>]) -> Result<()> {
         let h = self.cfg.hidden_size;
+        for s in steps {
+            if s.state.family::<HybridState>().map(|f| f.layers.len()) != Some(self.layers.len()) {
+                return Err(Error::InvalidInput("a sequence state of another model".into()));
+            }
+        }
         for s in steps {
             let n = s.input.tokens.len();
             if let Some(&t) = s.input.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
@@ -83,7 +89,17 @@ impl Qwen35 {
         if capture_hidden {
             hidden.push(x.clone());
         }
-        // 2. Decoder layers: x += mixer(norm(x)); x += ffn(norm(x)).
+        // 2. Decoder layers: x += mixer(norm(x)); x += ffn(norm(x)). Each sequence's page table and this
+        //    family's state, borrowed apart.
+        let mut parts: Vec<(&mut PageTable, &mut HybridState)> = steps
+            .iter_mut()
+            .map(|s| {
+                let st = &mut *s.state;
+                let family: &mut dyn std::any::Any = st.family.as_mut();
+                let family = family.downcast_mut::<HybridState>().expect("checked before the forward: this is a bug");
+                (&mut st.kv, family)
+            })
+            .collect();
         for (li, layer) in self.layers.iter().enumerate() {
             if let Some(t) = opts.teacher_inputs {
                 x.copy_from_slice(&t[li]);
@@ -92,9 +108,9 @@ impl Qwen35 {
             rms_norm_1p(&mut hn, &layer.input_norm, eps);
             let mixed = match &layer.mixer {
                 Mixer::Linear(g) => {
-                    let mut st: Vec<&mut LinearState> = steps
+                    let mut st: Vec<&mut LinearState> = parts
                         .iter_mut()
-                        .map(|s| match &mut s.state.layers[li] {
+                        .map(|(_, f)| match &mut f.layers[li] {
                             LayerState::Linear(l) => l,
                             LayerState::Full { .. } => {
                                 unreachable!("state built for another layer stack: this is a bug")
@@ -104,11 +120,11 @@ impl Qwen35 {
                     g.forward(&hn, &segs, &mut st)
                 }
                 Mixer::Full(a) => {
-                    let kv_layer = match steps.first().map(|s| &s.state.layers[li]) {
+                    let kv_layer = match parts.first().map(|(_, f)| &f.layers[li]) {
                         Some(LayerState::Full { kv_layer }) => *kv_layer,
                         _ => unreachable!("state built for another layer stack: this is a bug"),
                     };
-                    let mut tables: Vec<&mut PageTable> = steps.iter_mut().map(|s| &mut s.state.kv).collect();
+                    let mut tables: Vec<&mut PageTable> = parts.iter_mut().map(|(t, _)| &mut **t).collect();
                     a.forward(&hn, &segs, (&mut tables, kv_layer), &rope, &self.rope)
                 }
             };
@@ -127,6 +143,7 @@ impl Qwen35 {
                 hidden.push(x.clone());
             }
         }
+        drop(parts);
         // 3. Final norm and lm_head on the rows whose logits are wanted.
         if capture_hidden {
             let mut normed = x.clone();

@@ -7,6 +7,7 @@
 //! (`model.language_model.…`) live in this directory alone.
 
 mod forward;
+mod state;
 
 use std::sync::Arc;
 
@@ -22,8 +23,9 @@ use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::{ExpertSource, ResidentExperts, SparseMoe};
 use crate::registry::{ExpertLayout, Family, MediaSupport, QuantRules};
-use crate::state::{LayerState, SeqState};
+use crate::state::SeqState;
 use crate::vision::VisionTower;
+use state::{HybridState, LayerState};
 
 /// The registry entry of Qwen3.5 / Qwen3.6, dense and MoE, multimodal wrapper or text-only.
 pub(crate) static FAMILY: Family = Family {
@@ -222,7 +224,7 @@ impl CausalLm for Qwen35 {
                 Mixer::Full(_) => LayerState::Full { kv_layer: kv_layers.next().unwrap_or_default() },
             })
             .collect();
-        SeqState::new(layers, kv)
+        SeqState::new(Box::new(HybridState { layers }), kv)
     }
 
     fn weight_bytes(&self) -> (usize, usize) {

@@ -1,0 +1,87 @@
+//! Qwen3.5's own per-sequence state: per layer, the Gated DeltaNet conv + fp32 recurrent state, or which
+//! plane of the KV page table a full-attention layer writes. Snapshots keep the linear states only (KV
+//! rows live in pages, shared with the prefix cache).
+
+use std::any::Any;
+
+use crate::error::{Error, Result};
+use crate::layers::gdn::LinearState;
+use crate::state::{FamilySnapshot, FamilyState};
+
+#[derive(Clone, Debug)]
+pub(crate) enum LayerState {
+    Linear(LinearState),
+    /// A full-attention layer: its rows are plane `kv_layer` of the page table.
+    Full {
+        kv_layer: usize,
+    },
+}
+
+/// The hybrid stack's state.
+#[derive(Clone, Debug)]
+pub(crate) struct HybridState {
+    pub(crate) layers: Vec<LayerState>,
+}
+
+/// The linear states, in layer order.
+#[derive(Clone, Debug, PartialEq)]
+struct HybridSnapshot {
+    linear: Vec<LinearState>,
+}
+
+impl FamilySnapshot for HybridSnapshot {
+    fn bytes(&self) -> usize {
+        self.linear.iter().map(LinearState::bytes).sum()
+    }
+    fn boxed_clone(&self) -> Box<dyn FamilySnapshot> {
+        Box::new(self.clone())
+    }
+}
+
+impl FamilyState for HybridState {
+    fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Linear(s) => s.bytes(),
+                LayerState::Full { .. } => 0,
+            })
+            .sum()
+    }
+
+    fn snapshot(&self) -> Box<dyn FamilySnapshot> {
+        let linear = self
+            .layers
+            .iter()
+            .filter_map(|l| match l {
+                LayerState::Linear(s) => Some(s.clone()),
+                LayerState::Full { .. } => None,
+            })
+            .collect();
+        Box::new(HybridSnapshot { linear })
+    }
+
+    fn restore(&mut self, snap: &dyn FamilySnapshot) -> Result<()> {
+        let any: &dyn Any = snap;
+        let snap = any
+            .downcast_ref::<HybridSnapshot>()
+            .ok_or_else(|| Error::InvalidInput("snapshot belongs to another model family".into()))?;
+        let n_linear = self.layers.iter().filter(|l| matches!(l, LayerState::Linear(_))).count();
+        if n_linear != snap.linear.len() {
+            return Err(Error::InvalidInput("snapshot belongs to another model".into()));
+        }
+        let mut lin = snap.linear.iter();
+        for l in &mut self.layers {
+            if let LayerState::Linear(s) = l {
+                if let Some(src) = lin.next() {
+                    s.clone_from(src);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn boxed_clone(&self) -> Box<dyn FamilyState> {
+        Box::new(self.clone())
+    }
+}
