@@ -346,6 +346,26 @@ mod tests {
     }
 
     #[test]
+    fn reclaim_gives_back_unpinned_pages_oldest_first_and_keeps_pinned_ones() {
+        let mut t: RadixTree<Blob, Blob> = RadixTree::new(1, 1000);
+        for k in 0..3u64 {
+            let ids = [k, 100 + k];
+            t.insert(&ids, &pages(&ids, 1), Arc::new(Blob(1, k)));
+        }
+        let pinned = t.match_prefix(&[0, 100], 2);
+        // Leaves go oldest first: branch 1's two pages, then branch 2's leaf (with its snapshot).
+        assert_eq!(t.reclaim(3), 3, "three unpinned pages are given back");
+        assert_eq!(t.match_prefix(&[1, 101], 2).tokens, 0, "branch 1 is gone");
+        assert_eq!(t.match_prefix(&[2, 102], 2).tokens, 0, "branch 2 lost its snapshot page");
+        assert_eq!(t.reclaim(5), 1, "then branch 2's first page; the pinned path stays");
+        assert_eq!(pinned.tokens, 2);
+        t.release(pinned.lease.expect("lease"));
+        assert_eq!(t.reclaim(5), 2, "unpinned, its two pages go");
+        assert!(t.is_empty());
+        t.check();
+    }
+
+    #[test]
     fn eviction_is_lru_over_unlocked_leaves_and_never_touches_pinned_paths() {
         let mut t: RadixTree<Blob, Blob> = RadixTree::new(1, 45);
         for k in 0..3u64 {

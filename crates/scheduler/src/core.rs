@@ -713,4 +713,79 @@ mod tests {
             .collect();
         assert_eq!(done, vec![8, 8], "both requests finish with all their tokens");
     }
+
+    /// Seeded random load on a tiny pool: many requests of random sizes arriving over time. Invariants:
+    /// no step overcommits the pool, a readmitted sequence carries exactly the tokens it had generated,
+    /// and every request ends with all its tokens.
+    #[test]
+    fn random_load_on_a_tiny_pool_never_overcommits_and_finishes_everything() {
+        let mut preemptions = 0;
+        for seed in 1..=20u64 {
+            let c = SchedulerConfig {
+                max_batch_tokens: 8,
+                max_prefill_tokens: 4,
+                max_running_requests: 4,
+                kv_capacity_tokens: 24,
+                context_len: 24,
+                page_size: 2,
+                snapshot_interval: 4,
+                prefix_cache: false,
+            };
+            let mut s = Scheduler::new(c);
+            let mut pool = Pool { page: 2, total: 12, held: Default::default() };
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut rnd = |n: u64| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % n) as usize
+            };
+            let (tx, mut rx) = mpsc::unbounded_channel();
+            let mut want = std::collections::HashMap::new();
+            let mut generated: std::collections::HashMap<SeqId, Vec<u32>> = Default::default();
+            let mut next = 1;
+            for step in 0..5000 {
+                if next <= 16 && rnd(3) == 0 {
+                    let (prompt, max) = (1 + rnd(8), 1 + rnd(12));
+                    s.submit(req(next, prompt, max), tx.clone()).expect("fits");
+                    want.insert(next, max);
+                    next += 1;
+                }
+                let Some(p) = s.schedule(&mut NoPrefixCache) else {
+                    if next > 16 {
+                        break;
+                    }
+                    continue;
+                };
+                for it in &p.items {
+                    if let Some(a) = &it.admit {
+                        let had = generated.get(&it.seq).cloned().unwrap_or_default();
+                        assert_eq!(a.generated, had, "seed {seed} step {step}: seq {} readmitted", it.seq);
+                    }
+                }
+                let token = 5 + (step % 3) as u32;
+                let r = pool.run(&p, token);
+                for t in &r.sampled {
+                    generated.entry(t.seq).or_default().push(t.token);
+                }
+                s.update(&p, r);
+            }
+            let done: std::collections::HashMap<SeqId, usize> = std::iter::from_fn(|| rx.try_recv().ok())
+                .filter_map(|e| match e {
+                    EngineEvent::Finished { completion_tokens, .. } => Some(completion_tokens),
+                    _ => None,
+                })
+                .enumerate()
+                .map(|(i, n)| (i as SeqId, n))
+                .collect();
+            assert_eq!(done.len(), want.len(), "seed {seed}: every request finishes");
+            let mut got: Vec<usize> = done.into_values().collect();
+            let mut all: Vec<usize> = want.into_values().collect();
+            got.sort_unstable();
+            all.sort_unstable();
+            assert_eq!(got, all, "seed {seed}: with all its tokens");
+            preemptions += s.stats().preemptions_total;
+        }
+        assert!(preemptions > 0, "the load must exercise preemption");
+    }
 }
