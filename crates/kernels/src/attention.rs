@@ -69,9 +69,7 @@ pub fn causal_attention_paged(q: &[f32], kv: PagedKv<'_>, start: usize, s: AttnS
             }
         });
     } else {
-        let key = |j: usize| &k_pages[j / page][(j % page) * kv_row..(j % page + 1) * kv_row];
-        let val = |j: usize| &v_pages[j / page][(j % page) * kv_row..(j % page + 1) * kv_row];
-        attend_rows(q, &key, &val, s, scale, out, &visible);
+        attend_rows(q, k_pages, v_pages, s, scale, out, &visible);
     }
 }
 
@@ -107,25 +105,17 @@ fn attend(
     if n >= 8 {
         attend_blocked(q, k, v, s, scale, out, &visible);
     } else {
-        let kv_row = s.kv_heads * s.head_dim;
-        attend_rows(
-            q,
-            &|j| &k[j * kv_row..(j + 1) * kv_row],
-            &|j| &v[j * kv_row..(j + 1) * kv_row],
-            s,
-            scale,
-            out,
-            &visible,
-        );
+        attend_rows(q, &[k], &[v], s, scale, out, &visible);
     }
 }
 
-/// Few queries (decode): one task per (query, head), dot products against each key. `k(j)`, `v(j)` give
-/// the `[kv_heads, head_dim]` row of key `j` (contiguous or paged storage).
-fn attend_rows<'a>(
+/// Few queries (decode): one task per (query, head), dot products against each key. Keys and values come
+/// as runs of whole `[kv_heads, head_dim]` rows, in order: one run for contiguous storage, one per page
+/// (rows past the visible ones are never read), walked without per-key index arithmetic.
+fn attend_rows(
     q: &[f32],
-    k: &(impl Fn(usize) -> &'a [f32] + Sync),
-    v: &(impl Fn(usize) -> &'a [f32] + Sync),
+    k: &[&[f32]],
+    v: &[&[f32]],
     s: AttnShape,
     scale: f32,
     out: &mut [f32],
@@ -133,6 +123,7 @@ fn attend_rows<'a>(
 ) {
     let (hd, nh, nkv) = (s.head_dim, s.heads, s.kv_heads);
     let group = nh / nkv;
+    let kv_row = nkv * hd;
     out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
         let (i, h) = (idx / nh, idx % nh);
         let kvh = h / group;
@@ -140,8 +131,8 @@ fn attend_rows<'a>(
         let t = visible(i);
         scores.clear();
         let mut max = f32::NEG_INFINITY;
-        for j in 0..t {
-            let kr = &k(j)[kvh * hd..(kvh + 1) * hd];
+        for kr in rows(k, kv_row).take(t) {
+            let kr = &kr[kvh * hd..(kvh + 1) * hd];
             let sc = crate::simd::dot_f32(qv, kr) * scale;
             max = max.max(sc);
             scores.push(sc);
@@ -152,14 +143,19 @@ fn attend_rows<'a>(
             sum += *sc;
         }
         o.fill(0.0);
-        for (j, p) in scores.iter().enumerate() {
+        for (p, vr) in scores.iter().zip(rows(v, kv_row)) {
             let w = p / sum;
-            let vr = &v(j)[kvh * hd..(kvh + 1) * hd];
+            let vr = &vr[kvh * hd..(kvh + 1) * hd];
             for (a, b) in o.iter_mut().zip(vr) {
                 *a += w * b;
             }
         }
     });
+}
+
+/// The rows of runs of whole rows, in order.
+fn rows<'a, 'b: 'a>(runs: &'a [&'b [f32]], row: usize) -> impl Iterator<Item = &'b [f32]> + 'a {
+    runs.iter().flat_map(move |r| r.chunks_exact(row))
 }
 
 /// Many queries (prefill, vision): per (head, block of queries) `S = scale·Q·Kᵀ`, masked row softmax,
@@ -252,9 +248,7 @@ mod tests {
         for causal in [true, false] {
             let vis = |i: usize| if causal { past + i + 1 } else { n + past };
             let (mut a, mut b) = (vec![0f32; q.len()], vec![0f32; q.len()]);
-            let (kk, vv) = (k.as_slice(), v.as_slice());
-            let (kr, vr) = (move |j: usize| &kk[j * 16..(j + 1) * 16], move |j: usize| &vv[j * 16..(j + 1) * 16]);
-            attend_rows(&q, &kr, &vr, s, 0.3, &mut a, &vis);
+            attend_rows(&q, &[&k], &[&v], s, 0.3, &mut a, &vis);
             attend_blocked(&q, &k, &v, s, 0.3, &mut b, &vis);
             let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
             // Same math, different summation order over <= 157 keys of O(1) values.
