@@ -167,6 +167,8 @@ pub fn start_with(
         vision: has_vision,
         video: media.is_some_and(|m| m.video),
         api_key: settings.api_key.clone(),
+        allowed_hosts: settings.allowed_hosts.clone().unwrap_or_default(),
+        allowed_origins: settings.allowed_origins.clone().unwrap_or_default(),
         eos_token_ids: eos,
         limits,
     };
@@ -179,6 +181,13 @@ pub fn start_with(
     };
     let addr = format!("{}:{}", settings.host.as_deref().unwrap_or("127.0.0.1"), settings.port.unwrap_or(8080));
     let (server, bound) = osprey_server::bind(server_cfg, engine, &addr, settings.http_workers.unwrap_or(2))?;
+    if !bound.ip().is_loopback() && settings.api_key.is_none() {
+        tracing::warn!(
+            %bound,
+            "listening beyond this machine without an API key: anyone who can reach {bound} can generate \
+             (set --api-key; Host names other than localhost and IP addresses are refused unless in --allowed-hosts)"
+        );
+    }
     tracing::info!(
         model = %model_dir.display(),
         id = %model_id,

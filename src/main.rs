@@ -101,6 +101,14 @@ struct ServeArgs {
     /// Directory under which file:// media may be read.
     #[arg(long)]
     allowed_local_media_path: Option<PathBuf>,
+    /// Host names clients may use in `Host` without an API key, besides localhost and IP addresses
+    /// (comma-separated; defeats DNS rebinding).
+    #[arg(long, value_delimiter = ',')]
+    allowed_hosts: Option<Vec<String>>,
+    /// Browser origins allowed to call the API, e.g. `https://chat.example` (comma-separated, `*` for
+    /// any; default none).
+    #[arg(long, value_delimiter = ',')]
+    allowed_origins: Option<Vec<String>>,
 }
 
 impl ServeArgs {
@@ -132,6 +140,8 @@ impl ServeArgs {
             max_video_frames: self.max_video_frames,
             allowed_media_domains: self.allowed_media_domains.clone(),
             allowed_local_media_path: self.allowed_local_media_path.clone(),
+            allowed_hosts: self.allowed_hosts.clone(),
+            allowed_origins: self.allowed_origins.clone(),
         }
     }
 }

@@ -62,6 +62,10 @@ pub struct Settings {
     pub allowed_media_domains: Option<Vec<String>>,
     /// Directory for `file://` media (default none).
     pub allowed_local_media_path: Option<PathBuf>,
+    /// Host names requests may name when no API key is set, besides localhost names and IP addresses.
+    pub allowed_hosts: Option<Vec<String>>,
+    /// Browser origins allowed to call the API (CORS); default none.
+    pub allowed_origins: Option<Vec<String>>,
 }
 
 impl Settings {

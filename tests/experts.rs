@@ -79,7 +79,9 @@ fn a_failed_expert_read_fails_that_request_with_an_engine_error_and_the_server_k
     let faulty = start_with(Settings { expert_ram_experts: Some(2), ..Settings::default() }, dir, Some(layer));
     let body =
         json!({"messages": [{"role": "user", "content": "Tell me about experts."}], "max_tokens": 8, "temperature": 0});
-    let r = ureq::post(&format!("http://{faulty}/v1/chat/completions")).send_string(&body.to_string());
+    let r = ureq::post(&format!("http://{faulty}/v1/chat/completions"))
+        .set("content-type", "application/json")
+        .send_string(&body.to_string());
     let Err(ureq::Error::Status(code, resp)) = r else { panic!("the injected fault must fail the request") };
     assert_eq!(code, 500);
     let e: Value = serde_json::from_str(&resp.into_string().expect("body")).expect("json");

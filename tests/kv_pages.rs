@@ -26,7 +26,10 @@ fn ask(addr: SocketAddr, i: usize) -> (String, u64) {
     let sampling = if i.is_multiple_of(2) { json!({"temperature": 0}) } else { json!({"temperature": 1.0, "seed": i}) };
     let mut body = json!({"messages": [{"role": "user", "content": q}], "max_tokens": 40, "ignore_eos": true});
     body.as_object_mut().expect("object").extend(sampling.as_object().expect("object").clone());
-    let r = ureq::post(&format!("http://{addr}/v1/chat/completions")).send_string(&body.to_string()).expect("request");
+    let r = ureq::post(&format!("http://{addr}/v1/chat/completions"))
+        .set("content-type", "application/json")
+        .send_string(&body.to_string())
+        .expect("request");
     let v: Value = serde_json::from_str(&r.into_string().expect("body")).expect("json");
     let m = &v["choices"][0]["message"];
     let text = format!("{}|{}", m["reasoning_content"].as_str().unwrap_or(""), m["content"].as_str().unwrap_or(""));

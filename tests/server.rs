@@ -204,7 +204,7 @@ fn a_client_that_disconnects_mid_stream_frees_its_sequence() {
     let addr = start(Settings::default(), moe_dir());
     let body = json!({"messages": [{"role": "user", "content": "Tell me a very long story."}], "max_tokens": 3000, "stream": true, "temperature": 0, "ignore_eos": true}).to_string();
     let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).expect("send");
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).expect("send");
     let mut buf = [0u8; 4096];
     let mut seen = 0;
     while seen < 3 {

@@ -62,7 +62,10 @@ pub fn get(addr: SocketAddr, path: &str) -> (u16, String) {
 
 /// Reads an SSE response into its `data:` payloads.
 pub fn sse(addr: SocketAddr, path: &str, body: &Value) -> Vec<String> {
-    let r = ureq::post(&format!("http://{addr}{path}")).send_string(&body.to_string()).expect("stream");
+    let r = ureq::post(&format!("http://{addr}{path}"))
+        .set("content-type", "application/json")
+        .send_string(&body.to_string())
+        .expect("stream");
     assert_eq!(r.header("content-type"), Some("text/event-stream"));
     BufReader::new(r.into_reader())
         .lines()

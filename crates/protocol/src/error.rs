@@ -31,6 +31,18 @@ pub enum ErrorCode {
     EngineError,
     /// The engine is shutting down or an actor is gone.
     Unavailable,
+    /// No such endpoint.
+    NotFound,
+    /// The endpoint exists but not with this HTTP method.
+    MethodNotAllowed,
+    /// The request body is over the size limit.
+    RequestTooLarge,
+    /// The body is not `application/json`.
+    UnsupportedMediaType,
+    /// The `Host` header names a host this server does not answer for (DNS rebinding).
+    HostNotAllowed,
+    /// A cross-origin request from an origin that is not allow-listed.
+    OriginNotAllowed,
 }
 
 impl ErrorCode {
@@ -51,6 +63,12 @@ impl ErrorCode {
             ErrorCode::ModelNotFound => "model_not_found",
             ErrorCode::EngineError => "engine_error",
             ErrorCode::Unavailable => "unavailable",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::RequestTooLarge => "request_too_large",
+            ErrorCode::UnsupportedMediaType => "unsupported_media_type",
+            ErrorCode::HostNotAllowed => "host_not_allowed",
+            ErrorCode::OriginNotAllowed => "origin_not_allowed",
         }
     }
 }

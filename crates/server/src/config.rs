@@ -50,6 +50,10 @@ pub struct ServerConfig {
     pub video: bool,
     /// Bearer key required on /v1 routes (None: open).
     pub api_key: Option<String>,
+    /// Host names requests may name besides localhost names and IP addresses (checked without a key).
+    pub allowed_hosts: Vec<String>,
+    /// Browser origins allowed to call the API (CORS); none by default.
+    pub allowed_origins: Vec<String>,
     /// End-of-sequence token ids.
     pub eos_token_ids: Vec<u32>,
     /// Request limits.

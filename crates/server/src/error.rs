@@ -31,6 +31,7 @@ impl ApiError {
     pub fn body(&self) -> serde_json::Value {
         let kind = match self.status_code().as_u16() {
             401 => "authentication_error",
+            403 => "permission_error",
             404 => "not_found_error",
             500..=599 => "server_error",
             _ => "invalid_request_error",
@@ -59,6 +60,11 @@ impl ResponseError for ApiError {
             ErrorCode::MediaUrlNotAllowed => StatusCode::FORBIDDEN,
             ErrorCode::EngineError => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorCode::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ErrorCode::HostNotAllowed | ErrorCode::OriginNotAllowed => StatusCode::FORBIDDEN,
             _ => StatusCode::BAD_REQUEST,
         }
     }

@@ -8,6 +8,7 @@
 //! ([`ApiError`]).
 
 pub mod config;
+mod edge;
 mod error;
 mod generate;
 mod handlers;
@@ -78,25 +79,62 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
         ready: AtomicBool::new(true),
         created,
     });
-    let json_cfg = web::JsonConfig::default().limit(body_limit).content_type_required(false).error_handler(|err, _| {
-        let code = match &err {
-            actix_web::error::JsonPayloadError::Overflow { .. }
-            | actix_web::error::JsonPayloadError::OverflowKnownLength { .. } => ErrorCode::MediaTooLarge,
-            _ => ErrorCode::InvalidJson,
-        };
-        ApiError::new(code, format!("could not parse the request body: {err}")).into()
+    // Bodies only as application/json: a browser cannot send that cross-origin without a preflight.
+    let json_cfg = web::JsonConfig::default()
+        .limit(body_limit)
+        .content_type_required(true)
+        .content_type(|m| m.essence_str() == "application/json")
+        .error_handler(|err, _| {
+            let (code, what) = match &err {
+                actix_web::error::JsonPayloadError::Overflow { .. }
+                | actix_web::error::JsonPayloadError::OverflowKnownLength { .. } => {
+                    (ErrorCode::RequestTooLarge, "the request body is too large")
+                }
+                actix_web::error::JsonPayloadError::ContentType => (
+                    ErrorCode::UnsupportedMediaType,
+                    "the request body must be sent as `Content-Type: application/json`",
+                ),
+                _ => (ErrorCode::InvalidJson, "could not parse the request body"),
+            };
+            ApiError::new(code, format!("{what}: {err}")).into()
+        });
+    let edge = std::sync::Arc::new(edge::EdgePolicy {
+        allowed_hosts: state.cfg.allowed_hosts.clone(),
+        allowed_origins: state.cfg.allowed_origins.clone(),
+        api_key_set: state.cfg.api_key.is_some(),
     });
     let server = HttpServer::new(move || {
+        let edge = edge.clone();
+        let post = |path: &'static str| {
+            web::resource(path).default_service(web::to(|| async { edge::method_not_allowed("POST") }))
+        };
+        let get = |path: &'static str| {
+            web::resource(path).default_service(web::to(|| async { edge::method_not_allowed("GET") }))
+        };
         App::new()
             .app_data(state.clone())
             .app_data(json_cfg.clone())
-            .route("/v1/chat/completions", web::post().to(handlers::chat))
-            .route("/v1/completions", web::post().to(handlers::completions))
-            .route("/v1/models", web::get().to(handlers::models))
-            .route("/health", web::get().to(handlers::health))
-            .route("/metrics", web::get().to(handlers::metrics))
+            .wrap_fn(move |req, srv| {
+                if let Some(resp) = edge.intercept(req.method(), req.headers()) {
+                    let r = req.into_response(resp).map_into_right_body();
+                    return futures_util::future::Either::Left(futures_util::future::ready(Ok(r)));
+                }
+                let origin = req.headers().get(actix_web::http::header::ORIGIN).cloned();
+                let fut = actix_web::dev::Service::call(&srv, req);
+                let edge = edge.clone();
+                futures_util::future::Either::Right(async move {
+                    let mut res = fut.await?;
+                    edge.decorate(origin.as_ref(), res.headers_mut());
+                    Ok(res.map_into_left_body())
+                })
+            })
+            .service(post("/v1/chat/completions").route(web::post().to(handlers::chat)))
+            .service(post("/v1/completions").route(web::post().to(handlers::completions)))
+            .service(get("/v1/models").route(web::get().to(handlers::models)))
+            .service(get("/health").route(web::get().to(handlers::health)))
+            .service(get("/metrics").route(web::get().to(handlers::metrics)))
             .default_service(web::to(|| async {
-                ApiError::new(ErrorCode::InvalidRequest, "no such endpoint").param("path").error_response_owned()
+                ApiError::new(ErrorCode::NotFound, "no such endpoint").param("path").error_response_owned()
             }))
     })
     .workers(workers.max(1))

@@ -351,7 +351,17 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
             out.insert("reasoning_content".into(), r.clone());
         }
         let content = match m.get("content") {
-            None | Some(Value::Null) => Value::String(String::new()),
+            // OpenAI allows a null content only on an assistant message that carries tool calls.
+            None | Some(Value::Null) if role == "assistant" && m.get("tool_calls").is_some_and(|t| !t.is_null()) => {
+                Value::String(String::new())
+            }
+            None | Some(Value::Null) => {
+                return Err(bad(
+                    ErrorCode::InvalidRequest,
+                    "`content` is required (null only on an assistant message with tool_calls)",
+                    &format!("{param}.content"),
+                ))
+            }
             Some(Value::String(s)) => Value::String(s.clone()),
             Some(Value::Array(parts)) => {
                 let mut conv = Vec::with_capacity(parts.len());

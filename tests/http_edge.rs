@@ -1,0 +1,137 @@
+//! The HTTP edge as a browser on the home network (or an attacker's page in it) meets it, over a real
+//! socket: wrong paths and methods, bodies that are not JSON or too large, DNS rebinding, CORS, and a
+//! user message without content. Each case reproduces a failure reported against the server.
+
+#[path = "../crates/models/tests/common/mod.rs"]
+mod common;
+mod harness;
+
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+
+use common::fixtures;
+use osprey::Settings;
+use serde_json::{json, Value};
+
+fn start(settings: Settings) -> SocketAddr {
+    harness::start(settings, fixtures().join("models/qwen3_5_moe-tiny"))
+}
+
+/// One raw HTTP/1.1 exchange: status, headers (lower-cased names) and body.
+fn raw(addr: SocketAddr, request: &str) -> (u16, String, String) {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.write_all(request.as_bytes()).expect("send");
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, head.to_ascii_lowercase(), body.to_string())
+}
+
+fn request(method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> String {
+    let mut r = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    for (k, v) in headers {
+        r.push_str(&format!("{k}: {v}\r\n"));
+    }
+    r + "\r\n" + body
+}
+
+fn code(body: &str) -> String {
+    serde_json::from_str::<Value>(body)
+        .ok()
+        .and_then(|v| v["error"]["code"].as_str().map(String::from))
+        .unwrap_or_default()
+}
+
+const JSON: (&str, &str) = ("Content-Type", "application/json");
+const LOCAL: (&str, &str) = ("Host", "127.0.0.1:8080");
+
+#[test]
+fn paths_methods_content_types_and_sizes_get_their_own_codes() {
+    let addr = start(Settings::default());
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+    let (s, _, b) = raw(addr, &request("GET", "/v1/nope", &[LOCAL], ""));
+    assert_eq!((s, code(&b)), (404, "not_found".into()), "unknown path");
+    let (s, h, b) = raw(addr, &request("GET", "/v1/chat/completions", &[LOCAL], ""));
+    assert_eq!((s, code(&b)), (405, "method_not_allowed".into()), "wrong method");
+    assert!(h.contains("allow: post"), "{h}");
+    let (s, h, _) = raw(addr, &request("POST", "/metrics", &[LOCAL], ""));
+    assert!(s == 405 && h.contains("allow: get"), "{h}");
+    // A web page can send text/plain or a form without a preflight: refused.
+    for ct in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"] {
+        let (s, _, b) = raw(addr, &request("POST", "/v1/chat/completions", &[LOCAL, ("Content-Type", ct)], &chat));
+        assert_eq!((s, code(&b)), (415, "unsupported_media_type".into()), "{ct}");
+    }
+    let (s, _, b) = raw(addr, &request("POST", "/v1/chat/completions", &[LOCAL], &chat));
+    assert_eq!((s, code(&b)), (415, "unsupported_media_type".into()), "no content type");
+    let (s, _, _) = raw(
+        addr,
+        &request("POST", "/v1/chat/completions", &[LOCAL, ("Content-Type", "application/json; charset=utf-8")], &chat),
+    );
+    assert_eq!(s, 200, "JSON with a charset is JSON");
+    // A body over the limit, announced by its length: refused before it is read.
+    let big = "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n{";
+    let (s, _, b) = raw(addr, big);
+    assert_eq!((s, code(&b)), (413, "request_too_large".into()));
+    // A user message without content.
+    let null = json!({"messages": [{"role": "user", "content": null}], "max_tokens": 2}).to_string();
+    let (s, _, b) = raw(addr, &request("POST", "/v1/chat/completions", &[LOCAL, JSON], &null));
+    assert_eq!((s, code(&b)), (400, "invalid_request".into()), "content: null");
+    let (s, _, _) = raw(addr, &request("POST", "/v1/chat/completions", &[LOCAL, JSON], &chat));
+    assert_eq!(s, 200, "and the server keeps serving");
+}
+
+#[test]
+fn without_a_key_a_foreign_host_is_refused_and_only_allowed_origins_pass_cors() {
+    let addr = start(Settings {
+        allowed_hosts: Some(vec!["osprey.lan".into()]),
+        allowed_origins: Some(vec!["https://chat.example".into()]),
+        ..Settings::default()
+    });
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+    // DNS rebinding: attacker.example resolved to 127.0.0.1, the browser sends its own name.
+    let (s, _, b) =
+        raw(addr, &request("POST", "/v1/chat/completions", &[("Host", "attacker.example:8080"), JSON], &chat));
+    assert_eq!((s, code(&b)), (403, "host_not_allowed".into()));
+    for host in ["localhost:8080", "127.0.0.1", "osprey.lan", "192.168.1.20:8080"] {
+        let (s, _, _) = raw(addr, &request("POST", "/v1/chat/completions", &[("Host", host), JSON], &chat));
+        assert_eq!(s, 200, "{host}");
+    }
+    // CORS: a preflight from the allowed origin is answered, from another one refused.
+    let pre = |origin: &str| {
+        request(
+            "OPTIONS",
+            "/v1/chat/completions",
+            &[LOCAL, ("Origin", origin), ("Access-Control-Request-Method", "POST")],
+            "",
+        )
+    };
+    let (s, h, _) = raw(addr, &pre("https://chat.example"));
+    assert_eq!(s, 204);
+    assert!(h.contains("access-control-allow-origin: https://chat.example"), "{h}");
+    assert!(h.contains("access-control-allow-headers: authorization, content-type"), "{h}");
+    let (s, h, b) = raw(addr, &pre("https://evil.example"));
+    assert_eq!((s, code(&b)), (403, "origin_not_allowed".into()));
+    assert!(!h.contains("access-control-allow-origin"), "{h}");
+    let (s, h, _) = raw(addr, &request("OPTIONS", "/v1/models", &[LOCAL], ""));
+    assert!(s == 204 && h.contains("allow: get, post, options"), "plain OPTIONS: {h}");
+    // The actual request from the allowed origin carries the header; from another origin it does not.
+    let (s, h, _) =
+        raw(addr, &request("POST", "/v1/chat/completions", &[LOCAL, JSON, ("Origin", "https://chat.example")], &chat));
+    assert!(s == 200 && h.contains("access-control-allow-origin: https://chat.example"), "{h}");
+    let (_, h, _) = raw(addr, &request("GET", "/v1/models", &[LOCAL, ("Origin", "https://evil.example")], ""));
+    assert!(!h.contains("access-control-allow-origin"), "{h}");
+}
+
+#[test]
+fn with_an_api_key_any_host_is_served_and_the_key_is_the_gate() {
+    let addr = start(Settings { api_key: Some("sekret".into()), ..Settings::default() });
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+    let host = ("Host", "osprey.example.org");
+    let (s, _, b) = raw(addr, &request("POST", "/v1/chat/completions", &[host, JSON], &chat));
+    assert_eq!((s, code(&b)), (401, "invalid_api_key".into()));
+    let (s, _, _) =
+        raw(addr, &request("POST", "/v1/chat/completions", &[host, JSON, ("Authorization", "Bearer sekret")], &chat));
+    assert_eq!(s, 200);
+}
