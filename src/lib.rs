@@ -115,6 +115,7 @@ pub fn start_with(
     let vocab = info.vocab_size;
     let mut eos = info.eos_token_ids.clone();
     let tok = TokenizerCore::from_dir(model_dir, tower.is_some())?;
+    let max_token_bytes = tok.tokenizer().max_token_bytes();
     if let Some(im_end) = tok.tokenizer().token_id("<|im_end|>") {
         if !eos.contains(&im_end) {
             eos.push(im_end);
@@ -164,6 +165,7 @@ pub fn start_with(
         model_id: model_id.clone(),
         context_len,
         vocab_size: vocab,
+        max_token_bytes,
         vision: has_vision,
         video: media.is_some_and(|m| m.video),
         api_key: settings.api_key.clone(),

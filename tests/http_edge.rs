@@ -135,3 +135,47 @@ fn with_an_api_key_any_host_is_served_and_the_key_is_the_gate() {
         raw(addr, &request("POST", "/v1/chat/completions", &[host, JSON, ("Authorization", "Bearer sekret")], &chat));
     assert_eq!(s, 200);
 }
+
+#[test]
+fn media_errors_say_what_is_wrong_with_the_media() {
+    let addr = start(Settings::default());
+    let frame = harness::data_url(&fixtures().join("media/default/moving_left_vid0_0.png"));
+    let mp4 = format!(
+        "data:video/mp4;base64,{}",
+        base64::Engine::encode(&base64::engine::general_purpose::STANDARD, b"\0\0\0\x18ftypisom0000000000000000")
+    );
+    for (part, want) in [
+        (json!({"type": "video", "video": [frame]}), "needs at least 2 frames"),
+        (json!({"type": "video_url", "video_url": {"url": mp4}}), "MP4/MOV video is not supported"),
+    ] {
+        let body =
+            json!({"messages": [{"role": "user", "content": [part, {"type": "text", "text": "?"}]}], "max_tokens": 2});
+        let (s, e) = harness::post(addr, "/v1/chat/completions", &body.to_string(), None);
+        let msg = e["error"]["message"].as_str().unwrap_or_default();
+        assert_eq!((s, e["error"]["code"].as_str()), (400, Some("invalid_media")), "{e}");
+        assert!(msg.contains(want), "{msg}");
+        assert!(
+            !msg.contains("model configuration")
+                && !msg.contains("temporal_factor")
+                && !msg.starts_with("invalid input"),
+            "{msg}"
+        );
+    }
+}
+
+#[test]
+fn a_prompt_too_long_in_bytes_is_refused_before_it_is_tokenized() {
+    let addr = start(Settings::default());
+    // 20 MB of text (under the 64 MiB body limit): no tokenization can bring it under 4,096 tokens.
+    let text = "word ".repeat(4 << 20);
+    let chat = json!({"messages": [{"role": "user", "content": text}], "max_tokens": 2}).to_string();
+    let (s, e) = harness::post(addr, "/v1/chat/completions", &chat, None);
+    assert_eq!((s, e["error"]["code"].as_str()), (400, Some("context_length_exceeded")), "{e}");
+    assert!(e["error"]["message"].as_str().is_some_and(|m| m.contains("bytes of text")), "{e}");
+    let completion = json!({"prompt": "word ".repeat(4 << 20), "max_tokens": 2}).to_string();
+    let (s, e) = harness::post(addr, "/v1/completions", &completion, None);
+    assert_eq!((s, e["error"]["code"].as_str()), (400, Some("context_length_exceeded")), "{e}");
+    assert_eq!(harness::metric(addr, "osprey_prompt_tokens_total"), 0.0, "nothing reached the engine");
+    let ok = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+    assert_eq!(harness::post(addr, "/v1/chat/completions", &ok, None).0, 200);
+}

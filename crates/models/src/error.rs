@@ -64,6 +64,10 @@ pub enum Error {
     /// Media over a configured limit (declared pixels, frames).
     #[error("{0}")]
     MediaLimit(String),
+    /// Media this build or model cannot take, said in the client's terms (container formats, too few
+    /// frames, frames of different sizes).
+    #[error("{0}")]
+    InvalidMedia(String),
 }
 
 /// Result alias for this crate.

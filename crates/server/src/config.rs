@@ -44,6 +44,9 @@ pub struct ServerConfig {
     pub context_len: usize,
     /// Vocabulary size (token-id prompts are checked against it).
     pub vocab_size: usize,
+    /// Most bytes of text one token can stand for (the tokenizer's longest entry): a prompt with more
+    /// than `context_len × max_token_bytes` bytes of text is refused before it is tokenized.
+    pub max_token_bytes: usize,
     /// The model takes images (it has a vision tower).
     pub vision: bool,
     /// The model takes videos too (its family says so).

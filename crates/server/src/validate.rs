@@ -291,12 +291,41 @@ fn url_of(part: &Value, key: &str) -> Option<String> {
     }
 }
 
+/// Bytes of text in a message's content (a string, or the `text` of its parts).
+fn content_bytes(content: Option<&Value>) -> usize {
+    match content {
+        Some(Value::String(s)) => s.len(),
+        Some(Value::Array(parts)) => {
+            parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).map(str::len).sum()
+        }
+        _ => 0,
+    }
+}
+
+/// Refuses a prompt whose text cannot fit the context whatever it tokenizes to (every token stands for
+/// at most `max_token_bytes` bytes), before the tokenizer spends memory and time on it.
+fn check_prompt_bytes(bytes: usize, cfg: &ServerConfig, param: &str) -> Result<(), ApiError> {
+    let cap = cfg.context_len.saturating_mul(cfg.max_token_bytes.max(1));
+    if bytes > cap {
+        return Err(bad(
+            ErrorCode::ContextLengthExceeded,
+            format!(
+                "the prompt has {bytes} bytes of text, more than this model's context of {} tokens can hold (a token is at most {} bytes)",
+                cfg.context_len, cfg.max_token_bytes
+            ),
+            param,
+        ));
+    }
+    Ok(())
+}
+
 /// Validates a chat request into a template-ready prompt (media fetched and decoded from URLs, not yet
 /// from their image formats) and generation settings. Blocking (may fetch allow-listed URLs).
 pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenParams), ApiError> {
     if req.messages.is_empty() {
         return Err(bad(ErrorCode::InvalidRequest, "messages must not be empty", "messages"));
     }
+    check_prompt_bytes(req.messages.iter().map(|m| content_bytes(m.get("content"))).sum(), cfg, "messages")?;
     if let Some(rf) = &req.response_format {
         if rf.get("type").and_then(Value::as_str) != Some("text") {
             return Err(bad(
@@ -483,6 +512,12 @@ pub fn completion(req: &CompletionRequest, cfg: &ServerConfig) -> Result<(Comple
         }
     };
     let gen = common(&req.common, cfg, top)?;
+    let prompt_bytes = match &req.prompt {
+        Value::String(s) => s.len(),
+        Value::Array(a) => a.iter().filter_map(Value::as_str).map(str::len).sum(),
+        _ => 0,
+    };
+    check_prompt_bytes(prompt_bytes, cfg, "prompt")?;
     let prompt = match &req.prompt {
         Value::String(s) if !s.is_empty() => CompletionPrompt::Text(s.clone()),
         Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_u64) => {

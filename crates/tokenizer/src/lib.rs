@@ -79,6 +79,13 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// An upper bound of the bytes of text one token stands for: the longest vocabulary entry, in UTF-8
+    /// bytes of its stored form (byte-level tokens store one char per byte, SentencePiece's `▁` is longer
+    /// stored than decoded). A text of more than `context × this` bytes cannot fit the context.
+    pub fn max_token_bytes(&self) -> usize {
+        self.inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1)
+    }
+
     /// Id of a token string (e.g. `<|im_end|>`), if it is in the vocabulary.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)

@@ -132,7 +132,7 @@ fn video_container(bytes: &[u8]) -> Option<&'static str> {
 /// (MP4, WebM, AVI) are refused with a clear error: send frames or an animated GIF/WebP instead.
 pub fn decode_animation(bytes: &[u8], limits: DecodeLimits) -> Result<Frames> {
     if let Some(kind) = video_container(bytes) {
-        return Err(Error::Unsupported(format!(
+        return Err(Error::InvalidMedia(format!(
             "{kind} video is not supported by this build (no system video decoder); send the video as a list of frame images or as an animated GIF/WebP"
         )));
     }

@@ -312,19 +312,27 @@ pub struct VideoPatches {
 /// Decoded frames (all of the video, in order) at `video_fps` → sampled, resized, padded, patchified.
 pub fn preprocess_video(frames: &[RgbImage], video_fps: f64, p: &VideoParams) -> Result<VideoPatches> {
     if frames.is_empty() {
-        return Err(Error::InvalidInput("video has no frames".into()));
+        return Err(Error::InvalidMedia("the video has no frames".into()));
     }
     if !(video_fps.is_finite() && video_fps > 0.0) {
-        return Err(Error::InvalidInput(format!("video fps must be positive, got {video_fps}")));
+        return Err(Error::InvalidMedia(format!("the video's frame rate must be positive, got {video_fps}")));
     }
     let (w0, h0) = (frames[0].width, frames[0].height);
     if frames.iter().any(|f| f.width != w0 || f.height != h0) {
-        return Err(Error::InvalidInput("video frames differ in size".into()));
+        return Err(Error::InvalidMedia("the video's frames differ in size".into()));
     }
     let indices = sample_frame_indices(frames.len(), video_fps, p);
     let t = indices.len();
     let factor = p.image.patch_size * p.image.merge_size;
     let temporal = p.image.temporal_patch_size;
+    if t < temporal {
+        // transformers raises "t:1 must be larger than temporal_factor:2" here; say it in the client's terms.
+        return Err(Error::InvalidMedia(format!(
+            "the video has {} frame{} ({t} after sampling at the model's frame rate); this model needs at least {temporal} frames per video (send a single frame as an image)",
+            frames.len(),
+            if frames.len() == 1 { "" } else { "s" }
+        )));
+    }
     let mut max_pixels = p.image.max_pixels;
     if p.cap_pixels_per_frame {
         let frame_cap = p.max_video_tokens * factor * factor;
