@@ -6,7 +6,6 @@ pub mod default_model;
 pub mod settings;
 
 use std::io::Write;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,6 +14,8 @@ use anyhow::{Context, Result};
 use osprey_models::{Checkpoint, ModelConfig};
 use osprey_scheduler::SchedulerConfig;
 use osprey_server::{Engine, Limits, ServerConfig};
+
+pub use osprey_server::{Bound, Phase};
 use osprey_tokenizer::TokenizerCore;
 
 pub use settings::Settings;
@@ -89,16 +90,48 @@ pub fn model_dir(settings: &Settings) -> Result<PathBuf> {
     }
 }
 
-pub fn start(settings: &Settings, model_dir: &Path) -> Result<(actix_web::dev::Server, SocketAddr)> {
+pub fn start(settings: &Settings, model_dir: &Path) -> Result<Bound> {
     start_with(settings, model_dir, None)
 }
 
+/// `osprey serve`: start, serve, and on SIGTERM or SIGINT drain: stop accepting connections and
+/// requests (health answers 503), let running generations finish for `shutdown_grace_secs` (default
+/// 30), then end those still running with an `unavailable` error (streams: an error event and
+/// `[DONE]`), and return once every connection is closed. A second signal exits at once (status 130).
+pub async fn serve_until_signal(settings: &Settings, model_dir: &Path) -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Bound { server, addr, phase } = start(settings, model_dir)?;
+    let grace = std::time::Duration::from_secs(settings.shutdown_grace_secs.unwrap_or(30));
+    let handle = server.handle();
+    let (mut term, mut int) = (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?);
+    actix_web::rt::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        tracing::info!(%addr, grace_secs = grace.as_secs(), "shutdown signal: draining (a second signal exits at once)");
+        let _ = phase.send(Phase::Draining);
+        let stopped = handle.stop(true);
+        actix_web::rt::spawn(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            tracing::warn!("second signal: exiting now");
+            std::process::exit(130);
+        });
+        tokio::time::sleep(grace).await;
+        tracing::info!("grace period over: ending the generations still running");
+        let _ = phase.send(Phase::Expired);
+        stopped.await;
+    });
+    server.await.context("HTTP server")?;
+    tracing::info!("drained; exiting");
+    Ok(())
+}
+
 /// [`start`] with the expert reader wrapped by `wrap_reader`.
-pub fn start_with(
-    settings: &Settings,
-    model_dir: &Path,
-    wrap_reader: Option<ReaderLayer>,
-) -> Result<(actix_web::dev::Server, SocketAddr)> {
+pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<ReaderLayer>) -> Result<Bound> {
     let t0 = Instant::now();
     let cfg = ModelConfig::from_dir(model_dir).with_context(|| format!("reading {}", model_dir.display()))?;
     let ck = Checkpoint::open(model_dir)?;
@@ -171,6 +204,7 @@ pub fn start_with(
         api_key: settings.api_key.clone(),
         allowed_hosts: settings.allowed_hosts.clone().unwrap_or_default(),
         allowed_origins: settings.allowed_origins.clone().unwrap_or_default(),
+        shutdown_grace_secs: settings.shutdown_grace_secs.unwrap_or(30),
         eos_token_ids: eos,
         limits,
     };
@@ -182,7 +216,8 @@ pub fn start_with(
         experts: experts.map(|e| e.sender()),
     };
     let addr = format!("{}:{}", settings.host.as_deref().unwrap_or("127.0.0.1"), settings.port.unwrap_or(8080));
-    let (server, bound) = osprey_server::bind(server_cfg, engine, &addr, settings.http_workers.unwrap_or(2))?;
+    let served = osprey_server::bind(server_cfg, engine, &addr, settings.http_workers.unwrap_or(2))?;
+    let bound = served.addr;
     if !bound.ip().is_loopback() && settings.api_key.is_none() {
         tracing::warn!(
             %bound,
@@ -202,5 +237,5 @@ pub fn start_with(
         secs = t0.elapsed().as_secs_f64(),
         "model loaded; listening on http://{bound}"
     );
-    Ok((server, bound))
+    Ok(served)
 }

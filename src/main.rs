@@ -109,6 +109,9 @@ struct ServeArgs {
     /// any; default none).
     #[arg(long, value_delimiter = ',')]
     allowed_origins: Option<Vec<String>>,
+    /// Seconds running generations may go on after SIGTERM / SIGINT before they are ended (default 30).
+    #[arg(long)]
+    shutdown_grace_secs: Option<u64>,
 }
 
 impl ServeArgs {
@@ -142,6 +145,7 @@ impl ServeArgs {
             allowed_local_media_path: self.allowed_local_media_path.clone(),
             allowed_hosts: self.allowed_hosts.clone(),
             allowed_origins: self.allowed_origins.clone(),
+            shutdown_grace_secs: self.shutdown_grace_secs,
         }
     }
 }
@@ -290,8 +294,5 @@ fn serve(a: ServeArgs) -> Result<()> {
     };
     let settings = file.overlay(&a.settings());
     let dir = osprey::model_dir(&settings)?;
-    actix_web::rt::System::new().block_on(async move {
-        let (server, _) = osprey::start(&settings, &dir)?;
-        server.await.context("HTTP server")
-    })
+    actix_web::rt::System::new().block_on(osprey::serve_until_signal(&settings, &dir))
 }

@@ -66,6 +66,8 @@ pub struct Settings {
     pub allowed_hosts: Option<Vec<String>>,
     /// Browser origins allowed to call the API (CORS); default none.
     pub allowed_origins: Option<Vec<String>>,
+    /// Seconds running generations may go on after SIGTERM / SIGINT (default 30).
+    pub shutdown_grace_secs: Option<u64>,
 }
 
 impl Settings {

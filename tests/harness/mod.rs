@@ -22,9 +22,9 @@ pub fn start_with(settings: Settings, dir: PathBuf, layer: Option<ReaderLayer>) 
     std::thread::spawn(move || {
         actix_web::rt::System::new().block_on(async move {
             let settings = Settings { port: Some(0), ..settings };
-            let (server, addr) = osprey::start_with(&settings, &dir, layer).expect("start server");
-            tx.send(addr).expect("report address");
-            server.await.expect("server");
+            let bound = osprey::start_with(&settings, &dir, layer).expect("start server");
+            tx.send(bound.addr).expect("report address");
+            bound.server.await.expect("server");
         })
     });
     rx.recv_timeout(Duration::from_secs(60)).expect("server started")

@@ -57,6 +57,8 @@ pub struct ServerConfig {
     pub allowed_hosts: Vec<String>,
     /// Browser origins allowed to call the API (CORS); none by default.
     pub allowed_origins: Vec<String>,
+    /// Seconds running generations may go on after a shutdown signal.
+    pub shutdown_grace_secs: u64,
     /// End-of-sequence token ids.
     pub eos_token_ids: Vec<u32>,
     /// Request limits.

@@ -12,12 +12,12 @@ use osprey_protocol::tokenizer::{CompletionPrompt, PreparedPrompt, TokenizerComm
 use osprey_protocol::vision::{VisionCommand, VisionStats};
 use osprey_protocol::{scheduler::SchedulerCommand, ErrorCode};
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::error::ApiError;
 use crate::generate::{Generation, LogprobEntry, Piece, RequestCtx, Usage};
 use crate::validate::{self, ChatRequest, CompletionRequest, GenParams};
-use crate::AppState;
+use crate::{AppState, Phase};
 
 fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
@@ -106,7 +106,24 @@ fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-/// Drives a generation into SSE frames until done or the client leaves (send error).
+/// Resolves when a graceful shutdown's grace period is over (never, when nobody drives the phase).
+async fn expired(mut phase: watch::Receiver<Phase>) {
+    loop {
+        if *phase.borrow_and_update() == Phase::Expired {
+            return;
+        }
+        if phase.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+fn shutting_down() -> ApiError {
+    ApiError::new(ErrorCode::Unavailable, "the server is shutting down; the generation was stopped")
+}
+
+/// Drives a generation into SSE frames until done, the client leaves (send error) or a shutdown's grace
+/// period ends (an error event, then `[DONE]`).
 async fn stream_task(
     kind: Kind,
     mut g: Generation,
@@ -114,7 +131,10 @@ async fn stream_task(
     include_usage: bool,
     want_logprobs: bool,
     tx: mpsc::Sender<Bytes>,
+    phase: watch::Receiver<Phase>,
 ) {
+    let expiry = expired(phase);
+    tokio::pin!(expiry);
     if kind == Kind::Chat {
         let first = chunk(kind, &ids, json!({"role": "assistant", "content": ""}), Value::Null, None);
         if tx.send(sse(&first)).await.is_err() {
@@ -122,7 +142,12 @@ async fn stream_task(
         }
     }
     let mut offset = 0;
-    while let Some(piece) = g.next().await {
+    loop {
+        let piece = tokio::select! {
+            p = g.next() => p,
+            () = &mut expiry => Some(Err(shutting_down())),
+        };
+        let Some(piece) = piece else { break };
         let frame = match piece {
             Ok(Piece::Delta { reasoning, content, logprobs }) => {
                 let mut delta = serde_json::Map::new();
@@ -179,7 +204,8 @@ async fn respond(
     let ids = Ids { id: format!("{prefix}-{}", req.id), created: now(), model: state.cfg.model_id.clone() };
     if stream {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
-        actix_web::rt::spawn(stream_task(kind, g, ids, include_usage, want_logprobs, tx));
+        let phase = state.phase.clone();
+        actix_web::rt::spawn(stream_task(kind, g, ids, include_usage, want_logprobs, tx, phase));
         let body = futures_util::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|b| (Ok::<_, actix_web::Error>(b), rx))
         });
@@ -188,7 +214,10 @@ async fn respond(
             .insert_header(("Cache-Control", "no-cache"))
             .streaming(body));
     }
-    collect(kind, g, ids, want_logprobs).await
+    tokio::select! {
+        r = collect(kind, g, ids, want_logprobs) => r,
+        () = expired(state.phase.clone()) => Err(shutting_down()),
+    }
 }
 
 async fn collect(kind: Kind, mut g: Generation, ids: Ids, want_logprobs: bool) -> Result<HttpResponse, ApiError> {
@@ -242,6 +271,7 @@ pub async fn chat(
     let ctx = RequestCtx::new(&state);
     let r = async {
         check_key(&state, &req)?;
+        check_serving(&state)?;
         let parsed: ChatRequest = parse(&body)?;
         let st = state.clone();
         let (prompt, gen) = web::block(move || validate::chat(&parsed, &st.cfg))
@@ -266,6 +296,7 @@ pub async fn completions(
     let ctx = RequestCtx::new(&state);
     let r = async {
         check_key(&state, &req)?;
+        check_serving(&state)?;
         let parsed: CompletionRequest = parse(&body)?;
         let (prompt, gen): (CompletionPrompt, GenParams) = validate::completion(&parsed, &state.cfg)?;
         let span = ctx.span.clone();
@@ -289,9 +320,19 @@ pub async fn models(state: web::Data<AppState>, req: HttpRequest) -> Result<Http
     }]})))
 }
 
-/// `GET /health`: 200 once the weights are loaded and the engine runs.
+/// Refuses new work once a shutdown began.
+fn check_serving(state: &AppState) -> Result<(), ApiError> {
+    if *state.phase.borrow() != Phase::Serving {
+        return Err(ApiError::new(ErrorCode::Unavailable, "the server is shutting down"));
+    }
+    Ok(())
+}
+
+/// `GET /health`: 200 once the weights are loaded and the engine runs; 503 while shutting down.
 pub async fn health(state: web::Data<AppState>) -> HttpResponse {
-    if state.ready.load(Ordering::Relaxed) {
+    if *state.phase.borrow() != Phase::Serving {
+        HttpResponse::ServiceUnavailable().json(json!({"status": "draining"}))
+    } else if state.ready.load(Ordering::Relaxed) {
         HttpResponse::Ok().json(json!({"status": "ok", "model": state.cfg.model_id}))
     } else {
         HttpResponse::ServiceUnavailable().json(json!({"status": "loading"}))

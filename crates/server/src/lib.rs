@@ -28,10 +28,23 @@ use osprey_protocol::tokenizer::TokenizerCommand;
 use osprey_protocol::vision::VisionCommand;
 use osprey_protocol::ErrorCode;
 use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::watch;
 
 pub use config::{Limits, ServerConfig};
 pub use error::ApiError;
 pub use metrics::Metrics;
+
+/// Where a graceful shutdown stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Serving normally.
+    Serving,
+    /// A signal came: no new connections or requests; running generations go on.
+    Draining,
+    /// The grace period is over: running generations end with an `unavailable` error (streams with an
+    /// error event and `[DONE]`).
+    Expired,
+}
 
 /// Shared state of the HTTP layer.
 #[derive(Debug)]
@@ -46,6 +59,7 @@ pub struct AppState {
     next_id: AtomicU64,
     ready: AtomicBool,
     created: u64,
+    phase: watch::Receiver<Phase>,
 }
 
 /// The actors the server talks to.
@@ -63,8 +77,27 @@ pub struct Engine {
     pub experts: Option<UnboundedSender<ResidencyCommand>>,
 }
 
-/// Binds the HTTP server; returns it (to be awaited) and the bound address (port 0 picks one).
-pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> std::io::Result<(Server, SocketAddr)> {
+/// A bound server: await `server`; send [`Phase`]s on `phase` to drain it.
+pub struct Bound {
+    /// The running server (to be awaited).
+    pub server: Server,
+    /// The bound address (port 0 picks one).
+    pub addr: SocketAddr,
+    /// Drives a graceful shutdown (dropping it leaves the server serving).
+    pub phase: watch::Sender<Phase>,
+}
+
+impl std::fmt::Debug for Bound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bound").field("addr", &self.addr).finish()
+    }
+}
+
+/// Binds the HTTP server. On a graceful stop, connections still open after `shutdown_grace_secs` + 10 s
+/// are closed.
+pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> std::io::Result<Bound> {
+    let (phase_tx, phase) = watch::channel(Phase::Serving);
+    let shutdown_timeout = cfg.shutdown_grace_secs.saturating_add(10);
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let body_limit = cfg.limits.max_body_bytes;
     let state = web::Data::new(AppState {
@@ -78,6 +111,7 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
         next_id: AtomicU64::new(1),
         ready: AtomicBool::new(true),
         created,
+        phase,
     });
     // Bodies only as application/json: a browser cannot send that cross-origin without a preflight.
     let json_cfg = web::JsonConfig::default()
@@ -139,9 +173,10 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
     })
     .workers(workers.max(1))
     .disable_signals()
+    .shutdown_timeout(shutdown_timeout)
     .bind(addr)?;
     let bound = server.addrs().first().copied().ok_or_else(|| std::io::Error::other("no address bound"))?;
-    Ok((server.run(), bound))
+    Ok(Bound { server: server.run(), addr: bound, phase: phase_tx })
 }
 
 impl ApiError {

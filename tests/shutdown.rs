@@ -1,0 +1,134 @@
+//! SIGTERM on the real binary: the server stops taking connections, lets running streams finish within
+//! the grace period, ends the ones still running after it with an error event and `[DONE]`, and exits 0.
+
+#[path = "../crates/models/tests/common/mod.rs"]
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::fixtures;
+use serde_json::json;
+
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    log: Arc<Mutex<String>>,
+}
+
+fn spawn(grace_secs: u64) -> Server {
+    let model = fixtures().join("models/qwen3_5_moe-tiny");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_osprey"))
+        .args(["--threads", "2", "serve", "--port", "0", "--shutdown-grace-secs", &grace_secs.to_string()])
+        .arg("--model")
+        .arg(&model)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start osprey serve");
+    let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let addr = loop {
+        let line = lines.next().expect("the server logs its address").expect("stderr line");
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            let a = rest.split_whitespace().next().expect("address");
+            break a.parse().expect("socket address");
+        }
+    };
+    let log = Arc::new(Mutex::new(String::new()));
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for l in lines.map_while(Result::ok) {
+            sink.lock().expect("log").push_str(&(l + "\n"));
+        }
+    });
+    Server { child, addr, log }
+}
+
+/// Starts a streamed chat completion and returns the connection after `events` SSE events arrived.
+fn stream(addr: SocketAddr, max_tokens: usize, events: usize) -> (TcpStream, String) {
+    let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": max_tokens,
+        "stream": true, "temperature": 0, "ignore_eos": true})
+    .to_string();
+    let mut s = TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    while seen.matches("data: ").count() < events {
+        let n = s.read(&mut buf).expect("read");
+        assert!(n > 0, "stream ended early: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    (s, seen)
+}
+
+/// The payload of the last SSE event (the body is chunked: chunk sizes sit between the lines).
+fn last_event(seen: &str) -> &str {
+    seen.rsplit("data: ").next().and_then(|e| e.lines().next()).unwrap_or_default().trim()
+}
+
+fn sigterm(child: &Child) {
+    let ok = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+    assert!(ok.success());
+}
+
+fn exit_status(child: &mut Child) -> std::process::ExitStatus {
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            return st;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "the server did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn sigterm_lets_running_streams_finish_refuses_new_work_and_exits_0() {
+    let mut srv = spawn(30);
+    let (mut conn, mut seen) = stream(srv.addr, 48, 3);
+    sigterm(&srv.child);
+    // New work is refused from the signal on: the listener closes (or, on a connection accepted just
+    // before, /health says draining).
+    let t0 = Instant::now();
+    loop {
+        match TcpStream::connect(srv.addr) {
+            Err(_) => break,
+            Ok(mut c) => {
+                let _ = write!(c, "GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+                let mut r = String::new();
+                let _ = c.read_to_string(&mut r);
+                if r.is_empty() || r.contains(" 503 ") {
+                    break;
+                }
+            }
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "still accepting work after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    conn.read_to_string(&mut seen).expect("the rest of the stream");
+    assert!(seen.contains("\"finish_reason\":\"length\""), "the running stream finished normally: {seen}");
+    assert!(last_event(&seen) == "[DONE]" && !seen.contains("\"error\""), "{seen}");
+    assert!(exit_status(&mut srv.child).success(), "exit 0");
+    assert!(srv.log.lock().expect("log").contains("drained"), "the drain is logged");
+}
+
+#[test]
+fn past_the_grace_period_a_running_stream_ends_with_an_error_event_and_done() {
+    let mut srv = spawn(0);
+    let (mut conn, mut seen) = stream(srv.addr, 4000, 3);
+    sigterm(&srv.child);
+    conn.read_to_string(&mut seen).expect("the rest of the stream");
+    assert!(seen.contains("\"code\":\"unavailable\""), "an error event: {}", &seen[seen.len().saturating_sub(400)..]);
+    assert_eq!(last_event(&seen), "[DONE]", "then [DONE]");
+    assert!(!seen.contains("\"finish_reason\":\"length\""), "it did not run to the end");
+    assert!(exit_status(&mut srv.child).success(), "exit 0");
+}
