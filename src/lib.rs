@@ -178,6 +178,8 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         page_size,
         snapshot_interval: grid,
         prefix_cache: prefix_on,
+        max_queued_requests: settings.max_queued_requests.unwrap_or(256),
+        max_queue_wait: settings.max_queue_wait_secs.filter(|s| *s > 0.0).map(std::time::Duration::from_secs_f64),
     };
     let scheduler = osprey_scheduler::spawn(sched_cfg, runner, prefix.clone());
     let tokenizer = osprey_tokenizer::spawn(tok);

@@ -112,6 +112,12 @@ struct ServeArgs {
     /// Seconds running generations may go on after SIGTERM / SIGINT before they are ended (default 30).
     #[arg(long)]
     shutdown_grace_secs: Option<u64>,
+    /// Most requests waiting for admission; more get 503 with Retry-After (default 256; 0: no limit).
+    #[arg(long)]
+    max_queued_requests: Option<usize>,
+    /// Seconds a request may wait for admission before it gets 503 with Retry-After (default: no limit).
+    #[arg(long)]
+    max_queue_wait_secs: Option<f64>,
 }
 
 impl ServeArgs {
@@ -146,6 +152,8 @@ impl ServeArgs {
             allowed_hosts: self.allowed_hosts.clone(),
             allowed_origins: self.allowed_origins.clone(),
             shutdown_grace_secs: self.shutdown_grace_secs,
+            max_queued_requests: self.max_queued_requests,
+            max_queue_wait_secs: self.max_queue_wait_secs,
         }
     }
 }

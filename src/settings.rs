@@ -68,6 +68,10 @@ pub struct Settings {
     pub allowed_origins: Option<Vec<String>>,
     /// Seconds running generations may go on after SIGTERM / SIGINT (default 30).
     pub shutdown_grace_secs: Option<u64>,
+    /// Most requests waiting for admission; more get 503 `overloaded` (default 256; 0: no limit).
+    pub max_queued_requests: Option<usize>,
+    /// Seconds a request may wait for admission before it gets 503 `overloaded` (default: no limit).
+    pub max_queue_wait_secs: Option<f64>,
 }
 
 impl Settings {

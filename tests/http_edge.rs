@@ -179,3 +179,49 @@ fn a_prompt_too_long_in_bytes_is_refused_before_it_is_tokenized() {
     let ok = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
     assert_eq!(harness::post(addr, "/v1/chat/completions", &ok, None).0, 200);
 }
+
+/// A long stream keeps the only running slot busy; returns the connection (drop it to cancel).
+fn busy(addr: SocketAddr) -> std::net::TcpStream {
+    let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 4000,
+        "stream": true, "temperature": 0, "ignore_eos": true})
+    .to_string();
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    let req = request("POST", "/v1/chat/completions", &[LOCAL, JSON], &body);
+    s.write_all(req.as_bytes()).expect("send");
+    let mut buf = [0u8; 4096];
+    let mut seen = String::new();
+    while seen.matches("data: ").count() < 3 {
+        let n = s.read(&mut buf).expect("read");
+        assert!(n > 0);
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    s
+}
+
+#[test]
+fn a_full_queue_answers_503_with_retry_after_and_so_does_a_long_wait() {
+    let full = start(Settings { max_running_requests: Some(1), max_queued_requests: Some(1), ..Settings::default() });
+    let running = busy(full);
+    let short = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+    // One request may wait; it is sent on its own thread and stays queued behind the long stream.
+    let waiting = std::thread::spawn(move || harness::post(full, "/v1/chat/completions", &short, None));
+    let t0 = std::time::Instant::now();
+    while harness::metric(full, "osprey_queue_length") < 1.0 {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(20), "the second request never queued");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let third = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": true}).to_string();
+    let (s, h, b) = raw(full, &request("POST", "/v1/chat/completions", &[LOCAL, JSON], &third));
+    assert_eq!((s, code(&b)), (503, "overloaded".into()), "a streamed request is refused before streaming: {b}");
+    assert!(h.contains("retry-after: 2"), "{h}");
+    drop(running);
+    assert_eq!(waiting.join().expect("client").0, 200, "the queued request is served once the slot frees");
+    assert_eq!(harness::metric(full, "osprey_overloaded_total"), 1.0);
+
+    let slow = start(Settings { max_running_requests: Some(1), max_queue_wait_secs: Some(0.5), ..Settings::default() });
+    let running = busy(slow);
+    let short = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+    let (s, e) = harness::post(slow, "/v1/chat/completions", &short, None);
+    assert_eq!((s, e["error"]["code"].as_str()), (503, Some("overloaded")), "{e}");
+    drop(running);
+}

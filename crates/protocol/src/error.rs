@@ -43,6 +43,8 @@ pub enum ErrorCode {
     HostNotAllowed,
     /// A cross-origin request from an origin that is not allow-listed.
     OriginNotAllowed,
+    /// The queue is full, or the request waited in it too long: retry later.
+    Overloaded,
 }
 
 impl ErrorCode {
@@ -69,6 +71,7 @@ impl ErrorCode {
             ErrorCode::UnsupportedMediaType => "unsupported_media_type",
             ErrorCode::HostNotAllowed => "host_not_allowed",
             ErrorCode::OriginNotAllowed => "origin_not_allowed",
+            ErrorCode::Overloaded => "overloaded",
         }
     }
 }

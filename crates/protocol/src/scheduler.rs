@@ -127,6 +127,8 @@ pub struct SchedulerStats {
     pub cancelled_total: u64,
     /// Steps executed.
     pub steps_total: u64,
+    /// Requests refused because the queue was full or they waited too long.
+    pub overloaded_total: u64,
 }
 
 /// Commands of the scheduler actor.
@@ -138,6 +140,8 @@ pub enum SchedulerCommand {
         request: GenerateRequest,
         /// Where its events go.
         events: mpsc::UnboundedSender<EngineEvent>,
+        /// Answered at once: queued, or refused (queue full, can never fit) before any event.
+        accepted: oneshot::Sender<Result<(), RequestError>>,
     },
     /// Stop a request (stop string matched, client left).
     Cancel {

@@ -43,6 +43,10 @@ pub struct SchedulerConfig {
     pub snapshot_interval: usize,
     /// Use the prefix cache.
     pub prefix_cache: bool,
+    /// Most requests waiting for admission; more are refused with `overloaded` (0: no limit).
+    pub max_queued_requests: usize,
+    /// Longest a request may wait for admission before it is refused with `overloaded` (None: no limit).
+    pub max_queue_wait: Option<std::time::Duration>,
 }
 
 impl SchedulerConfig {
@@ -95,6 +99,8 @@ struct Seq {
     pending_end: Option<SnapshotTaken>,
     /// It was preempted at least once (the runner may hold its sampler state while it waits).
     preempted: bool,
+    /// When it was queued.
+    queued_at: std::time::Instant,
 }
 
 impl Seq {
@@ -150,6 +156,13 @@ impl Scheduler {
         if prompt_len == 0 {
             return Err(RequestError::new(ErrorCode::InvalidRequest, "the prompt is empty"));
         }
+        if self.cfg.max_queued_requests > 0 && self.waiting.len() >= self.cfg.max_queued_requests {
+            self.stats.overloaded_total += 1;
+            return Err(RequestError::new(
+                ErrorCode::Overloaded,
+                format!("the server is busy: {} requests are already waiting; retry later", self.waiting.len()),
+            ));
+        }
         if need > self.cfg.context_len {
             return Err(RequestError::new(
                 ErrorCode::ContextLengthExceeded,
@@ -182,6 +195,7 @@ impl Scheduler {
             cached: 0,
             pending_end: None,
             preempted: false,
+            queued_at: std::time::Instant::now(),
         });
         Ok(())
     }
@@ -265,6 +279,24 @@ impl Scheduler {
         }
     }
 
+    /// Refuses requests that waited for admission longer than `max_queue_wait` (a preempted sequence,
+    /// which has started answering, waits as long as it takes).
+    fn expire_waiting(&mut self) {
+        let Some(limit) = self.cfg.max_queue_wait else { return };
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let s = &self.waiting[i];
+            if s.preempted || s.queued_at.elapsed() <= limit {
+                i += 1;
+                continue;
+            }
+            let s = self.waiting.remove(i).expect("index in range");
+            self.stats.overloaded_total += 1;
+            let msg = format!("the request waited {:.1} s without being admitted; retry later", limit.as_secs_f64());
+            let _ = s.events.send(EngineEvent::Failed(RequestError::new(ErrorCode::Overloaded, msg)));
+        }
+    }
+
     /// New pages the next chunk of `s` needs (at most `max_prefill_tokens` tokens).
     fn next_pages(&self, s: &Seq) -> usize {
         let end = s.total().min(s.computed + self.cfg.max_prefill_tokens);
@@ -293,6 +325,7 @@ impl Scheduler {
     /// batched call per step, together with the step's inserts and page reclaim).
     pub fn schedule(&mut self, prefix: &mut dyn PrefixPort) -> Option<BatchPlan> {
         self.drop_closed();
+        self.expire_waiting();
         let free = self.kv.free;
         // 1. Every running sequence must be able to advance by one token. When the pages for that are
         //    missing, ask the cache for them and preempt from the most recently admitted (their pages
@@ -509,6 +542,8 @@ mod tests {
             page_size: 2,
             snapshot_interval: 4,
             prefix_cache: false,
+            max_queued_requests: 0,
+            max_queue_wait: None,
         }
     }
 
@@ -730,6 +765,8 @@ mod tests {
                 page_size: 2,
                 snapshot_interval: 4,
                 prefix_cache: false,
+                max_queued_requests: 0,
+                max_queue_wait: None,
             };
             let mut s = Scheduler::new(c);
             let mut pool = Pool { page: 2, total: 12, held: Default::default() };

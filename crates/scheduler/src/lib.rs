@@ -87,10 +87,8 @@ pub fn spawn(
                 let mut next = first;
                 while let Some(cmd) = next {
                     match cmd {
-                        SchedulerCommand::Submit { request, events } => {
-                            if let Err(e) = s.submit(request, events.clone()) {
-                                let _ = events.send(osprey_protocol::scheduler::EngineEvent::Failed(e));
-                            }
+                        SchedulerCommand::Submit { request, events, accepted } => {
+                            let _ = accepted.send(s.submit(request, events));
                         }
                         SchedulerCommand::Cancel { id } => s.cancel(id),
                         SchedulerCommand::Stats { reply } => {

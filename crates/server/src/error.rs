@@ -59,7 +59,7 @@ impl ResponseError for ApiError {
             ErrorCode::MediaTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::MediaUrlNotAllowed => StatusCode::FORBIDDEN,
             ErrorCode::EngineError => StatusCode::INTERNAL_SERVER_ERROR,
-            ErrorCode::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::Unavailable | ErrorCode::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::NotFound => StatusCode::NOT_FOUND,
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -70,6 +70,11 @@ impl ResponseError for ApiError {
     }
 
     fn error_response(&self) -> HttpResponse {
-        HttpResponse::build(self.status_code()).json(self.body())
+        let mut r = HttpResponse::build(self.status_code());
+        if self.0.code == ErrorCode::Overloaded {
+            // Requests drain at a few per second on this hardware: a short wait is the useful hint.
+            r.insert_header((actix_web::http::header::RETRY_AFTER, "2"));
+        }
+        r.json(self.body())
     }
 }

@@ -121,7 +121,7 @@ async fn ask<T>(state: &AppState, make: impl FnOnce(oneshot::Sender<T>) -> Token
 
 impl Generation {
     /// Submits `prompt` as request `req`; `reasoning` enables the `<think>` split (chat only).
-    pub fn start(
+    pub async fn start(
         state: Arc<AppState>,
         prompt: PreparedPrompt,
         gen: GenParams,
@@ -149,9 +149,12 @@ impl Generation {
             stop_token_ids: if gen.ignore_eos { Vec::new() } else { state.cfg.eos_token_ids.clone() },
             span: req.span.clone(),
         };
-        if state.scheduler.send(SchedulerCommand::Submit { request, events: tx }).is_err() {
+        let (accepted, answer) = oneshot::channel();
+        if state.scheduler.send(SchedulerCommand::Submit { request, events: tx, accepted }).is_err() {
             return Err(ApiError::new(ErrorCode::Unavailable, "the scheduler is gone"));
         }
+        // Refusals (queue full, can never fit) come back before anything streams, as a real HTTP status.
+        answer.await.map_err(|_| ApiError::new(ErrorCode::Unavailable, "the scheduler dropped the request"))??;
         Ok(Generation {
             state,
             id,

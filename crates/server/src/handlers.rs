@@ -199,7 +199,7 @@ async fn respond(
 ) -> Result<HttpResponse, ApiError> {
     let want_logprobs = gen.sampling.logprobs.is_some();
     let (stream, include_usage) = (gen.stream, gen.include_usage);
-    let g = Generation::start(state.clone(), prompt, gen, req, kind == Kind::Chat)?;
+    let g = Generation::start(state.clone(), prompt, gen, req, kind == Kind::Chat).await?;
     let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
     let ids = Ids { id: format!("{prefix}-{}", req.id), created: now(), model: state.cfg.model_id.clone() };
     if stream {

@@ -126,6 +126,13 @@ impl Metrics {
         );
         gauge(
             &mut out,
+            "osprey_overloaded_total",
+            "Requests refused with 503 overloaded (queue full, or waited too long).",
+            "counter",
+            s.overloaded_total as f64,
+        );
+        gauge(
+            &mut out,
             "osprey_preemptions_total",
             "Sequences preempted (and later recomputed) because KV pages ran out.",
             "counter",
