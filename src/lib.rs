@@ -207,6 +207,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         allowed_hosts: settings.allowed_hosts.clone().unwrap_or_default(),
         allowed_origins: settings.allowed_origins.clone().unwrap_or_default(),
         shutdown_grace_secs: settings.shutdown_grace_secs.unwrap_or(30),
+        body_timeout_secs: settings.body_timeout_secs.unwrap_or(30.0),
         eos_token_ids: eos,
         limits,
     };

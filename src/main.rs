@@ -118,6 +118,10 @@ struct ServeArgs {
     /// Seconds a request may wait for admission before it gets 503 with Retry-After (default: no limit).
     #[arg(long)]
     max_queue_wait_secs: Option<f64>,
+    /// Seconds a client has to send its whole request body; then 408 and the connection is closed
+    /// (default 30).
+    #[arg(long)]
+    body_timeout_secs: Option<f64>,
 }
 
 impl ServeArgs {
@@ -154,6 +158,7 @@ impl ServeArgs {
             shutdown_grace_secs: self.shutdown_grace_secs,
             max_queued_requests: self.max_queued_requests,
             max_queue_wait_secs: self.max_queue_wait_secs,
+            body_timeout_secs: self.body_timeout_secs,
         }
     }
 }

@@ -72,6 +72,8 @@ pub struct Settings {
     pub max_queued_requests: Option<usize>,
     /// Seconds a request may wait for admission before it gets 503 `overloaded` (default: no limit).
     pub max_queue_wait_secs: Option<f64>,
+    /// Seconds a client has to send its whole request body (default 30); then 408 and the connection closes.
+    pub body_timeout_secs: Option<f64>,
 }
 
 impl Settings {

@@ -225,3 +225,27 @@ fn a_full_queue_answers_503_with_retry_after_and_so_does_a_long_wait() {
     assert_eq!((s, e["error"]["code"].as_str()), (503, Some("overloaded")), "{e}");
     drop(running);
 }
+
+#[test]
+fn stalled_bodies_get_408_and_their_connections_are_closed() {
+    let addr = start(Settings { body_timeout_secs: Some(0.5), ..Settings::default() });
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"messages\"";
+    let conns: Vec<std::net::TcpStream> = (0..20)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(addr).expect("connect");
+            s.write_all(head.as_bytes()).expect("send");
+            s.set_read_timeout(Some(std::time::Duration::from_secs(30))).expect("timeout");
+            s
+        })
+        .collect();
+    for mut s in conns {
+        let mut out = String::new();
+        // read_to_string returns only when the server closes the connection.
+        s.read_to_string(&mut out).expect("the server answers and closes");
+        let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+        assert!(head.starts_with("HTTP/1.1 408"), "{out}");
+        assert!(body.contains("request_timeout"), "{out}");
+    }
+    let ok = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+    assert_eq!(harness::post(addr, "/v1/chat/completions", &ok, None).0, 200, "and the server keeps serving");
+}

@@ -45,6 +45,8 @@ pub enum ErrorCode {
     OriginNotAllowed,
     /// The queue is full, or the request waited in it too long: retry later.
     Overloaded,
+    /// The request body did not arrive in time.
+    RequestTimeout,
 }
 
 impl ErrorCode {
@@ -72,6 +74,7 @@ impl ErrorCode {
             ErrorCode::HostNotAllowed => "host_not_allowed",
             ErrorCode::OriginNotAllowed => "origin_not_allowed",
             ErrorCode::Overloaded => "overloaded",
+            ErrorCode::RequestTimeout => "request_timeout",
         }
     }
 }

@@ -59,6 +59,8 @@ pub struct ServerConfig {
     pub allowed_origins: Vec<String>,
     /// Seconds running generations may go on after a shutdown signal.
     pub shutdown_grace_secs: u64,
+    /// Seconds a client has to send its whole request body.
+    pub body_timeout_secs: f64,
     /// End-of-sequence token ids.
     pub eos_token_ids: Vec<u32>,
     /// Request limits.

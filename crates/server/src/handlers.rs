@@ -264,7 +264,7 @@ fn counted(state: &AppState, r: Result<HttpResponse, ApiError>) -> Result<HttpRe
 pub async fn chat(
     state: web::Data<AppState>,
     req: HttpRequest,
-    body: web::Json<Value>,
+    payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
     state.metrics.chat_requests.fetch_add(1, Ordering::Relaxed);
@@ -272,6 +272,7 @@ pub async fn chat(
     let r = async {
         check_key(&state, &req)?;
         check_serving(&state)?;
+        let body = crate::body::read_json(&req, payload, state.body_limits()).await?;
         let parsed: ChatRequest = parse(&body)?;
         let st = state.clone();
         let (prompt, gen) = web::block(move || validate::chat(&parsed, &st.cfg))
@@ -289,7 +290,7 @@ pub async fn chat(
 pub async fn completions(
     state: web::Data<AppState>,
     req: HttpRequest,
-    body: web::Json<Value>,
+    payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
     state.metrics.completion_requests.fetch_add(1, Ordering::Relaxed);
@@ -297,6 +298,7 @@ pub async fn completions(
     let r = async {
         check_key(&state, &req)?;
         check_serving(&state)?;
+        let body = crate::body::read_json(&req, payload, state.body_limits()).await?;
         let parsed: CompletionRequest = parse(&body)?;
         let (prompt, gen): (CompletionPrompt, GenParams) = validate::completion(&parsed, &state.cfg)?;
         let span = ctx.span.clone();

@@ -7,6 +7,7 @@
 //! the engine through `osprey-protocol` senders. Errors become OpenAI error envelopes in one place
 //! ([`ApiError`]).
 
+mod body;
 pub mod config;
 mod edge;
 mod error;
@@ -87,6 +88,16 @@ pub struct Bound {
     pub phase: watch::Sender<Phase>,
 }
 
+impl AppState {
+    /// Limits of a request body read.
+    fn body_limits(&self) -> body::BodyLimits {
+        body::BodyLimits {
+            max_bytes: self.cfg.limits.max_body_bytes,
+            timeout: std::time::Duration::from_secs_f64(self.cfg.body_timeout_secs.max(0.001)),
+        }
+    }
+}
+
 impl std::fmt::Debug for Bound {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Bound").field("addr", &self.addr).finish()
@@ -99,7 +110,6 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
     let (phase_tx, phase) = watch::channel(Phase::Serving);
     let shutdown_timeout = cfg.shutdown_grace_secs.saturating_add(10);
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let body_limit = cfg.limits.max_body_bytes;
     let state = web::Data::new(AppState {
         cfg,
         tokenizer: engine.tokenizer,
@@ -113,25 +123,6 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
         created,
         phase,
     });
-    // Bodies only as application/json: a browser cannot send that cross-origin without a preflight.
-    let json_cfg = web::JsonConfig::default()
-        .limit(body_limit)
-        .content_type_required(true)
-        .content_type(|m| m.essence_str() == "application/json")
-        .error_handler(|err, _| {
-            let (code, what) = match &err {
-                actix_web::error::JsonPayloadError::Overflow { .. }
-                | actix_web::error::JsonPayloadError::OverflowKnownLength { .. } => {
-                    (ErrorCode::RequestTooLarge, "the request body is too large")
-                }
-                actix_web::error::JsonPayloadError::ContentType => (
-                    ErrorCode::UnsupportedMediaType,
-                    "the request body must be sent as `Content-Type: application/json`",
-                ),
-                _ => (ErrorCode::InvalidJson, "could not parse the request body"),
-            };
-            ApiError::new(code, format!("{what}: {err}")).into()
-        });
     let edge = std::sync::Arc::new(edge::EdgePolicy {
         allowed_hosts: state.cfg.allowed_hosts.clone(),
         allowed_origins: state.cfg.allowed_origins.clone(),
@@ -147,7 +138,6 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
         };
         App::new()
             .app_data(state.clone())
-            .app_data(json_cfg.clone())
             .wrap_fn(move |req, srv| {
                 if let Some(resp) = edge.intercept(req.method(), req.headers()) {
                     let r = req.into_response(resp).map_into_right_body();
