@@ -182,7 +182,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         max_queue_wait: settings.max_queue_wait_secs.filter(|s| *s > 0.0).map(std::time::Duration::from_secs_f64),
     };
     let scheduler = osprey_scheduler::spawn(sched_cfg, runner, prefix.clone());
-    let tokenizer = osprey_tokenizer::spawn(tok);
+    let tokenizer = osprey_tokenizer::spawn_pool(tok, settings.tokenizer_workers.unwrap_or(2));
     let defaults = Limits::default();
     let limits = Limits {
         max_media_per_request: settings.max_media_per_request.unwrap_or(defaults.max_media_per_request),

@@ -122,6 +122,9 @@ struct ServeArgs {
     /// (default 30).
     #[arg(long)]
     body_timeout_secs: Option<f64>,
+    /// Tokenizer worker threads: one heavy prompt occupies one of them (default 2).
+    #[arg(long)]
+    tokenizer_workers: Option<usize>,
 }
 
 impl ServeArgs {
@@ -159,6 +162,7 @@ impl ServeArgs {
             max_queued_requests: self.max_queued_requests,
             max_queue_wait_secs: self.max_queue_wait_secs,
             body_timeout_secs: self.body_timeout_secs,
+            tokenizer_workers: self.tokenizer_workers,
         }
     }
 }

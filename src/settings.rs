@@ -74,6 +74,8 @@ pub struct Settings {
     pub max_queue_wait_secs: Option<f64>,
     /// Seconds a client has to send its whole request body (default 30); then 408 and the connection closes.
     pub body_timeout_secs: Option<f64>,
+    /// Tokenizer worker threads (templates, media decoding and preprocessing, detokenization; default 2).
+    pub tokenizer_workers: Option<usize>,
 }
 
 impl Settings {

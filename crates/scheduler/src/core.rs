@@ -825,4 +825,39 @@ mod tests {
         }
         assert!(preemptions > 0, "the load must exercise preemption");
     }
+
+    /// Eight long decodes run; a short request that arrives is scheduled at the very next step (first
+    /// token after its prefill), instead of waiting for KV the long ones had reserved up front.
+    #[test]
+    fn a_short_request_is_scheduled_at_once_while_long_decodes_run() {
+        let c = SchedulerConfig {
+            max_batch_tokens: 64,
+            max_prefill_tokens: 16,
+            max_running_requests: 16,
+            kv_capacity_tokens: 4096,
+            context_len: 4096,
+            page_size: 16,
+            snapshot_interval: 64,
+            prefix_cache: false,
+            max_queued_requests: 0,
+            max_queue_wait: None,
+        };
+        let mut s = Scheduler::new(c);
+        let mut pool = Pool { page: 16, total: 256, held: Default::default() };
+        let (tx, _rx) = mpsc::unbounded_channel();
+        for id in 1..=8 {
+            s.submit(req(id, 10, 3000), tx.clone()).expect("fits the context");
+        }
+        for _ in 0..5 {
+            let p = s.schedule(&mut NoPrefixCache).expect("work");
+            let r = pool.run(&p, 5);
+            s.update(&p, r);
+        }
+        // Reserving prompt + max_tokens (3,010 tokens each in a 4,096-token pool) ran one of them at a time.
+        assert_eq!(s.stats().running, 8, "all eight long requests run");
+        s.submit(req(99, 10, 16), tx).expect("fits");
+        let p = s.schedule(&mut NoPrefixCache).expect("work");
+        let short = p.items.iter().find(|i| i.seq == 99).expect("the short request is in the very next step");
+        assert!(short.sample, "its whole prompt in one chunk: the first token comes from this step");
+    }
 }

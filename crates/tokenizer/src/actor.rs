@@ -210,42 +210,61 @@ fn log_prepared(out: &Result<PreparedPrompt, RequestError>) {
     }
 }
 
-/// Starts the tokenizer thread.
+/// Starts the tokenizer actor with one worker thread.
 pub fn spawn(core: TokenizerCore) -> TokenizerHandle {
-    let (tx, mut rx) = mpsc::unbounded_channel::<TokenizerCommand>();
-    thread::Builder::new()
-        .name("osprey-tokenizer".into())
-        .spawn(move || {
-            while let Some(cmd) = rx.blocking_recv() {
+    spawn_pool(core, 1)
+}
+
+/// Starts the tokenizer actor with `workers` threads sharing its inbox, so a heavy request (a long prompt,
+/// large images to decode and resize) occupies one worker while the others keep preparing prompts and
+/// detokenizing streams. The core is read-only and shared; the inbox's lock is held only while waiting
+/// for the next command, never while working on one.
+pub fn spawn_pool(core: TokenizerCore, workers: usize) -> TokenizerHandle {
+    let (tx, rx) = mpsc::unbounded_channel::<TokenizerCommand>();
+    let core = std::sync::Arc::new(core);
+    let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
+    for i in 0..workers.max(1) {
+        let (core, rx) = (core.clone(), rx.clone());
+        thread::Builder::new()
+            .name(format!("osprey-tokenizer-{i}"))
+            .spawn(move || loop {
+                let cmd = rx.lock().unwrap_or_else(std::sync::PoisonError::into_inner).blocking_recv();
                 match cmd {
-                    TokenizerCommand::PrepareChat { prompt, span, reply } => {
-                        let _in = span.enter();
-                        let out = core.prepare_chat(prompt);
-                        log_prepared(&out);
-                        let _ = reply.send(out);
-                    }
-                    TokenizerCommand::PrepareCompletion { prompt, span, reply } => {
-                        let _in = span.enter();
-                        let out = core.prepare_completion(prompt);
-                        log_prepared(&out);
-                        let _ = reply.send(out);
-                    }
-                    TokenizerCommand::DecodeStep { mut state, ids, finish, reply } => {
-                        let text = core.decode_step(&mut state, &ids, finish);
-                        let _ = reply.send((state, text));
-                    }
-                    TokenizerCommand::Decode { ids, skip_special, reply } => {
-                        let _ = reply.send(core.tok.decode(&ids, skip_special).unwrap_or_default());
-                    }
-                    TokenizerCommand::TokenTexts { ids, reply } => {
-                        let texts = ids.iter().map(|&i| core.tok.decode(&[i], false).unwrap_or_default()).collect();
-                        let _ = reply.send(texts);
-                    }
+                    Some(cmd) => handle(&core, cmd),
+                    None => return,
                 }
-            }
-        })
-        .expect("spawn tokenizer thread");
+            })
+            .expect("spawn tokenizer thread");
+    }
     TokenizerHandle { tx }
+}
+
+fn handle(core: &TokenizerCore, cmd: TokenizerCommand) {
+    match cmd {
+        TokenizerCommand::PrepareChat { prompt, span, reply } => {
+            let _in = span.enter();
+            let out = core.prepare_chat(prompt);
+            log_prepared(&out);
+            let _ = reply.send(out);
+        }
+        TokenizerCommand::PrepareCompletion { prompt, span, reply } => {
+            let _in = span.enter();
+            let out = core.prepare_completion(prompt);
+            log_prepared(&out);
+            let _ = reply.send(out);
+        }
+        TokenizerCommand::DecodeStep { mut state, ids, finish, reply } => {
+            let text = core.decode_step(&mut state, &ids, finish);
+            let _ = reply.send((state, text));
+        }
+        TokenizerCommand::Decode { ids, skip_special, reply } => {
+            let _ = reply.send(core.tok.decode(&ids, skip_special).unwrap_or_default());
+        }
+        TokenizerCommand::TokenTexts { ids, reply } => {
+            let texts = ids.iter().map(|&i| core.tok.decode(&[i], false).unwrap_or_default()).collect();
+            let _ = reply.send(texts);
+        }
+    }
 }
 
 #[cfg(test)]

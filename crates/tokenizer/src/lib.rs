@@ -14,7 +14,7 @@ mod prepare;
 
 use std::path::{Path, PathBuf};
 
-pub use actor::{cache_ids, spawn, TokenizerCore, TokenizerHandle};
+pub use actor::{cache_ids, spawn, spawn_pool, TokenizerCore, TokenizerHandle};
 pub use chat::{py_json_dumps, ChatTemplate};
 pub use detok::Detokenizer;
 pub use placeholders::{expand_media_placeholders, format_seconds, MediaPlaceholder, IMAGE_PAD, VIDEO_PAD};
