@@ -249,3 +249,16 @@ fn stalled_bodies_get_408_and_their_connections_are_closed() {
     let ok = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
     assert_eq!(harness::post(addr, "/v1/chat/completions", &ok, None).0, 200, "and the server keeps serving");
 }
+
+#[test]
+fn a_short_request_finishes_while_eight_long_streams_are_still_running() {
+    // The default KV capacity (4 × 4,096 tokens) reserved prompt + max_tokens up front and let only five
+    // of these long streams in; the short request then waited for them to finish.
+    let addr = start(Settings::default());
+    let longs: Vec<std::net::TcpStream> = (0..8).map(|_| busy(addr)).collect();
+    let short = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).to_string();
+    let (s, v) = harness::post(addr, "/v1/chat/completions", &short, None);
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(harness::metric(addr, "osprey_running_sequences"), 8.0, "the eight long streams are all still running");
+    drop(longs);
+}
