@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use common::fixtures;
 use harness::metric;
 use osprey::Settings;
-use serde_json::{json, Value};
+use serde_json::json;
 
 fn start(settings: Settings) -> SocketAddr {
     harness::start(settings, fixtures().join("models/qwen3_5_moe-tiny"))
@@ -26,13 +26,7 @@ fn ask(addr: SocketAddr, i: usize) -> (String, u64) {
     let sampling = if i.is_multiple_of(2) { json!({"temperature": 0}) } else { json!({"temperature": 1.0, "seed": i}) };
     let mut body = json!({"messages": [{"role": "user", "content": q}], "max_tokens": 40, "ignore_eos": true});
     body.as_object_mut().expect("object").extend(sampling.as_object().expect("object").clone());
-    let r = ureq::post(&format!("http://{addr}/v1/chat/completions"))
-        .set("content-type", "application/json")
-        .send_string(&body.to_string())
-        .expect("request");
-    let v: Value = serde_json::from_str(&r.into_string().expect("body")).expect("json");
-    let m = &v["choices"][0]["message"];
-    let text = format!("{}|{}", m["reasoning_content"].as_str().unwrap_or(""), m["content"].as_str().unwrap_or(""));
+    let (text, v) = harness::answer(addr, &body);
     (text, v["usage"]["completion_tokens"].as_u64().expect("usage"))
 }
 

@@ -42,14 +42,9 @@ struct Answer {
 
 fn ask(addr: SocketAddr, messages: &Value) -> Answer {
     let body = json!({"messages": messages, "max_tokens": 6, "temperature": 0, "logprobs": true});
-    let r = ureq::post(&format!("http://{addr}/v1/chat/completions"))
-        .set("content-type", "application/json")
-        .send_string(&body.to_string())
-        .expect("request");
-    let v: Value = serde_json::from_str(&r.into_string().expect("body")).expect("json");
-    let m = &v["choices"][0]["message"];
+    let (text, v) = harness::answer(addr, &body);
     Answer {
-        text: format!("{}|{}", m["reasoning_content"].as_str().unwrap_or(""), m["content"].as_str().unwrap_or("")),
+        text,
         logprobs: v["choices"][0]["logprobs"]["content"]
             .as_array()
             .expect("lps")

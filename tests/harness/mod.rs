@@ -52,6 +52,15 @@ pub fn chat(addr: SocketAddr, body: &Value) -> Value {
     v
 }
 
+/// A chat completion that must succeed: `"{reasoning_content}|{content}"` of its message, and the whole
+/// response.
+pub fn answer(addr: SocketAddr, body: &Value) -> (String, Value) {
+    let v = chat(addr, body);
+    let m = &v["choices"][0]["message"];
+    let text = format!("{}|{}", m["reasoning_content"].as_str().unwrap_or(""), m["content"].as_str().unwrap_or(""));
+    (text, v)
+}
+
 pub fn get(addr: SocketAddr, path: &str) -> (u16, String) {
     match ureq::get(&format!("http://{addr}{path}")).call() {
         Ok(r) => (r.status(), r.into_string().expect("body")),
