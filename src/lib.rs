@@ -189,6 +189,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         max_media_bytes: settings.max_media_bytes.unwrap_or(defaults.max_media_bytes),
         max_image_pixels: settings.max_image_pixels.unwrap_or(defaults.max_image_pixels),
         max_video_frames: settings.max_video_frames.unwrap_or(defaults.max_video_frames),
+        max_request_pixels: settings.max_request_pixels.unwrap_or(defaults.max_request_pixels),
         allowed_media_domains: settings.allowed_media_domains.clone().unwrap_or_default(),
         allowed_local_media_path: settings.allowed_local_media_path.clone(),
         max_body_bytes: defaults.max_body_bytes,

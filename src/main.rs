@@ -125,6 +125,10 @@ struct ServeArgs {
     /// Tokenizer worker threads: one heavy prompt occupies one of them (default 2).
     #[arg(long)]
     tokenizer_workers: Option<usize>,
+    /// Most pixels of all images and video frames of one request, by declared size (default 192000000,
+    /// ~576 MB decoded).
+    #[arg(long)]
+    max_request_pixels: Option<u64>,
 }
 
 impl ServeArgs {
@@ -163,6 +167,7 @@ impl ServeArgs {
             max_queue_wait_secs: self.max_queue_wait_secs,
             body_timeout_secs: self.body_timeout_secs,
             tokenizer_workers: self.tokenizer_workers,
+            max_request_pixels: self.max_request_pixels,
         }
     }
 }

@@ -76,6 +76,8 @@ pub struct Settings {
     pub body_timeout_secs: Option<f64>,
     /// Tokenizer worker threads (templates, media decoding and preprocessing, detokenization; default 2).
     pub tokenizer_workers: Option<usize>,
+    /// Most pixels of all images and frames of one request (default 192 M: ~576 MB decoded).
+    pub max_request_pixels: Option<u64>,
 }
 
 impl Settings {

@@ -262,3 +262,16 @@ fn a_short_request_finishes_while_eight_long_streams_are_still_running() {
     assert_eq!(harness::metric(addr, "osprey_running_sequences"), 8.0, "the eight long streams are all still running");
     drop(longs);
 }
+
+#[test]
+fn the_pixels_of_a_whole_request_are_bounded_before_decoding() {
+    // One 105 × 83 image (8,715 pixels) fits a 12,000-pixel request budget; two do not.
+    let addr = start(Settings { max_request_pixels: Some(12_000), ..Settings::default() });
+    let img = json!({"type": "image_url", "image_url": {"url": harness::data_url(&fixtures().join("media/default/red_circle_img0.png"))}});
+    let one = json!({"messages": [{"role": "user", "content": [img.clone(), {"type": "text", "text": "?"}]}], "max_tokens": 2});
+    assert_eq!(harness::post(addr, "/v1/chat/completions", &one.to_string(), None).0, 200);
+    let two = json!({"messages": [{"role": "user", "content": [img.clone(), img, {"type": "text", "text": "?"}]}], "max_tokens": 2});
+    let (s, e) = harness::post(addr, "/v1/chat/completions", &two.to_string(), None);
+    assert_eq!((s, e["error"]["code"].as_str()), (413, Some("media_too_large")), "{e}");
+    assert!(e["error"]["message"].as_str().is_some_and(|m| m.contains("in total")), "{e}");
+}

@@ -36,6 +36,9 @@ pub struct MediaLimits {
     pub max_pixels: u64,
     /// Most frames in one video.
     pub max_frames: usize,
+    /// Most pixels decoded for the whole request (every image and frame, by declared size): what the
+    /// decoded media of one request can take in memory, 3 bytes a pixel.
+    pub max_total_pixels: u64,
 }
 
 /// A chat prompt to render and tokenize.

@@ -13,6 +13,8 @@ pub struct Limits {
     pub max_image_pixels: u64,
     /// Most frames in one video.
     pub max_video_frames: usize,
+    /// Most pixels of all images and frames of one request, by declared size (decoded at 3 B a pixel).
+    pub max_request_pixels: u64,
     /// Hosts whose http(s) media URLs may be fetched (empty: none).
     pub allowed_media_domains: Vec<String>,
     /// Directory under which `file://` media may be read (None: no local files).
@@ -28,6 +30,7 @@ impl Default for Limits {
             max_media_bytes: 16 << 20,
             max_image_pixels: 64 << 20,
             max_video_frames: 64,
+            max_request_pixels: 192_000_000,
             allowed_media_domains: Vec::new(),
             allowed_local_media_path: None,
             max_body_bytes: 64 << 20,

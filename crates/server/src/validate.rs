@@ -494,7 +494,11 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
         messages: Value::Array(messages),
         media,
         template_kwargs: req.chat_template_kwargs.clone().unwrap_or_default(),
-        limits: MediaLimits { max_pixels: limits.max_image_pixels, max_frames: limits.max_video_frames },
+        limits: MediaLimits {
+            max_pixels: limits.max_image_pixels,
+            max_frames: limits.max_video_frames,
+            max_total_pixels: limits.max_request_pixels,
+        },
     };
     Ok((prompt, gen))
 }

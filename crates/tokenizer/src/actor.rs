@@ -5,7 +5,7 @@ use std::thread;
 
 use blake2::digest::{Update, VariableOutput};
 use blake2::Blake2bVar;
-use osprey_models::vision::{decode_animation, decode_image, DecodeLimits, ProcessorConfig};
+use osprey_models::vision::{declared_size, decode_animation, decode_image, DecodeLimits, ProcessorConfig};
 use osprey_protocol::tokenizer::{
     ChatPrompt, CompletionPrompt, DecodeState, MediaInput, MediaLimits, PreparedMedia, PreparedPrompt, TokenizerCommand,
 };
@@ -41,10 +41,39 @@ fn hash(parts: &[&[u8]]) -> MediaHash {
     out
 }
 
-fn decode(m: &MediaInput, limits: MediaLimits) -> Result<(Media, MediaHash), RequestError> {
+/// What is left of a request's decoded-pixel budget ([`MediaLimits::max_total_pixels`]): every image and
+/// frame is charged by the size its header declares, before it is decoded.
+struct PixelBudget {
+    left: u64,
+    total: u64,
+}
+
+impl PixelBudget {
+    fn take(&mut self, pixels: u64) -> Result<(), RequestError> {
+        if pixels > self.left {
+            return Err(RequestError::new(
+                ErrorCode::MediaTooLarge,
+                format!(
+                    "the request's images and video frames declare more than {} Mpx in total (the limit per request)",
+                    self.total / 1_000_000
+                ),
+            ));
+        }
+        self.left -= pixels;
+        Ok(())
+    }
+
+    fn take_image(&mut self, bytes: &[u8]) -> Result<(), RequestError> {
+        let (w, h) = declared_size(bytes).map_err(media_error)?;
+        self.take(u64::from(w) * u64::from(h))
+    }
+}
+
+fn decode(m: &MediaInput, limits: MediaLimits, budget: &mut PixelBudget) -> Result<(Media, MediaHash), RequestError> {
     let lim = DecodeLimits { max_pixels: limits.max_pixels, max_frames: limits.max_frames };
     match m {
         MediaInput::Image { bytes } => {
+            budget.take_image(bytes)?;
             Ok((Media::Image(decode_image(bytes, lim).map_err(media_error)?), hash(&[b"image", bytes])))
         }
         MediaInput::VideoFrames { frames, fps } => {
@@ -53,6 +82,9 @@ fn decode(m: &MediaInput, limits: MediaLimits) -> Result<(Media, MediaHash), Req
                     ErrorCode::MediaTooLarge,
                     format!("the video has {} frames, more than the limit of {}", frames.len(), limits.max_frames),
                 ));
+            }
+            for f in frames {
+                budget.take_image(f)?;
             }
             let decoded =
                 frames.iter().map(|f| decode_image(f, lim).map_err(media_error)).collect::<Result<Vec<_>, _>>()?;
@@ -64,7 +96,13 @@ fn decode(m: &MediaInput, limits: MediaLimits) -> Result<(Media, MediaHash), Req
             Ok((Media::Video { frames: decoded, fps }, hash(&parts)))
         }
         MediaInput::VideoFile { bytes } => {
+            // Every frame of an animation has the declared size: no more frames than the budget holds.
+            let (w, h) = declared_size(bytes).map_err(media_error)?;
+            let per_frame = (u64::from(w) * u64::from(h)).max(1);
+            let fit = usize::try_from(budget.left / per_frame).unwrap_or(usize::MAX);
+            let lim = DecodeLimits { max_frames: lim.max_frames.min(fit.max(1)), ..lim };
             let f = decode_animation(bytes, lim).map_err(media_error)?;
+            budget.take(per_frame * f.frames.len() as u64)?;
             Ok((Media::Video { frames: f.frames, fps: f.fps.unwrap_or(24.0) }, hash(&[b"video", bytes])))
         }
     }
@@ -118,8 +156,9 @@ impl TokenizerCore {
         })?;
         let mut media = Vec::with_capacity(p.media.len());
         let mut hashes = Vec::with_capacity(p.media.len());
+        let mut budget = PixelBudget { left: p.limits.max_total_pixels, total: p.limits.max_total_pixels };
         for (i, m) in p.media.iter().enumerate() {
-            let (d, h) = decode(m, p.limits).map_err(|e| e.with_param(format!("media[{i}]")))?;
+            let (d, h) = decode(m, p.limits, &mut budget).map_err(|e| e.with_param(format!("media[{i}]")))?;
             media.push(d);
             hashes.push(h);
         }

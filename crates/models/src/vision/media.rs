@@ -91,6 +91,18 @@ fn check_size(w: u32, h: u32, limits: DecodeLimits) -> Result<()> {
     Ok(())
 }
 
+/// `(width, height)` an image file declares in its header, without decoding it.
+pub fn declared_size(bytes: &[u8]) -> Result<(u32, u32)> {
+    if let Some(kind) = video_container(bytes) {
+        return Err(container_error(kind));
+    }
+    let reader = ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(bad)?;
+    if reader.format().is_none() {
+        return Err(Error::InvalidInput("unsupported or unrecognised image format".into()));
+    }
+    reader.into_dimensions().map_err(bad)
+}
+
 /// Decodes one still image (the first frame of an animation), EXIF orientation applied.
 pub fn decode_image(bytes: &[u8], limits: DecodeLimits) -> Result<RgbImage> {
     let reader = ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(bad)?;
@@ -115,6 +127,12 @@ pub struct Frames {
     pub fps: Option<f64>,
 }
 
+fn container_error(kind: &str) -> Error {
+    Error::InvalidMedia(format!(
+        "{kind} video is not supported by this build (no system video decoder); send the video as a list of frame images or as an animated GIF/WebP"
+    ))
+}
+
 /// Container formats we recognise but do not decode (no system video decoder in this build).
 fn video_container(bytes: &[u8]) -> Option<&'static str> {
     if bytes.len() >= 12 && &bytes[4..8] == b"ftyp" {
@@ -132,9 +150,7 @@ fn video_container(bytes: &[u8]) -> Option<&'static str> {
 /// (MP4, WebM, AVI) are refused with a clear error: send frames or an animated GIF/WebP instead.
 pub fn decode_animation(bytes: &[u8], limits: DecodeLimits) -> Result<Frames> {
     if let Some(kind) = video_container(bytes) {
-        return Err(Error::InvalidMedia(format!(
-            "{kind} video is not supported by this build (no system video decoder); send the video as a list of frame images or as an animated GIF/WebP"
-        )));
+        return Err(container_error(kind));
     }
     let format = image::guess_format(bytes).map_err(bad)?;
     let collect = |frames: image::Frames<'_>| -> Result<Frames> {

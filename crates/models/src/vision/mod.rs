@@ -6,7 +6,7 @@ mod preprocess;
 mod processor;
 mod tower;
 
-pub use media::{decode_animation, decode_image, DecodeLimits, Frames, RgbImage};
+pub use media::{declared_size, decode_animation, decode_image, DecodeLimits, Frames, RgbImage};
 pub use preprocess::{
     frame_group_timestamps, image_target_size, preprocess_image, preprocess_video, resize_bicubic,
     sample_frame_indices, smart_resize, smart_resize_video, PixelPatches, VideoPatches,
