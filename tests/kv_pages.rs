@@ -56,3 +56,21 @@ fn preemption_under_a_tiny_page_pool_returns_the_same_answers_as_an_unconstraine
     }
     assert_eq!(metric(tiny, "osprey_kv_pages_total"), 10.0);
 }
+
+#[test]
+fn a_pool_full_of_cached_pages_gives_them_back_to_new_requests() {
+    // 4 pages of 16 tokens; every answered prompt leaves its pages in the prefix cache. Each new prompt
+    // differs, so it needs pages the cache holds.
+    let addr = start(Settings { kv_capacity_tokens: Some(64), page_size: Some(16), ..Settings::default() });
+    let agent = ureq::AgentBuilder::new().timeout(std::time::Duration::from_secs(60)).build();
+    for i in 0..6 {
+        let body = json!({"messages": [{"role": "user", "content": format!("Distinct question number {i}, about {}.", i * 31)}],
+            "max_tokens": 4, "temperature": 0});
+        let r = agent
+            .post(&format!("http://{addr}/v1/chat/completions"))
+            .set("content-type", "application/json")
+            .send_string(&body.to_string());
+        assert!(r.is_ok_and(|r| r.status() == 200), "request {i} was not served");
+    }
+    assert!(metric(addr, "osprey_prefix_cache_evictions_total") > 0.0, "the cache gave pages back");
+}

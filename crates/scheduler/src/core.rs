@@ -413,7 +413,11 @@ impl Scheduler {
         let release = std::mem::take(&mut self.release);
         let preempt = std::mem::take(&mut self.preempt);
         if items.is_empty() && release.is_empty() && preempt.is_empty() {
-            return None;
+            // Work is waiting for pages (pages the cache was just asked to give back, or that finished
+            // sequences free): an empty step brings the runner's fresh page count. Without it the count
+            // would stay stale and nothing would ever be admitted again.
+            let starved = !self.waiting.is_empty() || !self.running.is_empty();
+            return starved.then(BatchPlan::default);
         }
         Some(BatchPlan { items, release, preempt })
     }
@@ -859,5 +863,40 @@ mod tests {
         let p = s.schedule(&mut NoPrefixCache).expect("work");
         let short = p.items.iter().find(|i| i.seq == 99).expect("the short request is in the very next step");
         assert!(short.sample, "its whole prompt in one chunk: the first token comes from this step");
+    }
+
+    /// The prefix cache holds every page of the pool: a new request asks for pages back, the next step
+    /// brings the runner's fresh count, and the request runs (a stale count admitted nothing, forever).
+    #[test]
+    fn pages_held_by_the_cache_are_reclaimed_and_the_waiting_request_runs() {
+        struct Cache {
+            held: usize,
+        }
+        impl PrefixPort for Cache {
+            fn step(&mut self, m: Vec<MatchRequest>, _: Vec<InsertRequest>, reclaim: usize) -> Vec<PrefixMatch> {
+                self.held -= reclaim.min(self.held);
+                NoPrefixCache.step(m, Vec::new(), 0)
+            }
+        }
+        let c = SchedulerConfig { prefix_cache: true, kv_capacity_tokens: 20, ..cfg() };
+        let mut s = Scheduler::new(c);
+        let mut cache = Cache { held: 10 };
+        let mut pool = Pool { page: 2, total: 10, held: Default::default() };
+        // The runner's last report: every page is held (by the cache).
+        s.update(
+            &BatchPlan::default(),
+            StepResult { kv: KvPages { total: 10, free: 0, shared: 0 }, ..StepResult::default() },
+        );
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        s.submit(req(1, 5, 3), tx).expect("fits");
+        for _ in 0..20 {
+            let Some(p) = s.schedule(&mut cache) else { break };
+            let mut r = pool.run(&p, 5);
+            r.kv.free -= cache.held.min(r.kv.free);
+            s.update(&p, r);
+        }
+        let finished = std::iter::from_fn(|| rx.try_recv().ok()).any(|e| matches!(e, EngineEvent::Finished { .. }));
+        assert!(finished, "the request ran once the cache gave pages back");
+        assert!(cache.held < 10, "pages were reclaimed");
     }
 }

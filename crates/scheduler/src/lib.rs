@@ -104,7 +104,13 @@ pub fn spawn(
                     return;
                 }
                 match wait.blocking_recv() {
-                    Ok(result) => s.update(&plan, result),
+                    Ok(result) => {
+                        s.update(&plan, result);
+                        if plan.items.is_empty() && plan.release.is_empty() && plan.preempt.is_empty() {
+                            // Waiting for pages: ask again shortly rather than spin.
+                            thread::sleep(std::time::Duration::from_millis(2));
+                        }
+                    }
                     Err(_) => {
                         tracing::error!("runner dropped a step; scheduler stops");
                         return;
