@@ -99,10 +99,6 @@ pub fn family_of(model_type: &str, architectures: &[String]) -> Result<&'static 
     )))
 }
 
-fn family(cfg: &ModelConfig) -> Result<&'static Family> {
-    family_of(&cfg.model_type, &cfg.architectures)
-}
-
 /// Loads a Hugging Face model directory with every expert mapped from the checkpoint.
 pub fn load(dir: &Path) -> Result<Model> {
     let cfg = ModelConfig::from_dir(dir)?;
@@ -123,23 +119,23 @@ pub fn load_with_progress(
     experts: Option<Arc<dyn ExpertSource>>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Model> {
-    (family(cfg)?.load)(cfg, ck, experts, progress)
+    (family_for(cfg)?.load)(cfg, ck, experts, progress)
 }
 
 /// Where the checkpoint's routed experts are (`None` for a dense model).
 pub fn expert_layout(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<ExpertLayout>> {
-    (family(cfg)?.experts)(cfg, ck)
+    (family_for(cfg)?.experts)(cfg, ck)
 }
 
 /// The checkpoint's vision tower and the media it takes (`None` for a text-only checkpoint).
 pub fn load_vision(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<(VisionTower, MediaSupport)>> {
-    let f = family(cfg)?;
+    let f = family_for(cfg)?;
     Ok((f.vision)(cfg, ck)?.map(|t| (t, f.media)))
 }
 
 /// The family a config belongs to.
 pub fn family_for(cfg: &ModelConfig) -> Result<&'static Family> {
-    family(cfg)
+    family_of(&cfg.model_type, &cfg.architectures)
 }
 
 #[cfg(test)]
