@@ -10,6 +10,7 @@ use std::io::{Read, Write};
 use std::net::SocketAddr;
 
 use common::fixtures;
+use harness::raw_request as request;
 use osprey::Settings;
 use serde_json::{json, Value};
 
@@ -27,14 +28,6 @@ fn raw(addr: SocketAddr, request: &str) -> (u16, String, String) {
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
     (status, head.to_ascii_lowercase(), body.to_string())
-}
-
-fn request(method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> String {
-    let mut r = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
-    for (k, v) in headers {
-        r.push_str(&format!("{k}: {v}\r\n"));
-    }
-    r + "\r\n" + body
 }
 
 fn code(body: &str) -> String {

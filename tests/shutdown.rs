@@ -3,6 +3,7 @@
 
 #[path = "../crates/models/tests/common/mod.rs"]
 mod common;
+mod harness;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -54,12 +55,7 @@ fn stream(addr: SocketAddr, max_tokens: usize, events: usize) -> (TcpStream, Str
         "stream": true, "temperature": 0, "ignore_eos": true})
     .to_string();
     let mut s = TcpStream::connect(addr).expect("connect");
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("send");
+    s.write_all(harness::raw_json_post("/v1/chat/completions", &body).as_bytes()).expect("send");
     let mut seen = String::new();
     let mut buf = [0u8; 4096];
     while seen.matches("data: ").count() < events {
@@ -103,7 +99,7 @@ fn sigterm_lets_running_streams_finish_refuses_new_work_and_exits_0() {
         match TcpStream::connect(srv.addr) {
             Err(_) => break,
             Ok(mut c) => {
-                let _ = write!(c, "GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+                let _ = c.write_all(harness::raw_request("GET", "/health", &[("Host", "localhost")], "").as_bytes());
                 let mut r = String::new();
                 let _ = c.read_to_string(&mut r);
                 if r.is_empty() || r.contains(" 503 ") {

@@ -36,12 +36,7 @@ fn one(addr: SocketAddr, kind: u64, stream: bool, leave: bool) -> u16 {
     let b = body(kind, stream).to_string();
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{b}",
-        b.len()
-    )
-    .expect("send");
+    s.write_all(harness::raw_json_post("/v1/chat/completions", &b).as_bytes()).expect("send");
     let mut out = Vec::new();
     let mut buf = [0u8; 4096];
     loop {

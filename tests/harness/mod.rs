@@ -83,6 +83,21 @@ pub fn sse(addr: SocketAddr, path: &str, body: &Value) -> Vec<String> {
         .collect()
 }
 
+/// A raw HTTP/1.1 request (`Connection: close`, `Content-Length` of `body`) with extra `headers`, for
+/// tests that speak to the socket themselves (streams they read in part, stalled or odd requests).
+pub fn raw_request(method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> String {
+    let mut r = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    for (k, v) in headers {
+        r.push_str(&format!("{k}: {v}\r\n"));
+    }
+    r + "\r\n" + body
+}
+
+/// A JSON POST to localhost as [`raw_request`] writes it.
+pub fn raw_json_post(path: &str, body: &str) -> String {
+    raw_request("POST", path, &[("Host", "localhost"), ("Content-Type", "application/json")], body)
+}
+
 /// One Prometheus sample from `/metrics` (NaN when absent).
 pub fn metric(addr: SocketAddr, name: &str) -> f64 {
     let (_, text) = get(addr, "/metrics");
