@@ -326,8 +326,10 @@ fn to_handle(w: Arc<ExpertWeights>) -> Handle {
 }
 
 fn from_handle(h: &Handle) -> Arc<ExpertWeights> {
-    let any: &dyn std::any::Any = h.as_ref();
-    any.downcast_ref::<Leased>().expect("the residency manager answers with its own handles: this is a bug").0.clone()
+    osprey_protocol::downcast::<Leased>(h)
+        .expect("the residency manager answers with its own handles: this is a bug")
+        .0
+        .clone()
 }
 
 /// Serves one `Need`: leases and answers the hits at once (the runner computes them meanwhile), then

@@ -29,6 +29,12 @@ pub trait Opaque: std::any::Any + Send + Sync + std::fmt::Debug {
 /// A shared handle to [`Opaque`] data; the data lives until the last handle drops.
 pub type Handle = Arc<dyn Opaque>;
 
+/// The data behind `h` when it is a `T` (how the owning actor gets its own data back).
+pub fn downcast<T: Opaque>(h: &Handle) -> Option<&T> {
+    let any: &dyn std::any::Any = h.as_ref();
+    any.downcast_ref::<T>()
+}
+
 /// A sequence (one generation request) inside the engine.
 pub type SeqId = u64;
 

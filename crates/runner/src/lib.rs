@@ -17,7 +17,7 @@ use osprey_protocol::prefix::PrefixMatch;
 use osprey_protocol::runner::{BatchPlan, RunnerCommand, Sampled, SnapshotTaken, StepResult};
 use osprey_protocol::tokenizer::PreparedMedia;
 use osprey_protocol::vision::VisionCommand;
-use osprey_protocol::{ErrorCode, Handle, Opaque, RequestError};
+use osprey_protocol::{downcast, ErrorCode, Handle, Opaque, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
 pub use driver::{Done, Driver, GenerateOptions, Generated, NoMedia, Resume, RowSource, Taken, Work};
@@ -45,12 +45,6 @@ impl Opaque for Snapshot {
     fn bytes(&self) -> usize {
         self.0.bytes()
     }
-}
-
-/// The runner's own data behind a handle the prefix cache gave back.
-fn own<T: 'static>(h: &Handle) -> Option<&T> {
-    let any: &dyn std::any::Any = h.as_ref();
-    any.downcast_ref::<T>()
 }
 
 /// Rows from the vision actor (the server's [`RowSource`]).
@@ -166,8 +160,8 @@ fn resume(hit: &PrefixMatch) -> Result<Resume<'_>, RequestError> {
     let bug = || {
         RequestError::new(ErrorCode::EngineError, "prefix-cache hit without usable pages or snapshot: this is a bug")
     };
-    let pages: Option<Vec<&PageRef>> = hit.pages.iter().map(|p| own::<Page>(p).map(|p| &p.0)).collect();
-    let snapshot = hit.snapshot.as_ref().and_then(own::<Snapshot>).ok_or_else(bug)?;
+    let pages: Option<Vec<&PageRef>> = hit.pages.iter().map(|p| downcast::<Page>(p).map(|p| &p.0)).collect();
+    let snapshot = hit.snapshot.as_ref().and_then(downcast::<Snapshot>).ok_or_else(bug)?;
     Ok(Resume { tokens: hit.cached_tokens, pages: pages.ok_or_else(bug)?, snapshot: &snapshot.0 })
 }
 
