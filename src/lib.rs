@@ -209,6 +209,8 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         allowed_origins: settings.allowed_origins.clone().unwrap_or_default(),
         shutdown_grace_secs: settings.shutdown_grace_secs.unwrap_or(30),
         body_timeout_secs: settings.body_timeout_secs.unwrap_or(30.0),
+        request_deadline_secs: settings.request_deadline_secs.filter(|s| *s > 0.0),
+        idle_timeout_secs: settings.idle_timeout_secs.unwrap_or(5.0),
         eos_token_ids: eos,
         limits,
     };

@@ -122,6 +122,15 @@ struct ServeArgs {
     /// (default 30).
     #[arg(long)]
     body_timeout_secs: Option<f64>,
+    /// Longest a request may run from arrival, queue included; then it ends with finish_reason
+    /// "timeout" (504 deadline_exceeded before its first token). Requests may ask for less with
+    /// `deadline_secs`. Default: no limit.
+    #[arg(long)]
+    request_deadline_secs: Option<f64>,
+    /// Seconds an idle keep-alive connection, or one that has not sent its request head, stays open
+    /// (default 5).
+    #[arg(long)]
+    idle_timeout_secs: Option<f64>,
     /// Tokenizer worker threads: one heavy prompt occupies one of them (default 2).
     #[arg(long)]
     tokenizer_workers: Option<usize>,
@@ -166,6 +175,8 @@ impl ServeArgs {
             max_queued_requests: self.max_queued_requests,
             max_queue_wait_secs: self.max_queue_wait_secs,
             body_timeout_secs: self.body_timeout_secs,
+            request_deadline_secs: self.request_deadline_secs,
+            idle_timeout_secs: self.idle_timeout_secs,
             tokenizer_workers: self.tokenizer_workers,
             max_request_pixels: self.max_request_pixels,
         }

@@ -74,6 +74,12 @@ pub struct Settings {
     pub max_queue_wait_secs: Option<f64>,
     /// Seconds a client has to send its whole request body (default 30); then 408 and the connection closes.
     pub body_timeout_secs: Option<f64>,
+    /// Longest a request may run from arrival, queue included; then it ends with `finish_reason:
+    /// "timeout"` (or 504 `deadline_exceeded` before its first token). Default: no limit.
+    pub request_deadline_secs: Option<f64>,
+    /// Seconds an idle keep-alive connection, or one that has not sent its request head, stays open
+    /// (default 5).
+    pub idle_timeout_secs: Option<f64>,
     /// Tokenizer worker threads (templates, media decoding and preprocessing, detokenization; default 2).
     pub tokenizer_workers: Option<usize>,
     /// Most pixels of all images and frames of one request (default 192 M: ~576 MB decoded).

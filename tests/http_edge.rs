@@ -268,3 +268,64 @@ fn the_pixels_of_a_whole_request_are_bounded_before_decoding() {
     assert_eq!((s, e["error"]["code"].as_str()), (413, Some("media_too_large")), "{e}");
     assert!(e["error"]["message"].as_str().is_some_and(|m| m.contains("in total")), "{e}");
 }
+
+#[test]
+fn a_deadline_ends_a_generation_with_timeout_and_a_queued_request_with_504() {
+    let addr = start(Settings { max_running_requests: Some(1), ..Settings::default() });
+    let long = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 4000, "temperature": 0, "ignore_eos": true});
+        body.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+        body
+    };
+    // Its own deadline ends a long generation with the text so far and finish_reason "timeout".
+    let t0 = std::time::Instant::now();
+    let v = harness::chat(addr, &long(json!({"deadline_secs": 0.5})));
+    let took = t0.elapsed().as_secs_f64();
+    let done = v["usage"]["completion_tokens"].as_u64().expect("usage");
+    assert_eq!(v["choices"][0]["finish_reason"], "timeout", "{v}");
+    assert!(done > 0 && done < 4000, "stopped part-way: {done} tokens");
+    assert!((0.5..5.0).contains(&took), "ended at its deadline, not at max_tokens: {took:.2} s");
+    // Streamed: the last chunk says "timeout", then [DONE].
+    let events = harness::sse(addr, "/v1/chat/completions", &long(json!({"deadline_secs": 0.4, "stream": true})));
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).expect("json chunk");
+    assert_eq!(last["choices"][0]["finish_reason"], "timeout", "{last}");
+    // Still queued behind a long stream when the deadline passes: 504 deadline_exceeded.
+    let running = busy(addr);
+    let short = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "deadline_secs": 0.3});
+    let (s, e) = harness::post(addr, "/v1/chat/completions", &short.to_string(), None);
+    assert_eq!((s, e["error"]["code"].as_str()), (504, Some("deadline_exceeded")), "{e}");
+    drop(running);
+    let bad = json!({"messages": [{"role": "user", "content": "hi"}], "deadline_secs": -1});
+    let (s, e) = harness::post(addr, "/v1/chat/completions", &bad.to_string(), None);
+    assert_eq!((s, e["error"]["param"].as_str()), (400, Some("deadline_secs")), "{e}");
+    assert_eq!(harness::metric(addr, "osprey_deadline_exceeded_total"), 3.0);
+
+    // The server-wide deadline applies to requests that set none, and caps those that ask for more.
+    let capped = start(Settings { request_deadline_secs: Some(0.5), ..Settings::default() });
+    for extra in [json!({}), json!({"deadline_secs": 1000})] {
+        let t0 = std::time::Instant::now();
+        let v = harness::chat(capped, &long(extra));
+        assert_eq!(v["choices"][0]["finish_reason"], "timeout", "{v}");
+        assert!(t0.elapsed().as_secs_f64() < 5.0);
+    }
+}
+
+#[test]
+fn idle_connections_and_unfinished_request_heads_are_closed() {
+    let addr = start(Settings { idle_timeout_secs: Some(0.5), ..Settings::default() });
+    let t0 = std::time::Instant::now();
+    let mut silent = std::net::TcpStream::connect(addr).expect("connect");
+    let mut half = std::net::TcpStream::connect(addr).expect("connect");
+    half.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: local").expect("send");
+    for s in [&mut silent, &mut half] {
+        s.set_read_timeout(Some(std::time::Duration::from_secs(30))).expect("timeout");
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).expect("the server closes the connection");
+    }
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(3),
+        "closed after the 0.5 s idle timeout (actix defaults to 5 s)"
+    );
+}

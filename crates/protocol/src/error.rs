@@ -47,6 +47,8 @@ pub enum ErrorCode {
     Overloaded,
     /// The request body did not arrive in time.
     RequestTimeout,
+    /// The request's deadline passed before its first token.
+    DeadlineExceeded,
 }
 
 impl ErrorCode {
@@ -75,6 +77,7 @@ impl ErrorCode {
             ErrorCode::OriginNotAllowed => "origin_not_allowed",
             ErrorCode::Overloaded => "overloaded",
             ErrorCode::RequestTimeout => "request_timeout",
+            ErrorCode::DeadlineExceeded => "deadline_exceeded",
         }
     }
 }

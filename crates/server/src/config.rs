@@ -64,6 +64,11 @@ pub struct ServerConfig {
     pub shutdown_grace_secs: u64,
     /// Seconds a client has to send its whole request body.
     pub body_timeout_secs: f64,
+    /// Longest a request may run, queue included (None: no server-wide deadline; a request may still
+    /// set its own `deadline_secs`).
+    pub request_deadline_secs: Option<f64>,
+    /// Seconds an idle keep-alive connection (or one that has not sent its request head) stays open.
+    pub idle_timeout_secs: f64,
     /// End-of-sequence token ids.
     pub eos_token_ids: Vec<u32>,
     /// Request limits.

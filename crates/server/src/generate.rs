@@ -109,6 +109,8 @@ pub struct Generation {
     usage: Usage,
     done: bool,
     queue: VecDeque<Piece>,
+    /// When the request's deadline passes (from its arrival), if it has one.
+    deadline: Option<tokio::time::Instant>,
 }
 
 async fn ask<T>(state: &AppState, make: impl FnOnce(oneshot::Sender<T>) -> TokenizerCommand) -> Result<T, ApiError> {
@@ -129,6 +131,7 @@ impl Generation {
         reasoning: bool,
     ) -> Result<Self, ApiError> {
         let (id, started) = (req.id, req.started);
+        let deadline = gen.deadline.map(|d| tokio::time::Instant::from_std(started + d));
         let prompt_len = prompt.input_ids.len();
         let ctx = state.cfg.context_len;
         if prompt_len >= ctx {
@@ -168,6 +171,7 @@ impl Generation {
             usage: Usage { prompt: prompt_len, ..Usage::default() },
             done: false,
             queue: VecDeque::new(),
+            deadline,
         })
     }
 
@@ -191,6 +195,38 @@ impl Generation {
         })
     }
 
+    /// The last text (a held-back stop prefix that never matched, a pending tag) as a delta, with
+    /// `Done { finish }` queued after it.
+    async fn finish(&mut self, finish: &'static str) -> Piece {
+        let rest = self.detokenize(Vec::new(), true).await;
+        let delta = rest.map(|f| self.text.advance(&f, &self.gen.stop, true)).unwrap_or_default();
+        let (mut r, mut c) = self.split.feed(&delta);
+        let (r2, c2) = self.split.flush();
+        r.push_str(&r2);
+        c.push_str(&c2);
+        self.queue.push_back(Piece::Done { finish, usage: self.usage });
+        Piece::Delta { reasoning: r, content: c, logprobs: Vec::new() }
+    }
+
+    /// The deadline passed: stop the sequence, then end with `finish_reason: "timeout"` and the text so
+    /// far, or with `deadline_exceeded` when no token came yet.
+    async fn past_deadline(&mut self) -> Result<Piece, ApiError> {
+        let _ = self.state.scheduler.send(SchedulerCommand::Cancel { id: self.id });
+        self.rx.close();
+        self.done = true;
+        self.state.metrics.deadlines.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(id = self.id, tokens = self.usage.completion, "deadline passed");
+        if self.usage.completion == 0 {
+            let secs = self.gen.deadline.unwrap_or_default().as_secs_f64();
+            return Err(ApiError::new(
+                ErrorCode::DeadlineExceeded,
+                format!("the request's deadline of {secs:.1} s passed before its first token"),
+            )
+            .param("deadline_secs"));
+        }
+        Ok(self.finish("timeout").await)
+    }
+
     /// The next piece; `None` after `Done`.
     pub async fn next(&mut self) -> Option<Result<Piece, ApiError>> {
         if let Some(p) = self.queue.pop_front() {
@@ -200,7 +236,17 @@ impl Generation {
             return None;
         }
         loop {
-            let Some(ev) = self.rx.recv().await else {
+            let deadline = async {
+                match self.deadline {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let ev = tokio::select! {
+                ev = self.rx.recv() => ev,
+                () = deadline => return Some(self.past_deadline().await),
+            };
+            let Some(ev) = ev else {
                 self.done = true;
                 return Some(Err(ApiError::new(ErrorCode::Unavailable, "the engine stopped")));
             };
@@ -249,15 +295,7 @@ impl Generation {
                         FinishReason::Stop => "stop",
                         FinishReason::Length => "length",
                     };
-                    // The rest of the text (a held-back stop prefix that never matched, a pending tag).
-                    let rest = self.detokenize(Vec::new(), true).await;
-                    let delta = rest.map(|f| self.text.advance(&f, &self.gen.stop, true)).unwrap_or_default();
-                    let (mut r, mut c) = self.split.feed(&delta);
-                    let (r2, c2) = self.split.flush();
-                    r.push_str(&r2);
-                    c.push_str(&c2);
-                    self.queue.push_back(Piece::Done { finish, usage: self.usage });
-                    return Some(Ok(Piece::Delta { reasoning: r, content: c, logprobs: Vec::new() }));
+                    return Some(Ok(self.finish(finish).await));
                 }
                 EngineEvent::Failed(e) => {
                     self.done = true;

@@ -109,6 +109,7 @@ impl std::fmt::Debug for Bound {
 pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> std::io::Result<Bound> {
     let (phase_tx, phase) = watch::channel(Phase::Serving);
     let shutdown_timeout = cfg.shutdown_grace_secs.saturating_add(10);
+    let idle = cfg.idle_timeout_secs;
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let state = web::Data::new(AppState {
         cfg,
@@ -162,6 +163,10 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
             }))
     })
     .workers(workers.max(1))
+    // An idle keep-alive connection, and one that does not finish its request head, is closed after
+    // this long; bodies have their own limit (`body.rs`).
+    .keep_alive(std::time::Duration::from_secs_f64(idle.max(0.001)))
+    .client_request_timeout(std::time::Duration::from_secs_f64(idle.max(0.001)))
     .disable_signals()
     .shutdown_timeout(shutdown_timeout)
     .bind(addr)?;

@@ -56,6 +56,8 @@ pub struct Metrics {
     pub ttft: Histogram,
     /// Time between consecutive tokens.
     pub itl: Histogram,
+    /// Generations ended by their deadline.
+    pub deadlines: AtomicU64,
     last_scrape: Mutex<Option<(Instant, u64)>>,
 }
 
@@ -67,6 +69,7 @@ impl Default for Metrics {
             failed_requests: AtomicU64::new(0),
             ttft: Histogram::default(),
             itl: Histogram::default(),
+            deadlines: AtomicU64::new(0),
             last_scrape: Mutex::new(None),
         }
     }
@@ -102,6 +105,13 @@ impl Metrics {
             "osprey_inter_token_latency_seconds",
             "Time between consecutive tokens of a request.",
             &mut out,
+        );
+        gauge(
+            &mut out,
+            "osprey_deadline_exceeded_total",
+            "Generations ended because their deadline passed.",
+            "counter",
+            ld(&self.deadlines),
         );
         gauge(&mut out, "osprey_queue_length", "Requests waiting for admission.", "gauge", s.waiting as f64);
         gauge(&mut out, "osprey_running_sequences", "Sequences being computed.", "gauge", s.running as f64);

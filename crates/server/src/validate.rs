@@ -70,6 +70,9 @@ pub struct Common {
     /// Ignore EOS (vLLM extension; benchmarks).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Seconds from arrival after which the generation is ended (osprey extension; the server's
+    /// `--request-deadline-secs` caps it).
+    pub deadline_secs: Option<f64>,
 }
 
 /// `POST /v1/chat/completions` body.
@@ -123,6 +126,9 @@ pub struct GenParams {
     pub include_usage: bool,
     /// Keep generating past EOS.
     pub ignore_eos: bool,
+    /// Time from the request's arrival after which its generation is ended (the request's own
+    /// `deadline_secs` or the server's, whichever is shorter).
+    pub deadline: Option<std::time::Duration>,
 }
 
 fn bad(code: ErrorCode, msg: impl Into<String>, param: &str) -> ApiError {
@@ -196,6 +202,20 @@ fn common(c: &Common, cfg: &ServerConfig, logprobs: Option<usize>) -> Result<Gen
     if stop.len() > 4 || stop.iter().any(String::is_empty) {
         return Err(bad(ErrorCode::InvalidRequest, "stop takes up to 4 non-empty strings", "stop"));
     }
+    let deadline = match c.deadline_secs {
+        Some(d) if !(d.is_finite() && d > 0.0) => {
+            return Err(bad(
+                ErrorCode::InvalidRequest,
+                format!("deadline_secs must be positive, got {d}"),
+                "deadline_secs",
+            ))
+        }
+        own => match (own, cfg.request_deadline_secs) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        },
+    }
+    .map(|s| std::time::Duration::from_secs_f64(s.min(1e9)));
     Ok(GenParams {
         sampling,
         max_tokens,
@@ -203,6 +223,7 @@ fn common(c: &Common, cfg: &ServerConfig, logprobs: Option<usize>) -> Result<Gen
         stream: c.stream,
         include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
         ignore_eos: c.ignore_eos,
+        deadline,
     })
 }
 
