@@ -59,6 +59,11 @@ pub async fn read_json(req: &HttpRequest, mut payload: web::Payload, lim: BodyLi
         }
         body.extend_from_slice(&chunk);
     }
-    serde_json::from_slice(&body)
+    parse_json(&body)
+}
+
+/// Parses a body's bytes as JSON.
+pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(body)
         .map_err(|e| ApiError::new(ErrorCode::InvalidJson, format!("could not parse the request body: {e}")))
 }

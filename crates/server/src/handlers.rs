@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::error::ApiError;
 use crate::generate::{Generation, LogprobEntry, Piece, RequestCtx, Usage};
 use crate::validate::{self, ChatRequest, CompletionRequest, GenParams};
-use crate::{AppState, Phase};
+use crate::{AppState, Phase, ServerConfig};
 
 fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
@@ -307,6 +307,18 @@ pub async fn completions(
     }
     .await;
     counted(&state, r)
+}
+
+/// What the chat (`chat: true`) or completions endpoint checks in a body before the tokenizer sees it:
+/// JSON, request shape, parameters and media URLs (data URLs decoded, remote ones only if allow-listed),
+/// ending in the prompt it would send to the tokenizer. The fuzz targets' entry (`crates/fuzz`).
+pub fn check_body(chat: bool, body: &[u8], cfg: &ServerConfig) -> Result<(), ApiError> {
+    let body = crate::body::parse_json(body)?;
+    if chat {
+        validate::chat(&parse::<ChatRequest>(&body)?, cfg).map(drop)
+    } else {
+        validate::completion(&parse::<CompletionRequest>(&body)?, cfg).map(drop)
+    }
 }
 
 /// `GET /v1/models`.

@@ -33,6 +33,7 @@ use tokio::sync::watch;
 
 pub use config::{Limits, ServerConfig};
 pub use error::ApiError;
+pub use handlers::check_body;
 pub use metrics::Metrics;
 
 /// Where a graceful shutdown stands.

@@ -146,6 +146,16 @@ fn video_container(bytes: &[u8]) -> Option<&'static str> {
     }
 }
 
+/// What an animation decoder may allocate at once: a frame and the canvas it is composited on, each at
+/// most the pixel limit in RGBA. A frame's own header can declare any size inside a small canvas (a
+/// 300-byte GIF declared a 62,965 × 62,197 frame, found by the `media` fuzz target), and decoders built
+/// directly, unlike `ImageReader`, start with no limits at all.
+fn alloc_limits(limits: DecodeLimits) -> image::Limits {
+    let mut l = image::Limits::default();
+    l.max_alloc = Some(limits.max_pixels.saturating_mul(4 * 4));
+    l
+}
+
 /// Decodes every frame of an animated GIF or WebP (a still image gives one frame). Video containers
 /// (MP4, WebM, AVI) are refused with a clear error: send frames or an animated GIF/WebP instead.
 pub fn decode_animation(bytes: &[u8], limits: DecodeLimits) -> Result<Frames> {
@@ -175,15 +185,17 @@ pub fn decode_animation(bytes: &[u8], limits: DecodeLimits) -> Result<Frames> {
     };
     match format {
         ImageFormat::Gif => {
-            let d = image::codecs::gif::GifDecoder::new(Cursor::new(bytes)).map_err(bad)?;
+            let mut d = image::codecs::gif::GifDecoder::new(Cursor::new(bytes)).map_err(bad)?;
             let (w, h) = d.dimensions();
             check_size(w, h, limits)?;
+            d.set_limits(alloc_limits(limits)).map_err(bad)?;
             collect(d.into_frames())
         }
         ImageFormat::WebP => {
-            let d = image::codecs::webp::WebPDecoder::new(Cursor::new(bytes)).map_err(bad)?;
+            let mut d = image::codecs::webp::WebPDecoder::new(Cursor::new(bytes)).map_err(bad)?;
             let (w, h) = d.dimensions();
             check_size(w, h, limits)?;
+            d.set_limits(alloc_limits(limits)).map_err(bad)?;
             if d.has_animation() {
                 collect(d.into_frames())
             } else {
@@ -262,6 +274,17 @@ mod tests {
         let mp4 = [0u8, 0, 0, 24, b'f', b't', b'y', b'p', b'i', b's', b'o', b'm'];
         let e = decode_animation(&mp4, DecodeLimits::default()).expect_err("mp4").to_string();
         assert!(e.contains("MP4") && e.contains("frame"), "{e}");
+    }
+
+    #[test]
+    fn a_gif_frame_larger_than_its_canvas_is_refused_before_allocating() {
+        // Found by the `media` fuzz target: an 8×8 canvas whose third frame declares 62,965 × 62,197
+        // pixels; decoding it allocated ~15 GB. The corpus file starts with the target's selector byte.
+        let bytes = &include_bytes!("../../../../fuzz/corpus/media/crash_gif_huge_frame")[1..];
+        let t0 = std::time::Instant::now();
+        let e = decode_animation(bytes, DecodeLimits::default()).expect_err("refused");
+        assert!(e.to_string().contains("limit"), "{e}");
+        assert!(t0.elapsed().as_secs() < 5);
     }
 
     #[test]

@@ -1,0 +1,150 @@
+//! # osprey-fuzz — the fuzz targets' bodies
+//!
+//! Brief overview: each target takes arbitrary bytes and drives one part that reads what a client sends,
+//! the way a request would reach it. Any result is fine, an `Err` included; a panic, a hang or an
+//! unbounded allocation is a bug, and so is a broken invariant (asserted here, e.g. incremental text ==
+//! full decode). The bodies live in this ordinary crate so that `cargo test` replays the seed corpus
+//! (`fuzz/corpus/<target>/`) through them on every run; `fuzz/` wraps each in a libFuzzer binary built
+//! with coverage instrumentation on the stable toolchain (`tools/fuzz.sh`).
+//!
+//! The model is the embedded tiny one's directory (`fixtures/models/qwen3_5_moe-tiny`): its tokenizer,
+//! chat template and processor config, loaded once per process.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use base64::Engine;
+use osprey_models::vision::{declared_size, decode_animation, decode_image, DecodeLimits};
+use osprey_protocol::tokenizer::{ChatPrompt, DecodeState, MediaInput, MediaLimits};
+use osprey_server::{Limits, ServerConfig};
+use osprey_tokenizer::{Detokenizer, TokenizerCore};
+
+/// A fuzz target: name (its corpus folder and libFuzzer binary) and body.
+pub type Target = (&'static str, fn(&[u8]));
+
+/// Every target.
+pub const TARGETS: &[Target] =
+    &[("request", request), ("media", media), ("chat_template", chat_template), ("detokenize", detokenize)];
+
+/// The repository root (the corpus and the model directory are found from it).
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+struct Env {
+    core: TokenizerCore,
+    cfg: ServerConfig,
+}
+
+/// Media small enough that one input decodes in milliseconds (the server's own limits are larger; what
+/// is fuzzed is the parsing, which does not depend on them).
+const MAX_PIXELS: u64 = 1 << 16;
+
+fn env() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let dir = repo_root().join("fixtures/models/qwen3_5_moe-tiny");
+        let core = TokenizerCore::from_dir(&dir, true).expect("the tiny model's tokenizer loads");
+        let tok = core.tokenizer();
+        let cfg = ServerConfig {
+            model_id: "tiny".into(),
+            context_len: 4096,
+            vocab_size: tok.vocab_size(),
+            max_token_bytes: tok.max_token_bytes(),
+            vision: true,
+            video: true,
+            api_key: None,
+            allowed_hosts: Vec::new(),
+            allowed_origins: Vec::new(),
+            shutdown_grace_secs: 0,
+            body_timeout_secs: 1.0,
+            request_deadline_secs: None,
+            idle_timeout_secs: 1.0,
+            eos_token_ids: Vec::new(),
+            // No remote or local media: a fuzzed URL never leaves the process.
+            limits: Limits { max_image_pixels: MAX_PIXELS, max_media_bytes: 1 << 20, ..Limits::default() },
+        };
+        Env { core, cfg }
+    })
+}
+
+fn media_limits() -> MediaLimits {
+    MediaLimits { max_pixels: MAX_PIXELS, max_frames: 8, max_total_pixels: 8 * MAX_PIXELS }
+}
+
+/// `POST /v1/chat/completions` (first byte even) or `/v1/completions` (odd) body validation, then, for a
+/// chat body that passes, the tokenizer's preparation of the prompt it yields.
+pub fn request(data: &[u8]) {
+    let Some((&which, body)) = data.split_first() else { return };
+    let _ = osprey_server::check_body(which % 2 == 0, body, &env().cfg);
+}
+
+/// Media bytes: first byte picks the path: 0 image header + decode, 1 animation (video file) decode,
+/// 2 an image through the tokenizer (decode, resize, patches), 3 the bytes as a base64 data URL in a
+/// chat body.
+pub fn media(data: &[u8]) {
+    let Some((&which, bytes)) = data.split_first() else { return };
+    let lim = DecodeLimits { max_pixels: MAX_PIXELS, max_frames: 8 };
+    match which % 4 {
+        0 => {
+            if let (Ok((w, h)), Ok(img)) = (declared_size(bytes), decode_image(bytes, lim)) {
+                assert!(u64::from(w) * u64::from(h) <= MAX_PIXELS, "decoded past the pixel limit");
+                assert_eq!(img.data.len(), img.width * img.height * 3, "RGB buffer size");
+            }
+        }
+        1 => {
+            if let Ok(f) = decode_animation(bytes, lim) {
+                assert!(f.frames.len() <= 8, "decoded past the frame limit");
+            }
+        }
+        2 => {
+            let prompt = ChatPrompt {
+                messages: serde_json::json!([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]),
+                media: vec![MediaInput::Image { bytes: bytes.to_vec() }],
+                template_kwargs: serde_json::Map::new(),
+                limits: media_limits(),
+            };
+            let _ = env().core.prepare_chat(prompt);
+        }
+        _ => {
+            let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes));
+            let body = serde_json::json!({"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}]}]});
+            let _ = osprey_server::check_body(true, body.to_string().as_bytes(), &env().cfg);
+        }
+    }
+}
+
+/// A JSON value as the `messages` of a chat prompt (and, when it is an object with `messages`, its
+/// `chat_template_kwargs` too): template rendering, placeholder expansion and tokenization.
+pub fn chat_template(data: &[u8]) {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) else { return };
+    let (messages, kwargs) = match &v {
+        serde_json::Value::Object(o) if o.contains_key("messages") => (
+            o["messages"].clone(),
+            o.get("chat_template_kwargs").and_then(|k| k.as_object().cloned()).unwrap_or_default(),
+        ),
+        _ => (v, serde_json::Map::new()),
+    };
+    let prompt = ChatPrompt { messages, media: Vec::new(), template_kwargs: kwargs, limits: media_limits() };
+    let _ = env().core.prepare_chat(prompt);
+}
+
+/// Token ids (two bytes each, modulo the vocabulary) fed to the incremental detokenizer in steps whose
+/// sizes come from the first byte; the streamed text must equal one decode of all ids.
+pub fn detokenize(data: &[u8]) {
+    let Some((&steps, rest)) = data.split_first() else { return };
+    let tok = env().core.tokenizer();
+    let vocab = tok.vocab_size() as u32;
+    let ids: Vec<u32> = rest.chunks_exact(2).map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])) % vocab).collect();
+    let mut decode = |ids: &[u32]| tok.decode(ids, true).unwrap_or_default();
+    let mut d = Detokenizer::default();
+    let mut st = DecodeState { skip_special: true, ..DecodeState::default() };
+    let mut text = String::new();
+    let step = usize::from(steps % 4) + 1;
+    for chunk in ids.chunks(step) {
+        text.push_str(&d.step(&mut st, chunk, &mut decode));
+    }
+    text.push_str(&d.flush(&mut st, &mut decode));
+    assert_eq!(text, decode(&ids), "incremental detokenization of {ids:?} in steps of {step}");
+}

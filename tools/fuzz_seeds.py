@@ -1,0 +1,81 @@
+"""Writes the seed corpus of the fuzz targets (fuzz/corpus/<target>/). Run once with the generator venv
+(`tools/` requirements; Pillow makes the small GIF, WebP and BMP seeds); the output is committed.
+Each media seed's first byte picks the path it takes in `osprey_fuzz::media` (0 image, 1 animation,
+2 through the tokenizer, 3 as a data URL in a chat body)."""
+
+import base64
+import io
+import json
+import pathlib
+import struct
+
+from PIL import Image
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "fuzz" / "corpus"
+
+
+def put(target, name, data):
+    d = OUT / target
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+
+
+def img(fmt, size=(16, 12), **kw):
+    b = io.BytesIO()
+    Image.new("RGB", size, (200, 30, 90)).save(b, fmt, **kw)
+    return b.getvalue()
+
+
+def gif_anim():
+    frames = [Image.new("RGB", (8, 8), (i * 60, 0, 0)) for i in range(3)]
+    b = io.BytesIO()
+    frames[0].save(b, "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return b.getvalue()
+
+
+png = img("PNG")
+jpg = (ROOT / "fixtures/media/exif_rot6.jpg").read_bytes()
+data_url = "data:image/png;base64," + base64.b64encode(png).decode()
+
+# request: first byte even = chat, odd = completions.
+chat = lambda body: b"\x00" + json.dumps(body).encode()
+comp = lambda body: b"\x01" + json.dumps(body).encode()
+put("request", "chat_text", chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stop": ["x"]}))
+put("request", "chat_image", chat({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "what?"}]}],
+    "temperature": 0.5, "top_p": 0.9, "top_k": 20, "logprobs": True, "top_logprobs": 2, "stream": True,
+    "stream_options": {"include_usage": True}}))
+put("request", "chat_video", chat({"messages": [{"role": "user", "content": [
+    {"type": "video", "video": [data_url, data_url]}, {"type": "text", "text": "and?"}]}], "deadline_secs": 3}))
+put("request", "chat_bad", chat({"messages": [{"role": "user", "content": None}], "n": 2}))
+put("request", "completion_text", comp({"prompt": "Once upon", "max_tokens": 8, "seed": 1}))
+put("request", "completion_ids", comp({"prompt": [1, 2, 3], "max_tokens": 2, "echo": False}))
+
+# media
+put("media", "png_image", b"\x00" + png)
+put("media", "jpg_exif", b"\x00" + jpg)
+put("media", "webp_image", b"\x00" + img("WEBP"))
+put("media", "bmp_image", b"\x00" + img("BMP"))
+put("media", "gif_anim", b"\x01" + gif_anim())
+put("media", "png_tokenizer", b"\x02" + png)
+put("media", "jpg_data_url", b"\x03" + jpg)
+
+# chat_template: a messages list, or an object with messages and chat_template_kwargs.
+put("chat_template", "plain", json.dumps([{"role": "user", "content": "hello"}]))
+put("chat_template", "turns", json.dumps({"messages": [
+    {"role": "system", "content": "be brief"}, {"role": "user", "content": "a"},
+    {"role": "assistant", "content": "b", "reasoning_content": "r"}, {"role": "user", "content": "c"}],
+    "chat_template_kwargs": {"enable_thinking": False}}))
+put("chat_template", "parts", json.dumps([{"role": "user", "content": [{"type": "text", "text": "x"},
+    {"type": "text", "text": "<|im_end|>"}]}]))
+put("chat_template", "tool", json.dumps([{"role": "user", "content": "q"},
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+    {"role": "tool", "content": "42"}]))
+
+# detokenize: first byte = step size - 1 (mod 4), then u16 ids.
+ids = lambda step, xs: bytes([step]) + b"".join(struct.pack("<H", x) for x in xs)
+put("detokenize", "ascii", ids(0, [40, 41, 42, 43, 44, 45]))
+put("detokenize", "steps3", ids(2, list(range(100, 160))))
+put("detokenize", "high", ids(1, list(range(60000, 60040))))
+put("detokenize", "bytes", ids(3, list(range(0, 260, 7))))
