@@ -130,6 +130,15 @@ pub async fn serve_until_signal(settings: &Settings, model_dir: &Path) -> Result
     Ok(())
 }
 
+/// The compute backend `--device` names (default `cpu`), logged once.
+pub fn open_backend(device: Option<&str>) -> Result<osprey_backend::BackendRef> {
+    let device: osprey_backend::Device =
+        device.unwrap_or("cpu").parse().map_err(|e: String| anyhow::anyhow!(e)).context("--device")?;
+    let backend = osprey_backend::open(device)?;
+    tracing::info!(device = %device, backend = backend.describe(), "compute backend");
+    Ok(backend)
+}
+
 /// [`start`] with the expert reader wrapped by `wrap_reader`.
 pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<ReaderLayer>) -> Result<Bound> {
     let t0 = Instant::now();
@@ -137,9 +146,11 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let ck = Checkpoint::open(model_dir)?;
     let experts = expert_source(settings, &cfg, &ck, wrap_reader)?;
     let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
-    let model =
-        osprey_models::load_with_progress(&cfg, &ck, source, &mut |d, n| progress_bar("loading weights", d, n))?;
-    let (tower, media) = match osprey_models::load_vision(&cfg, &ck)? {
+    let backend = open_backend(settings.device.as_deref())?;
+    let model = osprey_models::load_with_progress(&cfg, &ck, source, backend.clone(), &mut |d, n| {
+        progress_bar("loading weights", d, n)
+    })?;
+    let (tower, media) = match osprey_models::load_vision(&cfg, &ck, backend)? {
         Some((t, media)) => (Some(t), Some(media)),
         None => (None, None),
     };

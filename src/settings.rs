@@ -80,6 +80,8 @@ pub struct Settings {
     /// Seconds an idle keep-alive connection, or one that has not sent its request head, stays open
     /// (default 5).
     pub idle_timeout_secs: Option<f64>,
+    /// Compute device: `cpu` (default); `cuda:N` once the CUDA backend lands.
+    pub device: Option<String>,
     /// Tokenizer worker threads (templates, media decoding and preprocessing, detokenization; default 2).
     pub tokenizer_workers: Option<usize>,
     /// Most pixels of all images and frames of one request (default 192 M: ~576 MB decoded).

@@ -26,3 +26,8 @@ mod simd;
 
 pub use act::{gelu_erf, gelu_tanh, sigmoid, silu, softplus};
 pub use matmul::{matmul, matmul_into_strided, DType, WeightView};
+
+/// Threads the kernels split work across (rayon's pool).
+pub fn threads() -> usize {
+    rayon::current_num_threads()
+}

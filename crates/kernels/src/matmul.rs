@@ -69,6 +69,27 @@ impl WeightView<'_> {
         }
     }
 
+    /// Row `r` (row length `k`) widened to f32 (an embedding lookup).
+    pub fn row_f32(&self, r: usize, k: usize, out: &mut [f32]) {
+        match self {
+            WeightView::F32(w) => out.copy_from_slice(&w[r * k..(r + 1) * k]),
+            WeightView::Bf16(w) => {
+                for (o, &b) in out.iter_mut().zip(&w[r * k..(r + 1) * k]) {
+                    *o = half::bf16::from_bits(b).to_f32();
+                }
+            }
+            WeightView::F16(w) => {
+                for (o, &b) in out.iter_mut().zip(&w[r * k..(r + 1) * k]) {
+                    *o = half::f16::from_bits(b).to_f32();
+                }
+            }
+            WeightView::Nvfp4 { packed, scales, global } => {
+                let (pk, sk) = (k / 2, k / nvfp4::BLOCK);
+                nvfp4::dequant_row(&packed[r * pk..(r + 1) * pk], &scales[r * sk..(r + 1) * sk], *global, out);
+            }
+        }
+    }
+
     /// Dot of `x` with weight row `r` (row length `k`).
     #[inline]
     fn dot_row(&self, x: &[f32], r: usize, k: usize) -> f32 {

@@ -18,6 +18,16 @@ pub fn rms_norm_1p(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
+/// RMSNorm of every `w.len()`-wide row of `x`, in place: `(x·rsqrt(mean(x²)+eps))·w`.
+pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
+    for row in x.chunks_mut(w.len()) {
+        let r = inv_rms(row, eps);
+        for (v, wi) in row.iter_mut().zip(w) {
+            *v = (*v * r) * wi;
+        }
+    }
+}
+
 /// Zero-centred RMSNorm from `x` into `out` (same shapes).
 pub fn rms_norm_1p_into(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     out.copy_from_slice(x);

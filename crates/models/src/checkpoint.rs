@@ -174,29 +174,7 @@ impl Weight {
 
     /// Row `r` widened to f32 (embedding lookup).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
-        let c = self.cols;
-        match self.view() {
-            WeightView::F32(w) => out.copy_from_slice(&w[r * c..(r + 1) * c]),
-            WeightView::Bf16(w) => {
-                for (o, &b) in out.iter_mut().zip(&w[r * c..(r + 1) * c]) {
-                    *o = half::bf16::from_bits(b).to_f32();
-                }
-            }
-            WeightView::F16(w) => {
-                for (o, &b) in out.iter_mut().zip(&w[r * c..(r + 1) * c]) {
-                    *o = half::f16::from_bits(b).to_f32();
-                }
-            }
-            WeightView::Nvfp4 { packed, scales, global } => {
-                let (pk, sk) = (c / 2, c / osprey_kernels::nvfp4::BLOCK);
-                osprey_kernels::nvfp4::dequant_row(
-                    &packed[r * pk..(r + 1) * pk],
-                    &scales[r * sk..(r + 1) * sk],
-                    global,
-                    out,
-                );
-            }
-        }
+        self.view().row_f32(r, self.cols, out);
     }
 
     /// The whole weight widened to f32.
@@ -449,6 +427,24 @@ impl Checkpoint {
     /// A 1-D tensor of `len` elements, widened to f32 (norm weights, A_log, dt_bias).
     pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         Ok(self.weight(name, &[len])?.to_f32())
+    }
+}
+
+impl osprey_backend::HostMatrix for Weight {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn bytes(&self) -> usize {
+        Weight::bytes(self)
+    }
+    fn view(&self) -> WeightView<'_> {
+        Weight::view(self)
     }
 }
 

@@ -6,6 +6,8 @@
 
 use std::fmt::Debug;
 
+use osprey_backend::BackendRef;
+
 use crate::error::Result;
 use crate::kv::{PageGeometry, PageTable};
 use crate::state::SeqState;
@@ -143,6 +145,9 @@ pub trait CausalLm: Send + Sync + Debug {
     /// unpooled table).
     fn new_state_with(&self, kv: PageTable) -> SeqState;
 
+    /// The backend its weights live on and its forward runs on (KV pools for it allocate there).
+    fn backend(&self) -> &BackendRef;
+
     /// A fresh state whose KV pages are allocated as it grows, outside any pool (tests, one-off runs).
     fn new_state(&self) -> SeqState {
         self.new_state_with(PageTable::unpooled(PageGeometry::new(self.kv_layout(), DEFAULT_PAGE_SIZE)))
@@ -174,6 +179,9 @@ impl<T: CausalLm + ?Sized> CausalLm for Box<T> {
     }
     fn new_state_with(&self, kv: PageTable) -> SeqState {
         (**self).new_state_with(kv)
+    }
+    fn backend(&self) -> &BackendRef {
+        (**self).backend()
     }
     fn forward_with(&self, steps: &mut [SeqStep<'_, '_>], opts: &ForwardOptions<'_>) -> Result<ForwardOutput> {
         (**self).forward_with(steps, opts)

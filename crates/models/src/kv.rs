@@ -12,8 +12,11 @@
 //! - a pooled page's buffer goes back to its pool when the last reference drops (on whichever thread), so
 //!   the pool's free count is exact once it has drained its return channel.
 
+use std::ops::Range;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
+
+use osprey_backend::{Backend, BackendRef, PagedView, Tensor};
 
 use crate::family::KvLayout;
 
@@ -45,18 +48,18 @@ impl PageGeometry {
     }
 
     /// Offset of the K (`v = false`) or V rows of `layer` inside a page.
-    fn plane(&self, layer: usize, v: bool) -> usize {
+    pub fn plane(&self, layer: usize, v: bool) -> usize {
         (layer * 2 + usize::from(v)) * self.page_size * self.row
     }
 }
 
-type Returned = (u32, Box<[f32]>);
+type Returned = (u32, Tensor);
 
-/// One page of KV rows for every KV layer.
+/// One page of KV rows for every KV layer: a backend tensor of `geometry.floats()` elements.
 #[derive(Debug)]
 pub struct Page {
     id: u32,
-    buf: Option<Box<[f32]>>,
+    buf: Option<Tensor>,
     /// The pool's return channel (`None` for a page outside any pool).
     home: Option<Sender<Returned>>,
 }
@@ -69,15 +72,16 @@ impl Page {
 
     /// Bytes of KV rows the page holds.
     pub fn bytes(&self) -> usize {
-        std::mem::size_of_val(self.data())
+        self.data().bytes()
     }
 
-    fn data(&self) -> &[f32] {
-        self.buf.as_deref().expect("a live page has its buffer: this is a bug")
+    /// The page's tensor.
+    pub fn data(&self) -> &Tensor {
+        self.buf.as_ref().expect("a live page has its buffer: this is a bug")
     }
 
-    fn data_mut(&mut self) -> &mut [f32] {
-        self.buf.as_deref_mut().expect("a live page has its buffer: this is a bug")
+    fn data_mut(&mut self) -> &mut Tensor {
+        self.buf.as_mut().expect("a live page has its buffer: this is a bug")
     }
 }
 
@@ -123,8 +127,9 @@ impl PageTable {
         self.pages.len() * self.geo.page_size
     }
 
-    /// Makes room for `tokens` slots; a pooled table must have been reserved by its pool.
-    pub(crate) fn grow(&mut self, tokens: usize) -> Result<(), String> {
+    /// Makes room for `tokens` slots (new pages on `b`); a pooled table must have been reserved by its
+    /// pool.
+    pub(crate) fn grow(&mut self, tokens: usize, b: &dyn Backend) -> Result<(), String> {
         while self.capacity() < tokens {
             if self.pooled {
                 return Err(format!(
@@ -132,7 +137,7 @@ impl PageTable {
                     self.capacity()
                 ));
             }
-            let buf = vec![0f32; self.geo.floats()].into_boxed_slice();
+            let buf = b.zeros(&[self.geo.floats()]);
             self.pages.push(Arc::new(Page { id: u32::MAX, buf: Some(buf), home: None }));
         }
         Ok(())
@@ -145,44 +150,58 @@ impl PageTable {
 
     /// Replaces the table with shared pages (a prefix hit).
     pub(crate) fn share(&mut self, pages: &[&PageRef]) -> Result<(), String> {
-        if pages.iter().any(|p| p.data().len() != self.geo.floats()) {
+        if pages.iter().any(|p| p.data().numel() != self.geo.floats()) {
             return Err("a page of another geometry".into());
         }
         self.pages = pages.iter().map(|p| (*p).clone()).collect();
         Ok(())
     }
 
-    /// Writes `k`, `v` (`[n, row]` each) of `layer` at token slots `[at, at + n)`.
-    pub(crate) fn write(&mut self, layer: usize, at: usize, k: &[f32], v: &[f32]) {
+    /// Writes rows `rows` of `k`, `v` (`[T, row]` each) into `layer` at token slots `[at, at + n)`.
+    pub(crate) fn write(
+        &mut self,
+        b: &dyn Backend,
+        layer: usize,
+        at: usize,
+        (k, v): (&Tensor, &Tensor),
+        rows: Range<usize>,
+    ) {
         let (ps, row) = (self.geo.page_size, self.geo.row);
-        let n = k.len() / row;
+        let n = rows.len();
         let mut i = 0;
         while i < n {
             let (page, slot) = ((at + i) / ps, (at + i) % ps);
             let take = (ps - slot).min(n - i);
             let geo = self.geo;
-            let data = writable(&mut self.pages[page], geo);
-            let (pk, pv) = (geo.plane(layer, false) + slot * row, geo.plane(layer, true) + slot * row);
-            data[pk..pk + take * row].copy_from_slice(&k[i * row..(i + take) * row]);
-            data[pv..pv + take * row].copy_from_slice(&v[i * row..(i + take) * row]);
+            let data = writable(&mut self.pages[page]);
+            let src = rows.start + i..rows.start + i + take;
+            b.write_rows(data, geo.plane(layer, false) + slot * row, k, src.clone());
+            b.write_rows(data, geo.plane(layer, true) + slot * row, v, src);
             i += take;
         }
     }
 
-    /// Per page, the K and V planes of `layer` (`[page_size, row]` each).
-    pub fn planes(&self, layer: usize) -> (Vec<&[f32]>, Vec<&[f32]>) {
-        let span = self.geo.page_size * self.geo.row;
-        let (k0, v0) = (self.geo.plane(layer, false), self.geo.plane(layer, true));
-        self.pages.iter().map(|p| (&p.data()[k0..k0 + span], &p.data()[v0..v0 + span])).unzip()
+    /// The pages' tensors, in token order (for [`PageTable::view`]).
+    pub fn page_tensors(&self) -> Vec<&Tensor> {
+        self.pages.iter().map(|p| p.data()).collect()
+    }
+
+    /// KV layer `layer` of `pages` (this table's [`PageTable::page_tensors`]) as attention reads it.
+    pub fn view<'a>(&self, pages: &'a [&'a Tensor], layer: usize) -> PagedView<'a> {
+        PagedView {
+            pages,
+            page_size: self.geo.page_size,
+            k_offset: self.geo.plane(layer, false),
+            v_offset: self.geo.plane(layer, true),
+        }
     }
 }
 
 /// The page's buffer for writing: this holder's alone, or a private copy when the page is shared (a
 /// rewind into a cached page; never on the serving path).
-fn writable(page: &mut PageRef, geo: PageGeometry) -> &mut [f32] {
+fn writable(page: &mut PageRef) -> &mut Tensor {
     if Arc::get_mut(page).is_none() {
-        let copy = page.data().to_vec().into_boxed_slice();
-        debug_assert_eq!(copy.len(), geo.floats());
+        let copy = page.data().clone();
         *page = Arc::new(Page { id: u32::MAX, buf: Some(copy), home: None });
     }
     Arc::get_mut(page).expect("the page was just made private").data_mut()
@@ -197,9 +216,10 @@ pub struct PoolStats {
     pub free: usize,
 }
 
-/// The pool: at most `total` pages, buffers recycled through a return channel.
+/// The pool: at most `total` pages on one backend, buffers recycled through a return channel.
 #[derive(Debug)]
 pub struct KvPool {
+    backend: BackendRef,
     geo: PageGeometry,
     total: usize,
     /// Buffers created so far (at most `total`; created on first need, so RSS grows with use).
@@ -210,10 +230,10 @@ pub struct KvPool {
 }
 
 impl KvPool {
-    /// A pool of `total` pages of `geo`.
-    pub fn new(geo: PageGeometry, total: usize) -> Self {
+    /// A pool of `total` pages of `geo` on `backend` (allocated on first need).
+    pub fn new(geo: PageGeometry, total: usize, backend: BackendRef) -> Self {
         let (home, back) = channel();
-        KvPool { geo, total, created: 0, free: Vec::new(), back, home }
+        KvPool { backend, geo, total, created: 0, free: Vec::new(), back, home }
     }
 
     /// Geometry.
@@ -241,7 +261,7 @@ impl KvPool {
             Some(r) => r,
             None if self.created < self.total => {
                 self.created += 1;
-                ((self.created - 1) as u32, vec![0f32; self.geo.floats()].into_boxed_slice())
+                ((self.created - 1) as u32, self.backend.zeros(&[self.geo.floats()]))
             }
             None => return None,
         };
@@ -269,7 +289,25 @@ impl KvPool {
 
 #[cfg(test)]
 mod tests {
+    use osprey_backend::cpu::{host, CpuBackend};
+
     use super::*;
+
+    impl PageTable {
+        /// Per page, the K and V planes of `layer` on the host.
+        fn planes(&self, layer: usize) -> (Vec<&[f32]>, Vec<&[f32]>) {
+            let span = self.geo.page_size * self.geo.row;
+            let (k0, v0) = (self.geo.plane(layer, false), self.geo.plane(layer, true));
+            self.pages.iter().map(|p| (&host(p.data())[k0..k0 + span], &host(p.data())[v0..v0 + span])).unzip()
+        }
+
+        fn write_host(&mut self, layer: usize, at: usize, k: &[f32], v: &[f32]) {
+            let b = CpuBackend;
+            let n = k.len() / self.geo.row;
+            let (k, v) = (b.upload(k, &[n, self.geo.row]), b.upload(v, &[n, self.geo.row]));
+            self.write(&b, layer, at, (&k, &v), 0..n);
+        }
+    }
 
     fn geo() -> PageGeometry {
         PageGeometry { page_size: 2, layers: 2, row: 3 }
@@ -278,11 +316,11 @@ mod tests {
     #[test]
     fn rows_round_trip_across_pages_and_layers() {
         let mut t = PageTable::unpooled(geo());
-        t.grow(5).expect("unpooled tables grow");
+        t.grow(5, &CpuBackend).expect("unpooled tables grow");
         assert_eq!(t.pages().len(), 3);
         let k: Vec<f32> = (0..15).map(|x| x as f32).collect();
         let v: Vec<f32> = (0..15).map(|x| -(x as f32)).collect();
-        t.write(1, 0, &k, &v);
+        t.write_host(1, 0, &k, &v);
         let (kp, vp) = t.planes(1);
         let flat: Vec<f32> = kp.iter().flat_map(|p| p.iter().copied()).take(15).collect();
         assert_eq!(flat, k);
@@ -292,7 +330,7 @@ mod tests {
 
     #[test]
     fn pages_return_to_the_pool_when_the_last_holder_drops_and_shared_pages_are_copied_before_a_write() {
-        let mut pool = KvPool::new(geo(), 3);
+        let mut pool = KvPool::new(geo(), 3, CpuBackend::shared());
         let mut a = pool.table();
         pool.reserve(&mut a, 4).expect("2 pages");
         assert_eq!(pool.stats(), PoolStats { total: 3, free: 1 });
@@ -313,9 +351,9 @@ mod tests {
         // A write into a shared page copies it first; the other holder keeps its rows.
         let mut c = pool.table();
         pool.reserve(&mut c, 2).expect("1 page");
-        c.write(0, 0, &[1.0; 6], &[1.0; 6]);
+        c.write_host(0, 0, &[1.0; 6], &[1.0; 6]);
         let keep = c.clone();
-        c.write(0, 1, &[2.0; 3], &[2.0; 3]);
+        c.write_host(0, 1, &[2.0; 3], &[2.0; 3]);
         assert_eq!(keep.planes(0).0[0], &[1.0; 6]);
         assert_eq!(&c.planes(0).0[0][3..], &[2.0; 3]);
     }

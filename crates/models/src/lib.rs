@@ -39,5 +39,7 @@ pub use family::{
 pub use kv::{KvPool, PageGeometry, PageRef, PageTable, PoolStats};
 pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts, ResidentExperts};
 pub use quantize_dir::{quantize_dir, QuantizeOptions};
-pub use registry::{expert_layout, load, load_checkpoint, load_vision, load_with_progress, ExpertLayout, MediaSupport};
+pub use registry::{
+    expert_layout, load, load_checkpoint, load_on, load_vision, load_with_progress, ExpertLayout, MediaSupport,
+};
 pub use state::{FamilySnapshot, FamilyState, SeqState, StateSnapshot};

@@ -6,6 +6,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use osprey_backend::cpu::CpuBackend;
+use osprey_backend::BackendRef;
+
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -26,10 +29,16 @@ pub struct ExpertLayout {
     pub intermediate: usize,
 }
 
-/// Loads a family's decoder from a parsed config and an opened checkpoint; `experts` replaces the
-/// default source of routed experts (all mapped from the checkpoint); `progress` gets (layers done, layers).
-pub type LoadFn =
-    fn(&ModelConfig, &Checkpoint, Option<Arc<dyn ExpertSource>>, &mut dyn FnMut(usize, usize)) -> Result<Model>;
+/// Loads a family's decoder from a parsed config and an opened checkpoint, its weights placed on the
+/// backend; `experts` replaces the default source of routed experts (all mapped from the checkpoint);
+/// `progress` gets (layers done, layers).
+pub type LoadFn = fn(
+    &ModelConfig,
+    &Checkpoint,
+    Option<Arc<dyn ExpertSource>>,
+    BackendRef,
+    &mut dyn FnMut(usize, usize),
+) -> Result<Model>;
 
 /// The routed-expert layout of a checkpoint of this family (`None` for a dense model).
 pub type ExpertsFn = fn(&ModelConfig, &Checkpoint) -> Result<Option<ExpertLayout>>;
@@ -79,7 +88,7 @@ pub struct Family {
 }
 
 /// The vision tower of a checkpoint of this family (`None` for a text-only one).
-pub type VisionFn = fn(&ModelConfig, &Checkpoint) -> Result<Option<VisionTower>>;
+pub type VisionFn = fn(&ModelConfig, &Checkpoint, BackendRef) -> Result<Option<VisionTower>>;
 
 /// Every family osprey serves.
 pub static FAMILIES: &[&Family] = &[&crate::qwen3_5::FAMILY];
@@ -99,27 +108,33 @@ pub fn family_of(model_type: &str, architectures: &[String]) -> Result<&'static 
     )))
 }
 
-/// Loads a Hugging Face model directory with every expert mapped from the checkpoint.
+/// Loads a Hugging Face model directory onto the CPU backend with every expert mapped from the checkpoint.
 pub fn load(dir: &Path) -> Result<Model> {
+    load_on(dir, CpuBackend::shared())
+}
+
+/// Loads a Hugging Face model directory with its weights placed on `backend`.
+pub fn load_on(dir: &Path, backend: BackendRef) -> Result<Model> {
     let cfg = ModelConfig::from_dir(dir)?;
     let ck = Checkpoint::open(dir)?;
-    load_checkpoint(&cfg, &ck, None)
+    load_with_progress(&cfg, &ck, None, backend, &mut |_, _| {})
 }
 
-/// Builds the decoder from an opened checkpoint; `experts` replaces the default expert source of MoE
-/// models (e.g. with the residency manager).
+/// Builds the decoder on the CPU backend from an opened checkpoint; `experts` replaces the default
+/// expert source of MoE models (e.g. with the residency manager).
 pub fn load_checkpoint(cfg: &ModelConfig, ck: &Checkpoint, experts: Option<Arc<dyn ExpertSource>>) -> Result<Model> {
-    load_with_progress(cfg, ck, experts, &mut |_, _| {})
+    load_with_progress(cfg, ck, experts, CpuBackend::shared(), &mut |_, _| {})
 }
 
-/// [`load_checkpoint`], reporting `(layers done, layers)`.
+/// Builds the decoder with its weights placed on `backend`, reporting `(layers done, layers)`.
 pub fn load_with_progress(
     cfg: &ModelConfig,
     ck: &Checkpoint,
     experts: Option<Arc<dyn ExpertSource>>,
+    backend: BackendRef,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Model> {
-    (family_for(cfg)?.load)(cfg, ck, experts, progress)
+    (family_for(cfg)?.load)(cfg, ck, experts, backend, progress)
 }
 
 /// Where the checkpoint's routed experts are (`None` for a dense model).
@@ -128,9 +143,13 @@ pub fn expert_layout(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<Expert
 }
 
 /// The checkpoint's vision tower and the media it takes (`None` for a text-only checkpoint).
-pub fn load_vision(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<(VisionTower, MediaSupport)>> {
+pub fn load_vision(
+    cfg: &ModelConfig,
+    ck: &Checkpoint,
+    backend: BackendRef,
+) -> Result<Option<(VisionTower, MediaSupport)>> {
     let f = family_for(cfg)?;
-    Ok((f.vision)(cfg, ck)?.map(|t| (t, f.media)))
+    Ok((f.vision)(cfg, ck, backend)?.map(|t| (t, f.media)))
 }
 
 /// The family a config belongs to.

@@ -160,7 +160,7 @@ impl Driver {
     /// A driver whose KV pool holds `pages` pages of `page_size` tokens (the server: `--kv-capacity-tokens`).
     pub fn with_pool(model: Model, page_size: usize, pages: usize) -> Self {
         let page_size = page_size.max(1);
-        let pool = KvPool::new(PageGeometry::new(model.kv_layout(), page_size), pages);
+        let pool = KvPool::new(PageGeometry::new(model.kv_layout(), page_size), pages, model.backend().clone());
         Driver { model, pool, seqs: HashMap::new(), page_size, parked: HashMap::new(), next_private: SeqId::MAX }
     }
 

@@ -1,44 +1,47 @@
 //! SwiGLU MLP: `down(silu(gate(x)) · up(x))` (the dense Qwen3.5 MLP and the MoE shared expert).
 
-use osprey_kernels::silu;
+use osprey_backend::{Backend, Tensor};
 
-use super::linear;
-use crate::checkpoint::{Checkpoint, Weight};
+use super::load_linear;
+use crate::checkpoint::Checkpoint;
 use crate::error::Result;
 
-/// Gate, up and down projections.
+/// Gate, up and down projections, placed.
 #[derive(Clone, Debug)]
 pub struct Mlp {
     /// `[inter, hidden]`.
-    pub gate: Weight,
+    pub gate: Tensor,
     /// `[inter, hidden]`.
-    pub up: Weight,
+    pub up: Tensor,
     /// `[hidden, inter]`.
-    pub down: Weight,
+    pub down: Tensor,
 }
 
 impl Mlp {
-    /// Loads `{prefix}.{gate,up,down}_proj.weight`.
-    pub fn load(ck: &Checkpoint, prefix: &str, hidden: usize, inter: usize) -> Result<Self> {
+    /// Loads `{prefix}.{gate,up,down}_proj.weight` onto `b`.
+    pub fn load(b: &dyn Backend, ck: &Checkpoint, prefix: &str, hidden: usize, inter: usize) -> Result<Self> {
         Ok(Mlp {
-            gate: ck.linear(&format!("{prefix}.gate_proj"), inter, hidden)?,
-            up: ck.linear(&format!("{prefix}.up_proj"), inter, hidden)?,
-            down: ck.linear(&format!("{prefix}.down_proj"), hidden, inter)?,
+            gate: load_linear(b, ck, &format!("{prefix}.gate_proj"), inter, hidden)?,
+            up: load_linear(b, ck, &format!("{prefix}.up_proj"), inter, hidden)?,
+            down: load_linear(b, ck, &format!("{prefix}.down_proj"), hidden, inter)?,
         })
     }
 
     /// `x [m, hidden] → [m, hidden]`.
-    pub fn forward(&self, x: &[f32], m: usize) -> Vec<f32> {
-        let mut g = linear(x, m, &self.gate);
-        let u = linear(x, m, &self.up);
-        for (a, b) in g.iter_mut().zip(&u) {
-            *a = silu(*a) * b;
-        }
-        linear(&g, m, &self.down)
+    pub fn forward(&self, b: &dyn Backend, x: &Tensor) -> Tensor {
+        swiglu(b, x, (&self.gate, &self.up, &self.down))
     }
 
     /// Bytes of weights.
     pub fn bytes(&self) -> usize {
         self.gate.bytes() + self.up.bytes() + self.down.bytes()
     }
+}
+
+/// `down(silu(gate(x)) · up(x))` with placed weights (an MLP, or a routed expert).
+pub fn swiglu(b: &dyn Backend, x: &Tensor, (gate, up, down): (&Tensor, &Tensor, &Tensor)) -> Tensor {
+    let mut g = b.linear(x, gate);
+    let u = b.linear(x, up);
+    b.silu_mul(&mut g, &u);
+    b.linear(&g, down)
 }

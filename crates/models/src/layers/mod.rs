@@ -1,14 +1,18 @@
-//! Layers shared by the model families: each owns its weights, is built from a checkpoint in `load`, and
-//! runs on a flat batch `x [T, hidden]` whose rows are the tokens of several sequences (see [`Segment`]).
+//! Layers shared by the model families: each owns its weights (placed on the backend at `load`) and runs
+//! on a flat batch `x [T, hidden]` whose rows are the tokens of several sequences (see [`Segment`]),
+//! computing only through the [`Backend`] seam.
 
 pub mod attention;
 pub mod gdn;
 pub mod mlp;
 pub mod moe;
 
-use osprey_kernels::matmul;
+use std::sync::Arc;
 
-use crate::checkpoint::Weight;
+use osprey_backend::{Backend, Tensor};
+
+use crate::checkpoint::{Checkpoint, Weight};
+use crate::error::Result;
 
 /// The rows of one sequence inside a batch.
 #[derive(Clone, Copy, Debug)]
@@ -21,9 +25,17 @@ pub struct Segment {
     pub past: usize,
 }
 
-/// `x [m, w.cols] · wᵀ → [m, w.rows]`.
-pub fn linear(x: &[f32], m: usize, w: &Weight) -> Vec<f32> {
-    let mut out = vec![0f32; m * w.rows()];
-    matmul(x, m, w.view(), w.rows(), w.cols(), &mut out);
-    out
+/// A host weight placed on `b`.
+pub fn place(b: &dyn Backend, w: Weight) -> Tensor {
+    b.place_weight(Arc::new(w))
+}
+
+/// `{prefix}.weight` as an `[out, inp]` linear placed on `b`.
+pub fn load_linear(b: &dyn Backend, ck: &Checkpoint, prefix: &str, out: usize, inp: usize) -> Result<Tensor> {
+    Ok(place(b, ck.linear(prefix, out, inp)?))
+}
+
+/// A vector (norm weight, bias) placed on `b`.
+pub fn load_vector(b: &dyn Backend, ck: &Checkpoint, name: &str, len: usize) -> Result<Tensor> {
+    Ok(b.upload(&ck.vector(name, len)?, &[len]))
 }

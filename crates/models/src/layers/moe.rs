@@ -9,10 +9,10 @@
 use std::fmt::Debug;
 use std::sync::Arc;
 
-use osprey_kernels::{sigmoid, silu};
+use osprey_backend::{Backend, Tensor};
 
-use super::linear;
-use super::mlp::Mlp;
+use super::mlp::{swiglu, Mlp};
+use super::{load_linear, place};
 use crate::checkpoint::{Checkpoint, Weight};
 use crate::config::MoeConfig;
 use crate::error::Result;
@@ -167,8 +167,12 @@ impl ResidentExperts {
             } else {
                 (0..e_n)
                     .map(|e| {
-                        let mlp = Mlp::load(ck, &format!("{p}.experts.{e}"), hidden, inter)?;
-                        Ok(Arc::new(ExpertWeights { gate: mlp.gate, up: mlp.up, down: mlp.down }))
+                        let w = |n: &str, out: usize, inp: usize| ck.linear(&format!("{p}.experts.{e}.{n}"), out, inp);
+                        Ok(Arc::new(ExpertWeights {
+                            gate: w("gate_proj", inter, hidden)?,
+                            up: w("up_proj", inter, hidden)?,
+                            down: w("down_proj", hidden, inter)?,
+                        }))
                     })
                     .collect::<Result<_>>()?
             };
@@ -192,76 +196,73 @@ impl ExpertSource for ResidentExperts {
     }
 }
 
-/// Top-k routing of one token: expert ids (by descending probability) and renormalised weights.
-pub fn route(logits: &[f32], top_k: usize) -> (Vec<usize>, Vec<f32>) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
-    let sum: f32 = exp.iter().sum();
-    let probs: Vec<f32> = exp.iter().map(|e| e / sum).collect();
-    let mut idx: Vec<usize> = (0..probs.len()).collect();
-    // Stable sort: equal probabilities keep the lower expert id first.
-    idx.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
-    idx.truncate(top_k);
-    let top: Vec<f32> = idx.iter().map(|&i| probs[i]).collect();
-    let s: f32 = top.iter().sum();
-    (idx, top.iter().map(|p| p / s).collect())
-}
-
 /// One MoE block.
 #[derive(Debug)]
 pub struct SparseMoe {
     layer: usize,
-    router: Weight,
+    router: Tensor,
     shared: Mlp,
-    shared_gate: Weight,
+    shared_gate: Tensor,
     cfg: MoeConfig,
 }
 
 impl SparseMoe {
-    /// Loads the router and shared expert of `{prefix}` (routed experts come from an [`ExpertSource`]).
-    pub fn load(ck: &Checkpoint, prefix: &str, layer: usize, hidden: usize, cfg: MoeConfig) -> Result<Self> {
+    /// Loads the router and shared expert of `{prefix}` onto `b` (routed experts come from an
+    /// [`ExpertSource`] and are placed when they arrive).
+    pub fn load(
+        b: &dyn Backend,
+        ck: &Checkpoint,
+        prefix: &str,
+        layer: usize,
+        hidden: usize,
+        cfg: MoeConfig,
+    ) -> Result<Self> {
         Ok(SparseMoe {
             layer,
-            router: ck.linear(&format!("{prefix}.gate"), cfg.num_experts, hidden)?,
-            shared: Mlp::load(ck, &format!("{prefix}.shared_expert"), hidden, cfg.shared_intermediate)?,
-            shared_gate: ck.linear(&format!("{prefix}.shared_expert_gate"), 1, hidden)?,
+            router: load_linear(b, ck, &format!("{prefix}.gate"), cfg.num_experts, hidden)?,
+            shared: Mlp::load(b, ck, &format!("{prefix}.shared_expert"), hidden, cfg.shared_intermediate)?,
+            shared_gate: load_linear(b, ck, &format!("{prefix}.shared_expert_gate"), 1, hidden)?,
             cfg,
         })
     }
 
     /// `x [T, hidden]` (already normed) → `[T, hidden]`.
-    pub fn forward(&self, x: &[f32], experts: &dyn ExpertSource) -> Result<Vec<f32>> {
-        let h = self.router.cols();
-        let t = x.len() / h;
-        // 1. Route every token; group tokens by expert (ascending expert id, as transformers accumulates).
-        let logits = linear(x, t, &self.router);
-        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.cfg.num_experts];
-        for i in 0..t {
-            let (ids, w) = route(&logits[i * self.cfg.num_experts..(i + 1) * self.cfg.num_experts], self.cfg.top_k);
+    pub fn forward(&self, b: &dyn Backend, x: &Tensor, experts: &dyn ExpertSource) -> Result<Tensor> {
+        let t = x.rows();
+        // 1. Route every token (the host learns which experts to fetch); group tokens by expert
+        //    (ascending expert id, as transformers accumulates).
+        let logits = b.linear(x, &self.router);
+        let mut by_expert: Vec<(Vec<usize>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); self.cfg.num_experts];
+        for (i, (ids, w)) in b.router_topk(&logits, self.cfg.top_k).into_iter().enumerate() {
             for (e, wt) in ids.into_iter().zip(w) {
-                by_expert[e].push((i, wt));
+                by_expert[e].0.push(i);
+                by_expert[e].1.push(wt);
             }
         }
-        let hit: Vec<usize> = (0..self.cfg.num_experts).filter(|&e| !by_expert[e].is_empty()).collect();
+        let hit: Vec<usize> = (0..self.cfg.num_experts).filter(|&e| !by_expert[e].0.is_empty()).collect();
         // 2. Ask for every routed expert of this layer at once, then compute the shared expert and the
         //    resident experts while a disk-backed source reads the misses.
         let (resident, pending) = experts.request(self.layer, &hit).resident()?;
-        let shared = self.shared.forward(x, t);
-        let sgate = linear(x, t, &self.shared_gate);
+        let shared = self.shared.forward(b, x);
+        let sgate = b.linear(x, &self.shared_gate);
         // 3. Routed experts on their gathered rows, weighted and scattered back, always accumulated in
         //    ascending expert order (so the answer does not depend on what was resident): a resident
         //    expert after a missing one is kept aside until the gap is filled.
-        let mut out = vec![0f32; t * h];
-        let mut done: Vec<Option<Vec<f32>>> = vec![None; hit.len()];
+        let mut out = b.zeros(&[t, x.cols()]);
+        let scatter = |out: &mut Tensor, k: usize, d: &Tensor| {
+            let (rows, weights) = &by_expert[hit[k]];
+            b.scatter_add_rows(out, rows, weights, d);
+        };
+        let mut done: Vec<Option<Tensor>> = vec![None; hit.len()];
         let mut next = 0; // first expert not yet accumulated
         for (k, handle) in resident.iter().enumerate() {
             let Some(handle) = handle else { continue };
-            let d = self.expert(x, &by_expert[hit[k]], handle.weights());
+            let d = expert(b, x, &by_expert[hit[k]].0, handle.weights());
             if k == next {
-                scatter(&mut out, h, &by_expert[hit[k]], &d);
+                scatter(&mut out, k, &d);
                 next += 1;
                 while let Some(d) = done.get_mut(next).and_then(Option::take) {
-                    scatter(&mut out, h, &by_expert[hit[next]], &d);
+                    scatter(&mut out, next, &d);
                     next += 1;
                 }
             } else {
@@ -277,33 +278,13 @@ impl SparseMoe {
                     let handle = read.next().ok_or_else(|| {
                         crate::error::Error::InvalidInput("an expert source returned too few experts".into())
                     })?;
-                    self.expert(x, &by_expert[hit[k]], handle.weights())
+                    expert(b, x, &by_expert[hit[k]].0, handle.weights())
                 }
             };
-            scatter(&mut out, h, &by_expert[hit[k]], &d);
+            scatter(&mut out, k, &d);
         }
-        for i in 0..t {
-            let gs = sigmoid(sgate[i]);
-            for (o, s) in out[i * h..(i + 1) * h].iter_mut().zip(&shared[i * h..(i + 1) * h]) {
-                *o += gs * s;
-            }
-        }
+        b.add_sigmoid_gated(&mut out, &shared, &sgate);
         Ok(out)
-    }
-
-    /// One expert on its gathered rows: `[rows, hidden]`.
-    fn expert(&self, x: &[f32], rows: &[(usize, f32)], w: &ExpertWeights) -> Vec<f32> {
-        let h = self.router.cols();
-        let mut xs = Vec::with_capacity(rows.len() * h);
-        for &(i, _) in rows {
-            xs.extend_from_slice(&x[i * h..(i + 1) * h]);
-        }
-        let mut g = linear(&xs, rows.len(), &w.gate);
-        let u = linear(&xs, rows.len(), &w.up);
-        for (a, b) in g.iter_mut().zip(&u) {
-            *a = silu(*a) * b;
-        }
-        linear(&g, rows.len(), &w.down)
     }
 
     /// Bytes of the dense part (router + shared expert).
@@ -312,27 +293,11 @@ impl SparseMoe {
     }
 }
 
-/// Adds one expert's weighted output rows into `out`.
-fn scatter(out: &mut [f32], h: usize, rows: &[(usize, f32)], d: &[f32]) {
-    for (j, &(i, wt)) in rows.iter().enumerate() {
-        for (o, v) in out[i * h..(i + 1) * h].iter_mut().zip(&d[j * h..(j + 1) * h]) {
-            *o += v * wt;
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::route;
-
-    #[test]
-    fn route_picks_top_k_and_renormalises() {
-        let (ids, w) = route(&[0.0, 2.0, 1.0, 2.0], 2);
-        assert_eq!(ids, vec![1, 3]);
-        assert!((w[0] - 0.5).abs() < 1e-6 && (w[1] - 0.5).abs() < 1e-6);
-        let (ids, w) = route(&[3.0, 0.0, 1.0], 2);
-        assert_eq!(ids, vec![0, 2]);
-        let e = (2.0f32).exp();
-        assert!((w[0] - e / (e + 1.0)).abs() < 1e-6);
-    }
+/// One expert on its gathered rows: `[rows, hidden]`. Its weights, which may have just arrived from
+/// disk, are placed on the backend here (the CPU backend keeps the host handle; a device backend
+/// uploads or finds its slot).
+fn expert(b: &dyn Backend, x: &Tensor, rows: &[usize], w: &ExpertWeights) -> Tensor {
+    let xs = b.gather_rows(x, rows);
+    let (gate, up, down) = (place(b, w.gate.clone()), place(b, w.up.clone()), place(b, w.down.clone()));
+    swiglu(b, &xs, (&gate, &up, &down))
 }

@@ -1,15 +1,12 @@
 //! The batched forward: any mix of prefill chunks and decode tokens from several sequences in one call.
 
-use osprey_kernels::norm::rms_norm_1p;
-
 use super::state::{HybridState, LayerState};
 use super::{Ffn, Mixer, Qwen35};
 use crate::error::{Error, Result};
 use crate::family::{ForwardOptions, ForwardOutput, LogitsWanted, Positions, SeqStep};
 use crate::kv::PageTable;
-use crate::layers::attention::RopeTables;
 use crate::layers::gdn::LinearState;
-use crate::layers::{linear, Segment};
+use crate::layers::Segment;
 
 impl Qwen35 {
     fn check(&self, steps: &[SeqStep<'_, '_>]) -> Result<()> {
@@ -47,10 +44,11 @@ impl Qwen35 {
         if steps.is_empty() {
             return Ok(ForwardOutput::default());
         }
+        let b = self.backend.as_ref();
         // KV slots for the new tokens (a pooled table was reserved by its pool; an unpooled one grows).
         for s in steps.iter_mut() {
             let need = s.state.len + s.input.tokens.len();
-            s.state.kv.grow(need).map_err(Error::InvalidInput)?;
+            s.state.kv.grow(need, b).map_err(Error::InvalidInput)?;
         }
         let capture_hidden = opts.capture_hidden || opts.teacher_inputs.is_some();
         if let Some(t) = opts.teacher_inputs {
@@ -61,33 +59,31 @@ impl Qwen35 {
         }
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_norm_eps as f32;
-        // 1. Segments, embeddings (with injected rows) and positions of the whole batch.
+        // 1. Segments, embeddings (with injected rows) and positions of the whole batch: the host sends
+        //    token ids, positions and media rows; everything after stays on the backend.
         let mut segs = Vec::with_capacity(steps.len());
         let mut positions: Vec<[i64; 3]> = Vec::new();
-        let mut x: Vec<f32> = Vec::new();
+        let mut ids: Vec<u32> = Vec::new();
         for s in steps.iter() {
-            let row = segs.iter().map(|g: &Segment| g.len).sum();
             let (past, n) = (s.state.len, s.input.tokens.len());
-            segs.push(Segment { row, len: n, past });
-            let base = x.len();
-            x.resize(base + n * h, 0.0);
-            for (i, &t) in s.input.tokens.iter().enumerate() {
-                self.embed.row_f32(t as usize, &mut x[base + i * h..base + (i + 1) * h]);
-            }
-            for inj in s.input.injected {
-                let at = base + inj.offset * h;
-                x[at..at + inj.rows.len()].copy_from_slice(inj.rows);
-            }
+            segs.push(Segment { row: ids.len(), len: n, past });
+            ids.extend_from_slice(s.input.tokens);
             match s.input.positions {
                 Positions::Text => positions.extend((0..n).map(|i| [(past + i) as i64 + s.state.rope_delta; 3])),
                 Positions::Explicit(p) => positions.extend_from_slice(p),
             }
         }
-        let t = positions.len();
-        let rope = RopeTables::new(&self.rope, &positions);
+        let mut x = b.embed(&self.embed, &ids);
+        for (s, seg) in steps.iter().zip(&segs) {
+            for inj in s.input.injected {
+                let n = inj.rows.len() / h;
+                b.write_rows(&mut x, (seg.row + inj.offset) * h, &b.upload(inj.rows, &[n, h]), 0..n);
+            }
+        }
+        let rope = b.rope_table(&self.rope, &positions);
         let mut hidden = Vec::new();
         if capture_hidden {
-            hidden.push(x.clone());
+            hidden.push(b.download(&x));
         }
         // 2. Decoder layers: x += mixer(norm(x)); x += ffn(norm(x)). Each sequence's page table and this
         //    family's state, borrowed apart.
@@ -102,10 +98,10 @@ impl Qwen35 {
             .collect();
         for (li, layer) in self.layers.iter().enumerate() {
             if let Some(t) = opts.teacher_inputs {
-                x.copy_from_slice(&t[li]);
+                x = b.upload(&t[li], &[ids.len(), h]);
             }
             let mut hn = x.clone();
-            rms_norm_1p(&mut hn, &layer.input_norm, eps);
+            b.rms_norm(&mut hn, &layer.input_norm, eps, true);
             let mixed = match &layer.mixer {
                 Mixer::Linear(g) => {
                     let mut st: Vec<&mut LinearState> = parts
@@ -117,7 +113,7 @@ impl Qwen35 {
                             }
                         })
                         .collect();
-                    g.forward(&hn, &segs, &mut st)
+                    g.forward(b, &hn, &segs, &mut st)
                 }
                 Mixer::Full(a) => {
                     let kv_layer = match parts.first().map(|(_, f)| &f.layers[li]) {
@@ -125,41 +121,41 @@ impl Qwen35 {
                         _ => unreachable!("state built for another layer stack: this is a bug"),
                     };
                     let mut tables: Vec<&mut PageTable> = parts.iter_mut().map(|(t, _)| &mut **t).collect();
-                    a.forward(&hn, &segs, (&mut tables, kv_layer), &rope, &self.rope)
+                    a.forward(b, &hn, &segs, (&mut tables, kv_layer), (&rope, &self.rope))
                 }
             };
-            x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
+            b.add(&mut x, &mixed);
             let mut hn = x.clone();
-            rms_norm_1p(&mut hn, &layer.post_norm, eps);
+            b.rms_norm(&mut hn, &layer.post_norm, eps, true);
             let ffn = match &layer.ffn {
-                Ffn::Dense(m) => m.forward(&hn, t),
+                Ffn::Dense(m) => m.forward(b, &hn),
                 Ffn::Moe(m) => {
                     let src = self.experts.as_deref().expect("MoE model without an expert source: this is a bug");
-                    m.forward(&hn, src)?
+                    m.forward(b, &hn, src)?
                 }
             };
-            x.iter_mut().zip(&ffn).for_each(|(a, b)| *a += b);
+            b.add(&mut x, &ffn);
             if capture_hidden && li + 1 < self.layers.len() {
-                hidden.push(x.clone());
+                hidden.push(b.download(&x));
             }
         }
         drop(parts);
-        // 3. Final norm and lm_head on the rows whose logits are wanted.
+        // 3. Final norm and lm_head on the rows whose logits are wanted; only those logits come back.
         if capture_hidden {
             let mut normed = x.clone();
-            rms_norm_1p(&mut normed, &self.norm, eps);
-            hidden.push(normed);
+            b.rms_norm(&mut normed, &self.norm, eps, true);
+            hidden.push(b.download(&normed));
         }
         let mut logits = Vec::with_capacity(steps.len());
         for (s, seg) in steps.iter_mut().zip(&segs) {
-            let rows = match s.input.logits {
-                LogitsWanted::None => 0..0,
-                LogitsWanted::Last => seg.row + seg.len.saturating_sub(1)..seg.row + seg.len,
-                LogitsWanted::All => seg.row..seg.row + seg.len,
+            let rows: Vec<usize> = match s.input.logits {
+                LogitsWanted::None => Vec::new(),
+                LogitsWanted::Last => (seg.row + seg.len.saturating_sub(1)..seg.row + seg.len).collect(),
+                LogitsWanted::All => (seg.row..seg.row + seg.len).collect(),
             };
-            let mut sel = x[rows.start * h..rows.end * h].to_vec();
-            rms_norm_1p(&mut sel, &self.norm, eps);
-            logits.push(linear(&sel, rows.len(), &self.lm_head));
+            let mut sel = b.gather_rows(&x, &rows);
+            b.rms_norm(&mut sel, &self.norm, eps, true);
+            logits.push(b.download(&b.linear(&sel, &self.lm_head)));
             s.state.len += seg.len;
         }
         Ok(ForwardOutput { logits, hidden })

@@ -11,9 +11,9 @@ mod state;
 
 use std::sync::Arc;
 
-use osprey_kernels::rope::MRope;
+use osprey_backend::{BackendRef, MRope, Tensor};
 
-use crate::checkpoint::{Checkpoint, Weight};
+use crate::checkpoint::Checkpoint;
 use crate::config::{LayerKind, ModelConfig, TextConfig};
 use crate::error::Result;
 use crate::family::{CausalLm, ForwardOptions, ForwardOutput, KvLayout, LmInfo, Model, SeqStep};
@@ -22,6 +22,7 @@ use crate::layers::attention::GatedAttention;
 use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::{ExpertSource, ResidentExperts, SparseMoe};
+use crate::layers::{load_linear, load_vector, place};
 use crate::registry::{ExpertLayout, Family, MediaSupport, QuantRules};
 use crate::state::SeqState;
 use crate::vision::VisionTower;
@@ -37,11 +38,11 @@ pub(crate) static FAMILY: Family = Family {
         "Qwen3_5ForCausalLM",
         "Qwen3_5MoeForCausalLM",
     ],
-    load: |cfg, ck, experts, progress| {
-        Ok(Box::new(Qwen35::from_checkpoint_with_progress(cfg, ck, experts, progress)?) as Model)
+    load: |cfg, ck, experts, backend, progress| {
+        Ok(Box::new(Qwen35::from_checkpoint_with_progress(cfg, ck, experts, backend, progress)?) as Model)
     },
     experts: expert_layout,
-    vision: |cfg, ck| cfg.vision.as_ref().map(|v| VisionTower::load(ck, v)).transpose(),
+    vision: |cfg, ck, backend| cfg.vision.as_ref().map(|v| VisionTower::load(backend, ck, v)).transpose(),
     media: MediaSupport { images: true, video: true },
     quant: QuantRules {
         is_routed_expert: |name| {
@@ -91,8 +92,8 @@ fn expert_layout(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<ExpertLayo
 
 #[derive(Debug)]
 enum Mixer {
-    Linear(GatedDeltaNet),
-    Full(GatedAttention),
+    Linear(Box<GatedDeltaNet>),
+    Full(Box<GatedAttention>),
 }
 
 #[derive(Debug)]
@@ -103,8 +104,8 @@ enum Ffn {
 
 #[derive(Debug)]
 struct DecoderLayer {
-    input_norm: Vec<f32>,
-    post_norm: Vec<f32>,
+    input_norm: Tensor,
+    post_norm: Tensor,
     mixer: Mixer,
     ffn: Ffn,
 }
@@ -114,10 +115,12 @@ struct DecoderLayer {
 pub(crate) struct Qwen35 {
     cfg: TextConfig,
     info: LmInfo,
-    embed: Weight,
+    /// Where the weights live and the forward runs.
+    backend: BackendRef,
+    embed: Tensor,
     layers: Vec<DecoderLayer>,
-    norm: Vec<f32>,
-    lm_head: Weight,
+    norm: Tensor,
+    lm_head: Tensor,
     rope: MRope,
     experts: Option<Arc<dyn ExpertSource>>,
 }
@@ -133,15 +136,17 @@ fn text_prefix(ck: &Checkpoint) -> &'static str {
 }
 
 impl Qwen35 {
-    /// Builds the decoder from an opened checkpoint, reporting `(layers done, layers)` as layers are
-    /// mapped. `experts` replaces the default (every expert mapped from `ck`) for MoE models, e.g. with
-    /// the residency manager.
+    /// Builds the decoder from an opened checkpoint with its weights placed on `backend`, reporting
+    /// `(layers done, layers)` as layers are placed. `experts` replaces the default (every expert mapped
+    /// from `ck`) for MoE models, e.g. with the residency manager.
     fn from_checkpoint_with_progress(
         cfg: &ModelConfig,
         ck: &Checkpoint,
         experts: Option<Arc<dyn ExpertSource>>,
+        backend: BackendRef,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
+        let b = backend.as_ref();
         let c = cfg.text.clone();
         let (h, v) = (c.hidden_size, c.vocab_size);
         let p = text_prefix(ck);
@@ -151,12 +156,15 @@ impl Qwen35 {
         for (i, kind) in kinds.iter().enumerate() {
             let lp = format!("{p}layers.{i}");
             let mixer = match kind {
-                LayerKind::Linear => Mixer::Linear(GatedDeltaNet::load(ck, &format!("{lp}.linear_attn"), &c)?),
-                LayerKind::Full => Mixer::Full(GatedAttention::load(ck, &format!("{lp}.self_attn"), &c)?),
+                LayerKind::Linear => {
+                    Mixer::Linear(Box::new(GatedDeltaNet::load(b, ck, &format!("{lp}.linear_attn"), &c)?))
+                }
+                LayerKind::Full => Mixer::Full(Box::new(GatedAttention::load(b, ck, &format!("{lp}.self_attn"), &c)?)),
             };
             let ffn = match moe {
-                Some(m) => Ffn::Moe(Box::new(SparseMoe::load(ck, &format!("{lp}.mlp"), i, h, m)?)),
+                Some(m) => Ffn::Moe(Box::new(SparseMoe::load(b, ck, &format!("{lp}.mlp"), i, h, m)?)),
                 None => Ffn::Dense(Box::new(Mlp::load(
+                    b,
                     ck,
                     &format!("{lp}.mlp"),
                     h,
@@ -164,8 +172,8 @@ impl Qwen35 {
                 )?)),
             };
             layers.push(DecoderLayer {
-                input_norm: ck.vector(&format!("{lp}.input_layernorm.weight"), h)?,
-                post_norm: ck.vector(&format!("{lp}.post_attention_layernorm.weight"), h)?,
+                input_norm: load_vector(b, ck, &format!("{lp}.input_layernorm.weight"), h)?,
+                post_norm: load_vector(b, ck, &format!("{lp}.post_attention_layernorm.weight"), h)?,
                 mixer,
                 ffn,
             });
@@ -180,8 +188,8 @@ impl Qwen35 {
             }
             (None, _) => None,
         };
-        let embed = ck.weight(&format!("{p}embed_tokens.weight"), &[v, h])?;
-        let lm_head = if c.tie_word_embeddings { embed.clone() } else { ck.linear("lm_head", v, h)? };
+        let embed = place(b, ck.weight(&format!("{p}embed_tokens.weight"), &[v, h])?);
+        let lm_head = if c.tie_word_embeddings { embed.clone() } else { load_linear(b, ck, "lm_head", v, h)? };
         let rope_p = c.rope()?;
         let sec = &rope_p.mrope_section;
         let rope = MRope::new(c.head_dim(), c.rot_dim(), rope_p.rope_theta, [sec[0], sec[1], sec[2]]);
@@ -195,8 +203,8 @@ impl Qwen35 {
             eos_token_ids: c.eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default(),
             max_position_embeddings: c.max_position_embeddings,
         };
-        let norm = ck.vector(&format!("{p}norm.weight"), h)?;
-        Ok(Qwen35 { norm, cfg: c, info, embed, layers, lm_head, rope, experts })
+        let norm = load_vector(b, ck, &format!("{p}norm.weight"), h)?;
+        Ok(Qwen35 { norm, cfg: c, info, backend, embed, layers, lm_head, rope, experts })
     }
 }
 
@@ -210,6 +218,10 @@ impl CausalLm for Qwen35 {
         KvLayout { layers, kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim() }
     }
 
+    fn backend(&self) -> &BackendRef {
+        &self.backend
+    }
+
     fn forward_with(&self, steps: &mut [SeqStep<'_, '_>], opts: &ForwardOptions<'_>) -> Result<ForwardOutput> {
         self.run(steps, opts)
     }
@@ -220,7 +232,7 @@ impl CausalLm for Qwen35 {
             .layers
             .iter()
             .map(|l| match &l.mixer {
-                Mixer::Linear(g) => LayerState::Linear(g.new_state()),
+                Mixer::Linear(g) => LayerState::Linear(g.new_state(self.backend.as_ref())),
                 Mixer::Full(_) => LayerState::Full { kv_layer: kv_layers.next().unwrap_or_default() },
             })
             .collect();

@@ -24,7 +24,7 @@ pub(crate) struct HybridState {
 }
 
 /// The linear states, in layer order.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 struct HybridSnapshot {
     linear: Vec<LinearState>,
 }

@@ -4,15 +4,12 @@
 //! or one video frame group, tanh-GELU MLP, then the merger (LayerNorm, 2×2 merge, exact GELU MLP) to
 //! the decoder's hidden size. No deepstack (Qwen3-VL has it; Qwen3.5 does not).
 
-use osprey_kernels::attention::{bidirectional_attention, AttnShape};
-use osprey_kernels::norm::layer_norm;
-use osprey_kernels::rope::rotate_half_pairs;
-use osprey_kernels::{gelu_erf, gelu_tanh};
+use osprey_backend::{AttnShape, Backend, BackendRef, Tensor};
 use serde::Deserialize;
 
-use crate::checkpoint::{Checkpoint, Weight};
+use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::layers::linear;
+use crate::layers::{load_vector, place};
 
 /// `vision_config` with the Hugging Face field names.
 #[derive(Clone, Debug, Deserialize)]
@@ -75,40 +72,44 @@ impl VisionConfig {
 
 #[derive(Debug)]
 struct Affine {
-    w: Weight,
-    b: Vec<f32>,
+    w: Tensor,
+    b: Tensor,
 }
 
 impl Affine {
-    fn load(ck: &Checkpoint, p: &str, out: usize, inp: &[usize]) -> Result<Self> {
+    fn load(be: &dyn Backend, ck: &Checkpoint, p: &str, out: usize, inp: &[usize]) -> Result<Self> {
         let mut shape = vec![out];
         shape.extend_from_slice(inp);
-        Ok(Affine { w: ck.weight(&format!("{p}.weight"), &shape)?, b: ck.vector(&format!("{p}.bias"), out)? })
+        Ok(Affine {
+            w: place(be, ck.weight(&format!("{p}.weight"), &shape)?),
+            b: load_vector(be, ck, &format!("{p}.bias"), out)?,
+        })
     }
 
-    fn forward(&self, x: &[f32], m: usize) -> Vec<f32> {
-        let mut y = linear(x, m, &self.w);
-        for row in y.chunks_mut(self.b.len()) {
-            row.iter_mut().zip(&self.b).for_each(|(a, b)| *a += b);
-        }
+    fn forward(&self, be: &dyn Backend, x: &Tensor) -> Tensor {
+        let mut y = be.linear(x, &self.w);
+        be.add_bias(&mut y, &self.b);
         y
     }
 }
 
 #[derive(Debug)]
 struct Norm {
-    w: Vec<f32>,
-    b: Vec<f32>,
+    w: Tensor,
+    b: Tensor,
 }
 
 impl Norm {
-    fn load(ck: &Checkpoint, p: &str, d: usize) -> Result<Self> {
-        Ok(Norm { w: ck.vector(&format!("{p}.weight"), d)?, b: ck.vector(&format!("{p}.bias"), d)? })
+    fn load(be: &dyn Backend, ck: &Checkpoint, p: &str, d: usize) -> Result<Self> {
+        Ok(Norm {
+            w: load_vector(be, ck, &format!("{p}.weight"), d)?,
+            b: load_vector(be, ck, &format!("{p}.bias"), d)?,
+        })
     }
 
-    fn apply(&self, x: &[f32]) -> Vec<f32> {
-        let mut y = x.to_vec();
-        layer_norm(&mut y, &self.w, &self.b, 1e-6);
+    fn apply(&self, be: &dyn Backend, x: &Tensor) -> Tensor {
+        let mut y = x.clone();
+        be.layer_norm(&mut y, &self.w, &self.b, 1e-6);
         y
     }
 }
@@ -127,6 +128,7 @@ struct Block {
 #[derive(Debug)]
 pub struct VisionTower {
     cfg: VisionConfig,
+    backend: BackendRef,
     patch: Affine,
     pos_embed: Vec<f32>,
     side: usize,
@@ -160,8 +162,9 @@ fn taps(index: usize, size: usize, side: usize) -> [(usize, f32); 2] {
 }
 
 impl VisionTower {
-    /// Loads `model.visual.*` for the given `vision_config` JSON.
-    pub fn load(ck: &Checkpoint, vision_config: &serde_json::Value) -> Result<Self> {
+    /// Loads `model.visual.*` for the given `vision_config` JSON onto `backend`.
+    pub fn load(backend: BackendRef, ck: &Checkpoint, vision_config: &serde_json::Value) -> Result<Self> {
+        let be = backend.as_ref();
         let cfg: VisionConfig = serde_json::from_value(vision_config.clone())
             .map_err(|source| Error::Json { path: "config.json (vision_config)".into(), source })?;
         cfg.validate()?;
@@ -172,25 +175,26 @@ impl VisionTower {
             .map(|i| {
                 let b = format!("{p}.blocks.{i}");
                 Ok(Block {
-                    norm1: Norm::load(ck, &format!("{b}.norm1"), d)?,
-                    norm2: Norm::load(ck, &format!("{b}.norm2"), d)?,
-                    qkv: Affine::load(ck, &format!("{b}.attn.qkv"), 3 * d, &[d])?,
-                    proj: Affine::load(ck, &format!("{b}.attn.proj"), d, &[d])?,
-                    fc1: Affine::load(ck, &format!("{b}.mlp.linear_fc1"), inter, &[d])?,
-                    fc2: Affine::load(ck, &format!("{b}.mlp.linear_fc2"), d, &[inter])?,
+                    norm1: Norm::load(be, ck, &format!("{b}.norm1"), d)?,
+                    norm2: Norm::load(be, ck, &format!("{b}.norm2"), d)?,
+                    qkv: Affine::load(be, ck, &format!("{b}.attn.qkv"), 3 * d, &[d])?,
+                    proj: Affine::load(be, ck, &format!("{b}.attn.proj"), d, &[d])?,
+                    fc1: Affine::load(be, ck, &format!("{b}.mlp.linear_fc1"), inter, &[d])?,
+                    fc2: Affine::load(be, ck, &format!("{b}.mlp.linear_fc2"), d, &[inter])?,
                 })
             })
             .collect::<Result<_>>()?;
         let merged = d * cfg.spatial_merge_size * cfg.spatial_merge_size;
         let side = (cfg.num_position_embeddings as f64).sqrt() as usize;
         Ok(VisionTower {
-            patch: Affine::load(ck, &format!("{p}.patch_embed.proj"), d, &[c, tp, ps, ps])?,
+            patch: Affine::load(be, ck, &format!("{p}.patch_embed.proj"), d, &[c, tp, ps, ps])?,
             pos_embed: ck.weight(&format!("{p}.pos_embed.weight"), &[cfg.num_position_embeddings, d])?.to_f32(),
             side,
             blocks,
-            merger_norm: Norm::load(ck, &format!("{p}.merger.norm"), d)?,
-            merger_fc1: Affine::load(ck, &format!("{p}.merger.linear_fc1"), merged, &[merged])?,
-            merger_fc2: Affine::load(ck, &format!("{p}.merger.linear_fc2"), cfg.out_hidden_size, &[merged])?,
+            backend: backend.clone(),
+            merger_norm: Norm::load(be, ck, &format!("{p}.merger.norm"), d)?,
+            merger_fc1: Affine::load(be, ck, &format!("{p}.merger.linear_fc1"), merged, &[merged])?,
+            merger_fc2: Affine::load(be, ck, &format!("{p}.merger.linear_fc2"), cfg.out_hidden_size, &[merged])?,
             cfg,
         })
     }
@@ -200,7 +204,7 @@ impl VisionTower {
         let cfg = crate::config::ModelConfig::from_dir(dir)?;
         let Some(v) = cfg.vision else { return Ok(None) };
         let ck = Checkpoint::open(dir)?;
-        Self::load(&ck, &v).map(Some)
+        Self::load(osprey_backend::cpu::CpuBackend::shared(), &ck, &v).map(Some)
     }
 
     /// The config.
@@ -221,8 +225,10 @@ impl VisionTower {
         if h % m != 0 || w % m != 0 || rows.len() != n * row_len || n == 0 {
             return Err(Error::InvalidInput(format!("pixel rows do not match grid {grid:?}")));
         }
-        // 1. Patch embedding + interpolated learned positions.
-        let mut x = self.patch.forward(rows, n);
+        let be = self.backend.as_ref();
+        // 1. Patch embedding + interpolated learned positions (the table resampled on the host for this
+        //    grid, once per frame).
+        let mut x = self.patch.forward(be, &be.upload(rows, &[n, row_len]));
         let order = block_order(h, w, m);
         let mut pos = vec![0f32; h * w * d];
         for (p, &(r, col)) in order.iter().enumerate() {
@@ -235,9 +241,7 @@ impl VisionTower {
                 }
             }
         }
-        for (i, row) in x.chunks_mut(d).enumerate() {
-            row.iter_mut().zip(&pos[(i % (h * w)) * d..]).for_each(|(a, b)| *a += b);
-        }
+        be.add(&mut x, &be.upload(&pos.repeat(t), &[n, d]));
         // 2. 2-D rotary tables: the first hd/4 frequencies take the row, the next hd/4 the column.
         let quarter = hd / 4;
         let inv: Vec<f32> =
@@ -252,47 +256,31 @@ impl VisionTower {
                 }
             }
         }
+        let (cos, sin) = (be.upload(&cos.repeat(t), &[n, hd / 2]), be.upload(&sin.repeat(t), &[n, hd / 2]));
         // 3. Blocks; attention sees only its own frame group (h·w rows).
         let shape = AttnShape { heads, kv_heads: heads, head_dim: hd };
         let group = h * w;
         for b in &self.blocks {
-            let qkv = b.qkv.forward(&b.norm1.apply(&x), n);
-            let (mut q, mut k, mut v) = (vec![0f32; n * d], vec![0f32; n * d], vec![0f32; n * d]);
-            for i in 0..n {
-                q[i * d..(i + 1) * d].copy_from_slice(&qkv[i * 3 * d..i * 3 * d + d]);
-                k[i * d..(i + 1) * d].copy_from_slice(&qkv[i * 3 * d + d..i * 3 * d + 2 * d]);
-                v[i * d..(i + 1) * d].copy_from_slice(&qkv[i * 3 * d + 2 * d..(i + 1) * 3 * d]);
-            }
-            for i in 0..n {
-                let p = i % group;
-                let (cs, sn) = (&cos[p * hd / 2..(p + 1) * hd / 2], &sin[p * hd / 2..(p + 1) * hd / 2]);
-                rotate_half_pairs(&mut q[i * d..(i + 1) * d], hd, cs, sn);
-                rotate_half_pairs(&mut k[i * d..(i + 1) * d], hd, cs, sn);
-            }
-            let mut attn = vec![0f32; n * d];
+            let qkv = b.qkv.forward(be, &b.norm1.apply(be, &x));
+            let mut parts = be.split_cols(&qkv, 1, &[d, d, d]).into_iter();
+            let (mut q, mut k, v) = (parts.next().expect("q"), parts.next().expect("k"), parts.next().expect("v"));
+            be.rotate_half(&mut q, hd, &cos, &sin);
+            be.rotate_half(&mut k, hd, &cos, &sin);
+            let mut attn = be.zeros(&[n, d]);
             for g in 0..t {
-                let r = g * group * d..(g + 1) * group * d;
-                bidirectional_attention(
-                    &q[r.clone()],
-                    &k[r.clone()],
-                    &v[r.clone()],
-                    shape,
-                    (hd as f32).powf(-0.5),
-                    &mut attn[r],
-                );
+                let rows = g * group..(g + 1) * group;
+                be.attention_bidirectional(&q, &k, &v, rows, shape, (hd as f32).powf(-0.5), &mut attn);
             }
-            let o = b.proj.forward(&attn, n);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            let mut hmid = b.fc1.forward(&b.norm2.apply(&x), n);
-            hmid.iter_mut().for_each(|v| *v = gelu_tanh(*v));
-            let o = b.fc2.forward(&hmid, n);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            be.add(&mut x, &b.proj.forward(be, &attn));
+            let mut hmid = b.fc1.forward(be, &b.norm2.apply(be, &x));
+            be.gelu(&mut hmid, true);
+            be.add(&mut x, &b.fc2.forward(be, &hmid));
         }
         // 4. Merger: LayerNorm per patch, then each 2×2 block (4 consecutive rows) is one row of 4·d.
-        let merged = self.merger_norm.apply(&x);
         let rows_out = n / (m * m);
-        let mut y = self.merger_fc1.forward(&merged, rows_out);
-        y.iter_mut().for_each(|v| *v = gelu_erf(*v));
-        Ok(self.merger_fc2.forward(&y, rows_out))
+        let merged = self.merger_norm.apply(be, &x).reshape(&[rows_out, d * m * m]);
+        let mut y = self.merger_fc1.forward(be, &merged);
+        be.gelu(&mut y, false);
+        Ok(be.download(&self.merger_fc2.forward(be, &y)))
     }
 }

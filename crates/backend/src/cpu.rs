@@ -1,0 +1,421 @@
+//! The CPU backend: host memory and `osprey-kernels`. Activations and states are `Vec<f32>`; a placed
+//! weight is the host matrix itself (mapped from the checkpoint or the expert cache: placing copies
+//! nothing). Every op calls the kernel the layers called before the seam, in the same order, so answers
+//! are bit-identical to the pre-seam engine.
+
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
+
+use osprey_kernels::attention::{bidirectional_attention, causal_attention_paged, AttnShape, PagedKv};
+use osprey_kernels::gdn::{causal_conv_silu, gated_delta_chunked, gated_delta_recurrent, DeltaInputs, GdnShape};
+use osprey_kernels::norm::{l2_norm, layer_norm, rms_norm, rms_norm_1p, rms_norm_gated};
+use osprey_kernels::rope::{rotate_half_pairs, MRope};
+use osprey_kernels::{gelu_erf, gelu_tanh, matmul, sigmoid, silu, softplus, DType};
+
+use crate::ops::{Backend, BackendRef, PagedView, RopeTable};
+use crate::{Device, HostMatrix, Storage, Tensor};
+
+/// What a CPU tensor holds.
+#[derive(Debug)]
+pub enum CpuStorage {
+    /// f32 elements (activations, states, norms, KV pages).
+    F32(Vec<f32>),
+    /// A placed weight: the host matrix, not copied.
+    Matrix(Arc<dyn HostMatrix>),
+}
+
+impl Storage for CpuStorage {
+    fn bytes(&self) -> usize {
+        match self {
+            CpuStorage::F32(v) => std::mem::size_of_val(v.as_slice()),
+            CpuStorage::Matrix(m) => m.bytes(),
+        }
+    }
+
+    fn clone_storage(&self) -> Box<dyn Storage> {
+        Box::new(match self {
+            CpuStorage::F32(v) => CpuStorage::F32(v.clone()),
+            CpuStorage::Matrix(m) => CpuStorage::Matrix(m.clone()),
+        })
+    }
+}
+
+/// The CPU backend (stateless: the kernels pick their SIMD path at run time).
+#[derive(Debug, Default)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    /// The process-wide instance.
+    pub fn shared() -> BackendRef {
+        static CPU: OnceLock<BackendRef> = OnceLock::new();
+        CPU.get_or_init(|| Arc::new(CpuBackend)).clone()
+    }
+
+    fn tensor(shape: &[usize], data: Vec<f32>) -> Tensor {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len());
+        Tensor::new(shape.to_vec(), DType::F32, Device::Cpu, Box::new(CpuStorage::F32(data)))
+    }
+}
+
+/// An f32 CPU tensor's elements.
+pub fn host(t: &Tensor) -> &[f32] {
+    match t.storage::<CpuStorage>() {
+        Some(CpuStorage::F32(v)) => v,
+        other => panic!("expected an f32 CPU tensor, got {other:?}: this is a bug"),
+    }
+}
+
+/// An f32 CPU tensor's elements, mutably.
+pub fn host_mut(t: &mut Tensor) -> &mut [f32] {
+    match t.storage_mut::<CpuStorage>() {
+        Some(CpuStorage::F32(v)) => v,
+        _ => panic!("expected an f32 CPU tensor: this is a bug"),
+    }
+}
+
+fn matrix(t: &Tensor) -> &dyn HostMatrix {
+    match t.storage::<CpuStorage>() {
+        Some(CpuStorage::Matrix(m)) => m.as_ref(),
+        other => panic!("expected a placed CPU weight, got {other:?}: this is a bug"),
+    }
+}
+
+/// Top-k routing of one token: softmax, the `k` most probable experts (stable sort: ties keep the
+/// lower id first), weights renormalised over them.
+pub fn route(logits: &[f32], top_k: usize) -> (Vec<usize>, Vec<f32>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+    let sum: f32 = exp.iter().sum();
+    let probs: Vec<f32> = exp.iter().map(|e| e / sum).collect();
+    let mut idx: Vec<usize> = (0..probs.len()).collect();
+    idx.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+    idx.truncate(top_k);
+    let top: Vec<f32> = idx.iter().map(|&i| probs[i]).collect();
+    let s: f32 = top.iter().sum();
+    (idx, top.iter().map(|p| p / s).collect())
+}
+
+impl Backend for CpuBackend {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn describe(&self) -> String {
+        let simd = if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            "avx2+fma"
+        } else {
+            "portable"
+        };
+        format!("cpu ({simd} kernels, {} threads)", rayon_threads())
+    }
+
+    fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Tensor {
+        let (shape, dtype) = (vec![w.rows(), w.cols()], w.dtype());
+        Tensor::new(shape, dtype, Device::Cpu, Box::new(CpuStorage::Matrix(w)))
+    }
+
+    fn upload(&self, data: &[f32], shape: &[usize]) -> Tensor {
+        Self::tensor(shape, data.to_vec())
+    }
+
+    fn download(&self, t: &Tensor) -> Vec<f32> {
+        host(t).to_vec()
+    }
+
+    fn zeros(&self, shape: &[usize]) -> Tensor {
+        Self::tensor(shape, vec![0f32; shape.iter().product()])
+    }
+
+    fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>) {
+        let c = src.cols();
+        let s = &host(src)[rows.start * c..rows.end * c];
+        host_mut(dst)[at..at + s.len()].copy_from_slice(s);
+    }
+
+    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Tensor {
+        let (c, xs) = (x.cols(), host(x));
+        let mut out = Vec::with_capacity(rows.len() * c);
+        for &i in rows {
+            out.extend_from_slice(&xs[i * c..(i + 1) * c]);
+        }
+        Self::tensor(&[rows.len(), c], out)
+    }
+
+    fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor) {
+        let (h, d) = (out.cols(), host(y));
+        let o = host_mut(out);
+        for (j, (&i, &wt)) in rows.iter().zip(weights).enumerate() {
+            for (o, v) in o[i * h..(i + 1) * h].iter_mut().zip(&d[j * h..(j + 1) * h]) {
+                *o += v * wt;
+            }
+        }
+    }
+
+    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Vec<Tensor> {
+        let (t, xs) = (x.rows(), host(x));
+        let group: usize = parts.iter().sum();
+        let mut outs: Vec<Vec<f32>> = parts.iter().map(|p| Vec::with_capacity(t * heads * p)).collect();
+        for unit in xs.chunks(group) {
+            let mut at = 0;
+            for (o, &p) in outs.iter_mut().zip(parts) {
+                o.extend_from_slice(&unit[at..at + p]);
+                at += p;
+            }
+        }
+        outs.into_iter().zip(parts).map(|(o, &p)| Self::tensor(&[t, heads * p], o)).collect()
+    }
+
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
+        let w = matrix(w);
+        let m = x.rows();
+        let mut out = vec![0f32; m * w.rows()];
+        matmul(host(x), m, w.view(), w.rows(), w.cols(), &mut out);
+        Self::tensor(&[m, w.rows()], out)
+    }
+
+    fn embed(&self, table: &Tensor, ids: &[u32]) -> Tensor {
+        let w = matrix(table);
+        let h = w.cols();
+        let mut out = vec![0f32; ids.len() * h];
+        let view = w.view();
+        for (i, &t) in ids.iter().enumerate() {
+            view.row_f32(t as usize, h, &mut out[i * h..(i + 1) * h]);
+        }
+        Self::tensor(&[ids.len(), h], out)
+    }
+
+    fn add(&self, x: &mut Tensor, y: &Tensor) {
+        host_mut(x).iter_mut().zip(host(y)).for_each(|(a, b)| *a += b);
+    }
+
+    fn add_bias(&self, x: &mut Tensor, bias: &Tensor) {
+        let bs = host(bias);
+        for row in host_mut(x).chunks_mut(bs.len()) {
+            row.iter_mut().zip(bs).for_each(|(a, b)| *a += b);
+        }
+    }
+
+    fn scale(&self, x: &mut Tensor, s: f32) {
+        host_mut(x).iter_mut().for_each(|v| *v *= s);
+    }
+
+    fn silu_mul(&self, gate: &mut Tensor, up: &Tensor) {
+        for (a, b) in host_mut(gate).iter_mut().zip(host(up)) {
+            *a = silu(*a) * b;
+        }
+    }
+
+    fn sigmoid_mul(&self, x: &mut Tensor, gate: &Tensor) {
+        for (a, g) in host_mut(x).iter_mut().zip(host(gate)) {
+            *a *= sigmoid(*g);
+        }
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut Tensor, y: &Tensor, gate: &Tensor) {
+        let h = out.cols();
+        let (ys, gs) = (host(y), host(gate));
+        for (i, row) in host_mut(out).chunks_mut(h).enumerate() {
+            let g = sigmoid(gs[i]);
+            for (o, s) in row.iter_mut().zip(&ys[i * h..(i + 1) * h]) {
+                *o += g * s;
+            }
+        }
+    }
+
+    fn gelu(&self, x: &mut Tensor, tanh: bool) {
+        let f = if tanh { gelu_tanh } else { gelu_erf };
+        host_mut(x).iter_mut().for_each(|v| *v = f(*v));
+    }
+
+    fn rms_norm(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool) {
+        if one_plus {
+            rms_norm_1p(host_mut(x), host(w), eps);
+        } else {
+            rms_norm(host_mut(x), host(w), eps);
+        }
+    }
+
+    fn rms_norm_gated(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
+        rms_norm_gated(host_mut(x), host(z), host(w), eps);
+    }
+
+    fn l2_norm(&self, x: &mut Tensor, group: usize, eps: f32) {
+        l2_norm(host_mut(x), group, eps);
+    }
+
+    fn layer_norm(&self, x: &mut Tensor, w: &Tensor, b: &Tensor, eps: f32) {
+        layer_norm(host_mut(x), host(w), host(b), eps);
+    }
+
+    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> RopeTable {
+        let half = rope.rot_dim() / 2;
+        let mut cos = vec![0f32; positions.len() * half];
+        let mut sin = vec![0f32; positions.len() * half];
+        for (i, p) in positions.iter().enumerate() {
+            rope.cos_sin(*p, &mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
+        }
+        let shape = [positions.len(), half];
+        RopeTable { cos: Self::tensor(&shape, cos), sin: Self::tensor(&shape, sin) }
+    }
+
+    fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable) {
+        let (half, c) = (table.cos.cols(), x.cols());
+        let (cos, sin) = (host(&table.cos), host(&table.sin));
+        for (i, row) in host_mut(x).chunks_mut(c).enumerate() {
+            rope.apply(row, &cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+        }
+    }
+
+    fn rotate_half(&self, x: &mut Tensor, head_dim: usize, cos: &Tensor, sin: &Tensor) {
+        let (half, c) = (cos.cols(), x.cols());
+        let (cs, sn) = (host(cos), host(sin));
+        for (i, row) in host_mut(x).chunks_mut(c).enumerate() {
+            rotate_half_pairs(row, head_dim, &cs[i * half..(i + 1) * half], &sn[i * half..(i + 1) * half]);
+        }
+    }
+
+    fn attention_paged(
+        &self,
+        q: &Tensor,
+        rows: Range<usize>,
+        kv: PagedView<'_>,
+        past: usize,
+        shape: AttnShape,
+        scale: f32,
+        out: &mut Tensor,
+    ) {
+        let span = kv.page_size * shape.kv_heads * shape.head_dim;
+        let (k, v): (Vec<&[f32]>, Vec<&[f32]>) = kv
+            .pages
+            .iter()
+            .map(|p| {
+                let d = host(p);
+                (&d[kv.k_offset..kv.k_offset + span], &d[kv.v_offset..kv.v_offset + span])
+            })
+            .unzip();
+        let c = q.cols();
+        let paged = PagedKv { k: &k, v: &v, page: kv.page_size };
+        let q = &host(q)[rows.start * c..rows.end * c];
+        causal_attention_paged(q, paged, past, shape, scale, &mut host_mut(out)[rows.start * c..rows.end * c]);
+    }
+
+    fn attention_bidirectional(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rows: Range<usize>,
+        shape: AttnShape,
+        scale: f32,
+        out: &mut Tensor,
+    ) {
+        let (qc, kc) = (q.cols(), k.cols());
+        let (q, k, v) = (
+            &host(q)[rows.start * qc..rows.end * qc],
+            &host(k)[rows.start * kc..rows.end * kc],
+            &host(v)[rows.start * kc..rows.end * kc],
+        );
+        bidirectional_attention(q, k, v, shape, scale, &mut host_mut(out)[rows.start * qc..rows.end * qc]);
+    }
+
+    fn causal_conv_silu(
+        &self,
+        x: &Tensor,
+        rows: Range<usize>,
+        w: &Tensor,
+        kernel: usize,
+        state: &mut Tensor,
+    ) -> Tensor {
+        let c = x.cols();
+        let mut out = vec![0f32; rows.len() * c];
+        causal_conv_silu(&host(x)[rows.start * c..rows.end * c], c, host(w), kernel, host_mut(state), &mut out);
+        Self::tensor(&[rows.len(), c], out)
+    }
+
+    fn delta_gates(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        rows: Range<usize>,
+        neg_a: &Tensor,
+        dt_bias: &Tensor,
+    ) -> (Tensor, Tensor) {
+        let nv = a.cols();
+        let (a, b, neg_a, dt_bias) = (host(a), host(b), host(neg_a), host(dt_bias));
+        let n = rows.len();
+        let mut beta = vec![0f32; n * nv];
+        let mut g = vec![0f32; n * nv];
+        for i in 0..n {
+            for h in 0..nv {
+                let idx = (rows.start + i) * nv + h;
+                beta[i * nv + h] = sigmoid(b[idx]);
+                g[i * nv + h] = neg_a[h] * softplus(a[idx] + dt_bias[h]);
+            }
+        }
+        (Self::tensor(&[n, nv], beta), Self::tensor(&[n, nv], g))
+    }
+
+    fn gated_delta(
+        &self,
+        shape: GdnShape,
+        recurrent: bool,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        state: &mut Tensor,
+    ) -> Tensor {
+        let n = q.rows();
+        let mut out = vec![0f32; n * shape.nv * shape.dv];
+        let inp = DeltaInputs { q: host(q), k: host(k), v: host(v), g: host(g), beta: host(beta) };
+        if recurrent {
+            gated_delta_recurrent(shape, inp, host_mut(state), &mut out);
+        } else {
+            gated_delta_chunked(shape, inp, host_mut(state), &mut out);
+        }
+        Self::tensor(&[n, shape.nv * shape.dv], out)
+    }
+
+    fn router_topk(&self, logits: &Tensor, k: usize) -> Vec<(Vec<usize>, Vec<f32>)> {
+        host(logits).chunks(logits.cols()).map(|row| route(row, k)).collect()
+    }
+}
+
+fn rayon_threads() -> usize {
+    osprey_kernels::threads()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_picks_top_k_and_renormalises() {
+        let (ids, w) = route(&[0.0, 2.0, 1.0, 2.0], 2);
+        assert_eq!(ids, vec![1, 3]);
+        assert!((w[0] - 0.5).abs() < 1e-6 && (w[1] - 0.5).abs() < 1e-6);
+        let (ids, w) = route(&[3.0, 0.0, 1.0], 2);
+        assert_eq!(ids, vec![0, 2]);
+        let e = (2.0f32).exp();
+        assert!((w[0] - e / (e + 1.0)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn split_gather_scatter_and_rows_move_the_right_elements() {
+        let b = CpuBackend;
+        let x = b.upload(&(0..12).map(|v| v as f32).collect::<Vec<_>>(), &[2, 6]);
+        // Two heads of [a a | g] per row.
+        let parts = b.split_cols(&x, 2, &[2, 1]);
+        assert_eq!(host(&parts[0]), &[0.0, 1.0, 3.0, 4.0, 6.0, 7.0, 9.0, 10.0]);
+        assert_eq!(host(&parts[1]), &[2.0, 5.0, 8.0, 11.0]);
+        let g = b.gather_rows(&x, &[1, 0]);
+        assert_eq!(&host(&g)[..6], &host(&x)[6..]);
+        let mut out = b.zeros(&[2, 6]);
+        b.scatter_add_rows(&mut out, &[1], &[2.0], &b.gather_rows(&x, &[0]));
+        assert_eq!(&host(&out)[6..], &[0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
+        let mut dst = b.zeros(&[3, 6]);
+        b.write_rows(&mut dst, 6, &x, 1..2);
+        assert_eq!(&host(&dst)[6..12], &host(&x)[6..]);
+    }
+}

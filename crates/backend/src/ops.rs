@@ -1,0 +1,202 @@
+//! The operation set of the seam. Tensors are row-major; "rows" are the tokens of a batch (every
+//! dimension but the last). Ops that name a row range work on those rows of their inputs, so a layer can
+//! run a sequence's part of a batch without copying it out. Shapes are checked by the caller (the family
+//! built them); a mismatch is a bug and panics.
+
+use std::fmt::Debug;
+use std::ops::Range;
+use std::sync::Arc;
+
+use osprey_kernels::attention::AttnShape;
+use osprey_kernels::gdn::GdnShape;
+use osprey_kernels::rope::MRope;
+
+use crate::{Device, HostMatrix, Tensor};
+
+/// A shared backend.
+pub type BackendRef = Arc<dyn Backend>;
+
+/// Per-row rotary tables of one forward (shared by its attention layers).
+#[derive(Clone, Debug)]
+pub struct RopeTable {
+    /// `[T, rot/2]`.
+    pub cos: Tensor,
+    /// `[T, rot/2]`.
+    pub sin: Tensor,
+}
+
+/// One KV layer of a sequence's pages: each page holds `page_size` slots of every layer; the K rows of
+/// this layer start at element `k_offset` of a page, the V rows at `v_offset`, `row` elements a slot.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedView<'a> {
+    /// The sequence's pages in token order.
+    pub pages: &'a [&'a Tensor],
+    /// Slots per page.
+    pub page_size: usize,
+    /// Offset of this layer's K plane in a page.
+    pub k_offset: usize,
+    /// Offset of this layer's V plane in a page.
+    pub v_offset: usize,
+}
+
+/// A compute backend: device memory and the operations model families are written in.
+pub trait Backend: Send + Sync + Debug {
+    /// Its device.
+    fn device(&self) -> Device;
+
+    /// One line for the startup log (device, kernels chosen).
+    fn describe(&self) -> String;
+
+    // --- memory ---------------------------------------------------------------------------------------
+
+    /// Places a weight on the device (at load; routed experts when they arrive).
+    fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Tensor;
+
+    /// An f32 tensor of `shape` from host data.
+    fn upload(&self, data: &[f32], shape: &[usize]) -> Tensor;
+
+    /// An f32 tensor's elements on the host (waits for the device).
+    fn download(&self, t: &Tensor) -> Vec<f32>;
+
+    /// An f32 tensor of zeros.
+    fn zeros(&self, shape: &[usize]) -> Tensor;
+
+    /// Copies `src` rows `rows` into `dst` starting at element `at` (KV page writes, injected rows).
+    fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>);
+
+    /// Rows `rows` of `x`, gathered in that order (expert inputs, rows whose logits are wanted).
+    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Tensor;
+
+    /// `out[rows[j]] += weights[j] · y[j]` in order of `j` (expert outputs back to their tokens).
+    fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor);
+
+    /// Splits each row of `x`, viewed as `heads` groups of `parts.iter().sum()` columns, into one tensor
+    /// per part (`[rows, heads·part]` each): `[q_h | gate_h]` per head, or `q | k | v` with one group.
+    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Vec<Tensor>;
+
+    // --- dense ----------------------------------------------------------------------------------------
+
+    /// `x [m, k] · wᵀ → [m, n]` for a placed weight `[n, k]` of any dtype.
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor;
+
+    /// Rows `ids` of a placed embedding table, widened to f32.
+    fn embed(&self, table: &Tensor, ids: &[u32]) -> Tensor;
+
+    // --- element-wise ---------------------------------------------------------------------------------
+
+    /// `x += y`.
+    fn add(&self, x: &mut Tensor, y: &Tensor);
+
+    /// `x[i] += bias` for every row `i` (`bias [cols]`).
+    fn add_bias(&self, x: &mut Tensor, bias: &Tensor);
+
+    /// `x *= s`.
+    fn scale(&self, x: &mut Tensor, s: f32);
+
+    /// `gate = silu(gate) · up` (SwiGLU).
+    fn silu_mul(&self, gate: &mut Tensor, up: &Tensor);
+
+    /// `x *= sigmoid(gate)`, same shapes (the attention output gate).
+    fn sigmoid_mul(&self, x: &mut Tensor, gate: &Tensor);
+
+    /// `out[i] += sigmoid(gate[i]) · y[i]` with one gate per row (`gate [T, 1]`: the shared expert).
+    fn add_sigmoid_gated(&self, out: &mut Tensor, y: &Tensor, gate: &Tensor);
+
+    /// GELU in place: the tanh approximation or the exact erf form.
+    fn gelu(&self, x: &mut Tensor, tanh: bool);
+
+    // --- norms ----------------------------------------------------------------------------------------
+
+    /// RMSNorm over groups of `w.len()` elements (a whole row, or each head when `w` is one head long):
+    /// `x̂ · (1 + w)` when `one_plus` (Qwen3.5's zero-centred weights), else `x̂ · w`.
+    fn rms_norm(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool);
+
+    /// Gated RMSNorm per group of `w.len()`: `x̂ · w · silu(z)`.
+    fn rms_norm_gated(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32);
+
+    /// L2 normalisation of each group of `group` elements.
+    fn l2_norm(&self, x: &mut Tensor, group: usize, eps: f32);
+
+    /// LayerNorm over rows with weight and bias.
+    fn layer_norm(&self, x: &mut Tensor, w: &Tensor, b: &Tensor, eps: f32);
+
+    // --- positions ------------------------------------------------------------------------------------
+
+    /// Rotary tables for positions `[T][t, h, w]` (text positions repeat one value three times).
+    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> RopeTable;
+
+    /// Partial (m)RoPE on every head of each row `i` of `x`, with row `i` of `table`.
+    fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable);
+
+    /// NeoX rotary on every `head_dim` head of each row with per-row `cos`/`sin` `[T, head_dim/2]`
+    /// (the vision tower's 2-D rotary).
+    fn rotate_half(&self, x: &mut Tensor, head_dim: usize, cos: &Tensor, sin: &Tensor);
+
+    // --- attention ------------------------------------------------------------------------------------
+
+    /// Causal attention of `q` rows `rows` (tokens `past..past + n` of one sequence) over its paged K/V,
+    /// written into the same rows of `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_paged(
+        &self,
+        q: &Tensor,
+        rows: Range<usize>,
+        kv: PagedView<'_>,
+        past: usize,
+        shape: AttnShape,
+        scale: f32,
+        out: &mut Tensor,
+    );
+
+    /// Bidirectional attention over rows `rows` of `q`, `k`, `v` (one image or frame group), into the
+    /// same rows of `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_bidirectional(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rows: Range<usize>,
+        shape: AttnShape,
+        scale: f32,
+        out: &mut Tensor,
+    );
+
+    // --- Gated DeltaNet -------------------------------------------------------------------------------
+
+    /// Depthwise causal conv (`w [channels, kernel]`) then silu over rows `rows` of `x`, continuing from
+    /// and advancing `state` (the last `kernel − 1` inputs).
+    fn causal_conv_silu(&self, x: &Tensor, rows: Range<usize>, w: &Tensor, kernel: usize, state: &mut Tensor)
+        -> Tensor;
+
+    /// The gates of rows `rows`: `β = sigmoid(b)`, `g = neg_a · softplus(a + dt_bias)` (`[n, heads]`).
+    fn delta_gates(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        rows: Range<usize>,
+        neg_a: &Tensor,
+        dt_bias: &Tensor,
+    ) -> (Tensor, Tensor);
+
+    /// The gated delta rule over `n` tokens of one sequence, advancing `state [nv, dk, dv]`: the
+    /// recurrent form token by token (decode) or the chunked form (prefill) → `[n, nv·dv]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta(
+        &self,
+        shape: GdnShape,
+        recurrent: bool,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        state: &mut Tensor,
+    ) -> Tensor;
+
+    // --- MoE ------------------------------------------------------------------------------------------
+
+    /// Softmax over each row of router logits, the `k` most probable experts (descending, ties to the
+    /// lower id) and their renormalised weights, on the host: which experts to fetch is a host decision.
+    fn router_topk(&self, logits: &Tensor, k: usize) -> Vec<(Vec<usize>, Vec<f32>)>;
+}
