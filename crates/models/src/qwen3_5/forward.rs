@@ -153,10 +153,14 @@ impl Qwen35 {
                 LogitsWanted::Last => (seg.row + seg.len.saturating_sub(1)..seg.row + seg.len).collect(),
                 LogitsWanted::All => (seg.row..seg.row + seg.len).collect(),
             };
+            s.state.len += seg.len;
+            if rows.is_empty() {
+                logits.push(Vec::new());
+                continue;
+            }
             let mut sel = b.gather_rows(&x, &rows);
             b.rms_norm(&mut sel, &self.norm, eps, true);
             logits.push(b.download(&b.linear(&sel, &self.lm_head)));
-            s.state.len += seg.len;
         }
         Ok(ForwardOutput { logits, hidden })
     }
