@@ -9,8 +9,9 @@ use std::sync::{Arc, OnceLock};
 use osprey_kernels::attention::{bidirectional_attention, causal_attention_paged, AttnShape, PagedKv};
 use osprey_kernels::gdn::{causal_conv_silu, gated_delta_chunked, gated_delta_recurrent, DeltaInputs, GdnShape};
 use osprey_kernels::norm::{l2_norm, layer_norm, rms_norm, rms_norm_1p, rms_norm_gated};
+use osprey_kernels::q8::Isa;
 use osprey_kernels::rope::{rotate_half_pairs, MRope};
-use osprey_kernels::{gelu_erf, gelu_tanh, matmul, sigmoid, silu, softplus, DType};
+use osprey_kernels::{gelu_erf, gelu_tanh, matmul_with, sigmoid, silu, softplus, DType, Precision};
 
 use crate::ops::{Backend, BackendRef, PagedView, RopeTable};
 use crate::{Device, HostMatrix, Storage, Tensor};
@@ -40,15 +41,25 @@ impl Storage for CpuStorage {
     }
 }
 
-/// The CPU backend (stateless: the kernels pick their SIMD path at run time).
+/// The CPU backend: the kernels pick their SIMD path once at run time; `precision` says whether NVFP4
+/// decode rows take int8 activations (the fast default) or f32 ones (the exact path parity tests use).
 #[derive(Debug, Default)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    /// Activation precision of the matmuls.
+    pub precision: Precision,
+}
 
 impl CpuBackend {
-    /// The process-wide instance.
+    /// The process-wide instance at the default (fast) precision.
     pub fn shared() -> BackendRef {
         static CPU: OnceLock<BackendRef> = OnceLock::new();
-        CPU.get_or_init(|| Arc::new(CpuBackend)).clone()
+        CPU.get_or_init(|| Arc::new(CpuBackend::default())).clone()
+    }
+
+    /// The process-wide exact instance: f32 activations everywhere (the parity tests' backend).
+    pub fn exact() -> BackendRef {
+        static CPU: OnceLock<BackendRef> = OnceLock::new();
+        CPU.get_or_init(|| Arc::new(CpuBackend { precision: Precision::Exact })).clone()
     }
 
     fn tensor(shape: &[usize], data: Vec<f32>) -> Tensor {
@@ -106,7 +117,11 @@ impl Backend for CpuBackend {
         } else {
             "portable"
         };
-        format!("cpu ({simd} kernels, {} threads)", rayon_threads())
+        let nvfp4 = match self.precision {
+            Precision::Int8 => format!("nvfp4 decode int8 {}", Isa::detected().name()),
+            Precision::Exact => "exact f32 activations".to_string(),
+        };
+        format!("cpu ({simd} kernels, {nvfp4}, {} threads)", rayon_threads())
     }
 
     fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Tensor {
@@ -169,7 +184,7 @@ impl Backend for CpuBackend {
         let w = matrix(w);
         let m = x.rows();
         let mut out = vec![0f32; m * w.rows()];
-        matmul(host(x), m, w.view(), w.rows(), w.cols(), &mut out);
+        matmul_with(host(x), m, w.view(), w.rows(), w.cols(), &mut out, self.precision);
         Self::tensor(&[m, w.rows()], out)
     }
 
@@ -403,7 +418,7 @@ mod tests {
 
     #[test]
     fn split_gather_scatter_and_rows_move_the_right_elements() {
-        let b = CpuBackend;
+        let b = CpuBackend::default();
         let x = b.upload(&(0..12).map(|v| v as f32).collect::<Vec<_>>(), &[2, 6]);
         // Two heads of [a a | g] per row.
         let parts = b.split_cols(&x, 2, &[2, 1]);

@@ -7,6 +7,8 @@
 //!   detection and a portable fallback; one-token rows take a GEMV path that converts weights in registers,
 //!   batches take a GEMM path that converts each weight tile once (matrixmultiply's sgemm).
 //! - [`nvfp4`]: NVFP4 decoding and the dequantise-in-registers dot product.
+//! - [`q8`]: the fast NVFP4 decode path: int8 activations, integer dot products (AVX-512 VNNI / AVX2 /
+//!   portable, picked once at run time), chosen by [`Precision::Int8`].
 //! - [`norm`]: zero-centred RMSNorm `x̂·(1+w)`, gated RMSNorm `x̂·w·silu(z)`, L2 norm.
 //! - [`rope`]: partial NeoX rotary with interleaved mRoPE sections.
 //! - [`attention`]: causal GQA attention of new queries over a sequence's cached K/V.
@@ -21,11 +23,12 @@ pub mod gdn;
 mod matmul;
 pub mod norm;
 pub mod nvfp4;
+pub mod q8;
 pub mod rope;
 mod simd;
 
 pub use act::{gelu_erf, gelu_tanh, sigmoid, silu, softplus};
-pub use matmul::{matmul, matmul_into_strided, DType, WeightView};
+pub use matmul::{matmul, matmul_into_strided, matmul_with, DType, Precision, WeightView};
 
 /// Threads the kernels split work across (rayon's pool).
 pub fn threads() -> usize {

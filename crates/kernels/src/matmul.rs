@@ -10,7 +10,19 @@
 
 use rayon::prelude::*;
 
+use crate::q8::{self, Isa, Q8Act};
 use crate::{nvfp4, simd};
+
+/// How activations enter a matmul.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// f32 activations everywhere (what the parity tests use).
+    Exact,
+    /// The fast default: NVFP4 decode rows take int8 activations quantised per 16-value block
+    /// ([`crate::q8`]); everything else is as `Exact`.
+    #[default]
+    Int8,
+}
 
 /// Up to this many input rows a matmul takes the GEMV path.
 pub const GEMV_MAX_ROWS: usize = 4;
@@ -139,10 +151,15 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// `out[m, n] = x[m, k] · W[n, k]ᵀ`; `out` is overwritten.
+/// `out[m, n] = x[m, k] · W[n, k]ᵀ` with f32 activations; `out` is overwritten.
 ///
 /// Panics (a bug, not user input) when the slice lengths disagree with `m`, `n`, `k`.
 pub fn matmul(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, out: &mut [f32]) {
+    matmul_with(x, m, w, n, k, out, Precision::Exact)
+}
+
+/// [`matmul`] at a [`Precision`].
+pub fn matmul_with(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, out: &mut [f32], p: Precision) {
     assert!(x.len() == m * k && w.len() == n * k && out.len() == m * n, "matmul shapes: this is a bug");
     if m == 0 || n == 0 {
         return;
@@ -151,28 +168,45 @@ pub fn matmul(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, out: &
         out.fill(0.0);
         return;
     }
+    if m > GEMV_MAX_ROWS {
+        return gemm(x, m, w, n, k, out);
+    }
+    match w {
+        WeightView::Nvfp4 { packed, scales, global } if p == Precision::Int8 && k.is_multiple_of(q8::CHUNK) => {
+            // Quantise each activation row once; every weight row reuses it.
+            let acts: Vec<Q8Act> = (0..m).map(|i| q8::quantize(&x[i * k..(i + 1) * k])).collect();
+            let (isa, pk, sk) = (Isa::detected(), k / 2, k / nvfp4::BLOCK);
+            gemv(m, n, out, |i, r| {
+                q8::dot(isa, &acts[i], &packed[r * pk..(r + 1) * pk], &scales[r * sk..(r + 1) * sk], global)
+            });
+        }
+        _ => gemv(m, n, out, |i, r| w.dot_row(&x[i * k..(i + 1) * k], r, k)),
+    }
+}
+
+/// Few rows: `out[i, r] = dot(i, r)`, weight rows split across the pool and each read once for all
+/// `m` input rows while it is in L1.
+fn gemv(m: usize, n: usize, out: &mut [f32], dot: impl Fn(usize, usize) -> f32 + Sync) {
     if m == 1 {
         out.par_chunks_mut(64).enumerate().for_each(|(c, chunk)| {
             for (j, o) in chunk.iter_mut().enumerate() {
-                *o = w.dot_row(x, c * 64 + j, k);
+                *o = dot(0, c * 64 + j);
             }
         });
-    } else if m <= GEMV_MAX_ROWS {
-        let mut tmp = vec![0f32; n * m];
-        tmp.par_chunks_mut(64 * m).enumerate().for_each(|(c, chunk)| {
-            for (j, row) in chunk.chunks_mut(m).enumerate() {
-                for (i, o) in row.iter_mut().enumerate() {
-                    *o = w.dot_row(&x[i * k..(i + 1) * k], c * 64 + j, k);
-                }
-            }
-        });
-        for r in 0..n {
-            for i in 0..m {
-                out[i * n + r] = tmp[r * m + i];
+        return;
+    }
+    let mut tmp = vec![0f32; n * m];
+    tmp.par_chunks_mut(64 * m).enumerate().for_each(|(c, chunk)| {
+        for (j, row) in chunk.chunks_mut(m).enumerate() {
+            for (i, o) in row.iter_mut().enumerate() {
+                *o = dot(i, c * 64 + j);
             }
         }
-    } else {
-        gemm(x, m, w, n, k, out);
+    });
+    for r in 0..n {
+        for i in 0..m {
+            out[i * n + r] = tmp[r * m + i];
+        }
     }
 }
 

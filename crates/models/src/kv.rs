@@ -302,7 +302,7 @@ mod tests {
         }
 
         fn write_host(&mut self, layer: usize, at: usize, k: &[f32], v: &[f32]) {
-            let b = CpuBackend;
+            let b = CpuBackend::default();
             let n = k.len() / self.geo.row;
             let (k, v) = (b.upload(k, &[n, self.geo.row]), b.upload(v, &[n, self.geo.row]));
             self.write(&b, layer, at, (&k, &v), 0..n);
@@ -316,7 +316,7 @@ mod tests {
     #[test]
     fn rows_round_trip_across_pages_and_layers() {
         let mut t = PageTable::unpooled(geo());
-        t.grow(5, &CpuBackend).expect("unpooled tables grow");
+        t.grow(5, &CpuBackend::default()).expect("unpooled tables grow");
         assert_eq!(t.pages().len(), 3);
         let k: Vec<f32> = (0..15).map(|x| x as f32).collect();
         let v: Vec<f32> = (0..15).map(|x| -(x as f32)).collect();

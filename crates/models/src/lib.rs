@@ -38,6 +38,8 @@ pub use family::{
 };
 pub use kv::{KvPool, PageGeometry, PageRef, PageTable, PoolStats};
 pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts, ResidentExperts};
+/// The compute-backend seam the families are written against (re-exported for callers that pick one).
+pub use osprey_backend as backend;
 pub use quantize_dir::{quantize_dir, QuantizeOptions};
 pub use registry::{
     expert_layout, load, load_checkpoint, load_on, load_vision, load_with_progress, ExpertLayout, MediaSupport,

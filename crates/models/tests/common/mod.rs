@@ -63,8 +63,10 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32) -> f32 {
     abs
 }
 
+/// A fixture model on the exact CPU backend (f32 activations everywhere): what parity is measured on.
 pub fn model(name: &str) -> Model {
-    osprey_models::load(&fixtures().join("models").join(name)).expect("load model")
+    osprey_models::load_on(&fixtures().join("models").join(name), osprey_models::backend::cpu::CpuBackend::exact())
+        .expect("load model")
 }
 
 impl Ref {

@@ -1,0 +1,324 @@
+//! NVFP4 × int8 decode dot products: the activations of a GEMV are quantised once per matmul to int8
+//! per 16-value block, so a weight block's dot product is an exact integer sum scaled once by the e4m3
+//! block scale and the activation scale.
+//!
+//! Why it is exact in integers: 2·e2m1 takes the values 0, 1, 2, 3, 4, 6, 8, 12 (signed), so a weight
+//! code becomes an int8 by a 16-entry table lookup (`vpshufb`). The lookup yields `u = 2·w + 12 ∈ [0, 24]`
+//! (unsigned, what `vpdpbusd` / `vpmaddubsw` take as their first operand); the `12·Σx` this adds is
+//! subtracted through a per-lane correction computed with the activations.
+//!
+//! Layout: per 64-column chunk, the 32 packed bytes give their 32 low nibbles (even columns) then their
+//! 32 high nibbles (odd columns); the activations are stored in the same order at quantisation time, so
+//! the weights need no shuffling. Each 32-bit lane of a dot instruction sums 4 bytes, all of one
+//! 16-column block: lane ℓ belongs to block `(ℓ mod 8) / 2`.
+//!
+//! Three paths, picked once ([`Isa::detected`]): AVX-512 VNNI (`vpdpbusd`, 64 columns per instruction),
+//! AVX2 (`vpmaddubsw` + `vpmaddwd`; no overflow: |pair sum| ≤ 2·24·127), portable. They compute the same
+//! integers; only the f32 accumulation order differs.
+
+use std::sync::OnceLock;
+
+use crate::nvfp4::e4m3_to_f32;
+
+/// Columns per chunk.
+pub const CHUNK: usize = 64;
+/// Lanes (4-byte groups) per chunk.
+const LANES: usize = CHUNK / 4;
+
+/// `2·e2m1(code) + 12` for every 4-bit code (sign in bit 3).
+const LUT_U8: [u8; 16] = {
+    let mut t = [0u8; 16];
+    let mut c = 0;
+    while c < 16 {
+        let mag = [0u8, 1, 2, 3, 4, 6, 8, 12][c & 7];
+        t[c] = if c & 8 != 0 { 12 - mag } else { 12 + mag };
+        c += 1;
+    }
+    t
+};
+
+/// An instruction-set level of the x86 kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512 F/BW with VNNI.
+    Avx512Vnni,
+    /// AVX2 + FMA.
+    Avx2,
+    /// Scalar code.
+    Portable,
+}
+
+impl Isa {
+    /// The best level this CPU runs, detected once.
+    pub fn detected() -> Isa {
+        static ISA: OnceLock<Isa> = OnceLock::new();
+        *ISA.get_or_init(|| *Isa::available().first().unwrap_or(&Isa::Portable))
+    }
+
+    /// Every level this CPU runs, best first (tests run them all against the portable one).
+    pub fn available() -> Vec<Isa> {
+        let mut out = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                out.push(Isa::Avx512Vnni);
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                out.push(Isa::Avx2);
+            }
+        }
+        out.push(Isa::Portable);
+        out
+    }
+
+    /// Name for the startup log.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512Vnni => "avx512-vnni",
+            Isa::Avx2 => "avx2",
+            Isa::Portable => "portable",
+        }
+    }
+}
+
+/// One activation row quantised for NVFP4 rows (see the module docs for the layout).
+#[derive(Clone, Debug, Default)]
+pub struct Q8Act {
+    /// Per chunk: the 32 even columns, then the 32 odd columns.
+    q: Vec<i8>,
+    /// Per chunk and lane: the activation scale of the lane's block.
+    dx: Vec<f32>,
+    /// Per chunk and lane: `−12 · Σ q` over the lane's 4 bytes.
+    corr: Vec<i32>,
+}
+
+/// The column of byte `b` of a chunk.
+#[inline]
+fn column(b: usize) -> usize {
+    if b < 32 {
+        2 * b
+    } else {
+        2 * (b - 32) + 1
+    }
+}
+
+/// Quantises `x` (`len` a multiple of [`CHUNK`]): per 16-value block `d = max|x| / 127`, `q = round(x / d)`.
+pub fn quantize(x: &[f32]) -> Q8Act {
+    assert!(x.len().is_multiple_of(CHUNK), "q8 rows are whole chunks: this is a bug");
+    let chunks = x.len() / CHUNK;
+    let mut a = Q8Act { q: vec![0; x.len()], dx: vec![0.0; chunks * LANES], corr: vec![0; chunks * LANES] };
+    for c in 0..chunks {
+        let xs = &x[c * CHUNK..(c + 1) * CHUNK];
+        let mut d = [0f32; 4];
+        let mut inv = [0f32; 4];
+        for blk in 0..4 {
+            let amax = xs[blk * 16..(blk + 1) * 16].iter().fold(0f32, |m, v| m.max(v.abs()));
+            d[blk] = amax / 127.0;
+            inv[blk] = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        }
+        let q = &mut a.q[c * CHUNK..(c + 1) * CHUNK];
+        for (b, qb) in q.iter_mut().enumerate() {
+            let col = column(b);
+            *qb = (xs[col] * inv[col / 16]).round().clamp(-127.0, 127.0) as i8;
+        }
+        for lane in 0..LANES {
+            a.dx[c * LANES + lane] = d[(lane % 8) / 2];
+            a.corr[c * LANES + lane] = -12 * q[lane * 4..lane * 4 + 4].iter().map(|&v| i32::from(v)).sum::<i32>();
+        }
+    }
+    a
+}
+
+/// `Σ x[i]·W[i]` for one NVFP4 row against quantised activations, on `isa` (which the CPU must have).
+pub fn dot(isa: Isa, a: &Q8Act, packed: &[u8], scales: &[u8], global: f32) -> f32 {
+    let chunks = a.q.len() / CHUNK;
+    assert!(packed.len() >= chunks * 32 && scales.len() >= chunks * 4, "nvfp4 row: this is a bug");
+    let raw = match isa {
+        // SAFETY: `Isa::available` lists a level only when the CPU has its features; lengths checked above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => unsafe { x86::dot_vnni(a, packed, scales) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::dot_avx2(a, packed, scales) },
+        _ => dot_portable(a, packed, scales),
+    };
+    raw * global * 0.5
+}
+
+fn dot_portable(a: &Q8Act, packed: &[u8], scales: &[u8]) -> f32 {
+    let mut acc = [0f32; LANES];
+    for c in 0..a.q.len() / CHUNK {
+        for (lane, acc) in acc.iter_mut().enumerate() {
+            let mut s = a.corr[c * LANES + lane];
+            for b in lane * 4..lane * 4 + 4 {
+                let byte = packed[c * 32 + b % 32];
+                let code = if b < 32 { byte & 0x0F } else { byte >> 4 };
+                s += i32::from(LUT_U8[code as usize]) * i32::from(a.q[c * CHUNK + b]);
+            }
+            let ws = e4m3_to_f32(scales[c * 4 + (lane % 8) / 2]);
+            *acc += s as f32 * (ws * a.dx[c * LANES + lane]);
+        }
+    }
+    acc.iter().sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{Q8Act, CHUNK, LANES, LUT_U8};
+
+    /// Lane → block byte pattern for 4 scale bytes: `[0,0,1,1,2,2,3,3]` twice.
+    const SCALE_PATTERN: [i8; 16] = [0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2, 2, 3, 3];
+
+    /// e4m3 codes (one per 32-bit lane) to f32: the 7 magnitude bits moved under an f32 exponent, then
+    /// scaled by 2^120 (exact for normals and subnormals alike); the sign bit moved to bit 31.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn e4m3_256(codes: __m256i) -> __m256 {
+        let mag = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(0x7F)), 20);
+        let sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(0x80)), 24);
+        let v = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(f32::from_bits(247 << 23)));
+        _mm256_or_ps(v, _mm256_castsi256_ps(sign))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn e4m3_512(codes: __m512i) -> __m512 {
+        let mag = _mm512_slli_epi32(_mm512_and_si512(codes, _mm512_set1_epi32(0x7F)), 20);
+        let sign = _mm512_slli_epi32(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)), 24);
+        let v = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(f32::from_bits(247 << 23)));
+        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign))
+    }
+
+    /// The 4 scale bytes of chunk `c`, one per lane in block order.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn scale_bytes(scales: &[u8], c: usize) -> __m128i {
+        // SAFETY: the caller checked scales.len() >= 4 · chunks.
+        let word = unsafe { std::ptr::read_unaligned(scales.as_ptr().add(c * 4) as *const i32) };
+        // SAFETY: SCALE_PATTERN holds 16 bytes.
+        let pat = unsafe { _mm_loadu_si128(SCALE_PATTERN.as_ptr() as *const __m128i) };
+        _mm_shuffle_epi8(_mm_cvtsi32_si128(word), pat)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    pub unsafe fn dot_vnni(a: &Q8Act, packed: &[u8], scales: &[u8]) -> f32 {
+        // SAFETY: LUT_U8 holds 16 bytes; every chunk access is within the lengths the caller checked.
+        unsafe {
+            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(LUT_U8.as_ptr() as *const __m128i));
+            let nib = _mm256_set1_epi8(0x0F);
+            let mut total = _mm512_setzero_ps();
+            for c in 0..a.q.len() / CHUNK {
+                let p = _mm256_loadu_si256(packed.as_ptr().add(c * 32) as *const __m256i);
+                let lo = _mm256_and_si256(p, nib);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
+                let codes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                let w = _mm512_shuffle_epi8(lut, codes);
+                let q = _mm512_loadu_si512(a.q.as_ptr().add(c * CHUNK) as *const __m512i);
+                let corr = _mm512_loadu_si512(a.corr.as_ptr().add(c * LANES) as *const __m512i);
+                let sums = _mm512_dpbusd_epi32(corr, w, q);
+                let ws = e4m3_512(_mm512_cvtepu8_epi32(scale_bytes(scales, c)));
+                let s = _mm512_mul_ps(ws, _mm512_loadu_ps(a.dx.as_ptr().add(c * LANES)));
+                total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), s, total);
+            }
+            _mm512_reduce_add_ps(total)
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_avx2(a: &Q8Act, packed: &[u8], scales: &[u8]) -> f32 {
+        // SAFETY: as in dot_vnni.
+        unsafe {
+            let lut128 = _mm_loadu_si128(LUT_U8.as_ptr() as *const __m128i);
+            let lut = _mm256_set_m128i(lut128, lut128);
+            let nib = _mm256_set1_epi8(0x0F);
+            let ones = _mm256_set1_epi16(1);
+            let mut total = _mm256_setzero_ps();
+            for c in 0..a.q.len() / CHUNK {
+                let p = _mm256_loadu_si256(packed.as_ptr().add(c * 32) as *const __m256i);
+                let w_lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(p, nib));
+                let w_hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p, 4), nib));
+                let qp = a.q.as_ptr().add(c * CHUNK);
+                let q_lo = _mm256_loadu_si256(qp as *const __m256i);
+                let q_hi = _mm256_loadu_si256(qp.add(32) as *const __m256i);
+                let cp = a.corr.as_ptr().add(c * LANES);
+                let s_lo = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(w_lo, q_lo), ones),
+                    _mm256_loadu_si256(cp as *const __m256i),
+                );
+                let s_hi = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(w_hi, q_hi), ones),
+                    _mm256_loadu_si256(cp.add(8) as *const __m256i),
+                );
+                let ws = e4m3_256(_mm256_cvtepu8_epi32(scale_bytes(scales, c)));
+                let dp = a.dx.as_ptr().add(c * LANES);
+                total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_lo), _mm256_mul_ps(ws, _mm256_loadu_ps(dp)), total);
+                total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_hi), _mm256_mul_ps(ws, _mm256_loadu_ps(dp.add(8))), total);
+            }
+            let s = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nvfp4::{dequant_row, e2m1_to_f32, E2M1};
+
+    fn row(k: usize, seed: usize) -> (Vec<u8>, Vec<u8>, Vec<f32>) {
+        let packed: Vec<u8> = (0..k / 2).map(|i| ((i * 37 + seed * 11) % 256) as u8).collect();
+        // Scales over normals and subnormals, both signs never (ModelOpt scales are positive).
+        let scales: Vec<u8> = (0..k / 16).map(|i| [0x38, 0x30, 0x41, 0x05, 0x7E, 0x01, 0x2A][(i + seed) % 7]).collect();
+        let x: Vec<f32> = (0..k).map(|i| (((i * 7919 + seed * 31) % 97) as f32 / 48.5) - 1.0).collect();
+        (packed, scales, x)
+    }
+
+    #[test]
+    fn the_table_is_twice_e2m1_plus_twelve() {
+        for c in 0u8..16 {
+            assert_eq!(f32::from(LUT_U8[c as usize]) - 12.0, 2.0 * e2m1_to_f32(c), "code {c}");
+        }
+        assert_eq!(E2M1[7], 6.0);
+    }
+
+    #[test]
+    fn every_path_computes_the_same_integers_as_the_portable_one() {
+        for (k, seed) in [(64, 0), (128, 1), (2048, 2), (512, 3)] {
+            let (packed, scales, x) = row(k, seed);
+            let a = quantize(&x);
+            let want = dot(Isa::Portable, &a, &packed, &scales, 0.75);
+            for isa in Isa::available() {
+                let got = dot(isa, &a, &packed, &scales, 0.75);
+                // Same integer sums and scales; f32 accumulation order only.
+                assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "{isa:?} k={k}: {got} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_int8_dot_is_within_activation_rounding_of_the_exact_one() {
+        for (k, seed) in [(64, 4), (2048, 5)] {
+            let (packed, scales, x) = row(k, seed);
+            let mut w = vec![0f32; k];
+            dequant_row(&packed, &scales, 0.75, &mut w);
+            let exact: f64 = x.iter().zip(&w).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
+            // Each activation moves by at most half a step of its block (max|x| / 254): the error is
+            // bounded by Σ |w| · step / 2.
+            let bound: f64 = x
+                .chunks(16)
+                .zip(w.chunks(16))
+                .map(|(xb, wb)| {
+                    let step = f64::from(xb.iter().fold(0f32, |m, v| m.max(v.abs()))) / 127.0;
+                    wb.iter().map(|v| f64::from(v.abs())).sum::<f64>() * step / 2.0
+                })
+                .sum();
+            let got = f64::from(dot(Isa::detected(), &quantize(&x), &packed, &scales, 0.75));
+            assert!((got - exact).abs() <= bound * 1.001 + 1e-4, "k={k}: {got} vs {exact} (bound {bound})");
+        }
+    }
+}
