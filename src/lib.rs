@@ -130,11 +130,17 @@ pub async fn serve_until_signal(settings: &Settings, model_dir: &Path) -> Result
     Ok(())
 }
 
-/// The compute backend `--device` names (default `cpu`), logged once.
-pub fn open_backend(device: Option<&str>) -> Result<osprey_backend::BackendRef> {
+/// The compute backend `--device` names (default `cpu`) at the `--activations` precision (`int8`,
+/// the default, or `f32`), logged once.
+pub fn open_backend(device: Option<&str>, activations: Option<&str>) -> Result<osprey_backend::BackendRef> {
     let device: osprey_backend::Device =
         device.unwrap_or("cpu").parse().map_err(|e: String| anyhow::anyhow!(e)).context("--device")?;
-    let backend = osprey_backend::open(device)?;
+    let precision = match activations.unwrap_or("int8") {
+        "int8" => osprey_backend::Precision::Int8,
+        "f32" | "exact" => osprey_backend::Precision::Exact,
+        other => anyhow::bail!("--activations {other}: use int8 (default) or f32"),
+    };
+    let backend = osprey_backend::open_with(device, precision)?;
     tracing::info!(device = %device, backend = backend.describe(), "compute backend");
     Ok(backend)
 }
@@ -146,7 +152,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let ck = Checkpoint::open(model_dir)?;
     let experts = expert_source(settings, &cfg, &ck, wrap_reader)?;
     let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
-    let backend = open_backend(settings.device.as_deref())?;
+    let backend = open_backend(settings.device.as_deref(), settings.activations.as_deref())?;
     let model = osprey_models::load_with_progress(&cfg, &ck, source, backend.clone(), &mut |d, n| {
         progress_bar("loading weights", d, n)
     })?;

@@ -21,6 +21,10 @@ struct Cli {
     /// the settings file.
     #[arg(long, global = true)]
     device: Option<String>,
+    /// Activations of NVFP4 decode matmuls: int8 (default: integer dot products, a small documented
+    /// drift) or f32 (exact).
+    #[arg(long, global = true)]
+    activations: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -184,6 +188,7 @@ impl ServeArgs {
             tokenizer_workers: self.tokenizer_workers,
             max_request_pixels: self.max_request_pixels,
             device: None,
+            activations: None,
         }
     }
 }
@@ -278,7 +283,7 @@ fn main() -> Result<()> {
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("thread pool")?;
     }
     match cli.command {
-        Command::Serve(a) => serve(*a, cli.device),
+        Command::Serve(a) => serve(*a, cli.device, cli.activations),
         Command::Quantize { model, out, all_linear } => {
             let opts = osprey_models::QuantizeOptions { all_linear };
             osprey_models::quantize_dir(&model, &out, opts, &mut |d, n| osprey::progress_bar("quantizing", d, n))?;
@@ -286,11 +291,12 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Run(a) => {
-            let m = load(&a.model, cli.device.as_deref())?;
+            let m = load(&a.model, cli.device.as_deref(), cli.activations.as_deref())?;
             run::run(a, m)
         }
         Command::Bench(BenchCommand::Forward { model, prompt_len, decode_tokens, repeats }) => {
-            let mut driver = osprey_runner::Driver::new(load(&model, cli.device.as_deref())?, 16);
+            let model = load(&model, cli.device.as_deref(), cli.activations.as_deref())?;
+            let mut driver = osprey_runner::Driver::new(model, 16);
             let report = bench_forward(&mut driver, ForwardBench { prompt_len, decode_tokens, repeats })?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
@@ -318,20 +324,20 @@ fn main() -> Result<()> {
     }
 }
 
-fn load(dir: &std::path::Path, device: Option<&str>) -> Result<Model> {
+fn load(dir: &std::path::Path, device: Option<&str>, activations: Option<&str>) -> Result<Model> {
     let t0 = Instant::now();
-    let backend = osprey::open_backend(device)?;
+    let backend = osprey::open_backend(device, activations)?;
     let m = osprey_models::load_on(dir, backend).with_context(|| format!("loading {}", dir.display()))?;
     tracing::info!(model = %dir.display(), family = m.info().family, layers = m.info().num_layers, secs = t0.elapsed().as_secs_f64(), "model loaded");
     Ok(m)
 }
 
-fn serve(a: ServeArgs, device: Option<String>) -> Result<()> {
+fn serve(a: ServeArgs, device: Option<String>, activations: Option<String>) -> Result<()> {
     let file = match &a.config {
         Some(p) => osprey::Settings::from_file(p)?,
         None => osprey::Settings::default(),
     };
-    let settings = file.overlay(&osprey::Settings { device, ..a.settings() });
+    let settings = file.overlay(&osprey::Settings { device, activations, ..a.settings() });
     let dir = osprey::model_dir(&settings)?;
     actix_web::rt::System::new().block_on(osprey::serve_until_signal(&settings, &dir))
 }

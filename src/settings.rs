@@ -82,6 +82,8 @@ pub struct Settings {
     pub idle_timeout_secs: Option<f64>,
     /// Compute device: `cpu` (default); `cuda:N` once the CUDA backend lands.
     pub device: Option<String>,
+    /// Activations of NVFP4 decode matmuls: `int8` (default, fast) or `f32` (exact).
+    pub activations: Option<String>,
     /// Tokenizer worker threads (templates, media decoding and preprocessing, detokenization; default 2).
     pub tokenizer_workers: Option<usize>,
     /// Most pixels of all images and frames of one request (default 192 M: ~576 MB decoded).

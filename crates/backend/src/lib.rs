@@ -25,7 +25,7 @@ pub use ops::{Backend, BackendRef, PagedView, RopeTable};
 pub use osprey_kernels::attention::AttnShape;
 pub use osprey_kernels::gdn::GdnShape;
 pub use osprey_kernels::rope::MRope;
-pub use osprey_kernels::{DType, WeightView};
+pub use osprey_kernels::{DType, Precision, WeightView};
 pub use tensor::{HostMatrix, Storage, Tensor};
 
 /// Why a backend could not be opened.
@@ -36,9 +36,16 @@ pub enum BackendError {
     Unavailable(String),
 }
 
-/// The backend for `device`.
+/// The backend for `device` at the default (fast) precision.
 pub fn open(device: Device) -> Result<BackendRef, BackendError> {
+    open_with(device, Precision::default())
+}
+
+/// The backend for `device`; `precision` picks int8 activations for NVFP4 decode rows (the default)
+/// or f32 activations everywhere (exact).
+pub fn open_with(device: Device, precision: Precision) -> Result<BackendRef, BackendError> {
     match device {
+        Device::Cpu if precision == Precision::Exact => Ok(cpu::CpuBackend::exact()),
         Device::Cpu => Ok(cpu::CpuBackend::shared()),
         Device::Cuda(n) => Err(BackendError::Unavailable(format!(
             "--device cuda:{n}: this build has no CUDA backend yet; use --device cpu"
