@@ -210,6 +210,9 @@ enum Command {
         /// Quantise every decoder linear (not routers, embeddings, lm_head, norms, vision), not only experts.
         #[arg(long)]
         all_linear: bool,
+        /// Quantise the (untied) lm_head as well: it is read whole for every token.
+        #[arg(long)]
+        lm_head: bool,
     },
     /// Measure the runtime.
     #[command(subcommand)]
@@ -284,8 +287,8 @@ fn main() -> Result<()> {
     }
     match cli.command {
         Command::Serve(a) => serve(*a, cli.device, cli.activations),
-        Command::Quantize { model, out, all_linear } => {
-            let opts = osprey_models::QuantizeOptions { all_linear };
+        Command::Quantize { model, out, all_linear, lm_head } => {
+            let opts = osprey_models::QuantizeOptions { all_linear, lm_head };
             osprey_models::quantize_dir(&model, &out, opts, &mut |d, n| osprey::progress_bar("quantizing", d, n))?;
             tracing::info!(out = %out.display(), "wrote the NVFP4 checkpoint");
             Ok(())

@@ -11,7 +11,7 @@ use osprey_kernels::gdn::{causal_conv_silu, gated_delta_chunked, gated_delta_rec
 use osprey_kernels::norm::{l2_norm, layer_norm, rms_norm, rms_norm_1p, rms_norm_gated};
 use osprey_kernels::q8::Isa;
 use osprey_kernels::rope::{rotate_half_pairs, MRope};
-use osprey_kernels::{gelu_erf, gelu_tanh, matmul_with, sigmoid, silu, softplus, DType, Precision};
+use osprey_kernels::{gelu_erf, gelu_tanh, matmul_pair_with, matmul_with, sigmoid, silu, softplus, DType, Precision};
 
 use crate::ops::{Backend, BackendRef, PagedView, RopeTable};
 use crate::{Device, HostMatrix, Storage, Tensor};
@@ -186,6 +186,16 @@ impl Backend for CpuBackend {
         let mut out = vec![0f32; m * w.rows()];
         matmul_with(host(x), m, w.view(), w.rows(), w.cols(), &mut out, self.precision);
         Self::tensor(&[m, w.rows()], out)
+    }
+
+    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> (Tensor, Tensor) {
+        let (a, b) = (matrix(w1), matrix(w2));
+        assert!(a.rows() == b.rows() && a.cols() == b.cols(), "linear_pair shapes: this is a bug");
+        let m = x.rows();
+        let (mut o1, mut o2) = (vec![0f32; m * a.rows()], vec![0f32; m * a.rows()]);
+        let views = (a.view(), b.view());
+        matmul_pair_with(host(x), m, views, a.rows(), a.cols(), (&mut o1, &mut o2), self.precision);
+        (Self::tensor(&[m, a.rows()], o1), Self::tensor(&[m, a.rows()], o2))
     }
 
     fn embed(&self, table: &Tensor, ids: &[u32]) -> Tensor {

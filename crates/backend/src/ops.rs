@@ -79,6 +79,12 @@ pub trait Backend: Send + Sync + Debug {
     /// `x [m, k] · wᵀ → [m, n]` for a placed weight `[n, k]` of any dtype.
     fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor;
 
+    /// `(x·w1ᵀ, x·w2ᵀ)` for two placed weights of one shape (an MLP's gate and up). A backend may fuse
+    /// them into one pass over the activations; by default it is two [`Backend::linear`]s.
+    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> (Tensor, Tensor) {
+        (self.linear(x, w1), self.linear(x, w2))
+    }
+
     /// Rows `ids` of a placed embedding table, widened to f32.
     fn embed(&self, table: &Tensor, ids: &[u32]) -> Tensor;
 

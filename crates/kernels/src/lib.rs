@@ -28,7 +28,7 @@ pub mod rope;
 mod simd;
 
 pub use act::{gelu_erf, gelu_tanh, sigmoid, silu, softplus};
-pub use matmul::{matmul, matmul_into_strided, matmul_with, DType, Precision, WeightView};
+pub use matmul::{matmul, matmul_into_strided, matmul_pair_with, matmul_with, DType, Precision, WeightView};
 
 /// Threads the kernels split work across (rayon's pool).
 pub fn threads() -> usize {

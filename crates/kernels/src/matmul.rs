@@ -184,6 +184,53 @@ pub fn matmul_with(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, o
     }
 }
 
+/// `out1 = x·W1ᵀ`, `out2 = x·W2ᵀ` for two weights of one shape (an MLP's gate and up) in one pass: for
+/// few rows the activation is quantised once and both weights' rows are split across the pool together
+/// (one dispatch instead of two); many rows take two GEMMs.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_pair_with(
+    x: &[f32],
+    m: usize,
+    (w1, w2): (WeightView<'_>, WeightView<'_>),
+    n: usize,
+    k: usize,
+    (out1, out2): (&mut [f32], &mut [f32]),
+    p: Precision,
+) {
+    if m == 0 || n == 0 || k == 0 || m > GEMV_MAX_ROWS {
+        matmul_with(x, m, w1, n, k, out1, p);
+        return matmul_with(x, m, w2, n, k, out2, p);
+    }
+    assert!(x.len() == m * k && w1.len() == n * k && w2.len() == n * k, "matmul shapes: this is a bug");
+    assert!(out1.len() == m * n && out2.len() == m * n, "matmul shapes: this is a bug");
+    let mut both = vec![0f32; m * 2 * n];
+    match (w1, w2) {
+        (
+            WeightView::Nvfp4 { packed: p1, scales: s1, global: g1 },
+            WeightView::Nvfp4 { packed: p2, scales: s2, global: g2 },
+        ) if p == Precision::Int8 && k.is_multiple_of(q8::CHUNK) => {
+            let acts: Vec<Q8Act> = (0..m).map(|i| q8::quantize(&x[i * k..(i + 1) * k])).collect();
+            let (isa, pk, sk) = (Isa::detected(), k / 2, k / nvfp4::BLOCK);
+            gemv(m, 2 * n, &mut both, |i, r| {
+                let (pp, ss, g, r) = if r < n { (p1, s1, g1, r) } else { (p2, s2, g2, r - n) };
+                q8::dot(isa, &acts[i], &pp[r * pk..(r + 1) * pk], &ss[r * sk..(r + 1) * sk], g)
+            });
+        }
+        _ => gemv(m, 2 * n, &mut both, |i, r| {
+            let xi = &x[i * k..(i + 1) * k];
+            if r < n {
+                w1.dot_row(xi, r, k)
+            } else {
+                w2.dot_row(xi, r - n, k)
+            }
+        }),
+    }
+    for i in 0..m {
+        out1[i * n..(i + 1) * n].copy_from_slice(&both[i * 2 * n..i * 2 * n + n]);
+        out2[i * n..(i + 1) * n].copy_from_slice(&both[i * 2 * n + n..(i + 1) * 2 * n]);
+    }
+}
+
 /// Few rows: `out[i, r] = dot(i, r)`, weight rows split across the pool and each read once for all
 /// `m` input rows while it is in L1.
 fn gemv(m: usize, n: usize, out: &mut [f32], dot: impl Fn(usize, usize) -> f32 + Sync) {
@@ -294,6 +341,33 @@ mod tests {
             }
         }
         y
+    }
+
+    #[test]
+    fn a_fused_pair_equals_two_matmuls_at_every_precision() {
+        let (n, k) = (40, 128);
+        let packed: Vec<Vec<u8>> =
+            (0..2).map(|s| (0..n * k / 2).map(|i| ((i * 131 + s * 7) % 256) as u8).collect()).collect();
+        let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
+        let bf: Vec<Vec<u16>> = (0..2)
+            .map(|s| {
+                (0..n * k).map(|i| half::bf16::from_f32(((i * 7 + s) % 13) as f32 / 13.0 - 0.5).to_bits()).collect()
+            })
+            .collect();
+        let nv = |s: usize| WeightView::Nvfp4 { packed: &packed[s], scales: &scales, global: 0.5 };
+        for (w1, w2) in [(nv(0), nv(1)), (WeightView::Bf16(&bf[0]), WeightView::Bf16(&bf[1]))] {
+            for m in [1usize, 3, 9] {
+                let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 97.0) - 0.5).collect();
+                for p in [Precision::Exact, Precision::Int8] {
+                    let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);
+                    let (mut a2, mut b2) = (vec![0f32; m * n], vec![0f32; m * n]);
+                    matmul_pair_with(&x, m, (w1, w2), n, k, (&mut a, &mut b), p);
+                    matmul_with(&x, m, w1, n, k, &mut a2, p);
+                    matmul_with(&x, m, w2, n, k, &mut b2, p);
+                    assert_eq!((a, b), (a2, b2), "m={m} {p:?}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -204,27 +204,75 @@ mod x86 {
         _mm_shuffle_epi8(_mm_cvtsi32_si128(word), pat)
     }
 
+    /// One chunk's integer lane sums as f32: `Σ u·q + corr` per lane.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    unsafe fn chunk_vnni(a: &Q8Act, packed: &[u8], c: usize, lut: __m512i) -> __m512 {
+        // SAFETY: the caller checked that chunk c lies inside `packed` and `a`.
+        unsafe {
+            let nib = _mm256_set1_epi8(0x0F);
+            let p = _mm256_loadu_si256(packed.as_ptr().add(c * 32) as *const __m256i);
+            let lo = _mm256_and_si256(p, nib);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
+            let w = _mm512_shuffle_epi8(lut, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+            let q = _mm512_loadu_si512(a.q.as_ptr().add(c * CHUNK) as *const __m512i);
+            let corr = _mm512_loadu_si512(a.corr.as_ptr().add(c * LANES) as *const __m512i);
+            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, w, q))
+        }
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
     pub unsafe fn dot_vnni(a: &Q8Act, packed: &[u8], scales: &[u8]) -> f32 {
         // SAFETY: LUT_U8 holds 16 bytes; every chunk access is within the lengths the caller checked.
         unsafe {
             let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(LUT_U8.as_ptr() as *const __m128i));
-            let nib = _mm256_set1_epi8(0x0F);
-            let mut total = _mm512_setzero_ps();
-            for c in 0..a.q.len() / CHUNK {
-                let p = _mm256_loadu_si256(packed.as_ptr().add(c * 32) as *const __m256i);
-                let lo = _mm256_and_si256(p, nib);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
-                let codes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                let w = _mm512_shuffle_epi8(lut, codes);
-                let q = _mm512_loadu_si512(a.q.as_ptr().add(c * CHUNK) as *const __m512i);
-                let corr = _mm512_loadu_si512(a.corr.as_ptr().add(c * LANES) as *const __m512i);
-                let sums = _mm512_dpbusd_epi32(corr, w, q);
+            let chunks = a.q.len() / CHUNK;
+            let (mut t0, mut t1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            // Four chunks share one load and conversion of their 16 block scales; each then picks its
+            // lanes' scales with one permute. Two accumulators keep the FMA chains apart.
+            let idx: [__m512i; 4] = std::array::from_fn(|j| {
+                let b = 4 * j as i32;
+                _mm512_setr_epi32(
+                    b,
+                    b,
+                    b + 1,
+                    b + 1,
+                    b + 2,
+                    b + 2,
+                    b + 3,
+                    b + 3,
+                    b,
+                    b,
+                    b + 1,
+                    b + 1,
+                    b + 2,
+                    b + 2,
+                    b + 3,
+                    b + 3,
+                )
+            });
+            let groups = chunks / 4;
+            for g in 0..groups {
+                let sb = _mm_loadu_si128(scales.as_ptr().add(g * 16) as *const __m128i);
+                let ws = e4m3_512(_mm512_cvtepu8_epi32(sb));
+                for (j, ix) in idx.iter().enumerate() {
+                    let c = g * 4 + j;
+                    let s =
+                        _mm512_mul_ps(_mm512_permutexvar_ps(*ix, ws), _mm512_loadu_ps(a.dx.as_ptr().add(c * LANES)));
+                    let f = chunk_vnni(a, packed, c, lut);
+                    if j % 2 == 0 {
+                        t0 = _mm512_fmadd_ps(f, s, t0);
+                    } else {
+                        t1 = _mm512_fmadd_ps(f, s, t1);
+                    }
+                }
+            }
+            for c in groups * 4..chunks {
                 let ws = e4m3_512(_mm512_cvtepu8_epi32(scale_bytes(scales, c)));
                 let s = _mm512_mul_ps(ws, _mm512_loadu_ps(a.dx.as_ptr().add(c * LANES)));
-                total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), s, total);
+                t0 = _mm512_fmadd_ps(chunk_vnni(a, packed, c, lut), s, t0);
             }
-            _mm512_reduce_add_ps(total)
+            _mm512_reduce_add_ps(_mm512_add_ps(t0, t1))
         }
     }
 

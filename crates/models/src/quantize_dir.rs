@@ -2,7 +2,8 @@
 //!
 //! Routed experts are quantised by default (the fused layout is split into the Hub's per-expert tensors
 //! first); `all_linear` also quantises every decoder linear except the routers, the shared-expert gate,
-//! embeddings, `lm_head`, norms, convolutions and the vision tower. Each quantised `P.weight` becomes
+//! embeddings, `lm_head`, norms, convolutions and the vision tower; `lm_head` adds the (untied) output
+//! projection. Each quantised `P.weight` becomes
 //! `P.weight` (U8 `[N, K/2]`), `P.weight_scale` (F8_E4M3 `[N, K/16]`), `P.weight_scale_2` (F32 scalar)
 //! and `P.input_scale` (F32 scalar 1.0: no activation calibration; weight-only engines ignore it).
 //! Everything else is copied byte for byte; tokenizer, template and processor files are copied.
@@ -23,6 +24,9 @@ use crate::quant::quantize_nvfp4;
 pub struct QuantizeOptions {
     /// Every eligible linear, not only routed experts.
     pub all_linear: bool,
+    /// `lm_head` too (an untied one): it is read whole for every generated token, as large as all
+    /// active experts of a small MoE together; llama.cpp's NVFP4 files quantise it as well.
+    pub lm_head: bool,
 }
 
 struct Out {
@@ -96,7 +100,9 @@ pub fn quantize_dir(
             }
             continue;
         }
-        let wanted = (rules.is_routed_expert)(name) || (opts.all_linear && (rules.eligible_linear)(name, &shape));
+        let wanted = (rules.is_routed_expert)(name)
+            || (opts.all_linear && (rules.eligible_linear)(name, &shape))
+            || (opts.lm_head && name == "lm_head.weight");
         if wanted && shape.len() == 2 && shape[1] % 16 == 0 && raw.0 != Dtype::U8 {
             let w = ck.weight(name, &shape)?.to_f32();
             quantize(name, shape[0], shape[1], &w, &mut out);
@@ -110,7 +116,8 @@ pub fn quantize_dir(
     let cfg_path = src.join("config.json");
     let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?)
         .map_err(|source| Error::Json { path: cfg_path.clone(), source })?;
-    let exclude: Vec<&str> = (rules.exclude_modules)(opts.all_linear);
+    let exclude: Vec<&str> =
+        (rules.exclude_modules)(opts.all_linear).into_iter().filter(|m| !(opts.lm_head && *m == "lm_head")).collect();
     let qc = json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": exclude});
     cfg["quantization_config"] = qc.clone();
     let write_json = |p: &Path, v: &serde_json::Value| {

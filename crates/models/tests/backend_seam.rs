@@ -65,6 +65,9 @@ impl Backend for Counting {
     fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
         self.cpu.linear(x, w)
     }
+    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> (Tensor, Tensor) {
+        self.cpu.linear_pair(x, w1, w2)
+    }
     fn embed(&self, table: &Tensor, ids: &[u32]) -> Tensor {
         self.cpu.embed(table, ids)
     }

@@ -202,3 +202,49 @@ fn int8_activations_drift_from_the_exact_path_within_a_bound() {
     assert!(worst_top < 2e-2, "top token's |Δlogprob| {worst_top}");
     assert_eq!(agree, steps, "top-1 agreement");
 }
+
+/// `--lm-head` quantises the output projection too (what llama.cpp's NVFP4 files do): it is listed as
+/// quantised, loads as NVFP4, and the model still computes what the dequantised lm_head computes: the
+/// last logits equal `dequant(lm_head) · normed hidden`, checked against an f64 product.
+#[test]
+fn lm_head_quantisation_is_opt_in_and_loads_as_nvfp4() {
+    use osprey_models::{Checkpoint, ForwardOptions, LogitsWanted};
+    let src = common::fixtures().join("models/qwen3_5_moe-tiny");
+    let dst = std::env::temp_dir().join(format!("osprey-nvfp4-lmhead-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    let opts = osprey_models::QuantizeOptions { all_linear: true, lm_head: true };
+    osprey_models::quantize_dir(&src, &dst, opts, &mut |_, _| {}).expect("quantize");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dst.join("config.json")).expect("config")).expect("json");
+    let exclude = cfg["quantization_config"]["exclude_modules"].as_array().expect("list").clone();
+    assert!(!exclude.iter().any(|m| m == "lm_head"), "{exclude:?}");
+    let ck = Checkpoint::open(&dst).expect("open");
+    let (v, h) = (1024, 128);
+    let head = ck.linear("lm_head", v, h).expect("lm_head");
+    assert_eq!(head.dtype(), osprey_kernels::DType::Nvfp4);
+    let m = osprey_models::load_on(&dst, osprey_backend::cpu::CpuBackend::exact()).expect("load");
+    let ids: Vec<u32> = (1..=6).collect();
+    let mut st = m.new_state();
+    let input = SeqInput { logits: LogitsWanted::Last, ..SeqInput::text(&ids) };
+    let out = m
+        .forward_with(
+            &mut [SeqStep { state: &mut st, input }],
+            &ForwardOptions { capture_hidden: true, teacher_inputs: None },
+        )
+        .expect("forward");
+    let normed = &out.hidden.last().expect("final normed hidden")[5 * h..6 * h];
+    let w = head.to_f32();
+    for (r, got) in out.logits[0].iter().enumerate() {
+        let want: f64 = (0..h).map(|c| f64::from(w[r * h + c]) * f64::from(normed[c])).sum();
+        assert!((f64::from(*got) - want).abs() < 1e-4 * want.abs().max(1.0), "logit {r}: {got} vs {want}");
+    }
+    // Without the flag lm_head stays as it was.
+    let plain = std::env::temp_dir().join(format!("osprey-nvfp4-nolmhead-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&plain);
+    let opts = osprey_models::QuantizeOptions { all_linear: true, lm_head: false };
+    osprey_models::quantize_dir(&src, &plain, opts, &mut |_, _| {}).expect("quantize");
+    assert_ne!(
+        Checkpoint::open(&plain).expect("open").linear("lm_head", v, h).expect("lm_head").dtype(),
+        osprey_kernels::DType::Nvfp4
+    );
+}

@@ -40,8 +40,7 @@ impl Mlp {
 
 /// `down(silu(gate(x)) · up(x))` with placed weights (an MLP, or a routed expert).
 pub fn swiglu(b: &dyn Backend, x: &Tensor, (gate, up, down): (&Tensor, &Tensor, &Tensor)) -> Tensor {
-    let mut g = b.linear(x, gate);
-    let u = b.linear(x, up);
+    let (mut g, u) = b.linear_pair(x, gate, up);
     b.silu_mul(&mut g, &u);
     b.linear(&g, down)
 }
