@@ -7,7 +7,7 @@
 //!   detection and a portable fallback; one-token rows take a GEMV path that converts weights in registers,
 //!   batches take a GEMM path that converts each weight tile once (matrixmultiply's sgemm).
 //! - [`nvfp4`]: NVFP4 decoding and the dequantise-in-registers dot product.
-//! - [`q8`]: the fast NVFP4 decode path: int8 activations, integer dot products (AVX-512 VNNI / AVX2 /
+//! - [`q8`]: the fast NVFP4 path for up to 32 rows (decode, routed experts in prefill): int8 activations, integer dot products (AVX-512 VNNI / AVX2 /
 //!   portable, picked once at run time), chosen by [`Precision::Int8`].
 //! - [`norm`]: zero-centred RMSNorm `x̂·(1+w)`, gated RMSNorm `x̂·w·silu(z)`, L2 norm.
 //! - [`rope`]: partial NeoX rotary with interleaved mRoPE sections.

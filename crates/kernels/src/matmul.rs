@@ -18,14 +18,18 @@ use crate::{nvfp4, simd};
 pub enum Precision {
     /// f32 activations everywhere (what the parity tests use).
     Exact,
-    /// The fast default: NVFP4 decode rows take int8 activations quantised per 16-value block
-    /// ([`crate::q8`]); everything else is as `Exact`.
+    /// The fast default: NVFP4 matmuls of up to [`Q8_GEMV_MAX_ROWS`] rows take int8 activations
+    /// quantised per 16-value block ([`crate::q8`]); everything else is as `Exact`.
     #[default]
     Int8,
 }
 
 /// Up to this many input rows a matmul takes the GEMV path.
 pub const GEMV_MAX_ROWS: usize = 4;
+
+/// Up to this many rows an NVFP4 matmul with int8 activations stays on the integer dot path (each
+/// weight row read once, dotted with every row): a prefill chunk's routed experts see ~16 rows each.
+pub const Q8_GEMV_MAX_ROWS: usize = 32;
 
 /// Element type of a stored weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -168,11 +172,12 @@ pub fn matmul_with(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, o
         out.fill(0.0);
         return;
     }
-    if m > GEMV_MAX_ROWS {
+    let int8_nvfp4 = p == Precision::Int8 && matches!(w, WeightView::Nvfp4 { .. }) && k.is_multiple_of(q8::CHUNK);
+    if m > GEMV_MAX_ROWS && !(int8_nvfp4 && m <= Q8_GEMV_MAX_ROWS) {
         return gemm(x, m, w, n, k, out);
     }
     match w {
-        WeightView::Nvfp4 { packed, scales, global } if p == Precision::Int8 && k.is_multiple_of(q8::CHUNK) => {
+        WeightView::Nvfp4 { packed, scales, global } if int8_nvfp4 => {
             // Quantise each activation row once; every weight row reuses it.
             let acts: Vec<Q8Act> = (0..m).map(|i| q8::quantize(&x[i * k..(i + 1) * k])).collect();
             let (isa, pk, sk) = (Isa::detected(), k / 2, k / nvfp4::BLOCK);
@@ -341,6 +346,32 @@ mod tests {
             }
         }
         y
+    }
+
+    #[test]
+    fn int8_nvfp4_takes_the_integer_path_up_to_its_row_limit_and_the_gemm_beyond() {
+        let (n, k) = (24, 128);
+        let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
+        let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
+        let view = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.25 };
+        for m in [1usize, 9, Q8_GEMV_MAX_ROWS, Q8_GEMV_MAX_ROWS + 1] {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 97.0) - 0.5).collect();
+            let mut got = vec![0f32; m * n];
+            matmul_with(&x, m, view, n, k, &mut got, Precision::Int8);
+            let mut want = vec![0f32; m * n];
+            if m <= Q8_GEMV_MAX_ROWS {
+                for i in 0..m {
+                    let a = q8::quantize(&x[i * k..(i + 1) * k]);
+                    for r in 0..n {
+                        let (p, s) = (&packed[r * k / 2..(r + 1) * k / 2], &scales[r * k / 16..(r + 1) * k / 16]);
+                        want[i * n + r] = q8::dot(Isa::detected(), &a, p, s, 0.25);
+                    }
+                }
+            } else {
+                matmul_with(&x, m, view, n, k, &mut want, Precision::Exact);
+            }
+            assert_eq!(got, want, "m={m}");
+        }
     }
 
     #[test]
