@@ -69,6 +69,9 @@ def main():
     tiny_ckpt.randomize_(model, args.seed)
     out = pathlib.Path(args.out)
     model.save_pretrained(out)
+    # A tokenizer (the tiny test one) so llama.cpp's converter accepts the checkpoint
+    # (tools/bench_peer.sh); only token ids are benchmarked.
+    tiny_ckpt.save_processor(out, tiny_ckpt.build_tokenizer())
     total = sum(q.numel() for q in model.parameters())
     print(f"{args.preset}: {total / 1e9:.2f} B parameters written to {out}")
 
