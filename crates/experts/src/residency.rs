@@ -7,11 +7,11 @@
 //! ([`ResidentSet`], an `ExpertSource`) sends `Need` and returns a ticket, so the MoE block computes the
 //! shared expert while the reads are in flight; each handle carries a lease whose drop sends `Release`.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use lru::LruCache;
 use osprey_models::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts};
 use osprey_protocol::{ErrorCode, Handle, RequestError};
 use tokio::sync::{mpsc, oneshot};
@@ -56,7 +56,9 @@ struct Slot {
 pub struct ResidencyTable {
     budget: Budget,
     policy: Policy,
-    slots: HashMap<(usize, usize), Slot>,
+    /// Resident experts in recency order (`lru`, unbounded: the budget is bytes or experts per layer,
+    /// and leased experts must be skipped, so eviction walks from the least recent end itself).
+    slots: LruCache<(usize, usize), Slot>,
     used: usize,
     per_layer: Vec<usize>,
     tick: u64,
@@ -72,7 +74,7 @@ impl ResidencyTable {
         ResidencyTable {
             budget,
             policy,
-            slots: HashMap::new(),
+            slots: LruCache::unbounded(),
             used: 0,
             per_layer: vec![0; layers],
             tick: 0,
@@ -111,6 +113,7 @@ impl ResidencyTable {
             }
         }
         if let Some(s) = self.slots.get_mut(&key) {
+            // `get_mut` also makes it the most recent.
             s.last_use = tick;
             s.freq += 1.0;
         }
@@ -119,7 +122,7 @@ impl ResidencyTable {
     /// Overrides an expert's frequency (a static routing-frequency profile; with decay off, LFU then
     /// evicts the experts the profile says are rarest).
     pub fn set_frequency(&mut self, layer: usize, expert: usize, freq: f64) {
-        if let Some(s) = self.slots.get_mut(&(layer, expert)) {
+        if let Some(s) = self.slots.peek_mut(&(layer, expert)) {
             s.freq = freq;
         }
     }
@@ -127,13 +130,13 @@ impl ResidencyTable {
     /// A resident expert, leased; `None` on a miss.
     pub fn lease(&mut self, layer: usize, expert: usize) -> Option<Arc<ExpertWeights>> {
         let key = (layer, expert);
-        if !self.slots.contains_key(&key) {
+        if !self.slots.contains(&key) {
             self.stats[layer].misses += 1;
             return None;
         }
         self.stats[layer].hits += 1;
         self.touch(key);
-        let s = self.slots.get_mut(&key).expect("present");
+        let s = self.slots.peek_mut(&key).expect("present");
         s.leases += 1;
         Some(s.weights.clone())
     }
@@ -147,12 +150,12 @@ impl ResidencyTable {
         bytes: usize,
     ) -> Arc<ExpertWeights> {
         let key = (layer, expert);
-        if let Some(s) = self.slots.get_mut(&key) {
+        if let Some(s) = self.slots.peek_mut(&key) {
             // Read twice in one batch (duplicate request): keep the first copy.
             s.leases += 1;
             return s.weights.clone();
         }
-        self.slots.insert(key, Slot { weights: weights.clone(), bytes, leases: 1, last_use: 0, freq: 0.0 });
+        self.slots.put(key, Slot { weights: weights.clone(), bytes, leases: 1, last_use: 0, freq: 0.0 });
         self.used += bytes;
         self.per_layer[layer] += 1;
         self.touch(key);
@@ -162,7 +165,8 @@ impl ResidencyTable {
 
     /// Drops one lease.
     pub fn release(&mut self, layer: usize, expert: usize) {
-        if let Some(s) = self.slots.get_mut(&(layer, expert)) {
+        // A release is not a use: `peek_mut` leaves the recency order alone.
+        if let Some(s) = self.slots.peek_mut(&(layer, expert)) {
             s.leases = s.leases.saturating_sub(1);
         }
         self.evict(layer);
@@ -178,17 +182,16 @@ impl ResidencyTable {
     fn evict(&mut self, layer: usize) {
         while self.over(layer) {
             let scope = |k: &(usize, usize)| matches!(self.budget, Budget::Bytes(_)) || k.0 == layer;
-            let victim = self
-                .slots
-                .iter()
-                .filter(|(k, s)| s.leases == 0 && scope(k))
-                .min_by(|a, b| match self.policy {
-                    Policy::Lru => a.1.last_use.cmp(&b.1.last_use),
-                    Policy::LfuDecay { .. } => a.1.freq.total_cmp(&b.1.freq).then(a.1.last_use.cmp(&b.1.last_use)),
-                })
-                .map(|(k, _)| *k);
+            let candidates = self.slots.iter().rev().filter(|(k, s)| s.leases == 0 && scope(k));
+            let victim = match self.policy {
+                // Least recent first: the first unleased expert in scope from the old end.
+                Policy::Lru => candidates.map(|(k, _)| *k).next(),
+                Policy::LfuDecay { .. } => candidates
+                    .min_by(|a, b| a.1.freq.total_cmp(&b.1.freq).then(a.1.last_use.cmp(&b.1.last_use)))
+                    .map(|(k, _)| *k),
+            };
             let Some(k) = victim else { return };
-            let s = self.slots.remove(&k).expect("present");
+            let s = self.slots.pop(&k).expect("present");
             self.used -= s.bytes;
             self.per_layer[k.0] -= 1;
             self.evictions += 1;
@@ -418,6 +421,18 @@ mod tests {
     fn w() -> Arc<ExpertWeights> {
         let m = Weight::from_f32(1, 1, vec![0.0]);
         Arc::new(ExpertWeights { gate: m.clone(), up: m.clone(), down: m })
+    }
+
+    #[test]
+    fn a_release_is_not_a_use() {
+        let mut t = ResidencyTable::new(1, Budget::PerLayer(2), Policy::Lru);
+        t.insert(0, 1, w(), 10);
+        t.insert(0, 2, w(), 10);
+        t.release(0, 2);
+        t.release(0, 1); // released last, but used first
+        t.insert(0, 3, w(), 10);
+        assert!(t.lease(0, 1).is_none(), "1 was the least recently used");
+        assert!(t.lease(0, 2).is_some());
     }
 
     #[test]
