@@ -263,8 +263,12 @@ fn gemv(m: usize, n: usize, out: &mut [f32], dot: impl Fn(usize, usize) -> f32 +
 }
 
 fn gemm(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, out: &mut [f32]) {
-    // A widened tile of weight rows stays around 256 KiB so it lives in L2 while sgemm packs it.
-    let nb = ((65536 / k).max(16) / 16 * 16).min(n.max(16));
+    // sgemm packs all of `x` again for every tile, which costs about as much as a small tile's
+    // multiply-adds (it was 45% of a 512-token prefill with 256 KiB tiles): so tiles are as large as
+    // the pool allows — two per thread — with the widened copy capped at 8 MiB.
+    let threads = rayon::current_num_threads().max(1);
+    let cap = ((1usize << 21) / k).max(16);
+    let nb = (n.div_ceil(2 * threads).clamp(16, cap)).div_ceil(16) * 16;
     let blocks = n.div_ceil(nb);
     let ptr = OutPtr(out.as_mut_ptr());
     (0..blocks).into_par_iter().for_each_init(Vec::new, |scratch, b| {
