@@ -31,7 +31,9 @@ for t in "${targets[@]}"; do
   # New coverage goes to a scratch folder first (the committed corpus stays a reviewed set); merge with
   # `-merge=1 fuzz/corpus/$t $work` to keep what a long run found.
   echo "== fuzz $t for ${secs}s"
-  if ! "$bin/$t" "$work" "fuzz/corpus/$t" -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 \
+  # FUZZ_SEED fixes libFuzzer's mutation sequence (CI sets it, so a run explores the same inputs each
+  # time); unset, each run starts from a fresh random seed.
+  if ! "$bin/$t" "$work" "fuzz/corpus/$t" -seed="${FUZZ_SEED:-0}" -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 \
       -max_len=65536 -artifact_prefix="fuzz/artifacts/$t/" -print_final_stats=1 2>"$work.log"; then
     status=1
     tail -40 "$work.log"
