@@ -112,16 +112,13 @@ impl Backend for CpuBackend {
     }
 
     fn describe(&self) -> String {
-        let simd = if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            "avx2+fma"
-        } else {
-            "portable"
-        };
+        // The f32 / bf16 kernels use AVX2+FMA where `Isa` finds it (the same detection, x86 or not).
+        let simd = if Isa::available().contains(&Isa::Avx2) { "avx2+fma" } else { "portable" };
         let nvfp4 = match self.precision {
-            Precision::Int8 => format!("nvfp4 decode int8 {}", Isa::detected().name()),
+            Precision::Int8 => format!("nvfp4 int8 {}", Isa::detected().name()),
             Precision::Exact => "exact f32 activations".to_string(),
         };
-        format!("cpu ({simd} kernels, {nvfp4}, {} threads)", rayon_threads())
+        format!("cpu ({simd} kernels, {nvfp4}, {} threads)", osprey_kernels::threads())
     }
 
     fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Tensor {
@@ -405,10 +402,6 @@ impl Backend for CpuBackend {
     fn router_topk(&self, logits: &Tensor, k: usize) -> Vec<(Vec<usize>, Vec<f32>)> {
         host(logits).chunks(logits.cols()).map(|row| route(row, k)).collect()
     }
-}
-
-fn rayon_threads() -> usize {
-    osprey_kernels::threads()
 }
 
 #[cfg(test)]

@@ -172,26 +172,57 @@ pub fn matmul_with(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, o
         out.fill(0.0);
         return;
     }
-    let int8_nvfp4 = p == Precision::Int8 && matches!(w, WeightView::Nvfp4 { .. }) && k.is_multiple_of(q8::CHUNK);
-    if m > GEMV_MAX_ROWS && !(int8_nvfp4 && m <= Q8_GEMV_MAX_ROWS) {
+    if !on_gemv_path(m, w, k, p) {
         return gemm(x, m, w, n, k, out);
     }
-    match w {
-        WeightView::Nvfp4 { packed, scales, global } if int8_nvfp4 => {
-            // Quantise each activation row once; every weight row reuses it.
-            let acts: Vec<Q8Act> = (0..m).map(|i| q8::quantize(&x[i * k..(i + 1) * k])).collect();
-            let (isa, pk, sk) = (Isa::detected(), k / 2, k / nvfp4::BLOCK);
-            gemv(m, n, out, |i, r| {
-                q8::dot(isa, &acts[i], &packed[r * pk..(r + 1) * pk], &scales[r * sk..(r + 1) * sk], global)
-            });
+    let acts = RowActs::new(x, m, k, p == Precision::Int8 && int8_eligible(w, k));
+    gemv(m, n, out, |i, r| acts.dot(x, k, w, i, r));
+}
+
+/// NVFP4 weights whose rows the int8 path can take at [`Precision::Int8`].
+fn int8_eligible(w: WeightView<'_>, k: usize) -> bool {
+    matches!(w, WeightView::Nvfp4 { .. }) && k.is_multiple_of(q8::CHUNK)
+}
+
+/// Whether `m` rows against `w` take the per-row dot path (else the GEMM): few rows always, and up to
+/// [`Q8_GEMV_MAX_ROWS`] for NVFP4 rows with int8 activations.
+fn on_gemv_path(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> bool {
+    m <= GEMV_MAX_ROWS || (p == Precision::Int8 && int8_eligible(w, k) && m <= Q8_GEMV_MAX_ROWS)
+}
+
+/// The activation rows of a GEMV as the dots take them: quantised once to int8 (NVFP4 weights at
+/// [`Precision::Int8`]), or the f32 rows themselves.
+enum RowActs {
+    Q8(Vec<Q8Act>, Isa),
+    F32,
+}
+
+impl RowActs {
+    /// `int8`: the weights are NVFP4 rows of a width the int8 path takes (a multiple of [`q8::CHUNK`]).
+    fn new(x: &[f32], m: usize, k: usize, int8: bool) -> Self {
+        if int8 {
+            RowActs::Q8((0..m).map(|i| q8::quantize(&x[i * k..(i + 1) * k])).collect(), Isa::detected())
+        } else {
+            RowActs::F32
         }
-        _ => gemv(m, n, out, |i, r| w.dot_row(&x[i * k..(i + 1) * k], r, k)),
+    }
+
+    /// Input row `i` · weight row `r`.
+    #[inline]
+    fn dot(&self, x: &[f32], k: usize, w: WeightView<'_>, i: usize, r: usize) -> f32 {
+        match (self, w) {
+            (RowActs::Q8(acts, isa), WeightView::Nvfp4 { packed, scales, global }) => {
+                let (pk, sk) = (k / 2, k / nvfp4::BLOCK);
+                q8::dot(*isa, &acts[i], &packed[r * pk..(r + 1) * pk], &scales[r * sk..(r + 1) * sk], global)
+            }
+            _ => w.dot_row(&x[i * k..(i + 1) * k], r, k),
+        }
     }
 }
 
-/// `out1 = x·W1ᵀ`, `out2 = x·W2ᵀ` for two weights of one shape (an MLP's gate and up) in one pass: for
-/// few rows the activation is quantised once and both weights' rows are split across the pool together
-/// (one dispatch instead of two); many rows take two GEMMs.
+/// `out1 = x·W1ᵀ`, `out2 = x·W2ᵀ` for two weights of one shape (an MLP's gate and up) in one pass: on
+/// the per-row dot path the activations are quantised once and both weights' rows are split across the
+/// pool together (one dispatch instead of two); otherwise two GEMMs.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_pair_with(
     x: &[f32],
@@ -202,34 +233,16 @@ pub fn matmul_pair_with(
     (out1, out2): (&mut [f32], &mut [f32]),
     p: Precision,
 ) {
-    if m == 0 || n == 0 || k == 0 || m > GEMV_MAX_ROWS {
+    if m == 0 || n == 0 || k == 0 || !on_gemv_path(m, w1, k, p) || !on_gemv_path(m, w2, k, p) {
         matmul_with(x, m, w1, n, k, out1, p);
         return matmul_with(x, m, w2, n, k, out2, p);
     }
     assert!(x.len() == m * k && w1.len() == n * k && w2.len() == n * k, "matmul shapes: this is a bug");
     assert!(out1.len() == m * n && out2.len() == m * n, "matmul shapes: this is a bug");
+    let int8 = p == Precision::Int8 && (int8_eligible(w1, k) || int8_eligible(w2, k));
+    let acts = RowActs::new(x, m, k, int8);
     let mut both = vec![0f32; m * 2 * n];
-    match (w1, w2) {
-        (
-            WeightView::Nvfp4 { packed: p1, scales: s1, global: g1 },
-            WeightView::Nvfp4 { packed: p2, scales: s2, global: g2 },
-        ) if p == Precision::Int8 && k.is_multiple_of(q8::CHUNK) => {
-            let acts: Vec<Q8Act> = (0..m).map(|i| q8::quantize(&x[i * k..(i + 1) * k])).collect();
-            let (isa, pk, sk) = (Isa::detected(), k / 2, k / nvfp4::BLOCK);
-            gemv(m, 2 * n, &mut both, |i, r| {
-                let (pp, ss, g, r) = if r < n { (p1, s1, g1, r) } else { (p2, s2, g2, r - n) };
-                q8::dot(isa, &acts[i], &pp[r * pk..(r + 1) * pk], &ss[r * sk..(r + 1) * sk], g)
-            });
-        }
-        _ => gemv(m, 2 * n, &mut both, |i, r| {
-            let xi = &x[i * k..(i + 1) * k];
-            if r < n {
-                w1.dot_row(xi, r, k)
-            } else {
-                w2.dot_row(xi, r - n, k)
-            }
-        }),
-    }
+    gemv(m, 2 * n, &mut both, |i, r| if r < n { acts.dot(x, k, w1, i, r) } else { acts.dot(x, k, w2, i, r - n) });
     for i in 0..m {
         out1[i * n..(i + 1) * n].copy_from_slice(&both[i * 2 * n..i * 2 * n + n]);
         out2[i * n..(i + 1) * n].copy_from_slice(&both[i * 2 * n + n..(i + 1) * 2 * n]);
