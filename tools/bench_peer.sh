@@ -12,8 +12,8 @@ set -euo pipefail
 osprey=$1; bf16=$2; nvfp4=$3; gguf=$4; reps=${5:-3}
 peer=${PEER:-$(dirname "$0")/../../shared/tools/llamacpp_peer.sh}
 log=$(mktemp)
-echo "# $(date -u '+%F %H:%M') $(nproc) cores; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
-echo "# flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512_vnni|avx512_bf16|avx_vnni)$' | tr '\n' ' ')"
+. "$(dirname "$0")/bench_lib.sh"
+machine_header
 "$osprey" --threads 2 bench membw 2>/dev/null | tee -a "$log"
 for r in $(seq "$reps"); do
   for run in "osprey bf16|$bf16|int8" "osprey nvfp4|$nvfp4|int8" "osprey nvfp4 f32-act|$nvfp4|f32"; do
