@@ -253,7 +253,7 @@ fn crc32(data: &[u8]) -> u32 {
 }
 
 fn text_only_model() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("osprey-text-only-{}", std::process::id()));
+    let dir = harness::scratch_dir("text-only");
     std::fs::create_dir_all(&dir).expect("mkdir");
     let src = fixtures().join("models/qwen3_5-tiny");
     for f in ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {

@@ -113,7 +113,17 @@ pub fn data_url(path: &Path) -> String {
 /// `osprey quantize` (NVFP4 experts) of `src` into a fresh temporary directory named after `tag` and
 /// this process. Callers keep the result in a `OnceLock`: tests run in parallel threads.
 pub fn quantize_to_temp(src: &Path, tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("osprey-{tag}-{}", std::process::id()));
+    let dir = scratch_dir(tag);
     osprey_models::quantize_dir(src, &dir, Default::default(), &mut |_, _| {}).expect("quantize");
+    dir
+}
+
+/// A scratch directory for this test binary, emptied first: under cargo's per-target tmp dir and
+/// named after the test crate and `tag`, so reruns reuse one directory instead of leaving one per
+/// process in /tmp (cargo runs test binaries one at a time).
+pub fn scratch_dir(tag: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{}-{tag}", env!("CARGO_CRATE_NAME")));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create the scratch directory");
     dir
 }

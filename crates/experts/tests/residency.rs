@@ -9,6 +9,16 @@ use std::sync::{Arc, OnceLock};
 use osprey_experts::{open_reader, spawn, Budget, ExpertIndex, Policy, ReadDone, ReadReq, Reader, ReaderKind};
 use osprey_models::{CausalLm, Checkpoint, ExpertSource, Model, ModelConfig, SeqInput, SeqStep};
 
+/// A scratch directory for this test binary, emptied first: under cargo's per-target tmp dir and
+/// named after the test crate and `tag`, so reruns reuse one directory instead of leaving one per
+/// process in /tmp (cargo runs test binaries one at a time).
+fn scratch_dir(tag: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{}-{tag}", env!("CARGO_CRATE_NAME")));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create the scratch directory");
+    dir
+}
+
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
 }
@@ -18,7 +28,7 @@ fn fixtures() -> PathBuf {
 fn nvfp4_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dst = std::env::temp_dir().join(format!("osprey-experts-nvfp4-{}", std::process::id()));
+        let dst = scratch_dir("experts-nvfp4");
         osprey_models::quantize_dir(
             &fixtures().join("models/qwen3_5_moe-tiny"),
             &dst,

@@ -30,8 +30,7 @@ fn quantisation_and_dequantisation_equal_the_numpy_reference_exactly() {
 }
 
 fn quantized_model(src: &str, tag: &str) -> (std::path::PathBuf, osprey_models::Model) {
-    let dst = std::env::temp_dir().join(format!("osprey-nvfp4-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dst);
+    let dst = common::scratch_dir(&format!("nvfp4-{tag}"));
     osprey_models::quantize_dir(&common::fixtures().join("models").join(src), &dst, Default::default(), &mut |_, _| {})
         .expect("quantize");
     // Parity is measured on the exact path (f32 activations); the int8 default is bounded below.
@@ -104,7 +103,7 @@ fn an_nvfp4_checkpoint_made_by_osprey_quantize_matches_dequantised_transformers(
 fn malformed_nvfp4_tensors_are_refused_naming_the_tensor() {
     use safetensors::tensor::TensorView;
     use safetensors::Dtype;
-    let dir = std::env::temp_dir().join(format!("osprey-nvfp4-bad-{}", std::process::id()));
+    let dir = common::scratch_dir("nvfp4-bad");
     std::fs::create_dir_all(&dir).expect("mkdir");
     let packed = vec![0u8; 4 * 16];
     let bad_scale = vec![0u8; 4 * 3]; // should be [4, 2]
@@ -131,7 +130,7 @@ fn compressed_tensors_nvfp4_loads_to_the_same_weights_as_modelopt() {
     let r = Ref::load_file("nvfp4.safetensors");
     let (rows, cols) = (64usize, 128usize);
     let q = quantize_nvfp4(&r.f32s("a.w"), rows, cols);
-    let dir = std::env::temp_dir().join(format!("osprey-ct-{}", std::process::id()));
+    let dir = common::scratch_dir("ct");
     std::fs::create_dir_all(&dir).expect("mkdir");
     let (g, inv) = (q.global.to_le_bytes().to_vec(), (1.0 / q.global).to_le_bytes().to_vec());
     let views = vec![
@@ -211,8 +210,7 @@ fn int8_activations_drift_from_the_exact_path_within_a_bound() {
 fn lm_head_quantisation_is_opt_in_and_loads_as_nvfp4() {
     use osprey_models::{Checkpoint, ForwardOptions, LogitsWanted};
     let src = common::fixtures().join("models/qwen3_5_moe-tiny");
-    let dst = std::env::temp_dir().join(format!("osprey-nvfp4-lmhead-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dst);
+    let dst = common::scratch_dir("nvfp4-lmhead");
     let opts = osprey_models::QuantizeOptions { all_linear: true, lm_head: true };
     osprey_models::quantize_dir(&src, &dst, opts, &mut |_, _| {}).expect("quantize");
     let cfg: serde_json::Value =
@@ -240,8 +238,7 @@ fn lm_head_quantisation_is_opt_in_and_loads_as_nvfp4() {
         assert!((f64::from(*got) - want).abs() < 1e-4 * want.abs().max(1.0), "logit {r}: {got} vs {want}");
     }
     // Without the flag lm_head stays as it was.
-    let plain = std::env::temp_dir().join(format!("osprey-nvfp4-nolmhead-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&plain);
+    let plain = common::scratch_dir("nvfp4-nolmhead");
     let opts = osprey_models::QuantizeOptions { all_linear: true, lm_head: false };
     osprey_models::quantize_dir(&src, &plain, opts, &mut |_, _| {}).expect("quantize");
     assert_ne!(

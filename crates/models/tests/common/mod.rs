@@ -95,3 +95,13 @@ impl Ref {
         Ref { bytes, meta: serde_json::Value::Null }
     }
 }
+
+/// A scratch directory for this test binary, emptied first: under cargo's per-target tmp dir and
+/// named after the test crate and `tag`, so reruns reuse one directory instead of leaving one per
+/// process in /tmp (cargo runs test binaries one at a time).
+pub fn scratch_dir(tag: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{}-{tag}", env!("CARGO_CRATE_NAME")));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create the scratch directory");
+    dir
+}
