@@ -130,15 +130,15 @@ pub async fn serve_until_signal(settings: &Settings, model_dir: &Path) -> Result
     Ok(())
 }
 
-/// The compute backend `--device` names (default `cpu`) at the `--activations` precision (`int8`,
-/// the default, or `f32`), logged once.
+/// The compute backend `--device` names (default `cpu`) at the `--activations` precision (`int8`, also
+/// spelled `fast`, the default; or `f32`, also `exact`), logged once.
 pub fn open_backend(device: Option<&str>, activations: Option<&str>) -> Result<osprey_backend::BackendRef> {
     let device: osprey_backend::Device =
         device.unwrap_or("cpu").parse().map_err(|e: String| anyhow::anyhow!(e)).context("--device")?;
     let precision = match activations.unwrap_or("int8") {
-        "int8" => osprey_backend::Precision::Int8,
+        "int8" | "fast" => osprey_backend::Precision::Int8,
         "f32" | "exact" => osprey_backend::Precision::Exact,
-        other => anyhow::bail!("--activations {other}: use int8 (default) or f32"),
+        other => anyhow::bail!("--activations {other}: use int8 (the fast default) or f32 (exact)"),
     };
     let backend = osprey_backend::open_with(device, precision)?;
     tracing::info!(device = %device, backend = backend.describe(), "compute backend");

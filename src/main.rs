@@ -21,8 +21,8 @@ struct Cli {
     /// the settings file.
     #[arg(long, global = true)]
     device: Option<String>,
-    /// Activations of NVFP4 decode matmuls: int8 (default: integer dot products, a small documented
-    /// drift) or f32 (exact).
+    /// Activations of the matmuls: int8 (the fast default: int8 for NVFP4 decode, bf16 for bf16
+    /// matmuls and NVFP4 prefill on CPUs with AVX512-BF16; a small documented drift) or f32 (exact).
     #[arg(long, global = true)]
     activations: Option<String>,
     #[command(subcommand)]

@@ -63,7 +63,7 @@ fn multimodal_requests_build_exactly_the_inputs_transformers_builds_and_match_it
         let tok = TextTokenizer::from_dir(&dir).expect("tokenizer");
         let proc = ProcessorConfig::from_dir(&dir).expect("processor");
         let m = model(name);
-        let tower = VisionTower::from_dir(&dir).expect("load").expect("vision");
+        let tower = common::tower(name);
         for case in CASES {
             let r = Ref::load(name, case);
             let (media, prompt) = case_prompt(&dir, &r);
@@ -132,7 +132,7 @@ fn the_generation_driver_reproduces_transformers_greedy_ids_at_any_chunk_size() 
         let dir = fixtures().join("models").join(name);
         let tok = TextTokenizer::from_dir(&dir).expect("tokenizer");
         let proc = ProcessorConfig::from_dir(&dir).expect("processor");
-        let tower = VisionTower::from_dir(&dir).expect("load").expect("vision");
+        let tower = common::tower(name);
         let mut driver = Driver::new(model(name), 16);
         for case in CASES {
             let r = Ref::load(name, case);

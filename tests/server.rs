@@ -1,5 +1,7 @@
 //! The real server on an ephemeral port, driven over real HTTP (ureq), compared with the transformers
-//! fixtures where a reference exists. Tolerance for logprobs: 1e-4 (crates/models/tests/parity.rs).
+//! fixtures where a reference exists. Tolerance for logprobs: 1e-4 (crates/models/tests/parity.rs), on the
+//! exact path (`--activations f32`) that the servers compared with references run; the fast default's
+//! drift from it is bounded in crates/models/tests/nvfp4.rs.
 
 #[path = "../crates/models/tests/common/mod.rs"]
 mod common;
@@ -23,10 +25,15 @@ fn moe_dir() -> PathBuf {
     fixtures().join("models/qwen3_5_moe-tiny")
 }
 
-/// The shared default server (embedded-model settings, the fixture MoE model).
+/// Default settings on the exact path (parity is measured there).
+fn exact() -> Settings {
+    Settings { activations: Some("f32".into()), ..Settings::default() }
+}
+
+/// The shared server (embedded-model settings, exact activations, the fixture MoE model).
 fn server() -> SocketAddr {
     static S: OnceLock<SocketAddr> = OnceLock::new();
-    *S.get_or_init(|| start(Settings::default(), moe_dir()))
+    *S.get_or_init(|| start(exact(), moe_dir()))
 }
 
 fn media_part(kind: &str, name: &str) -> Value {
@@ -154,8 +161,7 @@ fn greedy_logprobs(addr: SocketAddr, req: &Value) -> (String, Vec<f32>) {
 
 #[test]
 fn a_long_prompt_with_a_late_image_in_small_chunks_equals_one_shot() {
-    let chunked =
-        start(Settings { max_prefill_tokens: Some(16), max_batch_tokens: Some(24), ..Settings::default() }, moe_dir());
+    let chunked = start(Settings { max_prefill_tokens: Some(16), max_batch_tokens: Some(24), ..exact() }, moe_dir());
     let preamble =
         "The following is a long description of many unrelated things, written to push the image far into the prompt. "
             .repeat(6);

@@ -1,7 +1,5 @@
 //! Causal grouped-query attention of a sequence's new queries over its cached keys and values.
 
-use rayon::prelude::*;
-
 use crate::matmul::matmul_into_strided as gemm;
 
 /// Head geometry of one attention layer.
@@ -124,7 +122,7 @@ fn attend_rows(
     let (hd, nh, nkv) = (s.head_dim, s.heads, s.kv_heads);
     let group = nh / nkv;
     let kv_row = nkv * hd;
-    out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
+    crate::pool::chunks_mut_init(out, hd, Vec::new, |scores: &mut Vec<f32>, idx, o| {
         let (i, h) = (idx / nh, idx % nh);
         let kvh = h / group;
         let qv = &q[idx * hd..(idx + 1) * hd];
@@ -174,42 +172,39 @@ fn attend_blocked(
     let kv_row = nkv * hd;
     let group = nh / nkv;
     let blocks = n.div_ceil(QBLOCK);
-    let results: Vec<(usize, usize, Vec<f32>)> = (0..nh * blocks)
-        .into_par_iter()
-        .map(|task| {
-            let (h, b) = (task / blocks, task % blocks);
-            let kvh = h / group;
-            let (q0, q1) = (b * QBLOCK, ((b + 1) * QBLOCK).min(n));
-            let rows = q1 - q0;
-            let m = visible(q1 - 1);
-            let mut sc = vec![0f32; rows * m];
-            let qa = &q[(q0 * nh + h) * hd..];
-            let kb = &k[kvh * hd..];
-            gemm(
-                (rows, hd, m),
-                (qa, (nh * hd) as isize, 1),
-                (kb, 1, kv_row as isize),
-                (&mut sc, m as isize, 1),
-                scale,
-                0.0,
-            );
-            // Unnormalised softmax (masked keys → 0); rows are divided by their sums after P·V.
-            let mut sums = vec![0f32; rows];
-            for (r, row) in sc.chunks_mut(m).enumerate() {
-                let vis = visible(q0 + r);
-                let max = row[..vis].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                sums[r] = crate::simd::exp_sub_sum(&mut row[..vis], max);
-                row[vis..].fill(0.0);
-            }
-            let mut o = vec![0f32; rows * hd];
-            let vb = &v[kvh * hd..];
-            gemm((rows, m, hd), (&sc, m as isize, 1), (vb, kv_row as isize, 1), (&mut o, hd as isize, 1), 1.0, 0.0);
-            for (row, sum) in o.chunks_mut(hd).zip(&sums) {
-                row.iter_mut().for_each(|x| *x /= sum);
-            }
-            (h, q0, o)
-        })
-        .collect();
+    let results: Vec<(usize, usize, Vec<f32>)> = crate::pool::map(nh * blocks, |task| {
+        let (h, b) = (task / blocks, task % blocks);
+        let kvh = h / group;
+        let (q0, q1) = (b * QBLOCK, ((b + 1) * QBLOCK).min(n));
+        let rows = q1 - q0;
+        let m = visible(q1 - 1);
+        let mut sc = vec![0f32; rows * m];
+        let qa = &q[(q0 * nh + h) * hd..];
+        let kb = &k[kvh * hd..];
+        gemm(
+            (rows, hd, m),
+            (qa, (nh * hd) as isize, 1),
+            (kb, 1, kv_row as isize),
+            (&mut sc, m as isize, 1),
+            scale,
+            0.0,
+        );
+        // Unnormalised softmax (masked keys → 0); rows are divided by their sums after P·V.
+        let mut sums = vec![0f32; rows];
+        for (r, row) in sc.chunks_mut(m).enumerate() {
+            let vis = visible(q0 + r);
+            let max = row[..vis].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            sums[r] = crate::simd::exp_sub_sum(&mut row[..vis], max);
+            row[vis..].fill(0.0);
+        }
+        let mut o = vec![0f32; rows * hd];
+        let vb = &v[kvh * hd..];
+        gemm((rows, m, hd), (&sc, m as isize, 1), (vb, kv_row as isize, 1), (&mut o, hd as isize, 1), 1.0, 0.0);
+        for (row, sum) in o.chunks_mut(hd).zip(&sums) {
+            row.iter_mut().for_each(|x| *x /= sum);
+        }
+        (h, q0, o)
+    });
     for (h, q0, o) in results {
         for (r, row) in o.chunks(hd).enumerate() {
             let at = ((q0 + r) * nh + h) * hd;

@@ -7,8 +7,6 @@
 //! (UT-transform) form transformers' `torch_chunk_gated_delta_rule` uses for prefill, with chunks of
 //! [`CHUNK`] tokens counted from the start of the call; both give the same state up to f32 rounding.
 
-use rayon::prelude::*;
-
 use crate::act::silu;
 use crate::matmul::matmul_into_strided as gemm;
 
@@ -99,27 +97,24 @@ fn per_head(s: GdnShape, inp: DeltaInputs<'_>, state: &mut [f32], out: &mut [f32
     let n = inp.g.len() / s.nv;
     assert!(state.len() == s.state_len() && out.len() == n * s.nv * s.dv, "delta rule shapes: this is a bug");
     let rep = s.nv / s.nk;
-    let heads: Vec<Vec<f32>> = state
-        .par_chunks_mut(s.dk * s.dv)
-        .enumerate()
-        .map(|(h, st)| {
-            let kh = h / rep;
-            let mut o = vec![0f32; n * s.dv];
-            f(HeadIo {
-                q: head_rows(inp.q, n, s.nk, s.dk, kh),
-                k: head_rows(inp.k, n, s.nk, s.dk, kh),
-                v: head_rows(inp.v, n, s.nv, s.dv, h),
-                g: (0..n).map(|t| inp.g[t * s.nv + h]).collect(),
-                beta: (0..n).map(|t| inp.beta[t * s.nv + h]).collect(),
-                s: st,
-                out: &mut o,
-                dk: s.dk,
-                dv: s.dv,
-            });
-            o
-        })
-        .collect();
-    for (h, o) in heads.iter().enumerate() {
+    let mut heads: Vec<(&mut [f32], Vec<f32>)> = state.chunks_mut(s.dk * s.dv).map(|st| (st, Vec::new())).collect();
+    crate::pool::chunks_mut(&mut heads, 1, |h, one| {
+        let (st, o) = &mut one[0];
+        let kh = h / rep;
+        *o = vec![0f32; n * s.dv];
+        f(HeadIo {
+            q: head_rows(inp.q, n, s.nk, s.dk, kh),
+            k: head_rows(inp.k, n, s.nk, s.dk, kh),
+            v: head_rows(inp.v, n, s.nv, s.dv, h),
+            g: (0..n).map(|t| inp.g[t * s.nv + h]).collect(),
+            beta: (0..n).map(|t| inp.beta[t * s.nv + h]).collect(),
+            s: &mut st[..],
+            out: o,
+            dk: s.dk,
+            dv: s.dv,
+        });
+    });
+    for (h, (_, o)) in heads.iter().enumerate() {
         for t in 0..n {
             out[(t * s.nv + h) * s.dv..(t * s.nv + h + 1) * s.dv].copy_from_slice(&o[t * s.dv..(t + 1) * s.dv]);
         }

@@ -6,10 +6,13 @@
 //! - [`matmul`]: `y = x · Wᵀ` over weights stored as f32, bf16 or f16 (`WeightView`); AVX2+FMA with runtime
 //!   detection and a portable fallback; one-token rows take a GEMV path that converts weights in registers,
 //!   batches take a GEMM path that converts each weight tile once (matrixmultiply's sgemm).
+//! - [`bf16`]: bf16 × bf16 dot-product tiles (AVX512-BF16 `vdpbf16ps`), the fast precision's GEMM for bf16
+//!   and NVFP4 weights and its GEMV for bf16 weights, on CPUs that have it.
 //! - [`nvfp4`]: NVFP4 decoding and the dequantise-in-registers dot product.
 //! - [`q8`]: the fast NVFP4 path for up to 32 rows (decode, routed experts in prefill): int8 activations, integer dot products (AVX-512 VNNI / AVX2 /
 //!   portable, picked once at run time), chosen by [`Precision::Int8`].
 //! - [`norm`]: zero-centred RMSNorm `x̂·(1+w)`, gated RMSNorm `x̂·w·silu(z)`, L2 norm.
+//! - [`pool`]: the persistent spinning pool every data-parallel loop here runs on.
 //! - [`rope`]: partial NeoX rotary with interleaved mRoPE sections.
 //! - [`attention`]: causal GQA attention of new queries over a sequence's cached K/V.
 //! - [`gdn`]: the gated delta rule (chunked for prefill, recurrent for decode) and its causal conv.
@@ -19,10 +22,12 @@
 
 mod act;
 pub mod attention;
+pub mod bf16;
 pub mod gdn;
 mod matmul;
 pub mod norm;
 pub mod nvfp4;
+pub mod pool;
 pub mod q8;
 pub mod rope;
 mod simd;
@@ -30,7 +35,7 @@ mod simd;
 pub use act::{gelu_erf, gelu_tanh, sigmoid, silu, softplus};
 pub use matmul::{matmul, matmul_into_strided, matmul_pair_with, matmul_with, DType, Precision, WeightView};
 
-/// Threads the kernels split work across (rayon's pool).
+/// Threads the kernels split work across ([`pool`]: the caller and its workers).
 pub fn threads() -> usize {
-    rayon::current_num_threads()
+    pool::threads()
 }

@@ -1,17 +1,19 @@
-//! `y[m, n] = x[m, k] · W[n, k]ᵀ` for weights in f32, bf16 or f16 (the layout of `nn.Linear.weight`).
+//! `y[m, n] = x[m, k] · W[n, k]ᵀ` for weights in f32, bf16, f16 or NVFP4 (the layout of `nn.Linear.weight`).
 //!
-//! Two regimes (the split point is [`GEMV_MAX_ROWS`]):
+//! Two regimes (the split point is [`GEMV_MAX_ROWS`], or [`Q8_GEMV_MAX_ROWS`] for NVFP4 on the int8 path):
 //! - few rows (decode): memory-bound, so each weight row is read once from DRAM, widened in registers and
 //!   dotted with every input row while it sits in L1;
 //! - many rows (prefill): compute-bound, so each tile of weight rows is widened once into an f32 scratch
 //!   tile and multiplied with matrixmultiply's sgemm (AVX2/FMA microkernels).
 //!
-//! Both split the output columns (weight rows) across the rayon pool.
-
-use rayon::prelude::*;
+//! At the fast precision ([`Precision::Int8`]) NVFP4 rows in the first regime take int8 activations
+//! ([`crate::q8`]), and on CPUs with AVX512-BF16 bf16 weights (both regimes) and NVFP4 weights (second
+//! regime) take bf16-rounded activations on [`crate::bf16`] tiles.
+//!
+//! Both split the output columns (weight rows) across the kernels' [`crate::pool`].
 
 use crate::q8::{self, Isa, Q8Act};
-use crate::{nvfp4, simd};
+use crate::{bf16, nvfp4, pool, simd};
 
 /// How activations enter a matmul.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -19,7 +21,8 @@ pub enum Precision {
     /// f32 activations everywhere (what the parity tests use).
     Exact,
     /// The fast default: NVFP4 matmuls of up to [`Q8_GEMV_MAX_ROWS`] rows take int8 activations
-    /// quantised per 16-value block ([`crate::q8`]); everything else is as `Exact`.
+    /// quantised per 16-value block ([`crate::q8`]); on CPUs with AVX512-BF16, bf16 matmuls and larger
+    /// NVFP4 ones take activations rounded to bf16 ([`crate::bf16`]); everything else is as `Exact`.
     #[default]
     Int8,
 }
@@ -173,15 +176,24 @@ pub fn matmul_with(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, o
         return;
     }
     if !on_gemv_path(m, w, k, p) {
-        return gemm(x, m, w, n, k, out);
+        return if bf16_tiles(w, k, p) { gemm_bf16(x, m, w, n, k, out) } else { gemm(x, m, w, n, k, out) };
     }
-    let acts = RowActs::new(x, m, k, p == Precision::Int8 && int8_eligible(w, k));
-    gemv(m, n, out, |i, r| acts.dot(x, k, w, i, r));
+    let acts = RowActs::new(x, m, k, w, p);
+    gemv(m, n, out, |r0, block| acts.block(x, k, w, r0, block));
 }
 
 /// NVFP4 weights whose rows the int8 path can take at [`Precision::Int8`].
 fn int8_eligible(w: WeightView<'_>, k: usize) -> bool {
     matches!(w, WeightView::Nvfp4 { .. }) && k.is_multiple_of(q8::CHUNK)
+}
+
+/// Whether a matmul against `w` runs on bf16 tiles ([`bf16`]): the fast precision on a CPU with
+/// AVX512-BF16, for bf16 weights and NVFP4 weights (decoded exactly into bf16) of a width in whole steps.
+fn bf16_tiles(w: WeightView<'_>, k: usize, p: Precision) -> bool {
+    p == Precision::Int8
+        && matches!(w, WeightView::Bf16(_) | WeightView::Nvfp4 { .. })
+        && k.is_multiple_of(bf16::STEP)
+        && bf16::available()
 }
 
 /// Whether `m` rows against `w` take the per-row dot path (else the GEMM): few rows always, and up to
@@ -191,17 +203,22 @@ fn on_gemv_path(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> bool {
 }
 
 /// The activation rows of a GEMV as the dots take them: quantised once to int8 (NVFP4 weights at
-/// [`Precision::Int8`]), or the f32 rows themselves.
+/// [`Precision::Int8`]), rounded once to bf16 (bf16 weights at [`Precision::Int8`] on bf16 tiles), or
+/// the f32 rows themselves.
 enum RowActs {
     Q8(Vec<Q8Act>, Isa),
+    Bf16(Vec<u16>),
     F32,
 }
 
 impl RowActs {
-    /// `int8`: the weights are NVFP4 rows of a width the int8 path takes (a multiple of [`q8::CHUNK`]).
-    fn new(x: &[f32], m: usize, k: usize, int8: bool) -> Self {
-        if int8 {
+    fn new(x: &[f32], m: usize, k: usize, w: WeightView<'_>, p: Precision) -> Self {
+        if p == Precision::Int8 && int8_eligible(w, k) {
             RowActs::Q8((0..m).map(|i| q8::quantize(&x[i * k..(i + 1) * k])).collect(), Isa::detected())
+        } else if matches!(w, WeightView::Bf16(_)) && bf16_tiles(w, k, p) {
+            let mut xb = vec![0u16; m * k];
+            bf16::round_row(x, &mut xb);
+            RowActs::Bf16(xb)
         } else {
             RowActs::F32
         }
@@ -216,6 +233,21 @@ impl RowActs {
                 q8::dot(*isa, &acts[i], &packed[r * pk..(r + 1) * pk], &scales[r * sk..(r + 1) * sk], global)
             }
             _ => w.dot_row(&x[i * k..(i + 1) * k], r, k),
+        }
+    }
+
+    /// Weight rows `r0..` (as many as `block` holds): `block[(r - r0)·m + i]` = input row `i` · row `r`.
+    fn block(&self, x: &[f32], k: usize, w: WeightView<'_>, r0: usize, block: &mut [f32]) {
+        let m = x.len() / k;
+        let rows = block.len() / m;
+        if let (RowActs::Bf16(xb), WeightView::Bf16(wb)) = (self, w) {
+            let w = bf16::Rows { data: &wb[r0 * k..(r0 + rows) * k], rows };
+            return bf16::gemm_nt(bf16::Rows { data: xb, rows: m }, w, k, 1.0, block, (1, m));
+        }
+        for (j, outs) in block.chunks_mut(m).enumerate() {
+            for (i, o) in outs.iter_mut().enumerate() {
+                *o = self.dot(x, k, w, i, r0 + j);
+            }
         }
     }
 }
@@ -233,41 +265,44 @@ pub fn matmul_pair_with(
     (out1, out2): (&mut [f32], &mut [f32]),
     p: Precision,
 ) {
-    if m == 0 || n == 0 || k == 0 || !on_gemv_path(m, w1, k, p) || !on_gemv_path(m, w2, k, p) {
+    let same_kind = std::mem::discriminant(&w1) == std::mem::discriminant(&w2);
+    if m == 0 || n == 0 || k == 0 || !same_kind || !on_gemv_path(m, w1, k, p) || !on_gemv_path(m, w2, k, p) {
         matmul_with(x, m, w1, n, k, out1, p);
         return matmul_with(x, m, w2, n, k, out2, p);
     }
     assert!(x.len() == m * k && w1.len() == n * k && w2.len() == n * k, "matmul shapes: this is a bug");
     assert!(out1.len() == m * n && out2.len() == m * n, "matmul shapes: this is a bug");
-    let int8 = p == Precision::Int8 && (int8_eligible(w1, k) || int8_eligible(w2, k));
-    let acts = RowActs::new(x, m, k, int8);
+    let acts = RowActs::new(x, m, k, w1, p);
     let mut both = vec![0f32; m * 2 * n];
-    gemv(m, 2 * n, &mut both, |i, r| if r < n { acts.dot(x, k, w1, i, r) } else { acts.dot(x, k, w2, i, r - n) });
+    gemv(m, 2 * n, &mut both, |r0, block| {
+        // A block may straddle the two weights: split it where W2 begins.
+        let split = (n.saturating_sub(r0) * m).min(block.len());
+        let (first, second) = block.split_at_mut(split);
+        if !first.is_empty() {
+            acts.block(x, k, w1, r0, first);
+        }
+        if !second.is_empty() {
+            acts.block(x, k, w2, (r0 + split / m) - n, second);
+        }
+    });
     for i in 0..m {
         out1[i * n..(i + 1) * n].copy_from_slice(&both[i * 2 * n..i * 2 * n + n]);
         out2[i * n..(i + 1) * n].copy_from_slice(&both[i * 2 * n + n..(i + 1) * 2 * n]);
     }
 }
 
-/// Few rows: `out[i, r] = dot(i, r)`, weight rows split across the pool and each read once for all
-/// `m` input rows while it is in L1.
-fn gemv(m: usize, n: usize, out: &mut [f32], dot: impl Fn(usize, usize) -> f32 + Sync) {
+/// Weight rows per GEMV task.
+const GEMV_BLOCK: usize = 64;
+
+/// Few rows: `block(r0, b)` fills `b[(r - r0)·m + i]` for a block of weight rows starting at `r0`; the
+/// blocks are split across the pool and each weight row is read once for all `m` input rows.
+fn gemv(m: usize, n: usize, out: &mut [f32], block: impl Fn(usize, &mut [f32]) + Sync) {
     if m == 1 {
-        out.par_chunks_mut(64).enumerate().for_each(|(c, chunk)| {
-            for (j, o) in chunk.iter_mut().enumerate() {
-                *o = dot(0, c * 64 + j);
-            }
-        });
+        pool::chunks_mut(out, GEMV_BLOCK, |c, b| block(c * GEMV_BLOCK, b));
         return;
     }
     let mut tmp = vec![0f32; n * m];
-    tmp.par_chunks_mut(64 * m).enumerate().for_each(|(c, chunk)| {
-        for (j, row) in chunk.chunks_mut(m).enumerate() {
-            for (i, o) in row.iter_mut().enumerate() {
-                *o = dot(i, c * 64 + j);
-            }
-        }
-    });
+    pool::chunks_mut(&mut tmp, GEMV_BLOCK * m, |c, b| block(c * GEMV_BLOCK, b));
     for r in 0..n {
         for i in 0..m {
             out[i * n + r] = tmp[r * m + i];
@@ -275,16 +310,54 @@ fn gemv(m: usize, n: usize, out: &mut [f32], dot: impl Fn(usize, usize) -> f32 +
     }
 }
 
+/// Many rows on bf16 tiles: the activations are rounded to bf16 once, each task takes a block of weight
+/// rows (bf16 borrowed as stored; NVFP4 decoded into a bf16 scratch tile without its global scale,
+/// which is exact, the global then scaling the sums).
+fn gemm_bf16(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, out: &mut [f32]) {
+    const NB: usize = 64;
+    let mut xb = vec![0u16; m * k];
+    pool::chunks_mut(&mut xb, k * 16, |c, d| bf16::round_row(&x[c * k * 16..], d));
+    let ptr = OutPtr(out.as_mut_ptr());
+    pool::for_each_init(
+        n.div_ceil(NB),
+        || (Vec::new(), Vec::new(), Vec::new()),
+        |(wide, narrow, tile), b| {
+            let (r0, r1) = (b * NB, ((b + 1) * NB).min(n));
+            let (rows, scale): (&[u16], f32) = match w {
+                WeightView::Bf16(wb) => (&wb[r0 * k..r1 * k], 1.0),
+                WeightView::Nvfp4 { packed, scales, global } => {
+                    let unscaled = WeightView::Nvfp4 { packed, scales, global: 1.0 };
+                    let f = unscaled.rows_f32(r0, r1, k, wide);
+                    narrow.resize(f.len(), 0);
+                    bf16::round_row(f, narrow);
+                    (&narrow[..], global)
+                }
+                _ => unreachable!("bf16 tiles take bf16 and NVFP4 weights"),
+            };
+            tile.resize(m * (r1 - r0), 0.0);
+            let w = bf16::Rows { data: rows, rows: r1 - r0 };
+            bf16::gemm_nt(bf16::Rows { data: &xb, rows: m }, w, k, scale, tile, (r1 - r0, 1));
+            let p = ptr;
+            for i in 0..m {
+                // SAFETY: this task alone writes out[i, r0..r1] (blocks are disjoint), in bounds.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(tile.as_ptr().add(i * (r1 - r0)), p.0.add(i * n + r0), r1 - r0);
+                }
+            }
+        },
+    );
+}
+
 fn gemm(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, out: &mut [f32]) {
     // sgemm packs all of `x` again for every tile, which costs about as much as a small tile's
     // multiply-adds (it was 45% of a 512-token prefill with 256 KiB tiles): so tiles are as large as
     // the pool allows — two per thread — with the widened copy capped at 8 MiB.
-    let threads = rayon::current_num_threads().max(1);
+    let threads = pool::threads();
     let cap = ((1usize << 21) / k).max(16);
     let nb = (n.div_ceil(2 * threads).clamp(16, cap)).div_ceil(16) * 16;
     let blocks = n.div_ceil(nb);
     let ptr = OutPtr(out.as_mut_ptr());
-    (0..blocks).into_par_iter().for_each_init(Vec::new, |scratch, b| {
+    pool::for_each_init(blocks, Vec::new, |scratch, b| {
         let r0 = b * nb;
         let r1 = (r0 + nb).min(n);
         let tile = w.rows_f32(r0, r1, k, scratch);
@@ -384,10 +457,55 @@ mod tests {
                         want[i * n + r] = q8::dot(Isa::detected(), &a, p, s, 0.25);
                     }
                 }
+            } else if bf16::available() {
+                // Beyond the limit, the GEMM on bf16 tiles (its values: the test below).
+                assert!(got.iter().all(|v| v.is_finite()), "m={m}");
+                continue;
             } else {
                 matmul_with(&x, m, view, n, k, &mut want, Precision::Exact);
             }
             assert_eq!(got, want, "m={m}");
+        }
+    }
+
+    /// At the fast precision on a CPU with AVX512-BF16, bf16 weights (GEMV and GEMM) and NVFP4 weights
+    /// beyond the int8 row limit compute with activations rounded to bf16: equal to an f64 sum over the
+    /// rounded activations and the exact weights, up to f32 summation. Mutation-checked: rounding the
+    /// activations toward zero instead of to nearest breaks it.
+    #[test]
+    fn fast_matmuls_on_bf16_tiles_equal_bf16_rounded_activations_times_exact_weights() {
+        if !bf16::available() {
+            eprintln!("no AVX512-BF16 here: the fast precision keeps f32 activations outside the int8 path");
+            return;
+        }
+        let (n, k) = (70, 128);
+        let wf: Vec<f32> = (0..n * k).map(|i| ((i * 104729 % 89) as f32 / 89.0) - 0.5).collect();
+        let wb: Vec<u16> = wf.iter().map(|&v| bf16::round(v)).collect();
+        let wb_f: Vec<f32> = wb.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+        let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
+        let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
+        let mut nv_f = vec![0f32; n * k];
+        for r in 0..n {
+            let (p, s) = (&packed[r * k / 2..(r + 1) * k / 2], &scales[r * k / 16..(r + 1) * k / 16]);
+            nvfp4::dequant_row(p, s, 0.25, &mut nv_f[r * k..(r + 1) * k]);
+        }
+        let nv = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.25 };
+        for (view, dense, rows) in
+            [(WeightView::Bf16(&wb), &wb_f, vec![1usize, 3, 5, 40]), (nv, &nv_f, vec![Q8_GEMV_MAX_ROWS + 1, 70])]
+        {
+            for m in rows {
+                let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 97.3) - 0.5).collect();
+                let xr: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+                let want = reference(&xr, m, dense, n, k);
+                let exact = reference(&x, m, dense, n, k);
+                let mut got = vec![0f32; m * n];
+                matmul_with(&x, m, view, n, k, &mut got, Precision::Int8);
+                // 128 exact products of magnitude <= 0.25 (x 0.25 for NVFP4's global), summed in f32.
+                for (g, w) in got.iter().zip(&want) {
+                    assert!((g - w).abs() < 1e-5, "m={m}: {g} vs {w}");
+                }
+                assert!(got.iter().zip(&exact).any(|(g, e)| (g - e).abs() > 1e-5), "m={m}: took the f32 path");
+            }
         }
     }
 

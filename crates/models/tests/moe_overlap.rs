@@ -96,7 +96,10 @@ fn resident_experts_are_computed_before_waiting_for_the_missing_ones_with_identi
             released: Arc::new(AtomicUsize::new(0)),
             waits: waits.clone(),
         };
-        let m = osprey_models::load_checkpoint(&cfg, &ck, Some(Arc::new(src))).expect("model");
+        // On the exact backend, as the reference (`common::model`) is.
+        let exact = osprey_models::backend::cpu::CpuBackend::exact();
+        let m =
+            osprey_models::load_with_progress(&cfg, &ck, Some(Arc::new(src)), exact, &mut |_, _| {}).expect("model");
         // Bit-identical: the same per-expert products summed in the same order.
         assert_eq!(logits(&m, &ids), reference, "missing parity {parity}");
         let waits = waits.lock().expect("lock");

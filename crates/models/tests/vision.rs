@@ -113,7 +113,7 @@ fn tower_rows(tower: &VisionTower, case: &Ref) -> (Vec<f32>, Vec<f32>) {
 #[test]
 fn vision_tower_matches_transformers() {
     for m in MODELS {
-        let tower = VisionTower::from_dir(&fixtures().join("models").join(m)).expect("load").expect("has vision");
+        let tower = common::tower(m);
         for case in CASES {
             let r = Ref::load(m, case);
             let (img, vid) = tower_rows(&tower, &r);
@@ -193,7 +193,7 @@ fn feed(m: &dyn CausalLm, st: &mut SeqState, c: &Case, start: usize, end: usize,
 fn positions_and_multimodal_logits_match_transformers() {
     for name in MODELS {
         let m = model(name);
-        let tower = VisionTower::from_dir(&fixtures().join("models").join(name)).expect("load").expect("vision");
+        let tower = common::tower(name);
         let v = m.info().vocab_size;
         for case in CASES {
             let r = Ref::load(name, case);

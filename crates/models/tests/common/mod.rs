@@ -69,6 +69,14 @@ pub fn model(name: &str) -> Model {
         .expect("load model")
 }
 
+/// The vision tower of fixture model `name` on the exact backend (what parity is measured on).
+pub fn tower(name: &str) -> osprey_models::vision::VisionTower {
+    let dir = fixtures().join("models").join(name);
+    osprey_models::vision::VisionTower::from_dir_on(&dir, osprey_models::backend::cpu::CpuBackend::exact())
+        .expect("load the tower")
+        .expect("the model has a vision tower")
+}
+
 impl Ref {
     /// Raw little-endian bytes of a tensor with its dtype.
     pub fn raw(&self, name: &str) -> (safetensors::Dtype, Vec<usize>, Vec<u8>) {

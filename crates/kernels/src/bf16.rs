@@ -1,0 +1,273 @@
+//! bf16 × bf16 dot-product tiles for the fast precision on CPUs with AVX512-BF16.
+//!
+//! Why: `vdpbf16ps` does 32 multiply-adds per instruction, twice an f32 FMA's; on Zen 4, where 512-bit
+//! FMAs are double-pumped, it is the only way past the f32 peak. Activations are rounded to bf16 once
+//! per matmul (round to nearest even); weights are bf16 already, or NVFP4 rows decoded into a bf16
+//! scratch tile (e2m1 × e4m3 has at most 6 significant bits, so that tile is exact and the global scale
+//! multiplies the f32 result).
+//!
+//! Layout: both operands are k-contiguous rows (`x[m, k]`, `W[n, k]`, the checkpoint's own layout), so
+//! nothing is repacked: a micro-tile of R weight rows × T activation rows keeps R·T sixteen-lane f32
+//! accumulators, each step reading 32 columns of every row once, and sums each accumulator's lanes at
+//! the end. Products of two bf16 values are exact in f32; only the summation order differs from a
+//! scalar loop (and `vdpbf16ps` treats bf16 subnormals as zero).
+
+use std::sync::OnceLock;
+
+/// Columns per `vdpbf16ps` step: the width must be a multiple of it.
+pub const STEP: usize = 32;
+/// Weight rows per micro-tile.
+const R: usize = 2;
+/// Activation rows per micro-tile (4·R·T accumulators + R weight registers + 1 stay within 32 zmm).
+const T: usize = 3;
+
+/// Whether this CPU has AVX-512 F/BW and BF16 (detected once).
+pub fn available() -> bool {
+    static HAVE: OnceLock<bool> = OnceLock::new();
+    *HAVE.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// f32 → bf16 bits, rounded to nearest even (NaN stays NaN).
+#[inline]
+pub fn round(v: f32) -> u16 {
+    let b = v.to_bits();
+    if v.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// A row of f32 as bf16 bits (see [`round`]).
+pub fn round_row(src: &[f32], dst: &mut [u16]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = round(s);
+    }
+}
+
+/// The operands of [`gemm_nt`]: `rows` rows of `k` bf16 values each.
+#[derive(Clone, Copy, Debug)]
+pub struct Rows<'a> {
+    /// Row-major values, at least `rows · k` of them.
+    pub data: &'a [u16],
+    /// Number of rows.
+    pub rows: usize,
+}
+
+/// `out[i·os.0 + r·os.1] = scale · Σ_c a[i, c] · b[r, c]` for every row `i` of `a` and `r` of `b`, each
+/// `k` long; single-threaded (callers split the weight rows across the pool).
+///
+/// Batch-invariant: every output is computed by the same instructions in the same order whatever the
+/// number of rows around it, so a token's logits do not depend on what it was batched with (a request
+/// recomputed after preemption gets the same answer as one that never was).
+///
+/// Panics (a bug) unless [`available`], `k` is a multiple of [`STEP`] and the slices hold their rows;
+/// `out` must hold every index written.
+pub fn gemm_nt(a: Rows<'_>, b: Rows<'_>, k: usize, scale: f32, out: &mut [f32], os: (usize, usize)) {
+    assert!(available() && k.is_multiple_of(STEP), "bf16 tiles need AVX512-BF16 and k % 32 == 0: a bug");
+    assert!(a.data.len() >= a.rows * k && b.data.len() >= b.rows * k, "bf16 tile operands: a bug");
+    if a.rows == 0 || b.rows == 0 {
+        return;
+    }
+    assert!((a.rows - 1) * os.0 + (b.rows - 1) * os.1 < out.len(), "bf16 tile output: a bug");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the CPU has the features (asserted); every read is inside a's and b's rows, every write
+    // inside out (asserted above).
+    unsafe {
+        x86::gemm_nt(a.data.as_ptr(), a.rows, b.data.as_ptr(), b.rows, k, scale, out.as_mut_ptr(), os)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{R, STEP, T};
+
+    /// `TT` activation rows × `RR` weight rows over all `k` columns. Each (activation, weight) pair has
+    /// four accumulators taking 32-column steps in turn (four independent `vdpbf16ps` chains hide its
+    /// latency when the tile is one row: decode), a last partial round goes to the first, and the four
+    /// are summed as (0+1)+(2+3) then across lanes: the same for every tile shape.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<const RR: usize, const TT: usize>(
+        a: *const u16,
+        b: *const u16,
+        k: usize,
+        scale: f32,
+        out: *mut f32,
+        os: (usize, usize),
+    ) {
+        // SAFETY: the caller guarantees TT rows of a and RR rows of b of k elements, and every output index.
+        unsafe {
+            let load = |p: *const u16| std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p.cast()));
+            let mut acc = [[[_mm512_setzero_ps(); 4]; RR]; TT];
+            let mut c = 0;
+            while c + 4 * STEP <= k {
+                for u in 0..4 {
+                    let mut w = [load(b); RR];
+                    for (r, wr) in w.iter_mut().enumerate() {
+                        *wr = load(b.add(r * k + c + u * STEP));
+                    }
+                    for (t, row) in acc.iter_mut().enumerate() {
+                        let x = load(a.add(t * k + c + u * STEP));
+                        for (r, v) in row.iter_mut().enumerate() {
+                            v[u] = _mm512_dpbf16_ps(v[u], x, w[r]);
+                        }
+                    }
+                }
+                c += 4 * STEP;
+            }
+            while c < k {
+                for (t, row) in acc.iter_mut().enumerate() {
+                    let x = load(a.add(t * k + c));
+                    for (r, v) in row.iter_mut().enumerate() {
+                        v[0] = _mm512_dpbf16_ps(v[0], x, load(b.add(r * k + c)));
+                    }
+                }
+                c += STEP;
+            }
+            for (t, row) in acc.iter().enumerate() {
+                for (r, v) in row.iter().enumerate() {
+                    let s = _mm512_add_ps(_mm512_add_ps(v[0], v[1]), _mm512_add_ps(v[2], v[3]));
+                    *out.add(t * os.0 + r * os.1) = scale * _mm512_reduce_add_ps(s);
+                }
+            }
+        }
+    }
+
+    macro_rules! dispatch {
+        ($rr:expr, $tt:expr, $args:tt; $($r:literal)*; $($t:literal)*) => {
+            dispatch!(@r $rr, $tt, $args; [$($t)*]; $($r)*)
+        };
+        (@r $rr:expr, $tt:expr, $args:tt; $ts:tt; $($r:literal)*) => {
+            match $rr {
+                $($r => dispatch!(@t $r, $tt, $args; $ts),)*
+                _ => unreachable!(),
+            }
+        };
+        (@t $r:literal, $tt:expr, ($a:expr, $b:expr, $k:expr, $s:expr, $o:expr, $os:expr); [$($t:literal)*]) => {
+            match $tt {
+                $($t => tile::<$r, $t>($a, $b, $k, $s, $o, $os),)*
+                _ => unreachable!(),
+            }
+        };
+    }
+
+    /// Up to four activation rows (decode): one weight row at a time, so the rows stream from DRAM one
+    /// after another (interleaving four weight rows measured ~15% slower there). More: tiles of T
+    /// activation rows (they stay in L1) × R weight rows.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn gemm_nt(
+        a: *const u16,
+        m: usize,
+        b: *const u16,
+        n: usize,
+        k: usize,
+        scale: f32,
+        out: *mut f32,
+        os: (usize, usize),
+    ) {
+        // SAFETY: tiles stay inside a (m rows), b (n rows) and the output indices the caller checked.
+        unsafe {
+            if m <= 4 {
+                for r in 0..n {
+                    let (pb, po) = (b.add(r * k), out.add(r * os.1));
+                    dispatch!(1, m, (a, pb, k, scale, po, os); 1; 1 2 3 4);
+                }
+                return;
+            }
+            for i0 in (0..m).step_by(T) {
+                let tt = T.min(m - i0);
+                for r0 in (0..n).step_by(R) {
+                    let rr = R.min(n - r0);
+                    let (pa, pb, po) = (a.add(i0 * k), b.add(r0 * k), out.add(i0 * os.0 + r0 * os.1));
+                    dispatch!(rr, tt, (pa, pb, k, scale, po, os); 1 2; 1 2 3);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f(b: u16) -> f64 {
+        f32::from_bits(u32::from(b) << 16) as f64
+    }
+
+    #[test]
+    fn rounding_is_to_nearest_even() {
+        assert_eq!(round(1.0), 0x3f80);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1.0).
+        assert_eq!(round(1.0 + 1.0 / 256.0), 0x3f80);
+        assert_eq!(round(1.0 + 3.0 / 256.0), 0x3f82);
+        assert_eq!(round(-2.5), half::bf16::from_f32(-2.5).to_bits());
+        for i in 0..10_000 {
+            let v = (i as f32 * 0.37).sin() * 1e3;
+            assert_eq!(round(v), half::bf16::from_f32(v).to_bits(), "{v}");
+        }
+        assert!(f32::from_bits(u32::from(round(f32::NAN)) << 16).is_nan());
+    }
+
+    /// A row's result is bit-identical whether it is computed alone (decode) or inside any batch.
+    /// Mutation-checked: summing the four accumulators in another order in the decode shape breaks it.
+    #[test]
+    fn results_do_not_depend_on_the_batch() {
+        if !available() {
+            return;
+        }
+        let (k, n) = (352, 9);
+        let a: Vec<u16> = (0..17 * k).map(|i| round((i as f32 * 0.731).sin())).collect();
+        let b: Vec<u16> = (0..n * k).map(|i| round((i as f32 * 0.277).cos())).collect();
+        let w = Rows { data: &b, rows: n };
+        for m in [2usize, 3, 4, 5, 7, 17] {
+            let mut batch = vec![0f32; m * n];
+            gemm_nt(Rows { data: &a, rows: m }, w, k, 1.0, &mut batch, (n, 1));
+            for i in 0..m {
+                let mut alone = vec![0f32; n];
+                gemm_nt(Rows { data: &a[i * k..(i + 1) * k], rows: 1 }, w, k, 1.0, &mut alone, (n, 1));
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&batch[i * n..(i + 1) * n]), bits(&alone), "m={m} row {i}");
+            }
+        }
+    }
+
+    /// Every tile shape (the decode rows 1-4, remainders of 2 weight rows and 3 activation rows) against
+    /// an f64 sum of the same bf16 values, with strided output; k = 224 is one round of four steps and a
+    /// partial round of three.
+    #[test]
+    fn tiles_of_every_shape_equal_an_f64_sum() {
+        if !available() {
+            eprintln!("no AVX512-BF16 here: the bf16 tiles are not used on this CPU");
+            return;
+        }
+        let k = 224;
+        for (m, n) in [(1, 1), (1, 70), (2, 7), (3, 5), (6, 4), (7, 9), (13, 11), (4, 64)] {
+            let a: Vec<u16> = (0..m * k).map(|i| round(((i * 7919 % 97) as f32 / 97.0) - 0.5)).collect();
+            let b: Vec<u16> = (0..n * k).map(|i| round(((i * 104729 % 89) as f32 / 89.0) - 0.5)).collect();
+            let mut out = vec![f32::NAN; m * n * 2];
+            gemm_nt(Rows { data: &a, rows: m }, Rows { data: &b, rows: n }, k, 0.5, &mut out, (1, 2 * m));
+            for i in 0..m {
+                for r in 0..n {
+                    let want: f64 = 0.5 * (0..k).map(|c| f(a[i * k + c]) * f(b[r * k + c])).sum::<f64>();
+                    let got = out[i + r * 2 * m];
+                    // 224 exact products of magnitude <= 0.25, summed in f32: error below 1e-5.
+                    assert!((got as f64 - want).abs() < 1e-5, "m={m} n={n} ({i},{r}): {got} vs {want}");
+                }
+            }
+        }
+    }
+}
