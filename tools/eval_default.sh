@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Held-out evaluation of the embedded default model through osprey's HTTP API (docs/benchmarks.md):
-# transformers' greedy answers, then osprey f32, osprey NVFP4 (`osprey quantize`) fully resident, and
-# NVFP4 with 2 experts per layer in RAM (top-k: every token evicts and re-reads from disk).
+# transformers' greedy answers, then osprey at the fast default precision (`fast`: int8 / bf16
+# activations where the CPU has the kernels), osprey exact (`--activations f32`), osprey NVFP4
+# (`osprey quantize`) fully resident, and NVFP4 with 2 experts per layer in RAM (top-k: every token
+# evicts and re-reads from disk).
 #   tools/eval_default.sh [MODEL_DIR] [OSPREY_BIN] [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -28,6 +30,7 @@ serve_and_ask() { # TAG MODEL_DIR [extra serve flags...] -- [extra ask flags...]
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 
-serve_and_ask f32 "$MODEL"
+serve_and_ask fast "$MODEL"
+serve_and_ask exact "$MODEL" --activations f32 -- --same-as fast
 serve_and_ask nvfp4 "$OUT/nvfp4"
 serve_and_ask nvfp4-2experts "$OUT/nvfp4" --expert-ram-experts 2 -- --same-as nvfp4

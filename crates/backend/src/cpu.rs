@@ -114,11 +114,14 @@ impl Backend for CpuBackend {
     fn describe(&self) -> String {
         // The f32 / bf16 kernels use AVX2+FMA where `Isa` finds it (the same detection, x86 or not).
         let simd = if Isa::available().contains(&Isa::Avx2) { "avx2+fma" } else { "portable" };
-        let nvfp4 = match self.precision {
-            Precision::Int8 => format!("nvfp4 int8 {}", Isa::detected().name()),
+        let fast = match self.precision {
+            Precision::Int8 if osprey_kernels::bf16::available() => {
+                format!("nvfp4 int8 {}, bf16 tiles avx512-bf16", Isa::detected().name())
+            }
+            Precision::Int8 => format!("nvfp4 int8 {}, bf16 f32", Isa::detected().name()),
             Precision::Exact => "exact f32 activations".to_string(),
         };
-        format!("cpu ({simd} kernels, {nvfp4}, {} threads)", osprey_kernels::threads())
+        format!("cpu ({simd} kernels, {fast}, {} threads)", osprey_kernels::threads())
     }
 
     fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Tensor {

@@ -12,9 +12,10 @@
 //! the weights need no shuffling. Each 32-bit lane of a dot instruction sums 4 bytes, all of one
 //! 16-column block: lane ℓ belongs to block `(ℓ mod 8) / 2`.
 //!
-//! Three paths, picked once ([`Isa::detected`]): AVX-512 VNNI (`vpdpbusd`, 64 columns per instruction),
-//! AVX2 (`vpmaddubsw` + `vpmaddwd`; no overflow: |pair sum| ≤ 2·24·127), portable. They compute the same
-//! integers; only the f32 accumulation order differs.
+//! Four paths, picked once ([`Isa::detected`]): AVX-512 VNNI (`vpdpbusd`, 64 columns per instruction),
+//! AVX-VNNI (the 256-bit `vpdpbusd` of AVX2 CPUs that have it), AVX2 (`vpmaddubsw` + `vpmaddwd`; no
+//! overflow: |pair sum| ≤ 2·24·127), portable. They compute the same integers; only the f32
+//! accumulation order differs. Tests run every path the CPU has against the portable one.
 
 use std::sync::OnceLock;
 
@@ -42,6 +43,9 @@ const LUT_U8: [u8; 16] = {
 pub enum Isa {
     /// AVX-512 F/BW with VNNI.
     Avx512Vnni,
+    /// AVX2 + FMA with AVX-VNNI (the 256-bit `vpdpbusd` of CPUs without AVX-512: Alder Lake and later,
+    /// Zen 5 client parts).
+    AvxVnni,
     /// AVX2 + FMA.
     Avx2,
     /// Scalar code.
@@ -67,6 +71,9 @@ impl Isa {
                 out.push(Isa::Avx512Vnni);
             }
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                if is_x86_feature_detected!("avxvnni") {
+                    out.push(Isa::AvxVnni);
+                }
                 out.push(Isa::Avx2);
             }
         }
@@ -78,6 +85,7 @@ impl Isa {
     pub fn name(self) -> &'static str {
         match self {
             Isa::Avx512Vnni => "avx512-vnni",
+            Isa::AvxVnni => "avx-vnni",
             Isa::Avx2 => "avx2",
             Isa::Portable => "portable",
         }
@@ -140,6 +148,8 @@ pub fn dot(isa: Isa, a: &Q8Act, packed: &[u8], scales: &[u8], global: f32) -> f3
         // SAFETY: `Isa::available` lists a level only when the CPU has its features; lengths checked above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => unsafe { x86::dot_vnni(a, packed, scales) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::AvxVnni => unsafe { x86::dot_avx_vnni(a, packed, scales) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::dot_avx2(a, packed, scales) },
         _ => dot_portable(a, packed, scales),
@@ -276,41 +286,68 @@ mod x86 {
         }
     }
 
+    /// `corr + Σ u·q` per 32-bit lane with `vpmaddubsw` + `vpmaddwd` (no overflow: |pair sum| ≤ 2·24·127).
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_avx2(a: &Q8Act, packed: &[u8], scales: &[u8]) -> f32 {
-        // SAFETY: as in dot_vnni.
-        unsafe {
-            let lut128 = _mm_loadu_si128(LUT_U8.as_ptr() as *const __m128i);
-            let lut = _mm256_set_m128i(lut128, lut128);
-            let nib = _mm256_set1_epi8(0x0F);
-            let ones = _mm256_set1_epi16(1);
-            let mut total = _mm256_setzero_ps();
-            for c in 0..a.q.len() / CHUNK {
-                let p = _mm256_loadu_si256(packed.as_ptr().add(c * 32) as *const __m256i);
-                let w_lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(p, nib));
-                let w_hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p, 4), nib));
-                let qp = a.q.as_ptr().add(c * CHUNK);
-                let q_lo = _mm256_loadu_si256(qp as *const __m256i);
-                let q_hi = _mm256_loadu_si256(qp.add(32) as *const __m256i);
-                let cp = a.corr.as_ptr().add(c * LANES);
-                let s_lo = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(w_lo, q_lo), ones),
-                    _mm256_loadu_si256(cp as *const __m256i),
-                );
-                let s_hi = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(w_hi, q_hi), ones),
-                    _mm256_loadu_si256(cp.add(8) as *const __m256i),
-                );
-                let ws = e4m3_256(_mm256_cvtepu8_epi32(scale_bytes(scales, c)));
-                let dp = a.dx.as_ptr().add(c * LANES);
-                total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_lo), _mm256_mul_ps(ws, _mm256_loadu_ps(dp)), total);
-                total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_hi), _mm256_mul_ps(ws, _mm256_loadu_ps(dp.add(8))), total);
-            }
-            let s = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
-        }
+    fn lanes_avx2(corr: __m256i, w: __m256i, q: __m256i) -> __m256i {
+        _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1)), corr)
     }
+
+    /// The same sums with one AVX-VNNI `vpdpbusd`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avxvnni")]
+    fn lanes_avx_vnni(corr: __m256i, w: __m256i, q: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(corr, w, q)
+    }
+
+    /// The 256-bit dot, once per way of summing a lane's four byte products (a macro, not a closure,
+    /// so that the lane sums inline under each function's own target features).
+    macro_rules! dot_256 {
+        ($(#[$doc:meta])* $name:ident, $feat:literal, $lanes:ident) => {
+            $(#[$doc])*
+            #[target_feature(enable = $feat)]
+            pub unsafe fn $name(a: &Q8Act, packed: &[u8], scales: &[u8]) -> f32 {
+                // SAFETY: as in dot_vnni.
+                unsafe {
+                    let lut128 = _mm_loadu_si128(LUT_U8.as_ptr() as *const __m128i);
+                    let lut = _mm256_set_m128i(lut128, lut128);
+                    let nib = _mm256_set1_epi8(0x0F);
+                    let mut total = _mm256_setzero_ps();
+                    for c in 0..a.q.len() / CHUNK {
+                        let p = _mm256_loadu_si256(packed.as_ptr().add(c * 32) as *const __m256i);
+                        let w_lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(p, nib));
+                        let w_hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p, 4), nib));
+                        let qp = a.q.as_ptr().add(c * CHUNK);
+                        let q_lo = _mm256_loadu_si256(qp as *const __m256i);
+                        let q_hi = _mm256_loadu_si256(qp.add(32) as *const __m256i);
+                        let cp = a.corr.as_ptr().add(c * LANES);
+                        let s_lo = $lanes(_mm256_loadu_si256(cp as *const __m256i), w_lo, q_lo);
+                        let s_hi = $lanes(_mm256_loadu_si256(cp.add(8) as *const __m256i), w_hi, q_hi);
+                        let ws = e4m3_256(_mm256_cvtepu8_epi32(scale_bytes(scales, c)));
+                        let dp = a.dx.as_ptr().add(c * LANES);
+                        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_lo), _mm256_mul_ps(ws, _mm256_loadu_ps(dp)), total);
+                        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_hi), _mm256_mul_ps(ws, _mm256_loadu_ps(dp.add(8))), total);
+                    }
+                    let s = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+                    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+                }
+            }
+        };
+    }
+
+    dot_256!(
+        /// AVX2: `vpmaddubsw` + `vpmaddwd`.
+        dot_avx2,
+        "avx2,fma",
+        lanes_avx2
+    );
+    dot_256!(
+        /// AVX-VNNI: one 256-bit `vpdpbusd` (the caller checked the CPU has it).
+        dot_avx_vnni,
+        "avx2,fma,avxvnni",
+        lanes_avx_vnni
+    );
 }
 
 #[cfg(test)]
