@@ -9,8 +9,9 @@
 //! - [`bf16`]: bf16 × bf16 dot-product tiles (AVX512-BF16 `vdpbf16ps`), the fast precision's GEMM for bf16
 //!   and NVFP4 weights and its GEMV for bf16 weights, on CPUs that have it.
 //! - [`nvfp4`]: NVFP4 decoding and the dequantise-in-registers dot product.
-//! - [`q8`]: the fast NVFP4 path for up to 32 rows (decode, routed experts in prefill): int8 activations, integer dot products (AVX-512 VNNI / AVX2 /
-//!   portable, picked once at run time), chosen by [`Precision::Int8`].
+//! - [`q8`]: the fast NVFP4 path for few rows (decode; a prefill's routed experts up to 32 rows, or 8
+//!   where bf16 tiles take the rest): int8 activations, integer dot products (AVX-512 VNNI / AVX-VNNI /
+//!   AVX2 / portable, picked once at run time), chosen by [`Precision::Int8`].
 //! - [`norm`]: zero-centred RMSNorm `x̂·(1+w)`, gated RMSNorm `x̂·w·silu(z)`, L2 norm.
 //! - [`pool`]: the persistent spinning pool every data-parallel loop here runs on.
 //! - [`rope`]: partial NeoX rotary with interleaved mRoPE sections.

@@ -1,6 +1,6 @@
 //! `y[m, n] = x[m, k] · W[n, k]ᵀ` for weights in f32, bf16, f16 or NVFP4 (the layout of `nn.Linear.weight`).
 //!
-//! Two regimes (the split point is [`GEMV_MAX_ROWS`], or [`Q8_GEMV_MAX_ROWS`] for NVFP4 on the int8 path):
+//! Two regimes (the split point is [`GEMV_MAX_ROWS`], or [`q8_gemv_max_rows`] for NVFP4 on the int8 path):
 //! - few rows (decode): memory-bound, so each weight row is read once from DRAM, widened in registers and
 //!   dotted with every input row while it sits in L1;
 //! - many rows (prefill): compute-bound, so each tile of weight rows is widened once into an f32 scratch
@@ -20,7 +20,7 @@ use crate::{bf16, nvfp4, pool, simd};
 pub enum Precision {
     /// f32 activations everywhere (what the parity tests use).
     Exact,
-    /// The fast default: NVFP4 matmuls of up to [`Q8_GEMV_MAX_ROWS`] rows take int8 activations
+    /// The fast default: NVFP4 matmuls of up to [`q8_gemv_max_rows`] rows take int8 activations
     /// quantised per 16-value block ([`crate::q8`]); on CPUs with AVX512-BF16, bf16 matmuls and larger
     /// NVFP4 ones take activations rounded to bf16 ([`crate::bf16`]); everything else is as `Exact`.
     #[default]
@@ -31,8 +31,24 @@ pub enum Precision {
 pub const GEMV_MAX_ROWS: usize = 4;
 
 /// Up to this many rows an NVFP4 matmul with int8 activations stays on the integer dot path (each
-/// weight row read once, dotted with every row): a prefill chunk's routed experts see ~16 rows each.
+/// weight row read once, dotted with every row), on a CPU without bf16 tiles: there the GEMM widens
+/// weights to f32 for sgemm, and a prefill chunk's routed experts (~16 rows each) are faster on the dot
+/// path (measured crossover ~32).
 pub const Q8_GEMV_MAX_ROWS: usize = 32;
+
+/// The same limit where the GEMM runs on bf16 tiles: decoding an NVFP4 tile to bf16 costs little and
+/// the tiles do 32 multiply-adds per instruction, so the integer path only wins for a handful of rows
+/// (512-token prefill on q35moe-L4 NVFP4: 220 tok/s at a limit of 32, 270 at 16, 300 at 8 and at 4).
+pub const Q8_GEMV_MAX_ROWS_WITH_BF16: usize = 8;
+
+/// The row limit of the integer dot path on this CPU.
+pub fn q8_gemv_max_rows() -> usize {
+    if bf16::available() {
+        Q8_GEMV_MAX_ROWS_WITH_BF16
+    } else {
+        Q8_GEMV_MAX_ROWS
+    }
+}
 
 /// Element type of a stored weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -197,9 +213,9 @@ fn bf16_tiles(w: WeightView<'_>, k: usize, p: Precision) -> bool {
 }
 
 /// Whether `m` rows against `w` take the per-row dot path (else the GEMM): few rows always, and up to
-/// [`Q8_GEMV_MAX_ROWS`] for NVFP4 rows with int8 activations.
+/// [`q8_gemv_max_rows`] for NVFP4 rows with int8 activations.
 fn on_gemv_path(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> bool {
-    m <= GEMV_MAX_ROWS || (p == Precision::Int8 && int8_eligible(w, k) && m <= Q8_GEMV_MAX_ROWS)
+    m <= GEMV_MAX_ROWS || (p == Precision::Int8 && int8_eligible(w, k) && m <= q8_gemv_max_rows())
 }
 
 /// The activation rows of a GEMV as the dots take them: quantised once to int8 (NVFP4 weights at
@@ -444,12 +460,13 @@ mod tests {
         let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
         let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
         let view = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.25 };
-        for m in [1usize, 9, Q8_GEMV_MAX_ROWS, Q8_GEMV_MAX_ROWS + 1] {
+        let limit = q8_gemv_max_rows();
+        for m in [1usize, 5, limit, limit + 1, Q8_GEMV_MAX_ROWS + 1] {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 97.0) - 0.5).collect();
             let mut got = vec![0f32; m * n];
             matmul_with(&x, m, view, n, k, &mut got, Precision::Int8);
             let mut want = vec![0f32; m * n];
-            if m <= Q8_GEMV_MAX_ROWS {
+            if m <= limit {
                 for i in 0..m {
                     let a = q8::quantize(&x[i * k..(i + 1) * k]);
                     for r in 0..n {
@@ -491,7 +508,7 @@ mod tests {
         }
         let nv = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.25 };
         for (view, dense, rows) in
-            [(WeightView::Bf16(&wb), &wb_f, vec![1usize, 3, 5, 40]), (nv, &nv_f, vec![Q8_GEMV_MAX_ROWS + 1, 70])]
+            [(WeightView::Bf16(&wb), &wb_f, vec![1usize, 3, 5, 40]), (nv, &nv_f, vec![q8_gemv_max_rows() + 1, 70])]
         {
             for m in rows {
                 let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 97.3) - 0.5).collect();
