@@ -17,6 +17,7 @@
 
 pub mod cpu;
 mod device;
+mod fallback;
 mod ops;
 mod tensor;
 

@@ -11,7 +11,7 @@ use osprey_kernels::attention::AttnShape;
 use osprey_kernels::gdn::GdnShape;
 use osprey_kernels::rope::MRope;
 
-use crate::{Device, HostMatrix, Tensor};
+use crate::{fallback, Device, HostMatrix, Tensor};
 
 /// A shared backend.
 pub type BackendRef = Arc<dyn Backend>;
@@ -205,4 +205,111 @@ pub trait Backend: Send + Sync + Debug {
     /// Softmax over each row of router logits, the `k` most probable experts (descending, ties to the
     /// lower id) and their renormalised weights, on the host: which experts to fetch is a host decision.
     fn router_topk(&self, logits: &Tensor, k: usize) -> Vec<(Vec<usize>, Vec<f32>)>;
+
+    /// [`Backend::router_topk`], or without renormalising the kept weights (`norm_topk_prob = false`).
+    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Vec<(Vec<usize>, Vec<f32>)> {
+        if renorm {
+            return self.router_topk(logits, k);
+        }
+        let l = self.download(logits);
+        l.chunks(logits.cols()).map(|row| fallback::route_plain(row, k)).collect()
+    }
+
+    // --- qwen4_exp: hyper-connections, PLE, QSA (host fallbacks; a device backend overrides) ----------
+
+    /// Zero-centred RMSNorm `x̂·(1+w)` per group of `group` columns, `w` over the whole row.
+    fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32) {
+        let mut h = self.download(x);
+        fallback::rms_norm_grouped(&mut h, &self.download(w), group, eps);
+        *x = self.upload(&h, x.shape());
+    }
+
+    /// `x = silu(x)` element-wise.
+    fn silu(&self, x: &mut Tensor) {
+        let h: Vec<f32> = self.download(x).into_iter().map(|v| v / (1.0 + (-v).exp())).collect();
+        *x = self.upload(&h, x.shape());
+    }
+
+    /// `x = sigmoid(x)` element-wise.
+    fn sigmoid(&self, x: &mut Tensor) {
+        let h: Vec<f32> = self.download(x).into_iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
+        *x = self.upload(&h, x.shape());
+    }
+
+    /// Hyper-connection input: `mean_s(m_s ⊙ xn_s)`, `m`, `xn` `[n, hc·h]` → `[n, h]`.
+    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Tensor {
+        let h = m.cols() / hc;
+        self.upload(&fallback::hc_combine(&self.download(m), &self.download(xn), hc, h), &[m.rows(), h])
+    }
+
+    /// Hyper-connection output: `x_s += inj_s · out` for each of the `hc` streams of `x [n, hc·h]`.
+    fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize) {
+        let mut h = self.download(x);
+        fallback::hc_inject(&mut h, &self.download(out), &self.download(inj), hc, out.cols());
+        *x = self.upload(&h, x.shape());
+    }
+
+    /// PLE's gated value per stream: `sigmoid(signed_sqrt(Σ k·q / √h)) · v`, `[n, hc·h]`.
+    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Tensor {
+        let g = fallback::ple_gate(&self.download(k), &self.download(q), &self.download(v), hc, v.cols());
+        self.upload(&g, k.shape())
+    }
+
+    /// Causal depthwise conv (no bias) with `dilation`, then silu, from and advancing `state`
+    /// `[(kernel−1)·dilation, c]`: `x [n, c]`, `w [c, kernel]`.
+    fn causal_conv_dilated_silu(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        kernel: usize,
+        dilation: usize,
+        state: &mut Tensor,
+    ) -> Tensor {
+        let mut s = self.download(state);
+        let c = x.cols();
+        let out = fallback::causal_conv_dilated_silu(&self.download(x), c, &self.download(w), kernel, dilation, &mut s);
+        *state = self.upload(&s, state.shape());
+        self.upload(&out, x.shape())
+    }
+
+    /// Gated RMSNorm per group of `w.len()` with a sigmoid gate: `x̂ · w · sigmoid(z)`.
+    fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
+        let mut h = self.download(x);
+        fallback::rms_norm_gated_sigmoid(&mut h, &self.download(z), &self.download(w), eps);
+        *x = self.upload(&h, x.shape());
+    }
+
+    /// Attention of rows `rows` of `q` over explicit key positions of the sequence each (`selected[j]`
+    /// for row `rows.start + j`), into the same rows of `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_selected(
+        &self,
+        q: &Tensor,
+        rows: Range<usize>,
+        kv: PagedView<'_>,
+        selected: &[Vec<usize>],
+        shape: AttnShape,
+        scale: f32,
+        out: &mut Tensor,
+    ) {
+        let pages: Vec<Vec<f32>> = kv.pages.iter().map(|p| self.download(p)).collect();
+        let row = shape.kv_heads * shape.head_dim;
+        let fetch = |pos: usize| {
+            let (page, slot) = (&pages[pos / kv.page_size], pos % kv.page_size);
+            let at = |off: usize| page[off + slot * row..off + (slot + 1) * row].to_vec();
+            (at(kv.k_offset), at(kv.v_offset))
+        };
+        let c = q.cols();
+        let qh = self.download(q);
+        let mut o = self.download(out);
+        fallback::attention_selected(
+            &qh[rows.start * c..rows.end * c],
+            selected,
+            &fetch,
+            (shape.heads, shape.kv_heads, shape.head_dim),
+            scale,
+            &mut o[rows.start * c..rows.end * c],
+        );
+        *out = self.upload(&o, out.shape());
+    }
 }

@@ -33,6 +33,12 @@ impl MRope {
         MRope { inv_freq, axis, rot_dim, head_dim }
     }
 
+    /// The same rotary (dims, frequencies, sections) for heads of another width (QSA's indexer heads
+    /// share the decoder's rotary).
+    pub fn with_head_dim(&self, head_dim: usize) -> Self {
+        MRope { head_dim, ..self.clone() }
+    }
+
     /// Number of rotated dims at the start of each head.
     pub fn rot_dim(&self) -> usize {
         self.rot_dim

@@ -166,6 +166,10 @@ pub struct TextConfig {
     pub eos_token_id: Option<TokenIds>,
     /// Padding token.
     pub pad_token_id: Option<u32>,
+    /// Every other field, for a family that reads fields of its own (`qwen4_exp`'s hyper-connections,
+    /// PLE and QSA).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 /// The two token mixers of the hybrid stack.
@@ -175,6 +179,8 @@ pub enum LayerKind {
     Linear,
     /// Gated full attention.
     Full,
+    /// Gated attention behind a QSA indexer (`qwen4_exp`).
+    Indexed,
 }
 
 /// MoE geometry.
@@ -188,6 +194,9 @@ pub struct MoeConfig {
     pub intermediate: usize,
     /// Shared expert width.
     pub shared_intermediate: usize,
+    /// The kept experts' weights are renormalised to sum to one (Qwen3.5 always; `qwen4_exp` per its
+    /// `norm_topk_prob`).
+    pub renorm: bool,
 }
 
 impl TextConfig {
@@ -240,6 +249,7 @@ impl TextConfig {
             .map(|(i, t)| match t.as_str() {
                 "linear_attention" => Ok(LayerKind::Linear),
                 "full_attention" => Ok(LayerKind::Full),
+                "indexed_attention" => Ok(LayerKind::Indexed),
                 other => Err(Error::Unsupported(format!(
                     "layer {i} has layer type {other:?}, which osprey does not implement"
                 ))),
@@ -260,6 +270,7 @@ impl TextConfig {
             top_k: need(self.num_experts_per_tok, "num_experts_per_tok")?,
             intermediate: need(self.moe_intermediate_size, "moe_intermediate_size")?,
             shared_intermediate: need(self.shared_expert_intermediate_size, "shared_expert_intermediate_size")?,
+            renorm: true,
         };
         if m.top_k == 0 || m.top_k > m.num_experts {
             return Err(Error::Unsupported(format!("num_experts_per_tok {} with {} experts", m.top_k, m.num_experts)));

@@ -25,6 +25,7 @@ pub mod positions;
 pub mod quant;
 mod quantize_dir;
 mod qwen3_5;
+mod qwen4_exp;
 pub mod registry;
 mod state;
 pub mod vision;

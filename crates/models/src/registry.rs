@@ -91,7 +91,7 @@ pub struct Family {
 pub type VisionFn = fn(&ModelConfig, &Checkpoint, BackendRef) -> Result<Option<VisionTower>>;
 
 /// Every family osprey serves.
-pub static FAMILIES: &[&Family] = &[&crate::qwen3_5::FAMILY];
+pub static FAMILIES: &[&Family] = &[&crate::qwen3_5::FAMILY, &crate::qwen4_exp::FAMILY];
 
 /// The family of a config, by `model_type`, then by `architectures`; a clear error naming what is served.
 pub fn family_of(model_type: &str, architectures: &[String]) -> Result<&'static Family> {

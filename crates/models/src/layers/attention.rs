@@ -47,8 +47,22 @@ impl GatedAttention {
         b: &dyn Backend,
         x: &Tensor,
         segs: &[Segment],
+        kv: (&mut [&mut PageTable], usize),
+        rope: (&RopeTable, &MRope),
+    ) -> Tensor {
+        self.forward_selected(b, x, segs, kv, rope, None)
+    }
+
+    /// [`GatedAttention::forward`] where each query row attends only to the key positions `selected`
+    /// gives it (per segment, per row: QSA's selected blocks and tail), or causally when `None`.
+    pub fn forward_selected(
+        &self,
+        b: &dyn Backend,
+        x: &Tensor,
+        segs: &[Segment],
         (tables, kv_layer): (&mut [&mut PageTable], usize),
         (rope, rot): (&RopeTable, &MRope),
+        selected: Option<&[Vec<Vec<usize>>]>,
     ) -> Tensor {
         let AttnShape { heads: nh, head_dim: hd, .. } = self.shape;
         // 1. Projections. q_proj rows are [q_h (hd) | gate_h (hd)] per head.
@@ -64,12 +78,16 @@ impl GatedAttention {
         b.rope(&mut k, rot, rope);
         // 3. Write into each sequence's pages and attend through its page table.
         let mut attn = b.zeros(&[x.rows(), nh * hd]);
-        for (seg, table) in segs.iter().zip(tables.iter_mut()) {
+        let scale = (hd as f32).powf(-0.5);
+        for (si, (seg, table)) in segs.iter().zip(tables.iter_mut()).enumerate() {
             let rows = seg.row..seg.row + seg.len;
             table.write(b, kv_layer, seg.past, (&k, &v), rows.clone());
             let pages = table.page_tensors();
             let view = table.view(&pages, kv_layer);
-            b.attention_paged(&q, rows, view, seg.past, self.shape, (hd as f32).powf(-0.5), &mut attn);
+            match selected {
+                Some(sel) => b.attention_selected(&q, rows, view, &sel[si], self.shape, scale, &mut attn),
+                None => b.attention_paged(&q, rows, view, seg.past, self.shape, scale, &mut attn),
+            }
         }
         // 4. Output gate and projection.
         b.sigmoid_mul(&mut attn, &gate);

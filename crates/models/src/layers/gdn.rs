@@ -43,6 +43,8 @@ pub struct GatedDeltaNet {
     shape: GdnShape,
     kernel: usize,
     eps: f32,
+    /// The output norm's gate: silu (Qwen3.5) or sigmoid (`qwen4_exp`'s `output_gate_type`).
+    sigmoid_gate: bool,
 }
 
 impl GatedDeltaNet {
@@ -75,7 +77,14 @@ impl GatedDeltaNet {
             shape,
             kernel,
             eps: cfg.rms_norm_eps as f32,
+            sigmoid_gate: false,
         })
+    }
+
+    /// The same layer with a sigmoid output gate instead of silu.
+    pub fn with_sigmoid_gate(mut self, sigmoid: bool) -> Self {
+        self.sigmoid_gate = sigmoid;
+        self
     }
 
     fn conv_dim(&self) -> usize {
@@ -115,7 +124,11 @@ impl GatedDeltaNet {
             b.write_rows(&mut core, seg.row * vd, &out, 0..seg.len);
         }
         // 5. Gated norm per (token, head) with silu(z), then the output projection.
-        b.rms_norm_gated(&mut core, &z, &self.norm_w, self.eps);
+        if self.sigmoid_gate {
+            b.rms_norm_gated_sigmoid(&mut core, &z, &self.norm_w, self.eps);
+        } else {
+            b.rms_norm_gated(&mut core, &z, &self.norm_w, self.eps);
+        }
         b.linear(&core, &self.out_proj)
     }
 

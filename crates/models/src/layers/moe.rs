@@ -233,7 +233,7 @@ impl SparseMoe {
         //    (ascending expert id, as transformers accumulates).
         let logits = b.linear(x, &self.router);
         let mut by_expert: Vec<(Vec<usize>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); self.cfg.num_experts];
-        for (i, (ids, w)) in b.router_topk(&logits, self.cfg.top_k).into_iter().enumerate() {
+        for (i, (ids, w)) in b.router_topk_with(&logits, self.cfg.top_k, self.cfg.renorm).into_iter().enumerate() {
             for (e, wt) in ids.into_iter().zip(w) {
                 by_expert[e].0.push(i);
                 by_expert[e].1.push(wt);

@@ -160,6 +160,12 @@ impl Qwen35 {
                     Mixer::Linear(Box::new(GatedDeltaNet::load(b, ck, &format!("{lp}.linear_attn"), &c)?))
                 }
                 LayerKind::Full => Mixer::Full(Box::new(GatedAttention::load(b, ck, &format!("{lp}.self_attn"), &c)?)),
+                LayerKind::Indexed => {
+                    return Err(crate::error::Error::Unsupported(format!(
+                        "layer {i}: indexed attention is qwen4_exp's, not {}'s",
+                        c.model_type
+                    )))
+                }
             };
             let ffn = match moe {
                 Some(m) => Ffn::Moe(Box::new(SparseMoe::load(b, ck, &format!("{lp}.mlp"), i, h, m)?)),

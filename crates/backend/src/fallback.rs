@@ -1,0 +1,167 @@
+//! Host implementations of the ops that only the `qwen4_exp` family uses (hyper-connections, PLE, QSA
+//! attention, grouped norms): the trait's default bodies call these through `download` / `upload`, so
+//! every backend runs the family correctly from day one; a device backend overrides an op to keep its
+//! data on the device. Each follows transformers 5.23.0's `modular_qwen4_exp.py` (cited per function).
+
+/// Zero-centred RMSNorm per group of `group` columns, weight `(1 + w)` over the whole row
+/// (`Qwen4ExpTextRMSNorm` with `group_size`).
+pub(crate) fn rms_norm_grouped(x: &mut [f32], w: &[f32], group: usize, eps: f32) {
+    let cols = w.len();
+    for row in x.chunks_mut(cols) {
+        for (g, part) in row.chunks_mut(group).enumerate() {
+            let ms = part.iter().map(|v| v * v).sum::<f32>() / group as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for (j, v) in part.iter_mut().enumerate() {
+                *v = *v * inv * (1.0 + w[g * group + j]);
+            }
+        }
+    }
+}
+
+/// `mean_s(m_s ⊙ xn_s)` over the `hc` streams of each row (`Qwen4ExpTextGatedResidual`'s mixed input):
+/// `m`, `xn` `[n, hc·h]` → `[n, h]`.
+pub(crate) fn hc_combine(m: &[f32], xn: &[f32], hc: usize, h: usize) -> Vec<f32> {
+    let n = m.len() / (hc * h);
+    let mut out = vec![0f32; n * h];
+    for i in 0..n {
+        for s in 0..hc {
+            let at = i * hc * h + s * h;
+            for j in 0..h {
+                out[i * h + j] += m[at + j] * xn[at + j];
+            }
+        }
+        for v in &mut out[i * h..(i + 1) * h] {
+            *v /= hc as f32;
+        }
+    }
+    out
+}
+
+/// `x_s += inj_s · out` for every stream `s` (`hyper_input + injection`): `x [n, hc·h]`, `out [n, h]`,
+/// `inj [n, hc]`.
+pub(crate) fn hc_inject(x: &mut [f32], out: &[f32], inj: &[f32], hc: usize, h: usize) {
+    for (i, row) in x.chunks_mut(hc * h).enumerate() {
+        for s in 0..hc {
+            let w = inj[i * hc + s];
+            for j in 0..h {
+                row[s * h + j] += w * out[i * h + j];
+            }
+        }
+    }
+}
+
+/// PLE's gated value (`Qwen4ExpTextPLELayer.forward`): per stream `g = Σ_j k·q / √h`, then
+/// `sign(g)·sqrt(max(|g|, 1e-6))`, and `sigmoid(g) · v` into the stream: `k`, `q` `[n, hc·h]`,
+/// `v [n, h]` → `[n, hc·h]`.
+pub(crate) fn ple_gate(k: &[f32], q: &[f32], v: &[f32], hc: usize, h: usize) -> Vec<f32> {
+    let n = v.len() / h;
+    let mut out = vec![0f32; n * hc * h];
+    for i in 0..n {
+        for s in 0..hc {
+            let at = i * hc * h + s * h;
+            let g = (0..h).map(|j| k[at + j] * q[at + j]).sum::<f32>() / (h as f32).sqrt();
+            let g = g.abs().max(1e-6).sqrt()
+                * if g > 0.0 {
+                    1.0
+                } else if g < 0.0 {
+                    -1.0
+                } else {
+                    0.0
+                };
+            let gate = 1.0 / (1.0 + (-g).exp());
+            for j in 0..h {
+                out[at + j] = gate * v[i * h + j];
+            }
+        }
+    }
+    out
+}
+
+/// Causal depthwise conv with dilation and no bias, then silu, continuing from `state` (the last
+/// `(kernel−1)·dilation` inputs, oldest first), which it advances: `x [n, c]`, `w [c, kernel]`.
+pub(crate) fn causal_conv_dilated_silu(
+    x: &[f32],
+    c: usize,
+    w: &[f32],
+    kernel: usize,
+    dilation: usize,
+    state: &mut [f32],
+) -> Vec<f32> {
+    let n = x.len() / c;
+    let past = (kernel - 1) * dilation;
+    let mut all = state.to_vec();
+    all.extend_from_slice(x);
+    let mut out = vec![0f32; n * c];
+    for t in 0..n {
+        for ch in 0..c {
+            let mut acc = 0f32;
+            for j in 0..kernel {
+                acc += w[ch * kernel + j] * all[(t + j * dilation) * c + ch];
+            }
+            out[t * c + ch] = acc / (1.0 + (-acc).exp());
+        }
+    }
+    let keep = all.len() - past * c;
+    state.copy_from_slice(&all[keep..]);
+    out
+}
+
+/// Gated RMSNorm per group of `w.len()` with a sigmoid gate: `x̂ · w · sigmoid(z)` (`Qwen4ExpTextRMSNormGated`
+/// with `activation = "sigmoid"`).
+pub(crate) fn rms_norm_gated_sigmoid(x: &mut [f32], z: &[f32], w: &[f32], eps: f32) {
+    let d = w.len();
+    for (row, zr) in x.chunks_mut(d).zip(z.chunks(d)) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for ((v, &g), &wi) in row.iter_mut().zip(zr).zip(w) {
+            *v = *v * inv * wi * (1.0 / (1.0 + (-g).exp()));
+        }
+    }
+}
+
+/// Softmax top-k routing without renormalising the kept probabilities (`norm_topk_prob = false`);
+/// ties keep the lower id first, as the renormalising router does.
+pub(crate) fn route_plain(logits: &[f32], top_k: usize) -> (Vec<usize>, Vec<f32>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+    let sum: f32 = exp.iter().sum();
+    let mut idx: Vec<usize> = (0..exp.len()).collect();
+    idx.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]));
+    idx.truncate(top_k);
+    let w = idx.iter().map(|&i| exp[i] / sum).collect();
+    (idx, w)
+}
+
+/// Attention of query rows over an explicit set of key positions each (QSA: the selected blocks and the
+/// tail), GQA, softmax in f32: `q [rows, heads·hd]` against K/V rows fetched by `kv(pos)`.
+pub(crate) fn attention_selected(
+    q: &[f32],
+    selected: &[Vec<usize>],
+    kv: &dyn Fn(usize) -> (Vec<f32>, Vec<f32>),
+    (heads, kv_heads, hd): (usize, usize, usize),
+    scale: f32,
+    out: &mut [f32],
+) {
+    let group = heads / kv_heads;
+    for (r, keys) in selected.iter().enumerate() {
+        let rows: Vec<(Vec<f32>, Vec<f32>)> = keys.iter().map(|&p| kv(p)).collect();
+        for h in 0..heads {
+            let kvh = h / group;
+            let qv = &q[(r * heads + h) * hd..(r * heads + h + 1) * hd];
+            let scores: Vec<f32> = rows
+                .iter()
+                .map(|(k, _)| qv.iter().zip(&k[kvh * hd..(kvh + 1) * hd]).map(|(a, b)| a * b).sum::<f32>() * scale)
+                .collect();
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f32 = e.iter().sum();
+            let o = &mut out[(r * heads + h) * hd..(r * heads + h + 1) * hd];
+            o.fill(0.0);
+            for ((_, v), p) in rows.iter().zip(&e) {
+                for (oj, vj) in o.iter_mut().zip(&v[kvh * hd..(kvh + 1) * hd]) {
+                    *oj += p / sum * vj;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! The batched forward of `qwen4_exp`: any mix of prefill chunks and decode tokens from several
+//! sequences in one call, as Qwen3.5's, with the residual carried as `hc` streams.
+
+use super::state::{Mix, Qwen4State};
+use super::{Mixer, Qwen4Exp};
+use crate::error::{Error, Result};
+use crate::family::{ForwardOptions, ForwardOutput, LogitsWanted, Positions, SeqStep};
+use crate::kv::PageTable;
+use crate::layers::gdn::LinearState;
+use crate::layers::Segment;
+
+impl Qwen4Exp {
+    fn check(&self, steps: &[SeqStep<'_, '_>]) -> Result<()> {
+        for s in steps {
+            if s.state.family::<Qwen4State>().map(|f| f.layers.len()) != Some(self.layers.len()) {
+                return Err(Error::InvalidInput("a sequence state of another model".into()));
+            }
+            let n = s.input.tokens.len();
+            if let Some(&t) = s.input.tokens.iter().find(|&&t| t as usize >= self.vocab) {
+                return Err(Error::InvalidInput(format!("token id {t} is outside the vocabulary ({})", self.vocab)));
+            }
+            if let Positions::Explicit(p) = s.input.positions {
+                if p.len() != n {
+                    return Err(Error::InvalidInput(format!("{} positions for {n} tokens", p.len())));
+                }
+            }
+            for inj in s.input.injected {
+                if inj.rows.len() % self.hidden != 0 || inj.offset + inj.rows.len() / self.hidden > n {
+                    return Err(Error::InvalidInput("injected rows do not fit the chunk".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One step for a batch of sequences; each state advances by its tokens.
+    pub(crate) fn run(&self, steps: &mut [SeqStep<'_, '_>], opts: &ForwardOptions<'_>) -> Result<ForwardOutput> {
+        self.check(steps)?;
+        if steps.is_empty() {
+            return Ok(ForwardOutput::default());
+        }
+        if opts.teacher_inputs.is_some() {
+            return Err(Error::Unsupported("teacher inputs for qwen4_exp".into()));
+        }
+        let b = self.backend.as_ref();
+        let (h, hc) = (self.hidden, self.p.hc);
+        for s in steps.iter_mut() {
+            let need = s.state.len + s.input.tokens.len();
+            s.state.kv.grow(need, b).map_err(Error::InvalidInput)?;
+        }
+        // 1. Segments, embeddings (with injected media rows), positions; the streams start as hc copies.
+        let mut segs = Vec::with_capacity(steps.len());
+        let mut positions: Vec<[i64; 3]> = Vec::new();
+        let mut ids: Vec<u32> = Vec::new();
+        for s in steps.iter() {
+            let (past, n) = (s.state.len, s.input.tokens.len());
+            segs.push(Segment { row: ids.len(), len: n, past });
+            ids.extend_from_slice(s.input.tokens);
+            match s.input.positions {
+                Positions::Text => positions.extend((0..n).map(|i| [(past + i) as i64 + s.state.rope_delta; 3])),
+                Positions::Explicit(p) => positions.extend_from_slice(p),
+            }
+        }
+        let n = ids.len();
+        let mut e = b.embed(&self.embed, &ids);
+        for (s, seg) in steps.iter().zip(&segs) {
+            for inj in s.input.injected {
+                let rows = inj.rows.len() / h;
+                b.write_rows(&mut e, (seg.row + inj.offset) * h, &b.upload(inj.rows, &[rows, h]), 0..rows);
+            }
+        }
+        let mut x = b.zeros(&[n, hc * h]);
+        b.hc_inject(&mut x, &e, &b.upload(&vec![1.0; n * hc], &[n, hc]), hc);
+        let rope = b.rope_table(&self.rope, &positions);
+        let mut hidden = Vec::new();
+        if opts.capture_hidden {
+            hidden.push(b.download(&x));
+        }
+        let mut parts: Vec<(&mut PageTable, &mut Qwen4State)> = steps
+            .iter_mut()
+            .map(|s| {
+                let st = &mut *s.state;
+                let family: &mut dyn std::any::Any = st.family.as_mut();
+                let family = family.downcast_mut::<Qwen4State>().expect("checked before the forward: this is a bug");
+                (&mut st.kv, family)
+            })
+            .collect();
+        // 2. The n-gram rows of every PLE layer (from each sequence's token history), and the position
+        //    histories the indexers rope their blocks with.
+        let mut ple_rows: Vec<Vec<u32>> = vec![Vec::new(); self.layers.len()];
+        for (li, layer) in self.layers.iter().enumerate() {
+            if let Some(ple) = &layer.ple {
+                for ((_, f), seg) in parts.iter().zip(&segs) {
+                    ple_rows[li].extend(ple.hasher.row_ids(&f.history, &ids[seg.row..seg.row + seg.len]));
+                }
+            }
+        }
+        for ((_, f), seg) in parts.iter_mut().zip(&segs) {
+            f.positions.extend_from_slice(&positions[seg.row..seg.row + seg.len]);
+            let ctx = f.history.len();
+            f.history.extend_from_slice(&ids[seg.row..seg.row + seg.len]);
+            let drop = f.history.len() - ctx;
+            f.history.drain(..drop);
+        }
+        // 3. Layers: PLE into the streams; then attention / Gated DeltaNet and the MoE, each entered and
+        //    injected through its hyper-connection.
+        for (li, layer) in self.layers.iter().enumerate() {
+            if let Some(ple) = &layer.ple {
+                let mut st: Vec<_> =
+                    parts.iter_mut().map(|(_, f)| f.layers[li].ple.as_mut().expect("PLE state: a bug")).collect();
+                let add = ple.forward(b, &x, &ple_rows[li], &segs, &mut st);
+                b.add(&mut x, &add);
+            }
+            let (input, inj) = layer.attn_hc.enter(b, &x);
+            let mixed = match &layer.mixer {
+                Mixer::Linear(g) => {
+                    let mut st: Vec<&mut LinearState> = parts
+                        .iter_mut()
+                        .map(|(_, f)| match &mut f.layers[li].mix {
+                            Mix::Linear(l) => l,
+                            Mix::Indexed { .. } => unreachable!("state built for another layer stack: a bug"),
+                        })
+                        .collect();
+                    g.forward(b, &input, &segs, &mut st)
+                }
+                Mixer::Indexed(attn, indexer) => {
+                    let kv_layer = match parts.first().map(|(_, f)| &f.layers[li].mix) {
+                        Some(Mix::Indexed { kv_layer, .. }) => *kv_layer,
+                        _ => unreachable!("state built for another layer stack: a bug"),
+                    };
+                    let selected = {
+                        let (hist, mut st): (Vec<&[[i64; 3]]>, Vec<_>) = parts
+                            .iter_mut()
+                            .map(|(_, f)| {
+                                let f = &mut **f;
+                                match &mut f.layers[li].mix {
+                                    Mix::Indexed { indexer, .. } => (&f.positions[..], indexer),
+                                    Mix::Linear(_) => unreachable!("state built for another layer stack: a bug"),
+                                }
+                            })
+                            .unzip();
+                        indexer.select(b, &input, &segs, &rope, &hist, &mut st)
+                    };
+                    let mut tables: Vec<&mut PageTable> = parts.iter_mut().map(|(t, _)| &mut **t).collect();
+                    attn.forward_selected(
+                        b,
+                        &input,
+                        &segs,
+                        (&mut tables, kv_layer),
+                        (&rope, &self.rope),
+                        Some(&selected),
+                    )
+                }
+            };
+            b.hc_inject(&mut x, &mixed, inj.as_ref().expect("a layer's hyper-connection injects"), hc);
+            let (input, inj) = layer.mlp_hc.enter(b, &x);
+            let ffn = layer.moe.forward(b, &input, self.experts.as_ref())?;
+            b.hc_inject(&mut x, &ffn, inj.as_ref().expect("a layer's hyper-connection injects"), hc);
+            if opts.capture_hidden && li + 1 < self.layers.len() {
+                hidden.push(b.download(&x));
+            }
+        }
+        drop(parts);
+        // 4. The final mixer (no norm) and lm_head on the rows whose logits are wanted.
+        let (out, _) = self.mixer.enter(b, &x);
+        if opts.capture_hidden {
+            hidden.push(b.download(&out));
+        }
+        let mut logits = Vec::with_capacity(steps.len());
+        for (s, seg) in steps.iter_mut().zip(&segs) {
+            let rows: Vec<usize> = match s.input.logits {
+                LogitsWanted::None => Vec::new(),
+                LogitsWanted::Last => (seg.row + seg.len.saturating_sub(1)..seg.row + seg.len).collect(),
+                LogitsWanted::All => (seg.row..seg.row + seg.len).collect(),
+            };
+            s.state.len += seg.len;
+            if rows.is_empty() {
+                logits.push(Vec::new());
+                continue;
+            }
+            logits.push(b.download(&b.linear(&b.gather_rows(&out, &rows), &self.lm_head)));
+        }
+        Ok(ForwardOutput { logits, hidden })
+    }
+}

@@ -1,0 +1,265 @@
+//! Qwen3.8-Flash-Next (`qwen4_exp`), the second model family on the runtime seams: Qwen3.5-MoE's hybrid
+//! stack of Gated DeltaNet and gated attention, with hyper-connections ([`hc`]) in place of the residual
+//! and its norms, per-layer n-gram embeddings ([`ple`], hashed by [`ngram`]) on some layers, a QSA indexer
+//! ([`qsa`]) choosing which tokens each attention query sees, a sigmoid or silu output gate on the
+//! Gated DeltaNet norm and an optional router renormalisation. transformers 5.23.0's
+//! `modular_qwen4_exp.py` is the ground truth (REFERENCE.md §2). What is in and what is not yet:
+//! docs/qwen4_exp.md.
+
+mod forward;
+mod hc;
+pub(crate) mod ngram;
+mod params;
+mod ple;
+mod qsa;
+mod state;
+
+use std::sync::Arc;
+
+use osprey_backend::{BackendRef, MRope, Tensor};
+
+use crate::checkpoint::Checkpoint;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::family::{CausalLm, ForwardOptions, ForwardOutput, KvLayout, LmInfo, Model, SeqStep};
+use crate::kv::PageTable;
+use crate::layers::attention::GatedAttention;
+use crate::layers::gdn::GatedDeltaNet;
+use crate::layers::moe::{ExpertSource, ResidentExperts, SparseMoe};
+use crate::layers::{load_linear, place};
+use crate::registry::{ExpertLayout, Family, MediaSupport, QuantRules};
+use crate::state::SeqState;
+use crate::vision::VisionTower;
+use hc::HyperConnection;
+use params::{Kind, Params};
+use ple::Ple;
+use qsa::{Indexer, IndexerState};
+use state::{LayerState, Mix, Qwen4State};
+
+/// The registry entry of `qwen4_exp`, multimodal wrapper or text-only.
+pub(crate) static FAMILY: Family = Family {
+    name: "qwen4_exp",
+    model_types: &["qwen4_exp", "qwen4_exp_text"],
+    architectures: &["Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM"],
+    load: |cfg, ck, experts, backend, progress| {
+        Ok(Box::new(Qwen4Exp::load(cfg, ck, experts, backend, progress)?) as Model)
+    },
+    experts: expert_layout,
+    // The tower is Qwen3.5-MoE's (`Qwen4ExpVisionModel = Qwen3_5MoeVisionModel`).
+    vision: |cfg, ck, backend| cfg.vision.as_ref().map(|v| VisionTower::load(backend, ck, v)).transpose(),
+    media: MediaSupport { images: true, video: true },
+    quant: QuantRules {
+        is_routed_expert: |name| {
+            name.contains(".mlp.experts.") && name.ends_with("_proj.weight") && !name.contains("gate_up_proj")
+        },
+        eligible_linear,
+        fused_experts: ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+        exclude_modules: |all_linear| {
+            let mut v = vec!["lm_head", "*embed_tokens*", "*.mlp.gate", "*shared_expert_gate*", "model.visual*"];
+            v.extend(["*hyper_connection*", "*.ple.*", "*indexer*"]);
+            if !all_linear {
+                v.extend(["*self_attn*", "*linear_attn*", "*shared_expert*"]);
+            }
+            v
+        },
+    },
+};
+
+/// Decoder linears `--all-linear` quantises: attention, Gated DeltaNet and expert projections; not the
+/// hyper-connections, PLE, the indexer, routers, embeddings, norms or convolutions.
+fn eligible_linear(name: &str, shape: &[usize]) -> bool {
+    let excluded = [
+        "embed_tokens",
+        "lm_head",
+        "visual",
+        ".mlp.gate.weight",
+        "shared_expert_gate",
+        "conv1d",
+        "norm",
+        "hyper_connection",
+        ".ple.",
+        "indexer",
+    ];
+    shape.len() == 2
+        && name.ends_with(".weight")
+        && name.contains("layers.")
+        && !excluded.iter().any(|x| name.contains(x))
+}
+
+fn expert_layout(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<ExpertLayout>> {
+    let Some(moe) = cfg.text.moe()? else { return Ok(None) };
+    let p = text_prefix(ck);
+    Ok(Some(ExpertLayout {
+        prefixes: (0..cfg.text.num_hidden_layers).map(|i| format!("{p}layers.{i}.mlp")).collect(),
+        num_experts: moe.num_experts,
+        hidden: cfg.text.hidden_size,
+        intermediate: moe.intermediate,
+    }))
+}
+
+fn text_prefix(ck: &Checkpoint) -> &'static str {
+    if ck.contains("model.language_model.embed_tokens.weight") {
+        "model.language_model."
+    } else {
+        "model."
+    }
+}
+
+#[derive(Debug)]
+enum Mixer {
+    Linear(Box<GatedDeltaNet>),
+    Indexed(Box<GatedAttention>, Box<Indexer>),
+}
+
+#[derive(Debug)]
+struct Layer {
+    ple: Option<Box<Ple>>,
+    attn_hc: HyperConnection,
+    mixer: Mixer,
+    mlp_hc: HyperConnection,
+    moe: Box<SparseMoe>,
+}
+
+/// A loaded `qwen4_exp` text decoder.
+#[derive(Debug)]
+pub(crate) struct Qwen4Exp {
+    p: Params,
+    hidden: usize,
+    vocab: usize,
+    info: LmInfo,
+    kv: KvLayout,
+    backend: BackendRef,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    mixer: HyperConnection,
+    lm_head: Tensor,
+    rope: MRope,
+    experts: Arc<dyn ExpertSource>,
+}
+
+impl Qwen4Exp {
+    fn load(
+        cfg: &ModelConfig,
+        ck: &Checkpoint,
+        experts: Option<Arc<dyn ExpertSource>>,
+        backend: BackendRef,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let b = backend.as_ref();
+        let c = &cfg.text;
+        let p = Params::from_config(c)?;
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let eps = c.rms_norm_eps as f32;
+        let pre = text_prefix(ck);
+        let mut moe = c.moe()?.ok_or_else(|| crate::error::Error::Unsupported("qwen4_exp without experts".into()))?;
+        moe.renorm = p.norm_topk_prob;
+        let rope_p = c.rope()?;
+        let sec = &rope_p.mrope_section;
+        let rope = MRope::new(c.head_dim(), c.rot_dim(), rope_p.rope_theta, [sec[0], sec[1], sec[2]]);
+        let hc_dims = (h, p.hc, p.hc_lowrank);
+        let mut layers = Vec::with_capacity(p.kinds.len());
+        for (i, kind) in p.kinds.iter().enumerate() {
+            let lp = format!("{pre}layers.{i}");
+            let mixer = match kind {
+                Kind::Linear => Mixer::Linear(Box::new(
+                    GatedDeltaNet::load(b, ck, &format!("{lp}.linear_attn"), c)?.with_sigmoid_gate(p.sigmoid_gate),
+                )),
+                Kind::Indexed => Mixer::Indexed(
+                    Box::new(GatedAttention::load(b, ck, &format!("{lp}.self_attn"), c)?),
+                    Box::new(Indexer::load(b, ck, &format!("{lp}.self_attn.indexer"), p.qsa, h, &rope, eps)?),
+                ),
+            };
+            let ple = match p.ple_layers.iter().position(|&l| l == i) {
+                Some(index) => Some(Box::new(Ple::load(b, ck, &format!("{lp}.ple"), index, &p, (h, eps))?)),
+                None => None,
+            };
+            layers.push(Layer {
+                ple,
+                attn_hc: HyperConnection::load(b, ck, &format!("{lp}.attn_hyper_connection"), hc_dims, true, eps)?,
+                mixer,
+                mlp_hc: HyperConnection::load(b, ck, &format!("{lp}.mlp_hyper_connection"), hc_dims, true, eps)?,
+                moe: Box::new(SparseMoe::load(b, ck, &format!("{lp}.mlp"), i, h, moe)?),
+            });
+            progress(i + 1, p.kinds.len());
+        }
+        let experts = match experts {
+            Some(src) => src,
+            None => {
+                let prefixes: Vec<Option<String>> =
+                    (0..layers.len()).map(|i| Some(format!("{pre}layers.{i}.mlp"))).collect();
+                Arc::new(ResidentExperts::load(ck, &prefixes, h, moe)?) as Arc<dyn ExpertSource>
+            }
+        };
+        let embed = place(b, ck.weight(&format!("{pre}embed_tokens.weight"), &[v, h])?);
+        let lm_head = if c.tie_word_embeddings { embed.clone() } else { load_linear(b, ck, "lm_head", v, h)? };
+        let mixer = HyperConnection::load(b, ck, &format!("{pre}hyper_connection_mixer"), hc_dims, false, eps)?;
+        let info = LmInfo {
+            family: FAMILY.name,
+            hidden_size: h,
+            vocab_size: v,
+            num_layers: layers.len(),
+            moe_layers: layers.len(),
+            experts_per_token: moe.top_k,
+            eos_token_ids: c.eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default(),
+            max_position_embeddings: c.max_position_embeddings,
+        };
+        let kv = KvLayout {
+            layers: p.kinds.iter().filter(|k| **k == Kind::Indexed).count(),
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim(),
+        };
+        Ok(Qwen4Exp { p, hidden: h, vocab: v, info, kv, backend, embed, layers, mixer, lm_head, rope, experts })
+    }
+}
+
+impl CausalLm for Qwen4Exp {
+    fn info(&self) -> &LmInfo {
+        &self.info
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        self.kv
+    }
+
+    fn backend(&self) -> &BackendRef {
+        &self.backend
+    }
+
+    fn forward_with(&self, steps: &mut [SeqStep<'_, '_>], opts: &ForwardOptions<'_>) -> Result<ForwardOutput> {
+        self.run(steps, opts)
+    }
+
+    fn new_state_with(&self, kv: PageTable) -> SeqState {
+        let b = self.backend.as_ref();
+        let mut kv_layers = 0..;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| LayerState {
+                mix: match &l.mixer {
+                    Mixer::Linear(g) => Mix::Linear(g.new_state(b)),
+                    Mixer::Indexed(..) => Mix::Indexed {
+                        kv_layer: kv_layers.next().unwrap_or_default(),
+                        indexer: IndexerState::default(),
+                    },
+                },
+                ple: l.ple.as_ref().map(|p| p.new_state(b)),
+            })
+            .collect();
+        let history = vec![self.p.ngram.eos; self.p.ngram.ngram_size - 1];
+        SeqState::new(Box::new(Qwen4State { layers, history, positions: Vec::new() }), kv)
+    }
+
+    fn weight_bytes(&self) -> (usize, usize) {
+        let mut dense = self.embed.bytes() / self.vocab + self.lm_head.bytes() + self.mixer.bytes();
+        for l in &self.layers {
+            dense += l.attn_hc.bytes() + l.mlp_hc.bytes() + l.moe.bytes() + l.ple.as_ref().map_or(0, |p| p.bytes());
+            dense += match &l.mixer {
+                Mixer::Linear(g) => g.bytes(),
+                Mixer::Indexed(a, i) => a.bytes() + i.bytes(),
+            };
+        }
+        let per_expert = self.experts.expert_bytes().unwrap_or(0);
+        (dense, per_expert)
+    }
+}

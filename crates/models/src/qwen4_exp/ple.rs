@@ -1,0 +1,134 @@
+//! Per-layer n-gram embeddings (`Qwen4ExpTextPLELayer`), added to the streams before a layer's
+//! attention hyper-connection: each token's n-gram rows of the layer's table (hashed on the host,
+//! [`NGramHasher`]) are concatenated into `e`; `k = norm(key_proj e)` per stream, `v = value_proj e`,
+//! `q = norm(streams)`; per stream `g = signed_sqrt(Σ k·q / √h)` gates `v`; the output is the gated value
+//! plus `silu(conv(norm(gated value)))`, a causal depthwise conv with dilation `ngram_size` whose last
+//! inputs each sequence carries.
+//!
+//! The table is read whole at load here (sharded Hub layout `ngram_embedding.shard_{i}.weight`, or one
+//! tensor); rows read on demand under a RAM budget are not in yet (docs/qwen4_exp.md).
+
+use osprey_backend::{Backend, Tensor};
+
+use super::ngram::NGramHasher;
+use super::params::Params;
+use crate::checkpoint::{Checkpoint, Weight};
+use crate::error::{Error, Result};
+use crate::layers::{load_linear, load_vector, place, Segment};
+
+#[derive(Debug)]
+pub(crate) struct Ple {
+    pub(crate) hasher: NGramHasher,
+    table: Tensor,
+    key: Tensor,
+    value: Tensor,
+    norm_key: Tensor,
+    norm_query: Tensor,
+    norm_conv: Tensor,
+    /// `[hc·hidden, kernel]`.
+    conv_w: Tensor,
+    kernel: usize,
+    dilation: usize,
+    hc: usize,
+    hidden: usize,
+    eps: f32,
+}
+
+/// The layer's table rows, from one tensor or from its shards in order.
+fn load_table(ck: &Checkpoint, prefix: &str, rows: usize, cols: usize) -> Result<Weight> {
+    let one = format!("{prefix}.ngram_embedding.weight");
+    if ck.contains(&one) {
+        return ck.weight(&one, &[rows, cols]);
+    }
+    let mut data = Vec::with_capacity(rows * cols);
+    for i in 0.. {
+        let name = format!("{prefix}.ngram_embedding.shard_{i}.weight");
+        if !ck.contains(&name) {
+            break;
+        }
+        let shape = ck.shape(&name)?.to_vec();
+        data.extend(ck.weight(&name, &shape)?.to_f32());
+    }
+    if data.len() != rows * cols {
+        return Err(Error::InvalidInput(format!(
+            "{prefix}.ngram_embedding: {} values for [{rows}, {cols}]",
+            data.len()
+        )));
+    }
+    Ok(Weight::from_f32(rows, cols, data))
+}
+
+impl Ple {
+    /// Loads `{prefix}` (a layer's `ple`), the layer being PLE layer number `index`.
+    pub(crate) fn load(
+        b: &dyn Backend,
+        ck: &Checkpoint,
+        prefix: &str,
+        index: usize,
+        p: &Params,
+        (hidden, eps): (usize, f32),
+    ) -> Result<Self> {
+        let hasher = NGramHasher::new(p.ngram, index);
+        let head_dim = p.ple_embed_dim / hasher.heads();
+        let rows = hasher.table_rows().div_ceil(p.ngram_pad_to) * p.ngram_pad_to;
+        let table = place(b, load_table(ck, &format!("{prefix}.ple_embedding"), rows as usize, head_dim)?);
+        let wide = p.hc * hidden;
+        let conv = ck.weight(&format!("{prefix}.conv1d.weight"), &[wide, 1, p.ple_conv_kernel])?.to_f32();
+        Ok(Ple {
+            hasher,
+            table,
+            key: load_linear(b, ck, &format!("{prefix}.key_proj"), wide, p.ple_embed_dim)?,
+            value: load_linear(b, ck, &format!("{prefix}.value_proj"), hidden, p.ple_embed_dim)?,
+            norm_key: load_vector(b, ck, &format!("{prefix}.norm_key.weight"), wide)?,
+            norm_query: load_vector(b, ck, &format!("{prefix}.norm_query.weight"), wide)?,
+            norm_conv: load_vector(b, ck, &format!("{prefix}.norm_conv.weight"), wide)?,
+            conv_w: b.upload(&conv, &[wide, p.ple_conv_kernel]),
+            kernel: p.ple_conv_kernel,
+            dilation: p.ngram.ngram_size,
+            hc: p.hc,
+            hidden,
+            eps,
+        })
+    }
+
+    /// A new sequence's conv state: `[(kernel − 1)·dilation, hc·hidden]` zeros.
+    pub(crate) fn new_state(&self, b: &dyn Backend) -> Tensor {
+        b.zeros(&[(self.kernel - 1) * self.dilation, self.hc * self.hidden])
+    }
+
+    /// What the layer adds to the streams `x [n, hc·hidden]`, given every row's table rows `row_ids`
+    /// (`[n · heads]`, batch order) and each segment's conv state.
+    pub(crate) fn forward(
+        &self,
+        b: &dyn Backend,
+        x: &Tensor,
+        row_ids: &[u32],
+        segs: &[Segment],
+        states: &mut [&mut Tensor],
+    ) -> Tensor {
+        let n = x.rows();
+        let e = b.embed(&self.table, row_ids).reshape(&[n, row_ids.len() / n.max(1) * self.table.cols()]);
+        let mut k = b.linear(&e, &self.key);
+        b.rms_norm_grouped(&mut k, &self.norm_key, self.hidden, self.eps);
+        let v = b.linear(&e, &self.value);
+        let mut q = x.clone();
+        b.rms_norm_grouped(&mut q, &self.norm_query, self.hidden, self.eps);
+        let mut out = b.ple_gate(&k, &q, &v, self.hc);
+        let mut normed = out.clone();
+        b.rms_norm_grouped(&mut normed, &self.norm_conv, self.hidden, self.eps);
+        let mut conv = b.zeros(out.shape());
+        for (seg, st) in segs.iter().zip(states.iter_mut()) {
+            let rows: Vec<usize> = (seg.row..seg.row + seg.len).collect();
+            let part = b.gather_rows(&normed, &rows);
+            let c = b.causal_conv_dilated_silu(&part, &self.conv_w, self.kernel, self.dilation, st);
+            b.write_rows(&mut conv, seg.row * c.cols(), &c, 0..seg.len);
+        }
+        b.add(&mut out, &conv);
+        out
+    }
+
+    /// Bytes of weights (the table included).
+    pub(crate) fn bytes(&self) -> usize {
+        self.table.bytes() + self.key.bytes() + self.value.bytes() + self.conv_w.bytes()
+    }
+}

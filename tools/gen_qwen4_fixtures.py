@@ -1,0 +1,186 @@
+"""Generate osprey's Qwen3.8-Flash-Next (`qwen4_exp`) reference fixtures with transformers 5.23.0 (CPU, f32, eager).
+
+Writes, under fixtures/:
+  models/qwen4_exp-tiny/          complete HF directory (Hub layout, bf16 weights): hyper-connections with 4
+                                  streams, PLE on two linear layers, QSA with a budget smaller than the prompts,
+                                  the silu output gate
+  models/qwen4_exp-tiny-sigmoid/  the same geometry with the sigmoid output gate and norm_topk_prob off
+  ref/<model>/<case>.safetensors  reference tensors per case (see `reference_case`); ref/<model>/summary.json
+
+The prompts are gen_fixtures.py's, so the tokenizer and chat template are the Qwen3.5 fixtures' own. Run:
+tools/README.md. Deterministic: a second run in a new process writes byte-identical files.
+"""
+
+import argparse
+import json
+import pathlib
+import shutil
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForImageTextToText, DynamicCache, PreTrainedTokenizerFast
+
+import tiny_ckpt
+from gen_fixtures import CASES, N_GEN, split_points
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def text_config(gate: str, norm_topk: bool) -> dict:
+    cfg = tiny_ckpt.text_config(moe=True)
+    cfg.update(
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        hc_count=4, hc_lowrank=16,
+        # One-indexed: the first and third layers (both linear).
+        ple_layer_ids=[1, 3], ple_embed_dim=64, ple_conv_kernel_size=3, ngram_size=3, heads_per_ngram=2,
+        ngram_vocab_size_base=1000, make_ngram_vocab_size_divisible_by=128, seed=1234,
+        # Budget 8 tokens in blocks of 4: the prompts (61 and 220 tokens) select among many blocks. 8 heads make
+        # an all-zero relu score (a tie torch.topk breaks by its unstable selection) rare; `no_ties` checks.
+        indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=8, indexer_compress_ratio=4,
+        output_gate_type=gate, norm_topk_prob=norm_topk,
+    )
+    return cfg
+
+
+def model_config(gate: str, norm_topk: bool):
+    from transformers import Qwen4ExpConfig
+    return Qwen4ExpConfig(text_config=text_config(gate, norm_topk), vision_config=dict(tiny_ckpt.VISION_CONFIG),
+                          image_token_id=1004, video_token_id=1005, vision_start_token_id=1001,
+                          vision_end_token_id=1002, tie_word_embeddings=False)
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """tiny_ckpt's randomisation, then the new norms: every grouped RMSNorm here computes x*(1+w) (zero-centred),
+    and the PLE conv starts non-zero (transformers initialises it to zero, which would hide the conv)."""
+    tiny_ckpt.randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, p in sorted(model.named_parameters()):
+        mod = name.rsplit(".", 1)[0]
+        if p.ndim == 1 and mod.endswith(("hc_norm", "norm_key", "norm_query", "norm_conv", "q_layernorm",
+                                         "k_layernorm", "q_norm", "k_norm")):
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        elif mod.endswith("ple.conv1d"):
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+
+class no_ties:
+    """Fails if any top-k during the block (QSA block selection, routing) has a tie at its cutoff: torch
+    breaks those by an unstable selection, so a reference with one would not be a fixed target."""
+
+    def __enter__(self):
+        self.orig = torch.Tensor.topk
+
+        def checked(t, k, dim=-1, *args, **kwargs):
+            vals = t.sort(dim=dim, descending=True).values
+            if k < t.shape[dim]:
+                assert not (vals.narrow(dim, k - 1, 1) == vals.narrow(dim, k, 1)).any(), "a tie at a top-k cutoff"
+            return self.orig(t, k, dim, *args, **kwargs)
+        torch.Tensor.topk = checked
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.topk = self.orig
+
+
+@torch.no_grad()
+def language_forward(model, ids, pos4, cache):
+    lm = model.model.language_model
+    emb = lm.embed_tokens(ids)
+    out = lm(inputs_embeds=emb, ple_input_ids=ids, position_ids=pos4, past_key_values=cache, use_cache=True)
+    return model.lm_head(out.last_hidden_state)
+
+
+@torch.no_grad()
+def reference_case(model, tok, messages) -> tuple[dict, dict]:
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(prompt)])
+    n = ids.shape[1]
+    pos = torch.arange(n).view(1, 1, n).expand(4, 1, n)
+    lm = model.model.language_model
+    # Layer-internal references of one-shot prefill: each PLE layer's n-gram row ids [n, heads] (what the
+    # table lookup receives) and the first layer's attention hyper-connection (block input [n, H] and
+    # injection weights [n, hc]).
+    captured, hooks = {}, []
+    for i, layer in enumerate(lm.layers):
+        if layer.ple is not None:
+            hooks.append(layer.ple.ple_embedding.ngram_embedding.register_forward_pre_hook(
+                lambda m, a, i=i: captured.__setitem__(f"ple_ids.{i}", a[0][0].clone()) and None))
+    def hc0(module, args, out):  # returns None: the output stays as it is
+        captured["hc0.block_input"], captured["hc0.inject"] = out[0][0].clone(), out[2][0].clone()
+    hooks.append(lm.layers[0].attn_hyper_connection.register_forward_hook(hc0))
+    full = lm(input_ids=ids, position_ids=pos, output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+    t = {"input_ids": ids[0].to(torch.int64), "all_logits": model.lm_head(full.last_hidden_state)[0].contiguous()}
+    t.update({k: v.contiguous() for k, v in captured.items()})
+    # hidden_states.0 is the embedding repeated into the hc streams [n, hc*H], .i the streams after layer i, and
+    # the last one (in place of the last layer's streams) the mixer's output [n, H], which lm_head reads: there
+    # is no final norm.
+    for i, h in enumerate(full.hidden_states):
+        t[f"hidden_states.{i}"] = h[0].clone().contiguous()
+
+    # Engine-style loop: prefill, then greedy decode one token at a time.
+    cache = DynamicCache(config=model.config.text_config)
+    logits = language_forward(model, ids, pos, cache)[:, -1]
+    steps, gen = [], []
+    for step in range(N_GEN):
+        steps.append(logits[0].clone())
+        nxt = int(logits[0].argmax())
+        gen.append(nxt)
+        p = torch.full((4, 1, 1), n + step)
+        logits = language_forward(model, torch.tensor([[nxt]]), p, cache)[:, -1]
+    t["step_logits"] = torch.stack(steps)
+    t["generated_ids"] = torch.tensor(gen, dtype=torch.int64)
+    assert (t["step_logits"][0] - t["all_logits"][-1]).abs().max() < 1e-4
+
+    # Chunked prefill: logits at the end of every chunk (splits cross QSA blocks and n-gram histories).
+    splits = split_points(n)
+    for name, ends in splits.items():
+        cache = DynamicCache(config=model.config.text_config)
+        start, rows = 0, []
+        for end in ends:
+            rows.append(language_forward(model, ids[:, start:end], pos[:, :, start:end], cache)[0, -1])
+            start = end
+        t[f"chunked.{name}"] = torch.stack(rows)
+    meta = {"prompt": prompt, "len": n, "generated_ids": gen, "splits": splits}
+    return t, meta
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "fixtures"))
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    out = pathlib.Path(args.out)
+    tok_obj = tiny_ckpt.build_tokenizer()
+    for name, gate, norm_topk, seed in [("qwen4_exp-tiny", "silu", True, 777),
+                                        ("qwen4_exp-tiny-sigmoid", "sigmoid", False, 778)]:
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(model_config(gate, norm_topk), dtype=torch.float32,
+                                                        attn_implementation="eager")
+        randomize_(model, seed)
+        tiny_ckpt.round_params_to_bf16_(model)
+        d = out / "models" / name
+        shutil.rmtree(d, ignore_errors=True)
+        model.save_pretrained(d)
+        tiny_ckpt.convert_dir_to_bf16(d)
+        tiny_ckpt.save_processor(d, tok_obj)
+        tok = PreTrainedTokenizerFast.from_pretrained(d)
+        model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+        model.eval()
+        ref = out / "ref" / name
+        shutil.rmtree(ref, ignore_errors=True)
+        ref.mkdir(parents=True)
+        summary = {"transformers": __import__("transformers").__version__, "torch": torch.__version__, "cases": {}}
+        for case, messages in CASES.items():
+            with no_ties():
+                tensors, meta = reference_case(model, tok, messages)
+            save_file(tensors, ref / f"{case}.safetensors", metadata={"prompt": meta["prompt"]})
+            summary["cases"][case] = meta
+            print(name, case, meta["len"], meta["generated_ids"])
+        (ref / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
