@@ -58,7 +58,7 @@ fn case_prompt(dir: &std::path::Path, r: &Ref) -> (Vec<Media>, String) {
 
 #[test]
 fn multimodal_requests_build_exactly_the_inputs_transformers_builds_and_match_its_logits() {
-    for name in ["qwen3_5-tiny", "qwen3_5_moe-tiny"] {
+    for name in ["qwen3_5-tiny", "qwen3_5_moe-tiny", "qwen4_exp-tiny", "qwen4_exp-tiny-sigmoid"] {
         let dir = fixtures().join("models").join(name);
         let tok = TextTokenizer::from_dir(&dir).expect("tokenizer");
         let proc = ProcessorConfig::from_dir(&dir).expect("processor");
@@ -128,7 +128,7 @@ impl RowSource for Tower<'_> {
 /// encodes each media item once per generation.
 #[test]
 fn the_generation_driver_reproduces_transformers_greedy_ids_at_any_chunk_size() {
-    for name in ["qwen3_5-tiny", "qwen3_5_moe-tiny"] {
+    for name in ["qwen3_5-tiny", "qwen3_5_moe-tiny", "qwen4_exp-tiny", "qwen4_exp-tiny-sigmoid"] {
         let dir = fixtures().join("models").join(name);
         let tok = TextTokenizer::from_dir(&dir).expect("tokenizer");
         let proc = ProcessorConfig::from_dir(&dir).expect("processor");

@@ -5,7 +5,8 @@ Writes, under fixtures/:
                                   streams, PLE on two linear layers, QSA with a budget smaller than the prompts,
                                   the silu output gate
   models/qwen4_exp-tiny-sigmoid/  the same geometry with the sigmoid output gate and norm_topk_prob off
-  ref/<model>/<case>.safetensors  reference tensors per case (see `reference_case`); ref/<model>/summary.json
+  ref/<model>/<case>.safetensors  reference tensors per case: text (`reference_case`) and gen_vision_fixtures.py's
+                                  image / two-image / video / image+video cases (`media_case`, its media files)
 
 The prompts are gen_fixtures.py's, so the tokenizer and chat template are the Qwen3.5 fixtures' own. Run:
 tools/README.md. Deterministic: a second run in a new process writes byte-identical files.
@@ -18,7 +19,9 @@ import shutil
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForImageTextToText, DynamicCache, PreTrainedTokenizerFast
+from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache, PreTrainedTokenizerFast
+
+import gen_vision_fixtures as gv
 
 import tiny_ckpt
 from gen_fixtures import CASES, N_GEN, split_points
@@ -147,6 +150,61 @@ def reference_case(model, tok, messages) -> tuple[dict, dict]:
     return t, meta
 
 
+@torch.no_grad()
+def media_case(model, proc, media, question) -> tuple[dict, dict]:
+    """gen_vision_fixtures.model_case for qwen4_exp: the language model also gets the ids (PLE hashes them;
+    at media positions it hashes the placeholder id, as transformers' multimodal forward does)."""
+    from transformers.video_utils import VideoMetadata
+    content = [{"type": kind} for kind, _ in media] + [{"type": "text", "text": question}]
+    prompt = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                      tokenize=False)
+    images = [gv.load_image(n) for k, n in media if k == "image"] or None
+    videos = [gv.load_video(n, gv.VIDEO_FRAMES[n]) for k, n in media if k == "video"] or None
+    metas = [VideoMetadata(total_num_frames=gv.VIDEO_FRAMES[n], fps=2.0) for k, n in media if k == "video"] or None
+    inputs = proc(text=[prompt], images=images, videos=videos, video_metadata=metas, return_tensors="pt")
+    ids = inputs["input_ids"]
+    n = ids.shape[1]
+    cfg, m = model.config, model.model
+    m.rope_deltas = None
+    full = model(**inputs)
+    pos3, delta = m.get_rope_index(ids, inputs["mm_token_type_ids"], image_grid_thw=inputs.get("image_grid_thw"),
+                                   video_grid_thw=inputs.get("video_grid_thw"))
+    t = {"input_ids": ids[0], "all_logits": full.logits[0], "position_ids": pos3[:, 0], "rope_delta": delta.reshape(1)}
+    emb = m.get_input_embeddings()(ids)
+    if "pixel_values" in inputs:
+        img = torch.cat(m.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output)
+        emb = emb.masked_scatter((ids == cfg.image_token_id).unsqueeze(-1), img)
+    if "pixel_values_videos" in inputs:
+        vid = torch.cat(m.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]).pooler_output)
+        emb = emb.masked_scatter((ids == cfg.video_token_id).unsqueeze(-1), vid)
+    pos4 = torch.cat([torch.arange(n).view(1, 1, n), pos3], 0)
+
+    def lm(e, i, p, cache):
+        out = m.language_model(inputs_embeds=e, ple_input_ids=i, position_ids=p, past_key_values=cache, use_cache=True)
+        return model.lm_head(out.last_hidden_state)
+
+    cache = DynamicCache(config=cfg.text_config)
+    logits = lm(emb, ids, pos4, cache)[:, -1]
+    assert (logits[0] - t["all_logits"][-1]).abs().max() < 1e-4
+    steps, gen = [], []
+    for step in range(N_GEN):
+        steps.append(logits[0].clone())
+        nxt = int(logits[0].argmax())
+        gen.append(nxt)
+        p = torch.full((4, 1, 1), n + step)
+        p[1:] += int(delta)
+        nid = torch.tensor([[nxt]])
+        logits = lm(m.get_input_embeddings()(nid), nid, p, cache)[:, -1]
+    t["step_logits"], t["generated_ids"] = torch.stack(steps), torch.tensor(gen)
+    m.rope_deltas = None
+    g = model.generate(**inputs, max_new_tokens=N_GEN, do_sample=False)
+    assert g[0, n:].tolist() == gen, (g[0, n:].tolist(), gen)
+    spans = gv.placeholder_spans(ids[0].tolist(), cfg.image_token_id, cfg.video_token_id)
+    meta = {"prompt": prompt, "len": n, "generated_ids": gen, "splits": gv.split_points(n, spans), "spans": spans,
+            "media": [list(x) for x in media], "question": question, "rope_delta": int(delta)}
+    return {k: v.contiguous() for k, v in t.items()}, meta
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "fixtures"))
@@ -179,6 +237,13 @@ def main():
             save_file(tensors, ref / f"{case}.safetensors", metadata={"prompt": meta["prompt"]})
             summary["cases"][case] = meta
             print(name, case, meta["len"], meta["generated_ids"])
+        proc = AutoProcessor.from_pretrained(d)
+        for case, (media, question) in gv.CASES.items():
+            with no_ties():
+                tensors, meta = media_case(model, proc, media, question)
+            save_file(tensors, ref / f"{case}.safetensors", metadata={"prompt": meta["prompt"]})
+            summary["cases"][case] = meta
+            print(name, case, meta["len"], meta["rope_delta"], meta["generated_ids"])
         (ref / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
