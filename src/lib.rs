@@ -145,6 +145,33 @@ pub fn open_backend(device: Option<&str>, activations: Option<&str>) -> Result<o
     Ok(backend)
 }
 
+/// PLE row-cache metrics (Prometheus text), when a model with PLE tables is loaded.
+fn ple_metrics() -> String {
+    use std::sync::atomic::Ordering::Relaxed;
+    let s = osprey_models::ple_stats();
+    if s.table_bytes.load(Relaxed) == 0 {
+        return String::new();
+    }
+    let (hits, misses) = (s.hits.load(Relaxed), s.misses.load(Relaxed));
+    let residency = if hits + misses == 0 { 1.0 } else { hits as f64 / (hits + misses) as f64 };
+    [
+        ("osprey_ple_hits_total", "PLE rows served from the RAM cache.", "counter", hits as f64),
+        ("osprey_ple_misses_total", "PLE rows read from the table on disk.", "counter", misses as f64),
+        (
+            "osprey_ple_bytes_read_total",
+            "Bytes of PLE rows read from the table.",
+            "counter",
+            s.bytes_read.load(Relaxed) as f64,
+        ),
+        ("osprey_ple_resident_bytes", "Bytes of PLE rows held in RAM.", "gauge", s.resident_bytes.load(Relaxed) as f64),
+        ("osprey_ple_table_bytes", "Bytes of the PLE tables on disk.", "gauge", s.table_bytes.load(Relaxed) as f64),
+        ("osprey_ple_residency", "Fraction of PLE row lookups served from RAM.", "gauge", residency),
+    ]
+    .iter()
+    .map(|(name, help, kind, v)| format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"))
+    .collect()
+}
+
 /// [`start`] with the expert reader wrapped by `wrap_reader`.
 pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<ReaderLayer>) -> Result<Bound> {
     let t0 = Instant::now();
@@ -153,6 +180,8 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let experts = expert_source(settings, &cfg, &ck, wrap_reader)?;
     let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
     let backend = open_backend(settings.device.as_deref(), settings.activations.as_deref())?;
+    let ple = settings.ple_ram_gb.map_or(osprey_models::DEFAULT_PLE_RAM_BYTES, |gb| (gb.max(0.0) * 1e9) as u64);
+    osprey_models::set_ple_ram_budget(ple);
     let model = osprey_models::load_with_progress(&cfg, &ck, source, backend.clone(), &mut |d, n| {
         progress_bar("loading weights", d, n)
     })?;
@@ -237,6 +266,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         vision: vision.map(|v| v.sender()),
         prefix,
         experts: experts.map(|e| e.sender()),
+        extra_metrics: Some(osprey_server::MetricsHook(Arc::new(ple_metrics))),
     };
     let addr = format!("{}:{}", settings.host.as_deref().unwrap_or("127.0.0.1"), settings.port.unwrap_or(8080));
     let served = osprey_server::bind(server_cfg, engine, &addr, settings.http_workers.unwrap_or(2))?;

@@ -85,6 +85,9 @@ struct ServeArgs {
     /// Stream routed experts from disk, keeping at most this many experts per layer in RAM.
     #[arg(long)]
     expert_ram_experts: Option<usize>,
+    /// RAM for cached PLE table rows in GB, all layers together (qwen4_exp; default 1).
+    #[arg(long)]
+    ple_ram_gb: Option<f64>,
     /// Expert reader: auto, io_uring or pread.
     #[arg(long)]
     expert_reader: Option<String>,
@@ -170,6 +173,7 @@ impl ServeArgs {
             expert_ram_gb: self.expert_ram_gb,
             expert_ram_experts: self.expert_ram_experts,
             expert_reader: self.expert_reader.clone(),
+            ple_ram_gb: self.ple_ram_gb,
             expert_policy: self.expert_policy.clone(),
             max_media_per_request: self.max_media_per_request,
             max_media_bytes: self.max_media_bytes,

@@ -46,6 +46,9 @@ pub struct Settings {
     pub expert_ram_gb: Option<f64>,
     /// Stream routed experts from disk, keeping at most this many experts per layer in RAM.
     pub expert_ram_experts: Option<usize>,
+    /// RAM for cached rows of per-layer n-gram (PLE) tables, in GB, all layers together (`qwen4_exp`;
+    /// default 1). The tables stay on disk; rows are read on demand.
+    pub ple_ram_gb: Option<f64>,
     /// Expert reader: "auto" (io_uring, else pread), "io_uring" or "pread".
     pub expert_reader: Option<String>,
     /// Expert eviction policy: "lru" (default) or "lfu".

@@ -2,7 +2,8 @@
 //! and video answer with transformers' greedy tokens and logprobs (1e-4, the parity bound, on the exact
 //! path); `/v1/models` reports the capabilities; a prefix-cache hit inside an image answers as an uncached
 //! server; the NVFP4 checkpoint made by `osprey quantize` streams its experts under a 2-expert budget with
-//! bit-identical logprobs.
+//! bit-identical logprobs; PLE rows are read on demand (`/metrics` counts them) and a zero row budget
+//! answers the same.
 
 #[path = "../crates/models/tests/common/mod.rs"]
 mod common;
@@ -90,6 +91,19 @@ fn text_images_and_video_answer_with_transformers_greedy_tokens() {
     assert_eq!(status, 200);
     let models: Value = serde_json::from_str(&models).expect("json");
     assert_eq!(models["data"][0]["capabilities"], json!(["text", "vision", "video"]));
+    assert!(metric(addr, "osprey_ple_table_bytes") > 0.0);
+    assert!(metric(addr, "osprey_ple_misses_total") > 0.0, "PLE rows were read from the table");
+}
+
+/// PLE rows come from the table on disk through a RAM cache: no cache at all answers the same.
+#[test]
+fn a_zero_ple_row_budget_answers_as_the_default_one() {
+    let roomy = start(exact(), dir());
+    let body = json!({"messages": [{"role": "user", "content": "Tell me about n-grams."}], "max_tokens": 8, "temperature": 0, "logprobs": true});
+    let want = chat(roomy, &body);
+    let lean = start(Settings { ple_ram_gb: Some(0.0), ..exact() }, dir());
+    let got = chat(lean, &body);
+    assert_eq!(got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]);
 }
 
 fn ask(addr: SocketAddr, messages: &Value) -> (String, Vec<f32>, u64) {

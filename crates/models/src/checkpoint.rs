@@ -28,6 +28,24 @@ struct Entry {
 pub trait ByteSource: AsRef<[u8]> + std::fmt::Debug + Send + Sync {}
 impl ByteSource for Mmap {}
 
+/// A tensor in its mapped file (see [`Checkpoint::mapped`]).
+#[derive(Clone, Debug)]
+pub struct MappedTensor {
+    /// Stored dtype.
+    pub dtype: StDtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    map: Arc<dyn ByteSource>,
+    start: usize,
+}
+
+impl MappedTensor {
+    /// `len` bytes from byte `at` of the tensor's data (read from the map: the OS pages them in).
+    pub fn bytes(&self, at: usize, len: usize) -> &[u8] {
+        &(*self.map).as_ref()[self.start + at..self.start + at + len]
+    }
+}
+
 /// A tensor's place in a file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorLocation {
@@ -386,6 +404,13 @@ impl Checkpoint {
             });
         }
         Ok(ByteRange::Mapped { map: self.maps[e.file].clone(), start: e.start, len: e.end - e.start })
+    }
+
+    /// A tensor as it lies in its mapped file (dtype, shape, the map and its byte range), for readers
+    /// that fetch parts on demand (the PLE table's rows).
+    pub fn mapped(&self, name: &str) -> Result<MappedTensor> {
+        let e = self.entry(name)?;
+        Ok(MappedTensor { dtype: e.dtype, shape: e.shape.clone(), map: self.maps[e.file].clone(), start: e.start })
     }
 
     fn scalar_f32(&self, name: &str) -> Result<f32> {

@@ -30,7 +30,7 @@ pub mod registry;
 mod state;
 pub mod vision;
 
-pub use checkpoint::{ByteSource, Checkpoint, TensorLocation, Weight};
+pub use checkpoint::{ByteSource, Checkpoint, MappedTensor, TensorLocation, Weight};
 pub use config::{ModelConfig, TextConfig};
 pub use error::{Error, Result};
 pub use family::{
@@ -42,6 +42,7 @@ pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, P
 /// The compute-backend seam the families are written against (re-exported for callers that pick one).
 pub use osprey_backend as backend;
 pub use quantize_dir::{quantize_dir, QuantizeOptions};
+pub use qwen4_exp::{ple_stats, set_ple_ram_budget, PleStats, DEFAULT_PLE_RAM_BYTES};
 pub use registry::{
     expert_layout, load, load_checkpoint, load_on, load_vision, load_with_progress, ExpertLayout, MediaSupport,
 };

@@ -87,3 +87,115 @@ fn chunked_prefill_matches_reference_and_one_shot() {
         }
     }
 }
+
+/// A tensor to write: name suffix, dtype, shape, bytes.
+type NewTensor = (&'static str, safetensors::Dtype, Vec<usize>, Vec<u8>);
+/// How a shard's values (and its shape) become the tensors written in its place.
+type Rewrite<'a> = &'a dyn Fn(&[f32], &[usize]) -> Vec<NewTensor>;
+
+/// A copy of the silu fixture whose PLE tables are rewritten by `table`: each shard's bf16 values in, the
+/// new tensors out.
+fn rewrite_tables(tag: &str, table: Rewrite<'_>) -> std::path::PathBuf {
+    use safetensors::tensor::TensorView;
+    let src = common::fixtures().join("models/qwen4_exp-tiny");
+    let dst = common::scratch_dir(tag);
+    for f in std::fs::read_dir(&src).expect("fixture dir") {
+        let f = f.expect("entry").path();
+        if f.file_name().is_some_and(|n| n != "model.safetensors") {
+            std::fs::copy(&f, dst.join(f.file_name().expect("name"))).expect("copy");
+        }
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).expect("weights");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut out: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, t) in st.tensors() {
+        if name.contains("ngram_embedding.shard_") {
+            let vals: Vec<f32> =
+                t.data().chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect();
+            let stem = name.trim_end_matches(".weight");
+            for (suffix, dtype, shape, data) in table(&vals, t.shape()) {
+                out.push((format!("{stem}{suffix}"), dtype, shape, data));
+            }
+        } else {
+            out.push((name.to_string(), t.dtype(), t.shape().to_vec(), t.data().to_vec()));
+        }
+    }
+    let views: Vec<(String, TensorView<'_>)> =
+        out.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view"))).collect();
+    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).expect("write");
+    dst
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// An FP8 E4M3 table as ModelOpt writes it (per-tensor `weight_scale`, or one per row) reads the values
+/// `e4m3 · scale`: the model's logits equal, bit for bit, those of the same checkpoint whose tables hold
+/// exactly those values in f32. A wrong scale or byte decode would move them by far more than zero.
+#[test]
+fn an_fp8_table_with_modelopt_scales_reads_its_dequantised_values() {
+    use osprey_kernels::nvfp4::{e4m3_to_f32, f32_to_e4m3};
+    use safetensors::Dtype;
+    for per_row in [false, true] {
+        let scales = |v: &[f32], shape: &[usize]| -> Vec<f32> {
+            let amax = |s: &[f32]| s.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12) / 448.0;
+            if per_row {
+                v.chunks(shape[1]).map(amax).collect()
+            } else {
+                vec![amax(v)]
+            }
+        };
+        let encode = |v: &[f32], shape: &[usize]| -> (Vec<u8>, Vec<f32>) {
+            let s = scales(v, shape);
+            let at = |i: usize| if per_row { s[i / shape[1]] } else { s[0] };
+            (v.iter().enumerate().map(|(i, x)| f32_to_e4m3(x / at(i))).collect(), s)
+        };
+        let tag = if per_row { "row" } else { "tensor" };
+        let fp8 = rewrite_tables(&format!("fp8-{tag}"), &|v, shape| {
+            let (q, s) = encode(v, shape);
+            let sshape = if per_row { vec![shape[0]] } else { vec![] };
+            vec![(".weight", Dtype::F8_E4M3, shape.to_vec(), q), (".weight_scale", Dtype::F32, sshape, f32_bytes(&s))]
+        });
+        let dequant = rewrite_tables(&format!("fp8-{tag}-f32"), &|v, shape| {
+            let (q, s) = encode(v, shape);
+            let d: Vec<f32> = q
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| e4m3_to_f32(b) * if per_row { s[i / shape[1]] } else { s[0] })
+                .collect();
+            vec![(".weight", Dtype::F32, shape.to_vec(), f32_bytes(&d))]
+        });
+        let ids = Ref::load("qwen4_exp-tiny", "long").ids("input_ids");
+        let exact = osprey_models::backend::cpu::CpuBackend::exact;
+        let a = osprey_models::load_on(&fp8, exact()).expect("load the FP8 checkpoint");
+        let b = osprey_models::load_on(&dequant, exact()).expect("load the dequantised checkpoint");
+        let (la, lb) = (
+            prefill(&a, &mut a.new_state(), &ids, LogitsWanted::All),
+            prefill(&b, &mut b.new_state(), &ids, LogitsWanted::All),
+        );
+        assert_eq!(la, lb, "{tag} scales");
+        let bf16 = prefill(&model("qwen4_exp-tiny"), &mut model("qwen4_exp-tiny").new_state(), &ids, LogitsWanted::All);
+        assert!(la.iter().zip(&bf16).any(|(x, y)| x != y), "the FP8 table changed the values");
+    }
+}
+
+/// The row cache changes what is read, never what is computed: a budget of zero rows (every lookup
+/// reads the table) gives the logits of the default budget, and the counters move.
+#[test]
+fn the_ple_row_budget_changes_reads_not_answers() {
+    let ids = Ref::load("qwen4_exp-tiny", "long").ids("input_ids");
+    let stats = osprey_models::ple_stats();
+    let read = |s: &osprey_models::PleStats| s.misses.load(std::sync::atomic::Ordering::Relaxed);
+    let roomy = model("qwen4_exp-tiny");
+    let want = prefill(&roomy, &mut roomy.new_state(), &ids, LogitsWanted::All);
+    osprey_models::set_ple_ram_budget(0);
+    let lean = model("qwen4_exp-tiny");
+    osprey_models::set_ple_ram_budget(osprey_models::DEFAULT_PLE_RAM_BYTES);
+    let before = read(stats);
+    let got = prefill(&lean, &mut lean.new_state(), &ids, LogitsWanted::All);
+    assert_eq!(got, want);
+    // 220 tokens x 4 heads x 2 PLE layers, all read: the budget held nothing.
+    assert!(read(stats) - before >= 220 * 4 * 2, "every lookup read the table");
+    assert!(stats.table_bytes.load(std::sync::atomic::Ordering::Relaxed) > 0);
+}

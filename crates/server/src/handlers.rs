@@ -384,5 +384,8 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
             body.push_str(&crate::metrics::render_experts(&e));
         }
     }
+    if let Some(extra) = &state.extra_metrics {
+        body.push_str(&(extra.0)());
+    }
     Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(body))
 }

@@ -57,6 +57,7 @@ pub struct AppState {
     vision: Option<UnboundedSender<VisionCommand>>,
     prefix: Option<UnboundedSender<PrefixCommand>>,
     experts: Option<UnboundedSender<ResidencyCommand>>,
+    extra_metrics: Option<MetricsHook>,
     metrics: Metrics,
     next_id: AtomicU64,
     ready: AtomicBool,
@@ -77,6 +78,18 @@ pub struct Engine {
     pub prefix: Option<UnboundedSender<PrefixCommand>>,
     /// Expert residency manager inbox (stats only), when experts stream from disk.
     pub experts: Option<UnboundedSender<ResidencyCommand>>,
+    /// More Prometheus text for `/metrics`, from parts the server does not know (the PLE row caches).
+    pub extra_metrics: Option<MetricsHook>,
+}
+
+/// A source of extra `/metrics` text.
+#[derive(Clone)]
+pub struct MetricsHook(pub std::sync::Arc<dyn Fn() -> String + Send + Sync>);
+
+impl std::fmt::Debug for MetricsHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MetricsHook")
+    }
 }
 
 /// A bound server: await `server`; send [`Phase`]s on `phase` to drain it.
@@ -119,6 +132,7 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
         vision: engine.vision,
         prefix: engine.prefix,
         experts: engine.experts,
+        extra_metrics: engine.extra_metrics,
         metrics: Metrics::default(),
         next_id: AtomicU64::new(1),
         ready: AtomicBool::new(true),

@@ -13,6 +13,9 @@ mod params;
 mod ple;
 mod qsa;
 mod state;
+mod table;
+
+pub use table::{ple_stats, set_ple_ram_budget, PleStats, DEFAULT_PLE_RAM_BYTES};
 
 use std::sync::Arc;
 

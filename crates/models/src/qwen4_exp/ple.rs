@@ -5,21 +5,22 @@
 //! plus `silu(conv(norm(gated value)))`, a causal depthwise conv with dilation `ngram_size` whose last
 //! inputs each sequence carries.
 //!
-//! The table is read whole at load here (sharded Hub layout `ngram_embedding.shard_{i}.weight`, or one
-//! tensor); rows read on demand under a RAM budget are not in yet (docs/qwen4_exp.md).
+//! The table is never loaded: its rows are read on demand from the mapped checkpoint through an LRU row
+//! cache under a RAM budget ([`PleTable`]).
 
 use osprey_backend::{Backend, Tensor};
 
 use super::ngram::NGramHasher;
 use super::params::Params;
-use crate::checkpoint::{Checkpoint, Weight};
-use crate::error::{Error, Result};
-use crate::layers::{load_linear, load_vector, place, Segment};
+use super::table::PleTable;
+use crate::checkpoint::Checkpoint;
+use crate::error::Result;
+use crate::layers::{load_linear, load_vector, Segment};
 
 #[derive(Debug)]
 pub(crate) struct Ple {
     pub(crate) hasher: NGramHasher,
-    table: Tensor,
+    table: PleTable,
     key: Tensor,
     value: Tensor,
     norm_key: Tensor,
@@ -32,30 +33,6 @@ pub(crate) struct Ple {
     hc: usize,
     hidden: usize,
     eps: f32,
-}
-
-/// The layer's table rows, from one tensor or from its shards in order.
-fn load_table(ck: &Checkpoint, prefix: &str, rows: usize, cols: usize) -> Result<Weight> {
-    let one = format!("{prefix}.ngram_embedding.weight");
-    if ck.contains(&one) {
-        return ck.weight(&one, &[rows, cols]);
-    }
-    let mut data = Vec::with_capacity(rows * cols);
-    for i in 0.. {
-        let name = format!("{prefix}.ngram_embedding.shard_{i}.weight");
-        if !ck.contains(&name) {
-            break;
-        }
-        let shape = ck.shape(&name)?.to_vec();
-        data.extend(ck.weight(&name, &shape)?.to_f32());
-    }
-    if data.len() != rows * cols {
-        return Err(Error::InvalidInput(format!(
-            "{prefix}.ngram_embedding: {} values for [{rows}, {cols}]",
-            data.len()
-        )));
-    }
-    Ok(Weight::from_f32(rows, cols, data))
 }
 
 impl Ple {
@@ -71,7 +48,8 @@ impl Ple {
         let hasher = NGramHasher::new(p.ngram, index);
         let head_dim = p.ple_embed_dim / hasher.heads();
         let rows = hasher.table_rows().div_ceil(p.ngram_pad_to) * p.ngram_pad_to;
-        let table = place(b, load_table(ck, &format!("{prefix}.ple_embedding"), rows as usize, head_dim)?);
+        let table =
+            PleTable::open(ck, &format!("{prefix}.ple_embedding"), rows as usize, head_dim, p.ple_layers.len())?;
         let wide = p.hc * hidden;
         let conv = ck.weight(&format!("{prefix}.conv1d.weight"), &[wide, 1, p.ple_conv_kernel])?.to_f32();
         Ok(Ple {
@@ -107,7 +85,8 @@ impl Ple {
         states: &mut [&mut Tensor],
     ) -> Tensor {
         let n = x.rows();
-        let e = b.embed(&self.table, row_ids).reshape(&[n, row_ids.len() / n.max(1) * self.table.cols()]);
+        let width = row_ids.len() / n.max(1) * self.table.cols();
+        let e = b.upload(&self.table.rows(row_ids), &[n, width]);
         let mut k = b.linear(&e, &self.key);
         b.rms_norm_grouped(&mut k, &self.norm_key, self.hidden, self.eps);
         let v = b.linear(&e, &self.value);
@@ -127,8 +106,8 @@ impl Ple {
         out
     }
 
-    /// Bytes of weights (the table included).
+    /// Bytes of weights held (the table is not: its rows are cached under their own budget).
     pub(crate) fn bytes(&self) -> usize {
-        self.table.bytes() + self.key.bytes() + self.value.bytes() + self.conv_w.bytes()
+        self.key.bytes() + self.value.bytes() + self.conv_w.bytes()
     }
 }
