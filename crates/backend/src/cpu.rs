@@ -6,6 +6,7 @@
 use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
+use crate::fallback as fb;
 use osprey_kernels::attention::{bidirectional_attention, causal_attention_paged, AttnShape, PagedKv};
 use osprey_kernels::gdn::{causal_conv_silu, gated_delta_chunked, gated_delta_recurrent, DeltaInputs, GdnShape};
 use osprey_kernels::norm::{l2_norm, layer_norm, rms_norm, rms_norm_1p, rms_norm_gated};
@@ -404,6 +405,76 @@ impl Backend for CpuBackend {
 
     fn router_topk(&self, logits: &Tensor, k: usize) -> Vec<(Vec<usize>, Vec<f32>)> {
         host(logits).chunks(logits.cols()).map(|row| route(row, k)).collect()
+    }
+
+    // qwen4_exp's ops: the same host code as the trait's fallbacks, on the tensors in place (no copies).
+
+    fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32) {
+        fb::rms_norm_grouped(host_mut(x), host(w), group, eps);
+    }
+
+    fn silu(&self, x: &mut Tensor) {
+        host_mut(x).iter_mut().for_each(|v| *v = silu(*v));
+    }
+
+    fn sigmoid(&self, x: &mut Tensor) {
+        host_mut(x).iter_mut().for_each(|v| *v = sigmoid(*v));
+    }
+
+    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Tensor {
+        let h = m.cols() / hc;
+        Self::tensor(&[m.rows(), h], fb::hc_combine(host(m), host(xn), hc, h))
+    }
+
+    fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize) {
+        fb::hc_inject(host_mut(x), host(out), host(inj), hc, out.cols());
+    }
+
+    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Tensor {
+        Self::tensor(k.shape(), fb::ple_gate(host(k), host(q), host(v), hc, v.cols()))
+    }
+
+    fn causal_conv_dilated_silu(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        kernel: usize,
+        dilation: usize,
+        state: &mut Tensor,
+    ) -> Tensor {
+        let out = fb::causal_conv_dilated_silu(host(x), x.cols(), host(w), kernel, dilation, host_mut(state));
+        Self::tensor(x.shape(), out)
+    }
+
+    fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
+        fb::rms_norm_gated_sigmoid(host_mut(x), host(z), host(w), eps);
+    }
+
+    fn attention_selected(
+        &self,
+        q: &Tensor,
+        rows: Range<usize>,
+        kv: PagedView<'_>,
+        selected: &[Vec<usize>],
+        shape: AttnShape,
+        scale: f32,
+        out: &mut Tensor,
+    ) {
+        let row = shape.kv_heads * shape.head_dim;
+        let fetch = |pos: usize| {
+            let (page, slot) = (host(kv.pages[pos / kv.page_size]), pos % kv.page_size);
+            let at = |off: usize| &page[off + slot * row..off + (slot + 1) * row];
+            (at(kv.k_offset), at(kv.v_offset))
+        };
+        let c = q.cols();
+        fb::attention_selected(
+            &host(q)[rows.start * c..rows.end * c],
+            selected,
+            &fetch,
+            (shape.heads, shape.kv_heads, shape.head_dim),
+            scale,
+            &mut host_mut(out)[rows.start * c..rows.end * c],
+        );
     }
 }
 

@@ -5,7 +5,7 @@
 
 /// Zero-centred RMSNorm per group of `group` columns, weight `(1 + w)` over the whole row
 /// (`Qwen4ExpTextRMSNorm` with `group_size`).
-pub(crate) fn rms_norm_grouped(x: &mut [f32], w: &[f32], group: usize, eps: f32) {
+pub fn rms_norm_grouped(x: &mut [f32], w: &[f32], group: usize, eps: f32) {
     let cols = w.len();
     for row in x.chunks_mut(cols) {
         for (g, part) in row.chunks_mut(group).enumerate() {
@@ -20,7 +20,7 @@ pub(crate) fn rms_norm_grouped(x: &mut [f32], w: &[f32], group: usize, eps: f32)
 
 /// `mean_s(m_s ⊙ xn_s)` over the `hc` streams of each row (`Qwen4ExpTextGatedResidual`'s mixed input):
 /// `m`, `xn` `[n, hc·h]` → `[n, h]`.
-pub(crate) fn hc_combine(m: &[f32], xn: &[f32], hc: usize, h: usize) -> Vec<f32> {
+pub fn hc_combine(m: &[f32], xn: &[f32], hc: usize, h: usize) -> Vec<f32> {
     let n = m.len() / (hc * h);
     let mut out = vec![0f32; n * h];
     for i in 0..n {
@@ -39,7 +39,7 @@ pub(crate) fn hc_combine(m: &[f32], xn: &[f32], hc: usize, h: usize) -> Vec<f32>
 
 /// `x_s += inj_s · out` for every stream `s` (`hyper_input + injection`): `x [n, hc·h]`, `out [n, h]`,
 /// `inj [n, hc]`.
-pub(crate) fn hc_inject(x: &mut [f32], out: &[f32], inj: &[f32], hc: usize, h: usize) {
+pub fn hc_inject(x: &mut [f32], out: &[f32], inj: &[f32], hc: usize, h: usize) {
     for (i, row) in x.chunks_mut(hc * h).enumerate() {
         for s in 0..hc {
             let w = inj[i * hc + s];
@@ -53,7 +53,7 @@ pub(crate) fn hc_inject(x: &mut [f32], out: &[f32], inj: &[f32], hc: usize, h: u
 /// PLE's gated value (`Qwen4ExpTextPLELayer.forward`): per stream `g = Σ_j k·q / √h`, then
 /// `sign(g)·sqrt(max(|g|, 1e-6))`, and `sigmoid(g) · v` into the stream: `k`, `q` `[n, hc·h]`,
 /// `v [n, h]` → `[n, hc·h]`.
-pub(crate) fn ple_gate(k: &[f32], q: &[f32], v: &[f32], hc: usize, h: usize) -> Vec<f32> {
+pub fn ple_gate(k: &[f32], q: &[f32], v: &[f32], hc: usize, h: usize) -> Vec<f32> {
     let n = v.len() / h;
     let mut out = vec![0f32; n * hc * h];
     for i in 0..n {
@@ -79,7 +79,7 @@ pub(crate) fn ple_gate(k: &[f32], q: &[f32], v: &[f32], hc: usize, h: usize) -> 
 
 /// Causal depthwise conv with dilation and no bias, then silu, continuing from `state` (the last
 /// `(kernel−1)·dilation` inputs, oldest first), which it advances: `x [n, c]`, `w [c, kernel]`.
-pub(crate) fn causal_conv_dilated_silu(
+pub fn causal_conv_dilated_silu(
     x: &[f32],
     c: usize,
     w: &[f32],
@@ -108,7 +108,7 @@ pub(crate) fn causal_conv_dilated_silu(
 
 /// Gated RMSNorm per group of `w.len()` with a sigmoid gate: `x̂ · w · sigmoid(z)` (`Qwen4ExpTextRMSNormGated`
 /// with `activation = "sigmoid"`).
-pub(crate) fn rms_norm_gated_sigmoid(x: &mut [f32], z: &[f32], w: &[f32], eps: f32) {
+pub fn rms_norm_gated_sigmoid(x: &mut [f32], z: &[f32], w: &[f32], eps: f32) {
     let d = w.len();
     for (row, zr) in x.chunks_mut(d).zip(z.chunks(d)) {
         let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
@@ -121,7 +121,7 @@ pub(crate) fn rms_norm_gated_sigmoid(x: &mut [f32], z: &[f32], w: &[f32], eps: f
 
 /// Softmax top-k routing without renormalising the kept probabilities (`norm_topk_prob = false`);
 /// ties keep the lower id first, as the renormalising router does.
-pub(crate) fn route_plain(logits: &[f32], top_k: usize) -> (Vec<usize>, Vec<f32>) {
+pub fn route_plain(logits: &[f32], top_k: usize) -> (Vec<usize>, Vec<f32>) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
     let sum: f32 = exp.iter().sum();
@@ -134,17 +134,17 @@ pub(crate) fn route_plain(logits: &[f32], top_k: usize) -> (Vec<usize>, Vec<f32>
 
 /// Attention of query rows over an explicit set of key positions each (QSA: the selected blocks and the
 /// tail), GQA, softmax in f32: `q [rows, heads·hd]` against K/V rows fetched by `kv(pos)`.
-pub(crate) fn attention_selected(
+pub fn attention_selected<'a>(
     q: &[f32],
     selected: &[Vec<usize>],
-    kv: &dyn Fn(usize) -> (Vec<f32>, Vec<f32>),
+    kv: &dyn Fn(usize) -> (&'a [f32], &'a [f32]),
     (heads, kv_heads, hd): (usize, usize, usize),
     scale: f32,
     out: &mut [f32],
 ) {
     let group = heads / kv_heads;
     for (r, keys) in selected.iter().enumerate() {
-        let rows: Vec<(Vec<f32>, Vec<f32>)> = keys.iter().map(|&p| kv(p)).collect();
+        let rows: Vec<(&[f32], &[f32])> = keys.iter().map(|&p| kv(p)).collect();
         for h in 0..heads {
             let kvh = h / group;
             let qv = &q[(r * heads + h) * hd..(r * heads + h + 1) * hd];

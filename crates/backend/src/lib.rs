@@ -17,7 +17,7 @@
 
 pub mod cpu;
 mod device;
-mod fallback;
+pub mod fallback;
 mod ops;
 mod tensor;
 

@@ -296,7 +296,7 @@ pub trait Backend: Send + Sync + Debug {
         let row = shape.kv_heads * shape.head_dim;
         let fetch = |pos: usize| {
             let (page, slot) = (&pages[pos / kv.page_size], pos % kv.page_size);
-            let at = |off: usize| page[off + slot * row..off + (slot + 1) * row].to_vec();
+            let at = |off: usize| &page[off + slot * row..off + (slot + 1) * row];
             (at(kv.k_offset), at(kv.v_offset))
         };
         let c = q.cols();

@@ -228,3 +228,24 @@ fn a_device_this_build_cannot_drive_is_refused_by_name() {
     assert!(e.to_string().contains("cuda:1") && e.to_string().contains("--device cpu"), "{e}");
     assert_eq!(osprey_backend::open(Device::Cpu).expect("cpu").device(), Device::Cpu);
 }
+
+/// `qwen4_exp`'s ops (hyper-connections, PLE, QSA attention, grouped norms) have host fallbacks in the
+/// trait for any backend; the counting backend does not override them, so it runs the fallbacks through
+/// `download` / `upload`, and must give the CPU backend's in-place overrides' logits to the bit.
+#[test]
+fn the_trait_fallbacks_of_qwen4_exp_ops_equal_the_cpu_overrides() {
+    let dir = common::fixtures().join("models/qwen4_exp-tiny");
+    let counting = Arc::new(Counting::default());
+    let model = osprey_models::load_on(&dir, counting.clone()).expect("load on the counting backend");
+    let reference = osprey_models::load(&dir).expect("load on the CPU backend");
+    let prompt: Vec<u32> = (1..=40).map(|i| (i * 37) % 1000).collect();
+    let (mut st, mut want) = (model.new_state(), reference.new_state());
+    let run = |m: &dyn CausalLm, st: &mut osprey_models::SeqState, ids: &[u32]| {
+        let input = SeqInput { tokens: ids, positions: Positions::Text, injected: &[], logits: LogitsWanted::All };
+        m.forward(&mut [SeqStep { state: st, input }], false).expect("forward").logits.remove(0)
+    };
+    for chunk in [&prompt[..23], &prompt[23..], &[7u32][..]] {
+        assert_eq!(run(&model, &mut st, chunk), run(&reference, &mut want, chunk));
+    }
+    assert!(counts(&counting)[2] > 3, "the fallbacks downloaded their inputs");
+}
