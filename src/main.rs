@@ -259,6 +259,9 @@ enum BenchCommand {
         /// experts with the reads).
         #[arg(long)]
         wait_all: bool,
+        /// PLE row budget as a fraction of the tables' rows (models with PLE, qwen4_exp).
+        #[arg(long, default_value_t = 1.0)]
+        ple_budget: f64,
     },
     /// Sustained DRAM read bandwidth with the compute threads (the decode roofline's denominator).
     Membw {
@@ -308,8 +311,9 @@ fn main() -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }
-        Command::Bench(BenchCommand::Experts { model, budget, prompt_len, decode_tokens, wait_all }) => {
-            let report = osprey_bench::bench_experts(&model, budget, prompt_len, decode_tokens, wait_all)?;
+        Command::Bench(BenchCommand::Experts { model, budget, prompt_len, decode_tokens, wait_all, ple_budget }) => {
+            let report =
+                osprey_bench::bench_experts(&model, (budget, ple_budget), prompt_len, decode_tokens, wait_all)?;
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }

@@ -111,6 +111,51 @@ fn multimodal_requests_build_exactly_the_inputs_transformers_builds_and_match_it
     }
 }
 
+/// `qwen4_exp` layer by layer on media prompts: with osprey's own tower rows injected at the
+/// placeholders, every hyper-connection stream (and the mixer's output) of a one-shot prefill is within
+/// the parity bound of transformers' (tolerance: parity.rs; the tower itself is within 2.6e-6).
+#[test]
+fn qwen4_exp_streams_match_transformers_layer_by_layer_on_media() {
+    for name in ["qwen4_exp-tiny", "qwen4_exp-tiny-sigmoid"] {
+        let dir = fixtures().join("models").join(name);
+        let tok = TextTokenizer::from_dir(&dir).expect("tokenizer");
+        let proc = ProcessorConfig::from_dir(&dir).expect("processor");
+        let m = model(name);
+        let tower = common::tower(name);
+        let h = m.info().hidden_size;
+        for case in ["image", "two_images", "video"] {
+            let r = Ref::load(name, case);
+            let (media, prompt) = case_prompt(&dir, &r);
+            let p = prepare_prompt(&tok, &proc, &prompt, &media).expect("prepare");
+            let mut rows: Vec<(usize, Vec<f32>)> = Vec::new();
+            for item in &p.media {
+                let emb = tower.encode(&item.patches.rows, item.patches.grid).expect("encode");
+                let mut at = 0;
+                for &(o, l) in &item.spans {
+                    rows.push((o, emb[at * h..(at + l) * h].to_vec()));
+                    at += l;
+                }
+            }
+            let spans: Vec<MediaSpan<'_>> = rows.iter().map(|(o, r)| MediaSpan { offset: *o, rows: r }).collect();
+            let inj = rows_in_chunk(&spans, 0, p.input_ids.len(), h);
+            let input = SeqInput {
+                tokens: &p.input_ids,
+                positions: Positions::Explicit(&p.positions),
+                injected: &inj,
+                logits: LogitsWanted::All,
+            };
+            let mut st = m.new_state();
+            let opts = osprey_models::ForwardOptions { capture_hidden: true, teacher_inputs: None };
+            let out = m.forward_with(&mut [SeqStep { state: &mut st, input }], &opts).expect("forward");
+            for (i, got) in out.hidden.iter().enumerate() {
+                let want = r.f32s(&format!("hidden_states.{i}"));
+                assert_close(&format!("{name}/{case} hidden_states.{i}"), got, &want, 1e-4);
+            }
+            assert_close(&format!("{name}/{case} all logits"), &out.logits[0], &r.f32s("all_logits"), 1e-4);
+        }
+    }
+}
+
 /// Media rows from the tower, in-process (what `osprey run` does); counts the encodes.
 struct Tower<'a>(&'a VisionTower, usize);
 

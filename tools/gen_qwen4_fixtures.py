@@ -68,8 +68,11 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
 
 
 class no_ties:
-    """Fails if any top-k during the block (QSA block selection, routing) has a tie at its cutoff: torch
-    breaks those by an unstable selection, so a reference with one would not be a fixed target."""
+    """Fails if any top-k during the block (QSA block selection, routing) has a tie or a near tie (relative
+    gap under 1e-5) at its cutoff: torch breaks ties by an unstable selection, and a near tie is decided by
+    float noise (two implementations differ by ~1e-6), so a reference with one would not be a fixed target."""
+
+    worst = 1.0
 
     def __enter__(self):
         self.orig = torch.Tensor.topk
@@ -77,7 +80,11 @@ class no_ties:
         def checked(t, k, dim=-1, *args, **kwargs):
             vals = t.sort(dim=dim, descending=True).values
             if k < t.shape[dim]:
-                assert not (vals.narrow(dim, k - 1, 1) == vals.narrow(dim, k, 1)).any(), "a tie at a top-k cutoff"
+                a, b = vals.narrow(dim, k - 1, 1), vals.narrow(dim, k, 1)
+                # Float noise between two implementations is ~1e-6 relative: a closer call is a coin toss.
+                gap = (a - b) / a.abs().clamp_min(1.0)
+                no_ties.worst = min(no_ties.worst, float(gap.min()))
+                assert not (gap < 1e-5).any(), f"a tie at a top-k cutoff (gap {float(gap.min()):.2e})"
             return self.orig(t, k, dim, *args, **kwargs)
         torch.Tensor.topk = checked
         return self
@@ -166,10 +173,12 @@ def media_case(model, proc, media, question) -> tuple[dict, dict]:
     n = ids.shape[1]
     cfg, m = model.config, model.model
     m.rope_deltas = None
-    full = model(**inputs)
+    full = model(**inputs, output_hidden_states=True)
     pos3, delta = m.get_rope_index(ids, inputs["mm_token_type_ids"], image_grid_thw=inputs.get("image_grid_thw"),
                                    video_grid_thw=inputs.get("video_grid_thw"))
     t = {"input_ids": ids[0], "all_logits": full.logits[0], "position_ids": pos3[:, 0], "rope_delta": delta.reshape(1)}
+    for i, hs in enumerate(full.hidden_states):
+        t[f"hidden_states.{i}"] = hs[0].clone()
     emb = m.get_input_embeddings()(ids)
     if "pixel_values" in inputs:
         img = torch.cat(m.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output)
@@ -205,6 +214,38 @@ def media_case(model, proc, media, question) -> tuple[dict, dict]:
     return {k: v.contiguous() for k, v in t.items()}, meta
 
 
+def build(out, tok_obj, name, gate, norm_topk, seed):
+    """One model and its references; raises AssertionError if a reference run has a (near) tie."""
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(model_config(gate, norm_topk), dtype=torch.float32,
+                                                    attn_implementation="eager")
+    randomize_(model, seed)
+    tiny_ckpt.round_params_to_bf16_(model)
+    d = out / "models" / name
+    shutil.rmtree(d, ignore_errors=True)
+    model.save_pretrained(d)
+    tiny_ckpt.convert_dir_to_bf16(d)
+    tiny_ckpt.save_processor(d, tok_obj)
+    tok = PreTrainedTokenizerFast.from_pretrained(d)
+    model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    ref = out / "ref" / name
+    shutil.rmtree(ref, ignore_errors=True)
+    ref.mkdir(parents=True)
+    summary = {"transformers": __import__("transformers").__version__, "torch": torch.__version__, "seed": seed,
+               "cases": {}}
+    proc = AutoProcessor.from_pretrained(d)
+    cases = [(c, lambda m=m: reference_case(model, tok, m)) for c, m in CASES.items()]
+    cases += [(c, lambda mq=mq: media_case(model, proc, *mq)) for c, mq in gv.CASES.items()]
+    for case, run in cases:
+        with no_ties():
+            tensors, meta = run()
+        save_file(tensors, ref / f"{case}.safetensors", metadata={"prompt": meta["prompt"]})
+        summary["cases"][case] = meta
+        print(name, case, meta["len"], meta.get("rope_delta", 0), meta["generated_ids"])
+    (ref / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "fixtures"))
@@ -214,37 +255,16 @@ def main():
     tok_obj = tiny_ckpt.build_tokenizer()
     for name, gate, norm_topk, seed in [("qwen4_exp-tiny", "silu", True, 777),
                                         ("qwen4_exp-tiny-sigmoid", "sigmoid", False, 778)]:
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(model_config(gate, norm_topk), dtype=torch.float32,
-                                                        attn_implementation="eager")
-        randomize_(model, seed)
-        tiny_ckpt.round_params_to_bf16_(model)
-        d = out / "models" / name
-        shutil.rmtree(d, ignore_errors=True)
-        model.save_pretrained(d)
-        tiny_ckpt.convert_dir_to_bf16(d)
-        tiny_ckpt.save_processor(d, tok_obj)
-        tok = PreTrainedTokenizerFast.from_pretrained(d)
-        model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
-        model.eval()
-        ref = out / "ref" / name
-        shutil.rmtree(ref, ignore_errors=True)
-        ref.mkdir(parents=True)
-        summary = {"transformers": __import__("transformers").__version__, "torch": torch.__version__, "cases": {}}
-        for case, messages in CASES.items():
-            with no_ties():
-                tensors, meta = reference_case(model, tok, messages)
-            save_file(tensors, ref / f"{case}.safetensors", metadata={"prompt": meta["prompt"]})
-            summary["cases"][case] = meta
-            print(name, case, meta["len"], meta["generated_ids"])
-        proc = AutoProcessor.from_pretrained(d)
-        for case, (media, question) in gv.CASES.items():
-            with no_ties():
-                tensors, meta = media_case(model, proc, media, question)
-            save_file(tensors, ref / f"{case}.safetensors", metadata={"prompt": meta["prompt"]})
-            summary["cases"][case] = meta
-            print(name, case, meta["len"], meta["rope_delta"], meta["generated_ids"])
-        (ref / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        # A seed whose reference runs have a near tie at a QSA cutoff is skipped for the next (deterministic:
+        # the same seeds are tried in the same order every run); the seed used is in summary.json.
+        for attempt in range(20):
+            try:
+                build(out, tok_obj, name, gate, norm_topk, seed + 1000 * attempt)
+                break
+            except AssertionError as e:
+                print(name, "seed", seed + 1000 * attempt, "skipped:", e)
+        else:
+            raise SystemExit(f"{name}: no seed without near ties")
 
 
 if __name__ == "__main__":

@@ -467,14 +467,21 @@ impl Backend for CpuBackend {
             (at(kv.k_offset), at(kv.v_offset))
         };
         let c = q.cols();
-        fb::attention_selected(
-            &host(q)[rows.start * c..rows.end * c],
-            selected,
-            &fetch,
-            (shape.heads, shape.kv_heads, shape.head_dim),
-            scale,
-            &mut host_mut(out)[rows.start * c..rows.end * c],
-        );
+        let qh = &host(q)[rows.start * c..rows.end * c];
+        // Query rows are independent: blocks of 4 split across the pool.
+        const BLOCK: usize = 4;
+        osprey_kernels::pool::chunks_mut(&mut host_mut(out)[rows.start * c..rows.end * c], BLOCK * c, |b, o| {
+            let r0 = b * BLOCK;
+            let n = o.len() / c;
+            fb::attention_selected(
+                &qh[r0 * c..(r0 + n) * c],
+                &selected[r0..r0 + n],
+                &fetch,
+                (shape.heads, shape.kv_heads, shape.head_dim),
+                scale,
+                o,
+            );
+        });
     }
 }
 

@@ -76,6 +76,22 @@ pub struct ExpertsReport {
     pub policies: PolicyHitRates,
     /// Baseline run: routed experts computed only after all of a layer's were in RAM.
     pub wait_all: bool,
+    /// PLE row budget as a fraction of the tables' rows (models with PLE, `qwen4_exp`; else absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ple_budget_fraction: Option<f64>,
+    /// Fraction of PLE row lookups served from RAM during decode.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ple_residency: Option<f64>,
+    /// PLE table bytes read per decode token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ple_bytes_read_per_token: Option<f64>,
+}
+
+/// PLE counters: (hits, misses, bytes read).
+fn ple_counts() -> (u64, u64, u64) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let s = osprey_models::ple_stats();
+    (s.hits.load(Relaxed), s.misses.load(Relaxed), s.bytes_read.load(Relaxed))
 }
 
 fn stats(tx: &tokio::sync::mpsc::UnboundedSender<ResidencyCommand>) -> ResidencyStats {
@@ -145,9 +161,10 @@ fn simulate(trace: &Trace, layers: usize, per_layer_experts: usize, capacity: us
 
 /// Prefills `prompt_len` tokens then decodes `decode_tokens` with experts under `fraction` of their bytes
 /// (`wait_all`: the no-overlap baseline, see [`Recording`]).
+/// `ple_fraction`: the PLE row caches' budget as a fraction of the tables' rows (models with PLE).
 pub fn bench_experts(
     dir: &Path,
-    fraction: f64,
+    (fraction, ple_fraction): (f64, f64),
     prompt_len: usize,
     decode_tokens: usize,
     wait_all: bool,
@@ -170,15 +187,23 @@ pub fn bench_experts(
     let trace = Arc::new(Mutex::new(Vec::new()));
     let source = Arc::new(Recording { inner: Arc::new(set), trace: trace.clone(), wait_all });
     let model = osprey_models::load_checkpoint(&cfg, &ck, Some(source))?;
+    let ple_rows = osprey_models::ple_stats().table_row_bytes.load(std::sync::atomic::Ordering::Relaxed);
+    if ple_rows > 0 {
+        osprey_models::set_ple_ram_budget((ple_rows as f64 * ple_fraction) as u64);
+    }
     let top_k = model.info().experts_per_token;
     let prompt = crate::text_prompt(crate::bench_prompt(prompt_len, model.info().vocab_size));
     let mut driver = Driver::new(model, 16);
     // Counters are sampled at the first token, so they cover the decode only.
-    let mut before = None;
+    let (mut before, mut ple_before) = (None, (0, 0, 0));
     let opts = GenerateOptions { chunk: prompt_len.max(1), max_tokens: decode_tokens + 1, stop_token_ids: Vec::new() };
-    let g =
-        driver.generate_observed(prompt, crate::greedy(), &opts, &mut NoMedia, &mut || before = Some(stats(&tx)))?;
+    let g = driver.generate_observed(prompt, crate::greedy(), &opts, &mut NoMedia, &mut || {
+        before = Some(stats(&tx));
+        ple_before = ple_counts();
+    })?;
     let before = before.unwrap_or_default();
+    let ple_after = ple_counts();
+    let (ph, pm, pb) = (ple_after.0 - ple_before.0, ple_after.1 - ple_before.1, ple_after.2 - ple_before.2);
     let secs = g.decode_secs;
     let after = stats(&tx);
     let (h0, m0, b0, r0) = totals(&before);
@@ -199,5 +224,8 @@ pub fn bench_experts(
         peak_rss_bytes: peak_rss(),
         policies: simulate(&trace, prefixes.len(), layout.num_experts, capacity_experts.max(top_k)),
         wait_all,
+        ple_budget_fraction: (ple_rows > 0).then_some(ple_fraction),
+        ple_residency: (ple_rows > 0).then(|| ph as f64 / (ph + pm).max(1) as f64),
+        ple_bytes_read_per_token: (ple_rows > 0).then(|| pb as f64 / decode_tokens.max(1) as f64),
     })
 }

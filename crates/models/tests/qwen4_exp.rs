@@ -180,8 +180,9 @@ fn an_fp8_table_with_modelopt_scales_reads_its_dequantised_values() {
     }
 }
 
-/// The row cache changes what is read, never what is computed: a budget of zero rows (every lookup
-/// reads the table) gives the logits of the default budget, and the counters move.
+/// The row cache changes what is read, never what is computed: shrinking a loaded model's budget to zero
+/// rows (every lookup reads the table, the cached rows are evicted) gives the logits of the default
+/// budget, and the counters move.
 #[test]
 fn the_ple_row_budget_changes_reads_not_answers() {
     let ids = Ref::load("qwen4_exp-tiny", "long").ids("input_ids");
@@ -189,11 +190,11 @@ fn the_ple_row_budget_changes_reads_not_answers() {
     let read = |s: &osprey_models::PleStats| s.misses.load(std::sync::atomic::Ordering::Relaxed);
     let roomy = model("qwen4_exp-tiny");
     let want = prefill(&roomy, &mut roomy.new_state(), &ids, LogitsWanted::All);
+    // The budget is process-wide and followed at each lookup (the other tests here only cache less).
     osprey_models::set_ple_ram_budget(0);
-    let lean = model("qwen4_exp-tiny");
-    osprey_models::set_ple_ram_budget(osprey_models::DEFAULT_PLE_RAM_BYTES);
     let before = read(stats);
-    let got = prefill(&lean, &mut lean.new_state(), &ids, LogitsWanted::All);
+    let got = prefill(&roomy, &mut roomy.new_state(), &ids, LogitsWanted::All);
+    osprey_models::set_ple_ram_budget(osprey_models::DEFAULT_PLE_RAM_BYTES);
     assert_eq!(got, want);
     // 220 tokens x 4 heads x 2 PLE layers, all read: the budget held nothing.
     assert!(read(stats) - before >= 220 * 4 * 2, "every lookup read the table");

@@ -6,8 +6,9 @@
 //! concatenated in order; dtypes f32 / bf16 / f16, or FP8 E4M3 as ModelOpt writes it (`weight` F8_E4M3
 //! with `weight_scale` F32, one per tensor or one per row).
 //!
-//! Counters are process-wide ([`ple_stats`]) like a Prometheus registry, and the budget is set once
-//! before loading ([`set_ple_ram_budget`]): both are the server's, not a model's.
+//! Counters are process-wide ([`ple_stats`]) like a Prometheus registry, and so is the budget
+//! ([`set_ple_ram_budget`], shared by every PLE layer and followed at each lookup): both are the server's,
+//! not a model's.
 
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -33,6 +34,8 @@ pub struct PleStats {
     pub resident_bytes: AtomicU64,
     /// Bytes of the tables on disk (0: no PLE model loaded).
     pub table_bytes: AtomicU64,
+    /// Bytes the tables would take in RAM as cached rows (f32): what a budget fraction is of.
+    pub table_row_bytes: AtomicU64,
 }
 
 static STATS: PleStats = PleStats {
@@ -41,6 +44,7 @@ static STATS: PleStats = PleStats {
     bytes_read: AtomicU64::new(0),
     resident_bytes: AtomicU64::new(0),
     table_bytes: AtomicU64::new(0),
+    table_row_bytes: AtomicU64::new(0),
 };
 
 /// Default RAM budget for cached PLE rows, all layers together.
@@ -53,7 +57,8 @@ pub fn ple_stats() -> &'static PleStats {
     &STATS
 }
 
-/// Sets the RAM budget of the PLE row caches (all layers together) for models loaded after this call.
+/// Sets the RAM budget of the PLE row caches (all layers together); loaded tables follow it at their next
+/// lookup (shrinking evicts their least recently used rows).
 pub fn set_ple_ram_budget(bytes: u64) {
     BUDGET.store(bytes, Relaxed);
 }
@@ -73,8 +78,8 @@ pub(crate) struct PleTable {
     parts: Vec<Part>,
     cols: usize,
     cache: Mutex<LruCache<u32, Arc<[f32]>>>,
-    /// Row capacity of the cache (0: nothing is kept).
-    capacity: usize,
+    /// PLE layers sharing the budget.
+    layers: usize,
 }
 
 fn scales(ck: &Checkpoint, name: &str, rows: usize) -> Result<Vec<f32>> {
@@ -122,9 +127,14 @@ impl PleTable {
             )));
         }
         STATS.table_bytes.fetch_add(disk, Relaxed);
-        let capacity = (BUDGET.load(Relaxed) / layers.max(1) as u64 / (4 * cols) as u64) as usize;
-        let cache = LruCache::new(NonZeroUsize::new(capacity.max(1)).expect("at least one"));
-        Ok(PleTable { parts, cols, cache: Mutex::new(cache), capacity })
+        STATS.table_row_bytes.fetch_add((rows * cols * 4) as u64, Relaxed);
+        let cache = LruCache::new(NonZeroUsize::MIN);
+        Ok(PleTable { parts, cols, cache: Mutex::new(cache), layers: layers.max(1) })
+    }
+
+    /// This table's row capacity under the current budget.
+    fn capacity(&self) -> usize {
+        (BUDGET.load(Relaxed) / self.layers as u64 / (4 * self.cols) as u64) as usize
     }
 
     /// Row `r` decoded from the table.
@@ -150,6 +160,13 @@ impl PleTable {
     pub(crate) fn rows(&self, ids: &[u32]) -> Vec<f32> {
         let mut out = Vec::with_capacity(ids.len() * self.cols);
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let capacity = self.capacity();
+        let row_bytes = (4 * self.cols) as u64;
+        if capacity.max(1) != cache.cap().get() {
+            let before = cache.len();
+            cache.resize(NonZeroUsize::new(capacity.max(1)).expect("at least one"));
+            STATS.resident_bytes.fetch_sub((before - cache.len()) as u64 * row_bytes, Relaxed);
+        }
         for &id in ids {
             if let Some(row) = cache.get(&id) {
                 STATS.hits.fetch_add(1, Relaxed);
@@ -159,11 +176,8 @@ impl PleTable {
             STATS.misses.fetch_add(1, Relaxed);
             let row: Arc<[f32]> = self.read(id as usize).into();
             out.extend_from_slice(&row);
-            if self.capacity > 0 {
-                let row_bytes = (4 * self.cols) as u64;
-                if cache.push(id, row).is_none() {
-                    STATS.resident_bytes.fetch_add(row_bytes, Relaxed);
-                }
+            if capacity > 0 && cache.push(id, row).is_none() {
+                STATS.resident_bytes.fetch_add(row_bytes, Relaxed);
             }
         }
         out
@@ -181,5 +195,7 @@ impl Drop for PleTable {
         STATS.resident_bytes.fetch_sub(held.min(STATS.resident_bytes.load(Relaxed)), Relaxed);
         let disk: u64 = self.parts.iter().map(|p| (p.rows * self.cols * p.t.dtype.bitsize() / 8) as u64).sum();
         STATS.table_bytes.fetch_sub(disk.min(STATS.table_bytes.load(Relaxed)), Relaxed);
+        let rows: u64 = self.parts.iter().map(|p| (p.rows * self.cols * 4) as u64).sum();
+        STATS.table_row_bytes.fetch_sub(rows.min(STATS.table_row_bytes.load(Relaxed)), Relaxed);
     }
 }
