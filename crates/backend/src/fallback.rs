@@ -148,10 +148,8 @@ pub fn attention_selected<'a>(
         for h in 0..heads {
             let kvh = h / group;
             let qv = &q[(r * heads + h) * hd..(r * heads + h + 1) * hd];
-            let scores: Vec<f32> = rows
-                .iter()
-                .map(|(k, _)| qv.iter().zip(&k[kvh * hd..(kvh + 1) * hd]).map(|(a, b)| a * b).sum::<f32>() * scale)
-                .collect();
+            let scores: Vec<f32> =
+                rows.iter().map(|(k, _)| osprey_kernels::dot_f32(qv, &k[kvh * hd..(kvh + 1) * hd]) * scale).collect();
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
             let sum: f32 = e.iter().sum();
