@@ -162,11 +162,14 @@ impl PleTable {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         let capacity = self.capacity();
         let row_bytes = (4 * self.cols) as u64;
-        if capacity.max(1) != cache.cap().get() {
-            let before = cache.len();
-            cache.resize(NonZeroUsize::new(capacity.max(1)).expect("at least one"));
-            STATS.resident_bytes.fetch_sub((before - cache.len()) as u64 * row_bytes, Relaxed);
+        let before = cache.len();
+        match NonZeroUsize::new(capacity) {
+            // No budget: nothing stays, not even the one row an LRU of capacity one would keep.
+            None => cache.clear(),
+            Some(cap) if cap != cache.cap() => cache.resize(cap),
+            Some(_) => {}
         }
+        STATS.resident_bytes.fetch_sub((before - cache.len()) as u64 * row_bytes, Relaxed);
         for &id in ids {
             if let Some(row) = cache.get(&id) {
                 STATS.hits.fetch_add(1, Relaxed);
