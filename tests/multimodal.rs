@@ -56,6 +56,20 @@ fn case_prompt(dir: &std::path::Path, r: &Ref) -> (Vec<Media>, String) {
     (media, tmpl.render(&messages, true, &serde_json::Map::new()).expect("render"))
 }
 
+/// Our tower's rows for every media span of a prepared prompt: (offset, rows).
+fn tower_rows(tower: &VisionTower, p: &osprey_tokenizer::Prepared, h: usize) -> Vec<(usize, Vec<f32>)> {
+    let mut rows = Vec::new();
+    for item in &p.media {
+        let emb = tower.encode(&item.patches.rows, item.patches.grid).expect("encode");
+        let mut at = 0;
+        for &(o, l) in &item.spans {
+            rows.push((o, emb[at * h..(at + l) * h].to_vec()));
+            at += l;
+        }
+    }
+    rows
+}
+
 #[test]
 fn multimodal_requests_build_exactly_the_inputs_transformers_builds_and_match_its_logits() {
     for name in ["qwen3_5-tiny", "qwen3_5_moe-tiny", "qwen4_exp-tiny", "qwen4_exp-tiny-sigmoid"] {
@@ -81,15 +95,7 @@ fn multimodal_requests_build_exactly_the_inputs_transformers_builds_and_match_it
             assert_eq!(sorted, want, "{name}/{case} spans");
             // Numeric chain: our tower rows placed per span, prefill in two chunks split inside the first span.
             let h = m.info().hidden_size;
-            let mut rows: Vec<(usize, Vec<f32>)> = Vec::new();
-            for item in &p.media {
-                let emb = tower.encode(&item.patches.rows, item.patches.grid).expect("encode");
-                let mut at = 0;
-                for &(o, l) in &item.spans {
-                    rows.push((o, emb[at * h..(at + l) * h].to_vec()));
-                    at += l;
-                }
-            }
+            let rows = tower_rows(&tower, &p, h);
             let spans: Vec<MediaSpan<'_>> = rows.iter().map(|(o, r)| MediaSpan { offset: *o, rows: r }).collect();
             let l = p.input_ids.len();
             let split = want[0].0 + 3;
@@ -127,15 +133,7 @@ fn qwen4_exp_streams_match_transformers_layer_by_layer_on_media() {
             let r = Ref::load(name, case);
             let (media, prompt) = case_prompt(&dir, &r);
             let p = prepare_prompt(&tok, &proc, &prompt, &media).expect("prepare");
-            let mut rows: Vec<(usize, Vec<f32>)> = Vec::new();
-            for item in &p.media {
-                let emb = tower.encode(&item.patches.rows, item.patches.grid).expect("encode");
-                let mut at = 0;
-                for &(o, l) in &item.spans {
-                    rows.push((o, emb[at * h..(at + l) * h].to_vec()));
-                    at += l;
-                }
-            }
+            let rows = tower_rows(&tower, &p, h);
             let spans: Vec<MediaSpan<'_>> = rows.iter().map(|(o, r)| MediaSpan { offset: *o, rows: r }).collect();
             let inj = rows_in_chunk(&spans, 0, p.input_ids.len(), h);
             let input = SeqInput {

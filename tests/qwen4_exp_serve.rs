@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use common::{fixtures, Ref};
-use harness::{chat, data_url, get, metric, quantize_to_temp, start};
+use harness::{case_messages, chat, get, media_part, metric, quantize_to_temp, start};
 use osprey::Settings;
 use serde_json::{json, Value};
 
@@ -25,33 +25,6 @@ fn dir() -> PathBuf {
 
 fn exact() -> Settings {
     Settings { activations: Some("f32".into()), ..Settings::default() }
-}
-
-fn media_part(kind: &str, name: &str) -> Value {
-    let media = fixtures().join("media");
-    if kind == "image" {
-        json!({"type": "image_url", "image_url": {"url": data_url(&media.join(format!("{name}.png")))}})
-    } else {
-        let n = if name.starts_with("vid4") { 4 } else { 5 };
-        let frames: Vec<String> = (0..n).map(|i| data_url(&media.join(format!("{name}_{i}.png")))).collect();
-        json!({"type": "video", "video": frames, "fps": 2.0})
-    }
-}
-
-/// The messages transformers' fixture case was rendered from.
-fn case_messages(r: &Ref, case: &str) -> Value {
-    if case == "text" {
-        return json!([{"role": "system", "content": "You are a helpful assistant."},
-                      {"role": "user", "content": "Describe the weather in Paris in one sentence."}]);
-    }
-    let mut content: Vec<Value> = r.meta["media"]
-        .as_array()
-        .expect("media")
-        .iter()
-        .map(|m| media_part(m[0].as_str().expect("kind"), m[1].as_str().expect("name")))
-        .collect();
-    content.push(json!({"type": "text", "text": r.meta["question"]}));
-    json!([{"role": "user", "content": content}])
 }
 
 fn log_softmax(l: &[f32]) -> Vec<f32> {
@@ -76,7 +49,8 @@ fn text_images_and_video_answer_with_transformers_greedy_tokens() {
     for case in ["text", "image", "two_images", "video"] {
         let r = Ref::load("qwen4_exp-tiny", case);
         let (gen, steps) = (r.ids("generated_ids"), r.f32s("step_logits"));
-        let body = json!({"messages": case_messages(&r, case), "max_tokens": 8, "temperature": 0, "logprobs": true});
+        let body =
+            json!({"messages": case_messages(&r.meta, case), "max_tokens": 8, "temperature": 0, "logprobs": true});
         let out = chat(addr, &body);
         let m = &out["choices"][0]["message"];
         let text = format!("{}{}", m["reasoning_content"].as_str().unwrap_or(""), m["content"].as_str().unwrap_or(""));

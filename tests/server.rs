@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use common::{fixtures, Ref};
-use harness::{data_url, get, metric, post, sse, start};
+use harness::{case_messages, data_url, get, media_part, metric, post, sse, start};
 use osprey::Settings;
 use serde_json::{json, Value};
 
@@ -36,32 +36,9 @@ fn server() -> SocketAddr {
     *S.get_or_init(|| start(exact(), moe_dir()))
 }
 
-fn media_part(kind: &str, name: &str) -> Value {
-    let dir = fixtures().join("media");
-    if kind == "image" {
-        json!({"type": "image_url", "image_url": {"url": data_url(&dir.join(format!("{name}.png")))}})
-    } else {
-        let n = if name.starts_with("vid4") { 4 } else { 5 };
-        let frames: Vec<String> = (0..n).map(|i| data_url(&dir.join(format!("{name}_{i}.png")))).collect();
-        json!({"type": "video", "video": frames, "fps": 2.0})
-    }
-}
-
 /// The request transformers' fixture case was rendered from.
 fn case_request(r: &Ref, case: &str) -> Value {
-    let messages = if case == "text" {
-        json!([{"role": "system", "content": "You are a helpful assistant."},
-               {"role": "user", "content": "Describe the weather in Paris in one sentence."}])
-    } else {
-        let mut content: Vec<Value> = r.meta["media"]
-            .as_array()
-            .expect("media")
-            .iter()
-            .map(|m| media_part(m[0].as_str().expect("kind"), m[1].as_str().expect("name")))
-            .collect();
-        content.push(json!({"type": "text", "text": r.meta["question"]}));
-        json!([{"role": "user", "content": content}])
-    };
+    let messages = case_messages(&r.meta, case);
     json!({"model": "qwen3_5_moe-tiny", "messages": messages, "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2})
 }
 

@@ -127,3 +127,35 @@ pub fn scratch_dir(tag: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).expect("create the scratch directory");
     dir
 }
+
+/// A fixture medium as an OpenAI content part: an image as a `data:` URL, a video as its frames.
+pub fn media_part(kind: &str, name: &str) -> Value {
+    let dir = fixtures_dir().join("media");
+    if kind == "image" {
+        serde_json::json!({"type": "image_url", "image_url": {"url": data_url(&dir.join(format!("{name}.png")))}})
+    } else {
+        let n = if name.starts_with("vid4") { 4 } else { 5 };
+        let frames: Vec<String> = (0..n).map(|i| data_url(&dir.join(format!("{name}_{i}.png")))).collect();
+        serde_json::json!({"type": "video", "video": frames, "fps": 2.0})
+    }
+}
+
+/// The messages a transformers fixture case was rendered from (`meta`: its summary entry).
+pub fn case_messages(meta: &Value, case: &str) -> Value {
+    if case == "text" {
+        return serde_json::json!([{"role": "system", "content": "You are a helpful assistant."},
+                                  {"role": "user", "content": "Describe the weather in Paris in one sentence."}]);
+    }
+    let mut content: Vec<Value> = meta["media"]
+        .as_array()
+        .expect("media")
+        .iter()
+        .map(|m| media_part(m[0].as_str().expect("kind"), m[1].as_str().expect("name")))
+        .collect();
+    content.push(serde_json::json!({"type": "text", "text": meta["question"]}));
+    serde_json::json!([{"role": "user", "content": content}])
+}
+
+fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}

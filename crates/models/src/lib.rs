@@ -26,6 +26,7 @@ pub mod quant;
 mod quantize_dir;
 mod qwen3_5;
 mod qwen4_exp;
+mod qwen_layout;
 pub mod registry;
 mod state;
 pub mod vision;

@@ -3,6 +3,7 @@
 //! computing only through the [`Backend`] seam.
 
 pub mod attention;
+pub(crate) mod batch;
 pub mod gdn;
 pub mod mlp;
 pub mod moe;

@@ -3,10 +3,10 @@
 use super::state::{HybridState, LayerState};
 use super::{Ffn, Mixer, Qwen35};
 use crate::error::{Error, Result};
-use crate::family::{ForwardOptions, ForwardOutput, LogitsWanted, Positions, SeqStep};
+use crate::family::{ForwardOptions, ForwardOutput, SeqStep};
 use crate::kv::PageTable;
+use crate::layers::batch;
 use crate::layers::gdn::LinearState;
-use crate::layers::Segment;
 
 impl Qwen35 {
     fn check(&self, steps: &[SeqStep<'_, '_>]) -> Result<()> {
@@ -16,26 +16,7 @@ impl Qwen35 {
                 return Err(Error::InvalidInput("a sequence state of another model".into()));
             }
         }
-        for s in steps {
-            let n = s.input.tokens.len();
-            if let Some(&t) = s.input.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-                return Err(Error::InvalidInput(format!(
-                    "token id {t} is outside the vocabulary ({})",
-                    self.cfg.vocab_size
-                )));
-            }
-            if let Positions::Explicit(p) = s.input.positions {
-                if p.len() != n {
-                    return Err(Error::InvalidInput(format!("{} positions for {n} tokens", p.len())));
-                }
-            }
-            for inj in s.input.injected {
-                if inj.rows.len() % h != 0 || inj.offset + inj.rows.len() / h > n {
-                    return Err(Error::InvalidInput("injected rows do not fit the chunk".into()));
-                }
-            }
-        }
-        Ok(())
+        batch::check_inputs(steps, self.cfg.vocab_size, h)
     }
 
     /// Runs one step for a batch of sequences (the seam's `forward_with`). Each state advances by its tokens.
@@ -61,25 +42,9 @@ impl Qwen35 {
         let eps = self.cfg.rms_norm_eps as f32;
         // 1. Segments, embeddings (with injected rows) and positions of the whole batch: the host sends
         //    token ids, positions and media rows; everything after stays on the backend.
-        let mut segs = Vec::with_capacity(steps.len());
-        let mut positions: Vec<[i64; 3]> = Vec::new();
-        let mut ids: Vec<u32> = Vec::new();
-        for s in steps.iter() {
-            let (past, n) = (s.state.len, s.input.tokens.len());
-            segs.push(Segment { row: ids.len(), len: n, past });
-            ids.extend_from_slice(s.input.tokens);
-            match s.input.positions {
-                Positions::Text => positions.extend((0..n).map(|i| [(past + i) as i64 + s.state.rope_delta; 3])),
-                Positions::Explicit(p) => positions.extend_from_slice(p),
-            }
-        }
-        let mut x = b.embed(&self.embed, &ids);
-        for (s, seg) in steps.iter().zip(&segs) {
-            for inj in s.input.injected {
-                let n = inj.rows.len() / h;
-                b.write_rows(&mut x, (seg.row + inj.offset) * h, &b.upload(inj.rows, &[n, h]), 0..n);
-            }
-        }
+        let l = batch::layout(steps);
+        let mut x = batch::embed(b, &self.embed, steps, &l, h);
+        let (segs, ids, positions) = (l.segs, l.ids, l.positions);
         let rope = b.rope_table(&self.rope, &positions);
         let mut hidden = Vec::new();
         if capture_hidden {
@@ -146,22 +111,11 @@ impl Qwen35 {
             b.rms_norm(&mut normed, &self.norm, eps, true);
             hidden.push(b.download(&normed));
         }
-        let mut logits = Vec::with_capacity(steps.len());
-        for (s, seg) in steps.iter_mut().zip(&segs) {
-            let rows: Vec<usize> = match s.input.logits {
-                LogitsWanted::None => Vec::new(),
-                LogitsWanted::Last => (seg.row + seg.len.saturating_sub(1)..seg.row + seg.len).collect(),
-                LogitsWanted::All => (seg.row..seg.row + seg.len).collect(),
-            };
-            s.state.len += seg.len;
-            if rows.is_empty() {
-                logits.push(Vec::new());
-                continue;
-            }
-            let mut sel = b.gather_rows(&x, &rows);
+        let logits = batch::logits(steps, &segs, |rows| {
+            let mut sel = b.gather_rows(&x, rows);
             b.rms_norm(&mut sel, &self.norm, eps, true);
-            logits.push(b.download(&b.linear(&sel, &self.lm_head)));
-        }
+            b.download(&b.linear(&sel, &self.lm_head))
+        });
         Ok(ForwardOutput { logits, hidden })
     }
 }

@@ -23,7 +23,8 @@ use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::{ExpertSource, ResidentExperts, SparseMoe};
 use crate::layers::{load_linear, load_vector, place};
-use crate::registry::{ExpertLayout, Family, MediaSupport, QuantRules};
+use crate::qwen_layout::{self, expert_layout, is_routed_expert, text_prefix};
+use crate::registry::{Family, MediaSupport, QuantRules};
 use crate::state::SeqState;
 use crate::vision::VisionTower;
 use state::{HybridState, LayerState};
@@ -45,9 +46,7 @@ pub(crate) static FAMILY: Family = Family {
     vision: |cfg, ck, backend| cfg.vision.as_ref().map(|v| VisionTower::load(backend, ck, v)).transpose(),
     media: MediaSupport { images: true, video: true },
     quant: QuantRules {
-        is_routed_expert: |name| {
-            name.contains(".mlp.experts.") && name.ends_with("_proj.weight") && !name.contains("gate_up_proj")
-        },
+        is_routed_expert,
         eligible_linear,
         fused_experts: ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
         exclude_modules: |all_linear| {
@@ -71,23 +70,7 @@ pub(crate) static FAMILY: Family = Family {
 /// Decoder linears `--all-linear` quantises: not the routers, the shared-expert gate, embeddings,
 /// `lm_head`, norms, convolutions or the vision tower.
 fn eligible_linear(name: &str, shape: &[usize]) -> bool {
-    let excluded = ["embed_tokens", "lm_head", "visual", ".mlp.gate.weight", "shared_expert_gate", "conv1d", "norm"];
-    shape.len() == 2
-        && name.ends_with(".weight")
-        && name.contains("layers.")
-        && !excluded.iter().any(|x| name.contains(x))
-}
-
-/// The routed experts of a Qwen3.5-MoE checkpoint: one MoE block per layer.
-fn expert_layout(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<ExpertLayout>> {
-    let Some(moe) = cfg.text.moe()? else { return Ok(None) };
-    let p = text_prefix(ck);
-    Ok(Some(ExpertLayout {
-        prefixes: (0..cfg.text.num_hidden_layers).map(|i| format!("{p}layers.{i}.mlp")).collect(),
-        num_experts: moe.num_experts,
-        hidden: cfg.text.hidden_size,
-        intermediate: moe.intermediate,
-    }))
+    qwen_layout::eligible_linear(name, shape, &[])
 }
 
 #[derive(Debug)]
@@ -123,16 +106,6 @@ pub(crate) struct Qwen35 {
     lm_head: Tensor,
     rope: MRope,
     experts: Option<Arc<dyn ExpertSource>>,
-}
-
-/// Where the decoder's tensors live: `model.language_model.` in the multimodal (and Hub) layout,
-/// `model.` in checkpoints saved from a text-only `*ForCausalLM`.
-fn text_prefix(ck: &Checkpoint) -> &'static str {
-    if ck.contains("model.language_model.embed_tokens.weight") {
-        "model.language_model."
-    } else {
-        "model."
-    }
 }
 
 impl Qwen35 {

@@ -4,10 +4,10 @@
 use super::state::{Mix, Qwen4State};
 use super::{Mixer, Qwen4Exp};
 use crate::error::{Error, Result};
-use crate::family::{ForwardOptions, ForwardOutput, LogitsWanted, Positions, SeqStep};
+use crate::family::{ForwardOptions, ForwardOutput, SeqStep};
 use crate::kv::PageTable;
+use crate::layers::batch;
 use crate::layers::gdn::LinearState;
-use crate::layers::Segment;
 
 impl Qwen4Exp {
     fn check(&self, steps: &[SeqStep<'_, '_>]) -> Result<()> {
@@ -15,22 +15,8 @@ impl Qwen4Exp {
             if s.state.family::<Qwen4State>().map(|f| f.layers.len()) != Some(self.layers.len()) {
                 return Err(Error::InvalidInput("a sequence state of another model".into()));
             }
-            let n = s.input.tokens.len();
-            if let Some(&t) = s.input.tokens.iter().find(|&&t| t as usize >= self.vocab) {
-                return Err(Error::InvalidInput(format!("token id {t} is outside the vocabulary ({})", self.vocab)));
-            }
-            if let Positions::Explicit(p) = s.input.positions {
-                if p.len() != n {
-                    return Err(Error::InvalidInput(format!("{} positions for {n} tokens", p.len())));
-                }
-            }
-            for inj in s.input.injected {
-                if inj.rows.len() % self.hidden != 0 || inj.offset + inj.rows.len() / self.hidden > n {
-                    return Err(Error::InvalidInput("injected rows do not fit the chunk".into()));
-                }
-            }
         }
-        Ok(())
+        batch::check_inputs(steps, self.vocab, self.hidden)
     }
 
     /// One step for a batch of sequences; each state advances by its tokens.
@@ -49,26 +35,10 @@ impl Qwen4Exp {
             s.state.kv.grow(need, b).map_err(Error::InvalidInput)?;
         }
         // 1. Segments, embeddings (with injected media rows), positions; the streams start as hc copies.
-        let mut segs = Vec::with_capacity(steps.len());
-        let mut positions: Vec<[i64; 3]> = Vec::new();
-        let mut ids: Vec<u32> = Vec::new();
-        for s in steps.iter() {
-            let (past, n) = (s.state.len, s.input.tokens.len());
-            segs.push(Segment { row: ids.len(), len: n, past });
-            ids.extend_from_slice(s.input.tokens);
-            match s.input.positions {
-                Positions::Text => positions.extend((0..n).map(|i| [(past + i) as i64 + s.state.rope_delta; 3])),
-                Positions::Explicit(p) => positions.extend_from_slice(p),
-            }
-        }
+        let l = batch::layout(steps);
+        let e = batch::embed(b, &self.embed, steps, &l, h);
+        let (segs, ids, positions) = (l.segs, l.ids, l.positions);
         let n = ids.len();
-        let mut e = b.embed(&self.embed, &ids);
-        for (s, seg) in steps.iter().zip(&segs) {
-            for inj in s.input.injected {
-                let rows = inj.rows.len() / h;
-                b.write_rows(&mut e, (seg.row + inj.offset) * h, &b.upload(inj.rows, &[rows, h]), 0..rows);
-            }
-        }
         let mut x = b.zeros(&[n, hc * h]);
         b.hc_inject(&mut x, &e, &b.upload(&vec![1.0; n * hc], &[n, hc]), hc);
         let rope = b.rope_table(&self.rope, &positions);
@@ -166,20 +136,8 @@ impl Qwen4Exp {
         if opts.capture_hidden {
             hidden.push(b.download(&out));
         }
-        let mut logits = Vec::with_capacity(steps.len());
-        for (s, seg) in steps.iter_mut().zip(&segs) {
-            let rows: Vec<usize> = match s.input.logits {
-                LogitsWanted::None => Vec::new(),
-                LogitsWanted::Last => (seg.row + seg.len.saturating_sub(1)..seg.row + seg.len).collect(),
-                LogitsWanted::All => (seg.row..seg.row + seg.len).collect(),
-            };
-            s.state.len += seg.len;
-            if rows.is_empty() {
-                logits.push(Vec::new());
-                continue;
-            }
-            logits.push(b.download(&b.linear(&b.gather_rows(&out, &rows), &self.lm_head)));
-        }
+        let logits =
+            batch::logits(steps, &segs, |rows| b.download(&b.linear(&b.gather_rows(&out, rows), &self.lm_head)));
         Ok(ForwardOutput { logits, hidden })
     }
 }

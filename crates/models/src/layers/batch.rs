@@ -1,0 +1,90 @@
+//! The batch plumbing every family's forward shares: checking the steps' inputs, laying the sequences
+//! out as segments of one flat batch (ids, positions, the token embeddings with injected media rows),
+//! and handing back the logits each step asked for while advancing its length.
+
+use osprey_backend::{Backend, Tensor};
+
+use super::Segment;
+use crate::error::{Error, Result};
+use crate::family::{LogitsWanted, Positions, SeqStep};
+
+/// Rejects token ids outside the vocabulary, position lists of the wrong length and injected rows that
+/// do not fit their chunk (user input reaches here: an error, not a panic).
+pub(crate) fn check_inputs(steps: &[SeqStep<'_, '_>], vocab: usize, hidden: usize) -> Result<()> {
+    for s in steps {
+        let n = s.input.tokens.len();
+        if let Some(&t) = s.input.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidInput(format!("token id {t} is outside the vocabulary ({vocab})")));
+        }
+        if let Positions::Explicit(p) = s.input.positions {
+            if p.len() != n {
+                return Err(Error::InvalidInput(format!("{} positions for {n} tokens", p.len())));
+            }
+        }
+        for inj in s.input.injected {
+            if inj.rows.len() % hidden != 0 || inj.offset + inj.rows.len() / hidden > n {
+                return Err(Error::InvalidInput("injected rows do not fit the chunk".into()));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A batch laid out flat: each step's segment, every token id and mRoPE position in batch order.
+pub(crate) struct Layout {
+    pub(crate) segs: Vec<Segment>,
+    pub(crate) ids: Vec<u32>,
+    pub(crate) positions: Vec<[i64; 3]>,
+}
+
+pub(crate) fn layout(steps: &[SeqStep<'_, '_>]) -> Layout {
+    let mut l = Layout { segs: Vec::with_capacity(steps.len()), ids: Vec::new(), positions: Vec::new() };
+    for s in steps {
+        let (past, n) = (s.state.len, s.input.tokens.len());
+        l.segs.push(Segment { row: l.ids.len(), len: n, past });
+        l.ids.extend_from_slice(s.input.tokens);
+        match s.input.positions {
+            Positions::Text => l.positions.extend((0..n).map(|i| [(past + i) as i64 + s.state.rope_delta; 3])),
+            Positions::Explicit(p) => l.positions.extend_from_slice(p),
+        }
+    }
+    l
+}
+
+/// The token embeddings of the batch `[T, hidden]` with each step's injected media rows in place.
+pub(crate) fn embed(b: &dyn Backend, table: &Tensor, steps: &[SeqStep<'_, '_>], l: &Layout, hidden: usize) -> Tensor {
+    let mut x = b.embed(table, &l.ids);
+    for (s, seg) in steps.iter().zip(&l.segs) {
+        for inj in s.input.injected {
+            let n = inj.rows.len() / hidden;
+            b.write_rows(&mut x, (seg.row + inj.offset) * hidden, &b.upload(inj.rows, &[n, hidden]), 0..n);
+        }
+    }
+    x
+}
+
+/// Advances every step's length by its tokens and returns, per step, `head(rows)` for the rows whose
+/// logits it wants (an empty vector when none).
+pub(crate) fn logits(
+    steps: &mut [SeqStep<'_, '_>],
+    segs: &[Segment],
+    head: impl Fn(&[usize]) -> Vec<f32>,
+) -> Vec<Vec<f32>> {
+    steps
+        .iter_mut()
+        .zip(segs)
+        .map(|(s, seg)| {
+            let rows: Vec<usize> = match s.input.logits {
+                LogitsWanted::None => Vec::new(),
+                LogitsWanted::Last => (seg.row + seg.len.saturating_sub(1)..seg.row + seg.len).collect(),
+                LogitsWanted::All => (seg.row..seg.row + seg.len).collect(),
+            };
+            s.state.len += seg.len;
+            if rows.is_empty() {
+                Vec::new()
+            } else {
+                head(&rows)
+            }
+        })
+        .collect()
+}
