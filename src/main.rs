@@ -240,6 +240,44 @@ enum BenchCommand {
         #[arg(long, default_value_t = 3)]
         repeats: usize,
     },
+    /// A load generator for any OpenAI-compatible chat endpoint: TTFT, inter-token latency, output
+    /// tok/s, cached prompt tokens, errors by code; against osprey also how its counters moved.
+    Serve {
+        /// Base URL (http://host:port).
+        #[arg(long)]
+        url: String,
+        /// `model` field of the requests.
+        #[arg(long)]
+        model: Option<String>,
+        /// text, conversation (multi-turn about an image), preamble-image (long text then an image),
+        /// video.
+        #[arg(long, default_value = "text")]
+        scenario: String,
+        /// Requests (conversation: turns).
+        #[arg(long, default_value_t = 8)]
+        requests: usize,
+        /// Requests in flight at once.
+        #[arg(long, default_value_t = 1)]
+        concurrency: usize,
+        /// Poisson arrivals at this many requests per second instead (seeded).
+        #[arg(long)]
+        rate: Option<f64>,
+        /// Seed of the media, prompts and arrivals.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// `max_tokens` of each request.
+        #[arg(long, default_value_t = 32)]
+        max_tokens: usize,
+        /// Bearer token.
+        #[arg(long)]
+        api_key: Option<String>,
+        /// Per-request timeout in seconds.
+        #[arg(long, default_value_t = 300.0)]
+        timeout_secs: f64,
+        /// Write the report (every sample, the command line, version and machine) as JSON here.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Decode with routed experts streamed from disk under a RAM budget (one budget per process, so the
     /// peak RSS is that budget's); compares eviction policies on the recorded routing trace.
     Experts {
@@ -315,6 +353,45 @@ fn main() -> Result<()> {
             let report =
                 osprey_bench::bench_experts(&model, (budget, ple_budget), prompt_len, decode_tokens, wait_all)?;
             println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Serve {
+            url,
+            model,
+            scenario,
+            requests,
+            concurrency,
+            rate,
+            seed,
+            max_tokens,
+            api_key,
+            timeout_secs,
+            out,
+        }) => {
+            let opts = osprey_bench::serve::ServeOptions {
+                url: url.trim_end_matches('/').to_string(),
+                model,
+                scenario: scenario.parse().map_err(anyhow::Error::msg)?,
+                requests,
+                concurrency,
+                rate,
+                seed,
+                max_tokens,
+                api_key,
+                timeout_secs,
+            };
+            let report = osprey_bench::serve::run(&opts).map_err(anyhow::Error::msg)?;
+            print!("{}", osprey_bench::serve::table(&report));
+            if let Some(path) = out {
+                let doc = serde_json::json!({
+                    "command": std::env::args().collect::<Vec<_>>(),
+                    "osprey_version": env!("CARGO_PKG_VERSION"),
+                    "machine": osprey_bench::machine(),
+                    "report": report,
+                });
+                std::fs::write(&path, serde_json::to_string_pretty(&doc)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
             Ok(())
         }
         Command::Bench(BenchCommand::Membw { mib }) => {

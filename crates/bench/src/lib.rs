@@ -3,10 +3,12 @@
 //! Brief overview: today the synchronous model benchmarks behind `osprey bench forward` (prefill
 //! throughput of one prompt chunk and greedy decode throughput on any checkpoint, with the weight bytes
 //! each decode token reads and the bandwidth that implies) and `osprey bench vision` (preprocessing and
-//! vision-tower encoding time per image size). Time-to-first-token through the server and
-//! expert residency join here with their issues. Numbers go to `docs/benchmarks.md`, never into tests.
+//! vision-tower encoding time per image size), `osprey bench experts` (decode under expert and PLE RAM
+//! budgets) and `osprey bench serve` ([`serve`]: a load generator for any OpenAI-compatible server).
+//! Numbers go to `docs/benchmarks.md`, never into tests.
 
 mod experts;
+pub mod serve;
 
 use std::time::Instant;
 
@@ -207,4 +209,43 @@ pub fn measure_read_bandwidth(bytes: usize, repeats: usize) -> f64 {
         best = best.max(bytes as f64 / secs);
     }
     best
+}
+
+/// The machine a benchmark ran on, for its JSON.
+#[derive(Clone, Debug, Serialize)]
+pub struct Machine {
+    /// `model name` of /proc/cpuinfo.
+    pub cpu: String,
+    /// The SIMD flags the kernels look at.
+    pub flags: Vec<String>,
+    /// Logical cores.
+    pub cores: usize,
+    /// `MemTotal` in bytes.
+    pub ram_bytes: u64,
+    /// Memory read bandwidth measured now (GB/s).
+    pub read_gb_s: f64,
+}
+
+/// Reads the machine's description and measures its memory bandwidth (a second or so).
+pub fn machine() -> Machine {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        cpuinfo.lines().find(|l| l.starts_with(name)).and_then(|l| l.split(':').nth(1)).unwrap_or("").trim().to_string()
+    };
+    let wanted = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni"];
+    let flags = field("flags").split(' ').filter(|f| wanted.contains(f)).map(str::to_string).collect();
+    let mem = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let ram_kb = mem
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0);
+    Machine {
+        cpu: field("model name"),
+        flags,
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        ram_bytes: ram_kb * 1024,
+        read_gb_s: measure_read_bandwidth(256 << 20, 3) / 1e9,
+    }
 }

@@ -1,0 +1,556 @@
+//! `osprey bench serve`: a load generator for any OpenAI-compatible chat endpoint (osprey, llama.cpp's
+//! server, vLLM, SGLang). Every request streams (`stream: true` with usage), so time to first token and
+//! the gaps between content chunks are measured as a client sees them; the final usage chunk gives the
+//! prompt, cached and output tokens. Media are PNG images drawn from the seed, so two runs send the same
+//! bytes. Against osprey, `/metrics` is read before and after the run and the differences are reported.
+//!
+//! A bad URL, a refused connection or a server answering only errors ends the run with an error naming
+//! the cause (a non-zero exit); every request has a timeout, so nothing hangs.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::{json, Value};
+
+/// What the run sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scenario {
+    /// Text requests one at a time (or `concurrency` at once, or at `rate`).
+    Text,
+    /// A multi-turn conversation about an image whose history grows (the prefix-cache case); turns run
+    /// in order.
+    Conversation,
+    /// A long text preamble, then an image (the chunked-prefill case).
+    PreambleImage,
+    /// A short video (frames as images).
+    Video,
+}
+
+impl std::str::FromStr for Scenario {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "text" => Ok(Scenario::Text),
+            "conversation" => Ok(Scenario::Conversation),
+            "preamble-image" => Ok(Scenario::PreambleImage),
+            "video" => Ok(Scenario::Video),
+            other => Err(format!("unknown scenario {other:?} (text, conversation, preamble-image, video)")),
+        }
+    }
+}
+
+/// The run's parameters.
+#[derive(Clone, Debug, Serialize)]
+pub struct ServeOptions {
+    /// Base URL of the server (`http://host:port`).
+    pub url: String,
+    /// `model` field of each request (servers that host one model ignore it).
+    pub model: Option<String>,
+    /// What to send.
+    pub scenario: Scenario,
+    /// Requests (conversation: turns).
+    pub requests: usize,
+    /// Requests in flight at once (ignored with `rate`).
+    pub concurrency: usize,
+    /// Poisson arrivals at this many requests per second (seeded), instead of a fixed concurrency.
+    pub rate: Option<f64>,
+    /// Seed of the media, the prompts and the arrival times.
+    pub seed: u64,
+    /// `max_tokens` of each request.
+    pub max_tokens: usize,
+    /// Bearer token, if the server wants one.
+    #[serde(skip)]
+    pub api_key: Option<String>,
+    /// Per-request timeout in seconds.
+    pub timeout_secs: f64,
+}
+
+/// One request as the client saw it.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Sample {
+    /// Request number (conversation: turn).
+    pub index: usize,
+    /// Seconds from the start of the run to the request being sent.
+    pub sent_at_s: f64,
+    /// Time to the first content (or reasoning) chunk.
+    pub ttft_s: Option<f64>,
+    /// Gaps between later content chunks.
+    pub itl_s: Vec<f64>,
+    /// Time to the end of the response.
+    pub total_s: f64,
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: Option<u64>,
+    /// `usage.completion_tokens`.
+    pub output_tokens: Option<u64>,
+    /// Output tokens per second after the first token.
+    pub output_tok_s: Option<f64>,
+    /// The error code (OpenAI `error.code`, an HTTP status, or `transport`), if the request failed.
+    pub error: Option<String>,
+}
+
+/// Percentiles of one quantity.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Percentiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+/// The run's summary.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Summary {
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that failed, by code.
+    pub errors: BTreeMap<String, usize>,
+    /// Wall time of the run.
+    pub duration_s: f64,
+    /// Time to first token.
+    pub ttft_s: Percentiles,
+    /// Gaps between content chunks.
+    pub itl_s: Percentiles,
+    /// Output tokens per second per request.
+    pub output_tok_s: Percentiles,
+    /// All output tokens over the run's wall time.
+    pub throughput_tok_s: f64,
+    /// Prompt tokens the server reported as cached, over all prompt tokens.
+    pub cached_fraction: f64,
+}
+
+/// The whole report (the JSON file).
+#[derive(Clone, Debug, Serialize)]
+pub struct ServeReport {
+    /// The options.
+    pub options: ServeOptions,
+    /// The server's `/v1/models` id, if it answered.
+    pub server_model: Option<String>,
+    /// Whether the target is osprey (it answered `/metrics` with osprey's counters).
+    pub osprey: bool,
+    /// Every request.
+    pub samples: Vec<Sample>,
+    /// Percentiles and totals.
+    pub summary: Summary,
+    /// Against osprey: how its counters moved over the run (expert hits, misses and bytes read, prefix
+    /// cache hits, PLE rows).
+    pub metrics_delta: BTreeMap<String, f64>,
+}
+
+/// A deterministic generator (splitmix64) for media, prompts and arrival times.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// A PNG of `w`×`h` pixels drawn from `seed`: a gradient with a rectangle of one colour.
+pub fn synth_png(w: u32, h: u32, seed: u64) -> Vec<u8> {
+    let mut rng = Rng(seed);
+    let (cx, cy) = ((rng.next() % u64::from(w)) as u32, (rng.next() % u64::from(h)) as u32);
+    let colour = [rng.next() as u8, rng.next() as u8, rng.next() as u8];
+    let img = image::RgbImage::from_fn(w, h, |x, y| {
+        if x.abs_diff(cx) < w / 5 && y.abs_diff(cy) < h / 5 {
+            image::Rgb(colour)
+        } else {
+            image::Rgb([(x * 255 / w.max(1)) as u8, (y * 255 / h.max(1)) as u8, ((x + y) % 256) as u8])
+        }
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).expect("encoding a PNG in memory cannot fail");
+    out.into_inner()
+}
+
+fn image_part(w: u32, h: u32, seed: u64) -> Value {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(synth_png(w, h, seed));
+    json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{b64}")}})
+}
+
+const WORDS: [&str; 16] = [
+    "river", "mountain", "engine", "circuit", "garden", "harbour", "lantern", "compass", "meadow", "signal", "copper",
+    "orbit", "window", "thread", "canvas", "marble",
+];
+
+fn sentence(rng: &mut Rng, words: usize) -> String {
+    (0..words).map(|_| WORDS[(rng.next() % WORDS.len() as u64) as usize]).collect::<Vec<_>>().join(" ")
+}
+
+/// The messages of request `i` (for a conversation: the history up to turn `i`, with `answers` so far).
+fn messages(o: &ServeOptions, i: usize, answers: &[String]) -> Value {
+    let mut rng = Rng(o.seed.wrapping_add(i as u64 * 7919));
+    match o.scenario {
+        Scenario::Text => json!([{"role": "user", "content": format!("Tell me about {}.", sentence(&mut rng, 6))}]),
+        Scenario::PreambleImage => {
+            let preamble = sentence(&mut rng, 400);
+            json!([{"role": "user", "content": [
+                {"type": "text", "text": format!("Context: {preamble}")},
+                image_part(256, 192, o.seed.wrapping_add(i as u64)),
+                {"type": "text", "text": "What is in the picture?"},
+            ]}])
+        }
+        Scenario::Video => {
+            let frames: Vec<String> = (0..4u64)
+                .map(|f| {
+                    use base64::Engine;
+                    let png = synth_png(160, 128, o.seed.wrapping_add(i as u64 * 16 + f));
+                    format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(png))
+                })
+                .collect();
+            json!([{"role": "user", "content": [
+                {"type": "video", "video": frames, "fps": 2.0},
+                {"type": "text", "text": "What happens in the video?"},
+            ]}])
+        }
+        Scenario::Conversation => {
+            let mut m = vec![json!({"role": "user", "content": [
+                image_part(256, 256, o.seed),
+                {"type": "text", "text": "Describe the picture."},
+            ]})];
+            for (t, a) in answers.iter().enumerate().take(i) {
+                let mut r = Rng(o.seed.wrapping_add(t as u64 * 104_729));
+                m.push(json!({"role": "assistant", "content": a}));
+                m.push(json!({"role": "user", "content": format!("And the {}?", sentence(&mut r, 3))}));
+            }
+            Value::Array(m)
+        }
+    }
+}
+
+fn agent(o: &ServeOptions) -> ureq::Agent {
+    let t = Duration::from_secs_f64(o.timeout_secs.max(0.1));
+    ureq::AgentBuilder::new().timeout_connect(Duration::from_secs(5)).timeout(t).build()
+}
+
+fn get_json(a: &ureq::Agent, url: &str, key: Option<&str>) -> Result<String, String> {
+    let mut req = a.get(url);
+    if let Some(k) = key {
+        req = req.set("Authorization", &format!("Bearer {k}"));
+    }
+    match req.call() {
+        Ok(r) => r.into_string().map_err(|e| e.to_string()),
+        Err(ureq::Error::Status(code, _)) => Err(format!("HTTP {code}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Sends one streaming request and times it.
+fn one(a: &ureq::Agent, o: &ServeOptions, index: usize, msgs: Value, t0: Instant) -> (Sample, String) {
+    let mut s = Sample { index, sent_at_s: t0.elapsed().as_secs_f64(), ..Sample::default() };
+    let mut body = json!({"messages": msgs, "max_tokens": o.max_tokens, "temperature": 0, "stream": true,
+                          "stream_options": {"include_usage": true}});
+    if let Some(m) = &o.model {
+        body["model"] = json!(m);
+    }
+    let start = Instant::now();
+    let mut req = a.post(&format!("{}/v1/chat/completions", o.url)).set("Content-Type", "application/json");
+    if let Some(k) = &o.api_key {
+        req = req.set("Authorization", &format!("Bearer {k}"));
+    }
+    let resp = match req.send_string(&body.to_string()) {
+        Ok(r) => r,
+        Err(ureq::Error::Status(code, r)) => {
+            let v: Value = r.into_string().ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or(Value::Null);
+            s.error = Some(v["error"]["code"].as_str().map_or_else(|| format!("http_{code}"), str::to_string));
+            s.total_s = start.elapsed().as_secs_f64();
+            return (s, String::new());
+        }
+        Err(e) => {
+            s.error = Some(format!("transport: {e}"));
+            s.total_s = start.elapsed().as_secs_f64();
+            return (s, String::new());
+        }
+    };
+    let mut text = String::new();
+    let mut last = None;
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let Ok(line) = line else {
+            s.error = Some("transport: the stream broke".into());
+            break;
+        };
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            break;
+        }
+        let Ok(v) = serde_json::from_str::<Value>(data) else { continue };
+        if let Some(e) = v.get("error") {
+            s.error = Some(e["code"].as_str().unwrap_or("stream_error").to_string());
+            break;
+        }
+        let delta = &v["choices"][0]["delta"];
+        let piece = delta["content"].as_str().or_else(|| delta["reasoning_content"].as_str()).unwrap_or("");
+        if !piece.is_empty() {
+            let now = start.elapsed().as_secs_f64();
+            match last {
+                None => s.ttft_s = Some(now),
+                Some(prev) => s.itl_s.push(now - prev),
+            }
+            last = Some(now);
+            text.push_str(piece);
+        }
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            s.prompt_tokens = u["prompt_tokens"].as_u64();
+            s.output_tokens = u["completion_tokens"].as_u64();
+            s.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64();
+        }
+    }
+    s.total_s = start.elapsed().as_secs_f64();
+    if let (Some(ttft), Some(n)) = (s.ttft_s, s.output_tokens) {
+        let after = s.total_s - ttft;
+        if n > 1 && after > 0.0 {
+            s.output_tok_s = Some((n - 1) as f64 / after);
+        }
+    }
+    (s, text)
+}
+
+fn percentiles(mut v: Vec<f64>) -> Percentiles {
+    if v.is_empty() {
+        return Percentiles::default();
+    }
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+    Percentiles { p50: at(0.5), p90: at(0.9), p99: at(0.99) }
+}
+
+/// osprey's counters the report follows (summed over labels).
+fn osprey_counters(text: &str) -> BTreeMap<String, f64> {
+    let wanted = [
+        "osprey_expert_hits_total",
+        "osprey_expert_misses_total",
+        "osprey_expert_bytes_read_total",
+        "osprey_expert_stall_seconds_total",
+        "osprey_prefix_cache_hits_total",
+        "osprey_prefix_cache_lookups_total",
+        "osprey_prefix_cache_cached_tokens_total",
+        "osprey_prompt_tokens_total",
+        "osprey_generated_tokens_total",
+        "osprey_ple_hits_total",
+        "osprey_ple_misses_total",
+        "osprey_ple_bytes_read_total",
+    ];
+    let mut out = BTreeMap::new();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let (name, value) = match line.rsplit_once(' ') {
+            Some((n, v)) => (n.split('{').next().unwrap_or(n), v),
+            None => continue,
+        };
+        if let (true, Ok(v)) = (wanted.contains(&name), value.parse::<f64>()) {
+            *out.entry(name.to_string()).or_insert(0.0) += v;
+        }
+    }
+    out
+}
+
+/// Runs the load and returns the report; `Err` names why the run could not produce one.
+pub fn run(o: &ServeOptions) -> Result<ServeReport, String> {
+    if !(o.url.starts_with("http://") || o.url.starts_with("https://")) {
+        return Err(format!("--url {:?}: expected http://host:port", o.url));
+    }
+    let a = agent(o);
+    let key = o.api_key.as_deref();
+    let server_model = match get_json(&a, &format!("{}/v1/models", o.url), key) {
+        Ok(t) => serde_json::from_str::<Value>(&t).ok().and_then(|v| v["data"][0]["id"].as_str().map(str::to_string)),
+        Err(e) if e.contains("HTTP") => None,
+        Err(e) => return Err(format!("{}: {e}", o.url)),
+    };
+    let metrics_before = get_json(&a, &format!("{}/metrics", o.url), key).ok().map(|t| osprey_counters(&t));
+    let osprey = metrics_before.as_ref().is_some_and(|m| !m.is_empty());
+    let n = o.requests.max(1);
+    let t0 = Instant::now();
+    let samples = Mutex::new(Vec::with_capacity(n));
+    let progress = Progress::new(n);
+    if o.scenario == Scenario::Conversation {
+        let mut answers = Vec::new();
+        for i in 0..n {
+            let (s, text) = one(&a, o, i, messages(o, i, &answers), t0);
+            answers.push(text);
+            samples.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+            progress.tick();
+        }
+    } else {
+        // Arrival times: all at once for a fixed concurrency, or Poisson at `rate`.
+        let mut rng = Rng(o.seed ^ 0xA5A5);
+        let mut at = 0.0;
+        let arrivals: Vec<f64> = (0..n)
+            .map(|_| match o.rate {
+                Some(r) if r > 0.0 => {
+                    at += -(1.0 - rng.unit()).ln() / r;
+                    at
+                }
+                _ => 0.0,
+            })
+            .collect();
+        let workers = if o.rate.is_some() { n } else { o.concurrency.clamp(1, n) };
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|sc| {
+            for _ in 0..workers {
+                sc.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        break;
+                    }
+                    let wait = arrivals[i] - t0.elapsed().as_secs_f64();
+                    if wait > 0.0 {
+                        std::thread::sleep(Duration::from_secs_f64(wait));
+                    }
+                    let (s, _) = one(&a, o, i, messages(o, i, &[]), t0);
+                    samples.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+                    progress.tick();
+                });
+            }
+        });
+    }
+    progress.done();
+    let duration_s = t0.elapsed().as_secs_f64();
+    let mut samples = samples.into_inner().unwrap_or_else(|e| e.into_inner());
+    samples.sort_by_key(|s| s.index);
+    let mut errors = BTreeMap::new();
+    for s in &samples {
+        if let Some(e) = &s.error {
+            let code = e.split(':').next().unwrap_or(e).to_string();
+            *errors.entry(code).or_insert(0) += 1;
+        }
+    }
+    if errors.values().sum::<usize>() == samples.len() {
+        let first = samples.iter().find_map(|s| s.error.clone()).unwrap_or_default();
+        return Err(format!("every request failed ({} of {}); the first: {first}", samples.len(), samples.len()));
+    }
+    let ok: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
+    let out_tokens: u64 = ok.iter().filter_map(|s| s.output_tokens).sum();
+    let (prompt, cached) =
+        ok.iter().fold((0u64, 0u64), |(p, c), s| (p + s.prompt_tokens.unwrap_or(0), c + s.cached_tokens.unwrap_or(0)));
+    let summary = Summary {
+        requests: samples.len(),
+        errors,
+        duration_s,
+        ttft_s: percentiles(ok.iter().filter_map(|s| s.ttft_s).collect()),
+        itl_s: percentiles(ok.iter().flat_map(|s| s.itl_s.iter().copied()).collect()),
+        output_tok_s: percentiles(ok.iter().filter_map(|s| s.output_tok_s).collect()),
+        throughput_tok_s: out_tokens as f64 / duration_s.max(1e-9),
+        cached_fraction: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
+    };
+    let metrics_delta = match (metrics_before, get_json(&a, &format!("{}/metrics", o.url), key).ok()) {
+        (Some(before), Some(after)) if osprey => {
+            let after = osprey_counters(&after);
+            after.iter().map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0.0))).collect()
+        }
+        _ => BTreeMap::new(),
+    };
+    Ok(ServeReport { options: o.clone(), server_model, osprey, samples, summary, metrics_delta })
+}
+
+/// The terminal table of a report.
+pub fn table(r: &ServeReport) -> String {
+    let s = &r.summary;
+    let ms = |v: f64| format!("{:.1}", v * 1e3);
+    let mut out = format!(
+        "{} · {:?} · {} requests in {:.2} s · {} errors\n",
+        r.options.url,
+        r.options.scenario,
+        s.requests,
+        s.duration_s,
+        s.errors.values().sum::<usize>()
+    );
+    out.push_str("| quantity | p50 | p90 | p99 |\n| --- | --- | --- | --- |\n");
+    for (name, p, f) in [
+        ("TTFT ms", &s.ttft_s, true),
+        ("inter-token ms", &s.itl_s, true),
+        ("output tok/s per request", &s.output_tok_s, false),
+    ] {
+        let v = |x: f64| if f { ms(x) } else { format!("{x:.1}") };
+        out.push_str(&format!("| {name} | {} | {} | {} |\n", v(p.p50), v(p.p90), v(p.p99)));
+    }
+    out.push_str(&format!(
+        "throughput {:.1} tok/s · cached prompt tokens {:.0}%\n",
+        s.throughput_tok_s,
+        100.0 * s.cached_fraction
+    ));
+    for (k, v) in &r.metrics_delta {
+        out.push_str(&format!("{k} +{v}\n"));
+    }
+    out
+}
+
+/// A progress bar on stderr, only when stderr is a terminal (logs stay clean).
+struct Progress {
+    total: usize,
+    done: AtomicUsize,
+    on: bool,
+}
+
+impl Progress {
+    fn new(total: usize) -> Self {
+        Progress { total, done: AtomicUsize::new(0), on: std::io::stderr().is_terminal() }
+    }
+    fn tick(&self) {
+        let d = self.done.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.on {
+            let w = 30 * d / self.total.max(1);
+            eprint!("\rrequests [{}{}] {d}/{}", "=".repeat(w), " ".repeat(30 - w), self.total);
+            let _ = std::io::stderr().flush();
+        }
+    }
+    fn done(&self) {
+        if self.on {
+            eprintln!();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let p = percentiles((1..=100).map(f64::from).collect());
+        assert_eq!((p.p50, p.p90, p.p99), (50.0, 90.0, 99.0));
+        assert_eq!(percentiles(vec![3.0]).p99, 3.0);
+    }
+
+    #[test]
+    fn media_and_prompts_are_deterministic_per_seed() {
+        assert_eq!(synth_png(64, 48, 7), synth_png(64, 48, 7));
+        assert_ne!(synth_png(64, 48, 7), synth_png(64, 48, 8));
+        let o = ServeOptions {
+            url: "http://x".into(),
+            model: None,
+            scenario: Scenario::PreambleImage,
+            requests: 1,
+            concurrency: 1,
+            rate: None,
+            seed: 3,
+            max_tokens: 4,
+            api_key: None,
+            timeout_secs: 1.0,
+        };
+        assert_eq!(messages(&o, 0, &[]), messages(&o, 0, &[]));
+    }
+
+    #[test]
+    fn osprey_counters_sum_over_labels() {
+        let m = osprey_counters(
+            "# HELP x\nosprey_expert_hits_total{layer=\"0\"} 3\nosprey_expert_hits_total{layer=\"1\"} 4\nother 1\n",
+        );
+        assert_eq!(m.get("osprey_expert_hits_total"), Some(&7.0));
+        assert_eq!(m.len(), 1);
+    }
+}

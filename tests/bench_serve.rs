@@ -1,0 +1,82 @@
+//! `osprey bench serve` end to end: against the embedded default model over real HTTP (every scenario,
+//! a fixed concurrency and seeded Poisson arrivals, the conversation's growing cached prefix, osprey's
+//! counters), and against servers that cannot answer: a refused connection and a stub that answers every
+//! request with an error give a clear error, never a hang.
+
+mod harness;
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+
+use osprey::Settings;
+use osprey_bench::serve::{run, table, Scenario, ServeOptions};
+
+fn opts(url: String, scenario: Scenario, requests: usize) -> ServeOptions {
+    ServeOptions {
+        url,
+        model: None,
+        scenario,
+        requests,
+        concurrency: 2,
+        rate: None,
+        seed: 5,
+        max_tokens: 6,
+        api_key: None,
+        timeout_secs: 60.0,
+    }
+}
+
+#[test]
+fn every_scenario_runs_against_osprey_and_reports_every_field() {
+    let dir = osprey::model_dir(&Settings::default()).expect("default model");
+    let addr = harness::start(Settings::default(), dir);
+    let url = format!("http://{addr}");
+    for (scenario, n) in [(Scenario::Text, 4), (Scenario::PreambleImage, 2), (Scenario::Video, 2)] {
+        let r = run(&opts(url.clone(), scenario, n)).expect("run");
+        assert!(r.osprey && r.server_model.is_some(), "{scenario:?}: the target is osprey");
+        assert_eq!(r.samples.len(), n);
+        assert!(r.samples.iter().all(|s| s.error.is_none() && s.ttft_s.is_some() && s.output_tokens.is_some()));
+        assert!(r.summary.ttft_s.p50 > 0.0 && r.summary.throughput_tok_s > 0.0, "{scenario:?}");
+        assert!(r.metrics_delta["osprey_prompt_tokens_total"] > 0.0);
+        let json = serde_json::to_value(&r).expect("json");
+        for field in ["options", "server_model", "osprey", "samples", "summary", "metrics_delta"] {
+            assert!(json.get(field).is_some(), "{field}");
+        }
+        assert!(table(&r).contains("TTFT ms"));
+    }
+    // Turns of one conversation: each resends the history, which the prefix cache serves.
+    let r = run(&opts(url.clone(), Scenario::Conversation, 3)).expect("conversation");
+    let cached: Vec<u64> = r.samples.iter().map(|s| s.cached_tokens.unwrap_or(0)).collect();
+    assert!(cached[2] > 0 && cached[2] >= cached[1], "later turns hit the cache: {cached:?}");
+    // Seeded Poisson arrivals: sent in order, spread out.
+    let r = run(&ServeOptions { rate: Some(20.0), ..opts(url, Scenario::Text, 5) }).expect("rate");
+    let sent: Vec<f64> = r.samples.iter().map(|s| s.sent_at_s).collect();
+    assert!(sent.windows(2).all(|w| w[0] <= w[1] + 0.05) && sent[4] > 0.0, "{sent:?}");
+}
+
+#[test]
+fn a_refused_connection_or_a_server_that_only_errs_is_a_clear_error() {
+    let e = run(&opts("http://127.0.0.1:1".into(), Scenario::Text, 2)).expect_err("nothing listens");
+    assert!(e.contains("127.0.0.1:1"), "{e}");
+    assert!(run(&opts("ftp://x".into(), Scenario::Text, 1)).expect_err("scheme").contains("http://"));
+    // A stub: every request gets a 500 with an OpenAI error body.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for stream in listener.incoming().take(8) {
+            let Ok(mut s) = stream else { continue };
+            let mut buf = [0u8; 65536];
+            let _ = s.read(&mut buf);
+            let body = r#"{"error":{"message":"broken","type":"server_error","code":"engine_error"}}"#;
+            let _ = write!(
+                s,
+                "HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    let t = std::time::Instant::now();
+    let e = run(&opts(format!("http://{addr}"), Scenario::Text, 2)).expect_err("all fail");
+    assert!(e.contains("every request failed") && e.contains("engine_error"), "{e}");
+    assert!(t.elapsed().as_secs() < 30, "no hang");
+}
