@@ -240,6 +240,13 @@ enum BenchCommand {
         #[arg(long, default_value_t = 3)]
         repeats: usize,
     },
+    /// The ratios B / A of every number two bench JSON files share.
+    Compare {
+        /// The baseline run.
+        a: PathBuf,
+        /// The run compared with it.
+        b: PathBuf,
+    },
     /// A load generator for any OpenAI-compatible chat endpoint: TTFT, inter-token latency, output
     /// tok/s, cached prompt tokens, errors by code; against osprey also how its counters moved.
     Serve {
@@ -392,6 +399,14 @@ fn main() -> Result<()> {
                 std::fs::write(&path, serde_json::to_string_pretty(&doc)?)
                     .with_context(|| format!("writing {}", path.display()))?;
             }
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Compare { a, b }) => {
+            let read = |p: &PathBuf| -> Result<serde_json::Value> {
+                let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+                serde_json::from_str(&text).with_context(|| format!("{} is not JSON", p.display()))
+            };
+            print!("{}", osprey_bench::compare(&read(&a)?, &read(&b)?));
             Ok(())
         }
         Command::Bench(BenchCommand::Membw { mib }) => {

@@ -7,8 +7,11 @@
 //! budgets) and `osprey bench serve` ([`serve`]: a load generator for any OpenAI-compatible server).
 //! Numbers go to `docs/benchmarks.md`, never into tests.
 
+mod compare;
 mod experts;
 pub mod serve;
+
+pub use compare::compare;
 
 use std::time::Instant;
 
