@@ -240,6 +240,22 @@ enum BenchCommand {
         #[arg(long, default_value_t = 3)]
         repeats: usize,
     },
+    /// Writes a synthetic checkpoint of a real model's layer geometry (NVFP4 experts, bf16 rest), to
+    /// measure the disk tier at real expert sizes without Python or real weights.
+    Synth {
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Layer geometry: qwen3.5-35b-a3b or tiny.
+        #[arg(long, default_value = "qwen3.5-35b-a3b")]
+        geometry: String,
+        /// Decoder layers (every fourth is full attention).
+        #[arg(long, default_value_t = 4)]
+        layers: usize,
+        /// Seed of the values.
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+    },
     /// The ratios B / A of every number two bench JSON files share.
     Compare {
         /// The baseline run.
@@ -399,6 +415,14 @@ fn main() -> Result<()> {
                 std::fs::write(&path, serde_json::to_string_pretty(&doc)?)
                     .with_context(|| format!("writing {}", path.display()))?;
             }
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Synth { out, geometry, layers, seed }) => {
+            let g = osprey_bench::synth::geometry(&geometry)
+                .with_context(|| format!("unknown geometry {geometry:?} (qwen3.5-35b-a3b, tiny)"))?;
+            let report = osprey_bench::synth::synth(&out, g, layers.max(1), seed)
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }
         Command::Bench(BenchCommand::Compare { a, b }) => {

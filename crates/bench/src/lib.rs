@@ -10,6 +10,7 @@
 mod compare;
 mod experts;
 pub mod serve;
+pub mod synth;
 
 pub use compare::compare;
 

@@ -1,0 +1,265 @@
+//! `osprey bench synth`: a synthetic checkpoint of a real model's layer geometry, written from Rust, so
+//! the disk tier can be measured at real expert sizes without Python or real weights (the Python
+//! generator stays the source of transformers fixtures).
+//!
+//! The checkpoint is a Hugging Face directory osprey loads like any other: `config.json` (a text-only
+//! `qwen3_5_moe_text` with ModelOpt NVFP4 `quantization_config`), one safetensors shard per layer plus
+//! one for the embedding and head, and `model.safetensors.index.json`. Routed experts are NVFP4 (ModelOpt
+//! layout: packed nibbles, e4m3 block scales, a global scale); everything else is bf16. Values are
+//! seeded noise scaled by 1/sqrt(fan-in), so activations stay O(1) through the layers; a shard is built
+//! in memory and written before the next, so memory stays at one layer's bytes.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde::Serialize;
+use serde_json::json;
+
+/// A layer geometry to synthesise.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Geometry {
+    /// Name for the report.
+    pub name: &'static str,
+    /// Residual width.
+    pub hidden: usize,
+    /// Attention query heads.
+    pub heads: usize,
+    /// Attention KV heads.
+    pub kv_heads: usize,
+    /// Attention head width.
+    pub head_dim: usize,
+    /// Gated DeltaNet key heads.
+    pub linear_k_heads: usize,
+    /// Gated DeltaNet value heads.
+    pub linear_v_heads: usize,
+    /// Gated DeltaNet head width.
+    pub linear_dim: usize,
+    /// Routed experts per layer.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Routed expert width.
+    pub expert_width: usize,
+    /// Shared expert width.
+    pub shared_width: usize,
+    /// Vocabulary (embedding and head rows).
+    pub vocab: usize,
+}
+
+/// Qwen3.5-35B-A3B's layer shapes (BENCHMARKS.md's q35moe-L4 uses them).
+pub const QWEN35_35B_A3B: Geometry = Geometry {
+    name: "qwen3.5-35b-a3b",
+    hidden: 2048,
+    heads: 16,
+    kv_heads: 2,
+    head_dim: 256,
+    linear_k_heads: 16,
+    linear_v_heads: 32,
+    linear_dim: 128,
+    experts: 256,
+    top_k: 8,
+    expert_width: 512,
+    shared_width: 512,
+    vocab: 32768,
+};
+
+/// A tiny geometry for tests.
+pub const TINY: Geometry = Geometry {
+    name: "tiny",
+    hidden: 128,
+    heads: 4,
+    kv_heads: 2,
+    head_dim: 64,
+    linear_k_heads: 2,
+    linear_v_heads: 4,
+    linear_dim: 32,
+    experts: 8,
+    top_k: 2,
+    expert_width: 64,
+    shared_width: 64,
+    vocab: 1024,
+};
+
+/// Looks a geometry up by name.
+pub fn geometry(name: &str) -> Option<Geometry> {
+    [QWEN35_35B_A3B, TINY].into_iter().find(|g| g.name == name)
+}
+
+/// What was written.
+#[derive(Clone, Debug, Serialize)]
+pub struct SynthReport {
+    /// The geometry written.
+    pub geometry: Geometry,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Bytes of all routed experts (NVFP4 with their scales).
+    pub expert_bytes: u64,
+    /// Bytes written in all.
+    pub total_bytes: u64,
+    /// Seconds it took.
+    pub secs: f64,
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Roughly N(0, 1): a sum of four uniforms, centred and scaled.
+    fn normal(&mut self) -> f32 {
+        let u: f32 = (0..4).map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32).sum();
+        (u - 2.0) * 1.732
+    }
+}
+
+type Tensors = Vec<(String, Dtype, Vec<usize>, Vec<u8>)>;
+
+fn bf16(rng: &mut Rng, shape: &[usize], scale: f32, base: f32) -> Vec<u8> {
+    let n: usize = shape.iter().product();
+    (0..n).flat_map(|_| half::bf16::from_f32(base + scale * rng.normal()).to_le_bytes()).collect()
+}
+
+fn dense(t: &mut Tensors, rng: &mut Rng, name: String, out: usize, inp: usize) {
+    let w = bf16(rng, &[out, inp], 1.0 / (inp as f32).sqrt(), 0.0);
+    t.push((name, Dtype::BF16, vec![out, inp], w));
+}
+
+fn vector(t: &mut Tensors, rng: &mut Rng, name: String, n: usize, base: f32) {
+    t.push((name, Dtype::BF16, vec![n], bf16(rng, &[n], 0.1, base)));
+}
+
+/// An NVFP4 linear in ModelOpt's layout: random codes, block scales near 1/(2·sqrt(fan-in)) so the
+/// dequantised weights are O(1/sqrt(fan-in)) like the dense ones.
+fn nvfp4(t: &mut Tensors, rng: &mut Rng, prefix: &str, out: usize, inp: usize) -> u64 {
+    let packed: Vec<u8> = (0..out * inp / 2).map(|_| rng.next() as u8).collect();
+    let scale = e4m3_code(0.5 / (inp as f32).sqrt() * 4.0);
+    let scales: Vec<u8> = vec![scale; out * inp / 16];
+    let bytes = (packed.len() + scales.len()) as u64;
+    t.push((format!("{prefix}.weight"), Dtype::U8, vec![out, inp / 2], packed));
+    t.push((format!("{prefix}.weight_scale"), Dtype::F8_E4M3, vec![out, inp / 16], scales));
+    t.push((format!("{prefix}.weight_scale_2"), Dtype::F32, vec![], 0.25f32.to_le_bytes().to_vec()));
+    t.push((format!("{prefix}.input_scale"), Dtype::F32, vec![], 1.0f32.to_le_bytes().to_vec()));
+    bytes
+}
+
+/// e4m3 code of a positive value (round to nearest on the 3-bit mantissa; enough for a scale).
+fn e4m3_code(v: f32) -> u8 {
+    let e = v.log2().floor() as i32;
+    let m = ((v / 2f32.powi(e) - 1.0) * 8.0).round() as i32;
+    let (e, m) = if m == 8 { (e + 1, 0) } else { (e, m) };
+    (((e + 7).clamp(1, 15) as u8) << 3) | (m.clamp(0, 7) as u8)
+}
+
+/// mRoPE sections over the `head_dim / 8` rotary frequencies (a quarter of the head rotates): Qwen3.5's
+/// `[11, 11, 10]` at head_dim 256, the same proportions otherwise.
+fn sections(head_dim: usize) -> [usize; 3] {
+    let half = head_dim / 8;
+    if half == 32 {
+        [11, 11, 10]
+    } else {
+        [half - 2 * (half / 3), half / 3, half / 3]
+    }
+}
+
+fn write(dir: &Path, file: &str, t: &Tensors, index: &mut BTreeMap<String, String>) -> std::io::Result<u64> {
+    let views: Vec<(String, TensorView<'_>)> = t
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("shape and bytes agree")))
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join(file)).map_err(std::io::Error::other)?;
+    for (n, ..) in t {
+        index.insert(n.clone(), file.to_string());
+    }
+    Ok(t.iter().map(|(.., b)| b.len() as u64).sum())
+}
+
+/// Writes `layers` layers of geometry `g` (every fourth a full-attention layer, the others Gated
+/// DeltaNet, as Qwen3.5) into `dir`.
+pub fn synth(dir: &Path, g: Geometry, layers: usize, seed: u64) -> std::io::Result<SynthReport> {
+    let t0 = std::time::Instant::now();
+    std::fs::create_dir_all(dir)?;
+    let mut rng = Rng(seed);
+    let mut index = BTreeMap::new();
+    let (mut expert_bytes, mut total) = (0u64, 0u64);
+    let h = g.hidden;
+    let types: Vec<&str> =
+        (0..layers).map(|i| if (i + 1) % 4 == 0 { "full_attention" } else { "linear_attention" }).collect();
+    for (i, kind) in types.iter().enumerate() {
+        let mut t: Tensors = Vec::new();
+        let p = format!("model.layers.{i}");
+        vector(&mut t, &mut rng, format!("{p}.input_layernorm.weight"), h, 0.0);
+        vector(&mut t, &mut rng, format!("{p}.post_attention_layernorm.weight"), h, 0.0);
+        if *kind == "linear_attention" {
+            let (kd, vd) = (g.linear_k_heads * g.linear_dim, g.linear_v_heads * g.linear_dim);
+            let conv = 2 * kd + vd;
+            let a = format!("{p}.linear_attn");
+            dense(&mut t, &mut rng, format!("{a}.in_proj_qkv.weight"), conv, h);
+            dense(&mut t, &mut rng, format!("{a}.in_proj_z.weight"), vd, h);
+            dense(&mut t, &mut rng, format!("{a}.in_proj_a.weight"), g.linear_v_heads, h);
+            dense(&mut t, &mut rng, format!("{a}.in_proj_b.weight"), g.linear_v_heads, h);
+            dense(&mut t, &mut rng, format!("{a}.out_proj.weight"), h, vd);
+            t.push((format!("{a}.conv1d.weight"), Dtype::BF16, vec![conv, 1, 4], bf16(&mut rng, &[conv, 4], 0.5, 0.0)));
+            vector(&mut t, &mut rng, format!("{a}.A_log"), g.linear_v_heads, 1.0);
+            vector(&mut t, &mut rng, format!("{a}.dt_bias"), g.linear_v_heads, 1.0);
+            vector(&mut t, &mut rng, format!("{a}.norm.weight"), g.linear_dim, 1.0);
+        } else {
+            let a = format!("{p}.self_attn");
+            dense(&mut t, &mut rng, format!("{a}.q_proj.weight"), 2 * g.heads * g.head_dim, h);
+            dense(&mut t, &mut rng, format!("{a}.k_proj.weight"), g.kv_heads * g.head_dim, h);
+            dense(&mut t, &mut rng, format!("{a}.v_proj.weight"), g.kv_heads * g.head_dim, h);
+            dense(&mut t, &mut rng, format!("{a}.o_proj.weight"), h, g.heads * g.head_dim);
+            vector(&mut t, &mut rng, format!("{a}.q_norm.weight"), g.head_dim, 0.0);
+            vector(&mut t, &mut rng, format!("{a}.k_norm.weight"), g.head_dim, 0.0);
+        }
+        let m = format!("{p}.mlp");
+        dense(&mut t, &mut rng, format!("{m}.gate.weight"), g.experts, h);
+        dense(&mut t, &mut rng, format!("{m}.shared_expert_gate.weight"), 1, h);
+        for n in ["gate_proj", "up_proj"] {
+            dense(&mut t, &mut rng, format!("{m}.shared_expert.{n}.weight"), g.shared_width, h);
+        }
+        dense(&mut t, &mut rng, format!("{m}.shared_expert.down_proj.weight"), h, g.shared_width);
+        for e in 0..g.experts {
+            let ep = format!("{m}.experts.{e}");
+            expert_bytes += nvfp4(&mut t, &mut rng, &format!("{ep}.gate_proj"), g.expert_width, h);
+            expert_bytes += nvfp4(&mut t, &mut rng, &format!("{ep}.up_proj"), g.expert_width, h);
+            expert_bytes += nvfp4(&mut t, &mut rng, &format!("{ep}.down_proj"), h, g.expert_width);
+        }
+        total += write(dir, &format!("model-layer-{i:03}.safetensors"), &t, &mut index)?;
+    }
+    let mut t: Tensors = Vec::new();
+    t.push((
+        "model.embed_tokens.weight".into(),
+        Dtype::BF16,
+        vec![g.vocab, h],
+        bf16(&mut rng, &[g.vocab, h], 1.0, 0.0),
+    ));
+    vector(&mut t, &mut rng, "model.norm.weight".into(), h, 0.0);
+    dense(&mut t, &mut rng, "lm_head.weight".into(), g.vocab, h);
+    total += write(dir, "model-embed.safetensors", &t, &mut index)?;
+    let exclude = ["lm_head", "*embed_tokens*", "*self_attn*", "*linear_attn*", "*shared_expert*", "*.mlp.gate"];
+    let qc = json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": exclude});
+    let cfg = json!({
+        "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+        "vocab_size": g.vocab, "hidden_size": h, "num_hidden_layers": layers, "layer_types": types,
+        "num_attention_heads": g.heads, "num_key_value_heads": g.kv_heads, "head_dim": g.head_dim,
+        "linear_num_key_heads": g.linear_k_heads, "linear_num_value_heads": g.linear_v_heads,
+        "linear_key_head_dim": g.linear_dim, "linear_value_head_dim": g.linear_dim, "linear_conv_kernel_dim": 4,
+        "num_experts": g.experts, "num_experts_per_tok": g.top_k, "moe_intermediate_size": g.expert_width,
+        "shared_expert_intermediate_size": g.shared_width, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768, "tie_word_embeddings": false,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                            "mrope_section": sections(g.head_dim), "mrope_interleaved": true},
+        "quantization_config": qc,
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
+    let idx = json!({"metadata": {"total_size": total}, "weight_map": index});
+    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&idx)?)?;
+    Ok(SynthReport { geometry: g, layers, expert_bytes, total_bytes: total, secs: t0.elapsed().as_secs_f64() })
+}
