@@ -256,6 +256,15 @@ enum BenchCommand {
         #[arg(long, default_value_t = 7)]
         seed: u64,
     },
+    /// SVG charts from bench JSON files: TTFT per request / turn and latency distributions from a
+    /// `bench serve --out` file; decode tok/s and residency vs budget from `bench experts` lines.
+    Chart {
+        /// Directory for the SVG files.
+        #[arg(long)]
+        out: PathBuf,
+        /// The JSON files.
+        files: Vec<PathBuf>,
+    },
     /// The ratios B / A of every number two bench JSON files share.
     Compare {
         /// The baseline run.
@@ -423,6 +432,12 @@ fn main() -> Result<()> {
             let report = osprey_bench::synth::synth(&out, g, layers.max(1), seed)
                 .with_context(|| format!("writing {}", out.display()))?;
             println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Chart { out, files }) => {
+            for p in osprey_bench::chart::charts(&files, &out).map_err(anyhow::Error::msg)? {
+                println!("{}", p.display());
+            }
             Ok(())
         }
         Command::Bench(BenchCommand::Compare { a, b }) => {

@@ -80,3 +80,26 @@ fn a_refused_connection_or_a_server_that_only_errs_is_a_clear_error() {
     assert!(e.contains("every request failed") && e.contains("engine_error"), "{e}");
     assert!(t.elapsed().as_secs() < 30, "no hang");
 }
+
+/// `bench chart` turns a serve report and experts lines into SVG files.
+#[test]
+fn charts_are_drawn_from_serve_and_experts_results() {
+    let dir = osprey::model_dir(&Settings::default()).expect("default model");
+    let addr = harness::start(Settings::default(), dir);
+    let r = run(&opts(format!("http://{addr}"), Scenario::Conversation, 2)).expect("run");
+    let out = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-charts");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).expect("mkdir");
+    let serve = out.join("conv.json");
+    std::fs::write(&serve, serde_json::json!({"report": r}).to_string()).expect("write");
+    let experts = out.join("experts.jsonl");
+    let line = |b: f64, t: f64, r: f64| format!("{{\"budget_fraction\":{b},\"decode_tok_s\":{t},\"residency\":{r}}}\n");
+    std::fs::write(&experts, line(1.0, 20.0, 0.9) + &line(0.25, 12.0, 0.3)).expect("write");
+    let written = osprey_bench::chart::charts(&[serve, experts], &out).expect("charts");
+    assert_eq!(written.len(), 3);
+    for p in written {
+        let svg = std::fs::read_to_string(&p).expect("svg");
+        assert!(svg.starts_with("<svg") && svg.contains("</svg>"), "{}", p.display());
+    }
+    assert!(osprey_bench::chart::charts(&[out.join("missing.json")], &out).is_err());
+}

@@ -7,6 +7,7 @@
 //! budgets) and `osprey bench serve` ([`serve`]: a load generator for any OpenAI-compatible server).
 //! Numbers go to `docs/benchmarks.md`, never into tests.
 
+pub mod chart;
 mod compare;
 mod experts;
 pub mod serve;
