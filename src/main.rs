@@ -332,6 +332,18 @@ enum BenchCommand {
         /// PLE row budget as a fraction of the tables' rows (models with PLE, qwen4_exp).
         #[arg(long, default_value_t = 1.0)]
         ple_budget: f64,
+        /// Write the routing trace the run recorded (JSON) for `bench replay`.
+        #[arg(long)]
+        trace_out: Option<PathBuf>,
+    },
+    /// Eviction policies compared on a recorded routing trace at several budgets, without the model.
+    Replay {
+        /// A trace written by `bench experts --trace-out`.
+        #[arg(long)]
+        trace: PathBuf,
+        /// Budgets as fractions of all experts, comma-separated.
+        #[arg(long, default_value = "1,0.5,0.25,0.1")]
+        budgets: String,
     },
     /// Sustained DRAM read bandwidth with the compute threads (the decode roofline's denominator).
     Membw {
@@ -381,9 +393,21 @@ fn main() -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }
-        Command::Bench(BenchCommand::Experts { model, budget, prompt_len, decode_tokens, wait_all, ple_budget }) => {
-            let report =
-                osprey_bench::bench_experts(&model, (budget, ple_budget), prompt_len, decode_tokens, wait_all)?;
+        Command::Bench(BenchCommand::Experts {
+            model,
+            budget,
+            prompt_len,
+            decode_tokens,
+            wait_all,
+            ple_budget,
+            trace_out,
+        }) => {
+            let (report, trace) =
+                osprey_bench::bench_experts_traced(&model, (budget, ple_budget), prompt_len, decode_tokens, wait_all)?;
+            if let Some(path) = trace_out {
+                std::fs::write(&path, serde_json::to_string(&trace)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }
@@ -432,6 +456,19 @@ fn main() -> Result<()> {
             let report = osprey_bench::synth::synth(&out, g, layers.max(1), seed)
                 .with_context(|| format!("writing {}", out.display()))?;
             println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Replay { trace, budgets }) => {
+            let text = std::fs::read_to_string(&trace).with_context(|| format!("reading {}", trace.display()))?;
+            let t: osprey_bench::TraceFile =
+                serde_json::from_str(&text).with_context(|| format!("{} is not a routing trace", trace.display()))?;
+            let fractions: Vec<f64> = budgets
+                .split(',')
+                .map(|b| b.trim().parse::<f64>().with_context(|| format!("budget {b:?}")))
+                .collect::<Result<_>>()?;
+            for (f, p) in osprey_bench::replay(&t, &fractions) {
+                println!("{}", serde_json::json!({"budget_fraction": f, "policies": p}));
+            }
             Ok(())
         }
         Command::Bench(BenchCommand::Chart { out, files }) => {

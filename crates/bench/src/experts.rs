@@ -38,6 +38,31 @@ impl ExpertSource for Recording {
     }
 }
 
+/// A recorded routing trace as a file: what `bench experts --trace-out` writes and `bench replay` reads.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct TraceFile {
+    /// MoE layers.
+    pub layers: usize,
+    /// Routed experts per layer.
+    pub experts_per_layer: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Per MoE request, in order: the layer and the experts it routed to.
+    pub trace: Vec<(usize, Vec<usize>)>,
+}
+
+/// The policies' hit rates on a recorded trace at each budget (a fraction of all experts), without
+/// running the model.
+pub fn replay(t: &TraceFile, fractions: &[f64]) -> Vec<(f64, PolicyHitRates)> {
+    fractions
+        .iter()
+        .map(|&f| {
+            let capacity = ((t.layers * t.experts_per_layer) as f64 * f) as usize;
+            (f, simulate(&t.trace, t.layers, t.experts_per_layer, capacity.max(t.top_k)))
+        })
+        .collect()
+}
+
 /// Hit rate of each policy on a trace (warm-up on the first half, measured on the second).
 #[derive(Clone, Debug, Serialize)]
 pub struct PolicyHitRates {
@@ -169,6 +194,17 @@ pub fn bench_experts(
     decode_tokens: usize,
     wait_all: bool,
 ) -> crate::Result<ExpertsReport> {
+    bench_experts_traced(dir, (fraction, ple_fraction), prompt_len, decode_tokens, wait_all).map(|(r, _)| r)
+}
+
+/// [`bench_experts`], also returning the routing trace the run recorded.
+pub fn bench_experts_traced(
+    dir: &Path,
+    (fraction, ple_fraction): (f64, f64),
+    prompt_len: usize,
+    decode_tokens: usize,
+    wait_all: bool,
+) -> crate::Result<(ExpertsReport, TraceFile)> {
     let cfg = ModelConfig::from_dir(dir)?;
     let ck = Checkpoint::open(dir)?;
     let layout = osprey_models::expert_layout(&cfg, &ck)?
@@ -211,7 +247,8 @@ pub fn bench_experts(
     let (hits, misses, bytes, read_s) = (h1 - h0, m1 - m0, b1 - b0, r1 - r0);
     let trace = trace.lock().map(|t| t.clone()).unwrap_or_default();
     let capacity_experts = budget_bytes / per_expert.max(1);
-    Ok(ExpertsReport {
+    let file = TraceFile { layers: prefixes.len(), experts_per_layer: layout.num_experts, top_k, trace: trace.clone() };
+    let report = ExpertsReport {
         budget_fraction: fraction,
         budget_bytes: budget_bytes as u64,
         expert_bytes: total as u64,
@@ -227,5 +264,6 @@ pub fn bench_experts(
         ple_budget_fraction: (ple_rows > 0).then_some(ple_fraction),
         ple_residency: (ple_rows > 0).then(|| ph as f64 / (ph + pm).max(1) as f64),
         ple_bytes_read_per_token: (ple_rows > 0).then(|| pb as f64 / decode_tokens.max(1) as f64),
-    })
+    };
+    Ok((report, file))
 }

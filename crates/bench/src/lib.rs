@@ -17,7 +17,7 @@ pub use compare::compare;
 
 use std::time::Instant;
 
-pub use experts::{bench_experts, ExpertsReport, PolicyHitRates};
+pub use experts::{bench_experts, bench_experts_traced, replay, ExpertsReport, PolicyHitRates, TraceFile};
 
 use osprey_models::vision::{preprocess_image, ImageParams, RgbImage, VisionTower};
 use std::sync::Arc;

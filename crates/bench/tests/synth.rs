@@ -32,3 +32,22 @@ fn a_synthetic_checkpoint_loads_runs_and_streams_its_experts() {
         assert!(rep.residency < 1.0 && rep.bytes_read_per_token > 0.0, "experts streamed from disk");
     }
 }
+
+/// A run's routing trace, written and read back as a file, replays the policies at several budgets
+/// without the model: more room never lowers LRU's hit rate, and the whole budget holds every expert.
+#[test]
+fn a_recorded_routing_trace_replays_the_policies_at_other_budgets() {
+    let dir = scratch("trace");
+    synth(&dir, TINY, 2, 9).expect("synth");
+    let (_, trace) = osprey_bench::bench_experts_traced(&dir, (0.25, 1.0), 8, 6, false).expect("run");
+    assert_eq!((trace.layers, trace.experts_per_layer, trace.top_k), (2, 8, 2));
+    assert!(!trace.trace.is_empty());
+    let file = dir.join("trace.json");
+    std::fs::write(&file, serde_json::to_string(&trace).expect("json")).expect("write");
+    let back: osprey_bench::TraceFile =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("read")).expect("parse");
+    let rates = osprey_bench::replay(&back, &[0.25, 0.5, 1.0]);
+    let lru: Vec<f64> = rates.iter().map(|(_, p)| p.lru).collect();
+    assert!(lru.windows(2).all(|w| w[0] <= w[1] + 1e-9), "{lru:?}");
+    assert!(lru[2] > 0.99, "every expert fits: {lru:?}");
+}
