@@ -294,9 +294,12 @@ fn one(a: &ureq::Agent, o: &ServeOptions, index: usize, msgs: Value, t0: Instant
             s.error = Some(e["code"].as_str().unwrap_or("stream_error").to_string());
             break;
         }
+        // A token's chunk carries `content` (or `reasoning_content`), possibly empty (a token that ends
+        // inside a UTF-8 sequence, or that renders as nothing); the role-only first chunk some servers
+        // send at once carries neither and is not a token.
         let delta = &v["choices"][0]["delta"];
-        let piece = delta["content"].as_str().or_else(|| delta["reasoning_content"].as_str()).unwrap_or("");
-        if !piece.is_empty() {
+        let piece = delta["content"].as_str().or_else(|| delta["reasoning_content"].as_str());
+        if let Some(piece) = piece {
             let now = start.elapsed().as_secs_f64();
             match last {
                 None => s.ttft_s = Some(now),
