@@ -335,6 +335,14 @@ enum BenchCommand {
         /// Write the routing trace the run recorded (JSON) for `bench replay`.
         #[arg(long)]
         trace_out: Option<PathBuf>,
+        /// A sweep instead of one budget: comma-separated fractions, each run in its own process (so
+        /// each peak RSS is that budget's), after measuring the disk's read bandwidth; the runs go to
+        /// stdout as JSON lines, and with `--out` into one JSON file with the machine.
+        #[arg(long)]
+        budgets: Option<String>,
+        /// With `--budgets`: the sweep's JSON file.
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// Eviction policies compared on a recorded routing trace at several budgets, without the model.
     Replay {
@@ -395,12 +403,58 @@ fn main() -> Result<()> {
         }
         Command::Bench(BenchCommand::Experts {
             model,
+            prompt_len,
+            decode_tokens,
+            wait_all,
+            ple_budget,
+            budgets: Some(budgets),
+            out,
+            ..
+        }) => {
+            let disk = osprey_bench::measure_disk_read(&model, 3.0).context("measuring the disk")?;
+            eprintln!("disk random-read bandwidth {disk:.2} GB/s (O_DIRECT 512 KiB reads over the checkpoint)");
+            let mut runs = Vec::new();
+            for b in budgets.split(',') {
+                let b: f64 = b.trim().parse().with_context(|| format!("budget {b:?}"))?;
+                let mut cmd = std::process::Command::new(std::env::current_exe()?);
+                if let Some(t) = cli.threads {
+                    cmd.arg("--threads").arg(t.to_string());
+                }
+                cmd.args(["bench", "experts", "--model"]).arg(&model);
+                cmd.args(["--budget", &b.to_string(), "--ple-budget", &(b * ple_budget).to_string()]);
+                cmd.args(["--prompt-len", &prompt_len.to_string(), "--decode-tokens", &decode_tokens.to_string()]);
+                if wait_all {
+                    cmd.arg("--wait-all");
+                }
+                let o = cmd.stderr(std::process::Stdio::null()).output().context("running a budget")?;
+                anyhow::ensure!(o.status.success(), "the run at budget {b} failed");
+                let line = String::from_utf8_lossy(&o.stdout).trim().to_string();
+                println!("{line}");
+                runs.push(serde_json::from_str::<serde_json::Value>(&line)?);
+            }
+            if let Some(path) = out {
+                let doc = serde_json::json!({
+                    "command": std::env::args().collect::<Vec<_>>(),
+                    "osprey_version": env!("CARGO_PKG_VERSION"),
+                    "machine": osprey_bench::machine(),
+                    "disk_read_gb_s": disk,
+                    "runs": runs,
+                });
+                std::fs::write(&path, serde_json::to_string_pretty(&doc)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Experts {
+            model,
             budget,
             prompt_len,
             decode_tokens,
             wait_all,
             ple_budget,
             trace_out,
+            budgets: None,
+            ..
         }) => {
             let (report, trace) =
                 osprey_bench::bench_experts_traced(&model, (budget, ple_budget), prompt_len, decode_tokens, wait_all)?;

@@ -103,3 +103,36 @@ fn charts_are_drawn_from_serve_and_experts_results() {
     }
     assert!(osprey_bench::chart::charts(&[out.join("missing.json")], &out).is_err());
 }
+
+/// `osprey bench experts --budgets` on the default model: a two-point sweep, each budget in its own
+/// process, with the disk's bandwidth and the machine in its JSON, which `bench chart` draws.
+#[test]
+fn a_two_point_expert_budget_sweep_runs_on_the_default_model() {
+    let dir = osprey::model_dir(&Settings::default()).expect("default model");
+    let out = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-sweep");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).expect("mkdir");
+    let json = out.join("sweep.json");
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_osprey"))
+        .args(["--threads", "2", "bench", "experts", "--model"])
+        .arg(&dir)
+        .args(["--budgets", "1,0.5", "--prompt-len", "8", "--decode-tokens", "4", "--out"])
+        .arg(&json)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("run osprey");
+    assert!(status.success());
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("parse");
+    assert_eq!(v["runs"].as_array().map(Vec::len), Some(2));
+    assert!(v["disk_read_gb_s"].as_f64().is_some() && v["machine"]["cores"].as_u64().is_some());
+    for run in v["runs"].as_array().expect("runs") {
+        for field in
+            ["budget_fraction", "decode_tok_s", "residency", "bytes_read_per_token", "peak_rss_bytes", "policies"]
+        {
+            assert!(run.get(field).is_some(), "{field}");
+        }
+    }
+    let written = osprey_bench::chart::charts(&[json], &out).expect("chart");
+    assert!(written.iter().any(|p| p.ends_with("experts.svg")));
+}

@@ -3,7 +3,8 @@
 //! - A `bench serve --out` file gives `<stem>-ttft.svg` (time to first token per request; for a
 //!   conversation, per turn, with the cached share of the prompt beside it) and `<stem>-latency.svg`
 //!   (the distribution of TTFT and inter-token gaps as empirical CDFs).
-//! - `bench experts` reports (one JSON object per budget, one per line or per file) give `experts.svg`:
+//! - `bench experts` reports (one JSON object per budget, one per line or per file, or a `--budgets
+//!   --out` sweep) give `experts.svg`:
 //!   decode tok/s and expert residency against the budget.
 
 use std::path::{Path, PathBuf};
@@ -30,14 +31,15 @@ pub fn charts(files: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>, String> {
                 written.push(latency_chart(samples, &out.join(format!("{stem}-latency.svg")))?);
                 continue;
             }
+            // A `bench experts --budgets --out` sweep.
+            if let Some(runs) = doc["runs"].as_array() {
+                experts.extend(runs.iter().filter_map(experts_point));
+                continue;
+            }
         }
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
             let v: Value = serde_json::from_str(line).map_err(|e| format!("{}: {e}", f.display()))?;
-            if let (Some(b), Some(t), Some(r)) =
-                (v["budget_fraction"].as_f64(), v["decode_tok_s"].as_f64(), v["residency"].as_f64())
-            {
-                experts.push((b, t, r));
-            }
+            experts.extend(experts_point(&v));
         }
     }
     if !experts.is_empty() {
@@ -48,6 +50,11 @@ pub fn charts(files: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>, String> {
         return Err("no bench serve or bench experts results in the files given".into());
     }
     Ok(written)
+}
+
+/// (budget, decode tok/s, residency) of one `bench experts` report.
+fn experts_point(v: &Value) -> Option<(f64, f64, f64)> {
+    Some((v["budget_fraction"].as_f64()?, v["decode_tok_s"].as_f64()?, v["residency"].as_f64()?))
 }
 
 fn ttft_chart(samples: &[Value], path: &Path) -> Result<PathBuf, String> {

@@ -267,3 +267,38 @@ pub fn bench_experts_traced(
     };
     Ok((report, file))
 }
+
+/// The disk's random-read bandwidth over a model's safetensors files, measured the way expert misses
+/// read (the experts' reader: io_uring with O_DIRECT, else pread): batches of 16 reads of 512 KiB at
+/// seeded offsets for about `secs` seconds. GB/s; the upper bound on expert streaming.
+pub fn measure_disk_read(dir: &Path, secs: f64) -> std::io::Result<f64> {
+    use osprey_experts::ReadReq;
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    let sizes: Vec<u64> = files.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)).collect();
+    let chunk = 512usize << 10;
+    let usable: Vec<usize> = (0..files.len()).filter(|&i| sizes[i] > chunk as u64).collect();
+    if usable.is_empty() {
+        return Ok(0.0);
+    }
+    let mut reader = open_reader(&files, None)?;
+    let (mut state, mut bytes) = (0x1234_5678_9abc_def0u64, 0u64);
+    let t0 = std::time::Instant::now();
+    while t0.elapsed().as_secs_f64() < secs {
+        let reqs: Vec<ReadReq> = (0..16)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let f = usable[(state >> 33) as usize % usable.len()];
+                let blocks = (sizes[f] - chunk as u64) / 4096;
+                ReadReq { file: f, offset: ((state >> 11) % blocks.max(1)) * 4096, len: chunk }
+            })
+            .collect();
+        for r in reader.read_batch(&reqs) {
+            bytes += r.map(|_| chunk as u64)?;
+        }
+    }
+    Ok(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9)
+}

@@ -17,7 +17,9 @@ pub use compare::compare;
 
 use std::time::Instant;
 
-pub use experts::{bench_experts, bench_experts_traced, replay, ExpertsReport, PolicyHitRates, TraceFile};
+pub use experts::{
+    bench_experts, bench_experts_traced, measure_disk_read, replay, ExpertsReport, PolicyHitRates, TraceFile,
+};
 
 use osprey_models::vision::{preprocess_image, ImageParams, RgbImage, VisionTower};
 use std::sync::Arc;
