@@ -21,6 +21,7 @@ pub fn charts(files: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>, String> {
     std::fs::create_dir_all(out).map_err(err)?;
     let mut written = Vec::new();
     let mut experts: Vec<(f64, f64, f64)> = Vec::new();
+    let mut turns: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     for f in files {
         let text = std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
         let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
@@ -29,6 +30,11 @@ pub fn charts(files: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>, String> {
             if let Some(samples) = doc["report"]["samples"].as_array() {
                 written.push(ttft_chart(samples, &out.join(format!("{stem}-ttft.svg")))?);
                 written.push(latency_chart(samples, &out.join(format!("{stem}-latency.svg")))?);
+                let pts = samples
+                    .iter()
+                    .filter_map(|s| Some((s["index"].as_f64()? + 1.0, s["ttft_s"].as_f64()? * 1e3)))
+                    .collect();
+                turns.push((stem, pts));
                 continue;
             }
             // A `bench experts --budgets --out` sweep.
@@ -42,6 +48,9 @@ pub fn charts(files: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>, String> {
             experts.extend(experts_point(&v));
         }
     }
+    if turns.len() > 1 {
+        written.push(turns_chart(&turns, &out.join("ttft-runs.svg"))?);
+    }
     if !experts.is_empty() {
         experts.sort_by(|a, b| a.0.total_cmp(&b.0));
         written.push(experts_chart(&experts, &out.join("experts.svg"))?);
@@ -50,6 +59,33 @@ pub fn charts(files: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>, String> {
         return Err("no bench serve or bench experts results in the files given".into());
     }
     Ok(written)
+}
+
+/// TTFT per request (turn) of several serve runs in one chart, one line per run (its file name): e.g.
+/// one conversation with the prefix cache and without it.
+fn turns_chart(runs: &[(String, Vec<(f64, f64)>)], path: &Path) -> Result<PathBuf, String> {
+    let n = runs.iter().flat_map(|r| r.1.iter().map(|p| p.0)).fold(1.0, f64::max);
+    let top = runs.iter().flat_map(|r| r.1.iter().map(|p| p.1)).fold(1.0, f64::max) * 1.1;
+    let root = SVGBackend::new(path, (720, 420)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let mut c = ChartBuilder::on(&root)
+        .caption("time to first token per request (turn), by run", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0.5..n + 0.5, 0.0..top)
+        .map_err(err)?;
+    c.configure_mesh().x_desc("request / turn").y_desc("TTFT (ms)").draw().map_err(err)?;
+    for (i, (name, pts)) in runs.iter().enumerate() {
+        let colour = Palette99::pick(i).to_rgba();
+        c.draw_series(LineSeries::new(pts.iter().copied(), colour))
+            .map_err(err)?
+            .label(name.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], colour));
+    }
+    c.configure_series_labels().border_style(BLACK).background_style(WHITE).draw().map_err(err)?;
+    root.present().map_err(err)?;
+    Ok(path.to_path_buf())
 }
 
 /// (budget, decode tok/s, residency) of one `bench experts` report.
