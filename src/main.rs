@@ -246,7 +246,7 @@ enum BenchCommand {
         /// Output directory.
         #[arg(long)]
         out: PathBuf,
-        /// Layer geometry: qwen3.5-35b-a3b or tiny.
+        /// Layer geometry: qwen3.5-35b-a3b, qwen3.8-flash-next, tiny or tiny-flash.
         #[arg(long, default_value = "qwen3.5-35b-a3b")]
         geometry: String,
         /// Decoder layers (every fourth is full attention).
@@ -505,8 +505,9 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Bench(BenchCommand::Synth { out, geometry, layers, seed }) => {
-            let g = osprey_bench::synth::geometry(&geometry)
-                .with_context(|| format!("unknown geometry {geometry:?} (qwen3.5-35b-a3b, tiny)"))?;
+            let g = osprey_bench::synth::geometry(&geometry).with_context(|| {
+                format!("unknown geometry {geometry:?} (qwen3.5-35b-a3b, qwen3.8-flash-next, tiny, tiny-flash)")
+            })?;
             let report = osprey_bench::synth::synth(&out, g, layers.max(1), seed)
                 .with_context(|| format!("writing {}", out.display()))?;
             println!("{}", serde_json::to_string(&report)?);

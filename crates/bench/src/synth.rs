@@ -3,7 +3,8 @@
 //! generator stays the source of transformers fixtures).
 //!
 //! The checkpoint is a Hugging Face directory osprey loads like any other: `config.json` (a text-only
-//! `qwen3_5_moe_text` with ModelOpt NVFP4 `quantization_config`), one safetensors shard per layer plus
+//! `qwen3_5_moe_text`, or `qwen4_exp_text` for Qwen3.8-Flash-Next's geometry, with ModelOpt NVFP4
+//! `quantization_config`), one safetensors shard per layer plus
 //! one for the embedding and head, and `model.safetensors.index.json`. Routed experts are NVFP4 (ModelOpt
 //! layout: packed nibbles, e4m3 block scales, a global scale); everything else is bf16. Values are
 //! seeded noise scaled by 1/sqrt(fan-in), so activations stay O(1) through the layers; a shard is built
@@ -46,6 +47,27 @@ pub struct Geometry {
     pub shared_width: usize,
     /// Vocabulary (embedding and head rows).
     pub vocab: usize,
+    /// Qwen3.8-Flash-Next's additions (a `qwen4_exp` checkpoint), or none (`qwen3_5_moe`).
+    pub flash: Option<Flash>,
+}
+
+/// What `qwen4_exp` adds to a Qwen3.5-MoE layer.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Flash {
+    /// Hyper-connection streams.
+    pub hc: usize,
+    /// Rank of the hyper-connection mixers.
+    pub hc_rank: usize,
+    /// PLE embedding width (all heads together).
+    pub ple_dim: usize,
+    /// Hash heads per n-gram order (orders 2 and 3).
+    pub ple_heads_per_order: usize,
+    /// Rows per hash head are the primes above this (20 M in the real model).
+    pub ple_vocab_base: u64,
+    /// QSA indexer heads and width.
+    pub indexer_heads: usize,
+    /// Width of an indexer head.
+    pub indexer_dim: usize,
 }
 
 /// Qwen3.5-35B-A3B's layer shapes (BENCHMARKS.md's q35moe-L4 uses them).
@@ -63,6 +85,35 @@ pub const QWEN35_35B_A3B: Geometry = Geometry {
     expert_width: 512,
     shared_width: 512,
     vocab: 32768,
+    flash: None,
+};
+
+/// Qwen3.8-Flash-Next's layer shapes (issue 15: hidden 2560, 512 experts top-10 of width 640, 4 streams
+/// of rank 320, PLE 16 heads x 160). The PLE table is the one part cut (`--ple-vocab-base` picks its
+/// rows; the real 20 M gives ~100 GB per PLE layer).
+pub const QWEN38_FLASH_NEXT: Geometry = Geometry {
+    name: "qwen3.8-flash-next",
+    hidden: 2560,
+    heads: 20,
+    kv_heads: 2,
+    head_dim: 256,
+    linear_k_heads: 16,
+    linear_v_heads: 32,
+    linear_dim: 128,
+    experts: 512,
+    top_k: 10,
+    expert_width: 640,
+    shared_width: 640,
+    vocab: 32768,
+    flash: Some(Flash {
+        hc: 4,
+        hc_rank: 320,
+        ple_dim: 2560,
+        ple_heads_per_order: 8,
+        ple_vocab_base: 100_000,
+        indexer_heads: 16,
+        indexer_dim: 128,
+    }),
 };
 
 /// A tiny geometry for tests.
@@ -80,11 +131,27 @@ pub const TINY: Geometry = Geometry {
     expert_width: 64,
     shared_width: 64,
     vocab: 1024,
+    flash: None,
+};
+
+/// [`TINY`] as a `qwen4_exp` checkpoint, for tests.
+pub const TINY_FLASH: Geometry = Geometry {
+    name: "tiny-flash",
+    flash: Some(Flash {
+        hc: 4,
+        hc_rank: 16,
+        ple_dim: 64,
+        ple_heads_per_order: 2,
+        ple_vocab_base: 1000,
+        indexer_heads: 2,
+        indexer_dim: 32,
+    }),
+    ..TINY
 };
 
 /// Looks a geometry up by name.
 pub fn geometry(name: &str) -> Option<Geometry> {
-    [QWEN35_35B_A3B, TINY].into_iter().find(|g| g.name == name)
+    [QWEN35_35B_A3B, QWEN38_FLASH_NEXT, TINY, TINY_FLASH].into_iter().find(|g| g.name == name)
 }
 
 /// What was written.
@@ -157,6 +224,56 @@ fn e4m3_code(v: f32) -> u8 {
     (((e + 7).clamp(1, 15) as u8) << 3) | (m.clamp(0, 7) as u8)
 }
 
+/// A hyper-connection's mixers (and its injection, but for the final mixer).
+fn hyper_connection(t: &mut Tensors, rng: &mut Rng, p: &str, h: usize, f: Flash, inject: bool) {
+    let wide = f.hc * h;
+    vector(t, rng, format!("{p}.hc_norm.weight"), wide, 0.0);
+    dense(t, rng, format!("{p}.input_mix_weight_down.weight"), f.hc_rank, wide);
+    dense(t, rng, format!("{p}.input_mix_weight_up.weight"), wide, f.hc_rank);
+    if inject {
+        dense(t, rng, format!("{p}.block_inject_weight.weight"), f.hc, wide);
+    }
+}
+
+/// Rows of PLE layer `index`'s table: its heads take the next primes above the base (after the earlier
+/// layers' heads), padded to a multiple of 128, as transformers sizes it.
+fn ple_rows(f: Flash, index: usize) -> usize {
+    let is_prime = |v: u64| v >= 2 && (2..).take_while(|d| d * d <= v).all(|d| !v.is_multiple_of(d));
+    let heads = 2 * f.ple_heads_per_order;
+    let mut p = f.ple_vocab_base - 1;
+    let mut next = || {
+        p += 1;
+        while !is_prime(p) {
+            p += 1;
+        }
+        p
+    };
+    for _ in 0..index * heads {
+        next();
+    }
+    let rows: u64 = (0..heads).map(|_| next()).sum();
+    (rows.div_ceil(128) * 128) as usize
+}
+
+/// One PLE layer: its table (one tensor), projections, norms and conv.
+fn ple(t: &mut Tensors, rng: &mut Rng, p: &str, h: usize, f: Flash, index: usize) {
+    let wide = f.hc * h;
+    let head = f.ple_dim / (2 * f.ple_heads_per_order);
+    let rows = ple_rows(f, index);
+    t.push((
+        format!("{p}.ple_embedding.ngram_embedding.weight"),
+        Dtype::BF16,
+        vec![rows, head],
+        bf16(rng, &[rows, head], 1.0, 0.0),
+    ));
+    dense(t, rng, format!("{p}.key_proj.weight"), wide, f.ple_dim);
+    dense(t, rng, format!("{p}.value_proj.weight"), h, f.ple_dim);
+    for n in ["norm_key", "norm_query", "norm_conv"] {
+        vector(t, rng, format!("{p}.{n}.weight"), wide, 0.0);
+    }
+    t.push((format!("{p}.conv1d.weight"), Dtype::BF16, vec![wide, 1, 4], bf16(rng, &[wide, 4], 0.3, 0.0)));
+}
+
 /// mRoPE sections over the `head_dim / 8` rotary frequencies (a quarter of the head rotates): Qwen3.5's
 /// `[11, 11, 10]` at head_dim 256, the same proportions otherwise.
 fn sections(head_dim: usize) -> [usize; 3] {
@@ -181,7 +298,8 @@ fn write(dir: &Path, file: &str, t: &Tensors, index: &mut BTreeMap<String, Strin
 }
 
 /// Writes `layers` layers of geometry `g` (every fourth a full-attention layer, the others Gated
-/// DeltaNet, as Qwen3.5) into `dir`.
+/// DeltaNet, as Qwen3.5; with `g.flash`, a `qwen4_exp` checkpoint: hyper-connections, PLE on every
+/// fourth layer from the first, QSA indexers) into `dir`.
 pub fn synth(dir: &Path, g: Geometry, layers: usize, seed: u64) -> std::io::Result<SynthReport> {
     let t0 = std::time::Instant::now();
     std::fs::create_dir_all(dir)?;
@@ -194,8 +312,21 @@ pub fn synth(dir: &Path, g: Geometry, layers: usize, seed: u64) -> std::io::Resu
     for (i, kind) in types.iter().enumerate() {
         let mut t: Tensors = Vec::new();
         let p = format!("model.layers.{i}");
-        vector(&mut t, &mut rng, format!("{p}.input_layernorm.weight"), h, 0.0);
-        vector(&mut t, &mut rng, format!("{p}.post_attention_layernorm.weight"), h, 0.0);
+        match g.flash {
+            None => {
+                vector(&mut t, &mut rng, format!("{p}.input_layernorm.weight"), h, 0.0);
+                vector(&mut t, &mut rng, format!("{p}.post_attention_layernorm.weight"), h, 0.0);
+            }
+            Some(f) => {
+                for hcp in ["attn_hyper_connection", "mlp_hyper_connection"] {
+                    hyper_connection(&mut t, &mut rng, &format!("{p}.{hcp}"), h, f, true);
+                }
+                // PLE on the first layer of every 4 (a linear layer), as the real config spreads it.
+                if i % 4 == 0 {
+                    ple(&mut t, &mut rng, &format!("{p}.ple"), h, f, i / 4);
+                }
+            }
+        }
         if *kind == "linear_attention" {
             let (kd, vd) = (g.linear_k_heads * g.linear_dim, g.linear_v_heads * g.linear_dim);
             let conv = 2 * kd + vd;
@@ -217,6 +348,12 @@ pub fn synth(dir: &Path, g: Geometry, layers: usize, seed: u64) -> std::io::Resu
             dense(&mut t, &mut rng, format!("{a}.o_proj.weight"), h, g.heads * g.head_dim);
             vector(&mut t, &mut rng, format!("{a}.q_norm.weight"), g.head_dim, 0.0);
             vector(&mut t, &mut rng, format!("{a}.k_norm.weight"), g.head_dim, 0.0);
+            if let Some(f) = g.flash {
+                let ix = format!("{a}.indexer");
+                dense(&mut t, &mut rng, format!("{ix}.index_qk_proj.weight"), (f.indexer_heads + 1) * f.indexer_dim, h);
+                vector(&mut t, &mut rng, format!("{ix}.q_layernorm.weight"), f.indexer_dim, 0.0);
+                vector(&mut t, &mut rng, format!("{ix}.k_layernorm.weight"), f.indexer_dim, 0.0);
+            }
         }
         let m = format!("{p}.mlp");
         dense(&mut t, &mut rng, format!("{m}.gate.weight"), g.experts, h);
@@ -240,12 +377,19 @@ pub fn synth(dir: &Path, g: Geometry, layers: usize, seed: u64) -> std::io::Resu
         vec![g.vocab, h],
         bf16(&mut rng, &[g.vocab, h], 1.0, 0.0),
     ));
-    vector(&mut t, &mut rng, "model.norm.weight".into(), h, 0.0);
+    match g.flash {
+        None => vector(&mut t, &mut rng, "model.norm.weight".into(), h, 0.0),
+        Some(f) => hyper_connection(&mut t, &mut rng, "model.hyper_connection_mixer", h, f, false),
+    }
     dense(&mut t, &mut rng, "lm_head.weight".into(), g.vocab, h);
     total += write(dir, "model-embed.safetensors", &t, &mut index)?;
-    let exclude = ["lm_head", "*embed_tokens*", "*self_attn*", "*linear_attn*", "*shared_expert*", "*.mlp.gate"];
+    let mut exclude =
+        vec!["lm_head", "*embed_tokens*", "*self_attn*", "*linear_attn*", "*shared_expert*", "*.mlp.gate"];
+    if g.flash.is_some() {
+        exclude.extend(["*hyper_connection*", "*.ple.*", "*indexer*"]);
+    }
     let qc = json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": exclude});
-    let cfg = json!({
+    let mut cfg = json!({
         "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
         "vocab_size": g.vocab, "hidden_size": h, "num_hidden_layers": layers, "layer_types": types,
         "num_attention_heads": g.heads, "num_key_value_heads": g.kv_heads, "head_dim": g.head_dim,
@@ -258,6 +402,23 @@ pub fn synth(dir: &Path, g: Geometry, layers: usize, seed: u64) -> std::io::Resu
                             "mrope_section": sections(g.head_dim), "mrope_interleaved": true},
         "quantization_config": qc,
     });
+    if let Some(f) = g.flash {
+        let kinds: Vec<&str> =
+            types.iter().map(|k| if *k == "full_attention" { "indexed_attention" } else { k }).collect();
+        let ple_ids: Vec<usize> = (0..layers).filter(|i| i % 4 == 0).map(|i| i + 1).collect();
+        let extra = json!({
+            "architectures": ["Qwen4ExpForCausalLM"], "model_type": "qwen4_exp_text", "layer_types": kinds,
+            "hc_count": f.hc, "hc_lowrank": f.hc_rank, "ple_layer_ids": ple_ids, "ple_embed_dim": f.ple_dim,
+            "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": f.ple_heads_per_order,
+            "ngram_vocab_size_base": f.ple_vocab_base, "make_ngram_vocab_size_divisible_by": 128, "seed": 1234,
+            "indexer_n_heads": f.indexer_heads, "indexer_kv_heads": 1, "indexer_head_dim": f.indexer_dim,
+            "indexer_budget": 2048, "indexer_compress_ratio": 64, "output_gate_type": "silu",
+            "norm_topk_prob": true, "eos_token_id": 0,
+        });
+        if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
+            c.extend(e.clone());
+        }
+    }
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
     let idx = json!({"metadata": {"total_size": total}, "weight_map": index});
     std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&idx)?)?;

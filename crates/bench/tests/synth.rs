@@ -51,3 +51,20 @@ fn a_recorded_routing_trace_replays_the_policies_at_other_budgets() {
     assert!(lru.windows(2).all(|w| w[0] <= w[1] + 1e-9), "{lru:?}");
     assert!(lru[2] > 0.99, "every expert fits: {lru:?}");
 }
+
+/// The `qwen4_exp` geometry: hyper-connections, PLE (a table sized as transformers sizes it) and QSA
+/// indexers; osprey loads it as that family and runs it, its experts streaming under a budget.
+#[test]
+fn a_synthetic_flash_next_checkpoint_loads_and_runs_as_qwen4_exp() {
+    let dir = scratch("flash");
+    synth(&dir, osprey_bench::synth::TINY_FLASH, 4, 5).expect("synth");
+    let m = osprey_models::load(&dir).expect("load the synthetic qwen4_exp checkpoint");
+    assert_eq!(m.info().family, "qwen4_exp");
+    let ids: Vec<u32> = (1..=24).collect();
+    let mut st = m.new_state();
+    let input = SeqInput { logits: LogitsWanted::Last, ..SeqInput::text(&ids) };
+    let logits = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("forward").logits.remove(0);
+    assert!(logits.iter().all(|v| v.is_finite()));
+    let rep = osprey_bench::bench_experts(&dir, (0.25, 0.5), 8, 4, false).expect("bench experts");
+    assert!(rep.residency < 1.0 && rep.ple_bytes_read_per_token.is_some());
+}
