@@ -10,6 +10,7 @@
 pub mod chart;
 mod compare;
 mod experts;
+mod rng;
 pub mod serve;
 pub mod synth;
 

@@ -14,6 +14,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+
+use crate::rng::Rng;
 use serde_json::{json, Value};
 
 /// What the run sends.
@@ -143,22 +145,6 @@ pub struct ServeReport {
     /// Against osprey: how its counters moved over the run (expert hits, misses and bytes read, prefix
     /// cache hits, PLE rows).
     pub metrics_delta: BTreeMap<String, f64>,
-}
-
-/// A deterministic generator (splitmix64) for media, prompts and arrival times.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 /// A PNG of `w`×`h` pixels drawn from `seed`: a gradient with a rectangle of one colour.

@@ -16,6 +16,8 @@ use std::path::Path;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde::Serialize;
+
+use crate::rng::Rng;
 use serde_json::json;
 
 /// A layer geometry to synthesise.
@@ -167,23 +169,6 @@ pub struct SynthReport {
     pub total_bytes: u64,
     /// Seconds it took.
     pub secs: f64,
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Roughly N(0, 1): a sum of four uniforms, centred and scaled.
-    fn normal(&mut self) -> f32 {
-        let u: f32 = (0..4).map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32).sum();
-        (u - 2.0) * 1.732
-    }
 }
 
 type Tensors = Vec<(String, Dtype, Vec<usize>, Vec<u8>)>;
