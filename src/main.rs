@@ -309,6 +309,10 @@ enum BenchCommand {
         /// Write the report (every sample, the command line, version and machine) as JSON here.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// The served checkpoint's directory, when the server runs on this machine: its disk's random-read
+        /// bandwidth (as expert misses read it) is measured at the start and recorded with the machine.
+        #[arg(long)]
+        disk_dir: Option<PathBuf>,
     },
     /// Decode with routed experts streamed from disk under a RAM budget (one budget per process, so the
     /// peak RSS is that budget's); compares eviction policies on the recorded routing trace.
@@ -477,7 +481,13 @@ fn main() -> Result<()> {
             api_key,
             timeout_secs,
             out,
+            disk_dir,
         }) => {
+            let disk = match &disk_dir {
+                Some(d) => Some(osprey_bench::measure_disk_read(d, 3.0).context("measuring the disk")?),
+                None => None,
+            };
+            let machine = out.as_ref().map(|_| osprey_bench::machine());
             let opts = osprey_bench::serve::ServeOptions {
                 url: url.trim_end_matches('/').to_string(),
                 model,
@@ -496,7 +506,8 @@ fn main() -> Result<()> {
                 let doc = serde_json::json!({
                     "command": std::env::args().collect::<Vec<_>>(),
                     "osprey_version": env!("CARGO_PKG_VERSION"),
-                    "machine": osprey_bench::machine(),
+                    "machine": machine,
+                    "disk_read_gb_s": disk,
                     "report": report,
                 });
                 std::fs::write(&path, serde_json::to_string_pretty(&doc)?)

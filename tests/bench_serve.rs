@@ -136,3 +136,30 @@ fn a_two_point_expert_budget_sweep_runs_on_the_default_model() {
     let written = osprey_bench::chart::charts(&[json], &out).expect("chart");
     assert!(written.iter().any(|p| p.ends_with("experts.svg")));
 }
+
+/// The binary end to end: `osprey bench serve --out` writes the report with the command line, version,
+/// the machine and (with `--disk-dir`) the disk's bandwidth; a refused connection exits non-zero.
+#[test]
+fn the_serve_command_writes_its_json_and_fails_cleanly() {
+    let dir = osprey::model_dir(&Settings::default()).expect("default model");
+    let addr = harness::start(Settings::default(), dir.clone());
+    let out = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-serve-cli.json");
+    let run = |url: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_osprey"))
+            .args(["bench", "serve", "--url", url, "--requests", "2", "--max-tokens", "4", "--disk-dir"])
+            .arg(&dir)
+            .arg("--out")
+            .arg(&out)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .expect("run osprey")
+    };
+    assert!(run(&format!("http://{addr}")).success());
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).expect("json")).expect("parse");
+    for field in ["command", "osprey_version", "machine", "disk_read_gb_s", "report"] {
+        assert!(!v[field].is_null(), "{field}");
+    }
+    assert_eq!(v["report"]["samples"].as_array().map(Vec::len), Some(2));
+    assert!(!run("http://127.0.0.1:1").success(), "a refused connection exits non-zero");
+}
