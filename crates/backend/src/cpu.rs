@@ -92,19 +92,9 @@ fn matrix(t: &Tensor) -> &dyn HostMatrix {
     }
 }
 
-/// Top-k routing of one token: softmax, the `k` most probable experts (stable sort: ties keep the
-/// lower id first), weights renormalised over them.
+/// Top-k routing of one token with the kept weights renormalised (see [`fb::route`]).
 pub fn route(logits: &[f32], top_k: usize) -> (Vec<usize>, Vec<f32>) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
-    let sum: f32 = exp.iter().sum();
-    let probs: Vec<f32> = exp.iter().map(|e| e / sum).collect();
-    let mut idx: Vec<usize> = (0..probs.len()).collect();
-    idx.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
-    idx.truncate(top_k);
-    let top: Vec<f32> = idx.iter().map(|&i| probs[i]).collect();
-    let s: f32 = top.iter().sum();
-    (idx, top.iter().map(|p| p / s).collect())
+    fb::route(logits, top_k, true)
 }
 
 impl Backend for CpuBackend {
@@ -461,11 +451,7 @@ impl Backend for CpuBackend {
         out: &mut Tensor,
     ) {
         let row = shape.kv_heads * shape.head_dim;
-        let fetch = |pos: usize| {
-            let (page, slot) = (host(kv.pages[pos / kv.page_size]), pos % kv.page_size);
-            let at = |off: usize| &page[off + slot * row..off + (slot + 1) * row];
-            (at(kv.k_offset), at(kv.v_offset))
-        };
+        let fetch = |pos: usize| fb::kv_rows(host(kv.pages[pos / kv.page_size]), &kv, pos % kv.page_size, row);
         let c = q.cols();
         let qh = &host(q)[rows.start * c..rows.end * c];
         // Query rows are independent: blocks of 4 split across the pool.

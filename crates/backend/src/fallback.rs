@@ -1,7 +1,11 @@
-//! Host implementations of the ops that only the `qwen4_exp` family uses (hyper-connections, PLE, QSA
-//! attention, grouped norms): the trait's default bodies call these through `download` / `upload`, so
-//! every backend runs the family correctly from day one; a device backend overrides an op to keep its
-//! data on the device. Each follows transformers 5.23.0's `modular_qwen4_exp.py` (cited per function).
+//! Host implementations shared by the trait's default bodies and the CPU backend: routing, and the ops
+//! that only the `qwen4_exp` family uses (hyper-connections, PLE, QSA attention, grouped norms). The
+//! defaults call these through `download` / `upload`, so every backend runs the family correctly from
+//! day one; the CPU backend calls them on its tensors in place, and a device backend overrides an op to
+//! keep its data on the device. The `qwen4_exp` ones follow transformers 5.23.0's `modular_qwen4_exp.py`
+//! (cited per function).
+
+use crate::PagedView;
 
 /// Zero-centred RMSNorm per group of `group` columns, weight `(1 + w)` over the whole row
 /// (`Qwen4ExpTextRMSNorm` with `group_size`).
@@ -119,17 +123,29 @@ pub fn rms_norm_gated_sigmoid(x: &mut [f32], z: &[f32], w: &[f32], eps: f32) {
     }
 }
 
-/// Softmax top-k routing without renormalising the kept probabilities (`norm_topk_prob = false`);
-/// ties keep the lower id first, as the renormalising router does.
-pub fn route_plain(logits: &[f32], top_k: usize) -> (Vec<usize>, Vec<f32>) {
+/// Top-k routing of one token: softmax, the `k` most probable experts (stable sort: ties keep the lower
+/// id first), their probabilities renormalised to sum to one when `renorm` (Qwen3.5 always; `qwen4_exp`
+/// per `norm_topk_prob`).
+pub fn route(logits: &[f32], top_k: usize, renorm: bool) -> (Vec<usize>, Vec<f32>) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
     let sum: f32 = exp.iter().sum();
-    let mut idx: Vec<usize> = (0..exp.len()).collect();
-    idx.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]));
+    let probs: Vec<f32> = exp.iter().map(|e| e / sum).collect();
+    let mut idx: Vec<usize> = (0..probs.len()).collect();
+    idx.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
     idx.truncate(top_k);
-    let w = idx.iter().map(|&i| exp[i] / sum).collect();
-    (idx, w)
+    let top: Vec<f32> = idx.iter().map(|&i| probs[i]).collect();
+    if !renorm {
+        return (idx, top);
+    }
+    let s: f32 = top.iter().sum();
+    (idx, top.iter().map(|p| p / s).collect())
+}
+
+/// The K and V rows of slot `slot` of one page's data (`row` values each) in the layer `kv` views.
+pub fn kv_rows<'a>(page: &'a [f32], kv: &PagedView<'_>, slot: usize, row: usize) -> (&'a [f32], &'a [f32]) {
+    let at = |off: usize| &page[off + slot * row..off + (slot + 1) * row];
+    (at(kv.k_offset), at(kv.v_offset))
 }
 
 /// Attention of query rows over an explicit set of key positions each (QSA: the selected blocks and the

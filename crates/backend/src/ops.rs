@@ -212,7 +212,7 @@ pub trait Backend: Send + Sync + Debug {
             return self.router_topk(logits, k);
         }
         let l = self.download(logits);
-        l.chunks(logits.cols()).map(|row| fallback::route_plain(row, k)).collect()
+        l.chunks(logits.cols()).map(|row| fallback::route(row, k, false)).collect()
     }
 
     // --- qwen4_exp: hyper-connections, PLE, QSA (host fallbacks; a device backend overrides) ----------
@@ -294,11 +294,7 @@ pub trait Backend: Send + Sync + Debug {
     ) {
         let pages: Vec<Vec<f32>> = kv.pages.iter().map(|p| self.download(p)).collect();
         let row = shape.kv_heads * shape.head_dim;
-        let fetch = |pos: usize| {
-            let (page, slot) = (&pages[pos / kv.page_size], pos % kv.page_size);
-            let at = |off: usize| &page[off + slot * row..off + (slot + 1) * row];
-            (at(kv.k_offset), at(kv.v_offset))
-        };
+        let fetch = |pos: usize| fallback::kv_rows(&pages[pos / kv.page_size], &kv, pos % kv.page_size, row);
         let c = q.cols();
         let qh = self.download(q);
         let mut o = self.download(out);
