@@ -220,31 +220,11 @@ fn hyper_connection(t: &mut Tensors, rng: &mut Rng, p: &str, h: usize, f: Flash,
     }
 }
 
-/// Rows of PLE layer `index`'s table: its heads take the next primes above the base (after the earlier
-/// layers' heads), padded to a multiple of 128, as transformers sizes it.
-fn ple_rows(f: Flash, index: usize) -> usize {
-    let is_prime = |v: u64| v >= 2 && (2..).take_while(|d| d * d <= v).all(|d| !v.is_multiple_of(d));
-    let heads = 2 * f.ple_heads_per_order;
-    let mut p = f.ple_vocab_base - 1;
-    let mut next = || {
-        p += 1;
-        while !is_prime(p) {
-            p += 1;
-        }
-        p
-    };
-    for _ in 0..index * heads {
-        next();
-    }
-    let rows: u64 = (0..heads).map(|_| next()).sum();
-    (rows.div_ceil(128) * 128) as usize
-}
-
 /// One PLE layer: its table (one tensor), projections, norms and conv.
 fn ple(t: &mut Tensors, rng: &mut Rng, p: &str, h: usize, f: Flash, index: usize) {
     let wide = f.hc * h;
     let head = f.ple_dim / (2 * f.ple_heads_per_order);
-    let rows = ple_rows(f, index);
+    let rows = osprey_models::ple_table_rows(f.ple_vocab_base, 2 * f.ple_heads_per_order, index, 128) as usize;
     t.push((
         format!("{p}.ple_embedding.ngram_embedding.weight"),
         Dtype::BF16,

@@ -15,6 +15,7 @@ mod qsa;
 mod state;
 mod table;
 
+pub use ngram::ple_table_rows;
 pub use table::{ple_stats, set_ple_ram_budget, PleStats, DEFAULT_PLE_RAM_BYTES};
 
 use std::sync::Arc;

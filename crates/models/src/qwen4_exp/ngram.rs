@@ -54,6 +54,30 @@ fn is_prime(v: u64) -> bool {
     true
 }
 
+/// The table sizes of the `heads` hash heads of PLE layer `ple_index`: head g of layer ℓ takes the
+/// (ℓ·heads + g + 1)-th prime after `vocab_base − 1` (the primes of the earlier layers' heads skipped).
+fn head_sizes(vocab_base: u64, heads: usize, ple_index: usize) -> Vec<u64> {
+    let mut prime = vocab_base.saturating_sub(1);
+    let mut next_prime = || {
+        prime += 1;
+        while !is_prime(prime) {
+            prime += 1;
+        }
+        prime
+    };
+    for _ in 0..ple_index * heads {
+        next_prime();
+    }
+    (0..heads).map(|_| next_prime()).collect()
+}
+
+/// Rows of PLE layer `ple_index`'s table as transformers sizes it: its `heads` hash heads' primes,
+/// padded to a multiple of `pad_to` (`make_ngram_vocab_size_divisible_by`).
+pub fn ple_table_rows(vocab_base: u64, heads: usize, ple_index: usize, pad_to: u64) -> u64 {
+    let rows: u64 = head_sizes(vocab_base, heads, ple_index).iter().sum();
+    rows.div_ceil(pad_to.max(1)) * pad_to.max(1)
+}
+
 impl NGramHasher {
     /// The hash of the PLE layer with index `ple_index` (its position in `ple_layer_ids`).
     pub(crate) fn new(spec: NGramSpec, ple_index: usize) -> Self {
@@ -63,23 +87,10 @@ impl NGramHasher {
             .map(|i| 2 * (splitmix64(base.wrapping_add(GAMMA.wrapping_mul(i as u64 + 1))) % half_bound) + 1)
             .collect();
         let n_heads = (spec.ngram_size - 1) * spec.heads_per_ngram;
-        // Head g of layer ℓ takes the (ℓ·heads + g + 1)-th prime after base − 1; the primes of the
-        // earlier heads of all layers are skipped first.
-        let mut prime = spec.vocab_base.saturating_sub(1);
-        let mut next_prime = || {
-            prime += 1;
-            while !is_prime(prime) {
-                prime += 1;
-            }
-            prime
-        };
-        for _ in 0..ple_index * n_heads {
-            next_prime();
-        }
         let mut offset = 0;
-        let heads = (0..n_heads)
-            .map(|_| {
-                let size = next_prime();
+        let heads = head_sizes(spec.vocab_base, n_heads, ple_index)
+            .into_iter()
+            .map(|size| {
                 let h = (size, offset);
                 offset += size;
                 h
@@ -91,11 +102,6 @@ impl NGramHasher {
     /// Heads per token (the row ids per token).
     pub(crate) fn heads(&self) -> usize {
         self.heads.len()
-    }
-
-    /// Rows the layer's table needs before padding.
-    pub(crate) fn table_rows(&self) -> u64 {
-        self.heads.last().map_or(0, |&(size, offset)| size + offset)
     }
 
     /// Tokens of history a sequence carries between forwards.
@@ -187,6 +193,7 @@ mod tests {
         let b = NGramHasher::new(spec(), 1);
         assert_eq!(a.heads.iter().map(|h| h.0).collect::<Vec<_>>(), [1009, 1013, 1019, 1021]);
         assert_eq!(b.heads[0].0, 1031);
-        assert_eq!(a.table_rows(), 1009 + 1013 + 1019 + 1021);
+        assert_eq!(ple_table_rows(1000, 4, 0, 1), 1009 + 1013 + 1019 + 1021);
+        assert_eq!(ple_table_rows(1000, 4, 0, 128), 4096);
     }
 }

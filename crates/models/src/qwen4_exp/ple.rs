@@ -47,7 +47,7 @@ impl Ple {
     ) -> Result<Self> {
         let hasher = NGramHasher::new(p.ngram, index);
         let head_dim = p.ple_embed_dim / hasher.heads();
-        let rows = hasher.table_rows().div_ceil(p.ngram_pad_to) * p.ngram_pad_to;
+        let rows = super::ngram::ple_table_rows(p.ngram.vocab_base, hasher.heads(), index, p.ngram_pad_to);
         let table =
             PleTable::open(ck, &format!("{prefix}.ple_embedding"), rows as usize, head_dim, p.ple_layers.len())?;
         let wide = p.hc * hidden;
