@@ -437,15 +437,7 @@ fn main() -> Result<()> {
                 runs.push(serde_json::from_str::<serde_json::Value>(&line)?);
             }
             if let Some(path) = out {
-                let doc = serde_json::json!({
-                    "command": std::env::args().collect::<Vec<_>>(),
-                    "osprey_version": env!("CARGO_PKG_VERSION"),
-                    "machine": osprey_bench::machine(),
-                    "disk_read_gb_s": disk,
-                    "runs": runs,
-                });
-                std::fs::write(&path, serde_json::to_string_pretty(&doc)?)
-                    .with_context(|| format!("writing {}", path.display()))?;
+                write_run(&path, osprey_bench::machine(), Some(disk), "runs", serde_json::to_value(&runs)?)?;
             }
             Ok(())
         }
@@ -503,15 +495,7 @@ fn main() -> Result<()> {
             let report = osprey_bench::serve::run(&opts).map_err(anyhow::Error::msg)?;
             print!("{}", osprey_bench::serve::table(&report));
             if let Some(path) = out {
-                let doc = serde_json::json!({
-                    "command": std::env::args().collect::<Vec<_>>(),
-                    "osprey_version": env!("CARGO_PKG_VERSION"),
-                    "machine": machine,
-                    "disk_read_gb_s": disk,
-                    "report": report,
-                });
-                std::fs::write(&path, serde_json::to_string_pretty(&doc)?)
-                    .with_context(|| format!("writing {}", path.display()))?;
+                write_run(&path, machine, disk, "report", serde_json::to_value(&report)?)?;
             }
             Ok(())
         }
@@ -567,6 +551,25 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// A bench run's JSON file: the command line, osprey's version, the machine (and the disk's bandwidth
+/// when measured) beside the results under `key`.
+fn write_run(
+    path: &std::path::Path,
+    machine: impl serde::Serialize,
+    disk_read_gb_s: Option<f64>,
+    key: &str,
+    results: serde_json::Value,
+) -> Result<()> {
+    let mut doc = serde_json::json!({
+        "command": std::env::args().collect::<Vec<_>>(),
+        "osprey_version": env!("CARGO_PKG_VERSION"),
+        "machine": machine,
+        "disk_read_gb_s": disk_read_gb_s,
+    });
+    doc[key] = results;
+    std::fs::write(path, serde_json::to_string_pretty(&doc)?).with_context(|| format!("writing {}", path.display()))
 }
 
 fn load(dir: &std::path::Path, device: Option<&str>, activations: Option<&str>) -> Result<Model> {
