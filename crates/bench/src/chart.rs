@@ -106,32 +106,14 @@ fn ttft_chart(samples: &[Value], path: &Path) -> Result<PathBuf, String> {
         })
         .collect();
     let n = pts.len().max(1) as f64;
-    let top = pts.iter().map(|p| p.1).fold(1.0, f64::max) * 1.1;
-    let root = SVGBackend::new(path, (720, 420)).into_drawing_area();
-    root.fill(&WHITE).map_err(err)?;
-    let mut c = ChartBuilder::on(&root)
-        .caption("time to first token per request (turn)", ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(56)
-        .right_y_label_area_size(56)
-        .build_cartesian_2d(0.5..n + 0.5, 0.0..top)
-        .map_err(err)?
-        .set_secondary_coord(0.5..n + 0.5, 0.0..1.0);
-    c.configure_mesh().x_desc("request / turn").y_desc("TTFT (ms)").draw().map_err(err)?;
-    c.configure_secondary_axes().y_desc("cached share of the prompt").draw().map_err(err)?;
-    c.draw_series(LineSeries::new(pts.iter().map(|p| (p.0, p.1)), &BLUE))
-        .map_err(err)?
-        .label("TTFT (ms)")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], BLUE));
-    c.draw_series(pts.iter().map(|p| Circle::new((p.0, p.1), 3, BLUE.filled()))).map_err(err)?;
-    c.draw_secondary_series(LineSeries::new(pts.iter().map(|p| (p.0, p.2)), &RED))
-        .map_err(err)?
-        .label("cached share")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], RED));
-    c.configure_series_labels().border_style(BLACK).background_style(WHITE).draw().map_err(err)?;
-    root.present().map_err(err)?;
-    Ok(path.to_path_buf())
+    let axes = Axes {
+        caption: "time to first token per request (turn)",
+        x: ("request / turn", 0.5..n + 0.5),
+        left: ("TTFT (ms)", "TTFT (ms)"),
+        right: ("cached share of the prompt", "cached share"),
+        markers: true,
+    };
+    two_lines(path, &axes, &pts)
 }
 
 fn cdf(mut v: Vec<f64>) -> Vec<(f64, f64)> {
@@ -172,27 +154,56 @@ fn latency_chart(samples: &[Value], path: &Path) -> Result<PathBuf, String> {
 }
 
 fn experts_chart(pts: &[(f64, f64, f64)], path: &Path) -> Result<PathBuf, String> {
+    let axes = Axes {
+        caption: "decode speed and expert residency vs expert RAM budget",
+        x: ("budget (fraction of expert bytes)", 0.0..1.05),
+        left: ("decode tok/s", "decode tok/s"),
+        right: ("residency", "residency"),
+        markers: false,
+    };
+    two_lines(path, &axes, pts)
+}
+
+/// Axis titles, ranges and series labels of a [`two_lines`] chart.
+struct Axes {
+    caption: &'static str,
+    /// Title and range of x.
+    x: (&'static str, std::ops::Range<f64>),
+    /// Left axis title and its series' label (range from the data).
+    left: (&'static str, &'static str),
+    /// Right axis title and its series' label (range 0..1).
+    right: (&'static str, &'static str),
+    /// Points on the left series.
+    markers: bool,
+}
+
+/// Two lines over one x: `(x, left, right)` points, the left axis scaled to the data, the right one a
+/// fraction in 0..1.
+fn two_lines(path: &Path, a: &Axes, pts: &[(f64, f64, f64)]) -> Result<PathBuf, String> {
     let top = pts.iter().map(|p| p.1).fold(1.0, f64::max) * 1.1;
     let root = SVGBackend::new(path, (720, 420)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let mut c = ChartBuilder::on(&root)
-        .caption("decode speed and expert residency vs expert RAM budget", ("sans-serif", 18))
+        .caption(a.caption, ("sans-serif", 18))
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(56)
         .right_y_label_area_size(56)
-        .build_cartesian_2d(0.0..1.05, 0.0..top)
+        .build_cartesian_2d(a.x.1.clone(), 0.0..top)
         .map_err(err)?
-        .set_secondary_coord(0.0..1.05, 0.0..1.0);
-    c.configure_mesh().x_desc("budget (fraction of expert bytes)").y_desc("decode tok/s").draw().map_err(err)?;
-    c.configure_secondary_axes().y_desc("residency").draw().map_err(err)?;
+        .set_secondary_coord(a.x.1.clone(), 0.0..1.0);
+    c.configure_mesh().x_desc(a.x.0).y_desc(a.left.0).draw().map_err(err)?;
+    c.configure_secondary_axes().y_desc(a.right.0).draw().map_err(err)?;
     c.draw_series(LineSeries::new(pts.iter().map(|p| (p.0, p.1)), &BLUE))
         .map_err(err)?
-        .label("decode tok/s")
+        .label(a.left.1)
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], BLUE));
+    if a.markers {
+        c.draw_series(pts.iter().map(|p| Circle::new((p.0, p.1), 3, BLUE.filled()))).map_err(err)?;
+    }
     c.draw_secondary_series(LineSeries::new(pts.iter().map(|p| (p.0, p.2)), &RED))
         .map_err(err)?
-        .label("residency")
+        .label(a.right.1)
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], RED));
     c.configure_series_labels().border_style(BLACK).background_style(WHITE).draw().map_err(err)?;
     root.present().map_err(err)?;
