@@ -102,6 +102,22 @@ def language_forward(model, ids, pos4, cache):
 
 
 @torch.no_grad()
+def greedy_steps(model, logits, cache, n, delta=0):
+    """The engine-style decode after a prefill of `n` tokens whose last logits are `logits`: N_GEN greedy
+    tokens, one forward each (mRoPE positions n + step, plus `delta` on the spatial axes after media).
+    Returns the logits of every step and the ids chosen."""
+    steps, gen = [], []
+    for step in range(N_GEN):
+        steps.append(logits[0].clone())
+        nxt = int(logits[0].argmax())
+        gen.append(nxt)
+        p = torch.full((4, 1, 1), n + step)
+        p[1:] += delta
+        logits = language_forward(model, torch.tensor([[nxt]]), p, cache)[:, -1]
+    return torch.stack(steps), gen
+
+
+@torch.no_grad()
 def reference_case(model, tok, messages) -> tuple[dict, dict]:
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tok.encode(prompt)])
@@ -133,14 +149,7 @@ def reference_case(model, tok, messages) -> tuple[dict, dict]:
     # Engine-style loop: prefill, then greedy decode one token at a time.
     cache = DynamicCache(config=model.config.text_config)
     logits = language_forward(model, ids, pos, cache)[:, -1]
-    steps, gen = [], []
-    for step in range(N_GEN):
-        steps.append(logits[0].clone())
-        nxt = int(logits[0].argmax())
-        gen.append(nxt)
-        p = torch.full((4, 1, 1), n + step)
-        logits = language_forward(model, torch.tensor([[nxt]]), p, cache)[:, -1]
-    t["step_logits"] = torch.stack(steps)
+    t["step_logits"], gen = greedy_steps(model, logits, cache, n)
     t["generated_ids"] = torch.tensor(gen, dtype=torch.int64)
     assert (t["step_logits"][0] - t["all_logits"][-1]).abs().max() < 1e-4
 
@@ -195,16 +204,8 @@ def media_case(model, proc, media, question) -> tuple[dict, dict]:
     cache = DynamicCache(config=cfg.text_config)
     logits = lm(emb, ids, pos4, cache)[:, -1]
     assert (logits[0] - t["all_logits"][-1]).abs().max() < 1e-4
-    steps, gen = [], []
-    for step in range(N_GEN):
-        steps.append(logits[0].clone())
-        nxt = int(logits[0].argmax())
-        gen.append(nxt)
-        p = torch.full((4, 1, 1), n + step)
-        p[1:] += int(delta)
-        nid = torch.tensor([[nxt]])
-        logits = lm(m.get_input_embeddings()(nid), nid, p, cache)[:, -1]
-    t["step_logits"], t["generated_ids"] = torch.stack(steps), torch.tensor(gen)
+    steps, gen = greedy_steps(model, logits, cache, n, int(delta))
+    t["step_logits"], t["generated_ids"] = steps, torch.tensor(gen)
     m.rope_deltas = None
     g = model.generate(**inputs, max_new_tokens=N_GEN, do_sample=False)
     assert g[0, n:].tolist() == gen, (g[0, n:].tolist(), gen)
