@@ -157,7 +157,33 @@ mod tests {
         let mut off = serde_json::Map::new();
         off.insert("enable_thinking".into(), false.into());
         assert!(t.render(&text, true, &off).expect("render").ends_with("<think>\n\n</think>\n\n"));
-        let bad = serde_json::json!([{"role": "tool", "content": "x"}]);
+        let bad = serde_json::json!([{"role": "narrator", "content": "x"}]);
         assert!(t.render(&bad, true, &kw).is_err());
+    }
+
+    #[test]
+    fn chat_templates_with_tools_render_exactly_as_transformers() {
+        // Cases rendered and tokenized by transformers (tools/gen_template_fixtures.py): tools in the
+        // system turn, past calls with string and JSON arguments, grouped tool results, an image result.
+        let dir = fixture_dir().join("../osprey-default");
+        let t = ChatTemplate::from_dir(&dir).expect("template");
+        let tok = TextTokenizer::from_dir(&dir).expect("tokenizer");
+        let cases: Vec<serde_json::Value> = serde_json::from_str(
+            &std::fs::read_to_string(fixture_dir().join("../../ref/chat_templates.json")).expect("cases"),
+        )
+        .expect("json");
+        assert!(cases.len() >= 8);
+        for c in &cases {
+            let name = c["name"].as_str().expect("name");
+            let mut kw = c["kwargs"].as_object().cloned().unwrap_or_default();
+            if !c["tools"].is_null() {
+                kw.insert("tools".into(), c["tools"].clone());
+            }
+            let text = t.render(&c["messages"], true, &kw).expect("render");
+            assert_eq!(text, c["text"].as_str().expect("text"), "{name}: text");
+            let want: Vec<u32> =
+                c["ids"].as_array().expect("ids").iter().map(|v| v.as_u64().expect("id") as u32).collect();
+            assert_eq!(tok.encode(&text).expect("encode"), want, "{name}: ids");
+        }
     }
 }
