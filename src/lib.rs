@@ -146,6 +146,20 @@ pub fn open_backend(device: Option<&str>, activations: Option<&str>) -> Result<o
 }
 
 /// PLE row-cache metrics (Prometheus text), when a model with PLE tables is loaded.
+/// Metrics kept by model and runner code outside the actors' stats: PLE rows and grammar masks.
+fn extra_metrics() -> String {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (nanos, masks) = (osprey_runner::MASK_NANOS.load(Relaxed), osprey_runner::MASKS.load(Relaxed));
+    let grammar: String = [
+        ("osprey_grammar_masks_total", "Token masks computed for constrained decoding.", masks as f64),
+        ("osprey_grammar_mask_seconds_total", "Seconds spent computing token masks.", nanos as f64 * 1e-9),
+    ]
+    .iter()
+    .map(|(name, help, v)| format!("# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"))
+    .collect();
+    grammar + &ple_metrics()
+}
+
 fn ple_metrics() -> String {
     use std::sync::atomic::Ordering::Relaxed;
     let s = osprey_models::ple_stats();
@@ -228,6 +242,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         max_queue_wait: settings.max_queue_wait_secs.filter(|s| *s > 0.0).map(std::time::Duration::from_secs_f64),
     };
     let scheduler = osprey_scheduler::spawn(sched_cfg, runner, prefix.clone());
+    let tok = tok.with_grammar_vocab(vocab, eos.clone());
     let tokenizer = osprey_tokenizer::spawn_pool(tok, settings.tokenizer_workers.unwrap_or(2));
     let defaults = Limits::default();
     let limits = Limits {
@@ -239,6 +254,10 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         allowed_media_domains: settings.allowed_media_domains.clone().unwrap_or_default(),
         allowed_local_media_path: settings.allowed_local_media_path.clone(),
         max_body_bytes: defaults.max_body_bytes,
+        max_stored_responses: settings.max_stored_responses.unwrap_or(defaults.max_stored_responses),
+        max_stored_response_bytes: settings
+            .max_stored_response_mb
+            .map_or(defaults.max_stored_response_bytes, |mb| (mb.max(0.0) * 1048576.0) as usize),
     };
     let model_id = settings.served_model_name.clone().unwrap_or_else(|| {
         model_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "osprey".into())
@@ -266,7 +285,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         vision: vision.map(|v| v.sender()),
         prefix,
         experts: experts.map(|e| e.sender()),
-        extra_metrics: Some(osprey_server::MetricsHook(Arc::new(ple_metrics))),
+        extra_metrics: Some(osprey_server::MetricsHook(Arc::new(extra_metrics))),
     };
     let addr = format!("{}:{}", settings.host.as_deref().unwrap_or("127.0.0.1"), settings.port.unwrap_or(8080));
     let served = osprey_server::bind(server_cfg, engine, &addr, settings.http_workers.unwrap_or(2))?;

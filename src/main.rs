@@ -149,6 +149,12 @@ struct ServeArgs {
     /// ~576 MB decoded).
     #[arg(long)]
     max_request_pixels: Option<u64>,
+    /// Most responses `/v1/responses` keeps for `previous_response_id` (default 1024; 0 keeps none).
+    #[arg(long)]
+    max_stored_responses: Option<usize>,
+    /// Most MiB of conversations kept for `previous_response_id`, media included (default 256).
+    #[arg(long)]
+    max_stored_response_mb: Option<f64>,
 }
 
 impl ServeArgs {
@@ -191,6 +197,8 @@ impl ServeArgs {
             idle_timeout_secs: self.idle_timeout_secs,
             tokenizer_workers: self.tokenizer_workers,
             max_request_pixels: self.max_request_pixels,
+            max_stored_responses: self.max_stored_responses,
+            max_stored_response_mb: self.max_stored_response_mb,
             device: None,
             activations: None,
         }

@@ -91,6 +91,10 @@ pub struct Settings {
     pub tokenizer_workers: Option<usize>,
     /// Most pixels of all images and frames of one request (default 192 M: ~576 MB decoded).
     pub max_request_pixels: Option<u64>,
+    /// Most responses kept for `previous_response_id` (default 1024; 0 keeps none).
+    pub max_stored_responses: Option<usize>,
+    /// Most MiB of stored conversations, media included (default 256).
+    pub max_stored_response_mb: Option<f64>,
 }
 
 impl Settings {

@@ -301,10 +301,9 @@ fn bad_input_gets_an_openai_error_and_the_server_keeps_serving() {
             "context_length_exceeded",
         ),
         (
-            json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}})
-                .to_string(),
+            json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}).to_string(),
             400,
-            "unsupported_parameter",
+            "invalid_request",
         ),
         (json!({"messages": [{"role": "user", "content": "hi"}], "n": 2}).to_string(), 400, "unsupported_parameter"),
         (

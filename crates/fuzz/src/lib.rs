@@ -103,6 +103,7 @@ pub fn media(data: &[u8]) {
                 media: vec![MediaInput::Image { bytes: bytes.to_vec() }],
                 template_kwargs: serde_json::Map::new(),
                 limits: media_limits(),
+                grammar: None,
             };
             let _ = env().core.prepare_chat(prompt);
         }
@@ -126,7 +127,8 @@ pub fn chat_template(data: &[u8]) {
         ),
         _ => (v, serde_json::Map::new()),
     };
-    let prompt = ChatPrompt { messages, media: Vec::new(), template_kwargs: kwargs, limits: media_limits() };
+    let prompt =
+        ChatPrompt { messages, media: Vec::new(), template_kwargs: kwargs, limits: media_limits(), grammar: None };
     let _ = env().core.prepare_chat(prompt);
 }
 

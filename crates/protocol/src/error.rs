@@ -49,6 +49,10 @@ pub enum ErrorCode {
     RequestTimeout,
     /// The request's deadline passed before its first token.
     DeadlineExceeded,
+    /// A JSON Schema (response format or tool parameters) that cannot be enforced.
+    InvalidSchema,
+    /// `previous_response_id` names a response the store does not hold.
+    ResponseNotFound,
 }
 
 impl ErrorCode {
@@ -78,6 +82,8 @@ impl ErrorCode {
             ErrorCode::Overloaded => "overloaded",
             ErrorCode::RequestTimeout => "request_timeout",
             ErrorCode::DeadlineExceeded => "deadline_exceeded",
+            ErrorCode::InvalidSchema => "invalid_schema",
+            ErrorCode::ResponseNotFound => "response_not_found",
         }
     }
 }

@@ -6,6 +6,7 @@
 //! closure means the other side left (cancellation is channel closure).
 #![deny(missing_docs)]
 
+pub mod constraint;
 pub mod error;
 pub mod experts;
 pub mod prefix;

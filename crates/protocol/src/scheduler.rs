@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 
+use crate::constraint::Constraint;
 use crate::runner::TokenLogprobs;
 use crate::tokenizer::PreparedPrompt;
 use crate::{RequestError, SeqId};
@@ -29,6 +30,8 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Return logprobs with this many alternatives (None: no logprobs).
     pub logprobs: Option<usize>,
+    /// Tokens outside this grammar are never sampled (structured output, forced tool calls).
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for SamplingParams {
@@ -43,6 +46,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             logprobs: None,
+            constraint: None,
         }
     }
 }

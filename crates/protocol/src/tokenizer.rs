@@ -5,6 +5,7 @@ use std::sync::Arc;
 use crate::vision::PixelPatches;
 use tokio::sync::oneshot;
 
+use crate::constraint::{Constraint, Grammar};
 use crate::{MediaHash, RequestError};
 
 /// A media item as the client sent it (already fetched or decoded from its data URL).
@@ -52,6 +53,8 @@ pub struct ChatPrompt {
     pub template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// Decoding limits.
     pub limits: MediaLimits,
+    /// A grammar the answer must match, compiled with the prompt.
+    pub grammar: Option<Grammar>,
 }
 
 /// A completion prompt.
@@ -90,6 +93,8 @@ pub struct PreparedPrompt {
     pub media: Vec<PreparedMedia>,
     /// The prompt ends inside an open `<think>` block (the reply starts with reasoning).
     pub thinking_open: bool,
+    /// The compiled grammar of [`ChatPrompt::grammar`], for the sampler.
+    pub constraint: Option<Constraint>,
 }
 
 /// Incremental detokenizer state of one answer. Plain data that travels with the request, so the
@@ -116,6 +121,7 @@ impl PreparedPrompt {
             rope_delta: 0,
             media: Vec::new(),
             thinking_open: false,
+            constraint: None,
         }
     }
 }
@@ -161,6 +167,14 @@ pub enum TokenizerCommand {
         skip_special: bool,
         /// The text.
         reply: oneshot::Sender<String>,
+    },
+    /// Token count of a rendered chat prompt, media placeholders included (`count_tokens`); media are
+    /// sized from their headers, nothing is generated.
+    CountChat {
+        /// The prompt.
+        prompt: ChatPrompt,
+        /// The count or why not.
+        reply: oneshot::Sender<Result<usize, RequestError>>,
     },
     /// Text of each single token (logprobs).
     TokenTexts {

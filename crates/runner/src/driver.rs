@@ -7,6 +7,7 @@
 //! It sees the model only through the [`CausalLm`] seam and owns every sequence's state.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -14,6 +15,7 @@ use osprey_models::vision::{rows_in_chunk, MediaSpan};
 use osprey_models::{
     KvPool, LogitsWanted, Model, PageGeometry, PageRef, Positions, SeqInput, SeqState, SeqStep, StateSnapshot,
 };
+use osprey_protocol::constraint::TokenMatcher;
 use osprey_protocol::runner::{KvPages, TokenLogprobs};
 use osprey_protocol::scheduler::{FinishReason, SamplingParams};
 use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
@@ -87,6 +89,15 @@ pub struct Done {
     pub snapshot: Option<Taken>,
 }
 
+/// What a preempted sequence keeps: its RNG and grammar position.
+#[derive(Debug)]
+struct Parked(Rng, Option<Box<dyn TokenMatcher>>);
+
+/// Process-wide cost of grammar masks: nanoseconds spent computing them and masks computed.
+pub static MASK_NANOS: AtomicU64 = AtomicU64::new(0);
+/// See [`MASK_NANOS`].
+pub static MASKS: AtomicU64 = AtomicU64::new(0);
+
 /// Vision rows of a prompt's media items (shared; `None` until fetched).
 type MediaRows = Vec<Option<Arc<Vec<f32>>>>;
 
@@ -98,6 +109,10 @@ struct SeqRec {
     tokens: Vec<u32>,
     sampling: SamplingParams,
     rng: Rng,
+    /// Where the sequence stands in its grammar (constrained requests).
+    matcher: Option<Box<dyn TokenMatcher>>,
+    /// The grammar's allowed-token bits (reused between steps).
+    allowed: Vec<u32>,
     /// Vision rows per media item, fetched on first need, dropped when the prefill ends.
     rows: MediaRows,
     /// Pages `[0, pages_reported)` are in the prefix cache or were sent with an earlier snapshot.
@@ -144,9 +159,9 @@ pub struct Driver {
     pool: KvPool,
     seqs: HashMap<SeqId, SeqRec>,
     page_size: usize,
-    /// Sampler states of preempted sequences, until they are admitted again (so a recomputed sequence
-    /// draws exactly the numbers it would have drawn).
-    parked: HashMap<SeqId, Rng>,
+    /// Sampler states (and grammar positions) of preempted sequences, until they are admitted again (so a
+    /// recomputed sequence draws exactly the numbers it would have drawn, in the same grammar state).
+    parked: HashMap<SeqId, Parked>,
     /// Ids for [`Driver::generate`]'s private sequences (counting down from the top of the id space).
     next_private: SeqId,
 }
@@ -208,12 +223,15 @@ impl Driver {
         }
         // The snapshot's delta belongs to the sequence that made it; positions are this prompt's.
         state.rope_delta = prompt.rope_delta;
-        let rng =
-            self.parked.remove(&seq).unwrap_or_else(|| Rng::new(sampling.seed.unwrap_or_else(|| clock_seed(seq))));
+        let Parked(rng, matcher) = self.parked.remove(&seq).unwrap_or_else(|| {
+            let rng = Rng::new(sampling.seed.unwrap_or_else(|| clock_seed(seq)));
+            Parked(rng, sampling.constraint.as_ref().map(|c| c.0.start()))
+        });
         let rows = vec![None; prompt.media.len()];
         let mut tokens = prompt.input_ids.clone();
         tokens.extend_from_slice(generated);
-        self.seqs.insert(seq, SeqRec { state, prompt, tokens, sampling, rng, rows, pages_reported });
+        let allowed = Vec::new();
+        self.seqs.insert(seq, SeqRec { state, prompt, tokens, sampling, rng, matcher, allowed, rows, pages_reported });
         Ok(())
     }
 
@@ -227,7 +245,7 @@ impl Driver {
     /// Drops a sequence's state to free its pages, keeping its sampler state for its recomputation.
     pub fn preempt(&mut self, seq: SeqId) {
         if let Some(rec) = self.seqs.remove(&seq) {
-            self.parked.insert(seq, rec.rng);
+            self.parked.insert(seq, Parked(rec.rng, rec.matcher));
         }
     }
 
@@ -322,8 +340,22 @@ impl Driver {
             }
             if w.sample {
                 let plen = rec.prompt.input_ids.len();
+                let allowed = match grammar_mask(&mut rec) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        out.push((w.seq, Err(e)));
+                        continue;
+                    }
+                };
                 let (prompt, output) = rec.tokens.split_at(plen);
-                let (token, logprobs) = sample(&logits, &rec.sampling, prompt, output, &mut rec.rng);
+                let (token, logprobs) =
+                    sample(&logits, &rec.sampling, prompt, output, &mut rec.rng, allowed.then_some(&rec.allowed[..]));
+                if let Some(m) = rec.matcher.as_mut() {
+                    if let Err(e) = m.commit(token) {
+                        out.push((w.seq, Err(engine_error(format!("grammar: {e}")))));
+                        continue;
+                    }
+                }
                 rec.tokens.push(token);
                 rec.rows.iter_mut().for_each(|r| *r = None);
                 done.sampled = Some((token, logprobs));
@@ -404,6 +436,19 @@ impl Driver {
         let (prefill_secs, decode_start) = first.expect("the loop ends after a sampled token");
         Ok(Generated { tokens, finish, prefill_secs, decode_secs: decode_start.elapsed().as_secs_f64() })
     }
+}
+
+/// Fills `rec.allowed` from its grammar (timed into [`MASK_NANOS`]); `false` when unconstrained.
+fn grammar_mask(rec: &mut SeqRec) -> Result<bool, RequestError> {
+    let Some(m) = rec.matcher.as_mut() else { return Ok(false) };
+    let t = Instant::now();
+    m.allowed(&mut rec.allowed).map_err(|e| engine_error(format!("grammar: {e}")))?;
+    MASK_NANOS.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    MASKS.fetch_add(1, Ordering::Relaxed);
+    if rec.allowed.iter().all(|&w| w == 0) {
+        return Err(engine_error("the output format allows no token here"));
+    }
+    Ok(true)
 }
 
 /// The rows of each placeholder run of a prompt's media items that have been fetched.

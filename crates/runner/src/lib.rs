@@ -20,7 +20,9 @@ use osprey_protocol::vision::VisionCommand;
 use osprey_protocol::{downcast, ErrorCode, Handle, Opaque, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
-pub use driver::{Done, Driver, GenerateOptions, Generated, NoMedia, Resume, RowSource, Taken, Work};
+pub use driver::{
+    Done, Driver, GenerateOptions, Generated, NoMedia, Resume, RowSource, Taken, Work, MASKS, MASK_NANOS,
+};
 
 /// The vision actor's inbox (the runner asks it for rows; actor crates do not depend on each other).
 pub type VisionSender = mpsc::UnboundedSender<VisionCommand>;

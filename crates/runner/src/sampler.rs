@@ -47,16 +47,25 @@ fn argmax(v: &[f32]) -> usize {
     best
 }
 
-/// Samples one token from `logits` (raw model output for the last position).
+/// Samples one token from `logits` (raw model output for the last position); with `allowed` (one bit
+/// per token, from a grammar), only allowed tokens can be drawn. Reported logprobs stay the model's.
 pub fn sample(
     logits: &[f32],
     p: &SamplingParams,
     prompt: &[u32],
     output: &[u32],
     rng: &mut Rng,
+    allowed: Option<&[u32]>,
 ) -> (u32, Option<TokenLogprobs>) {
     let raw_lp = p.logprobs.map(|_| log_softmax(logits));
     let mut l = logits.to_vec();
+    if let Some(bits) = allowed {
+        for (t, x) in l.iter_mut().enumerate() {
+            if bits.get(t / 32).is_none_or(|w| w >> (t % 32) & 1 == 0) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
     if p.repetition_penalty != 1.0 {
         let mut seen: Vec<u32> = prompt.iter().chain(output).copied().collect();
         seen.sort_unstable();
@@ -133,7 +142,7 @@ mod tests {
     fn greedy_penalties_and_logprobs() {
         let logits = [1.0f32, 3.0, 2.0, -1.0];
         let greedy = SamplingParams { temperature: 0.0, logprobs: Some(2), ..SamplingParams::default() };
-        let (t, lp) = sample(&logits, &greedy, &[], &[], &mut Rng::new(1));
+        let (t, lp) = sample(&logits, &greedy, &[], &[], &mut Rng::new(1), None);
         assert_eq!(t, 1);
         let lp = lp.expect("logprobs");
         let lse = (1f32.exp() + 3f32.exp() + 2f32.exp() + (-1f32).exp()).ln();
@@ -141,23 +150,31 @@ mod tests {
         assert_eq!(lp.top.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2]);
         // Presence penalty 1.5 on token 1 (already generated) makes token 2 the argmax.
         let pen = SamplingParams { temperature: 0.0, presence_penalty: 1.5, ..SamplingParams::default() };
-        assert_eq!(sample(&logits, &pen, &[], &[1], &mut Rng::new(1)).0, 2);
+        assert_eq!(sample(&logits, &pen, &[], &[1], &mut Rng::new(1), None).0, 2);
         // Repetition penalty 4 on prompt token 1: 3/4 < 2.
         let rep = SamplingParams { temperature: 0.0, repetition_penalty: 4.0, ..SamplingParams::default() };
-        assert_eq!(sample(&logits, &rep, &[1], &[], &mut Rng::new(1)).0, 2);
+        assert_eq!(sample(&logits, &rep, &[1], &[], &mut Rng::new(1), None).0, 2);
+        // A grammar mask allowing tokens 0 and 3 only: greedy takes 0, sampling never leaves {0, 3}, and
+        // logprobs stay the model's.
+        let mask = [0b1001u32];
+        let (t, lp) = sample(&logits, &greedy, &[], &[], &mut Rng::new(1), Some(&mask));
+        assert_eq!(t, 0);
+        assert!((lp.expect("logprobs").logprob - (1.0 - lse)).abs() < 1e-6);
+        let hot = SamplingParams { temperature: 2.0, ..SamplingParams::default() };
+        assert!((0..50).all(|s| [0, 3].contains(&sample(&logits, &hot, &[], &[], &mut Rng::new(s), Some(&mask)).0)));
     }
 
     #[test]
     fn seeded_sampling_is_reproducible_and_truncation_works() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
         let p = SamplingParams { temperature: 0.8, top_p: 0.9, seed: Some(3), ..SamplingParams::default() };
-        let a: Vec<u32> = (0..20).scan(Rng::new(3), |r, _| Some(sample(&logits, &p, &[], &[], r).0)).collect();
-        let b: Vec<u32> = (0..20).scan(Rng::new(3), |r, _| Some(sample(&logits, &p, &[], &[], r).0)).collect();
+        let a: Vec<u32> = (0..20).scan(Rng::new(3), |r, _| Some(sample(&logits, &p, &[], &[], r, None).0)).collect();
+        let b: Vec<u32> = (0..20).scan(Rng::new(3), |r, _| Some(sample(&logits, &p, &[], &[], r, None).0)).collect();
         assert_eq!(a, b);
         let k1 = SamplingParams { temperature: 1.0, top_k: 1, ..SamplingParams::default() };
         let best = argmax(&logits) as u32;
-        assert!((0..20).all(|s| sample(&logits, &k1, &[], &[], &mut Rng::new(s)).0 == best));
+        assert!((0..20).all(|s| sample(&logits, &k1, &[], &[], &mut Rng::new(s), None).0 == best));
         let minp = SamplingParams { temperature: 1.0, min_p: 1.0, ..SamplingParams::default() };
-        assert!((0..20).all(|s| sample(&logits, &minp, &[], &[], &mut Rng::new(s)).0 == best));
+        assert!((0..20).all(|s| sample(&logits, &minp, &[], &[], &mut Rng::new(s), None).0 == best));
     }
 }

@@ -258,7 +258,10 @@ impl Scheduler {
     /// Where a chunk starting at `from` and allowed to reach `to` should end so that snapshots land on
     /// the grid, and whether to snapshot there. Snapshot points: multiples of `snapshot_interval`, and the
     /// last page boundary of the prompt (what the next turn of a conversation can reuse); during decode,
-    /// every page boundary (the latest becomes the end-of-request snapshot).
+    /// every page boundary (the latest becomes the end-of-request snapshot). A chunk that holds both
+    /// ends on the last grid point first: the next turn of an agent loop re-renders the end of this
+    /// prompt differently (its generation prompt becomes a tool call), so it can only resume from a
+    /// point before that.
     fn chunk_end(&self, s: &Seq, from: usize, to: usize) -> (usize, bool) {
         if !self.cfg.prefix_cache {
             return (to, false);
@@ -274,7 +277,7 @@ impl Scheduler {
             best = Some(k);
             k += grid;
         }
-        if prompt_end_page > from && prompt_end_page <= to && best.is_none_or(|b| prompt_end_page > b) {
+        if prompt_end_page > from && prompt_end_page <= to && best.is_none() {
             best = Some(prompt_end_page);
         }
         match best {

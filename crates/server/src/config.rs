@@ -21,6 +21,10 @@ pub struct Limits {
     pub allowed_local_media_path: Option<PathBuf>,
     /// Largest request body, bytes.
     pub max_body_bytes: usize,
+    /// Most responses `/v1/responses` keeps for `previous_response_id` (0: none are kept).
+    pub max_stored_responses: usize,
+    /// Most bytes of stored conversations (their text and media as sent), oldest dropped first.
+    pub max_stored_response_bytes: usize,
 }
 
 impl Default for Limits {
@@ -34,6 +38,8 @@ impl Default for Limits {
             allowed_media_domains: Vec::new(),
             allowed_local_media_path: None,
             max_body_bytes: 64 << 20,
+            max_stored_responses: 1024,
+            max_stored_response_bytes: 256 << 20,
         }
     }
 }

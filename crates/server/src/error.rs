@@ -60,7 +60,7 @@ impl ResponseError for ApiError {
             ErrorCode::MediaUrlNotAllowed => StatusCode::FORBIDDEN,
             ErrorCode::EngineError => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorCode::Unavailable | ErrorCode::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
-            ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::NotFound | ErrorCode::ResponseNotFound => StatusCode::NOT_FOUND,
             ErrorCode::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorCode::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,

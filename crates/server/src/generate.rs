@@ -67,10 +67,12 @@ pub enum Piece {
     },
     /// The end.
     Done {
-        /// `stop` or `length`.
+        /// `stop`, `length` or `timeout`.
         finish: &'static str,
         /// Counts.
         usage: Usage,
+        /// The stop string that ended the answer, if one did.
+        stop: Option<String>,
     },
 }
 
@@ -204,7 +206,7 @@ impl Generation {
         let (r2, c2) = self.split.flush();
         r.push_str(&r2);
         c.push_str(&c2);
-        self.queue.push_back(Piece::Done { finish, usage: self.usage });
+        self.queue.push_back(Piece::Done { finish, usage: self.usage, stop: None });
         Piece::Delta { reasoning: r, content: c, logprobs: Vec::new() }
     }
 
@@ -280,7 +282,8 @@ impl Generation {
                         content.push_str(&c);
                         self.rx.close();
                         self.done = true;
-                        self.queue.push_back(Piece::Done { finish: "stop", usage: self.usage });
+                        let stop = self.text.matched().map(str::to_string);
+                        self.queue.push_back(Piece::Done { finish: "stop", usage: self.usage, stop });
                         return Some(Ok(Piece::Delta { reasoning, content, logprobs }));
                     }
                     if reasoning.is_empty() && content.is_empty() && logprobs.is_empty() {

@@ -14,32 +14,36 @@ use osprey_protocol::{scheduler::SchedulerCommand, ErrorCode};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::answer::{Answer, Out};
 use crate::error::ApiError;
-use crate::generate::{Generation, LogprobEntry, Piece, RequestCtx, Usage};
+use crate::generate::{Generation, LogprobEntry, RequestCtx};
+use crate::tools::Call;
 use crate::validate::{self, ChatRequest, CompletionRequest, GenParams};
 use crate::{AppState, Phase, ServerConfig};
 
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-fn check_key(state: &AppState, req: &HttpRequest) -> Result<(), ApiError> {
+pub(crate) fn check_key(state: &AppState, req: &HttpRequest) -> Result<(), ApiError> {
     let Some(key) = &state.cfg.api_key else { return Ok(()) };
-    let given =
+    // `Authorization: Bearer` (OpenAI clients) or `x-api-key` (Anthropic clients).
+    let bearer =
         req.headers().get("authorization").and_then(|h| h.to_str().ok()).and_then(|h| h.strip_prefix("Bearer "));
-    if given == Some(key.as_str()) {
+    let x_key = req.headers().get("x-api-key").and_then(|h| h.to_str().ok());
+    if bearer == Some(key.as_str()) || x_key == Some(key.as_str()) {
         Ok(())
     } else {
         Err(ApiError::new(ErrorCode::InvalidApiKey, "a valid API key is required (Authorization: Bearer <key>)"))
     }
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
+pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
     serde_json::from_value(body.clone())
         .map_err(|e| ApiError::new(ErrorCode::InvalidRequest, format!("invalid request body: {e}")))
 }
 
-async fn prepare(
+pub(crate) async fn prepare(
     state: &AppState,
     make: impl FnOnce(oneshot::Sender<Result<PreparedPrompt, osprey_protocol::RequestError>>) -> TokenizerCommand,
 ) -> Result<PreparedPrompt, ApiError> {
@@ -107,7 +111,7 @@ fn sse(v: &Value) -> Bytes {
 }
 
 /// Resolves when a graceful shutdown's grace period is over (never, when nobody drives the phase).
-async fn expired(mut phase: watch::Receiver<Phase>) {
+pub(crate) async fn expired(mut phase: watch::Receiver<Phase>) {
     loop {
         if *phase.borrow_and_update() == Phase::Expired {
             return;
@@ -118,15 +122,15 @@ async fn expired(mut phase: watch::Receiver<Phase>) {
     }
 }
 
-fn shutting_down() -> ApiError {
+pub(crate) fn shutting_down() -> ApiError {
     ApiError::new(ErrorCode::Unavailable, "the server is shutting down; the generation was stopped")
 }
 
-/// Drives a generation into SSE frames until done, the client leaves (send error) or a shutdown's grace
+/// Drives an answer into SSE frames until done, the client leaves (send error) or a shutdown's grace
 /// period ends (an error event, then `[DONE]`).
 async fn stream_task(
     kind: Kind,
-    mut g: Generation,
+    mut a: Answer,
     ids: Ids,
     include_usage: bool,
     want_logprobs: bool,
@@ -143,29 +147,33 @@ async fn stream_task(
     }
     let mut offset = 0;
     loop {
-        let piece = tokio::select! {
-            p = g.next() => p,
+        let out = tokio::select! {
+            p = a.next() => p,
             () = &mut expiry => Some(Err(shutting_down())),
         };
-        let Some(piece) = piece else { break };
-        let frame = match piece {
-            Ok(Piece::Delta { reasoning, content, logprobs }) => {
-                let mut delta = serde_json::Map::new();
-                if !reasoning.is_empty() {
-                    delta.insert("reasoning_content".into(), reasoning.into());
-                }
-                if !content.is_empty() || kind == Kind::Completion {
-                    delta.insert("content".into(), content.clone().into());
-                }
-                if delta.is_empty() && logprobs.is_empty() {
+        let Some(out) = out else { break };
+        let frame = match out {
+            Ok(Out::Reasoning(r)) => chunk(kind, &ids, json!({"reasoning_content": r}), Value::Null, None),
+            Ok(Out::Text(t, logprobs)) => {
+                if t.is_empty() && logprobs.is_empty() {
                     continue;
                 }
                 let lp = if want_logprobs { logprobs_json(kind, &logprobs, offset) } else { Value::Null };
-                offset += content.len();
-                chunk(kind, &ids, Value::Object(delta), lp, None)
+                offset += t.len();
+                chunk(kind, &ids, json!({"content": t}), lp, None)
             }
-            Ok(Piece::Done { finish, usage }) => {
-                let last = chunk(kind, &ids, json!({}), Value::Null, Some(finish));
+            Ok(Out::CallStart { index, id, name }) => {
+                let call =
+                    json!({"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}});
+                chunk(kind, &ids, json!({"tool_calls": [call]}), Value::Null, None)
+            }
+            Ok(Out::CallArgs { index, fragment }) => {
+                let call = json!({"index": index, "function": {"arguments": fragment}});
+                chunk(kind, &ids, json!({"tool_calls": [call]}), Value::Null, None)
+            }
+            Ok(Out::CallEnd) => continue,
+            Ok(Out::Done { finish, usage, .. }) => {
+                let last = chunk(kind, &ids, json!({}), Value::Null, Some(finish.openai()));
                 if tx.send(sse(&last)).await.is_err() {
                     return;
                 }
@@ -184,10 +192,18 @@ async fn stream_task(
             }
         };
         if tx.send(sse(&frame)).await.is_err() {
-            return; // client left: dropping `g` cancels the sequence
+            return; // client left: dropping `a` cancels the sequence
         }
     }
     let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+}
+
+/// An SSE response fed by `rx`.
+pub(crate) fn sse_response(rx: mpsc::Receiver<Bytes>) -> HttpResponse {
+    let body = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, actix_web::Error>(b), rx))
+    });
+    HttpResponse::Ok().content_type("text/event-stream").insert_header(("Cache-Control", "no-cache")).streaming(body)
 }
 
 async fn respond(
@@ -199,61 +215,69 @@ async fn respond(
 ) -> Result<HttpResponse, ApiError> {
     let want_logprobs = gen.sampling.logprobs.is_some();
     let (stream, include_usage) = (gen.stream, gen.include_usage);
-    let g = Generation::start(state.clone(), prompt, gen, req, kind == Kind::Chat).await?;
+    let a = start_answer(state.clone(), prompt, gen, req, kind == Kind::Chat).await?;
     let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
     let ids = Ids { id: format!("{prefix}-{}", req.id), created: now(), model: state.cfg.model_id.clone() };
     if stream {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
         let phase = state.phase.clone();
-        actix_web::rt::spawn(stream_task(kind, g, ids, include_usage, want_logprobs, tx, phase));
-        let body = futures_util::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|b| (Ok::<_, actix_web::Error>(b), rx))
-        });
-        return Ok(HttpResponse::Ok()
-            .content_type("text/event-stream")
-            .insert_header(("Cache-Control", "no-cache"))
-            .streaming(body));
+        actix_web::rt::spawn(stream_task(kind, a, ids, include_usage, want_logprobs, tx, phase));
+        return Ok(sse_response(rx));
     }
     tokio::select! {
-        r = collect(kind, g, ids, want_logprobs) => r,
+        r = collect(kind, a, ids, want_logprobs) => r,
         () = expired(state.phase.clone()) => Err(shutting_down()),
     }
 }
 
-async fn collect(kind: Kind, mut g: Generation, ids: Ids, want_logprobs: bool) -> Result<HttpResponse, ApiError> {
-    let (mut reasoning, mut content, mut entries) = (String::new(), String::new(), Vec::new());
-    let mut end: Option<(&str, Usage)> = None;
-    while let Some(piece) = g.next().await {
-        match piece? {
-            Piece::Delta { reasoning: r, content: c, logprobs } => {
-                reasoning.push_str(&r);
-                content.push_str(&c);
-                entries.extend(logprobs);
-            }
-            Piece::Done { finish, usage } => end = Some((finish, usage)),
-        }
-    }
-    let (finish, usage) =
-        end.ok_or_else(|| ApiError::new(ErrorCode::EngineError, "the generation ended without finishing"))?;
-    let lp = if want_logprobs { logprobs_json(kind, &entries, 0) } else { Value::Null };
+/// Starts the generation of a prepared prompt (its grammar, if any, goes to the sampler) as an answer.
+pub(crate) async fn start_answer(
+    state: Arc<AppState>,
+    mut prompt: PreparedPrompt,
+    mut gen: GenParams,
+    req: &RequestCtx,
+    chat: bool,
+) -> Result<Answer, ApiError> {
+    gen.sampling.constraint = prompt.constraint.take();
+    let tools = gen.tools.clone();
+    let g = Generation::start(state, prompt, gen, req, chat).await?;
+    Ok(Answer::new(g, tools.as_ref(), req.id))
+}
+
+/// The OpenAI `tool_calls` of an answer.
+pub(crate) fn calls_json(calls: &[Call]) -> Value {
+    calls
+        .iter()
+        .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+        .collect()
+}
+
+async fn collect(kind: Kind, a: Answer, ids: Ids, want_logprobs: bool) -> Result<HttpResponse, ApiError> {
+    let (c, finish, usage, _) = a.collect().await?;
+    let lp = if want_logprobs { logprobs_json(kind, &c.logprobs, 0) } else { Value::Null };
     let body = match kind {
         Kind::Chat => {
-            let mut message = json!({"role": "assistant", "content": content});
-            if !reasoning.is_empty() {
-                message["reasoning_content"] = reasoning.trim().into();
+            let mut message = json!({"role": "assistant", "content": c.text});
+            if !c.calls.is_empty() {
+                let text = c.text.trim();
+                message["content"] = if text.is_empty() { Value::Null } else { text.into() };
+                message["tool_calls"] = calls_json(&c.calls);
+            }
+            if !c.reasoning.is_empty() {
+                message["reasoning_content"] = c.reasoning.into();
             }
             json!({"id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
-                "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}], "usage": usage.json()})
+                "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish.openai()}], "usage": usage.json()})
         }
         Kind::Completion => {
             json!({"id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model,
-            "choices": [{"index": 0, "text": content, "logprobs": lp, "finish_reason": finish}], "usage": usage.json()})
+            "choices": [{"index": 0, "text": c.text, "logprobs": lp, "finish_reason": finish.openai()}], "usage": usage.json()})
         }
     };
     Ok(HttpResponse::Ok().json(body))
 }
 
-fn counted(state: &AppState, r: Result<HttpResponse, ApiError>) -> Result<HttpResponse, ApiError> {
+pub(crate) fn counted(state: &AppState, r: Result<HttpResponse, ApiError>) -> Result<HttpResponse, ApiError> {
     if r.is_err() {
         state.metrics.failed_requests.fetch_add(1, Ordering::Relaxed);
     }
@@ -335,7 +359,7 @@ pub async fn models(state: web::Data<AppState>, req: HttpRequest) -> Result<Http
 }
 
 /// Refuses new work once a shutdown began.
-fn check_serving(state: &AppState) -> Result<(), ApiError> {
+pub(crate) fn check_serving(state: &AppState) -> Result<(), ApiError> {
     if *state.phase.borrow() != Phase::Serving {
         return Err(ApiError::new(ErrorCode::Unavailable, "the server is shutting down"));
     }
@@ -383,6 +407,13 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         if let Ok(e) = rx.await {
             body.push_str(&crate::metrics::render_experts(&e));
         }
+    }
+    let (stored, stored_bytes) = state.responses.usage();
+    for (name, help, v) in [
+        ("osprey_responses_stored", "Responses kept for previous_response_id.", stored),
+        ("osprey_responses_stored_bytes", "Bytes of the stored conversations.", stored_bytes),
+    ] {
+        body.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}\n"));
     }
     if let Some(extra) = &state.extra_metrics {
         body.push_str(&(extra.0)());

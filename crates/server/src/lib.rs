@@ -7,14 +7,19 @@
 //! the engine through `osprey-protocol` senders. Errors become OpenAI error envelopes in one place
 //! ([`ApiError`]).
 
+mod answer;
 mod body;
 pub mod config;
 mod edge;
 mod error;
 mod generate;
 mod handlers;
+mod messages;
 mod metrics;
+mod responses;
+mod store;
 mod text;
+mod tools;
 mod validate;
 
 use std::net::SocketAddr;
@@ -63,6 +68,8 @@ pub struct AppState {
     ready: AtomicBool,
     created: u64,
     phase: watch::Receiver<Phase>,
+    /// Responses kept for `previous_response_id`.
+    responses: store::ResponseStore,
 }
 
 /// The actors the server talks to.
@@ -122,6 +129,7 @@ impl std::fmt::Debug for Bound {
 /// are closed.
 pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> std::io::Result<Bound> {
     let (phase_tx, phase) = watch::channel(Phase::Serving);
+    let limits_store = (cfg.limits.max_stored_responses, cfg.limits.max_stored_response_bytes);
     let shutdown_timeout = cfg.shutdown_grace_secs.saturating_add(10);
     let idle = cfg.idle_timeout_secs;
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
@@ -138,6 +146,7 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
         ready: AtomicBool::new(true),
         created,
         phase,
+        responses: store::ResponseStore::new(limits_store.0, limits_store.1),
     });
     let edge = std::sync::Arc::new(edge::EdgePolicy {
         allowed_hosts: state.cfg.allowed_hosts.clone(),
@@ -170,6 +179,15 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
             })
             .service(post("/v1/chat/completions").route(web::post().to(handlers::chat)))
             .service(post("/v1/completions").route(web::post().to(handlers::completions)))
+            .service(post("/v1/responses").route(web::post().to(responses::create)))
+            .service(
+                web::resource("/v1/responses/{id}")
+                    .route(web::get().to(responses::get))
+                    .route(web::delete().to(responses::delete))
+                    .default_service(web::to(|| async { edge::method_not_allowed("GET, DELETE") })),
+            )
+            .service(post("/v1/messages").route(web::post().to(messages::create)))
+            .service(post("/v1/messages/count_tokens").route(web::post().to(messages::count_tokens)))
             .service(get("/v1/models").route(web::get().to(handlers::models)))
             .service(get("/health").route(web::get().to(handlers::health)))
             .service(get("/metrics").route(web::get().to(handlers::metrics)))

@@ -26,6 +26,8 @@ pub struct TextState {
     pending: String,
     /// A stop string ended the text.
     stopped: bool,
+    /// Which one.
+    matched: Option<String>,
 }
 
 impl TextState {
@@ -37,9 +39,12 @@ impl TextState {
             return String::new();
         }
         self.pending.push_str(delta);
-        if let Some(i) = stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+        if let Some((i, s)) =
+            stops.iter().filter_map(|s| self.pending.find(s.as_str()).map(|i| (i, s))).min_by_key(|x| x.0)
+        {
             self.pending.truncate(i);
             self.stopped = true;
+            self.matched = Some(s.clone());
             return std::mem::take(&mut self.pending);
         }
         let held = if finished {
@@ -55,6 +60,11 @@ impl TextState {
     /// Whether a stop string ended the text.
     pub fn stopped(&self) -> bool {
         self.stopped
+    }
+
+    /// The stop string that ended the text.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 }
 
@@ -154,6 +164,7 @@ mod tests {
         let out: String = ["ab<s", "to", "p>cd"].iter().map(|d| v.advance(d, &stops, false)).collect();
         assert_eq!(out, "ab");
         assert!(v.stopped());
+        assert_eq!(v.matched(), Some("<stop>"));
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::io::Read;
 use std::time::Duration;
 
 use base64::Engine;
+use osprey_protocol::constraint::Grammar;
 use osprey_protocol::scheduler::SamplingParams;
 use osprey_protocol::tokenizer::{ChatPrompt, CompletionPrompt, MediaInput, MediaLimits};
 use osprey_protocol::ErrorCode;
@@ -14,6 +15,7 @@ use serde_json::{json, Value};
 
 use crate::config::{Limits, ServerConfig};
 use crate::error::ApiError;
+use crate::tools::{self, ToolChoice, ToolSpec};
 
 /// `stop`: one string or several.
 #[derive(Clone, Debug, Deserialize)]
@@ -88,10 +90,14 @@ pub struct ChatRequest {
     pub logprobs: bool,
     /// Alternatives per token (0..=20).
     pub top_logprobs: Option<i64>,
-    /// Structured output (only `{"type": "text"}` is accepted).
+    /// Structured output: `text`, `json_object` or `json_schema`.
     pub response_format: Option<Value>,
-    /// Tools (not supported yet).
+    /// Function tools.
     pub tools: Option<Value>,
+    /// `none`, `auto`, `required` or a named function.
+    pub tool_choice: Option<Value>,
+    /// More than one call per answer (default true).
+    pub parallel_tool_calls: Option<bool>,
     /// Extra template arguments (e.g. `enable_thinking`).
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
@@ -129,6 +135,18 @@ pub struct GenParams {
     /// Time from the request's arrival after which its generation is ended (the request's own
     /// `deadline_secs` or the server's, whichever is shorter).
     pub deadline: Option<std::time::Duration>,
+    /// Tools whose calls are parsed out of the answer (chat requests with tools and a choice other than
+    /// `none`).
+    pub tools: Option<ToolSetup>,
+}
+
+/// The tools of a request, for the answer's parser.
+#[derive(Clone, Debug)]
+pub struct ToolSetup {
+    /// The tools.
+    pub specs: Vec<ToolSpec>,
+    /// More than one call allowed.
+    pub parallel: bool,
 }
 
 fn bad(code: ErrorCode, msg: impl Into<String>, param: &str) -> ApiError {
@@ -193,6 +211,7 @@ fn common(c: &Common, cfg: &ServerConfig, logprobs: Option<usize>) -> Result<Gen
         presence_penalty: range(c.presence_penalty, -2.0, 2.0, 0.0, "presence_penalty")?,
         frequency_penalty: range(c.frequency_penalty, -2.0, 2.0, 0.0, "frequency_penalty")?,
         logprobs,
+        constraint: None,
     };
     let stop = match &c.stop {
         None => Vec::new(),
@@ -224,7 +243,40 @@ fn common(c: &Common, cfg: &ServerConfig, logprobs: Option<usize>) -> Result<Gen
         include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
         ignore_eos: c.ignore_eos,
         deadline,
+        tools: None,
     })
+}
+
+/// `response_format` as a grammar (`None` for plain text).
+fn response_format(rf: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
+    let Some(rf) = rf.filter(|v| !v.is_null()) else { return Ok(None) };
+    let p = "response_format";
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Grammar::JsonObject)),
+        Some("json_schema") => {
+            let js = rf.get("json_schema").ok_or_else(|| {
+                bad(ErrorCode::InvalidRequest, "json_schema needs `json_schema`: {\"name\", \"schema\"}", p)
+            })?;
+            // The Responses API's `text.format` puts the fields at the top level.
+            let js = if js.is_object() { js } else { rf };
+            let schema = js.get("schema").cloned().unwrap_or_else(|| json!({}));
+            if !(schema.is_object() || schema.is_boolean()) {
+                return Err(bad(
+                    ErrorCode::InvalidSchema,
+                    "the schema must be a JSON Schema object",
+                    &format!("{p}.json_schema.schema"),
+                ));
+            }
+            let strict = js.get("strict").and_then(Value::as_bool).unwrap_or(false);
+            Ok(Some(Grammar::JsonSchema { schema, strict }))
+        }
+        other => Err(bad(
+            ErrorCode::InvalidRequest,
+            format!("response_format type {other:?} is not text, json_object or json_schema"),
+            p,
+        )),
+    }
 }
 
 /// Fetches or decodes a media URL under the limits (blocking: called off the async threads).
@@ -347,18 +399,23 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
         return Err(bad(ErrorCode::InvalidRequest, "messages must not be empty", "messages"));
     }
     check_prompt_bytes(req.messages.iter().map(|m| content_bytes(m.get("content"))).sum(), cfg, "messages")?;
-    if let Some(rf) = &req.response_format {
-        if rf.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(bad(
-                ErrorCode::UnsupportedParameter,
-                "response_format other than {\"type\": \"text\"} is not supported",
-                "response_format",
-            ));
-        }
+    let specs = tools::parse_chat_tools(req.tools.as_ref())?;
+    let choice = tools::parse_tool_choice(req.tool_choice.as_ref(), &specs)?;
+    let parallel = req.parallel_tool_calls.unwrap_or(true);
+    let format = response_format(req.response_format.as_ref())?;
+    let forced = match &choice {
+        ToolChoice::Required if !specs.is_empty() => Some(Grammar::Lark(tools::call_grammar(&specs, None, parallel))),
+        ToolChoice::Named(n) => Some(Grammar::Lark(tools::call_grammar(&specs, Some(n), parallel))),
+        _ => None,
+    };
+    if forced.is_some() && format.is_some() {
+        return Err(bad(
+            ErrorCode::UnsupportedParameter,
+            "a forced tool call (tool_choice required or named) cannot also have a JSON response_format",
+            "response_format",
+        ));
     }
-    if req.tools.as_ref().is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty())) {
-        return Err(bad(ErrorCode::UnsupportedParameter, "tools are not supported yet", "tools"));
-    }
+    let grammar = forced.or(format);
     let top = match (req.logprobs, req.top_logprobs) {
         (false, Some(n)) if n > 0 => {
             return Err(bad(ErrorCode::InvalidRequest, "top_logprobs requires logprobs: true", "top_logprobs"))
@@ -399,6 +456,18 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
         out.insert("role".into(), role.into());
         if let Some(r) = m.get("reasoning_content") {
             out.insert("reasoning_content".into(), r.clone());
+        }
+        if role == "assistant" {
+            if let Some(calls) = m.get("tool_calls").filter(|c| !c.is_null()) {
+                out.insert("tool_calls".into(), tools::template_calls(calls, &format!("{param}.tool_calls"))?);
+            }
+        }
+        if role == "tool" {
+            for k in ["tool_call_id", "name"] {
+                if let Some(v) = m.get(k).filter(|v| v.is_string()) {
+                    out.insert(k.into(), v.clone());
+                }
+            }
         }
         let content = match m.get("content") {
             // OpenAI allows a null content only on an assistant message that carries tool calls.
@@ -511,10 +580,30 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
         out.insert("content".into(), content);
         messages.push(Value::Object(out));
     }
+    let mut template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+    if !specs.is_empty() && choice != ToolChoice::None {
+        template_kwargs.insert("tools".into(), Value::Array(specs.iter().map(ToolSpec::template_json).collect()));
+    }
+    if grammar.is_some() {
+        // The grammar covers the answer; a reasoning block before it would be forced into the grammar too.
+        if template_kwargs.get("enable_thinking") == Some(&Value::Bool(true)) {
+            return Err(bad(
+                ErrorCode::UnsupportedParameter,
+                "structured output and forced tool calls answer without thinking; leave enable_thinking unset or false",
+                "chat_template_kwargs.enable_thinking",
+            ));
+        }
+        template_kwargs.insert("enable_thinking".into(), false.into());
+    }
+    let mut gen = gen;
+    if !specs.is_empty() && choice != ToolChoice::None {
+        gen.tools = Some(ToolSetup { specs, parallel });
+    }
     let prompt = ChatPrompt {
         messages: Value::Array(messages),
         media,
-        template_kwargs: req.chat_template_kwargs.clone().unwrap_or_default(),
+        grammar,
+        template_kwargs,
         limits: MediaLimits {
             max_pixels: limits.max_image_pixels,
             max_frames: limits.max_video_frames,

@@ -1,17 +1,20 @@
 //! The tokenizer actor: a thread owning the tokenizer, chat template and processor config.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::thread;
 
 use blake2::digest::{Update, VariableOutput};
 use blake2::Blake2bVar;
 use osprey_models::vision::{declared_size, decode_animation, decode_image, DecodeLimits, ProcessorConfig};
+use osprey_protocol::constraint::{Constraint, Grammar};
 use osprey_protocol::tokenizer::{
     ChatPrompt, CompletionPrompt, DecodeState, MediaInput, MediaLimits, PreparedMedia, PreparedPrompt, TokenizerCommand,
 };
 use osprey_protocol::{ErrorCode, MediaHash, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::grammar::GrammarCompiler;
 use crate::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
 
 /// Everything the actor owns.
@@ -21,6 +24,12 @@ pub struct TokenizerCore {
     template: Option<ChatTemplate>,
     processor: ProcessorConfig,
     vision: bool,
+    /// `tokenizer.json`, for the grammar compiler.
+    tokenizer_json: PathBuf,
+    /// The model's vocabulary size and end-of-answer tokens (for grammars).
+    grammar_vocab: (usize, Vec<u32>),
+    /// Built on the first constrained request (a trie of the whole vocabulary).
+    grammar: OnceLock<Result<GrammarCompiler, String>>,
 }
 
 fn media_error(e: osprey_models::Error) -> RequestError {
@@ -135,6 +144,33 @@ impl TokenizerCore {
             template: ChatTemplate::from_dir(dir).ok(),
             processor: ProcessorConfig::from_dir(dir)?,
             vision,
+            tokenizer_json: dir.join("tokenizer.json"),
+            grammar_vocab: (0, Vec::new()),
+            grammar: OnceLock::new(),
+        })
+    }
+
+    /// Sets the model's logit count and end-of-answer tokens, which grammars need.
+    pub fn with_grammar_vocab(mut self, vocab: usize, eos: Vec<u32>) -> Self {
+        self.grammar_vocab = (vocab, eos);
+        self
+    }
+
+    /// Compiles a grammar against this vocabulary.
+    pub fn compile(&self, g: &Grammar) -> Result<Constraint, RequestError> {
+        let compiler = self.grammar.get_or_init(|| {
+            let text = std::fs::read_to_string(&self.tokenizer_json).map_err(|e| e.to_string())?;
+            let tok = tokenizers::Tokenizer::from_bytes(text.as_bytes()).map_err(|e| e.to_string())?;
+            let (vocab, eos) = &self.grammar_vocab;
+            let eos = if eos.is_empty() { self.tok.token_id("<|im_end|>").into_iter().collect() } else { eos.clone() };
+            GrammarCompiler::new(&text, tok, (*vocab).max(self.tok.vocab_size()), &eos)
+        });
+        let compiler = compiler.as_ref().map_err(|e| {
+            RequestError::new(ErrorCode::EngineError, format!("constrained decoding is unavailable: {e}"))
+        })?;
+        compiler.compile(g).map_err(|e| {
+            RequestError::new(ErrorCode::InvalidSchema, format!("the output format cannot be enforced: {e}"))
+                .with_param("response_format")
         })
     }
 
@@ -162,6 +198,7 @@ impl TokenizerCore {
             media.push(d);
             hashes.push(h);
         }
+        let constraint = p.grammar.as_ref().map(|g| self.compile(g)).transpose()?;
         let text = template
             .render(&p.messages, true, &p.template_kwargs)
             .map_err(|e| RequestError::new(ErrorCode::InvalidRequest, e.to_string()).with_param("messages"))?;
@@ -182,6 +219,7 @@ impl TokenizerCore {
             rope_delta: prepared.rope_delta,
             media,
             thinking_open,
+            constraint,
         })
     }
 
@@ -213,6 +251,7 @@ impl TokenizerCore {
             rope_delta: 0,
             media: Vec::new(),
             thinking_open: false,
+            constraint: None,
         })
     }
 }
@@ -298,6 +337,10 @@ fn handle(core: &TokenizerCore, cmd: TokenizerCommand) {
         }
         TokenizerCommand::Decode { ids, skip_special, reply } => {
             let _ = reply.send(core.tok.decode(&ids, skip_special).unwrap_or_default());
+        }
+        TokenizerCommand::CountChat { prompt, reply } => {
+            let out = core.prepare_chat(prompt).map(|p| p.input_ids.len());
+            let _ = reply.send(out);
         }
         TokenizerCommand::TokenTexts { ids, reply } => {
             let texts = ids.iter().map(|&i| core.tok.decode(&[i], false).unwrap_or_default()).collect();

@@ -9,6 +9,7 @@
 mod actor;
 mod chat;
 mod detok;
+mod grammar;
 mod placeholders;
 mod prepare;
 
@@ -17,6 +18,7 @@ use std::path::{Path, PathBuf};
 pub use actor::{cache_ids, spawn, spawn_pool, TokenizerCore, TokenizerHandle};
 pub use chat::{py_json_dumps, ChatTemplate};
 pub use detok::Detokenizer;
+pub use grammar::GrammarCompiler;
 pub use placeholders::{expand_media_placeholders, format_seconds, MediaPlaceholder, IMAGE_PAD, VIDEO_PAD};
 pub use prepare::{prepare_prompt, Media, Prepared, PreparedItem};
 

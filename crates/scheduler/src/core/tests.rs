@@ -17,6 +17,7 @@ fn req(id: SeqId, prompt: usize, max_tokens: usize) -> GenerateRequest {
         rope_delta: 0,
         media: Vec::new(),
         thinking_open: false,
+        constraint: None,
         cache_ids: vec![1; prompt],
     };
     GenerateRequest {
@@ -114,17 +115,17 @@ fn a_hit_skips_cached_tokens_and_chunks_end_on_the_snapshot_grid() {
     s.submit(req(1, 15, 3), tx).expect("fits");
     let (pin_tx, mut pin_rx) = mpsc::unbounded_channel();
     let mut port = Recorder { pins: Some(pin_tx), ..Recorder::default() };
-    // Hit of 4; grid 4, page 2: the chunk ends on the furthest snapshot point it can reach, the
-    // prompt's last page boundary 14 (grid points 8 and 12 inside it are not snapshotted), then 15
-    // samples; then the first decode token ends on page boundary 16 and snapshots.
+    // Hit of 4; grid 4, page 2: the chunk ends on the furthest grid point it can reach, 12 (8 inside
+    // it is not snapshotted), then on the prompt's last page boundary 14, then 15 samples; then the
+    // first decode token ends on page boundary 16 and snapshots.
     let mut ends = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..4 {
         let p = s.schedule(&mut port).expect("work");
         let it = &p.items[0];
         ends.push((it.start, it.end, it.snapshot, it.sample));
         s.update(&p, sample_all(&p, 5));
     }
-    assert_eq!(ends, vec![(4, 14, true, false), (14, 15, false, true), (15, 16, true, true)]);
+    assert_eq!(ends, vec![(4, 12, true, false), (12, 14, true, false), (14, 15, false, true), (15, 16, true, true)]);
     let p = s.schedule(&mut port).expect("decode");
     assert!(pin_rx.try_recv().is_err(), "the path stays pinned while the request runs");
     s.update(&p, sample_all(&p, 5));

@@ -1,0 +1,46 @@
+//! Constrained decoding across actors: the server says what the output must match ([`Grammar`]), the
+//! tokenizer actor (which owns the vocabulary) compiles it into a [`Constraint`], and the runner's sampler
+//! asks a per-sequence [`TokenMatcher`] which tokens may come next. No grammar engine types cross here.
+
+use std::sync::Arc;
+
+/// What the output must match.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Grammar {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// A JSON value valid under a JSON Schema (`json_schema`).
+    JsonSchema {
+        /// The schema.
+        schema: serde_json::Value,
+        /// Refuse keywords the engine cannot enforce (else they are ignored).
+        strict: bool,
+    },
+    /// A Lark grammar (forced tool calls: the call syntax with each parameter's schema inside).
+    Lark(String),
+}
+
+/// One sequence's position in a compiled grammar.
+pub trait TokenMatcher: Send + std::fmt::Debug {
+    /// Sets bit `t % 32` of `allowed[t / 32]` for every token `t` that may come next (the vector is
+    /// resized to cover the vocabulary). Stop tokens are allowed once the grammar is complete.
+    fn allowed(&mut self, allowed: &mut Vec<u32>) -> Result<(), String>;
+    /// Advances past the sampled token.
+    fn commit(&mut self, token: u32) -> Result<(), String>;
+}
+
+/// A compiled grammar: starts a matcher per sequence.
+pub trait CompiledGrammar: Send + Sync + std::fmt::Debug {
+    /// A matcher at the start of the output.
+    fn start(&self) -> Box<dyn TokenMatcher>;
+}
+
+/// A shared compiled grammar (equal only to itself).
+#[derive(Clone, Debug)]
+pub struct Constraint(pub Arc<dyn CompiledGrammar>);
+
+impl PartialEq for Constraint {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}

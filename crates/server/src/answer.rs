@@ -1,0 +1,179 @@
+//! One answer as every front end sees it (chat completions, Responses, Messages): reasoning, text and
+//! tool calls in order, then how it ended. It wraps a [`Generation`] and, when the request has tools,
+//! parses calls out of the answer text. Each front end only formats these events.
+
+use std::collections::VecDeque;
+
+use crate::error::ApiError;
+use crate::generate::{Generation, LogprobEntry, Piece, Usage};
+use crate::tools::{Call, ToolEvent, ToolParser};
+use crate::validate::ToolSetup;
+
+/// Why an answer ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// End token or stop string.
+    Stop,
+    /// `max_tokens` or the context.
+    Length,
+    /// It called tools.
+    ToolCalls,
+    /// The request's deadline.
+    Timeout,
+}
+
+impl Finish {
+    /// The OpenAI `finish_reason`.
+    pub fn openai(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::ToolCalls => "tool_calls",
+            Finish::Timeout => "timeout",
+        }
+    }
+}
+
+/// A step of the answer.
+#[derive(Debug)]
+pub enum Out {
+    /// Reasoning text.
+    Reasoning(String),
+    /// Answer text, with the logprobs of the tokens it came from.
+    Text(String, Vec<LogprobEntry>),
+    /// A tool call begins.
+    CallStart {
+        /// Index among the answer's calls.
+        index: usize,
+        /// `call_…`.
+        id: String,
+        /// Function.
+        name: String,
+    },
+    /// More arguments of call `index`.
+    CallArgs {
+        /// Index.
+        index: usize,
+        /// Fragment of the arguments' JSON.
+        fragment: String,
+    },
+    /// The call being written is complete (one that never ends was cut off and is also answered as text).
+    CallEnd,
+    /// The end.
+    Done {
+        /// Why.
+        finish: Finish,
+        /// Counts.
+        usage: Usage,
+        /// The stop string that ended it.
+        stop: Option<String>,
+    },
+}
+
+/// A running answer.
+#[derive(Debug)]
+pub struct Answer {
+    g: Generation,
+    tools: Option<ToolParser>,
+    queue: VecDeque<Out>,
+}
+
+/// The whole of an answer.
+#[derive(Debug, Default)]
+pub struct Collected {
+    /// Reasoning (trimmed).
+    pub reasoning: String,
+    /// Text.
+    pub text: String,
+    /// Calls.
+    pub calls: Vec<Call>,
+    /// Logprobs of every token.
+    pub logprobs: Vec<LogprobEntry>,
+}
+
+impl Answer {
+    /// Wraps `g`; `tools` turns on call parsing (call ids are `call_{request}_{index}`).
+    pub fn new(g: Generation, tools: Option<&ToolSetup>, request: u64) -> Self {
+        let tools = tools.map(|t| ToolParser::new(&t.specs, format!("call_{request}_"), t.parallel));
+        Answer { g, tools, queue: VecDeque::new() }
+    }
+
+    fn push_tool_events(&mut self, events: Vec<ToolEvent>, mut logprobs: Vec<LogprobEntry>) {
+        for e in events {
+            self.queue.push_back(match e {
+                ToolEvent::Text(t) => Out::Text(t, std::mem::take(&mut logprobs)),
+                ToolEvent::Start { index, id, name } => Out::CallStart { index, id, name },
+                ToolEvent::Args { index, fragment } => Out::CallArgs { index, fragment },
+                ToolEvent::End { .. } => Out::CallEnd,
+            });
+        }
+        if !logprobs.is_empty() {
+            self.queue.push_back(Out::Text(String::new(), logprobs));
+        }
+    }
+
+    /// The next step; `None` after `Done`.
+    pub async fn next(&mut self) -> Option<Result<Out, ApiError>> {
+        loop {
+            if let Some(o) = self.queue.pop_front() {
+                return Some(Ok(o));
+            }
+            match self.g.next().await? {
+                Err(e) => return Some(Err(e)),
+                Ok(Piece::Delta { reasoning, content, logprobs }) => {
+                    if !reasoning.is_empty() {
+                        self.queue.push_back(Out::Reasoning(reasoning));
+                    }
+                    match self.tools.as_mut() {
+                        Some(p) => {
+                            let ev = p.feed(&content);
+                            self.push_tool_events(ev, logprobs);
+                        }
+                        None if !content.is_empty() || !logprobs.is_empty() => {
+                            self.queue.push_back(Out::Text(content, logprobs))
+                        }
+                        None => {}
+                    }
+                }
+                Ok(Piece::Done { finish, usage, stop }) => {
+                    let mut finish = match finish {
+                        "length" => Finish::Length,
+                        "timeout" => Finish::Timeout,
+                        _ => Finish::Stop,
+                    };
+                    if let Some(p) = self.tools.as_mut() {
+                        let (ev, _cut) = p.finish();
+                        let called = !p.calls().is_empty();
+                        self.push_tool_events(ev, Vec::new());
+                        // A cut-off call is answered as text; the finish reason stays what ended it.
+                        if called && finish == Finish::Stop {
+                            finish = Finish::ToolCalls;
+                        }
+                    }
+                    self.queue.push_back(Out::Done { finish, usage, stop });
+                }
+            }
+        }
+    }
+
+    /// Runs the answer to its end: everything it said, why it ended, its counts and stop string.
+    pub async fn collect(mut self) -> Result<(Collected, Finish, Usage, Option<String>), ApiError> {
+        let mut c = Collected::default();
+        while let Some(o) = self.next().await {
+            match o? {
+                Out::Reasoning(r) => c.reasoning.push_str(&r),
+                Out::Text(t, lp) => {
+                    c.text.push_str(&t);
+                    c.logprobs.extend(lp);
+                }
+                Out::CallStart { .. } | Out::CallArgs { .. } | Out::CallEnd => {}
+                Out::Done { finish, usage, stop } => {
+                    c.calls = self.tools.as_ref().map(|p| p.calls().to_vec()).unwrap_or_default();
+                    c.reasoning = c.reasoning.trim().to_string();
+                    return Ok((c, finish, usage, stop));
+                }
+            }
+        }
+        Err(ApiError::new(osprey_protocol::ErrorCode::EngineError, "the generation ended without finishing"))
+    }
+}
