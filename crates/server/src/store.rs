@@ -99,7 +99,7 @@ mod tests {
         s.put("b".into(), Stored::new(msg(10), Value::Null));
         s.put("c".into(), Stored::new(msg(10), Value::Null));
         assert!(s.get("a").is_none() && s.get("b").is_some() && s.get("c").is_some(), "count bound");
-        s.put("d".into(), Stored::new(msg(900), Value::Null));
+        s.put("d".into(), Stored::new(msg(990), Value::Null));
         assert_eq!(s.usage().0, 1, "byte bound drops the older ones");
         assert!(s.get("d").is_some());
         s.put("huge".into(), Stored::new(msg(5000), Value::Null));

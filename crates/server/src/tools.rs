@@ -494,8 +494,9 @@ impl ToolParser {
                     value = value.strip_suffix('\n').unwrap_or(value);
                     let name = self.calls.last().map(|c| c.name.clone()).unwrap_or_default();
                     let v = self.value_json(&name, &pname, value);
-                    let sep = if self.params == 0 { "" } else { ", " };
-                    let fragment = format!("{sep}{}: {}", Value::String(pname), v);
+                    // Compact JSON, as OpenAI writes arguments.
+                    let sep = if self.params == 0 { "" } else { "," };
+                    let fragment = format!("{sep}{}:{}", Value::String(pname), v);
                     self.params += 1;
                     self.args.push_str(&fragment);
                     let index = self.calls.len() - 1;
@@ -584,7 +585,7 @@ mod tests {
 
     #[test]
     fn parses_calls_whole_and_in_every_split() {
-        let want_args = r#"{"city": "New York", "days": 3, "opts": {"a": [1, 2]}}"#;
+        let want_args = r#"{"city":"New York","days":3,"opts":{"a":[1,2]}}"#;
         for step in [usize::MAX, 1, 2, 3, 7] {
             let mut p = ToolParser::new(&specs(), "call_".into(), true);
             let mut ev = Vec::new();

@@ -255,12 +255,11 @@ fn response_format(rf: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
         Some("text") => Ok(None),
         Some("json_object") => Ok(Some(Grammar::JsonObject)),
         Some("json_schema") => {
-            let js = rf.get("json_schema").ok_or_else(|| {
+            // Chat nests the fields in `json_schema`; the Responses API's `text.format` has them at the top.
+            let js = rf.get("json_schema").filter(|v| v.is_object()).unwrap_or(rf);
+            let schema = js.get("schema").cloned().ok_or_else(|| {
                 bad(ErrorCode::InvalidRequest, "json_schema needs `json_schema`: {\"name\", \"schema\"}", p)
             })?;
-            // The Responses API's `text.format` puts the fields at the top level.
-            let js = if js.is_object() { js } else { rf };
-            let schema = js.get("schema").cloned().unwrap_or_else(|| json!({}));
             if !(schema.is_object() || schema.is_boolean()) {
                 return Err(bad(
                     ErrorCode::InvalidSchema,
