@@ -273,6 +273,15 @@ enum BenchCommand {
         /// The JSON files.
         files: Vec<PathBuf>,
     },
+    /// The committed runs of a directory (bench JSON files, JSON-lines from the side-by-side scripts,
+    /// their charts) as Markdown; `--update FILE` rewrites FILE's generated block with it.
+    Report {
+        /// Directory of runs (docs/runs).
+        dir: PathBuf,
+        /// A Markdown file whose `bench report` block is replaced (docs/benchmarks.md).
+        #[arg(long)]
+        update: Option<PathBuf>,
+    },
     /// The ratios B / A of every number two bench JSON files share.
     Compare {
         /// The baseline run.
@@ -321,6 +330,10 @@ enum BenchCommand {
         /// bandwidth (as expert misses read it) is measured at the start and recorded with the machine.
         #[arg(long)]
         disk_dir: Option<PathBuf>,
+        /// A JSON file holding a `response_format` object sent with every request (structured output:
+        /// the run then measures constrained decoding; osprey reports its mask time).
+        #[arg(long)]
+        response_format: Option<PathBuf>,
     },
     /// Decode with routed experts streamed from disk under a RAM budget (one budget per process, so the
     /// peak RSS is that budget's); compares eviction policies on the recorded routing trace.
@@ -482,6 +495,7 @@ fn main() -> Result<()> {
             timeout_secs,
             out,
             disk_dir,
+            response_format,
         }) => {
             let disk = match &disk_dir {
                 Some(d) => Some(osprey_bench::measure_disk_read(d, 3.0).context("measuring the disk")?),
@@ -499,6 +513,12 @@ fn main() -> Result<()> {
                 max_tokens,
                 api_key,
                 timeout_secs,
+                response_format: response_format
+                    .map(|p| -> anyhow::Result<serde_json::Value> {
+                        let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+                        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", p.display()))
+                    })
+                    .transpose()?,
             };
             let report = osprey_bench::serve::run(&opts).map_err(anyhow::Error::msg)?;
             print!("{}", osprey_bench::serve::table(&report));
@@ -532,6 +552,18 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Chart { out, files }) => {
             for p in osprey_bench::chart::charts(&files, &out).map_err(anyhow::Error::msg)? {
                 println!("{}", p.display());
+            }
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Report { dir, update }) => {
+            let block = osprey_bench::report::render(&dir).map_err(anyhow::Error::msg)?;
+            match update {
+                None => print!("{block}"),
+                Some(doc) => {
+                    let text = std::fs::read_to_string(&doc).with_context(|| format!("reading {}", doc.display()))?;
+                    let new = osprey_bench::report::splice(&text, &block).map_err(anyhow::Error::msg)?;
+                    std::fs::write(&doc, new).with_context(|| format!("writing {}", doc.display()))?;
+                }
             }
             Ok(())
         }

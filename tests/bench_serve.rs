@@ -23,6 +23,7 @@ fn opts(url: String, scenario: Scenario, requests: usize) -> ServeOptions {
         max_tokens: 6,
         api_key: None,
         timeout_secs: 60.0,
+        response_format: None,
     }
 }
 
@@ -48,6 +49,14 @@ fn every_scenario_runs_against_osprey_and_reports_every_field() {
     let r = run(&opts(url.clone(), Scenario::Conversation, 3)).expect("conversation");
     let cached: Vec<u64> = r.samples.iter().map(|s| s.cached_tokens.unwrap_or(0)).collect();
     assert!(cached[2] > 0 && cached[2] >= cached[1], "later turns hit the cache: {cached:?}");
+    // Structured output: every answer follows the schema; osprey reports the time its masks took.
+    let schema = serde_json::json!({"type": "json_schema", "json_schema": {"name": "s", "strict": true, "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false}}});
+    let o = ServeOptions { response_format: Some(schema), max_tokens: 16, ..opts(url.clone(), Scenario::Text, 2) };
+    let r = run(&o).expect("structured");
+    assert!(r.samples.iter().all(|s| s.error.is_none() && s.output_tokens.is_some()));
+    assert!(r.metrics_delta["osprey_grammar_masks_total"] >= 2.0, "{:?}", r.metrics_delta);
+    assert!(r.metrics_delta["osprey_grammar_mask_seconds_total"] > 0.0);
     // Seeded Poisson arrivals: sent in order, spread out.
     let r = run(&ServeOptions { rate: Some(20.0), ..opts(url, Scenario::Text, 5) }).expect("rate");
     let sent: Vec<f64> = r.samples.iter().map(|s| s.sent_at_s).collect();
@@ -162,4 +171,34 @@ fn the_serve_command_writes_its_json_and_fails_cleanly() {
     }
     assert_eq!(v["report"]["samples"].as_array().map(Vec::len), Some(2));
     assert!(!run("http://127.0.0.1:1").success(), "a refused connection exits non-zero");
+}
+
+/// Time to first token is the first token's chunk, not the role chunk a server sends at once: a stub
+/// sends the role chunk (with `"content": ""`, as osprey and vLLM do), waits 300 ms, then a token.
+#[test]
+fn the_role_chunk_is_not_the_first_token() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for stream in listener.incoming().take(8) {
+            let Ok(mut s) = stream else { continue };
+            let mut buf = [0u8; 65536];
+            let n = s.read(&mut buf).unwrap_or(0);
+            if !buf[..n].starts_with(b"POST") {
+                let _ = write!(s, "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                continue;
+            }
+            let _ = write!(s, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n");
+            let chunk = |d: &str| format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{d}}}]}}\n\n");
+            let _ = s.write_all(chunk(r#"{"role":"assistant","content":""}"#).as_bytes());
+            let _ = s.flush();
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            let _ = s.write_all(chunk(r#"{"content":"hi"}"#).as_bytes());
+            let usage = r#"data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
+            let _ = write!(s, "{usage}\n\ndata: [DONE]\n\n");
+        }
+    });
+    let r = run(&ServeOptions { concurrency: 1, ..opts(format!("http://{addr}"), Scenario::Text, 1) }).expect("run");
+    let ttft = r.samples[0].ttft_s.expect("a token came");
+    assert!(ttft >= 0.29, "TTFT {ttft} s counts the role chunk");
 }

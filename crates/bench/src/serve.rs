@@ -70,6 +70,8 @@ pub struct ServeOptions {
     pub api_key: Option<String>,
     /// Per-request timeout in seconds.
     pub timeout_secs: f64,
+    /// `response_format` sent with every request (structured output), if any.
+    pub response_format: Option<Value>,
 }
 
 /// One request as the client saw it.
@@ -245,6 +247,9 @@ fn one(a: &ureq::Agent, o: &ServeOptions, index: usize, msgs: Value, t0: Instant
     if let Some(m) = &o.model {
         body["model"] = json!(m);
     }
+    if let Some(rf) = &o.response_format {
+        body["response_format"] = rf.clone();
+    }
     let start = Instant::now();
     let mut req = a.post(&format!("{}/v1/chat/completions", o.url)).set("Content-Type", "application/json");
     if let Some(k) = &o.api_key {
@@ -281,11 +286,13 @@ fn one(a: &ureq::Agent, o: &ServeOptions, index: usize, msgs: Value, t0: Instant
             break;
         }
         // A token's chunk carries `content` (or `reasoning_content`), possibly empty (a token that ends
-        // inside a UTF-8 sequence, or that renders as nothing); the role-only first chunk some servers
-        // send at once carries neither and is not a token.
+        // inside a UTF-8 sequence, or that renders as nothing). The first chunk servers send at once,
+        // before any token, carries the `role` with no text (osprey and vLLM send `"content": ""` with it,
+        // llama.cpp `null`): it is not a token. A role chunk with text in it is one.
         let delta = &v["choices"][0]["delta"];
         let piece = delta["content"].as_str().or_else(|| delta["reasoning_content"].as_str());
-        if let Some(piece) = piece {
+        let role_only = delta.get("role").is_some() && piece.is_none_or(str::is_empty);
+        if let Some(piece) = piece.filter(|_| !role_only) {
             let now = start.elapsed().as_secs_f64();
             match last {
                 None => s.ttft_s = Some(now),
@@ -334,6 +341,8 @@ fn osprey_counters(text: &str) -> BTreeMap<String, f64> {
         "osprey_ple_hits_total",
         "osprey_ple_misses_total",
         "osprey_ple_bytes_read_total",
+        "osprey_grammar_masks_total",
+        "osprey_grammar_mask_seconds_total",
     ];
     let mut out = BTreeMap::new();
     for line in text.lines().filter(|l| !l.starts_with('#')) {
@@ -475,6 +484,15 @@ pub fn table(r: &ServeReport) -> String {
     for (k, v) in &r.metrics_delta {
         out.push_str(&format!("{k} +{v}\n"));
     }
+    let d = |k: &str| r.metrics_delta.get(k).copied().unwrap_or(0.0);
+    if d("osprey_grammar_masks_total") > 0.0 {
+        let per = d("osprey_grammar_mask_seconds_total") / d("osprey_grammar_masks_total");
+        out.push_str(&format!(
+            "grammar mask {:.1} µs per token ({:.1}% of the p50 inter-token time)\n",
+            per * 1e6,
+            100.0 * per / s.itl_s.p50.max(1e-12)
+        ));
+    }
     out
 }
 
@@ -530,6 +548,7 @@ mod tests {
             max_tokens: 4,
             api_key: None,
             timeout_secs: 1.0,
+            response_format: None,
         };
         assert_eq!(messages(&o, 0, &[]), messages(&o, 0, &[]));
     }
