@@ -336,6 +336,50 @@ fn responses_and_messages_give_the_chat_tokens_for_text_and_an_image() {
 }
 
 #[test]
+fn thinking_blocks_and_reasoning_items_carry_the_think_text() {
+    // The random model thinks until max_tokens; the default one closes its thinking at once. Either way
+    // the thinking block / reasoning item holds what chat's reasoning_content holds, and the metrics
+    // count each front end.
+    for addr in [random_model(), default_model()] {
+        let q = json!([{"role": "user", "content": "Describe a red square."}]);
+        let (r, t, _) = chat_answer(
+            addr,
+            &json!({"messages": q, "max_tokens": 20, "temperature": 0, "chat_template_kwargs": {"enable_thinking": true}}),
+        );
+        let v = ok(
+            addr,
+            "/v1/messages",
+            &json!({"messages": q, "max_tokens": 20, "temperature": 0, "thinking": {"type": "enabled", "budget_tokens": 1024}}),
+        );
+        let blocks = v["content"].as_array().expect("content");
+        let thinking: String =
+            blocks.iter().filter(|b| b["type"] == "thinking").filter_map(|b| b["thinking"].as_str()).collect();
+        let text: String = blocks.iter().filter(|b| b["type"] == "text").filter_map(|b| b["text"].as_str()).collect();
+        assert_eq!((thinking.trim(), text.as_str()), (r.as_str(), t.as_str()), "{v}");
+        if addr == random_model() {
+            assert!(!r.is_empty(), "the random model thinks");
+            assert_eq!(blocks[0]["type"], "thinking", "thinking comes first");
+        }
+        let resp = ok(
+            addr,
+            "/v1/responses",
+            &json!({"input": "Describe a red square.", "max_output_tokens": 20, "temperature": 0}),
+        );
+        let reasoning: String = resp["output"]
+            .as_array()
+            .expect("output")
+            .iter()
+            .filter(|i| i["type"] == "reasoning")
+            .flat_map(|i| i["content"].as_array().cloned().unwrap_or_default())
+            .filter_map(|c| c["text"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(reasoning.trim(), r, "{resp}");
+        assert!(harness::metric(addr, "osprey_requests_total{endpoint=\"messages\"}") >= 1.0);
+        assert!(harness::metric(addr, "osprey_requests_total{endpoint=\"responses\"}") >= 1.0);
+    }
+}
+
+#[test]
 fn streams_of_responses_and_messages_add_up_to_the_whole() {
     let addr = default_model();
     let body = json!({"input": "Describe a red square.", "max_output_tokens": 16, "temperature": 0});

@@ -500,6 +500,7 @@ pub async fn create(
     payload: web::Payload,
 ) -> Result<HttpResponse, AnthropicError> {
     let state = state.into_inner();
+    state.metrics.messages_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let r = run(state.clone(), req, payload).await;
     Ok(handlers::counted(&state, r)?)
 }
@@ -510,6 +511,7 @@ pub async fn count_tokens(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, AnthropicError> {
+    state.metrics.messages_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     check_key(&state, &req)?;
     let body = crate::body::read_json(&req, payload, state.body_limits()).await?;
     let (chat, _) = translate(&body, true)?;

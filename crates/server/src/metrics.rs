@@ -50,6 +50,10 @@ pub struct Metrics {
     pub chat_requests: AtomicU64,
     /// Completion requests.
     pub completion_requests: AtomicU64,
+    /// Responses API requests.
+    pub responses_requests: AtomicU64,
+    /// Anthropic Messages requests (count_tokens included).
+    pub messages_requests: AtomicU64,
     /// Requests answered with an error.
     pub failed_requests: AtomicU64,
     /// Time to first token.
@@ -66,6 +70,8 @@ impl Default for Metrics {
         Metrics {
             chat_requests: AtomicU64::new(0),
             completion_requests: AtomicU64::new(0),
+            responses_requests: AtomicU64::new(0),
+            messages_requests: AtomicU64::new(0),
             failed_requests: AtomicU64::new(0),
             ttft: Histogram::default(),
             itl: Histogram::default(),
@@ -89,6 +95,8 @@ impl Metrics {
         );
         out.push_str(&format!("osprey_requests_total{{endpoint=\"chat\"}} {}\n", ld(&self.chat_requests)));
         out.push_str(&format!("osprey_requests_total{{endpoint=\"completions\"}} {}\n", ld(&self.completion_requests)));
+        out.push_str(&format!("osprey_requests_total{{endpoint=\"responses\"}} {}\n", ld(&self.responses_requests)));
+        out.push_str(&format!("osprey_requests_total{{endpoint=\"messages\"}} {}\n", ld(&self.messages_requests)));
         gauge(
             &mut out,
             "osprey_requests_failed_total",

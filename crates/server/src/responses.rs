@@ -496,6 +496,7 @@ pub async fn create(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
+    state.metrics.responses_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let ctx = RequestCtx::new(&state);
     let r = async {
         check_key(&state, &req)?;
