@@ -258,6 +258,14 @@ fn schema_constrained_output_validates_on_both_models() {
     assert!(done >= 70 && lengths <= 10, "{done} answers ended and validated, {lengths} ran out in digits");
 }
 
+/// The text of a Responses output's items of `kind` (`message` or `reasoning`).
+fn output_text(v: &Value, kind: &str) -> String {
+    let items = v["output"].as_array().expect("output");
+    let parts =
+        items.iter().filter(|i| i["type"] == kind).flat_map(|i| i["content"].as_array().cloned().unwrap_or_default());
+    parts.filter_map(|c| c["text"].as_str().map(str::to_string)).collect()
+}
+
 /// `(reasoning, text, prompt tokens)` of a chat completion.
 fn chat_answer(addr: SocketAddr, body: &Value) -> (String, String, u64) {
     let v = ok(addr, "/v1/chat/completions", body);
@@ -293,22 +301,8 @@ fn responses_and_messages_give_the_chat_tokens_for_text_and_an_image() {
                 "/v1/responses",
                 &json!({"instructions": "Be brief.", "input": [{"role": "user", "content": resp_c}], "max_output_tokens": 24, "temperature": 0}),
             );
-            let text: String = v["output"]
-                .as_array()
-                .expect("output")
-                .iter()
-                .filter(|i| i["type"] == "message")
-                .flat_map(|i| i["content"].as_array().cloned().unwrap_or_default())
-                .filter_map(|c| c["text"].as_str().map(str::to_string))
-                .collect();
-            let reasoning: String = v["output"]
-                .as_array()
-                .expect("output")
-                .iter()
-                .filter(|i| i["type"] == "reasoning")
-                .flat_map(|i| i["content"].as_array().cloned().unwrap_or_default())
-                .filter_map(|c| c["text"].as_str().map(str::to_string))
-                .collect();
+            let text = output_text(&v, "message");
+            let reasoning = output_text(&v, "reasoning");
             assert_eq!(
                 (reasoning.trim(), text.as_str(), v["usage"]["input_tokens"].as_u64().expect("usage")),
                 (r.as_str(), t.as_str(), n),
@@ -365,14 +359,7 @@ fn thinking_blocks_and_reasoning_items_carry_the_think_text() {
             "/v1/responses",
             &json!({"input": "Describe a red square.", "max_output_tokens": 20, "temperature": 0}),
         );
-        let reasoning: String = resp["output"]
-            .as_array()
-            .expect("output")
-            .iter()
-            .filter(|i| i["type"] == "reasoning")
-            .flat_map(|i| i["content"].as_array().cloned().unwrap_or_default())
-            .filter_map(|c| c["text"].as_str().map(str::to_string))
-            .collect();
+        let reasoning = output_text(&resp, "reasoning");
         assert_eq!(reasoning.trim(), r, "{resp}");
         assert!(harness::metric(addr, "osprey_requests_total{endpoint=\"messages\"}") >= 1.0);
         assert!(harness::metric(addr, "osprey_requests_total{endpoint=\"responses\"}") >= 1.0);
@@ -415,14 +402,7 @@ fn streams_of_responses_and_messages_add_up_to_the_whole() {
         without_ids(&whole["output"]),
         "the completed event holds the whole output"
     );
-    let text: String = whole["output"]
-        .as_array()
-        .expect("output")
-        .iter()
-        .filter(|i| i["type"] == "message")
-        .flat_map(|i| i["content"].as_array().cloned().unwrap_or_default())
-        .filter_map(|c| c["text"].as_str().map(str::to_string))
-        .collect();
+    let text = output_text(&whole, "message");
     assert_eq!(deltas, text);
     // Messages: message_start … message_stop, text deltas adding up to the whole message.
     let body = json!({"messages": [{"role": "user", "content": "Describe a red square."}], "max_tokens": 16, "temperature": 0});
@@ -504,14 +484,7 @@ fn previous_response_id_continues_and_store_false_is_honoured() {
         "/v1/responses",
         &json!({"input": "Describe a red square.", "max_output_tokens": 12, "temperature": 0, "reasoning": {"effort": "none"}}),
     );
-    let answer: String = first["output"]
-        .as_array()
-        .expect("output")
-        .iter()
-        .filter(|i| i["type"] == "message")
-        .flat_map(|i| i["content"].as_array().cloned().unwrap_or_default())
-        .filter_map(|c| c["text"].as_str().map(str::to_string))
-        .collect();
+    let answer = output_text(&first, "message");
     let second = ok(
         addr,
         "/v1/responses",
@@ -523,14 +496,7 @@ fn previous_response_id_continues_and_store_false_is_honoured() {
         {"role": "assistant", "content": answer.trim()}, {"role": "user", "content": "And a blue one?"}],
         "max_tokens": 12, "temperature": 0, "chat_template_kwargs": {"enable_thinking": false}}),
     );
-    let text: String = second["output"]
-        .as_array()
-        .expect("output")
-        .iter()
-        .filter(|i| i["type"] == "message")
-        .flat_map(|i| i["content"].as_array().cloned().unwrap_or_default())
-        .filter_map(|c| c["text"].as_str().map(str::to_string))
-        .collect();
+    let text = output_text(&second, "message");
     assert_eq!((text, second["usage"]["input_tokens"].as_u64()), (t, Some(n)), "{second}");
     let (s, got) = harness::get(addr, &format!("/v1/responses/{}", first["id"].as_str().expect("id")));
     assert_eq!(s, 200, "{got}");

@@ -6,7 +6,7 @@
 mod harness;
 
 use std::io::{Read, Write};
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener, TcpStream};
 
 use osprey::Settings;
 use osprey_bench::serve::{run, table, Scenario, ServeOptions};
@@ -69,20 +69,13 @@ fn a_refused_connection_or_a_server_that_only_errs_is_a_clear_error() {
     assert!(e.contains("127.0.0.1:1"), "{e}");
     assert!(run(&opts("ftp://x".into(), Scenario::Text, 1)).expect_err("scheme").contains("http://"));
     // A stub: every request gets a 500 with an OpenAI error body.
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    std::thread::spawn(move || {
-        for stream in listener.incoming().take(8) {
-            let Ok(mut s) = stream else { continue };
-            let mut buf = [0u8; 65536];
-            let _ = s.read(&mut buf);
-            let body = r#"{"error":{"message":"broken","type":"server_error","code":"engine_error"}}"#;
-            let _ = write!(
-                s,
-                "HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-        }
+    let addr = stub(|_, s| {
+        let body = r#"{"error":{"message":"broken","type":"server_error","code":"engine_error"}}"#;
+        let _ = write!(
+            s,
+            "HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
     });
     let t = std::time::Instant::now();
     let e = run(&opts(format!("http://{addr}"), Scenario::Text, 2)).expect_err("all fail");
@@ -177,28 +170,59 @@ fn the_serve_command_writes_its_json_and_fails_cleanly() {
 /// sends the role chunk (with `"content": ""`, as osprey and vLLM do), waits 300 ms, then a token.
 #[test]
 fn the_role_chunk_is_not_the_first_token() {
+    let addr = stub(|request, s| {
+        if !request.starts_with(b"POST") {
+            let _ = write!(s, "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            return;
+        }
+        let _ = write!(s, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n");
+        let chunk = |d: &str| format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{d}}}]}}\n\n");
+        let _ = s.write_all(chunk(r#"{"role":"assistant","content":""}"#).as_bytes());
+        let _ = s.flush();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let _ = s.write_all(chunk(r#"{"content":"hi"}"#).as_bytes());
+        let usage = r#"data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
+        let _ = write!(s, "{usage}\n\ndata: [DONE]\n\n");
+    });
+    let r = run(&ServeOptions { concurrency: 1, ..opts(format!("http://{addr}"), Scenario::Text, 1) }).expect("run");
+    let ttft = r.samples[0].ttft_s.expect("a token came");
+    assert!(ttft >= 0.29, "TTFT {ttft} s counts the role chunk");
+}
+
+/// A stub HTTP server for 8 connections: `answer` gets each whole request and the socket. The request
+/// is read to the end of its body first (a socket closed with unread bytes is reset, and the client
+/// would see a transport error instead of the answer).
+fn stub(answer: impl Fn(&[u8], &mut TcpStream) + Send + 'static) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
     std::thread::spawn(move || {
         for stream in listener.incoming().take(8) {
             let Ok(mut s) = stream else { continue };
+            let mut req = Vec::new();
             let mut buf = [0u8; 65536];
-            let n = s.read(&mut buf).unwrap_or(0);
-            if !buf[..n].starts_with(b"POST") {
-                let _ = write!(s, "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
-                continue;
+            loop {
+                let n = s.read(&mut buf).unwrap_or(0);
+                req.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&req);
+                let Some(head) = text.find("\r\n\r\n") else {
+                    if n == 0 {
+                        break;
+                    } else {
+                        continue;
+                    }
+                };
+                let len = text[..head]
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0))
+                    })
+                    .unwrap_or(0usize);
+                if n == 0 || req.len() >= head + 4 + len {
+                    break;
+                }
             }
-            let _ = write!(s, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n");
-            let chunk = |d: &str| format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{d}}}]}}\n\n");
-            let _ = s.write_all(chunk(r#"{"role":"assistant","content":""}"#).as_bytes());
-            let _ = s.flush();
-            std::thread::sleep(std::time::Duration::from_millis(300));
-            let _ = s.write_all(chunk(r#"{"content":"hi"}"#).as_bytes());
-            let usage = r#"data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
-            let _ = write!(s, "{usage}\n\ndata: [DONE]\n\n");
+            answer(&req, &mut s);
         }
     });
-    let r = run(&ServeOptions { concurrency: 1, ..opts(format!("http://{addr}"), Scenario::Text, 1) }).expect("run");
-    let ttft = r.samples[0].ttft_s.expect("a token came");
-    assert!(ttft >= 0.29, "TTFT {ttft} s counts the role chunk");
+    addr
 }

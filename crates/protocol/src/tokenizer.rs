@@ -131,8 +131,8 @@ impl PreparedPrompt {
 pub enum TokenizerCommand {
     /// Render, expand, tokenize a chat prompt.
     PrepareChat {
-        /// The prompt.
-        prompt: ChatPrompt,
+        /// The prompt (boxed: it is the largest message by far).
+        prompt: Box<ChatPrompt>,
         /// The request's span (its id, followed across actors in the log).
         span: tracing::Span,
         /// The prepared prompt or why not.
@@ -167,14 +167,6 @@ pub enum TokenizerCommand {
         skip_special: bool,
         /// The text.
         reply: oneshot::Sender<String>,
-    },
-    /// Token count of a rendered chat prompt, media placeholders included (`count_tokens`); media are
-    /// sized from their headers, nothing is generated.
-    CountChat {
-        /// The prompt.
-        prompt: ChatPrompt,
-        /// The count or why not.
-        reply: oneshot::Sender<Result<usize, RequestError>>,
     },
     /// Text of each single token (logprobs).
     TokenTexts {

@@ -159,19 +159,30 @@ impl Answer {
     /// Runs the answer to its end: everything it said, why it ended, its counts and stop string.
     pub async fn collect(mut self) -> Result<(Collected, Finish, Usage, Option<String>), ApiError> {
         let mut c = Collected::default();
-        while let Some(o) = self.next().await {
-            match o? {
+        let (finish, usage, stop) = self
+            .drive(|o| match o {
                 Out::Reasoning(r) => c.reasoning.push_str(&r),
                 Out::Text(t, lp) => {
                     c.text.push_str(&t);
                     c.logprobs.extend(lp);
                 }
-                Out::CallStart { .. } | Out::CallArgs { .. } | Out::CallEnd => {}
-                Out::Done { finish, usage, stop } => {
-                    c.calls = self.tools.as_ref().map(|p| p.calls().to_vec()).unwrap_or_default();
-                    c.reasoning = c.reasoning.trim().to_string();
-                    return Ok((c, finish, usage, stop));
-                }
+                _ => {}
+            })
+            .await?;
+        c.calls = self.tools.as_ref().map(|p| p.calls().to_vec()).unwrap_or_default();
+        c.reasoning = c.reasoning.trim().to_string();
+        Ok((c, finish, usage, stop))
+    }
+
+    /// Runs the answer to its end, handing every step to `f` (`Done` included); returns how it ended.
+    pub async fn drive(&mut self, mut f: impl FnMut(Out)) -> Result<(Finish, Usage, Option<String>), ApiError> {
+        while let Some(o) = self.next().await {
+            let o = o?;
+            let end =
+                if let Out::Done { finish, usage, stop } = &o { Some((*finish, *usage, stop.clone())) } else { None };
+            f(o);
+            if let Some(end) = end {
+                return Ok(end);
             }
         }
         Err(ApiError::new(osprey_protocol::ErrorCode::EngineError, "the generation ended without finishing"))

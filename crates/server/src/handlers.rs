@@ -8,7 +8,7 @@ use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
 use osprey_protocol::experts::ResidencyCommand;
 use osprey_protocol::prefix::{PrefixCommand, PrefixStats};
-use osprey_protocol::tokenizer::{CompletionPrompt, PreparedPrompt, TokenizerCommand};
+use osprey_protocol::tokenizer::{ChatPrompt, CompletionPrompt, PreparedPrompt, TokenizerCommand};
 use osprey_protocol::vision::{VisionCommand, VisionStats};
 use osprey_protocol::{scheduler::SchedulerCommand, ErrorCode};
 use serde_json::{json, Value};
@@ -294,20 +294,42 @@ pub async fn chat(
     state.metrics.chat_requests.fetch_add(1, Ordering::Relaxed);
     let ctx = RequestCtx::new(&state);
     let r = async {
-        check_key(&state, &req)?;
-        check_serving(&state)?;
-        let body = crate::body::read_json(&req, payload, state.body_limits()).await?;
-        let parsed: ChatRequest = parse(&body)?;
-        let st = state.clone();
-        let (prompt, gen) = web::block(move || validate::chat(&parsed, &st.cfg))
-            .await
-            .map_err(|_| ApiError::new(ErrorCode::Unavailable, "validation worker failed"))??;
-        let span = ctx.span.clone();
-        let prepared = prepare(&state, |reply| TokenizerCommand::PrepareChat { prompt, span, reply }).await?;
+        let body = read_body(&state, &req, payload).await?;
+        let (prepared, gen) = prepare_chat(&state, &body, &ctx).await?;
         respond(state.clone(), Kind::Chat, prepared, gen, &ctx).await
     }
     .await;
     counted(&state, r)
+}
+
+/// A request's JSON body, after the API key and shutdown checks (every generating endpoint).
+pub(crate) async fn read_body(state: &AppState, req: &HttpRequest, payload: web::Payload) -> Result<Value, ApiError> {
+    check_key(state, req)?;
+    check_serving(state)?;
+    crate::body::read_json(req, payload, state.body_limits()).await
+}
+
+/// A chat completions body (sent by a client, or built by the Responses or Messages front end)
+/// validated off the async threads: the template-ready prompt and the generation settings.
+pub(crate) async fn validate_chat(state: &Arc<AppState>, body: &Value) -> Result<(ChatPrompt, GenParams), ApiError> {
+    let parsed: ChatRequest = parse(body)?;
+    let st = state.clone();
+    web::block(move || validate::chat(&parsed, &st.cfg))
+        .await
+        .map_err(|_| ApiError::new(ErrorCode::Unavailable, "validation worker failed"))?
+}
+
+/// A chat body validated, rendered and tokenized (its grammar compiled): what every front end runs.
+pub(crate) async fn prepare_chat(
+    state: &Arc<AppState>,
+    body: &Value,
+    ctx: &RequestCtx,
+) -> Result<(PreparedPrompt, GenParams), ApiError> {
+    let (prompt, gen) = validate_chat(state, body).await?;
+    let span = ctx.span.clone();
+    let prepared =
+        prepare(state, |reply| TokenizerCommand::PrepareChat { prompt: Box::new(prompt), span, reply }).await?;
+    Ok((prepared, gen))
 }
 
 /// `POST /v1/completions`.

@@ -8,16 +8,14 @@ use std::sync::Arc;
 use actix_web::http::StatusCode;
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse, ResponseError};
-use osprey_protocol::tokenizer::TokenizerCommand;
 use osprey_protocol::ErrorCode;
 use serde_json::{json, Map, Value};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 
 use crate::answer::{Answer, Finish, Out};
 use crate::error::ApiError;
 use crate::generate::{RequestCtx, Usage};
-use crate::handlers::{self, check_key, check_serving, expired, parse, prepare, shutting_down, sse_response};
-use crate::validate::{self, ChatRequest};
+use crate::handlers::{self, expired, shutting_down, sse_response};
 use crate::{AppState, Phase};
 
 /// An error in Anthropic's envelope (same status codes as the OpenAI endpoints).
@@ -449,17 +447,9 @@ async fn stream_task(
 
 async fn run(state: Arc<AppState>, req: HttpRequest, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let ctx = RequestCtx::new(&state);
-    check_key(&state, &req)?;
-    check_serving(&state)?;
-    let body = crate::body::read_json(&req, payload, state.body_limits()).await?;
+    let body = handlers::read_body(&state, &req, payload).await?;
     let (chat, stream) = translate(&body, false)?;
-    let parsed: ChatRequest = parse(&chat)?;
-    let st = state.clone();
-    let (prompt, gen) = web::block(move || validate::chat(&parsed, &st.cfg))
-        .await
-        .map_err(|_| ApiError::new(ErrorCode::Unavailable, "validation worker failed"))??;
-    let span = ctx.span.clone();
-    let prepared = prepare(&state, |reply| TokenizerCommand::PrepareChat { prompt, span, reply }).await?;
+    let (prepared, gen) = handlers::prepare_chat(&state, &chat, &ctx).await?;
     let prompt_tokens = prepared.input_ids.len();
     let a = handlers::start_answer(state.clone(), prepared, gen, &ctx, true).await?;
     let id = format!("msg_{:024x}", ctx.id);
@@ -472,19 +462,10 @@ async fn run(state: Arc<AppState>, req: HttpRequest, payload: web::Payload) -> R
     let whole = async {
         let mut b = Builder::new();
         let mut a = a;
-        while let Some(o) = a.next().await {
-            let o = o?;
-            if let Out::Done { finish, usage, stop } = &o {
-                let (finish, usage, stop) = (*finish, *usage, stop.clone());
-                b.feed(o);
-                return Ok(
-                    json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": b.final_blocks(),
-                    "stop_reason": stop_reason(finish, &stop), "stop_sequence": stop, "usage": usage_json(&usage)}),
-                );
-            }
-            b.feed(o);
-        }
-        Err(ApiError::new(ErrorCode::EngineError, "the generation ended without finishing"))
+        let (finish, usage, stop) = a.drive(|o| b.feed(o)).await?;
+        Ok::<_, ApiError>(json!({"id": id, "type": "message", "role": "assistant", "model": model,
+            "content": b.final_blocks(), "stop_reason": stop_reason(finish, &stop), "stop_sequence": stop,
+            "usage": usage_json(&usage)}))
     };
     let v: Value = tokio::select! {
         r = whole => r?,
@@ -511,22 +492,12 @@ pub async fn count_tokens(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, AnthropicError> {
+    let state = state.into_inner();
     state.metrics.messages_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    check_key(&state, &req)?;
-    let body = crate::body::read_json(&req, payload, state.body_limits()).await?;
+    let ctx = RequestCtx::new(&state);
+    let body = handlers::read_body(&state, &req, payload).await?;
     let (chat, _) = translate(&body, true)?;
-    let parsed: ChatRequest = parse(&chat)?;
-    let st = state.clone().into_inner();
-    let (prompt, _) = web::block(move || validate::chat(&parsed, &st.cfg))
-        .await
-        .map_err(|_| ApiError::new(ErrorCode::Unavailable, "validation worker failed"))??;
-    let (tx, rx) = oneshot::channel();
-    if state.tokenizer.send(TokenizerCommand::CountChat { prompt, reply: tx }).is_err() {
-        return Err(ApiError::new(ErrorCode::Unavailable, "the tokenizer is gone").into());
-    }
-    let n = rx
-        .await
-        .map_err(|_| ApiError::new(ErrorCode::Unavailable, "the tokenizer dropped the request"))?
-        .map_err(ApiError)?;
-    Ok(HttpResponse::Ok().json(json!({"input_tokens": n})))
+    // The same preparation as a generation (template, media placeholders), without the generation.
+    let (prepared, _) = handlers::prepare_chat(&state, &chat, &ctx).await?;
+    Ok(HttpResponse::Ok().json(json!({"input_tokens": prepared.input_ids.len()})))
 }

@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
-use osprey_protocol::tokenizer::TokenizerCommand;
 use osprey_protocol::ErrorCode;
 use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, watch};
@@ -15,9 +14,8 @@ use tokio::sync::{mpsc, watch};
 use crate::answer::{Answer, Finish, Out};
 use crate::error::ApiError;
 use crate::generate::{RequestCtx, Usage};
-use crate::handlers::{self, check_key, check_serving, expired, parse, prepare, shutting_down, sse_response};
+use crate::handlers::{self, check_key, expired, shutting_down, sse_response};
 use crate::store::Stored;
-use crate::validate::{self, ChatRequest};
 use crate::{AppState, Phase};
 
 fn bad(msg: impl Into<String>, param: &str) -> ApiError {
@@ -499,17 +497,9 @@ pub async fn create(
     state.metrics.responses_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let ctx = RequestCtx::new(&state);
     let r = async {
-        check_key(&state, &req)?;
-        check_serving(&state)?;
-        let body = crate::body::read_json(&req, payload, state.body_limits()).await?;
+        let body = handlers::read_body(&state, &req, payload).await?;
         let t = translate(&body, &state)?;
-        let parsed: ChatRequest = parse(&t.chat)?;
-        let st = state.clone();
-        let (prompt, gen) = web::block(move || validate::chat(&parsed, &st.cfg))
-            .await
-            .map_err(|_| ApiError::new(ErrorCode::Unavailable, "validation worker failed"))??;
-        let span = ctx.span.clone();
-        let prepared = prepare(&state, |reply| TokenizerCommand::PrepareChat { prompt, span, reply }).await?;
+        let (prepared, gen) = handlers::prepare_chat(&state, &t.chat, &ctx).await?;
         let a = handlers::start_answer(state.clone(), prepared, gen, &ctx, true).await?;
         let nanos =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
@@ -523,16 +513,8 @@ pub async fn create(
         let collected = async {
             let mut b = Builder::new(run.id.clone());
             let mut a = a;
-            while let Some(o) = a.next().await {
-                let o = o?;
-                if let Out::Done { finish, usage, .. } = &o {
-                    let end = (*finish, *usage);
-                    b.feed(o);
-                    return Ok(run.finish(&b, end));
-                }
-                b.feed(o);
-            }
-            Err(ApiError::new(ErrorCode::EngineError, "the generation ended without finishing"))
+            let (finish, usage, _) = a.drive(|o| b.feed(o)).await?;
+            Ok::<_, ApiError>(run.finish(&b, (finish, usage)))
         };
         let r: Value = tokio::select! {
             r = collected => r?,

@@ -321,7 +321,7 @@ fn handle(core: &TokenizerCore, cmd: TokenizerCommand) {
     match cmd {
         TokenizerCommand::PrepareChat { prompt, span, reply } => {
             let _in = span.enter();
-            let out = core.prepare_chat(prompt);
+            let out = core.prepare_chat(*prompt);
             log_prepared(&out);
             let _ = reply.send(out);
         }
@@ -337,10 +337,6 @@ fn handle(core: &TokenizerCore, cmd: TokenizerCommand) {
         }
         TokenizerCommand::Decode { ids, skip_special, reply } => {
             let _ = reply.send(core.tok.decode(&ids, skip_special).unwrap_or_default());
-        }
-        TokenizerCommand::CountChat { prompt, reply } => {
-            let out = core.prepare_chat(prompt).map(|p| p.input_ids.len());
-            let _ = reply.send(out);
         }
         TokenizerCommand::TokenTexts { ids, reply } => {
             let texts = ids.iter().map(|&i| core.tok.decode(&[i], false).unwrap_or_default()).collect();
