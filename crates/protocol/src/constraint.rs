@@ -31,16 +31,22 @@ pub trait TokenMatcher: Send + std::fmt::Debug {
 
 /// A compiled grammar: starts a matcher per sequence.
 pub trait CompiledGrammar: Send + Sync + std::fmt::Debug {
-    /// A matcher at the start of the output.
-    fn start(&self) -> Box<dyn TokenMatcher>;
+    /// A matcher at the start of the output; `budget` is the most tokens the answer may have (the
+    /// matcher steers the answer to its end as the budget runs out).
+    fn start(&self, budget: Option<usize>) -> Box<dyn TokenMatcher>;
 }
 
-/// A shared compiled grammar (equal only to itself).
+/// A shared compiled grammar and the answer's token budget (equal only to itself).
 #[derive(Clone, Debug)]
-pub struct Constraint(pub Arc<dyn CompiledGrammar>);
+pub struct Constraint {
+    /// The grammar.
+    pub grammar: Arc<dyn CompiledGrammar>,
+    /// `max_tokens` of the answer, once known.
+    pub budget: Option<usize>,
+}
 
 impl PartialEq for Constraint {
     fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
+        Arc::ptr_eq(&self.grammar, &other.grammar) && self.budget == other.budget
     }
 }

@@ -225,7 +225,7 @@ impl Driver {
         state.rope_delta = prompt.rope_delta;
         let Parked(rng, matcher) = self.parked.remove(&seq).unwrap_or_else(|| {
             let rng = Rng::new(sampling.seed.unwrap_or_else(|| clock_seed(seq)));
-            Parked(rng, sampling.constraint.as_ref().map(|c| c.0.start()))
+            Parked(rng, sampling.constraint.as_ref().map(|c| c.grammar.start(c.budget)))
         });
         let rows = vec![None; prompt.media.len()];
         let mut tokens = prompt.input_ids.clone();

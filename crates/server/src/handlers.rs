@@ -6,6 +6,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
+use osprey_protocol::constraint::Constraint;
 use osprey_protocol::experts::ResidencyCommand;
 use osprey_protocol::prefix::{PrefixCommand, PrefixStats};
 use osprey_protocol::tokenizer::{ChatPrompt, CompletionPrompt, PreparedPrompt, TokenizerCommand};
@@ -238,7 +239,9 @@ pub(crate) async fn start_answer(
     req: &RequestCtx,
     chat: bool,
 ) -> Result<Answer, ApiError> {
-    gen.sampling.constraint = prompt.constraint.take();
+    // The grammar steers the answer to its end as its budget runs out (`max_tokens`, else the context).
+    let budget = gen.max_tokens.unwrap_or(state.cfg.context_len.saturating_sub(prompt.input_ids.len()));
+    gen.sampling.constraint = prompt.constraint.take().map(|c| Constraint { budget: Some(budget), ..c });
     let tools = gen.tools.clone();
     let g = Generation::start(state, prompt, gen, req, chat).await?;
     Ok(Answer::new(g, tools.as_ref(), req.id))
