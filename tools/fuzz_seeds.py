@@ -38,7 +38,7 @@ png = img("PNG")
 jpg = (ROOT / "fixtures/media/exif_rot6.jpg").read_bytes()
 data_url = "data:image/png;base64," + base64.b64encode(png).decode()
 
-# request: first byte even = chat, odd = completions.
+# request: first byte (mod 4) 0 = chat, 1 = completions.
 chat = lambda body: b"\x00" + json.dumps(body).encode()
 comp = lambda body: b"\x01" + json.dumps(body).encode()
 put("request", "chat_text", chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stop": ["x"]}))
@@ -51,6 +51,33 @@ put("request", "chat_video", chat({"messages": [{"role": "user", "content": [
 put("request", "chat_bad", chat({"messages": [{"role": "user", "content": None}], "n": 2}))
 put("request", "completion_text", comp({"prompt": "Once upon", "max_tokens": 8, "seed": 1}))
 put("request", "completion_ids", comp({"prompt": [1, 2, 3], "max_tokens": 2, "echo": False}))
+
+# request, first byte 2: the Responses API; 3: the Messages API (translated into chat bodies).
+resp = lambda body: b"\x02" + json.dumps(body).encode()
+msgs = lambda body: b"\x03" + json.dumps(body).encode()
+put("request", "responses_items", resp({"instructions": "be brief", "input": [
+    {"role": "user", "content": [{"type": "input_text", "text": "what?"}, {"type": "input_image", "image_url": data_url}]},
+    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{\"a\": 1}"},
+    {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+    "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}],
+    "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}, "strict": True}},
+    "max_output_tokens": 8, "previous_response_id": "resp_x"}))
+put("request", "messages_blocks", msgs({"system": [{"type": "text", "text": "s"}], "max_tokens": 8, "messages": [
+    {"role": "user", "content": [{"type": "text", "text": "hi"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png).decode()}}]},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "t"}, {"type": "tool_use", "id": "u1", "name": "f", "input": {"a": 1}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "u1", "content": "42"}]}],
+    "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"},
+    "thinking": {"type": "enabled", "budget_tokens": 64}, "stop_sequences": ["x"]}))
+put("request", "chat_tools", chat({"messages": [{"role": "user", "content": "q"}],
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string", "maxLength": 4}, "e": {"enum": ["a", "b"]}}, "required": ["s"]}}}],
+    "tool_choice": "required", "parallel_tool_calls": False}))
+
+# tool_calls: first byte = chunk size - 1 (mod 32), then model output text.
+put("tool_calls", "two_calls", b"\x02" + "Let me see.\n\n<tool_call>\n<function=f>\n<parameter=s>\nhi <b>\n</parameter>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=f>\n<parameter=o>\n{\"k\": [1]}\n</parameter>\n</function>\n</tool_call>".encode())
+put("tool_calls", "cut", b"\x00" + "<tool_call>\n<function=f>\n<parameter=s>\nunfinished".encode())
+put("tool_calls", "malformed", b"\x05" + "text <tool_call><oops></tool_call> <tool_c".encode())
 
 # media
 put("media", "png_image", b"\x00" + png)

@@ -16,15 +16,20 @@ use std::sync::OnceLock;
 use base64::Engine;
 use osprey_models::vision::{declared_size, decode_animation, decode_image, DecodeLimits};
 use osprey_protocol::tokenizer::{ChatPrompt, DecodeState, MediaInput, MediaLimits};
-use osprey_server::{Limits, ServerConfig};
+use osprey_server::{Endpoint, Limits, ServerConfig};
 use osprey_tokenizer::{Detokenizer, TokenizerCore};
 
 /// A fuzz target: name (its corpus folder and libFuzzer binary) and body.
 pub type Target = (&'static str, fn(&[u8]));
 
 /// Every target.
-pub const TARGETS: &[Target] =
-    &[("request", request), ("media", media), ("chat_template", chat_template), ("detokenize", detokenize)];
+pub const TARGETS: &[Target] = &[
+    ("request", request),
+    ("media", media),
+    ("chat_template", chat_template),
+    ("detokenize", detokenize),
+    ("tool_calls", tool_calls),
+];
 
 /// The repository root (the corpus and the model directory are found from it).
 pub fn repo_root() -> PathBuf {
@@ -72,11 +77,51 @@ fn media_limits() -> MediaLimits {
     MediaLimits { max_pixels: MAX_PIXELS, max_frames: 8, max_total_pixels: 8 * MAX_PIXELS }
 }
 
-/// `POST /v1/chat/completions` (first byte even) or `/v1/completions` (odd) body validation, then, for a
-/// chat body that passes, the tokenizer's preparation of the prompt it yields.
+/// A request body's validation; the first byte picks the endpoint (mod 4): 0 `/v1/chat/completions`,
+/// 1 `/v1/completions`, 2 `/v1/responses`, 3 `/v1/messages` (the last two translated into a chat body
+/// first).
 pub fn request(data: &[u8]) {
     let Some((&which, body)) = data.split_first() else { return };
-    let _ = osprey_server::check_body(which % 2 == 0, body, &env().cfg);
+    let endpoint = [Endpoint::Chat, Endpoint::Completions, Endpoint::Responses, Endpoint::Messages][which as usize % 4];
+    let _ = osprey_server::check_body(endpoint, body, &env().cfg);
+}
+
+/// Model output through the tool-call parser: the first byte is the chunk size (1–32 chars) the text is
+/// streamed in. Whatever the text, the streamed events equal those of one whole feed (text and calls),
+/// the text events give back exactly the text outside complete calls, and each call's arguments are a
+/// JSON object.
+pub fn tool_calls(data: &[u8]) {
+    let Some((&step, rest)) = data.split_first() else { return };
+    let text = String::from_utf8_lossy(rest);
+    let tools = osprey_server::tools::parse_chat_tools(Some(&serde_json::json!([
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "s": {"type": "string"}, "n": {"type": "integer"}, "o": {"type": "object"}}}}}
+    ])))
+    .expect("a valid tool");
+    let run = |chunk: usize| {
+        let mut p = osprey_server::tools::ToolParser::new(&tools, "c".into(), true);
+        let chars: Vec<char> = text.chars().collect();
+        let mut events = Vec::new();
+        for piece in chars.chunks(chunk.max(1)) {
+            events.extend(p.feed(&piece.iter().collect::<String>()));
+        }
+        events.extend(p.finish().0);
+        let said: String = events
+            .iter()
+            .filter_map(|e| if let osprey_server::tools::ToolEvent::Text(t) = e { Some(t.as_str()) } else { None })
+            .collect();
+        (said, p.calls().to_vec())
+    };
+    let whole = run(usize::MAX);
+    let streamed = run(step as usize % 32 + 1);
+    assert_eq!(whole, streamed, "streamed parsing differs from a whole feed");
+    for c in &whole.1 {
+        let v: serde_json::Value = serde_json::from_str(&c.arguments).expect("arguments are JSON");
+        assert!(v.is_object(), "arguments are an object");
+    }
+    if whole.1.is_empty() {
+        assert_eq!(whole.0, text, "without a complete call, the text comes back whole");
+    }
 }
 
 /// Media bytes: first byte picks the path: 0 image header + decode, 1 animation (video file) decode,
@@ -111,7 +156,7 @@ pub fn media(data: &[u8]) {
             let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes));
             let body = serde_json::json!({"messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": url}}]}]});
-            let _ = osprey_server::check_body(true, body.to_string().as_bytes(), &env().cfg);
+            let _ = osprey_server::check_body(Endpoint::Chat, body.to_string().as_bytes(), &env().cfg);
         }
     }
 }

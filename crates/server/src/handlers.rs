@@ -358,16 +358,32 @@ pub async fn completions(
     counted(&state, r)
 }
 
-/// What the chat (`chat: true`) or completions endpoint checks in a body before the tokenizer sees it:
-/// JSON, request shape, parameters and media URLs (data URLs decoded, remote ones only if allow-listed),
-/// ending in the prompt it would send to the tokenizer. The fuzz targets' entry (`crates/fuzz`).
-pub fn check_body(chat: bool, body: &[u8], cfg: &ServerConfig) -> Result<(), ApiError> {
+/// An endpoint that takes a generation request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/responses` (with an empty response store).
+    Responses,
+    /// `/v1/messages`.
+    Messages,
+}
+
+/// What an endpoint checks in a body before the tokenizer sees it: JSON, request shape (the Responses
+/// and Messages forms translated into a chat body), parameters and media URLs (data URLs decoded,
+/// remote ones only if allow-listed), ending in the prompt it would send to the tokenizer. The fuzz
+/// targets' entry (`crates/fuzz`).
+pub fn check_body(endpoint: Endpoint, body: &[u8], cfg: &ServerConfig) -> Result<(), ApiError> {
     let body = crate::body::parse_json(body)?;
-    if chat {
-        validate::chat(&parse::<ChatRequest>(&body)?, cfg).map(drop)
-    } else {
-        validate::completion(&parse::<CompletionRequest>(&body)?, cfg).map(drop)
-    }
+    let chat = match endpoint {
+        Endpoint::Completions => return validate::completion(&parse::<CompletionRequest>(&body)?, cfg).map(drop),
+        Endpoint::Chat => body,
+        Endpoint::Responses => crate::responses::chat_body(&body, &crate::store::ResponseStore::new(0, 0))?,
+        Endpoint::Messages => crate::messages::chat_body(&body)?,
+    };
+    validate::chat(&parse::<ChatRequest>(&chat)?, cfg).map(drop)
 }
 
 /// `GET /v1/models`.

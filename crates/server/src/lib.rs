@@ -19,7 +19,7 @@ mod metrics;
 mod responses;
 mod store;
 mod text;
-mod tools;
+pub mod tools;
 mod validate;
 
 use std::net::SocketAddr;
@@ -38,7 +38,7 @@ use tokio::sync::watch;
 
 pub use config::{Limits, ServerConfig};
 pub use error::ApiError;
-pub use handlers::check_body;
+pub use handlers::{check_body, Endpoint};
 pub use metrics::Metrics;
 
 /// Where a graceful shutdown stands.

@@ -249,6 +249,11 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
     Ok((Value::Object(chat), stream))
 }
 
+/// A Messages body as the chat completions body it runs as (for checks without a server).
+pub(crate) fn chat_body(body: &Value) -> Result<Value, ApiError> {
+    translate(body, false).map(|(chat, _)| chat)
+}
+
 fn stop_reason(finish: Finish, stop: &Option<String>) -> &'static str {
     match finish {
         Finish::Stop if stop.is_some() => "stop_sequence",

@@ -15,7 +15,7 @@ use crate::answer::{Answer, Finish, Out};
 use crate::error::ApiError;
 use crate::generate::{RequestCtx, Usage};
 use crate::handlers::{self, check_key, expired, shutting_down, sse_response};
-use crate::store::Stored;
+use crate::store::{ResponseStore, Stored};
 use crate::{AppState, Phase};
 
 fn bad(msg: impl Into<String>, param: &str) -> ApiError {
@@ -121,7 +121,7 @@ struct Translated {
     echo: Map<String, Value>,
 }
 
-fn translate(body: &Value, state: &AppState) -> Result<Translated, ApiError> {
+fn translate(body: &Value, store: &ResponseStore) -> Result<Translated, ApiError> {
     let o = body.as_object().ok_or_else(|| bad("the body must be a JSON object", "body"))?;
     for k in ["background", "conversation", "prompt"] {
         if o.get(k).is_some_and(|v| !v.is_null() && v != &Value::Bool(false)) {
@@ -130,8 +130,7 @@ fn translate(body: &Value, state: &AppState) -> Result<Translated, ApiError> {
     }
     let mut conversation = match o.get("previous_response_id").and_then(Value::as_str) {
         Some(id) => {
-            state
-                .responses
+            store
                 .get(id)
                 .ok_or_else(|| {
                     ApiError::new(
@@ -216,6 +215,11 @@ fn translate(body: &Value, state: &AppState) -> Result<Translated, ApiError> {
         store: o.get("store").and_then(Value::as_bool).unwrap_or(true),
         echo,
     })
+}
+
+/// A Responses body as the chat completions body it runs as (for checks without a server).
+pub(crate) fn chat_body(body: &Value, store: &ResponseStore) -> Result<Value, ApiError> {
+    translate(body, store).map(|t| t.chat)
 }
 
 /// The output item being written.
@@ -498,7 +502,7 @@ pub async fn create(
     let ctx = RequestCtx::new(&state);
     let r = async {
         let body = handlers::read_body(&state, &req, payload).await?;
-        let t = translate(&body, &state)?;
+        let t = translate(&body, &state.responses)?;
         let (prepared, gen) = handlers::prepare_chat(&state, &t.chat, &ctx).await?;
         let a = handlers::start_answer(state.clone(), prepared, gen, &ctx, true).await?;
         let nanos =

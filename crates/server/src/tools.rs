@@ -28,6 +28,8 @@ const FUNC: &str = "<function=";
 const FUNC_END: &str = "</function>";
 const PARAM: &str = "<parameter=";
 const PARAM_END: &str = "</parameter>";
+/// Longest function name the parser waits for (tool names are at most 64 characters).
+const NAME_MAX: usize = 256;
 
 /// One function tool of a request.
 #[derive(Clone, Debug)]
@@ -376,13 +378,16 @@ impl ToolParser {
         &self.calls
     }
 
+    /// The call being parsed does not follow the syntax: what was taken as its start is answer text,
+    /// and the text after it is read again as answer text (it may hold a later, well-formed call).
     fn malformed(&mut self, out: &mut Vec<ToolEvent>) {
-        let mut text = std::mem::take(&mut self.raw);
-        text.push_str(&std::mem::take(&mut self.buf));
+        if self.started {
+            self.calls.pop();
+        }
         self.phase = Phase::Text;
         self.started = false;
         self.args.clear();
-        out.push(ToolEvent::Text(text));
+        out.push(ToolEvent::Text(std::mem::take(&mut self.raw)));
     }
 
     fn consume(&mut self, n: usize) {
@@ -444,15 +449,18 @@ impl ToolParser {
                         self.malformed(&mut out);
                         continue;
                     }
+                    // A name is one line of at most NAME_MAX bytes, decided the same way whether its
+                    // `>` has arrived or not (streamed and whole answers parse alike).
                     let Some(end) = rest.find('>') else {
-                        if rest.contains('\n') || rest.len() > 200 {
+                        if rest.contains('\n') || rest.len() > FUNC.len() + NAME_MAX {
                             self.malformed(&mut out);
                             continue;
                         }
                         return out;
                     };
-                    let name = rest[FUNC.len()..end].trim().to_string();
-                    if name.is_empty() || name.contains(['<', '\n']) {
+                    let raw_name = &rest[FUNC.len()..end];
+                    let name = raw_name.trim().to_string();
+                    if name.is_empty() || raw_name.contains(['<', '\n']) || end > FUNC.len() + NAME_MAX {
                         self.malformed(&mut out);
                         continue;
                     }
@@ -477,14 +485,12 @@ impl ToolParser {
                         continue;
                     }
                     if !rest.starts_with(PARAM) {
-                        self.calls.pop();
                         self.malformed(&mut out);
                         continue;
                     }
                     let Some(gt) = rest.find('>') else { return out };
                     let Some(close) = rest.find(PARAM_END) else { return out };
                     if close < gt {
-                        self.calls.pop();
                         self.malformed(&mut out);
                         continue;
                     }
@@ -512,7 +518,6 @@ impl ToolParser {
                         return out;
                     }
                     if !rest.starts_with(CLOSE) {
-                        self.calls.pop();
                         self.malformed(&mut out);
                         continue;
                     }
@@ -538,16 +543,18 @@ impl ToolParser {
     /// Returns the events and whether a call was cut off unfinished.
     pub fn finish(&mut self) -> (Vec<ToolEvent>, bool) {
         let mut out = Vec::new();
-        let open = !matches!(self.phase, Phase::Text);
-        if open {
-            if self.started {
-                self.calls.pop();
-            }
+        let mut cut = false;
+        // An open call is malformed; what followed its start is read again (each round takes at least
+        // the `<tool_call>` it gave up on, so this ends).
+        while !matches!(self.phase, Phase::Text) {
+            cut = true;
             self.malformed(&mut out);
-        } else if !self.buf.is_empty() && (!self.single || self.calls.is_empty()) {
+            out.extend(self.feed(""));
+        }
+        if !self.buf.is_empty() && (!self.single || self.calls.is_empty()) {
             out.push(ToolEvent::Text(std::mem::take(&mut self.buf)));
         }
-        (out, open)
+        (out, cut)
     }
 }
 
