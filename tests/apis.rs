@@ -550,10 +550,25 @@ fn every_new_refusal_has_its_code() {
             400,
             "invalid_request",
         ),
+        // Tools count with the prompt's text (they are rendered into it), refused before the template runs.
+        (
+            json!({"messages": user, "tools": [{"type": "function", "function": {"name": "f", "description": "word ".repeat(400_000)}}]}),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            json!({"messages": user, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"description": "x".repeat(300_000)}}}}),
+            400,
+            "invalid_schema",
+        ),
     ];
     for (body, status, code) in &chat_cases {
         let (s, e) = post(addr, "/v1/chat/completions", &body.to_string(), None);
         assert_eq!((s, e["error"]["code"].as_str()), (*status, Some(*code)), "{body}: {e}");
+        if *code == "context_length_exceeded" {
+            let m = e["error"]["message"].as_str().unwrap_or_default();
+            assert!(m.contains("bytes of text"), "refused by size before tokenization: {m}");
+        }
     }
     let resp_cases = [
         (json!({"input": "hi", "previous_response_id": "resp_nope"}), 404, "response_not_found"),

@@ -247,6 +247,10 @@ fn common(c: &Common, cfg: &ServerConfig, logprobs: Option<usize>) -> Result<Gen
     })
 }
 
+/// Largest `response_format` schema, in bytes of JSON (real schemas are a few KB; llguidance's own
+/// limits bound the compile further).
+const MAX_SCHEMA_BYTES: usize = 256 << 10;
+
 /// `response_format` as a grammar (`None` for plain text).
 fn response_format(rf: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
     let Some(rf) = rf.filter(|v| !v.is_null()) else { return Ok(None) };
@@ -264,6 +268,15 @@ fn response_format(rf: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
                 return Err(bad(
                     ErrorCode::InvalidSchema,
                     "the schema must be a JSON Schema object",
+                    &format!("{p}.json_schema.schema"),
+                ));
+            }
+            // Compiling is paid before admission, on a tokenizer worker: bound what one request can ask.
+            let n = schema.to_string().len();
+            if n > MAX_SCHEMA_BYTES {
+                return Err(bad(
+                    ErrorCode::InvalidSchema,
+                    format!("the schema is {n} bytes of JSON, more than the limit of {MAX_SCHEMA_BYTES}"),
                     &format!("{p}.json_schema.schema"),
                 ));
             }
@@ -397,7 +410,10 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
     if req.messages.is_empty() {
         return Err(bad(ErrorCode::InvalidRequest, "messages must not be empty", "messages"));
     }
-    check_prompt_bytes(req.messages.iter().map(|m| content_bytes(m.get("content"))).sum(), cfg, "messages")?;
+    // Tools are rendered into the prompt too: their JSON counts with the messages' text.
+    let tool_bytes = req.tools.as_ref().map_or(0, |t| t.to_string().len());
+    let text_bytes: usize = req.messages.iter().map(|m| content_bytes(m.get("content"))).sum();
+    check_prompt_bytes(text_bytes + tool_bytes, cfg, "messages")?;
     let specs = tools::parse_chat_tools(req.tools.as_ref())?;
     let choice = tools::parse_tool_choice(req.tool_choice.as_ref(), &specs)?;
     let parallel = req.parallel_tool_calls.unwrap_or(true);
