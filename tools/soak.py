@@ -1,5 +1,6 @@
 """Soak a running osprey server: N concurrent clients for a given time, a mix of text, image and video
-requests, streamed and not, and clients that disconnect mid-stream. Reports errors by code, latency
+requests through chat completions, Responses and Messages, streamed and not, and clients that disconnect
+mid-stream. Reports errors by code, latency
 percentiles and the server's RSS trend (from /proc/PID/status). Standard library only.
 
 Usage: python3 tools/soak.py --base http://127.0.0.1:8080 --pid $(pgrep -f 'osprey serve') \\
@@ -35,6 +36,7 @@ def data_url(path):
 
 
 def body_for(kind, media, rng):
+    """A chat completions request: (path, body)."""
     q = {"type": "text", "text": "What is in it?"}
     if kind == "image":
         content = [{"type": "image_url", "image_url": {"url": rng.choice(media["images"])}}, q]
@@ -42,30 +44,58 @@ def body_for(kind, media, rng):
         content = [{"type": "video", "video": media["video"], "fps": 2}, q]
     else:
         content = rng.choice(["Hello!", "Count to ten.", "Tell me about the sea."])
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": rng.choice([4, 16, 48]),
-            "temperature": rng.choice([0, 0.7])}
+    return "/v1/chat/completions", {"messages": [{"role": "user", "content": content}],
+                                    "max_tokens": rng.choice([4, 16, 48]), "temperature": rng.choice([0, 0.7])}
 
 
-def one(base, kind, stream, disconnect, media, rng):
+def as_api(api, path, body):
+    """The same request through the Responses or the Messages API (videos stay on chat completions)."""
+    msg = body["messages"][0]["content"]
+    if api == "chat" or (isinstance(msg, list) and msg[0]["type"] == "video"):
+        return path, body
+    if api == "responses":
+        if isinstance(msg, list):
+            msg = [{"type": "input_image", "image_url": p["image_url"]["url"]} if p["type"] == "image_url"
+                   else {"type": "input_text", "text": p["text"]} for p in msg]
+            inp = [{"role": "user", "content": msg}]
+        else:
+            inp = msg
+        return "/v1/responses", {"input": inp, "max_output_tokens": body["max_tokens"], "temperature": body["temperature"]}
+    if isinstance(msg, list):
+        msg = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": p["image_url"]["url"].split(",", 1)[1]}}
+               if p["type"] == "image_url" else p for p in msg]
+    return "/v1/messages", {"messages": [{"role": "user", "content": msg}], "max_tokens": body["max_tokens"],
+                            "temperature": body["temperature"]}
+
+
+def failed(line):
+    """An error in a stream: an OpenAI or Anthropic error object, or an `error` event (a Responses object's
+    own `"error": null` is not one)."""
+    return line.startswith(b"event: error") or b'"error":{' in line or b'"error": {' in line
+
+
+def one(base, kind, api, stream, disconnect, media, rng):
     u = urllib.parse.urlparse(base)
-    body = body_for(kind, media, rng)
+    path, body = as_api(api, *body_for(kind, media, rng))
     body["stream"] = stream
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
     r = conn.getresponse()
     if r.status != 200:
-        code = json.loads(r.read() or b"{}").get("error", {}).get("code", str(r.status))
+        err = json.loads(r.read() or b"{}").get("error", {})
+        code = err.get("code") or err.get("type") or str(r.status)
         conn.close()
         return code, time.perf_counter() - t0
     if stream:
         events = 0
         for line in r:
+            if failed(line):
+                conn.close()
+                return "stream_error", time.perf_counter() - t0
             if line.startswith(b"data: "):
                 events += 1
-                if b'"error"' in line:
-                    conn.close()
-                    return "stream_error", time.perf_counter() - t0
                 if disconnect and events >= 2:
                     conn.close()  # the client leaves mid-stream
                     return "disconnected", time.perf_counter() - t0
@@ -97,10 +127,11 @@ def main():
         rng = random.Random(i)
         while time.time() < end:
             kind = rng.choice(["text", "text", "image", "video"])
+            api = rng.choice(["chat", "chat", "responses", "messages"])
             stream = rng.random() < 0.5
             disconnect = stream and rng.random() < 0.2
             try:
-                code, dt = one(a.base, kind, stream, disconnect, media, rng)
+                code, dt = one(a.base, kind, api, stream, disconnect, media, rng)
             except Exception as e:  # a transport error is a finding, not a crash of the tool
                 code, dt = f"transport:{type(e).__name__}", 0.0
             with lock:
