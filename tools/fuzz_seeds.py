@@ -74,10 +74,11 @@ put("request", "chat_tools", chat({"messages": [{"role": "user", "content": "q"}
         "s": {"type": "string", "maxLength": 4}, "e": {"enum": ["a", "b"]}}, "required": ["s"]}}}],
     "tool_choice": "required", "parallel_tool_calls": False}))
 
-# tool_calls: first byte = chunk size - 1 (mod 32), then model output text.
+# tool_calls: first byte = chunk size - 1 (low 5 bits) and one call only (bit 5), then model output text.
 put("tool_calls", "two_calls", b"\x02" + "Let me see.\n\n<tool_call>\n<function=f>\n<parameter=s>\nhi <b>\n</parameter>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=f>\n<parameter=o>\n{\"k\": [1]}\n</parameter>\n</function>\n</tool_call>".encode())
 put("tool_calls", "cut", b"\x00" + "<tool_call>\n<function=f>\n<parameter=s>\nunfinished".encode())
 put("tool_calls", "malformed", b"\x05" + "text <tool_call><oops></tool_call> <tool_c".encode())
+put("tool_calls", "one_call_only", b"\x23" + "<tool_call>\n<function=f>\n</function>\n</tool_call>\n<tool_call>\n<function=f>\n</function>\n</tool_call> tail".encode())
 
 # media
 put("media", "png_image", b"\x00" + png)

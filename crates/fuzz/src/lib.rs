@@ -87,7 +87,7 @@ pub fn request(data: &[u8]) {
 }
 
 /// Model output through the tool-call parser: the first byte is the chunk size (1–32 chars) the text is
-/// streamed in. Whatever the text, the streamed events equal those of one whole feed (text and calls),
+/// streamed in (low 5 bits) and whether one call only is kept (`parallel_tool_calls: false`, bit 5). Whatever the text, the streamed events equal those of one whole feed (text and calls),
 /// the text events give back exactly the text outside complete calls, and each call's arguments are a
 /// JSON object.
 pub fn tool_calls(data: &[u8]) {
@@ -99,7 +99,7 @@ pub fn tool_calls(data: &[u8]) {
     ])))
     .expect("a valid tool");
     let run = |chunk: usize| {
-        let mut p = osprey_server::tools::ToolParser::new(&tools, "c".into(), true);
+        let mut p = osprey_server::tools::ToolParser::new(&tools, "c".into(), step & 32 == 0);
         let chars: Vec<char> = text.chars().collect();
         let mut events = Vec::new();
         for piece in chars.chunks(chunk.max(1)) {
@@ -121,6 +121,9 @@ pub fn tool_calls(data: &[u8]) {
     }
     if whole.1.is_empty() {
         assert_eq!(whole.0, text, "without a complete call, the text comes back whole");
+    }
+    if step & 32 != 0 {
+        assert!(whole.1.len() <= 1, "one call at most when parallel calls are off");
     }
 }
 
