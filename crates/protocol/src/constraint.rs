@@ -4,18 +4,11 @@
 
 use std::sync::Arc;
 
-/// What the output must match.
+/// What the output must match, as the server built it (layout and strictness included).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Grammar {
-    /// Any JSON object (`response_format: {"type": "json_object"}`).
-    JsonObject,
-    /// A JSON value valid under a JSON Schema (`json_schema`).
-    JsonSchema {
-        /// The schema.
-        schema: serde_json::Value,
-        /// Refuse keywords the engine cannot enforce (else they are ignored).
-        strict: bool,
-    },
+    /// A JSON value valid under this JSON Schema (`response_format` `json_object` / `json_schema`).
+    JsonSchema(serde_json::Value),
     /// A Lark grammar (forced tool calls: the call syntax with each parameter's schema inside).
     Lark(String),
 }

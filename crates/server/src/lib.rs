@@ -13,6 +13,7 @@ pub mod config;
 mod edge;
 mod error;
 mod generate;
+mod grammar;
 mod handlers;
 mod messages;
 mod metrics;

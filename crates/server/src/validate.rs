@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 
 use crate::config::{Limits, ServerConfig};
 use crate::error::ApiError;
+use crate::grammar::{call_grammar, json_layout};
 use crate::tools::{self, ToolChoice, ToolSpec};
 
 /// `stop`: one string or several.
@@ -257,7 +258,7 @@ fn response_format(rf: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
     let p = "response_format";
     match rf.get("type").and_then(Value::as_str) {
         Some("text") => Ok(None),
-        Some("json_object") => Ok(Some(Grammar::JsonObject)),
+        Some("json_object") => Ok(Some(Grammar::JsonSchema(json_layout(&json!({"type": "object"}), false)))),
         Some("json_schema") => {
             // Chat nests the fields in `json_schema`; the Responses API's `text.format` has them at the top.
             let js = rf.get("json_schema").filter(|v| v.is_object()).unwrap_or(rf);
@@ -281,7 +282,7 @@ fn response_format(rf: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
                 ));
             }
             let strict = js.get("strict").and_then(Value::as_bool).unwrap_or(false);
-            Ok(Some(Grammar::JsonSchema { schema, strict }))
+            Ok(Some(Grammar::JsonSchema(json_layout(&schema, strict))))
         }
         other => Err(bad(
             ErrorCode::InvalidRequest,
@@ -419,8 +420,8 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
     let parallel = req.parallel_tool_calls.unwrap_or(true);
     let format = response_format(req.response_format.as_ref())?;
     let forced = match &choice {
-        ToolChoice::Required if !specs.is_empty() => Some(Grammar::Lark(tools::call_grammar(&specs, None, parallel))),
-        ToolChoice::Named(n) => Some(Grammar::Lark(tools::call_grammar(&specs, Some(n), parallel))),
+        ToolChoice::Required if !specs.is_empty() => Some(Grammar::Lark(call_grammar(&specs, None, parallel))),
+        ToolChoice::Named(n) => Some(Grammar::Lark(call_grammar(&specs, Some(n), parallel))),
         _ => None,
     };
     if forced.is_some() && format.is_some() {

@@ -2,8 +2,8 @@
 //! use) against this tokenizer's vocabulary. The tokenizer actor compiles; the runner's sampler drives a
 //! [`TokenMatcher`] per sequence through the protocol's traits, so no llguidance type leaves this crate.
 //!
-//! JSON is written in one fixed layout (`", "` and `": "` as Python's `json.dumps`, no free whitespace):
-//! a model, even a random one, cannot spend its tokens on blank space, and the output stays parseable.
+//! The server builds the grammars (JSON Schemas in its one JSON layout, Lark for forced calls); this
+//! module compiles them.
 //!
 //! A grammar only says what may come next, not that the answer ends: a number's digits or a string's
 //! characters can go on until `max_tokens` cuts the answer mid-value. So in the last quarter of its token
@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
 use osprey_protocol::constraint::{CompiledGrammar, Constraint, Grammar, TokenMatcher};
-use serde_json::{json, Value};
+use serde_json::Value;
 use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
 /// The vocabulary as llguidance sees it: token bytes in a trie, tokenization by our tokenizer.
@@ -144,10 +144,7 @@ impl GrammarCompiler {
     /// Compiles `g`; a schema or grammar llguidance refuses gives its message.
     pub fn compile(&self, g: &Grammar) -> Result<Constraint, String> {
         let top = match g {
-            Grammar::JsonObject => TopLevelGrammar::from_json_schema(layout(json!({"type": "object"}), false)),
-            Grammar::JsonSchema { schema, strict } => {
-                TopLevelGrammar::from_json_schema(layout(schema.clone(), *strict))
-            }
+            Grammar::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
             Grammar::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
         };
         let parser = self.factory.create_parser(top).map_err(|e| e.to_string())?;
@@ -158,20 +155,6 @@ impl GrammarCompiler {
         let grammar = Arc::new(Compiled { proto: Mutex::new(proto), tiers: self.tiers.clone() });
         Ok(Constraint { grammar, budget: None })
     }
-}
-
-/// A JSON schema with osprey's fixed layout; `strict` keeps llguidance's refusal of keywords it cannot
-/// enforce (else they are ignored, as OpenAI does for non-strict schemas).
-pub fn layout(mut schema: Value, strict: bool) -> Value {
-    if let Value::Object(m) = &mut schema {
-        m.insert(
-            "x-guidance".into(),
-            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": !strict}),
-        );
-    } else if schema == Value::Bool(true) {
-        return layout(json!({}), strict);
-    }
-    schema
 }
 
 /// A compiled grammar: a matcher at the start, cloned for each sequence.
@@ -237,6 +220,14 @@ impl TokenMatcher for Seq {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    /// `schema` as the server sends it: its JSON layout (no free whitespace) and strictness.
+    fn json(mut schema: Value) -> Grammar {
+        schema["x-guidance"] =
+            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": false});
+        Grammar::JsonSchema(schema)
+    }
 
     fn compiler() -> (GrammarCompiler, tokenizers::Tokenizer) {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/osprey-default");
@@ -288,7 +279,7 @@ mod tests {
         let (c, tok) = compiler();
         let schema = json!({"type": "object", "properties": {"x": {"type": "number"}, "s": {"type": "string"},
             "xs": {"type": "array", "items": {"type": "integer"}}}, "required": ["x", "s", "xs"], "additionalProperties": false});
-        let g = c.compile(&Grammar::JsonSchema { schema, strict: true }).expect("compile");
+        let g = c.compile(&json(schema)).expect("compile");
         // Without a budget it writes digits and letters forever.
         assert!(walk(&g, &tok, None, 300, true).is_err());
         for budget in [32, 64, 120] {
@@ -307,12 +298,12 @@ mod tests {
     fn schemas_compile_and_masks_lead_to_valid_json() {
         let (c, tok) = compiler();
         let g = c
-            .compile(&Grammar::JsonSchema { schema: json!({"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2]}}, "required": ["ok", "n"], "additionalProperties": false}), strict: true })
+            .compile(&json(json!({"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2]}}, "required": ["ok", "n"], "additionalProperties": false})))
             .expect("compile");
         let out = walk(&g, &tok, None, 200, false).expect("terminates");
         let v: Value = serde_json::from_str(&out).expect("json");
         assert!(v["ok"].is_boolean() && (v["n"] == 1 || v["n"] == 2), "{out}");
-        assert!(c.compile(&Grammar::JsonSchema { schema: json!({"type": "nonsense"}), strict: true }).is_err());
+        assert!(c.compile(&json(json!({"type": "nonsense"}))).is_err());
         let lark =
             c.compile(&Grammar::Lark("start: \"<tool_call>\" /[a-z]{1,3}/ \"</tool_call>\"".into())).expect("lark");
         let out = walk(&lark, &tok, None, 50, false).expect("terminates");
