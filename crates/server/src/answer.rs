@@ -135,12 +135,7 @@ impl Answer {
                         None => {}
                     }
                 }
-                Ok(Piece::Done { finish, usage, stop }) => {
-                    let mut finish = match finish {
-                        "length" => Finish::Length,
-                        "timeout" => Finish::Timeout,
-                        _ => Finish::Stop,
-                    };
+                Ok(Piece::Done { mut finish, usage, stop }) => {
                     if let Some(p) = self.tools.as_mut() {
                         let (ev, _cut) = p.finish();
                         let called = !p.calls().is_empty();

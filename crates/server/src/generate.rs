@@ -14,6 +14,7 @@ use osprey_protocol::{ErrorCode, SeqId};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::answer::Finish;
 use crate::error::ApiError;
 use crate::text::{ReasoningSplit, TextState};
 use crate::validate::GenParams;
@@ -67,8 +68,8 @@ pub enum Piece {
     },
     /// The end.
     Done {
-        /// `stop`, `length` or `timeout`.
-        finish: &'static str,
+        /// Why (never `ToolCalls`: calls are found above this level).
+        finish: Finish,
         /// Counts.
         usage: Usage,
         /// The stop string that ended the answer, if one did.
@@ -199,7 +200,7 @@ impl Generation {
 
     /// The last text (a held-back stop prefix that never matched, a pending tag) as a delta, with
     /// `Done { finish }` queued after it.
-    async fn finish(&mut self, finish: &'static str) -> Piece {
+    async fn finish(&mut self, finish: Finish) -> Piece {
         let rest = self.detokenize(Vec::new(), true).await;
         let delta = rest.map(|f| self.text.advance(&f, &self.gen.stop, true)).unwrap_or_default();
         let (mut r, mut c) = self.split.feed(&delta);
@@ -226,7 +227,7 @@ impl Generation {
             )
             .param("deadline_secs"));
         }
-        Ok(self.finish("timeout").await)
+        Ok(self.finish(Finish::Timeout).await)
     }
 
     /// The next piece; `None` after `Done`.
@@ -283,7 +284,7 @@ impl Generation {
                         self.rx.close();
                         self.done = true;
                         let stop = self.text.matched().map(str::to_string);
-                        self.queue.push_back(Piece::Done { finish: "stop", usage: self.usage, stop });
+                        self.queue.push_back(Piece::Done { finish: Finish::Stop, usage: self.usage, stop });
                         return Some(Ok(Piece::Delta { reasoning, content, logprobs }));
                     }
                     if reasoning.is_empty() && content.is_empty() && logprobs.is_empty() {
@@ -295,8 +296,8 @@ impl Generation {
                     self.usage = Usage { prompt: prompt_tokens, cached: cached_tokens, completion: completion_tokens };
                     self.done = true;
                     let finish = match reason {
-                        FinishReason::Stop => "stop",
-                        FinishReason::Length => "length",
+                        FinishReason::Stop => Finish::Stop,
+                        FinishReason::Length => Finish::Length,
                     };
                     return Some(Ok(self.finish(finish).await));
                 }
