@@ -15,6 +15,11 @@ impl From<RequestError> for ApiError {
     }
 }
 
+/// An `invalid_request` error about `param` (the request's shape or values).
+pub(crate) fn invalid(msg: impl Into<String>, param: &str) -> ApiError {
+    ApiError::new(ErrorCode::InvalidRequest, msg).param(param)
+}
+
 impl ApiError {
     /// Shorthand constructor.
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {

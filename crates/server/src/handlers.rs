@@ -345,9 +345,7 @@ pub async fn completions(
     state.metrics.completion_requests.fetch_add(1, Ordering::Relaxed);
     let ctx = RequestCtx::new(&state);
     let r = async {
-        check_key(&state, &req)?;
-        check_serving(&state)?;
-        let body = crate::body::read_json(&req, payload, state.body_limits()).await?;
+        let body = read_body(&state, &req, payload).await?;
         let parsed: CompletionRequest = parse(&body)?;
         let (prompt, gen): (CompletionPrompt, GenParams) = validate::completion(&parsed, &state.cfg)?;
         let span = ctx.span.clone();

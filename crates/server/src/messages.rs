@@ -13,7 +13,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, watch};
 
 use crate::answer::{Answer, Finish, Out};
-use crate::error::ApiError;
+use crate::error::{invalid, ApiError};
 use crate::generate::{RequestCtx, Usage};
 use crate::handlers::{self, expired, shutting_down, sse_response};
 use crate::{AppState, Phase};
@@ -73,22 +73,18 @@ impl ResponseError for AnthropicError {
     }
 }
 
-fn bad(msg: impl Into<String>, param: &str) -> ApiError {
-    ApiError::new(ErrorCode::InvalidRequest, msg).param(param)
-}
-
 /// An image block's source as a chat image part.
 fn image(b: &Value, param: &str) -> Result<Value, ApiError> {
-    let src = b.get("source").ok_or_else(|| bad("image blocks need a `source`", param))?;
+    let src = b.get("source").ok_or_else(|| invalid("image blocks need a `source`", param))?;
     let url = match src.get("type").and_then(Value::as_str) {
         Some("base64") => {
             let mt = src.get("media_type").and_then(Value::as_str).unwrap_or("image/png");
             let data =
-                src.get("data").and_then(Value::as_str).ok_or_else(|| bad("base64 sources need `data`", param))?;
+                src.get("data").and_then(Value::as_str).ok_or_else(|| invalid("base64 sources need `data`", param))?;
             format!("data:{mt};base64,{data}")
         }
         Some("url") => {
-            src.get("url").and_then(Value::as_str).ok_or_else(|| bad("url sources need `url`", param))?.to_string()
+            src.get("url").and_then(Value::as_str).ok_or_else(|| invalid("url sources need `url`", param))?.to_string()
         }
         other => {
             return Err(ApiError::new(
@@ -106,13 +102,13 @@ fn parts(c: &Value, param: &str) -> Result<Value, ApiError> {
     let blocks = match c {
         Value::String(s) => return Ok(Value::String(s.clone())),
         Value::Array(b) => b,
-        _ => return Err(bad("content must be a string or a list of blocks", param)),
+        _ => return Err(invalid("content must be a string or a list of blocks", param)),
     };
     let mut out = Vec::with_capacity(blocks.len());
     for (i, b) in blocks.iter().enumerate() {
         let p = format!("{param}[{i}]");
         match b.get("type").and_then(Value::as_str) {
-            Some("text") => out.push(json!({"type": "text", "text": b.get("text").and_then(Value::as_str).ok_or_else(|| bad("text blocks need `text`", &p))?})),
+            Some("text") => out.push(json!({"type": "text", "text": b.get("text").and_then(Value::as_str).ok_or_else(|| invalid("text blocks need `text`", &p))?})),
             Some("image") => out.push(image(b, &p)?),
             other => {
                 return Err(ApiError::new(ErrorCode::UnsupportedParameter, format!("unsupported block type {other:?} here"))
@@ -127,12 +123,12 @@ fn parts(c: &Value, param: &str) -> Result<Value, ApiError> {
 /// (before the rest of the turn), an assistant turn's `tool_use` blocks its `tool_calls` and its
 /// `thinking` its reasoning.
 fn convert(m: &Value, param: &str, out: &mut Vec<Value>) -> Result<(), ApiError> {
-    let role = m.get("role").and_then(Value::as_str).ok_or_else(|| bad("messages need a role", param))?;
+    let role = m.get("role").and_then(Value::as_str).ok_or_else(|| invalid("messages need a role", param))?;
     if role != "user" && role != "assistant" {
         return Err(ApiError::new(ErrorCode::InvalidRole, format!("role `{role}` is not user or assistant"))
             .param(format!("{param}.role")));
     }
-    let c = m.get("content").ok_or_else(|| bad("messages need content", param))?;
+    let c = m.get("content").ok_or_else(|| invalid("messages need content", param))?;
     let Value::Array(blocks) = c else {
         out.push(json!({"role": role, "content": parts(c, &format!("{param}.content"))?}));
         return Ok(());
@@ -151,7 +147,7 @@ fn convert(m: &Value, param: &str, out: &mut Vec<Value>) -> Result<(), ApiError>
             }
             Some("tool_use") if role == "assistant" => {
                 let name =
-                    b.get("name").and_then(Value::as_str).ok_or_else(|| bad("tool_use blocks need a name", &p))?;
+                    b.get("name").and_then(Value::as_str).ok_or_else(|| invalid("tool_use blocks need a name", &p))?;
                 let input = b.get("input").cloned().unwrap_or_else(|| json!({}));
                 let id = b.get("id").and_then(Value::as_str).unwrap_or_default();
                 calls.push(
@@ -180,13 +176,14 @@ fn convert(m: &Value, param: &str, out: &mut Vec<Value>) -> Result<(), ApiError>
 
 /// The Messages request as a chat completions body.
 fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> {
-    let o = body.as_object().ok_or_else(|| bad("the body must be a JSON object", "body"))?;
+    let o = body.as_object().ok_or_else(|| invalid("the body must be a JSON object", "body"))?;
     let mut messages = Vec::new();
     match o.get("system") {
         None | Some(Value::Null) => {}
         Some(s) => messages.push(json!({"role": "system", "content": parts(s, "system")?})),
     }
-    let list = o.get("messages").and_then(Value::as_array).ok_or_else(|| bad("`messages` is required", "messages"))?;
+    let list =
+        o.get("messages").and_then(Value::as_array).ok_or_else(|| invalid("`messages` is required", "messages"))?;
     for (i, m) in list.iter().enumerate() {
         convert(m, &format!("messages[{i}]"), &mut messages)?;
     }
@@ -201,7 +198,7 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
         Some(v) => {
             chat.insert("max_tokens".into(), v.clone());
         }
-        None if !count_only => return Err(bad("`max_tokens` is required", "max_tokens")),
+        None if !count_only => return Err(invalid("`max_tokens` is required", "max_tokens")),
         None => {}
     }
     if let Some(s) = o.get("stop_sequences") {
@@ -234,7 +231,10 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
             Some("none") => json!("none"),
             Some("tool") => json!({"type": "function", "function": {"name": tc.get("name")}}),
             other => {
-                return Err(bad(format!("tool_choice type {other:?} is not auto, any, tool or none"), "tool_choice"))
+                return Err(invalid(
+                    format!("tool_choice type {other:?} is not auto, any, tool or none"),
+                    "tool_choice",
+                ))
             }
         };
         chat.insert("tool_choice".into(), choice);

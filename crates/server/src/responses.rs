@@ -12,21 +12,17 @@ use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, watch};
 
 use crate::answer::{Answer, Finish, Out};
-use crate::error::ApiError;
+use crate::error::{invalid, ApiError};
 use crate::generate::{RequestCtx, Usage};
 use crate::handlers::{self, check_key, expired, shutting_down, sse_response};
 use crate::store::{ResponseStore, Stored};
 use crate::{AppState, Phase};
 
-fn bad(msg: impl Into<String>, param: &str) -> ApiError {
-    ApiError::new(ErrorCode::InvalidRequest, msg).param(param)
-}
-
 /// A content part of an input message as a chat part.
 fn part(p: &Value, param: &str) -> Result<Value, ApiError> {
     match p.get("type").and_then(Value::as_str) {
         Some("input_text" | "output_text" | "text") => {
-            let t = p.get("text").and_then(Value::as_str).ok_or_else(|| bad("text parts need `text`", param))?;
+            let t = p.get("text").and_then(Value::as_str).ok_or_else(|| invalid("text parts need `text`", param))?;
             Ok(json!({"type": "text", "text": t}))
         }
         Some("input_image") => {
@@ -53,7 +49,7 @@ fn content(c: &Value, param: &str) -> Result<Value, ApiError> {
         Value::Array(parts) => Ok(Value::Array(
             parts.iter().enumerate().map(|(i, p)| part(p, &format!("{param}[{i}]"))).collect::<Result<_, _>>()?,
         )),
-        _ => Err(bad("content must be a string or a list of parts", param)),
+        _ => Err(invalid("content must be a string or a list of parts", param)),
     }
 }
 
@@ -62,7 +58,7 @@ fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
     let items = match input {
         Value::String(s) => return Ok(vec![json!({"role": "user", "content": s})]),
         Value::Array(a) => a,
-        _ => return Err(bad("input must be a string or a list of items", "input")),
+        _ => return Err(invalid("input must be a string or a list of items", "input")),
     };
     let mut out: Vec<Value> = Vec::new();
     for (i, it) in items.iter().enumerate() {
@@ -70,13 +66,13 @@ fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
         let kind = it.get("type").and_then(Value::as_str).unwrap_or("message");
         match kind {
             "message" => {
-                let role = it.get("role").and_then(Value::as_str).ok_or_else(|| bad("messages need a role", &p))?;
-                let c = it.get("content").ok_or_else(|| bad("messages need content", &p))?;
+                let role = it.get("role").and_then(Value::as_str).ok_or_else(|| invalid("messages need a role", &p))?;
+                let c = it.get("content").ok_or_else(|| invalid("messages need content", &p))?;
                 out.push(json!({"role": role, "content": content(c, &format!("{p}.content"))?}));
             }
             "function_call" => {
                 let name =
-                    it.get("name").and_then(Value::as_str).ok_or_else(|| bad("function calls need a name", &p))?;
+                    it.get("name").and_then(Value::as_str).ok_or_else(|| invalid("function calls need a name", &p))?;
                 let call_id = it.get("call_id").and_then(Value::as_str).unwrap_or_default();
                 let args = it.get("arguments").and_then(Value::as_str).unwrap_or("{}");
                 let call = json!({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}});
@@ -91,7 +87,7 @@ fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
             }
             "function_call_output" => {
                 let call_id = it.get("call_id").and_then(Value::as_str).unwrap_or_default();
-                let o = it.get("output").ok_or_else(|| bad("function call outputs need `output`", &p))?;
+                let o = it.get("output").ok_or_else(|| invalid("function call outputs need `output`", &p))?;
                 out.push(
                     json!({"role": "tool", "tool_call_id": call_id, "content": content(o, &format!("{p}.output"))?}),
                 );
@@ -122,7 +118,7 @@ struct Translated {
 }
 
 fn translate(body: &Value, store: &ResponseStore) -> Result<Translated, ApiError> {
-    let o = body.as_object().ok_or_else(|| bad("the body must be a JSON object", "body"))?;
+    let o = body.as_object().ok_or_else(|| invalid("the body must be a JSON object", "body"))?;
     for k in ["background", "conversation", "prompt"] {
         if o.get(k).is_some_and(|v| !v.is_null() && v != &Value::Bool(false)) {
             return Err(ApiError::new(ErrorCode::UnsupportedParameter, format!("`{k}` is not supported")).param(k));
@@ -143,7 +139,7 @@ fn translate(body: &Value, store: &ResponseStore) -> Result<Translated, ApiError
         }
         None => Vec::new(),
     };
-    let input = o.get("input").ok_or_else(|| bad("`input` is required", "input"))?;
+    let input = o.get("input").ok_or_else(|| invalid("`input` is required", "input"))?;
     conversation.extend(input_messages(input)?);
     let mut messages = Vec::with_capacity(conversation.len() + 1);
     if let Some(ins) = o.get("instructions").and_then(Value::as_str) {

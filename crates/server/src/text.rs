@@ -2,7 +2,7 @@
 //! strings (held back while they might still match), and the split of `<think>…</think>` reasoning.
 
 /// Longest suffix of `text` (on a char boundary) that is a proper prefix of one of `pats`.
-fn held_suffix(text: &str, pats: &[&str]) -> usize {
+pub(crate) fn held_suffix(text: &str, pats: &[&str]) -> usize {
     let mut best = 0;
     for p in pats {
         for (i, _) in p.char_indices().skip(1) {

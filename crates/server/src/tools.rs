@@ -20,7 +20,8 @@ use std::collections::HashMap;
 use osprey_protocol::ErrorCode;
 use serde_json::{json, Map, Value};
 
-use crate::error::ApiError;
+use crate::error::{invalid, ApiError};
+use crate::text::held_suffix;
 
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
@@ -73,10 +74,6 @@ pub enum ToolChoice {
     Named(String),
 }
 
-fn bad(msg: impl Into<String>, param: &str) -> ApiError {
-    ApiError::new(ErrorCode::InvalidRequest, msg).param(param)
-}
-
 fn check_name(name: &str, param: &str) -> Result<(), ApiError> {
     let ok = !name.is_empty()
         && name.len() <= 64
@@ -84,7 +81,7 @@ fn check_name(name: &str, param: &str) -> Result<(), ApiError> {
     if ok {
         Ok(())
     } else {
-        Err(bad(format!("tool names are 1-64 characters of a-z, A-Z, 0-9, _, - or . (got `{name}`)"), param))
+        Err(invalid(format!("tool names are 1-64 characters of a-z, A-Z, 0-9, _, - or . (got `{name}`)"), param))
     }
 }
 
@@ -95,12 +92,12 @@ pub fn tool(
     parameters: Option<&Value>,
     param: &str,
 ) -> Result<ToolSpec, ApiError> {
-    let name = name.ok_or_else(|| bad("a function tool needs a `name`", param))?;
+    let name = name.ok_or_else(|| invalid("a function tool needs a `name`", param))?;
     check_name(name, param)?;
     let parameters = match parameters {
         None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
         Some(p @ Value::Object(_)) => p.clone(),
-        Some(_) => return Err(bad("a tool's parameters must be a JSON Schema object", param)),
+        Some(_) => return Err(invalid("a tool's parameters must be a JSON Schema object", param)),
     };
     Ok(ToolSpec { name: name.to_string(), description: description.map(str::to_string), parameters })
 }
@@ -110,7 +107,7 @@ pub fn parse_chat_tools(tools: Option<&Value>) -> Result<Vec<ToolSpec>, ApiError
     let list = match tools {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(a)) => a,
-        Some(_) => return Err(bad("tools must be a list", "tools")),
+        Some(_) => return Err(invalid("tools must be a list", "tools")),
     };
     let mut out: Vec<ToolSpec> = Vec::with_capacity(list.len());
     for (i, t) in list.iter().enumerate() {
@@ -125,7 +122,7 @@ pub fn parse_chat_tools(tools: Option<&Value>) -> Result<Vec<ToolSpec>, ApiError
                 .param(&param))
             }
         }
-        let f = t.get("function").ok_or_else(|| bad("a function tool needs `function`", &param))?;
+        let f = t.get("function").ok_or_else(|| invalid("a function tool needs `function`", &param))?;
         let spec = tool(
             f.get("name").and_then(Value::as_str),
             f.get("description").and_then(Value::as_str),
@@ -133,7 +130,7 @@ pub fn parse_chat_tools(tools: Option<&Value>) -> Result<Vec<ToolSpec>, ApiError
             &param,
         )?;
         if out.iter().any(|o| o.name == spec.name) {
-            return Err(bad(format!("two tools are named `{}`", spec.name), &param));
+            return Err(invalid(format!("two tools are named `{}`", spec.name), &param));
         }
         out.push(spec);
     }
@@ -149,7 +146,9 @@ pub fn parse_tool_choice(choice: Option<&Value>, tools: &[ToolSpec]) -> Result<T
             "none" => ToolChoice::None,
             "auto" => ToolChoice::Auto,
             "required" => ToolChoice::Required,
-            other => return Err(bad(format!("tool_choice `{other}` is not none, auto or required"), "tool_choice")),
+            other => {
+                return Err(invalid(format!("tool_choice `{other}` is not none, auto or required"), "tool_choice"))
+            }
         },
         Some(v) => {
             let name = v
@@ -158,7 +157,7 @@ pub fn parse_tool_choice(choice: Option<&Value>, tools: &[ToolSpec]) -> Result<T
                 .or_else(|| v.get("name"))
                 .and_then(Value::as_str)
                 .ok_or_else(|| {
-                    bad(
+                    invalid(
                         "tool_choice names a function: {\"type\": \"function\", \"function\": {\"name\": ...}}",
                         "tool_choice",
                     )
@@ -168,7 +167,7 @@ pub fn parse_tool_choice(choice: Option<&Value>, tools: &[ToolSpec]) -> Result<T
     };
     named_exists(&c, tools)?;
     if tools.is_empty() && matches!(c, ToolChoice::Required) {
-        return Err(bad("tool_choice `required` needs tools", "tool_choice"));
+        return Err(invalid("tool_choice `required` needs tools", "tool_choice"));
     }
     Ok(c)
 }
@@ -177,7 +176,7 @@ pub fn parse_tool_choice(choice: Option<&Value>, tools: &[ToolSpec]) -> Result<T
 pub fn named_exists(c: &ToolChoice, tools: &[ToolSpec]) -> Result<(), ApiError> {
     if let ToolChoice::Named(n) = c {
         if !tools.iter().any(|t| &t.name == n) {
-            return Err(bad(format!("tool_choice names `{n}`, which is not among the tools"), "tool_choice"));
+            return Err(invalid(format!("tool_choice names `{n}`, which is not among the tools"), "tool_choice"));
         }
     }
     Ok(())
@@ -186,22 +185,22 @@ pub fn named_exists(c: &ToolChoice, tools: &[ToolSpec]) -> Result<(), ApiError> 
 /// An assistant message's past `tool_calls` (arguments as a JSON string, or an object) in the form the
 /// template renders: arguments as an object.
 pub fn template_calls(calls: &Value, param: &str) -> Result<Value, ApiError> {
-    let list = calls.as_array().ok_or_else(|| bad("tool_calls must be a list", param))?;
+    let list = calls.as_array().ok_or_else(|| invalid("tool_calls must be a list", param))?;
     let mut out = Vec::with_capacity(list.len());
     for (i, c) in list.iter().enumerate() {
         let p = format!("{param}[{i}]");
-        let f = c.get("function").ok_or_else(|| bad("a tool call needs `function`", &p))?;
-        let name = f.get("name").and_then(Value::as_str).ok_or_else(|| bad("a tool call needs a name", &p))?;
+        let f = c.get("function").ok_or_else(|| invalid("a tool call needs `function`", &p))?;
+        let name = f.get("name").and_then(Value::as_str).ok_or_else(|| invalid("a tool call needs a name", &p))?;
         let args = match f.get("arguments") {
             None | Some(Value::Null) => json!({}),
             Some(Value::String(s)) if s.trim().is_empty() => json!({}),
             Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| {
-                bad(format!("tool call arguments are not JSON: {e}"), &format!("{p}.function.arguments"))
+                invalid(format!("tool call arguments are not JSON: {e}"), &format!("{p}.function.arguments"))
             })?,
             Some(v) => v.clone(),
         };
         if !args.is_object() {
-            return Err(bad("tool call arguments must be a JSON object", &format!("{p}.function.arguments")));
+            return Err(invalid("tool call arguments must be a JSON object", &format!("{p}.function.arguments")));
         }
         let id = c.get("id").and_then(Value::as_str).unwrap_or_default();
         out.push(json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}));
@@ -356,14 +355,7 @@ impl ToolParser {
                         self.phase = Phase::Function;
                         continue;
                     }
-                    let held = (1..OPEN.len())
-                        .rev()
-                        .find(|&k| {
-                            self.buf.len() >= k
-                                && self.buf.is_char_boundary(self.buf.len() - k)
-                                && OPEN.starts_with(&self.buf[self.buf.len() - k..])
-                        })
-                        .unwrap_or(0);
+                    let held = held_suffix(&self.buf, &[OPEN]);
                     let emit: String = self.buf.drain(..self.buf.len() - held).collect();
                     if !emit.is_empty() {
                         out.push(ToolEvent::Text(emit));

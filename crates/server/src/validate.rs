@@ -597,7 +597,9 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
         messages.push(Value::Object(out));
     }
     let mut template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
-    if !specs.is_empty() && choice != ToolChoice::None {
+    // Tools are shown to the model, and its calls parsed, unless the choice is `none`.
+    let offered = !specs.is_empty() && choice != ToolChoice::None;
+    if offered {
         template_kwargs.insert("tools".into(), Value::Array(specs.iter().map(ToolSpec::template_json).collect()));
     }
     if grammar.is_some() {
@@ -612,7 +614,7 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
         template_kwargs.insert("enable_thinking".into(), false.into());
     }
     let mut gen = gen;
-    if !specs.is_empty() && choice != ToolChoice::None {
+    if offered {
         gen.tools = Some(ToolSetup { specs, parallel });
     }
     let prompt = ChatPrompt {
