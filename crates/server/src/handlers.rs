@@ -131,15 +131,13 @@ pub(crate) fn shutting_down() -> ApiError {
 /// period ends (an error event, then `[DONE]`).
 async fn stream_task(
     kind: Kind,
-    mut a: Answer,
+    a: Answer,
     ids: Ids,
     include_usage: bool,
     want_logprobs: bool,
     tx: mpsc::Sender<Bytes>,
     phase: watch::Receiver<Phase>,
 ) {
-    let expiry = expired(phase);
-    tokio::pin!(expiry);
     if kind == Kind::Chat {
         let first = chunk(kind, &ids, json!({"role": "assistant", "content": ""}), Value::Null, None);
         if tx.send(sse(&first)).await.is_err() {
@@ -147,56 +145,84 @@ async fn stream_task(
         }
     }
     let mut offset = 0;
-    loop {
-        let out = tokio::select! {
-            p = a.next() => p,
-            () = &mut expiry => Some(Err(shutting_down())),
-        };
-        let Some(out) = out else { break };
-        let frame = match out {
-            Ok(Out::Reasoning(r)) => chunk(kind, &ids, json!({"reasoning_content": r}), Value::Null, None),
+    let stayed = pump(a, &tx, phase, |out, frames| {
+        let delta = match out {
+            Ok(Out::Reasoning(r)) => json!({"reasoning_content": r}),
             Ok(Out::Text(t, logprobs)) => {
                 if t.is_empty() && logprobs.is_empty() {
-                    continue;
+                    return false;
                 }
                 let lp = if want_logprobs { logprobs_json(kind, &logprobs, offset) } else { Value::Null };
                 offset += t.len();
-                chunk(kind, &ids, json!({"content": t}), lp, None)
+                frames.push(sse(&chunk(kind, &ids, json!({"content": t}), lp, None)));
+                return false;
             }
             Ok(Out::CallStart { index, id, name }) => {
                 let call =
                     json!({"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}});
-                chunk(kind, &ids, json!({"tool_calls": [call]}), Value::Null, None)
+                json!({"tool_calls": [call]})
             }
             Ok(Out::CallArgs { index, fragment }) => {
-                let call = json!({"index": index, "function": {"arguments": fragment}});
-                chunk(kind, &ids, json!({"tool_calls": [call]}), Value::Null, None)
+                json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
             }
-            Ok(Out::CallEnd) => continue,
+            Ok(Out::CallEnd) => return false,
             Ok(Out::Done { finish, usage, .. }) => {
-                let last = chunk(kind, &ids, json!({}), Value::Null, Some(finish.openai()));
-                if tx.send(sse(&last)).await.is_err() {
-                    return;
-                }
+                frames.push(sse(&chunk(kind, &ids, json!({}), Value::Null, Some(finish.openai()))));
                 if include_usage {
                     let obj = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
                     let u = json!({"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": [], "usage": usage.json()});
-                    if tx.send(sse(&u)).await.is_err() {
-                        return;
-                    }
+                    frames.push(sse(&u));
                 }
-                break;
+                return true;
             }
             Err(e) => {
-                let _ = tx.send(sse(&e.body())).await;
-                break;
+                frames.push(sse(&e.body()));
+                return true;
             }
         };
-        if tx.send(sse(&frame)).await.is_err() {
-            return; // client left: dropping `a` cancels the sequence
+        frames.push(sse(&chunk(kind, &ids, delta, Value::Null, None)));
+        false
+    })
+    .await;
+    if stayed {
+        let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+    }
+}
+
+/// Streams an answer: each step (or, once a shutdown's grace period is over, an `unavailable` error)
+/// goes to `frames`, which appends the SSE frames it makes and says whether the answer is over. Returns
+/// false when the client left (dropping the answer cancels its sequence). Every streaming front end
+/// runs on it.
+pub(crate) async fn pump(
+    mut a: Answer,
+    tx: &mpsc::Sender<Bytes>,
+    phase: watch::Receiver<Phase>,
+    mut frames: impl FnMut(Result<Out, ApiError>, &mut Vec<Bytes>) -> bool,
+) -> bool {
+    let expiry = expired(phase);
+    tokio::pin!(expiry);
+    let mut out = Vec::new();
+    loop {
+        let next = tokio::select! {
+            p = a.next() => p,
+            () = &mut expiry => Some(Err(shutting_down())),
+        };
+        let Some(next) = next else { return true };
+        let done = frames(next, &mut out);
+        for f in out.drain(..) {
+            if tx.send(f).await.is_err() {
+                return false;
+            }
+        }
+        if done {
+            return true;
         }
     }
-    let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+}
+
+/// A named SSE event (`event:` then `data:`), as the Responses and Messages streams send them.
+pub(crate) fn sse_event(kind: &str, v: &Value) -> Bytes {
+    Bytes::from(format!("event: {kind}\ndata: {v}\n\n"))
 }
 
 /// An SSE response fed by `rx`.

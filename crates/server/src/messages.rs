@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, watch};
 use crate::answer::{Answer, Finish, Out};
 use crate::error::{invalid, ApiError};
 use crate::generate::{RequestCtx, Usage};
-use crate::handlers::{self, expired, shutting_down, sse_response};
+use crate::handlers::{self, expired, pump, shutting_down, sse_event, sse_response};
 use crate::{AppState, Phase};
 
 /// An error in Anthropic's envelope (same status codes as the OpenAI endpoints).
@@ -389,42 +389,31 @@ impl Builder {
     }
 }
 
-fn frame(kind: &str, v: &Value) -> Bytes {
-    Bytes::from(format!("event: {kind}\ndata: {v}\n\n"))
-}
-
 async fn stream_task(
     id: String,
     model: String,
     prompt_tokens: usize,
-    mut a: Answer,
+    a: Answer,
     tx: mpsc::Sender<Bytes>,
     phase: watch::Receiver<Phase>,
 ) {
-    let expiry = expired(phase);
-    tokio::pin!(expiry);
     let start = json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant", "model": model,
         "content": [], "stop_reason": null, "stop_sequence": null,
         "usage": {"input_tokens": prompt_tokens, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0, "output_tokens": 0}}});
-    if tx.send(frame("message_start", &start)).await.is_err()
-        || tx.send(frame("ping", &json!({"type": "ping"}))).await.is_err()
+    if tx.send(sse_event("message_start", &start)).await.is_err()
+        || tx.send(sse_event("ping", &json!({"type": "ping"}))).await.is_err()
     {
         return;
     }
     let mut b = Builder::new();
-    loop {
-        let next = tokio::select! {
-            p = a.next() => p,
-            () = &mut expiry => Some(Err(shutting_down())),
-        };
+    pump(a, &tx, phase, |next, frames| {
         let mut done = false;
         match next {
-            None => break,
-            Some(Err(e)) => {
+            Err(e) => {
                 b.events.push(("error", envelope(&e)));
                 done = true;
             }
-            Some(Ok(o)) => {
+            Ok(o) => {
                 let end = if let Out::Done { finish, usage, stop } = &o {
                     Some((*finish, *usage, stop.clone()))
                 } else {
@@ -439,15 +428,10 @@ async fn stream_task(
                 }
             }
         }
-        for (kind, v) in std::mem::take(&mut b.events) {
-            if tx.send(frame(kind, &v)).await.is_err() {
-                return;
-            }
-        }
-        if done {
-            break;
-        }
-    }
+        frames.extend(b.events.drain(..).map(|(kind, v)| sse_event(kind, &v)));
+        done
+    })
+    .await;
 }
 
 async fn run(state: Arc<AppState>, req: HttpRequest, payload: web::Payload) -> Result<HttpResponse, ApiError> {

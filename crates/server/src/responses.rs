@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, watch};
 use crate::answer::{Answer, Finish, Out};
 use crate::error::{invalid, ApiError};
 use crate::generate::{RequestCtx, Usage};
-use crate::handlers::{self, check_key, expired, shutting_down, sse_response};
+use crate::handlers::{self, check_key, expired, pump, shutting_down, sse_event, sse_response};
 use crate::store::{ResponseStore, Stored};
 use crate::{AppState, Phase};
 
@@ -235,24 +235,11 @@ struct Builder {
     items: Vec<Value>,
     open: Open,
     events: Vec<(String, Value)>,
-    /// The assistant turn as a chat message (what is stored).
-    reasoning: String,
-    text: String,
-    calls: Vec<Value>,
 }
 
 impl Builder {
     fn new(id: String) -> Self {
-        Builder {
-            id,
-            seq: 0,
-            items: Vec::new(),
-            open: Open::None,
-            events: Vec::new(),
-            reasoning: String::new(),
-            text: String::new(),
-            calls: Vec::new(),
-        }
+        Builder { id, seq: 0, items: Vec::new(), open: Open::None, events: Vec::new() }
     }
 
     fn emit(&mut self, kind: &str, mut v: Value) {
@@ -301,11 +288,6 @@ impl Builder {
                 // A call cut off by the token limit stays in the output as incomplete (its text follows as
                 // a message); it is not part of the stored conversation.
                 let status = if complete { "completed" } else { "incomplete" };
-                if complete {
-                    self.calls.push(
-                        json!({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}),
-                    );
-                }
                 json!({"type": "function_call", "id": id, "call_id": call_id, "name": name, "arguments": args, "status": status})
             }
         };
@@ -328,7 +310,6 @@ impl Builder {
                     "response.reasoning_text.delta",
                     json!({"item_id": id, "output_index": self.items.len(), "content_index": 0, "delta": r}),
                 );
-                self.reasoning.push_str(&r);
                 if let Open::Reasoning(t) = &mut self.open {
                     t.push_str(&r);
                 }
@@ -348,7 +329,6 @@ impl Builder {
                     "response.output_text.delta",
                     json!({"item_id": id, "output_index": self.items.len(), "content_index": 0, "delta": t}),
                 );
-                self.text.push_str(&t);
                 if let Open::Message(m) = &mut self.open {
                     m.push_str(&t);
                 }
@@ -380,13 +360,26 @@ impl Builder {
     }
 
     /// The assistant turn as a chat message.
+    /// The assistant turn as a chat message (what is stored), read from the closed output items.
     fn message(&self) -> Value {
-        let mut m = json!({"role": "assistant", "content": self.text.trim()});
-        if !self.reasoning.is_empty() {
-            m["reasoning_content"] = self.reasoning.trim().into();
+        let text_of = |kind: &str| -> String {
+            let items = self.items.iter().filter(|i| i["type"] == kind);
+            let parts = items.flat_map(|i| i["content"].as_array().cloned().unwrap_or_default());
+            parts.filter_map(|c| c["text"].as_str().map(str::to_string)).collect()
+        };
+        let (reasoning, text) = (text_of("reasoning"), text_of("message"));
+        let calls: Vec<Value> = self
+            .items
+            .iter()
+            .filter(|i| i["type"] == "function_call" && i["status"] == "completed")
+            .map(|i| json!({"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}))
+            .collect();
+        let mut m = json!({"role": "assistant", "content": text.trim()});
+        if !reasoning.is_empty() {
+            m["reasoning_content"] = reasoning.trim().into();
         }
-        if !self.calls.is_empty() {
-            m["tool_calls"] = Value::Array(self.calls.clone());
+        if !calls.is_empty() {
+            m["tool_calls"] = Value::Array(calls);
         }
         m
     }
@@ -423,10 +416,6 @@ fn response(
     r
 }
 
-fn frame(kind: &str, v: &Value) -> Bytes {
-    Bytes::from(format!("event: {kind}\ndata: {v}\n\n"))
-}
-
 struct Run {
     state: Arc<AppState>,
     id: String,
@@ -446,26 +435,24 @@ impl Run {
     }
 }
 
-async fn stream_task(run: Run, mut a: Answer, tx: mpsc::Sender<Bytes>, phase: watch::Receiver<Phase>) {
-    let expiry = expired(phase);
-    tokio::pin!(expiry);
+async fn stream_task(run: Run, a: Answer, tx: mpsc::Sender<Bytes>, phase: watch::Receiver<Phase>) {
     let mut b = Builder::new(run.id.clone());
     let start = response(&run.id, run.created, &run.state.cfg.model_id, &run.t, &[], None);
     b.emit("response.created", json!({"response": start}));
     b.emit("response.in_progress", json!({"response": start}));
-    loop {
-        let next = tokio::select! {
-            p = a.next() => p,
-            () = &mut expiry => Some(Err(shutting_down())),
-        };
+    for (kind, v) in std::mem::take(&mut b.events) {
+        if tx.send(sse_event(&kind, &v)).await.is_err() {
+            return;
+        }
+    }
+    pump(a, &tx, phase, |next, frames| {
         let done = match next {
-            None => break,
-            Some(Err(e)) => {
+            Err(e) => {
                 let err = e.body()["error"].clone();
                 b.emit("error", json!({"code": err["code"], "message": err["message"], "param": err["param"]}));
                 true
             }
-            Some(Ok(o)) => {
+            Ok(o) => {
                 let end = if let Out::Done { finish, usage, .. } = &o { Some((*finish, *usage)) } else { None };
                 b.feed(o);
                 if let Some(end) = end {
@@ -476,15 +463,10 @@ async fn stream_task(run: Run, mut a: Answer, tx: mpsc::Sender<Bytes>, phase: wa
                 end.is_some()
             }
         };
-        for (kind, v) in std::mem::take(&mut b.events) {
-            if tx.send(frame(&kind, &v)).await.is_err() {
-                return; // client left: dropping `a` cancels the sequence
-            }
-        }
-        if done {
-            break;
-        }
-    }
+        frames.extend(b.events.drain(..).map(|(kind, v)| sse_event(&kind, &v)));
+        done
+    })
+    .await;
 }
 
 /// `POST /v1/responses`.
