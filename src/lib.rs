@@ -94,16 +94,29 @@ pub fn start(settings: &Settings, model_dir: &Path) -> Result<Bound> {
     start_with(settings, model_dir, None)
 }
 
-/// `osprey serve`: start, serve, and on SIGTERM or SIGINT drain: stop accepting connections and
-/// requests (health answers 503), let running generations finish for `shutdown_grace_secs` (default
-/// 30), then end those still running with an `unavailable` error (streams: an error event and
-/// `[DONE]`), and return once every connection is closed. A second signal exits at once (status 130).
+/// `osprey serve`: start, then [`serve`] until a signal or the engine's death.
 pub async fn serve_until_signal(settings: &Settings, model_dir: &Path) -> Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let Bound { server, addr, phase } = start(settings, model_dir)?;
     let grace = std::time::Duration::from_secs(settings.shutdown_grace_secs.unwrap_or(30));
+    serve(start(settings, model_dir)?, grace).await
+}
+
+/// Serves a bound server. On SIGTERM or SIGINT it drains: stop accepting connections and requests
+/// (health answers 503), let running generations finish for `grace`, then end those still running with
+/// an `unavailable` error (streams: an error event and `[DONE]`), and return `Ok` once every connection
+/// is closed. A second signal exits at once (status 130).
+///
+/// If an actor of the engine dies (a panic in the runner, scheduler, vision encoder, prefix cache or
+/// expert manager), `/health` answers 503 from that moment, requests are refused, and this returns an
+/// error after a short pause (so the clients waiting get their errors), which `osprey serve` turns into
+/// exit status 1: a service manager restarts it (`docs/reliability.md` has a systemd unit). Restarting
+/// the actors in place would need every in-flight request's state rebuilt; a fresh process is simpler
+/// and loses the same requests.
+pub async fn serve(bound: Bound, grace: std::time::Duration) -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Bound { server, addr, phase, engine } = bound;
     let handle = server.handle();
     let (mut term, mut int) = (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?);
+    let drain = handle.clone();
     actix_web::rt::spawn(async move {
         tokio::select! {
             _ = term.recv() => {}
@@ -111,7 +124,7 @@ pub async fn serve_until_signal(settings: &Settings, model_dir: &Path) -> Result
         }
         tracing::info!(%addr, grace_secs = grace.as_secs(), "shutdown signal: draining (a second signal exits at once)");
         let _ = phase.send(Phase::Draining);
-        let stopped = handle.stop(true);
+        let stopped = drain.stop(true);
         actix_web::rt::spawn(async move {
             tokio::select! {
                 _ = term.recv() => {}
@@ -125,9 +138,19 @@ pub async fn serve_until_signal(settings: &Settings, model_dir: &Path) -> Result
         let _ = phase.send(Phase::Expired);
         stopped.await;
     });
-    server.await.context("HTTP server")?;
-    tracing::info!("drained; exiting");
-    Ok(())
+    tokio::select! {
+        served = server => {
+            served.context("HTTP server")?;
+            tracing::info!("drained; exiting");
+            Ok(())
+        }
+        actor = engine.stopped() => {
+            tracing::error!(actor, "an engine actor stopped (see the panic above): /health answers 503; exiting with status 1 for the service manager to restart osprey");
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            handle.stop(false).await;
+            anyhow::bail!("the engine's {actor} stopped")
+        }
+    }
 }
 
 /// The compute backend `--device` names (default `cpu`) at the `--activations` precision (`int8`, also
@@ -209,6 +232,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let mut eos = info.eos_token_ids.clone();
     let tok = TokenizerCore::from_dir(model_dir, tower.is_some())?;
     let max_token_bytes = tok.tokenizer().max_token_bytes();
+    let template_kwargs = tok.template_variables();
     if let Some(im_end) = tok.tokenizer().token_id("<|im_end|>") {
         if !eos.contains(&im_end) {
             eos.push(im_end);
@@ -277,6 +301,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         request_deadline_secs: settings.request_deadline_secs.filter(|s| *s > 0.0),
         idle_timeout_secs: settings.idle_timeout_secs.unwrap_or(5.0),
         eos_token_ids: eos,
+        template_kwargs,
         limits,
     };
     let engine = Engine {

@@ -94,3 +94,63 @@ fn a_failed_expert_read_fails_that_request_with_an_engine_error_and_the_server_k
     assert_eq!(got["choices"][0]["message"], want["choices"][0]["message"]);
     assert_eq!(metric(faulty, "osprey_running_sequences"), 0.0);
 }
+
+/// Panics on its first read: a bug in an actor (here the expert residency manager's thread).
+struct Panicking;
+
+impl Reader for Panicking {
+    fn read_batch(&mut self, _: &[ReadReq]) -> Vec<std::io::Result<ReadDone>> {
+        panic!("injected panic in the expert reader");
+    }
+    fn kind(&self) -> ReaderKind {
+        ReaderKind::Pread
+    }
+}
+
+fn panicking_layer() -> Option<ReaderLayer> {
+    Some(Box::new(|_inner| Box::new(Panicking)))
+}
+
+/// Regression (issue 26): an actor that panicked left a zombie, every request failing while `/health`
+/// answered 200. Now `/health` turns 503 at once, naming the actor, and requests are refused as
+/// unavailable.
+#[test]
+fn a_panicking_actor_turns_health_to_503_at_once() {
+    let addr =
+        start_with(Settings { expert_ram_experts: Some(2), ..Settings::default() }, nvfp4_dir(), panicking_layer());
+    assert_eq!(harness::get(addr, "/health").0, 200);
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}).to_string();
+    let (code, _) = harness::post(addr, "/v1/chat/completions", &body, None);
+    assert!(code >= 500, "the request that hit the panic fails, got {code}");
+    let (code, health) = harness::get(addr, "/health");
+    assert_eq!(code, 503, "{health}");
+    let h: Value = serde_json::from_str(&health).expect("json");
+    assert_eq!(h["status"], "engine_stopped");
+    assert_eq!(h["actor"], "expert residency manager");
+    let (code, e) = harness::post(addr, "/v1/chat/completions", &body, None);
+    assert_eq!((code, e["error"]["code"].as_str()), (503, Some("unavailable")), "{e}");
+}
+
+/// ... and `osprey serve` exits with an error (status 1) soon after, for its service manager to restart it.
+#[test]
+fn serve_returns_an_error_when_an_actor_dies() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        actix_web::rt::System::new().block_on(async move {
+            let settings = Settings { port: Some(0), expert_ram_experts: Some(2), ..Settings::default() };
+            let bound = osprey::start_with(&settings, &nvfp4_dir(), panicking_layer()).expect("start");
+            tx.send(bound.addr).expect("address");
+            let served = osprey::serve(bound, std::time::Duration::from_secs(1)).await;
+            done_tx.send(served.map_err(|e| e.to_string())).expect("result");
+        })
+    });
+    let addr = rx.recv_timeout(std::time::Duration::from_secs(60)).expect("started");
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}).to_string();
+    let _ = ureq::post(&format!("http://{addr}/v1/chat/completions"))
+        .set("content-type", "application/json")
+        .send_string(&body);
+    let served = done_rx.recv_timeout(std::time::Duration::from_secs(10)).expect("serve returned");
+    let err = served.expect_err("serve must fail when the engine dies");
+    assert!(err.contains("expert residency manager"), "{err}");
+}

@@ -108,7 +108,7 @@ fn without_a_key_a_foreign_host_is_refused_and_only_allowed_origins_pass_cors() 
     assert_eq!((s, code(&b)), (403, "origin_not_allowed".into()));
     assert!(!h.contains("access-control-allow-origin"), "{h}");
     let (s, h, _) = raw(addr, &request("OPTIONS", "/v1/models", &[LOCAL], ""));
-    assert!(s == 204 && h.contains("allow: get, post, options"), "plain OPTIONS: {h}");
+    assert!(s == 204 && h.contains("allow: get, post, delete, options"), "plain OPTIONS: {h}");
     // The actual request from the allowed origin carries the header; from another origin it does not.
     let (s, h, _) =
         raw(addr, &request("POST", "/v1/chat/completions", &[LOCAL, JSON, ("Origin", "https://chat.example")], &chat));
@@ -165,7 +165,12 @@ fn a_prompt_too_long_in_bytes_is_refused_before_it_is_tokenized() {
     let (s, e) = harness::post(addr, "/v1/chat/completions", &chat, None);
     assert_eq!((s, e["error"]["code"].as_str()), (400, Some("context_length_exceeded")), "{e}");
     assert!(e["error"]["message"].as_str().is_some_and(|m| m.contains("bytes of text")), "{e}");
+    // A completion body is its prompt: past twice what the context holds as text (+1 MiB) it is refused
+    // as a body (2 MiB for this model), under that by the same byte rule.
     let completion = json!({"prompt": "word ".repeat(4 << 20), "max_tokens": 2}).to_string();
+    let (s, e) = harness::post(addr, "/v1/completions", &completion, None);
+    assert_eq!((s, e["error"]["code"].as_str()), (413, Some("request_too_large")), "{e}");
+    let completion = json!({"prompt": "word ".repeat(200_000), "max_tokens": 2}).to_string();
     let (s, e) = harness::post(addr, "/v1/completions", &completion, None);
     assert_eq!((s, e["error"]["code"].as_str()), (400, Some("context_length_exceeded")), "{e}");
     assert_eq!(harness::metric(addr, "osprey_prompt_tokens_total"), 0.0, "nothing reached the engine");

@@ -79,3 +79,67 @@ fn a_pool_full_of_cached_pages_gives_them_back_to_new_requests() {
     }
     assert!(metric(addr, "osprey_prefix_cache_evictions_total") > 0.0, "the cache gave pages back");
 }
+
+/// One request of the media stress mix: an image, a video or a long text, greedy or seeded.
+fn media_mix_request(i: usize) -> serde_json::Value {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/media/default");
+    let url = |f: String| harness::data_url(&dir.join(f));
+    let content = match i % 4 {
+        0 => json!([{"type": "image_url", "image_url": {"url": url("red_circle_img0.png".into())}},
+                    {"type": "text", "text": "What is in the image?"}]),
+        1 => {
+            json!([{"type": "video", "video": (0..4).map(|f| url(format!("moving_left_vid0_{f}.png"))).collect::<Vec<_>>(), "fps": 2.0},
+                    {"type": "text", "text": "Which way does it move?"}])
+        }
+        2 => json!([{"type": "text", "text": "Two pictures."},
+                    {"type": "image_url", "image_url": {"url": url("green_square_img0.png".into())}},
+                    {"type": "image_url", "image_url": {"url": url("blue_triangle_img0.png".into())}}]),
+        _ => json!(format!("Tell me a long story about the number {}. ", i * 13).repeat(6)),
+    };
+    let sampling = if i.is_multiple_of(2) { json!({"temperature": 0}) } else { json!({"temperature": 1.0, "seed": i}) };
+    let mut body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 96, "ignore_eos": true});
+    body.as_object_mut().expect("object").extend(sampling.as_object().expect("object").clone());
+    body
+}
+
+fn media_mix(addr: SocketAddr, n: usize) -> Vec<(String, u64)> {
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let (text, v) = harness::answer(addr, &media_mix_request(i));
+                (text, v["usage"]["completion_tokens"].as_u64().expect("usage"))
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("client thread")).collect()
+}
+
+/// Regression (issue 26): a preempted image or video sequence is recomputed from its prompt and the
+/// tokens it generated, in chunks that cross the prompt's end; the runner used to slice the prompt's
+/// mRoPE positions past their end there and panic, taking the engine down. Images, two images in one
+/// prompt, a video and long text run eight at a time on a pool of a third of what they need, with
+/// prefill chunks of 13 tokens so chunk edges fall inside images and at odd places of the recompute.
+#[test]
+fn preempted_image_and_video_sequences_are_recomputed_to_the_same_answers() {
+    let dir = osprey::model_dir(&Settings::default()).expect("embedded default model");
+    let base = Settings { max_running_requests: Some(8), max_prefill_tokens: Some(13), ..Settings::default() };
+    let roomy = start_dir(base.clone(), dir.clone());
+    let want = media_mix(roomy, 8);
+    assert_eq!(metric(roomy, "osprey_preemptions_total"), 0.0);
+    // The longest request (prompt + 96 generated) fits alone; eight side by side need ~3× the pool.
+    let tiny = start_dir(Settings { kv_capacity_tokens: Some(480), page_size: Some(16), ..base }, dir);
+    for round in 0..2 {
+        let got = media_mix(tiny, 8);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.1, 96, "round {round}, request {i}: all tokens generated");
+            assert_eq!(g, w, "round {round}, request {i}: same answer with and without preemption");
+        }
+    }
+    let preempted = metric(tiny, "osprey_preemptions_total");
+    assert!(preempted >= 8.0, "the small pool must preempt many times, saw {preempted}");
+    assert_eq!(harness::get(tiny, "/health").0, 200, "the engine still serves");
+}
+
+fn start_dir(settings: Settings, dir: std::path::PathBuf) -> SocketAddr {
+    harness::start(Settings { activations: Some("f32".into()), ..settings }, dir)
+}

@@ -66,6 +66,7 @@ fn env() -> &'static Env {
             request_deadline_secs: None,
             idle_timeout_secs: 1.0,
             eos_token_ids: Vec::new(),
+            template_kwargs: core.template_variables(),
             // No remote or local media: a fuzzed URL never leaves the process.
             limits: Limits { max_image_pixels: MAX_PIXELS, max_media_bytes: 1 << 20, ..Limits::default() },
         };
@@ -152,6 +153,7 @@ pub fn media(data: &[u8]) {
                 template_kwargs: serde_json::Map::new(),
                 limits: media_limits(),
                 grammar: None,
+                parse_special_tokens: false,
             };
             let _ = env().core.prepare_chat(prompt);
         }
@@ -175,8 +177,14 @@ pub fn chat_template(data: &[u8]) {
         ),
         _ => (v, serde_json::Map::new()),
     };
-    let prompt =
-        ChatPrompt { messages, media: Vec::new(), template_kwargs: kwargs, limits: media_limits(), grammar: None };
+    let prompt = ChatPrompt {
+        messages,
+        media: Vec::new(),
+        template_kwargs: kwargs,
+        limits: media_limits(),
+        grammar: None,
+        parse_special_tokens: false,
+    };
     let _ = env().core.prepare_chat(prompt);
 }
 

@@ -55,6 +55,9 @@ pub struct ChatPrompt {
     pub limits: MediaLimits,
     /// A grammar the answer must match, compiled with the prompt.
     pub grammar: Option<Grammar>,
+    /// Special tokens spelled in the messages (`<|im_start|>`) are control tokens, as the template's
+    /// own are. Off by default: client text is text, so a message cannot forge a turn.
+    pub parse_special_tokens: bool,
 }
 
 /// A completion prompt.

@@ -302,14 +302,12 @@ impl Driver {
         let spans: Vec<Vec<MediaSpan<'_>>> = held.iter().map(|(p, r)| media_spans(p, r, hidden)).collect();
         let injected: Vec<_> =
             ok.iter().zip(&spans).map(|((w, _), sp)| rows_in_chunk(sp, w.start, w.end, hidden)).collect();
+        let positions: Vec<Option<Vec<[i64; 3]>>> =
+            ok.iter().map(|(w, rec)| chunk_positions(&rec.prompt, w.start, w.end)).collect();
         let outcome = {
             let mut steps: Vec<SeqStep<'_, '_>> = Vec::with_capacity(ok.len());
-            for ((w, rec), inj) in ok.iter_mut().zip(&injected) {
-                let plen = rec.prompt.input_ids.len();
-                let positions = match &rec.prompt.positions {
-                    Some(p) if w.start < plen => Positions::Explicit(&p[w.start..w.end]),
-                    _ => Positions::Text,
-                };
+            for (((w, rec), inj), pos) in ok.iter_mut().zip(&injected).zip(&positions) {
+                let positions = pos.as_deref().map_or(Positions::Text, Positions::Explicit);
                 let logits = if w.sample { LogitsWanted::Last } else { LogitsWanted::None };
                 let tokens = &rec.tokens[w.start..w.end];
                 steps.push(SeqStep {
@@ -449,6 +447,19 @@ fn grammar_mask(rec: &mut SeqRec) -> Result<bool, RequestError> {
         return Err(engine_error("the output format allows no token here"));
     }
     Ok(true)
+}
+
+/// Explicit mRoPE positions of tokens `[start, end)` of a prompt with media, `None` for plain text ones.
+/// A preempted sequence is recomputed from its prompt and the tokens it had generated, so a chunk can
+/// cross the prompt's end: the generated tokens after it are text at `t + rope_delta` on all three axes,
+/// exactly as they were fed the first time, one decode step each.
+fn chunk_positions(prompt: &PreparedPrompt, start: usize, end: usize) -> Option<Vec<[i64; 3]>> {
+    let p = prompt.positions.as_ref()?;
+    if start >= p.len() {
+        return None;
+    }
+    let text = (p.len().max(start)..end).map(|t| [t as i64 + prompt.rope_delta; 3]);
+    Some(p[start..end.min(p.len())].iter().copied().chain(text).collect())
 }
 
 /// The rows of each placeholder run of a prompt's media items that have been fetched.

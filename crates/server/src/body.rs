@@ -19,6 +19,31 @@ pub struct BodyLimits {
     pub max_bytes: usize,
     /// Longest time from the handler's start to the body's last byte.
     pub timeout: Duration,
+    /// The shape the JSON may take.
+    pub json: JsonLimits,
+}
+
+/// Bounds on a JSON body's shape, checked on its bytes before any tree is built: a parsed tree costs
+/// 32 bytes and more per value, so 50 MB of `[[],[],…]` once became gigabytes before any other limit
+/// applied.
+#[derive(Clone, Copy, Debug)]
+pub struct JsonLimits {
+    /// Deepest nesting of arrays and objects.
+    pub max_depth: usize,
+    /// Most values (array elements, object members and containers, counted by their separators).
+    pub max_values: usize,
+}
+
+/// Deepest JSON nesting a body may have: a schema's own bound (64, `validate::schema`) plus the few
+/// levels that wrap it in a request.
+pub const MAX_JSON_DEPTH: usize = 80;
+
+impl JsonLimits {
+    /// The limits for a model of `context_len` tokens: 65,536 values plus four per context token (a
+    /// prompt of token ids, or messages, can legitimately have as many elements as the context holds).
+    pub fn for_context(context_len: usize) -> Self {
+        JsonLimits { max_depth: MAX_JSON_DEPTH, max_values: 65_536 + 4 * context_len }
+    }
 }
 
 /// Reads and parses the JSON body of `req`.
@@ -59,11 +84,78 @@ pub async fn read_json(req: &HttpRequest, mut payload: web::Payload, lim: BodyLi
         }
         body.extend_from_slice(&chunk);
     }
-    parse_json(&body)
+    parse_json(&body, lim.json)
 }
 
-/// Parses a body's bytes as JSON.
-pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+/// Parses a body's bytes as JSON within `lim`.
+pub fn parse_json(body: &[u8], lim: JsonLimits) -> Result<Value, ApiError> {
+    scan(body, lim)?;
     serde_json::from_slice(body)
         .map_err(|e| ApiError::new(ErrorCode::InvalidJson, format!("could not parse the request body: {e}")))
+}
+
+/// Checks nesting and value count in one pass over the bytes (strings skipped, escapes honoured).
+fn scan(body: &[u8], lim: JsonLimits) -> Result<(), ApiError> {
+    let (mut depth, mut values) = (0usize, 0usize);
+    let (mut in_string, mut escaped) = (false, false);
+    for &c in body {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if c == b'\\' {
+                escaped = true;
+            } else if c == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match c {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                values += 1;
+                if depth > lim.max_depth {
+                    return Err(ApiError::new(
+                        ErrorCode::InvalidJson,
+                        format!("the request body nests deeper than {} levels", lim.max_depth),
+                    ));
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            b',' => values += 1,
+            _ => continue,
+        }
+        if values > lim.max_values {
+            return Err(ApiError::new(
+                ErrorCode::RequestTooLarge,
+                format!("the request body has more than {} JSON values", lim.max_values),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIM: JsonLimits = JsonLimits { max_depth: 4, max_values: 10 };
+
+    fn code(body: &str) -> &'static str {
+        match parse_json(body.as_bytes(), LIM) {
+            Ok(_) => "ok",
+            Err(e) => e.0.code.as_str(),
+        }
+    }
+
+    #[test]
+    fn shape_is_bounded_before_parsing() {
+        assert_eq!(code(r#"{"a": [[[1]]]}"#), "ok");
+        assert_eq!(code(r#"{"a": [[[[1]]]]}"#), "invalid_json");
+        assert_eq!(code("[[],[],[],[],[]]"), "ok");
+        assert_eq!(code("[[],[],[],[],[],[],[],[],[],[]]"), "request_too_large");
+        assert_eq!(code("[1,2,3,4,5,6,7,8,9,10,11]"), "request_too_large");
+        // Brackets and commas inside strings, escaped quotes included, are text.
+        assert_eq!(code(r#"{"s": "[[[[[,,,,,,,,,,,,\"[[[[["}"#), "ok");
+    }
 }

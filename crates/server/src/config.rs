@@ -77,6 +77,34 @@ pub struct ServerConfig {
     pub idle_timeout_secs: f64,
     /// End-of-sequence token ids.
     pub eos_token_ids: Vec<u32>,
+    /// The keys `chat_template_kwargs` may set: the variables the chat template reads (`None`: the
+    /// model has no template, or every key is taken).
+    pub template_kwargs: Option<Vec<String>>,
     /// Request limits.
     pub limits: Limits,
+}
+
+#[cfg(test)]
+impl ServerConfig {
+    /// A configuration for unit tests: a 4,096-token context, no template-argument restriction.
+    pub(crate) fn test() -> Self {
+        ServerConfig {
+            model_id: "test".into(),
+            context_len: 4096,
+            vocab_size: 1000,
+            max_token_bytes: 16,
+            vision: true,
+            video: true,
+            api_key: None,
+            allowed_hosts: Vec::new(),
+            allowed_origins: Vec::new(),
+            shutdown_grace_secs: 0,
+            body_timeout_secs: 1.0,
+            request_deadline_secs: None,
+            idle_timeout_secs: 1.0,
+            eos_token_ids: Vec::new(),
+            template_kwargs: None,
+            limits: Limits::default(),
+        }
+    }
 }

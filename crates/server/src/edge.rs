@@ -87,7 +87,7 @@ impl EdgePolicy {
             Some(o) if preflight && self.origin_allowed(o) => Some(
                 HttpResponse::NoContent()
                     .insert_header((header::ACCESS_CONTROL_ALLOW_ORIGIN, o))
-                    .insert_header((header::ACCESS_CONTROL_ALLOW_METHODS, "GET, POST, OPTIONS"))
+                    .insert_header((header::ACCESS_CONTROL_ALLOW_METHODS, "GET, POST, DELETE, OPTIONS"))
                     .insert_header((header::ACCESS_CONTROL_ALLOW_HEADERS, "authorization, content-type"))
                     .insert_header((header::ACCESS_CONTROL_MAX_AGE, "600"))
                     .insert_header((header::VARY, "Origin"))
@@ -100,7 +100,7 @@ impl EdgePolicy {
                 );
                 Some(actix_web::ResponseError::error_response(&e))
             }
-            _ => Some(HttpResponse::NoContent().insert_header((header::ALLOW, "GET, POST, OPTIONS")).finish()),
+            _ => Some(HttpResponse::NoContent().insert_header((header::ALLOW, "GET, POST, DELETE, OPTIONS")).finish()),
         }
     }
 

@@ -118,10 +118,12 @@ pub struct Generation {
 
 async fn ask<T>(state: &AppState, make: impl FnOnce(oneshot::Sender<T>) -> TokenizerCommand) -> Result<T, ApiError> {
     let (tx, rx) = oneshot::channel();
-    if state.tokenizer.send(make(tx)).is_err() {
+    if state.engine.tokenizer.send(make(tx)).is_err() {
         return Err(ApiError::new(ErrorCode::Unavailable, "the tokenizer is gone"));
     }
-    rx.await.map_err(|_| ApiError::new(ErrorCode::Unavailable, "the tokenizer dropped the request"))
+    rx.await.map_err(|_| {
+        ApiError::new(ErrorCode::EngineError, "the tokenizer failed on this request (a bug: see the server log)")
+    })
 }
 
 impl Generation {
@@ -156,7 +158,7 @@ impl Generation {
             span: req.span.clone(),
         };
         let (accepted, answer) = oneshot::channel();
-        if state.scheduler.send(SchedulerCommand::Submit { request, events: tx, accepted }).is_err() {
+        if state.engine.scheduler.send(SchedulerCommand::Submit { request, events: tx, accepted }).is_err() {
             return Err(ApiError::new(ErrorCode::Unavailable, "the scheduler is gone"));
         }
         // Refusals (queue full, can never fit) come back before anything streams, as a real HTTP status.
@@ -214,7 +216,7 @@ impl Generation {
     /// The deadline passed: stop the sequence, then end with `finish_reason: "timeout"` and the text so
     /// far, or with `deadline_exceeded` when no token came yet.
     async fn past_deadline(&mut self) -> Result<Piece, ApiError> {
-        let _ = self.state.scheduler.send(SchedulerCommand::Cancel { id: self.id });
+        let _ = self.state.engine.scheduler.send(SchedulerCommand::Cancel { id: self.id });
         self.rx.close();
         self.done = true;
         self.state.metrics.deadlines.fetch_add(1, Ordering::Relaxed);
@@ -277,7 +279,7 @@ impl Generation {
                     let (mut reasoning, mut content) = self.split.feed(&delta);
                     if self.text.stopped() {
                         // A stop string ended the text: stop the engine and finish here.
-                        let _ = self.state.scheduler.send(SchedulerCommand::Cancel { id: self.id });
+                        let _ = self.state.engine.scheduler.send(SchedulerCommand::Cancel { id: self.id });
                         let (r, c) = self.split.flush();
                         reasoning.push_str(&r);
                         content.push_str(&c);

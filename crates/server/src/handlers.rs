@@ -40,7 +40,8 @@ pub(crate) fn check_key(state: &AppState, req: &HttpRequest) -> Result<(), ApiEr
 }
 
 pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
-    serde_json::from_value(body.clone())
+    // From the borrowed tree: no second copy of the whole body.
+    <T as serde::Deserialize>::deserialize(body)
         .map_err(|e| ApiError::new(ErrorCode::InvalidRequest, format!("invalid request body: {e}")))
 }
 
@@ -49,10 +50,12 @@ pub(crate) async fn prepare(
     make: impl FnOnce(oneshot::Sender<Result<PreparedPrompt, osprey_protocol::RequestError>>) -> TokenizerCommand,
 ) -> Result<PreparedPrompt, ApiError> {
     let (tx, rx) = oneshot::channel();
-    if state.tokenizer.send(make(tx)).is_err() {
+    if state.engine.tokenizer.send(make(tx)).is_err() {
         return Err(ApiError::new(ErrorCode::Unavailable, "the tokenizer is gone"));
     }
-    Ok(rx.await.map_err(|_| ApiError::new(ErrorCode::Unavailable, "the tokenizer dropped the request"))??)
+    Ok(rx.await.map_err(|_| {
+        ApiError::new(ErrorCode::EngineError, "the tokenizer failed on this request (a bug: see the server log)")
+    })??)
 }
 
 /// What differs between chat and completions in the response format.
@@ -323,7 +326,7 @@ pub async fn chat(
     state.metrics.chat_requests.fetch_add(1, Ordering::Relaxed);
     let ctx = RequestCtx::new(&state);
     let r = async {
-        let body = read_body(&state, &req, payload).await?;
+        let body = read_body(&state, &req, payload, Endpoint::Chat).await?;
         let (prepared, gen) = prepare_chat(&state, &body, &ctx).await?;
         respond(state.clone(), Kind::Chat, prepared, gen, &ctx).await
     }
@@ -332,10 +335,15 @@ pub async fn chat(
 }
 
 /// A request's JSON body, after the API key and shutdown checks (every generating endpoint).
-pub(crate) async fn read_body(state: &AppState, req: &HttpRequest, payload: web::Payload) -> Result<Value, ApiError> {
+pub(crate) async fn read_body(
+    state: &AppState,
+    req: &HttpRequest,
+    payload: web::Payload,
+    endpoint: Endpoint,
+) -> Result<Value, ApiError> {
     check_key(state, req)?;
     check_serving(state)?;
-    crate::body::read_json(req, payload, state.body_limits()).await
+    crate::body::read_json(req, payload, state.body_limits(endpoint)).await
 }
 
 /// A chat completions body (sent by a client, or built by the Responses or Messages front end)
@@ -371,7 +379,7 @@ pub async fn completions(
     state.metrics.completion_requests.fetch_add(1, Ordering::Relaxed);
     let ctx = RequestCtx::new(&state);
     let r = async {
-        let body = read_body(&state, &req, payload).await?;
+        let body = read_body(&state, &req, payload, Endpoint::Completions).await?;
         let parsed: CompletionRequest = parse(&body)?;
         let (prompt, gen): (CompletionPrompt, GenParams) = validate::completion(&parsed, &state.cfg)?;
         let span = ctx.span.clone();
@@ -400,7 +408,7 @@ pub enum Endpoint {
 /// remote ones only if allow-listed), ending in the prompt it would send to the tokenizer. The fuzz
 /// targets' entry (`crates/fuzz`).
 pub fn check_body(endpoint: Endpoint, body: &[u8], cfg: &ServerConfig) -> Result<(), ApiError> {
-    let body = crate::body::parse_json(body)?;
+    let body = crate::body::parse_json(body, crate::body::JsonLimits::for_context(cfg.context_len))?;
     let chat = match endpoint {
         Endpoint::Completions => return validate::completion(&parse::<CompletionRequest>(&body)?, cfg).map(drop),
         Endpoint::Chat => body,
@@ -423,17 +431,24 @@ pub async fn models(state: web::Data<AppState>, req: HttpRequest) -> Result<Http
     }]})))
 }
 
-/// Refuses new work once a shutdown began.
+/// Refuses new work once a shutdown began or the engine stopped.
 pub(crate) fn check_serving(state: &AppState) -> Result<(), ApiError> {
     if *state.phase.borrow() != Phase::Serving {
         return Err(ApiError::new(ErrorCode::Unavailable, "the server is shutting down"));
     }
+    if let Some(actor) = state.engine.stopped_actor() {
+        return Err(ApiError::new(ErrorCode::Unavailable, format!("the engine stopped (the {actor} is gone)")));
+    }
     Ok(())
 }
 
-/// `GET /health`: 200 once the weights are loaded and the engine runs; 503 while shutting down.
+/// `GET /health`: 200 once the weights are loaded and the engine runs; 503 while shutting down, and at once
+/// when any actor of the engine has stopped (a panic): a load balancer or service manager must not see a
+/// zombie as healthy.
 pub async fn health(state: web::Data<AppState>) -> HttpResponse {
-    if *state.phase.borrow() != Phase::Serving {
+    if let Some(actor) = state.engine.stopped_actor() {
+        HttpResponse::ServiceUnavailable().json(json!({"status": "engine_stopped", "actor": actor}))
+    } else if *state.phase.borrow() != Phase::Serving {
         HttpResponse::ServiceUnavailable().json(json!({"status": "draining"}))
     } else if state.ready.load(Ordering::Relaxed) {
         HttpResponse::Ok().json(json!({"status": "ok", "model": state.cfg.model_id}))
@@ -445,11 +460,11 @@ pub async fn health(state: web::Data<AppState>) -> HttpResponse {
 /// `GET /metrics` (Prometheus text).
 pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let (tx, rx) = oneshot::channel();
-    if state.scheduler.send(SchedulerCommand::Stats { reply: tx }).is_err() {
+    if state.engine.scheduler.send(SchedulerCommand::Stats { reply: tx }).is_err() {
         return Err(ApiError::new(ErrorCode::Unavailable, "the scheduler is gone"));
     }
     let s = rx.await.map_err(|_| ApiError::new(ErrorCode::Unavailable, "the scheduler is gone"))?;
-    let v = match &state.vision {
+    let v = match &state.engine.vision {
         Some(vision) => {
             let (tx, rx) = oneshot::channel();
             let _ = vision.send(VisionCommand::Stats { reply: tx });
@@ -457,7 +472,7 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         }
         None => VisionStats::default(),
     };
-    let p = match &state.prefix {
+    let p = match &state.engine.prefix {
         Some(prefix) => {
             let (tx, rx) = oneshot::channel();
             let _ = prefix.send(PrefixCommand::Stats { reply: tx });
@@ -466,7 +481,7 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         None => PrefixStats::default(),
     };
     let mut body = state.metrics.render(&s, &v, &p);
-    if let Some(experts) = &state.experts {
+    if let Some(experts) = &state.engine.experts {
         let (tx, rx) = oneshot::channel();
         let _ = experts.send(ResidencyCommand::Stats { reply: tx });
         if let Ok(e) = rx.await {
@@ -480,7 +495,7 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
     ] {
         body.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}\n"));
     }
-    if let Some(extra) = &state.extra_metrics {
+    if let Some(extra) = &state.engine.extra_metrics {
         body.push_str(&(extra.0)());
     }
     Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(body))

@@ -15,6 +15,7 @@ mod error;
 mod generate;
 mod grammar;
 mod handlers;
+mod liveness;
 mod messages;
 mod metrics;
 mod responses;
@@ -58,17 +59,13 @@ pub enum Phase {
 #[derive(Debug)]
 pub struct AppState {
     cfg: ServerConfig,
-    tokenizer: UnboundedSender<TokenizerCommand>,
-    scheduler: UnboundedSender<SchedulerCommand>,
-    vision: Option<UnboundedSender<VisionCommand>>,
-    prefix: Option<UnboundedSender<PrefixCommand>>,
-    experts: Option<UnboundedSender<ResidencyCommand>>,
-    extra_metrics: Option<MetricsHook>,
     metrics: Metrics,
     next_id: AtomicU64,
     ready: AtomicBool,
     created: u64,
     phase: watch::Receiver<Phase>,
+    /// The actors' inboxes (and `/health` asks whether every one is still open).
+    engine: Engine,
     /// Responses kept for `previous_response_id`.
     responses: store::ResponseStore,
 }
@@ -108,14 +105,27 @@ pub struct Bound {
     pub addr: SocketAddr,
     /// Drives a graceful shutdown (dropping it leaves the server serving).
     pub phase: watch::Sender<Phase>,
+    /// The actors behind it: [`Engine::stopped`] resolves when one of them dies.
+    pub engine: Engine,
 }
 
 impl AppState {
-    /// Limits of a request body read.
-    fn body_limits(&self) -> body::BodyLimits {
+    /// Limits of a request body read at `endpoint`: chat, Responses and Messages bodies may carry media
+    /// inline (`max_body_bytes`); a completion's is its prompt, at most twice what the context can hold
+    /// as text plus 1 MiB.
+    fn body_limits(&self, endpoint: handlers::Endpoint) -> body::BodyLimits {
+        let all = self.cfg.limits.max_body_bytes;
+        let max_bytes = match endpoint {
+            handlers::Endpoint::Completions => {
+                let text = self.cfg.context_len.saturating_mul(self.cfg.max_token_bytes.max(1));
+                all.min(text.saturating_mul(2).saturating_add(1 << 20))
+            }
+            _ => all,
+        };
         body::BodyLimits {
-            max_bytes: self.cfg.limits.max_body_bytes,
+            max_bytes,
             timeout: std::time::Duration::from_secs_f64(self.cfg.body_timeout_secs.max(0.001)),
+            json: body::JsonLimits::for_context(self.cfg.context_len),
         }
     }
 }
@@ -136,12 +146,7 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let state = web::Data::new(AppState {
         cfg,
-        tokenizer: engine.tokenizer,
-        scheduler: engine.scheduler,
-        vision: engine.vision,
-        prefix: engine.prefix,
-        experts: engine.experts,
-        extra_metrics: engine.extra_metrics,
+        engine: engine.clone(),
         metrics: Metrics::default(),
         next_id: AtomicU64::new(1),
         ready: AtomicBool::new(true),
@@ -205,7 +210,7 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
     .shutdown_timeout(shutdown_timeout)
     .bind(addr)?;
     let bound = server.addrs().first().copied().ok_or_else(|| std::io::Error::other("no address bound"))?;
-    Ok(Bound { server: server.run(), addr: bound, phase: phase_tx })
+    Ok(Bound { server: server.run(), addr: bound, phase: phase_tx, engine })
 }
 
 impl ApiError {

@@ -189,7 +189,7 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
     }
     let mut chat = Map::new();
     chat.insert("messages".into(), Value::Array(messages));
-    for k in ["model", "temperature", "top_p", "top_k", "stream"] {
+    for k in ["model", "temperature", "top_p", "top_k", "stream", "deadline_secs"] {
         if let Some(v) = o.get(k) {
             chat.insert(k.into(), v.clone());
         }
@@ -436,7 +436,7 @@ async fn stream_task(
 
 async fn run(state: Arc<AppState>, req: HttpRequest, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let ctx = RequestCtx::new(&state);
-    let body = handlers::read_body(&state, &req, payload).await?;
+    let body = handlers::read_body(&state, &req, payload, handlers::Endpoint::Messages).await?;
     let (chat, stream) = translate(&body, false)?;
     let (prepared, gen) = handlers::prepare_chat(&state, &chat, &ctx).await?;
     let prompt_tokens = prepared.input_ids.len();
@@ -484,7 +484,7 @@ pub async fn count_tokens(
     let state = state.into_inner();
     state.metrics.messages_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let ctx = RequestCtx::new(&state);
-    let body = handlers::read_body(&state, &req, payload).await?;
+    let body = handlers::read_body(&state, &req, payload, handlers::Endpoint::Messages).await?;
     let (chat, _) = translate(&body, true)?;
     // The same preparation as a generation (template, media placeholders), without the generation.
     let (prepared, _) = handlers::prepare_chat(&state, &chat, &ctx).await?;

@@ -124,20 +124,27 @@ fn translate(body: &Value, store: &ResponseStore) -> Result<Translated, ApiError
             return Err(ApiError::new(ErrorCode::UnsupportedParameter, format!("`{k}` is not supported")).param(k));
         }
     }
-    let mut conversation = match o.get("previous_response_id").and_then(Value::as_str) {
-        Some(id) => {
+    let mut conversation = match o.get("previous_response_id") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(id)) => {
             store
                 .get(id)
                 .ok_or_else(|| {
                     ApiError::new(
                         ErrorCode::ResponseNotFound,
-                        format!("no stored response `{id}` (it expired, or was created with store: false)"),
+                        format!("no stored response `{}` (it expired, or was created with store: false)", shown_id(id)),
                     )
                     .param("previous_response_id")
                 })?
                 .messages
         }
-        None => Vec::new(),
+        Some(_) => return Err(invalid("previous_response_id must be a string", "previous_response_id")),
+    };
+    check_metadata(o.get("metadata"))?;
+    let store_it = match o.get("store") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(invalid("store must be true or false", "store")),
     };
     let input = o.get("input").ok_or_else(|| invalid("`input` is required", "input"))?;
     conversation.extend(input_messages(input)?);
@@ -148,7 +155,9 @@ fn translate(body: &Value, store: &ResponseStore) -> Result<Translated, ApiError
     messages.extend(conversation.iter().cloned());
     let mut chat = Map::new();
     chat.insert("messages".into(), Value::Array(messages));
-    for k in ["model", "temperature", "top_p", "stream", "parallel_tool_calls", "seed", "top_k", "stop"] {
+    for k in
+        ["model", "temperature", "top_p", "stream", "parallel_tool_calls", "seed", "top_k", "stop", "deadline_secs"]
+    {
         if let Some(v) = o.get(k) {
             chat.insert(k.into(), v.clone());
         }
@@ -208,9 +217,40 @@ fn translate(body: &Value, store: &ResponseStore) -> Result<Translated, ApiError
         chat: Value::Object(chat),
         conversation,
         stream: o.get("stream").and_then(Value::as_bool).unwrap_or(false),
-        store: o.get("store").and_then(Value::as_bool).unwrap_or(true),
+        store: store_it,
         echo,
     })
+}
+
+/// An id as an error message shows it: at most 64 characters (a client can send a megabyte of id).
+pub(crate) fn shown_id(id: &str) -> String {
+    match id.char_indices().nth(64) {
+        Some((i, _)) => format!("{}…", &id[..i]),
+        None => id.to_string(),
+    }
+}
+
+/// `metadata` as OpenAI takes it: at most 16 pairs, keys up to 64 characters, values strings up to 512
+/// (it is stored with the response and echoed, so its size is bounded before anything is kept).
+fn check_metadata(m: Option<&Value>) -> Result<(), ApiError> {
+    let m = match m {
+        None | Some(Value::Null) => return Ok(()),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(invalid("metadata must be an object of string values", "metadata")),
+    };
+    if m.len() > 16 {
+        return Err(invalid(format!("metadata has {} keys, at most 16 are allowed", m.len()), "metadata"));
+    }
+    for (k, v) in m {
+        let ok = k.chars().count() <= 64 && v.as_str().is_some_and(|s| s.chars().count() <= 512);
+        if !ok {
+            return Err(invalid(
+                "metadata keys are at most 64 characters and values strings of at most 512",
+                &format!("metadata.{}", shown_id(k)),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A Responses body as the chat completions body it runs as (for checks without a server).
@@ -425,11 +465,17 @@ struct Run {
 
 impl Run {
     fn finish(&self, b: &Builder, end: (Finish, Usage)) -> Value {
-        let r = response(&self.id, self.created, &self.state.cfg.model_id, &self.t, &b.items, Some(end));
+        let mut r = response(&self.id, self.created, &self.state.cfg.model_id, &self.t, &b.items, Some(end));
         if self.t.store {
             let mut messages = self.t.conversation.clone();
             messages.push(b.message());
-            self.state.responses.put(self.id.clone(), Stored::new(messages, r.clone()));
+            let stored = Stored::new(messages, r.clone());
+            if self.state.responses.fits(&stored) {
+                self.state.responses.put(self.id.clone(), stored);
+            } else {
+                // Too large for the store's byte bound: not kept, and the response says so.
+                r["store"] = false.into();
+            }
         }
         r
     }
@@ -479,7 +525,7 @@ pub async fn create(
     state.metrics.responses_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let ctx = RequestCtx::new(&state);
     let r = async {
-        let body = handlers::read_body(&state, &req, payload).await?;
+        let body = handlers::read_body(&state, &req, payload, handlers::Endpoint::Responses).await?;
         let t = translate(&body, &state.responses)?;
         let (prepared, gen) = handlers::prepare_chat(&state, &t.chat, &ctx).await?;
         let a = handlers::start_answer(state.clone(), prepared, gen, &ctx, true).await?;
@@ -517,9 +563,8 @@ pub async fn get(
     check_key(&state, &req)?;
     match state.responses.get(&id) {
         Some(s) => Ok(HttpResponse::Ok().json(s.response)),
-        None => {
-            Err(ApiError::new(ErrorCode::ResponseNotFound, format!("no stored response `{id}`")).param("response_id"))
-        }
+        None => Err(ApiError::new(ErrorCode::ResponseNotFound, format!("no stored response `{}`", shown_id(&id)))
+            .param("response_id")),
     }
 }
 
@@ -533,6 +578,7 @@ pub async fn delete(
     if state.responses.remove(&id) {
         Ok(HttpResponse::Ok().json(json!({"id": id.as_str(), "object": "response", "deleted": true})))
     } else {
-        Err(ApiError::new(ErrorCode::ResponseNotFound, format!("no stored response `{id}`")).param("response_id"))
+        Err(ApiError::new(ErrorCode::ResponseNotFound, format!("no stored response `{}`", shown_id(&id)))
+            .param("response_id"))
     }
 }

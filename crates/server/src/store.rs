@@ -20,10 +20,25 @@ pub struct Stored {
 }
 
 impl Stored {
-    /// A stored response; its size is that of its JSON.
+    /// A stored response; its size is what its trees take in memory ([`heap_bytes`]), not their JSON
+    /// text: `[[],[],…]` is 3 bytes of JSON per element and 72 bytes of memory.
     pub fn new(messages: Vec<Value>, response: Value) -> Self {
-        let bytes = messages.iter().map(|m| m.to_string().len()).sum::<usize>() + response.to_string().len();
+        let bytes = messages.iter().map(heap_bytes).sum::<usize>() + heap_bytes(&response);
         Stored { messages, response, bytes }
+    }
+}
+
+/// Bytes a JSON tree holds in memory: the value itself, string and vector capacities, and per object
+/// member its key and an index-map slot (`preserve_order`: entries plus a hash index).
+pub fn heap_bytes(v: &Value) -> usize {
+    const VALUE: usize = std::mem::size_of::<Value>();
+    // An index map entry: the key's String, the value, a hash; plus the index table's slot.
+    const MEMBER: usize = std::mem::size_of::<String>() + VALUE + 8 + 8;
+    match v {
+        Value::String(s) => VALUE + s.capacity(),
+        Value::Array(a) => VALUE + (a.capacity() - a.len()) * VALUE + a.iter().map(heap_bytes).sum::<usize>(),
+        Value::Object(m) => VALUE + m.iter().map(|(k, x)| MEMBER - VALUE + k.capacity() + heap_bytes(x)).sum::<usize>(),
+        _ => VALUE,
     }
 }
 
@@ -42,10 +57,15 @@ impl ResponseStore {
         ResponseStore { inner: Mutex::new((LruCache::new(cap), 0)), max_bytes, enabled: max_count > 0 }
     }
 
+    /// Whether `s` can be kept (the store is on and `s` is within its byte bound).
+    pub fn fits(&self, s: &Stored) -> bool {
+        self.enabled && s.bytes <= self.max_bytes
+    }
+
     /// Keeps `s` under `id`, dropping the least recently used entries to stay within bounds (an entry
     /// larger than the byte bound is not kept).
     pub fn put(&self, id: String, s: Stored) {
-        if !self.enabled || s.bytes > self.max_bytes {
+        if !self.fits(&s) {
             return;
         }
         let mut g = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -99,12 +119,16 @@ mod tests {
         s.put("b".into(), Stored::new(msg(10), Value::Null));
         s.put("c".into(), Stored::new(msg(10), Value::Null));
         assert!(s.get("a").is_none() && s.get("b").is_some() && s.get("c").is_some(), "count bound");
-        s.put("d".into(), Stored::new(msg(990), Value::Null));
-        assert_eq!(s.usage().0, 1, "byte bound drops the older ones");
+        s.put("d".into(), Stored::new(msg(800), Value::Null));
+        assert_eq!(s.usage().0, 1, "byte bound drops the older ones: {:?}", s.usage());
         assert!(s.get("d").is_some());
         s.put("huge".into(), Stored::new(msg(5000), Value::Null));
         assert!(s.get("huge").is_none(), "larger than the bound: not kept");
         assert!(s.remove("d") && s.usage() == (0, 0));
+        // Memory, not JSON text: 1,000 empty arrays are ~3 KB of JSON and 72 KB of values (a `Value` is 72 bytes with `preserve_order`).
+        let arrays = Value::Array(vec![Value::Array(Vec::new()); 1000]);
+        assert!(heap_bytes(&arrays) >= 32_000, "{}", heap_bytes(&arrays));
+        assert!(!s.fits(&Stored::new(vec![arrays], Value::Null)));
         let off = ResponseStore::new(0, 1000);
         off.put("a".into(), Stored::new(msg(1), Value::Null));
         assert!(off.get("a").is_none());

@@ -169,9 +169,33 @@ impl TokenizerCore {
             RequestError::new(ErrorCode::EngineError, format!("constrained decoding is unavailable: {e}"))
         })?;
         compiler.compile(g).map_err(|e| {
-            RequestError::new(ErrorCode::InvalidSchema, format!("the output format cannot be enforced: {e}"))
-                .with_param("response_format")
+            tracing::debug!(error = %e, "grammar refused");
+            RequestError::new(
+                ErrorCode::InvalidSchema,
+                format!("the output format cannot be enforced: {}", public_reason(&e)),
+            )
+            .with_param("response_format")
         })
+    }
+
+    /// `v` with the special tokens its strings spell marked as text (`TextTokenizer::mark_literal`);
+    /// object keys, roles and part types are the template's and stay as they are.
+    fn literal_strings(&self, v: serde_json::Value) -> serde_json::Value {
+        use serde_json::Value;
+        match v {
+            Value::String(s) => match self.tok.mark_literal(&s) {
+                std::borrow::Cow::Borrowed(_) => Value::String(s),
+                std::borrow::Cow::Owned(o) => Value::String(o),
+            },
+            Value::Array(a) => Value::Array(a.into_iter().map(|x| self.literal_strings(x)).collect()),
+            Value::Object(m) => Value::Object(literal_map(self, m)),
+            other => other,
+        }
+    }
+
+    /// The keys `chat_template_kwargs` may set (the template's own variables; `None` without a template).
+    pub fn template_variables(&self) -> Option<Vec<String>> {
+        self.template.as_ref().map(ChatTemplate::variables)
     }
 
     /// The text tokenizer.
@@ -199,8 +223,13 @@ impl TokenizerCore {
             hashes.push(h);
         }
         let constraint = p.grammar.as_ref().map(|g| self.compile(g)).transpose()?;
+        let (messages, kwargs) = if p.parse_special_tokens {
+            (p.messages, p.template_kwargs)
+        } else {
+            (self.literal_strings(p.messages), literal_map(self, p.template_kwargs))
+        };
         let text = template
-            .render(&p.messages, true, &p.template_kwargs)
+            .render(&messages, true, &kwargs)
             .map_err(|e| RequestError::new(ErrorCode::InvalidRequest, e.to_string()).with_param("messages"))?;
         let prepared = prepare_prompt(&self.tok, &self.processor, &text, &media).map_err(|e| match e {
             crate::Error::Model(m) => media_error(m),
@@ -288,6 +317,32 @@ fn log_prepared(out: &Result<PreparedPrompt, RequestError>) {
     }
 }
 
+fn literal_map(
+    core: &TokenizerCore,
+    m: serde_json::Map<String, serde_json::Value>,
+) -> serde_json::Map<String, serde_json::Value> {
+    m.into_iter()
+        .map(|(k, v)| {
+            let keep = matches!(k.as_str(), "role" | "type");
+            (k, if keep { v } else { core.literal_strings(v) })
+        })
+        .collect()
+}
+
+/// Stack of each tokenizer worker.
+const TOKENIZER_STACK_BYTES: usize = 32 << 20;
+
+/// The part of a grammar compiler's refusal a client may see: its first line, at most 200 characters
+/// (the rest can be the compiler's internal state, logged at debug level instead).
+fn public_reason(e: &str) -> String {
+    let line = e.lines().next().unwrap_or("").trim();
+    let mut out: String = line.chars().take(200).collect();
+    if out.len() < line.len() {
+        out.push('…');
+    }
+    out
+}
+
 /// Starts the tokenizer actor with one worker thread.
 pub fn spawn(core: TokenizerCore) -> TokenizerHandle {
     spawn_pool(core, 1)
@@ -305,11 +360,19 @@ pub fn spawn_pool(core: TokenizerCore, workers: usize) -> TokenizerHandle {
         let (core, rx) = (core.clone(), rx.clone());
         thread::Builder::new()
             .name(format!("osprey-tokenizer-{i}"))
+            // Templates and grammar compiles recurse; inputs are bounded before they get here, and a
+            // roomy stack (virtual memory, touched only when used) is the second line of defence.
+            .stack_size(TOKENIZER_STACK_BYTES)
             .spawn(move || loop {
                 let cmd = rx.lock().unwrap_or_else(std::sync::PoisonError::into_inner).blocking_recv();
-                match cmd {
-                    Some(cmd) => handle(&core, cmd),
-                    None => return,
+                let Some(cmd) = cmd else { return };
+                // The core is read-only, so a panic (a bug) spoils nothing but its own request: the worker
+                // survives it, the request's reply is dropped (the server answers 500) and the pool keeps
+                // its size. Stateful actors (scheduler, runner, caches) are not caught: their death closes
+                // their inbox and the server reports the engine stopped.
+                let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(&core, cmd)));
+                if caught.is_err() {
+                    tracing::error!("a tokenizer command panicked (a bug): its request fails, the worker goes on");
                 }
             })
             .expect("spawn tokenizer thread");

@@ -167,6 +167,22 @@ impl ChatTemplate {
         Ok(t)
     }
 
+    /// The variables the template reads from its context besides `messages` and `add_generation_prompt`
+    /// and the special tokens: the keys a request's `chat_template_kwargs` may set (`enable_thinking`,
+    /// `tools`, ...), sorted. Globals the environment defines (`namespace`, `raise_exception`) are not
+    /// variables.
+    pub fn variables(&self) -> Vec<String> {
+        let Ok(t) = self.env.get_template("chat") else { return Vec::new() };
+        let mut v: Vec<String> = t
+            .undeclared_variables(false)
+            .into_iter()
+            .filter(|k| !matches!(k.as_str(), "messages" | "add_generation_prompt"))
+            .filter(|k| !self.special.contains_key(k) && self.env.globals().all(|(g, _)| g != k))
+            .collect();
+        v.sort();
+        v
+    }
+
     /// Renders `messages` (OpenAI-style JSON list) with `add_generation_prompt` and extra keyword
     /// arguments (`chat_template_kwargs`, e.g. `enable_thinking`, `tools`).
     pub fn render(
@@ -208,6 +224,13 @@ mod tests {
         let out = t.render(&m, false, &serde_json::Map::new()).expect("render");
         assert_eq!(out, r#"y|True|[{"role": "user", "content": "x, y "}]"#);
         let bad = ChatTemplate::new("{{ raise_exception('no tools here') }}".into()).expect("compile");
+        assert_eq!(t.variables(), Vec::<String>::new());
+        let kw = ChatTemplate::new(
+            "{% if tools is defined %}{{ tools }}{% endif %}{{ enable_thinking }}{{ namespace(a=1).a }}{{ messages }}"
+                .into(),
+        )
+        .expect("compile");
+        assert_eq!(kw.variables(), ["enable_thinking", "tools"]);
         assert!(bad
             .render(&m, false, &serde_json::Map::new())
             .expect_err("raises")

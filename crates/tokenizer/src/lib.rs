@@ -50,10 +50,21 @@ pub enum Error {
 /// Result alias for this crate.
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// Opens a special token written by a client ([`TextTokenizer::mark_literal`]): between this mark and
+/// [`LITERAL_CLOSE`] a special token's text is text, not the control token. Unicode noncharacters, which
+/// no text a client sends keeps (they are replaced first).
+pub const LITERAL_OPEN: char = '\u{FDD0}';
+/// Closes what [`LITERAL_OPEN`] opened.
+pub const LITERAL_CLOSE: char = '\u{FDD1}';
+
 /// A loaded `tokenizer.json`.
 #[derive(Debug)]
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same pipeline with special tokens read as text (`encode_special_tokens`).
+    literal: tokenizers::Tokenizer,
+    /// Special added tokens (`special: true`), longest first, with their ids.
+    specials: Vec<(String, u32)>,
 }
 
 impl TextTokenizer {
@@ -61,14 +72,80 @@ impl TextTokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::Load { path, reason: e.to_string() })?;
-        Ok(TextTokenizer { inner })
+        let mut literal = inner.clone();
+        literal.set_encode_special_tokens(true);
+        let mut specials: Vec<(String, u32)> = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special && !t.content.is_empty())
+            .map(|(id, t)| (t.content, id))
+            .collect();
+        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        Ok(TextTokenizer { inner, literal, specials })
     }
 
     /// Token ids of `text`; special tokens written literally (`<|im_start|>`) map to their ids, and no
-    /// BOS/EOS is added (Qwen adds none).
+    /// BOS/EOS is added (Qwen adds none). A special token between [`LITERAL_OPEN`] and
+    /// [`LITERAL_CLOSE`] is text: the text is cut at the other special tokens, as the tokenizer's added
+    /// vocabulary cuts it, and each piece is encoded with special tokens read as text (transformers'
+    /// `split_special_tokens=True` for those pieces), so a text without marks encodes exactly as before.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| Error::Codec(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        if !text.contains(LITERAL_OPEN) {
+            let enc = self.inner.encode(text, false).map_err(|e| Error::Codec(e.to_string()))?;
+            return Ok(enc.get_ids().to_vec());
+        }
+        let mut ids = Vec::new();
+        let mut piece = String::new();
+        let mut rest = text;
+        let flush = |piece: &mut String, ids: &mut Vec<u32>| -> Result<()> {
+            if !piece.is_empty() {
+                let enc = self.literal.encode(piece.as_str(), false).map_err(|e| Error::Codec(e.to_string()))?;
+                ids.extend_from_slice(enc.get_ids());
+                piece.clear();
+            }
+            Ok(())
+        };
+        while let Some(c) = rest.chars().next() {
+            if c == LITERAL_OPEN {
+                let body = &rest[c.len_utf8()..];
+                let end = body.find(LITERAL_CLOSE).unwrap_or(body.len());
+                piece.push_str(&body[..end]);
+                rest = body.get(end + LITERAL_CLOSE.len_utf8()..).unwrap_or("");
+            } else if let Some((s, id)) = self.specials.iter().find(|(s, _)| rest.starts_with(s.as_str())) {
+                flush(&mut piece, &mut ids)?;
+                ids.push(*id);
+                rest = &rest[s.len()..];
+            } else {
+                piece.push(c);
+                rest = &rest[c.len_utf8()..];
+            }
+        }
+        flush(&mut piece, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// `s` with every special token it spells wrapped in [`LITERAL_OPEN`] / [`LITERAL_CLOSE`], so that
+    /// [`TextTokenizer::encode`] reads it as text (client content: a user cannot forge a turn with
+    /// `<|im_start|>system`). Marks already in `s` become U+FFFD.
+    pub fn mark_literal<'a>(&self, s: &'a str) -> std::borrow::Cow<'a, str> {
+        let has_mark = s.contains([LITERAL_OPEN, LITERAL_CLOSE]);
+        if !has_mark && !self.specials.iter().any(|(t, _)| s.contains(t.as_str())) {
+            return std::borrow::Cow::Borrowed(s);
+        }
+        let mut out = String::with_capacity(s.len() + 8);
+        let mut rest = s;
+        while let Some(c) = rest.chars().next() {
+            if let Some((t, _)) = self.specials.iter().find(|(t, _)| rest.starts_with(t.as_str())) {
+                out.push(LITERAL_OPEN);
+                out.push_str(t);
+                out.push(LITERAL_CLOSE);
+                rest = &rest[t.len()..];
+                continue;
+            }
+            out.push(if c == LITERAL_OPEN || c == LITERAL_CLOSE { '\u{FFFD}' } else { c });
+            rest = &rest[c.len_utf8()..];
+        }
+        std::borrow::Cow::Owned(out)
     }
 
     /// Text of `ids`, keeping special tokens when `skip_special` is false.

@@ -91,11 +91,53 @@ fn check_size(w: u32, h: u32, limits: DecodeLimits) -> Result<()> {
     Ok(())
 }
 
+const PNG_SIGNATURE: &[u8; 8] = b"\x89PNG\r\n\x1a\n";
+
+/// A PNG without its compressed metadata: `iCCP` (the decoder inflates an ICC profile eagerly, up to its
+/// allocation limit, while reading the header: a few kilobytes of zlib can hold hundreds of megabytes,
+/// and 160 such frames once held a worker for 25 s), `zTXt`, `iTXt` and `tEXt`. osprey applies no colour
+/// profile (transformers does not either), so dropping them changes no pixel. Other formats, and PNGs
+/// without such chunks, are returned as they are; a malformed chunk list is left to the decoder.
+pub fn strip_png_metadata(bytes: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    use std::borrow::Cow;
+    if !bytes.starts_with(PNG_SIGNATURE) {
+        return Cow::Borrowed(bytes);
+    }
+    let mut chunks = Vec::new();
+    let mut at = PNG_SIGNATURE.len();
+    while at + 12 <= bytes.len() {
+        let len = u32::from_be_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]) as usize;
+        let end = at.saturating_add(12).saturating_add(len);
+        if end > bytes.len() {
+            return Cow::Borrowed(bytes);
+        }
+        let kind = &bytes[at + 4..at + 8];
+        chunks.push((at..end, matches!(kind, b"iCCP" | b"zTXt" | b"iTXt" | b"tEXt")));
+        at = end;
+        if kind == b"IEND" {
+            break;
+        }
+    }
+    if !chunks.iter().any(|(_, drop)| *drop) {
+        return Cow::Borrowed(bytes);
+    }
+    let mut out = Vec::with_capacity(bytes.len());
+    out.extend_from_slice(PNG_SIGNATURE);
+    for (range, drop) in chunks {
+        if !drop {
+            out.extend_from_slice(&bytes[range]);
+        }
+    }
+    out.extend_from_slice(&bytes[at..]);
+    Cow::Owned(out)
+}
+
 /// `(width, height)` an image file declares in its header, without decoding it.
 pub fn declared_size(bytes: &[u8]) -> Result<(u32, u32)> {
     if let Some(kind) = video_container(bytes) {
         return Err(container_error(kind));
     }
+    let bytes = &*strip_png_metadata(bytes);
     let reader = ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(bad)?;
     if reader.format().is_none() {
         return Err(Error::InvalidInput("unsupported or unrecognised image format".into()));
@@ -105,6 +147,7 @@ pub fn declared_size(bytes: &[u8]) -> Result<(u32, u32)> {
 
 /// Decodes one still image (the first frame of an animation), EXIF orientation applied.
 pub fn decode_image(bytes: &[u8], limits: DecodeLimits) -> Result<RgbImage> {
+    let bytes = &*strip_png_metadata(bytes);
     let reader = ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(bad)?;
     if reader.format().is_none() {
         return Err(Error::InvalidInput("unsupported or unrecognised image format".into()));
@@ -162,6 +205,7 @@ pub fn decode_animation(bytes: &[u8], limits: DecodeLimits) -> Result<Frames> {
     if let Some(kind) = video_container(bytes) {
         return Err(container_error(kind));
     }
+    let bytes = &*strip_png_metadata(bytes);
     let format = image::guess_format(bytes).map_err(bad)?;
     let collect = |frames: image::Frames<'_>| -> Result<Frames> {
         let mut out = Vec::new();
@@ -208,6 +252,18 @@ pub fn decode_animation(bytes: &[u8], limits: DecodeLimits) -> Result<Frames> {
 
 #[cfg(test)]
 mod tests {
+    /// CRC-32 (PNG's, over the chunk type and data).
+    fn crc32(kind: &[u8], data: &[u8]) -> u32 {
+        let mut c = 0xFFFF_FFFFu32;
+        for &b in kind.iter().chain(data) {
+            c ^= b as u32;
+            for _ in 0..8 {
+                c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
+            }
+        }
+        !c
+    }
+
     use super::*;
 
     fn png(img: &RgbaImage) -> Vec<u8> {
@@ -293,6 +349,31 @@ mod tests {
         let e = decode_image(&png(&img), DecodeLimits { max_pixels: 9_999, max_frames: 1 }).expect_err("cap");
         assert!(e.to_string().contains("10000 pixels"), "{e}");
         assert!(decode_image(b"not an image at all", DecodeLimits::default()).is_err());
+        // An iCCP chunk whose profile inflates to 64 MiB of zeros: stripped unread, same pixels.
+        let plain = png(&RgbaImage::from_pixel(3, 2, image::Rgba([9, 8, 7, 255])));
+        let bomb = {
+            use std::io::Write;
+            let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
+            z.write_all(&vec![0u8; 64 << 20]).expect("deflate");
+            let mut data = b"icc\0\0".to_vec();
+            data.extend(z.finish().expect("deflate"));
+            let mut chunk = (data.len() as u32).to_be_bytes().to_vec();
+            chunk.extend_from_slice(b"iCCP");
+            chunk.extend_from_slice(&data);
+            chunk.extend_from_slice(&crc32(b"iCCP", &data).to_be_bytes());
+            let mut b = plain[..33].to_vec(); // signature + IHDR
+            b.extend(chunk);
+            b.extend_from_slice(&plain[33..]);
+            b
+        };
+        assert!(bomb.len() < 200_000, "{}", bomb.len());
+        assert_eq!(strip_png_metadata(&bomb).as_ref(), plain.as_slice());
+        let t = std::time::Instant::now();
+        assert_eq!(
+            decode_image(&bomb, DecodeLimits::default()).expect("decodes"),
+            decode_image(&plain, DecodeLimits::default()).expect("decodes")
+        );
+        assert!(t.elapsed().as_millis() < 500, "the profile was not inflated");
         let mut bytes = png(&RgbaImage::new(8, 8));
         bytes.truncate(bytes.len() / 2);
         assert!(decode_image(&bytes, DecodeLimits::default()).is_err());

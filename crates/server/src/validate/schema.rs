@@ -1,0 +1,212 @@
+//! `response_format` into a grammar, and the bounds a JSON Schema must keep before it is compiled.
+
+use osprey_protocol::constraint::Grammar;
+use osprey_protocol::ErrorCode;
+use serde_json::{json, Value};
+
+use super::bad;
+use crate::error::ApiError;
+use crate::grammar::json_layout;
+
+/// Largest `response_format` schema, in bytes of JSON (real schemas are a few KB; llguidance's own
+/// limits bound the compile further).
+const MAX_SCHEMA_BYTES: usize = 256 << 10;
+
+/// Deepest a schema may nest once its `$ref`s are followed: JSON nesting plus one level per `$ref` hop
+/// on the deepest path. Real schemas stay under 20; a chain of 700 `$ref`s overflowed the grammar
+/// compiler's stack before this bound.
+pub const MAX_SCHEMA_DEPTH: usize = 64;
+
+/// Largest integer bound the grammar enforces exactly (beyond 2^53, JSON numbers lose integer precision
+/// and the grammar engine clamps to 64 bits: `minimum: 1e30` once answered 9223372036854775807).
+const MAX_INTEGER_BOUND: f64 = 9_007_199_254_740_992.0;
+/// Number bounds are enforced for magnitudes in [1e-9, 1e15] (and 0): a range such as `(0, 1e-300)`
+/// needs more digits than the grammar writes and once answered 0.
+const NUMBER_BOUNDS: (f64, f64) = (1e-9, 1e15);
+
+/// Checks what a schema may cost before it is compiled, and that every bound it sets is one the grammar
+/// enforces: `$ref` targets (local JSON pointers) are followed with cycle detection, and the deepest
+/// path, counting each hop, must stay within [`MAX_SCHEMA_DEPTH`]. A recursive `$ref` is allowed (it
+/// describes a tree); whether its values can end is the compiler's decision, refused as 400 too.
+pub(crate) fn check_schema(schema: &Value, param: &str) -> Result<(), ApiError> {
+    let mut walk = Walk { root: schema, on_path: Vec::new(), memo: std::collections::HashMap::new(), param };
+    let depth = walk.depth(schema, 0)?;
+    if depth > MAX_SCHEMA_DEPTH {
+        return Err(too_deep(param));
+    }
+    Ok(())
+}
+
+fn too_deep(param: &str) -> ApiError {
+    bad(
+        ErrorCode::InvalidSchema,
+        format!("the schema nests deeper than {MAX_SCHEMA_DEPTH} levels once its $refs are followed"),
+        param,
+    )
+}
+
+struct Walk<'a> {
+    root: &'a Value,
+    /// `$ref` targets being expanded on the current path (a repeat is recursion, not followed again).
+    on_path: Vec<*const Value>,
+    /// Depth below each `$ref` target already measured.
+    memo: std::collections::HashMap<*const Value, usize>,
+    param: &'a str,
+}
+
+impl<'a> Walk<'a> {
+    /// Depth below `v` (`level` is how deep `v` already is, to stop early without recursing far).
+    fn depth(&mut self, v: &'a Value, level: usize) -> Result<usize, ApiError> {
+        if level > MAX_SCHEMA_DEPTH {
+            return Err(too_deep(self.param));
+        }
+        let below = match v {
+            Value::Object(m) => {
+                check_bounds(m, self.param)?;
+                let mut d = 0;
+                if let Some(target) = m.get("$ref").and_then(Value::as_str).and_then(|r| self.resolve(r)) {
+                    d = d.max(self.follow(target, level)?);
+                }
+                for child in m.values() {
+                    d = d.max(self.depth(child, level + 1)?);
+                }
+                d
+            }
+            Value::Array(a) => {
+                let mut d = 0;
+                for child in a {
+                    d = d.max(self.depth(child, level + 1)?);
+                }
+                d
+            }
+            _ => return Ok(0),
+        };
+        Ok(below + 1)
+    }
+
+    fn follow(&mut self, target: &'a Value, level: usize) -> Result<usize, ApiError> {
+        let key = target as *const Value;
+        if self.on_path.contains(&key) {
+            return Ok(0);
+        }
+        if let Some(&d) = self.memo.get(&key) {
+            if level + d > MAX_SCHEMA_DEPTH {
+                return Err(too_deep(self.param));
+            }
+            return Ok(d);
+        }
+        self.on_path.push(key);
+        let d = self.depth(target, level + 1)?;
+        self.on_path.pop();
+        self.memo.insert(key, d);
+        Ok(d)
+    }
+
+    /// A local `$ref` (`#`, `#/$defs/x`, `#/definitions/x`, any JSON pointer); others are the compiler's.
+    fn resolve(&self, r: &str) -> Option<&'a Value> {
+        let pointer = r.strip_prefix('#')?;
+        let decoded = percent_decode(pointer);
+        self.root.pointer(&decoded)
+    }
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Refuses numeric bounds the grammar cannot enforce (see [`MAX_INTEGER_BOUND`], [`NUMBER_BOUNDS`]).
+fn check_bounds(m: &serde_json::Map<String, Value>, param: &str) -> Result<(), ApiError> {
+    let ty = m.get("type");
+    let has = |t: &str| match ty {
+        Some(Value::String(s)) => s == t,
+        Some(Value::Array(a)) => a.iter().any(|x| x == t),
+        _ => false,
+    };
+    let (integer, number) = (has("integer"), has("number"));
+    if !integer && !number {
+        return Ok(());
+    }
+    for key in ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"] {
+        let Some(b) = m.get(key) else { continue };
+        let Some(x) = b.as_f64().filter(|x| x.is_finite()) else {
+            if b.is_boolean() && key.starts_with("exclusive") {
+                continue; // draft-4 style flags
+            }
+            return Err(bad(ErrorCode::InvalidSchema, format!("`{key}` must be a number"), param));
+        };
+        let ok = if number {
+            x == 0.0 || (NUMBER_BOUNDS.0..=NUMBER_BOUNDS.1).contains(&x.abs())
+        } else {
+            x.abs() <= MAX_INTEGER_BOUND
+        };
+        if !ok {
+            let range = if number {
+                format!("0 or a magnitude between {:e} and {:e}", NUMBER_BOUNDS.0, NUMBER_BOUNDS.1)
+            } else {
+                format!("within ±2^53 ({MAX_INTEGER_BOUND})")
+            };
+            return Err(bad(
+                ErrorCode::InvalidSchema,
+                format!("`{key}: {b}` cannot be enforced on the output; bounds must be {range}"),
+                param,
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `response_format` as a grammar (`None` for plain text).
+pub(super) fn response_format(rf: Option<&Value>) -> Result<Option<Grammar>, ApiError> {
+    let Some(rf) = rf.filter(|v| !v.is_null()) else { return Ok(None) };
+    let p = "response_format";
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Grammar::JsonSchema(json_layout(&json!({"type": "object"}), false)))),
+        Some("json_schema") => {
+            // Chat nests the fields in `json_schema`; the Responses API's `text.format` has them at the top.
+            let js = rf.get("json_schema").filter(|v| v.is_object()).unwrap_or(rf);
+            let schema = js.get("schema").cloned().ok_or_else(|| {
+                bad(ErrorCode::InvalidRequest, "json_schema needs `json_schema`: {\"name\", \"schema\"}", p)
+            })?;
+            if !(schema.is_object() || schema.is_boolean()) {
+                return Err(bad(
+                    ErrorCode::InvalidSchema,
+                    "the schema must be a JSON Schema object",
+                    &format!("{p}.json_schema.schema"),
+                ));
+            }
+            // Compiling is paid before admission, on a tokenizer worker: bound what one request can ask.
+            let n = schema.to_string().len();
+            if n > MAX_SCHEMA_BYTES {
+                return Err(bad(
+                    ErrorCode::InvalidSchema,
+                    format!("the schema is {n} bytes of JSON, more than the limit of {MAX_SCHEMA_BYTES}"),
+                    &format!("{p}.json_schema.schema"),
+                ));
+            }
+            check_schema(&schema, &format!("{p}.json_schema.schema"))?;
+            let strict = js.get("strict").and_then(Value::as_bool).unwrap_or(false);
+            Ok(Some(Grammar::JsonSchema(json_layout(&schema, strict))))
+        }
+        other => Err(bad(
+            ErrorCode::InvalidRequest,
+            format!("response_format type {other:?} is not text, json_object or json_schema"),
+            p,
+        )),
+    }
+}
