@@ -117,6 +117,7 @@ pub async fn serve(bound: Bound, grace: std::time::Duration) -> Result<()> {
     let handle = server.handle();
     let (mut term, mut int) = (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?);
     let drain = handle.clone();
+    let scheduler = engine.scheduler.clone();
     actix_web::rt::spawn(async move {
         tokio::select! {
             _ = term.recv() => {}
@@ -124,7 +125,9 @@ pub async fn serve(bound: Bound, grace: std::time::Duration) -> Result<()> {
         }
         tracing::info!(%addr, grace_secs = grace.as_secs(), "shutdown signal: draining (a second signal exits at once)");
         let _ = phase.send(Phase::Draining);
-        let stopped = drain.stop(true);
+        // No new connections; connections already open stay served, so a request arriving on an idle
+        // keep-alive connection gets the draining answer (503 `unavailable`) instead of a closed socket.
+        drain.pause().await;
         actix_web::rt::spawn(async move {
             tokio::select! {
                 _ = term.recv() => {}
@@ -133,10 +136,16 @@ pub async fn serve(bound: Bound, grace: std::time::Duration) -> Result<()> {
             tracing::warn!("second signal: exiting now");
             std::process::exit(130);
         });
-        tokio::time::sleep(grace).await;
-        tracing::info!("grace period over: ending the generations still running");
-        let _ = phase.send(Phase::Expired);
-        stopped.await;
+        let deadline = tokio::time::Instant::now() + grace;
+        while !engine_idle(&scheduler).await {
+            if tokio::time::Instant::now() >= deadline {
+                tracing::info!("grace period over: ending the generations still running");
+                let _ = phase.send(Phase::Expired);
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        drain.stop(true).await;
     });
     tokio::select! {
         served = server => {
@@ -151,6 +160,17 @@ pub async fn serve(bound: Bound, grace: std::time::Duration) -> Result<()> {
             anyhow::bail!("the engine's {actor} stopped")
         }
     }
+}
+
+/// Whether the scheduler holds no request, waiting or running (or is gone).
+async fn engine_idle(
+    scheduler: &tokio::sync::mpsc::UnboundedSender<osprey_protocol::scheduler::SchedulerCommand>,
+) -> bool {
+    let (reply, rx) = tokio::sync::oneshot::channel();
+    if scheduler.send(osprey_protocol::scheduler::SchedulerCommand::Stats { reply }).is_err() {
+        return true;
+    }
+    rx.await.map_or(true, |s| s.waiting == 0 && s.running == 0)
 }
 
 /// The compute backend `--device` names (default `cpu`) at the `--activations` precision (`int8`, also

@@ -142,7 +142,7 @@ struct ServeArgs {
     /// (default 5).
     #[arg(long)]
     idle_timeout_secs: Option<f64>,
-    /// Tokenizer worker threads: one heavy prompt occupies one of them (default 2).
+    /// Tokenizer worker threads per lane (media prompts; text prompts and detokenization) (default 2).
     #[arg(long)]
     tokenizer_workers: Option<usize>,
     /// Most pixels of all images and video frames of one request, by declared size (default 192000000,

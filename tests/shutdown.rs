@@ -128,3 +128,44 @@ fn past_the_grace_period_a_running_stream_ends_with_an_error_event_and_done() {
     assert!(!seen.contains("\"finish_reason\":\"length\""), "it did not run to the end");
     assert!(exit_status(&mut srv.child).success(), "exit 0");
 }
+
+/// Reads one HTTP/1.1 response with a Content-Length body from a kept-alive connection.
+fn read_response(c: &mut TcpStream) -> String {
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        if c.read(&mut byte).expect("read") == 0 {
+            return String::from_utf8_lossy(&buf).into_owned();
+        }
+        buf.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&buf).to_ascii_lowercase();
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse().expect("length")))
+        .unwrap_or(0);
+    let mut body = vec![0u8; len];
+    c.read_exact(&mut body).expect("body");
+    head + &String::from_utf8_lossy(&body)
+}
+
+/// Regression (issue 26): an idle keep-alive connection opened before SIGTERM was closed without an
+/// answer; it gets the documented draining response.
+#[test]
+fn a_request_on_an_idle_keep_alive_connection_during_the_drain_gets_503() {
+    let mut srv = spawn(30);
+    let mut idle = TcpStream::connect(srv.addr).expect("connect");
+    let health = "GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    idle.write_all(health.as_bytes()).expect("send");
+    assert!(read_response(&mut idle).contains(" 200 "), "served before the signal");
+    // A long generation keeps the drain going while the idle connection asks.
+    let (mut conn, mut seen) = stream(srv.addr, 1000, 3);
+    sigterm(&srv.child);
+    std::thread::sleep(Duration::from_millis(200));
+    idle.write_all(health.as_bytes()).expect("send on the kept-alive connection");
+    let r = read_response(&mut idle);
+    assert!(r.contains(" 503 ") && r.contains("draining"), "{r}");
+    conn.read_to_string(&mut seen).expect("the rest of the stream");
+    assert!(seen.contains("\"finish_reason\":\"length\""), "{seen}");
+    assert!(exit_status(&mut srv.child).success(), "exit 0");
+}

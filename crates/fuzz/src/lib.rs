@@ -154,6 +154,7 @@ pub fn media(data: &[u8]) {
                 limits: media_limits(),
                 grammar: None,
                 parse_special_tokens: false,
+                deadline: None,
             };
             let _ = env().core.prepare_chat(prompt);
         }
@@ -184,6 +185,7 @@ pub fn chat_template(data: &[u8]) {
         limits: media_limits(),
         grammar: None,
         parse_special_tokens: false,
+        deadline: None,
     };
     let _ = env().core.prepare_chat(prompt);
 }

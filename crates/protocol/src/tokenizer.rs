@@ -58,6 +58,9 @@ pub struct ChatPrompt {
     /// Special tokens spelled in the messages (`<|im_start|>`) are control tokens, as the template's
     /// own are. Off by default: client text is text, so a message cannot forge a turn.
     pub parse_special_tokens: bool,
+    /// When the request's deadline passes: preparation stops at its next step (between media items and
+    /// frames, before compiling, rendering and tokenizing) with `deadline_exceeded`.
+    pub deadline: Option<std::time::Instant>,
 }
 
 /// A completion prompt.

@@ -350,7 +350,7 @@ impl Driver {
                     sample(&logits, &rec.sampling, prompt, output, &mut rec.rng, allowed.then_some(&rec.allowed[..]));
                 if let Some(m) = rec.matcher.as_mut() {
                     if let Err(e) = m.commit(token) {
-                        out.push((w.seq, Err(engine_error(format!("grammar: {e}")))));
+                        out.push((w.seq, Err(grammar_error(&e))));
                         continue;
                     }
                 }
@@ -436,11 +436,19 @@ impl Driver {
     }
 }
 
+/// A grammar engine's failure as the client sees it: its first line only (the engine appends its
+/// parser state, logged here at debug level instead).
+fn grammar_error(e: &str) -> RequestError {
+    tracing::debug!(error = e, "grammar failed");
+    let line: String = e.lines().next().unwrap_or("").chars().take(200).collect();
+    engine_error(format!("grammar: {line}"))
+}
+
 /// Fills `rec.allowed` from its grammar (timed into [`MASK_NANOS`]); `false` when unconstrained.
 fn grammar_mask(rec: &mut SeqRec) -> Result<bool, RequestError> {
     let Some(m) = rec.matcher.as_mut() else { return Ok(false) };
     let t = Instant::now();
-    m.allowed(&mut rec.allowed).map_err(|e| engine_error(format!("grammar: {e}")))?;
+    m.allowed(&mut rec.allowed).map_err(|e| grammar_error(&e))?;
     MASK_NANOS.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
     MASKS.fetch_add(1, Ordering::Relaxed);
     if rec.allowed.iter().all(|&w| w == 0) {

@@ -362,11 +362,45 @@ pub(crate) async fn prepare_chat(
     body: &Value,
     ctx: &RequestCtx,
 ) -> Result<(PreparedPrompt, GenParams), ApiError> {
-    let (prompt, gen) = validate_chat(state, body).await?;
+    // Validation may fetch allow-listed media: bounded by the deadline the body and the server set.
+    let (mut prompt, gen) = within(early_deadline(state, body, ctx), validate_chat(state, body)).await?;
+    let deadline = gen.deadline.map(|d| ctx.started + d);
+    prompt.deadline = deadline;
     let span = ctx.span.clone();
-    let prepared =
-        prepare(state, |reply| TokenizerCommand::PrepareChat { prompt: Box::new(prompt), span, reply }).await?;
+    let prepared = within(
+        deadline,
+        prepare(state, |reply| TokenizerCommand::PrepareChat { prompt: Box::new(prompt), span, reply }),
+    )
+    .await?;
     Ok((prepared, gen))
+}
+
+/// The deadline a request has before its body is validated: the server's, or the body's own
+/// `deadline_secs` when it is a positive number, whichever comes first.
+fn early_deadline(state: &AppState, body: &Value, ctx: &RequestCtx) -> Option<std::time::Instant> {
+    let own = body.get("deadline_secs").and_then(Value::as_f64).filter(|d| d.is_finite() && *d > 0.0);
+    let secs = match (own, state.cfg.request_deadline_secs) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    secs.map(|s| ctx.started + std::time::Duration::from_secs_f64(s.min(1e9)))
+}
+
+/// `fut`, or 504 `deadline_exceeded` once `deadline` passes (the work behind it stops at its own next
+/// check: the tokenizer checks the same deadline between its steps).
+pub(crate) async fn within<T>(
+    deadline: Option<std::time::Instant>,
+    fut: impl std::future::Future<Output = Result<T, ApiError>>,
+) -> Result<T, ApiError> {
+    let Some(d) = deadline else { return fut.await };
+    match tokio::time::timeout_at(tokio::time::Instant::from_std(d), fut).await {
+        Ok(r) => r,
+        Err(_) => Err(ApiError::new(
+            ErrorCode::DeadlineExceeded,
+            "the request's deadline passed before its prompt was prepared",
+        )
+        .param("deadline_secs")),
+    }
 }
 
 /// `POST /v1/completions`.
@@ -383,7 +417,10 @@ pub async fn completions(
         let parsed: CompletionRequest = parse(&body)?;
         let (prompt, gen): (CompletionPrompt, GenParams) = validate::completion(&parsed, &state.cfg)?;
         let span = ctx.span.clone();
-        let prepared = prepare(&state, |reply| TokenizerCommand::PrepareCompletion { prompt, span, reply }).await?;
+        let deadline = gen.deadline.map(|d| ctx.started + d);
+        let prepared =
+            within(deadline, prepare(&state, |reply| TokenizerCommand::PrepareCompletion { prompt, span, reply }))
+                .await?;
         respond(state.clone(), Kind::Completion, prepared, gen, &ctx).await
     }
     .await;

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::thread;
+use std::time::Instant;
 
 use blake2::digest::{Update, VariableOutput};
 use blake2::Blake2bVar;
@@ -78,7 +79,24 @@ impl PixelBudget {
     }
 }
 
-fn decode(m: &MediaInput, limits: MediaLimits, budget: &mut PixelBudget) -> Result<(Media, MediaHash), RequestError> {
+/// Fails once `deadline` has passed (checked between the steps of a preparation).
+fn check_deadline(deadline: Option<Instant>) -> Result<(), RequestError> {
+    match deadline {
+        Some(d) if Instant::now() >= d => Err(RequestError::new(
+            ErrorCode::DeadlineExceeded,
+            "the request's deadline passed while its prompt was being prepared",
+        )
+        .with_param("deadline_secs")),
+        _ => Ok(()),
+    }
+}
+
+fn decode(
+    m: &MediaInput,
+    limits: MediaLimits,
+    budget: &mut PixelBudget,
+    deadline: Option<Instant>,
+) -> Result<(Media, MediaHash), RequestError> {
     let lim = DecodeLimits { max_pixels: limits.max_pixels, max_frames: limits.max_frames };
     match m {
         MediaInput::Image { bytes } => {
@@ -95,8 +113,13 @@ fn decode(m: &MediaInput, limits: MediaLimits, budget: &mut PixelBudget) -> Resu
             for f in frames {
                 budget.take_image(f)?;
             }
-            let decoded =
-                frames.iter().map(|f| decode_image(f, lim).map_err(media_error)).collect::<Result<Vec<_>, _>>()?;
+            let decoded = frames
+                .iter()
+                .map(|f| {
+                    check_deadline(deadline)?;
+                    decode_image(f, lim).map_err(media_error)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
             let fps = fps.unwrap_or(24.0);
             let mut parts: Vec<&[u8]> = vec![b"frames"];
             let fps_bytes = fps.to_le_bytes();
@@ -218,11 +241,15 @@ impl TokenizerCore {
         let mut hashes = Vec::with_capacity(p.media.len());
         let mut budget = PixelBudget { left: p.limits.max_total_pixels, total: p.limits.max_total_pixels };
         for (i, m) in p.media.iter().enumerate() {
-            let (d, h) = decode(m, p.limits, &mut budget).map_err(|e| e.with_param(format!("media[{i}]")))?;
+            check_deadline(p.deadline)?;
+            let (d, h) =
+                decode(m, p.limits, &mut budget, p.deadline).map_err(|e| e.with_param(format!("media[{i}]")))?;
             media.push(d);
             hashes.push(h);
         }
+        check_deadline(p.deadline)?;
         let constraint = p.grammar.as_ref().map(|g| self.compile(g)).transpose()?;
+        check_deadline(p.deadline)?;
         let (messages, kwargs) = if p.parse_special_tokens {
             (p.messages, p.template_kwargs)
         } else {
@@ -343,40 +370,61 @@ fn public_reason(e: &str) -> String {
     out
 }
 
-/// Starts the tokenizer actor with one worker thread.
+/// Starts the tokenizer actor with one worker per lane.
 pub fn spawn(core: TokenizerCore) -> TokenizerHandle {
     spawn_pool(core, 1)
 }
 
-/// Starts the tokenizer actor with `workers` threads sharing its inbox, so a heavy request (a long prompt,
-/// large images to decode and resize) occupies one worker while the others keep preparing prompts and
-/// detokenizing streams. The core is read-only and shared; the inbox's lock is held only while waiting
-/// for the next command, never while working on one.
+/// Starts the tokenizer actor with two lanes of `workers` threads each. Prompts with media (decoding and
+/// resizing images and video frames: up to seconds) go to the media lane; everything else (text
+/// prompts, grammar compiles, the detokenization of every stream) to the text lane, so requests with
+/// large media cannot hold up a plain "hi" or a running stream: two 160-frame videos once kept both
+/// shared workers busy for 25 s while a short request waited behind them. A dispatcher thread owns the
+/// actor's inbox and routes each command; within a lane the workers share the lane's queue (its lock is
+/// held only while waiting for the next command, never while working on one). The core is read-only
+/// and shared.
 pub fn spawn_pool(core: TokenizerCore, workers: usize) -> TokenizerHandle {
-    let (tx, rx) = mpsc::unbounded_channel::<TokenizerCommand>();
+    let (tx, mut rx) = mpsc::unbounded_channel::<TokenizerCommand>();
     let core = std::sync::Arc::new(core);
-    let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
-    for i in 0..workers.max(1) {
-        let (core, rx) = (core.clone(), rx.clone());
-        thread::Builder::new()
-            .name(format!("osprey-tokenizer-{i}"))
-            // Templates and grammar compiles recurse; inputs are bounded before they get here, and a
-            // roomy stack (virtual memory, touched only when used) is the second line of defence.
-            .stack_size(TOKENIZER_STACK_BYTES)
-            .spawn(move || loop {
-                let cmd = rx.lock().unwrap_or_else(std::sync::PoisonError::into_inner).blocking_recv();
-                let Some(cmd) = cmd else { return };
-                // The core is read-only, so a panic (a bug) spoils nothing but its own request: the worker
-                // survives it, the request's reply is dropped (the server answers 500) and the pool keeps
-                // its size. Stateful actors (scheduler, runner, caches) are not caught: their death closes
-                // their inbox and the server reports the engine stopped.
-                let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(&core, cmd)));
-                if caught.is_err() {
-                    tracing::error!("a tokenizer command panicked (a bug): its request fails, the worker goes on");
+    let lane = |name: &str| {
+        let (lane_tx, lane_rx) = mpsc::unbounded_channel::<TokenizerCommand>();
+        let lane_rx = std::sync::Arc::new(std::sync::Mutex::new(lane_rx));
+        for i in 0..workers.max(1) {
+            let (core, rx) = (core.clone(), lane_rx.clone());
+            thread::Builder::new()
+                .name(format!("osprey-tokenizer-{name}-{i}"))
+                // Templates and grammar compiles recurse; inputs are bounded before they get here, and
+                // a roomy stack (virtual memory, touched only when used) is the second line of defence.
+                .stack_size(TOKENIZER_STACK_BYTES)
+                .spawn(move || loop {
+                    let cmd = rx.lock().unwrap_or_else(std::sync::PoisonError::into_inner).blocking_recv();
+                    let Some(cmd) = cmd else { return };
+                    // The core is read-only, so a panic (a bug) spoils nothing but its own request: the
+                    // worker survives it, the request's reply is dropped (the server answers 500) and the
+                    // lane keeps its size. Stateful actors (scheduler, runner, caches) are not caught:
+                    // their death closes their inbox and the server reports the engine stopped.
+                    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(&core, cmd)));
+                    if caught.is_err() {
+                        tracing::error!("a tokenizer command panicked (a bug): its request fails, the worker goes on");
+                    }
+                })
+                .expect("spawn tokenizer thread");
+        }
+        lane_tx
+    };
+    let (media, text) = (lane("media"), lane("text"));
+    thread::Builder::new()
+        .name("osprey-tokenizer".into())
+        .spawn(move || {
+            while let Some(cmd) = rx.blocking_recv() {
+                let heavy = matches!(&cmd, TokenizerCommand::PrepareChat { prompt, .. } if !prompt.media.is_empty());
+                let lane = if heavy { &media } else { &text };
+                if lane.send(cmd).is_err() {
+                    return;
                 }
-            })
-            .expect("spawn tokenizer thread");
-    }
+            }
+        })
+        .expect("spawn tokenizer dispatcher");
     TokenizerHandle { tx }
 }
 

@@ -152,6 +152,14 @@ impl GrammarCompiler {
         if let Some(e) = proto.get_error() {
             return Err(e);
         }
+        // Some grammars compile and then fail on their first mask (a recursive required `$ref` has no
+        // finite value: "too many items"). Computing that mask here makes it a refusal of the request,
+        // not an engine error after admission; the mask is computed again per sequence.
+        let mut trial = proto.deep_clone();
+        trial.compute_mask_or_eos().map_err(|e| e.to_string())?;
+        if let Some(e) = trial.get_error() {
+            return Err(e);
+        }
         let grammar = Arc::new(Compiled { proto: Mutex::new(proto), tiers: self.tiers.clone() });
         Ok(Constraint { grammar, budget: None })
     }

@@ -230,6 +230,7 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
         grammar,
         template_kwargs,
         parse_special_tokens: req.parse_special_tokens,
+        deadline: None,
         limits: MediaLimits {
             max_pixels: cfg.limits.max_image_pixels,
             max_frames: cfg.limits.max_video_frames,

@@ -34,7 +34,58 @@ pub(crate) fn check_schema(schema: &Value, param: &str) -> Result<(), ApiError> 
     if depth > MAX_SCHEMA_DEPTH {
         return Err(too_deep(param));
     }
+    let mut seen = Required { root: schema, state: std::collections::HashMap::new() };
+    if seen.cycles(schema) {
+        return Err(bad(
+            ErrorCode::InvalidSchema,
+            "the schema requires itself through its $refs (a required property, item or allOf leads back to it), so no finite value satisfies it",
+            param,
+        ));
+    }
     Ok(())
+}
+
+/// Finds a cycle of schemas each of which every valid value must contain: a `$ref` target, an `allOf`
+/// member, a required property's schema, the items of an array with `minItems` ≥ 1. Such a schema has
+/// no finite instance; the grammar engine compiles it and then fails on the first value ("too many
+/// items"), so it is refused here.
+struct Required<'a> {
+    root: &'a Value,
+    /// `false` while on the current path, `true` once finished.
+    state: std::collections::HashMap<*const Value, bool>,
+}
+
+impl<'a> Required<'a> {
+    fn cycles(&mut self, v: &'a Value) -> bool {
+        let key = v as *const Value;
+        match self.state.get(&key) {
+            Some(false) => return true,
+            Some(true) => return false,
+            None => {}
+        }
+        self.state.insert(key, false);
+        let found = self.must_contain(v).into_iter().any(|c| self.cycles(c));
+        self.state.insert(key, true);
+        found
+    }
+
+    fn must_contain(&self, v: &'a Value) -> Vec<&'a Value> {
+        let Value::Object(m) = v else { return Vec::new() };
+        let mut out = Vec::new();
+        if let Some(t) = m.get("$ref").and_then(Value::as_str).and_then(|r| r.strip_prefix('#')) {
+            out.extend(self.root.pointer(&percent_decode(t)));
+        }
+        if let Some(Value::Array(all)) = m.get("allOf") {
+            out.extend(all.iter());
+        }
+        if let (Some(Value::Object(props)), Some(Value::Array(req))) = (m.get("properties"), m.get("required")) {
+            out.extend(req.iter().filter_map(Value::as_str).filter_map(|k| props.get(k)));
+        }
+        if m.get("minItems").and_then(Value::as_u64).is_some_and(|n| n >= 1) {
+            out.extend(m.get("items").filter(|i| i.is_object()));
+        }
+        out
+    }
 }
 
 fn too_deep(param: &str) -> ApiError {
