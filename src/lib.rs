@@ -5,7 +5,6 @@
 pub mod default_model;
 pub mod settings;
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -20,15 +19,41 @@ use osprey_tokenizer::TokenizerCore;
 
 pub use settings::Settings;
 
-/// A textual progress bar on stderr.
-pub fn progress_bar(label: &str, done: usize, total: usize) {
-    let width = 30;
-    let filled = width * done / total.max(1);
-    eprint!("\r{label} [{}{}] {done}/{total}", "=".repeat(filled), " ".repeat(width - filled));
-    if done == total {
-        eprintln!();
+/// Progress of a long step (loading weights, quantizing): a bar on stderr when stderr is a terminal
+/// (`indicatif` draws nothing otherwise), and one log line when it starts and one when it ends, so a
+/// log file or a pipe gets two lines instead of thousands of carriage-return redraws.
+#[derive(Debug)]
+pub struct Progress {
+    label: &'static str,
+    bar: Option<indicatif::ProgressBar>,
+    started: Instant,
+}
+
+impl Progress {
+    /// A progress for `label`; nothing is drawn or logged until the first update.
+    pub fn new(label: &'static str) -> Self {
+        Progress { label, bar: None, started: Instant::now() }
     }
-    let _ = std::io::stderr().flush();
+
+    /// `done` of `total` items are done.
+    pub fn update(&mut self, done: usize, total: usize) {
+        let bar = self.bar.get_or_insert_with(|| {
+            tracing::info!(items = total, "{}: started", self.label);
+            self.started = Instant::now();
+            let b =
+                indicatif::ProgressBar::with_draw_target(Some(total as u64), indicatif::ProgressDrawTarget::stderr());
+            if let Ok(style) = indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len}") {
+                b.set_style(style.progress_chars("=> "));
+            }
+            b.set_message(self.label);
+            b
+        });
+        bar.set_position(done as u64);
+        if done >= total && !bar.is_finished() {
+            bar.finish_and_clear();
+            tracing::info!(items = total, secs = self.started.elapsed().as_secs_f64(), "{}: done", self.label);
+        }
+    }
 }
 
 /// The residency manager when the settings ask for a RAM budget and the model has routed experts.
@@ -239,9 +264,9 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let backend = open_backend(settings.device.as_deref(), settings.activations.as_deref())?;
     let ple = settings.ple_ram_gb.map_or(osprey_models::DEFAULT_PLE_RAM_BYTES, |gb| (gb.max(0.0) * 1e9) as u64);
     osprey_models::set_ple_ram_budget(ple);
-    let model = osprey_models::load_with_progress(&cfg, &ck, source, backend.clone(), &mut |d, n| {
-        progress_bar("loading weights", d, n)
-    })?;
+    let mut progress = Progress::new("loading weights");
+    let model =
+        osprey_models::load_with_progress(&cfg, &ck, source, backend.clone(), &mut |d, n| progress.update(d, n))?;
     let (tower, media) = match osprey_models::load_vision(&cfg, &ck, backend)? {
         Some((t, media)) => (Some(t), Some(media)),
         None => (None, None),

@@ -411,7 +411,8 @@ fn main() -> Result<()> {
         Command::Serve(a) => serve(*a, cli.device, cli.activations),
         Command::Quantize { model, out, all_linear, lm_head } => {
             let opts = osprey_models::QuantizeOptions { all_linear, lm_head };
-            osprey_models::quantize_dir(&model, &out, opts, &mut |d, n| osprey::progress_bar("quantizing", d, n))?;
+            let mut progress = osprey::Progress::new("quantizing");
+            osprey_models::quantize_dir(&model, &out, opts, &mut |d, n| progress.update(d, n))?;
             tracing::info!(out = %out.display(), "wrote the NVFP4 checkpoint");
             Ok(())
         }

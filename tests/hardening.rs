@@ -316,10 +316,14 @@ fn long_ids_are_not_echoed() {
     let (s, e) = post(addr, "/v1/responses", &json!({"input": "hi", "previous_response_id": id}).to_string(), None);
     assert_eq!((s, code(&e)), (404, "response_not_found"));
     assert!(e.to_string().len() < 1000, "the id was echoed: {} bytes", e.to_string().len());
-    let (s, body) = harness::get(addr, &format!("/v1/responses/{}", "r".repeat(8_000)));
-    let e: Value = serde_json::from_str(&body).expect("a JSON envelope");
-    assert_eq!((s, code(&e)), (404, "response_not_found"));
-    assert!(body.len() < 1000);
+    // Up to the HTTP layer's URI bound (the `http` crate refuses a URI over 65,534 bytes with a bare 400
+    // before the application runs; docs/reliability.md).
+    for n in [8_000, 60_000] {
+        let (s, body) = harness::get(addr, &format!("/v1/responses/{}", "r".repeat(n)));
+        let e: Value = serde_json::from_str(&body).unwrap_or_else(|_| panic!("{n}: not a JSON envelope: {s} {body:?}"));
+        assert!(matches!(code(&e), "response_not_found" | "request_too_large"), "{n}: {s} {e}");
+        assert!(body.len() < 1000);
+    }
 }
 
 /// Item 8: special tokens typed in a message are text, unless the request opts in.

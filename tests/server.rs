@@ -296,11 +296,6 @@ fn bad_input_gets_an_openai_error_and_the_server_keeps_serving() {
             "context_length_exceeded",
         ),
         (
-            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}).to_string(),
-            400,
-            "context_length_exceeded",
-        ),
-        (
             json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}).to_string(),
             400,
             "invalid_request",

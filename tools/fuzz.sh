@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 secs="${1:-20}"
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(request media chat_template detokenize tool_calls)
+[ ${#targets[@]} -gt 0 ] || targets=(request media chat_template detokenize tool_calls schema)
 
 export CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$HOME/.cache/osprey/fuzz-target}"
 export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \

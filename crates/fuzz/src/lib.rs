@@ -29,6 +29,7 @@ pub const TARGETS: &[Target] = &[
     ("chat_template", chat_template),
     ("detokenize", detokenize),
     ("tool_calls", tool_calls),
+    ("schema", schema),
 ];
 
 /// The repository root (the corpus and the model directory are found from it).
@@ -85,6 +86,17 @@ pub fn request(data: &[u8]) {
     let Some((&which, body)) = data.split_first() else { return };
     let endpoint = [Endpoint::Chat, Endpoint::Completions, Endpoint::Responses, Endpoint::Messages][which as usize % 4];
     let _ = osprey_server::check_body(endpoint, body, &env().cfg);
+}
+
+/// A JSON Schema (the first byte: strict when even) through the server's bounds and, when they pass, the
+/// grammar compiler with its first mask: whatever the schema, a 400 or a grammar, never a crash (a 700-deep
+/// `$ref` chain once overflowed the compiler's stack).
+pub fn schema(data: &[u8]) {
+    let Some((&flags, rest)) = data.split_first() else { return };
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(rest) else { return };
+    if let Ok(g) = osprey_server::schema_grammar(&v, flags % 2 == 0) {
+        let _ = env().core.compile(&g);
+    }
 }
 
 /// Model output through the tool-call parser: the first byte is the chunk size (1–32 chars) the text is
@@ -154,6 +166,8 @@ pub fn media(data: &[u8]) {
                 limits: media_limits(),
                 grammar: None,
                 parse_special_tokens: false,
+                add_generation_prompt: true,
+                continue_final_message: false,
                 deadline: None,
             };
             let _ = env().core.prepare_chat(prompt);
@@ -168,9 +182,12 @@ pub fn media(data: &[u8]) {
 }
 
 /// A JSON value as the `messages` of a chat prompt (and, when it is an object with `messages`, its
-/// `chat_template_kwargs` too): template rendering, placeholder expansion and tokenization.
+/// `chat_template_kwargs`, `parse_special_tokens` and `continue_final_message` too): template rendering,
+/// continuation, special-token marking, placeholder expansion and tokenization.
 pub fn chat_template(data: &[u8]) {
     let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) else { return };
+    let flag = |k: &str| v.get(k).and_then(serde_json::Value::as_bool).unwrap_or(false);
+    let (parse_special, continue_final) = (flag("parse_special_tokens"), flag("continue_final_message"));
     let (messages, kwargs) = match &v {
         serde_json::Value::Object(o) if o.contains_key("messages") => (
             o["messages"].clone(),
@@ -184,7 +201,9 @@ pub fn chat_template(data: &[u8]) {
         template_kwargs: kwargs,
         limits: media_limits(),
         grammar: None,
-        parse_special_tokens: false,
+        parse_special_tokens: parse_special,
+        add_generation_prompt: !continue_final,
+        continue_final_message: continue_final,
         deadline: None,
     };
     let _ = env().core.prepare_chat(prompt);

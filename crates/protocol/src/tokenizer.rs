@@ -58,6 +58,13 @@ pub struct ChatPrompt {
     /// Special tokens spelled in the messages (`<|im_start|>`) are control tokens, as the template's
     /// own are. Off by default: client text is text, so a message cannot forge a turn.
     pub parse_special_tokens: bool,
+    /// Render the template's generation prompt after the messages (the default); false leaves the
+    /// prompt where the messages end (vLLM's `add_generation_prompt: false`).
+    pub add_generation_prompt: bool,
+    /// The last message is an assistant message to continue (Anthropic's prefill, vLLM's
+    /// `continue_final_message`): the prompt ends where its text ends, without its end of turn, and the
+    /// answer is the continuation.
+    pub continue_final_message: bool,
     /// When the request's deadline passes: preparation stops at its next step (between media items and
     /// frames, before compiling, rendering and tokenizing) with `deadline_exceeded`.
     pub deadline: Option<std::time::Instant>,

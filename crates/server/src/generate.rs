@@ -146,7 +146,8 @@ impl Generation {
             )
             .param("messages"));
         }
-        let max_tokens = gen.max_tokens.unwrap_or(ctx - prompt_len);
+        let left = ctx - prompt_len;
+        let max_tokens = gen.max_tokens.map_or(left, |m| m.min(left));
         let (tx, rx) = mpsc::unbounded_channel();
         let open = reasoning && prompt.thinking_open;
         let request = GenerateRequest {

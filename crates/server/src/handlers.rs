@@ -458,14 +458,62 @@ pub fn check_body(endpoint: Endpoint, body: &[u8], cfg: &ServerConfig) -> Result
 /// `GET /v1/models`.
 pub async fn models(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpResponse, ApiError> {
     check_key(&state, &req)?;
+    let m = model_object(&state);
+    // OpenAI's list, with the fields Anthropic's list adds (`has_more`, `first_id`, `last_id`).
+    let id = &state.cfg.model_id;
+    Ok(HttpResponse::Ok()
+        .json(json!({"object": "list", "data": [m], "has_more": false, "first_id": id, "last_id": id})))
+}
+
+/// The served model as both SDKs read it: OpenAI's `{id, object: "model", created, owned_by}` and
+/// Anthropic's `{type: "model", id, display_name, created_at}` in one object (each client ignores the
+/// other's fields), with the context length and capabilities vLLM and llama.cpp report.
+fn model_object(state: &AppState) -> Value {
     let mut caps = vec!["text"];
     if state.cfg.vision {
         caps.extend(["vision", "video"]);
     }
-    Ok(HttpResponse::Ok().json(json!({"object": "list", "data": [{
+    let created_at = chrono_rfc3339(state.created);
+    json!({
         "id": state.cfg.model_id, "object": "model", "created": state.created, "owned_by": "osprey",
+        "type": "model", "display_name": state.cfg.model_id, "created_at": created_at,
         "max_model_len": state.cfg.context_len, "context_length": state.cfg.context_len, "capabilities": caps,
-    }]})))
+    })
+}
+
+/// `secs` since the epoch as RFC 3339 UTC (`1970-01-01T00:00:00Z`), for Anthropic's `created_at`.
+fn chrono_rfc3339(secs: u64) -> String {
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
+/// `GET /v1/models/{id}`: the served model, or 404 `model_not_found`.
+pub async fn model(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    id: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    check_key(&state, &req)?;
+    if id.as_str() != state.cfg.model_id {
+        let shown = crate::responses::shown_id(&id);
+        return Err(ApiError::new(
+            ErrorCode::ModelNotFound,
+            format!("the model `{shown}` does not exist; this server serves `{}`", state.cfg.model_id),
+        )
+        .param("model"));
+    }
+    Ok(HttpResponse::Ok().json(model_object(&state)))
 }
 
 /// Refuses new work once a shutdown began or the engine stopped.
@@ -536,4 +584,14 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         body.push_str(&(extra.0)());
     }
     Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(body))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rfc3339_dates() {
+        assert_eq!(super::chrono_rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::chrono_rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(super::chrono_rfc3339(1_796_396_796), "2026-12-04T15:06:36Z");
+    }
 }

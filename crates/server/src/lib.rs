@@ -42,6 +42,7 @@ pub use config::{Limits, ServerConfig};
 pub use error::ApiError;
 pub use handlers::{check_body, Endpoint};
 pub use metrics::Metrics;
+pub use validate::schema_grammar;
 
 /// Where a graceful shutdown stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -195,6 +196,7 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
             .service(post("/v1/messages").route(web::post().to(messages::create)))
             .service(post("/v1/messages/count_tokens").route(web::post().to(messages::count_tokens)))
             .service(get("/v1/models").route(web::get().to(handlers::models)))
+            .service(get("/v1/models/{id}").route(web::get().to(handlers::model)))
             .service(get("/health").route(web::get().to(handlers::health)))
             .service(get("/metrics").route(web::get().to(handlers::metrics)))
             .default_service(web::to(|| async {

@@ -174,6 +174,15 @@ fn convert(m: &Value, param: &str, out: &mut Vec<Value>) -> Result<(), ApiError>
     Ok(())
 }
 
+/// The text of a converted message's content (a string, or its text parts).
+fn content_text(c: &Value) -> String {
+    match c {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts.iter().filter_map(|p| p.get("text")?.as_str()).collect(),
+        _ => String::new(),
+    }
+}
+
 /// The Messages request as a chat completions body.
 fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> {
     let o = body.as_object().ok_or_else(|| invalid("the body must be a JSON object", "body"))?;
@@ -187,8 +196,16 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
     for (i, m) in list.iter().enumerate() {
         convert(m, &format!("messages[{i}]"), &mut messages)?;
     }
+    // A last assistant message is a prefill: the answer continues it (Anthropic's API returns only the
+    // continuation), instead of closing it as a finished turn and starting another.
+    let prefill = messages.last().is_some_and(|m| {
+        m["role"] == "assistant" && m.get("tool_calls").is_none() && !content_text(&m["content"]).is_empty()
+    });
     let mut chat = Map::new();
     chat.insert("messages".into(), Value::Array(messages));
+    if prefill {
+        chat.insert("continue_final_message".into(), true.into());
+    }
     for k in ["model", "temperature", "top_p", "top_k", "stream", "deadline_secs"] {
         if let Some(v) = o.get(k) {
             chat.insert(k.into(), v.clone());
@@ -240,6 +257,22 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
         chat.insert("tool_choice".into(), choice);
         if tc.get("disable_parallel_tool_use").and_then(Value::as_bool) == Some(true) {
             chat.insert("parallel_tool_calls".into(), false.into());
+        }
+    }
+    // Structured outputs: `output_config.format` (and the older top-level `output_format`) constrain the
+    // answer with the same grammar engine as chat's `response_format`; Anthropic's are always strict.
+    let format = o.get("output_config").and_then(|c| c.get("format")).or_else(|| o.get("output_format"));
+    if let Some(f) = format.filter(|f| !f.is_null()) {
+        let param = if o.get("output_config").is_some() { "output_config.format" } else { "output_format" };
+        match f.get("type").and_then(Value::as_str) {
+            Some("json_schema") => {
+                let schema = f.get("schema").ok_or_else(|| invalid("a json_schema format needs `schema`", param))?;
+                chat.insert(
+                    "response_format".into(),
+                    json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": true}}),
+                );
+            }
+            other => return Err(invalid(format!("output format type {other:?} is not json_schema"), param)),
         }
     }
     // Thinking only when asked for, as Anthropic's API does.

@@ -255,9 +255,30 @@ impl TokenizerCore {
         } else {
             (self.literal_strings(p.messages), literal_map(self, p.template_kwargs))
         };
-        let text = template
-            .render(&messages, true, &kwargs)
+        let continued = p.continue_final_message.then(|| final_text(&messages)).flatten();
+        if p.continue_final_message && continued.is_none() {
+            return Err(RequestError::new(
+                ErrorCode::InvalidRequest,
+                "continuing the final message needs a last assistant message with text",
+            )
+            .with_param("messages"));
+        }
+        let add_generation_prompt = p.add_generation_prompt && !p.continue_final_message;
+        let mut text = template
+            .render(&messages, add_generation_prompt, &kwargs)
             .map_err(|e| RequestError::new(ErrorCode::InvalidRequest, e.to_string()).with_param("messages"))?;
+        if let Some(last) = continued {
+            // The template closes the turn after the text (`<|im_end|>\n`): cut there, as vLLM does,
+            // so the model continues the text.
+            let at = text.rfind(last.as_str()).ok_or_else(|| {
+                RequestError::new(
+                    ErrorCode::InvalidRequest,
+                    "the chat template changed the final message's text, so it cannot be continued",
+                )
+                .with_param("messages")
+            })?;
+            text.truncate(at + last.len());
+        }
         let prepared = prepare_prompt(&self.tok, &self.processor, &text, &media).map_err(|e| match e {
             crate::Error::Model(m) => media_error(m),
             other => RequestError::new(ErrorCode::InvalidRequest, other.to_string()),
@@ -354,6 +375,20 @@ fn literal_map(
             (k, if keep { v } else { core.literal_strings(v) })
         })
         .collect()
+}
+
+/// The text of the last message when it is an assistant's (a string, or its text parts joined).
+fn final_text(messages: &serde_json::Value) -> Option<String> {
+    let last = messages.as_array()?.last()?;
+    if last.get("role")?.as_str()? != "assistant" {
+        return None;
+    }
+    let text = match last.get("content")? {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Array(parts) => parts.iter().filter_map(|p| p.get("text")?.as_str()).collect(),
+        _ => return None,
+    };
+    (!text.is_empty()).then_some(text)
 }
 
 /// Stack of each tokenizer worker.

@@ -24,6 +24,7 @@ pub use media_url::resolve_url;
 use messages::{check_prompt_bytes, content_bytes};
 use sampling::common;
 use schema::response_format;
+pub use schema::schema_grammar;
 
 /// `stop`: one string or several.
 #[derive(Clone, Debug, Deserialize)]
@@ -111,6 +112,12 @@ pub struct ChatRequest {
     /// Special tokens written in messages are control tokens (osprey extension; default false: text).
     #[serde(default)]
     pub parse_special_tokens: bool,
+    /// Continue the last (assistant) message instead of starting a new turn (vLLM's extension; the
+    /// Messages API sets it for a prefill).
+    #[serde(default)]
+    pub continue_final_message: bool,
+    /// Render the generation prompt (default true; vLLM's extension).
+    pub add_generation_prompt: Option<bool>,
 }
 
 /// `POST /v1/completions` body.
@@ -224,12 +231,31 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
     if offered {
         gen.tools = Some(ToolSetup { specs, parallel });
     }
+    if req.continue_final_message {
+        if req.add_generation_prompt == Some(true) {
+            return Err(bad(
+                ErrorCode::InvalidRequest,
+                "continue_final_message continues the last message; it cannot also add a generation prompt",
+                "add_generation_prompt",
+            ));
+        }
+        if req.messages.last().and_then(|m| m.get("role")).and_then(Value::as_str) != Some("assistant") {
+            return Err(bad(
+                ErrorCode::InvalidRequest,
+                "continue_final_message needs the last message to be the assistant's",
+                "continue_final_message",
+            ));
+        }
+    }
+    let add_generation_prompt = req.add_generation_prompt.unwrap_or(!req.continue_final_message);
     let prompt = ChatPrompt {
         messages: Value::Array(messages),
         media,
         grammar,
         template_kwargs,
         parse_special_tokens: req.parse_special_tokens,
+        add_generation_prompt,
+        continue_final_message: req.continue_final_message,
         deadline: None,
         limits: MediaLimits {
             max_pixels: cfg.limits.max_image_pixels,

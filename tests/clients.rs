@@ -1,0 +1,140 @@
+//! The requests the OpenAI and Anthropic SDK helpers, LiteLLM, LangChain, instructor and pydantic-ai send
+//! (issue 22), raw, over real HTTP against the embedded default model: each failed against the server
+//! before its fix. `tools/client_compat.py` drives the libraries themselves (by hand; no Python here).
+
+mod harness;
+
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+
+use harness::{get, post};
+use osprey::Settings;
+use serde_json::{json, Value};
+
+fn server() -> SocketAddr {
+    static S: OnceLock<SocketAddr> = OnceLock::new();
+    *S.get_or_init(|| {
+        let settings = Settings::default();
+        let dir = osprey::model_dir(&settings).expect("embedded default model");
+        harness::start(settings, dir)
+    })
+}
+
+fn model_id() -> String {
+    let (_, body) = get(server(), "/v1/models");
+    serde_json::from_str::<Value>(&body).expect("json")["data"][0]["id"].as_str().expect("id").to_string()
+}
+
+/// `client.models.retrieve(id)` in both SDKs: `GET /v1/models/{id}`.
+#[test]
+fn models_retrieve_serves_the_model_object_in_both_shapes() {
+    let id = model_id();
+    let (s, body) = get(server(), &format!("/v1/models/{id}"));
+    assert_eq!(s, 200, "{body}");
+    let m: Value = serde_json::from_str(&body).expect("json");
+    // OpenAI's Model and Anthropic's ModelInfo.
+    assert_eq!(
+        (m["id"].as_str(), m["object"].as_str(), m["owned_by"].as_str()),
+        (Some(id.as_str()), Some("model"), Some("osprey"))
+    );
+    assert!(m["created"].is_u64());
+    assert_eq!((m["type"].as_str(), m["display_name"].as_str()), (Some("model"), Some(id.as_str())));
+    assert!(m["created_at"].as_str().is_some_and(|t| t.ends_with('Z') && t.len() == 20), "{m}");
+    let (s, body) = get(server(), "/v1/models/gpt-4o");
+    let e: Value = serde_json::from_str(&body).expect("json");
+    assert_eq!((s, e["error"]["code"].as_str()), (404, Some("model_not_found")), "{e}");
+}
+
+/// Anthropic's `messages.parse` and `ChatAnthropic.with_structured_output(method="json_schema")` send
+/// `output_config.format` (older clients: `output_format`); it was ignored.
+#[test]
+fn anthropic_structured_outputs_constrain_the_answer() {
+    let schema = json!({"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
+        "required": ["color"], "additionalProperties": false});
+    for key in ["output_config", "output_format"] {
+        let format = json!({"type": "json_schema", "schema": schema});
+        let mut body = json!({"max_tokens": 32, "messages": [{"role": "user", "content": "Describe a red circle."}]});
+        body[key] = if key == "output_config" { json!({"format": format}) } else { format };
+        let (s, v) = post(server(), "/v1/messages", &body.to_string(), None);
+        assert_eq!(s, 200, "{v}");
+        let text = v["content"][0]["text"].as_str().expect("text");
+        let answer: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{key}: not JSON ({e}): {text}"));
+        assert!(["red", "green", "blue"].contains(&answer["color"].as_str().unwrap_or("")), "{key}: {answer}");
+    }
+}
+
+/// A last assistant message is continued (Anthropic's prefill), not closed and restarted.
+#[test]
+fn an_assistant_prefill_is_continued() {
+    let prefill = "a red";
+    let (s, v) = post(
+        server(),
+        "/v1/messages",
+        &json!({"max_tokens": 8, "temperature": 0, "messages": [
+            {"role": "user", "content": "Describe a red circle."},
+            {"role": "assistant", "content": prefill}]})
+        .to_string(),
+        None,
+    );
+    assert_eq!(s, 200, "{v}");
+    let cont = v["content"][0]["text"].as_str().expect("text").to_string();
+    assert!(!cont.starts_with(prefill), "the answer is the continuation only: {cont:?}");
+    // The same continuation through chat completions' `continue_final_message` (vLLM's extension).
+    let chat = |extra: Value| {
+        let mut body = json!({"max_tokens": 8, "temperature": 0, "messages": [
+            {"role": "user", "content": "Describe a red circle."},
+            {"role": "assistant", "content": prefill}]});
+        body.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+        post(server(), "/v1/chat/completions", &body.to_string(), None)
+    };
+    let (s, c) = chat(json!({"continue_final_message": true, "chat_template_kwargs": {"enable_thinking": false}}));
+    assert_eq!(s, 200, "{c}");
+    assert_eq!(c["choices"][0]["message"]["content"].as_str(), Some(cont.as_str()), "{c}");
+    // Without it, a new turn begins after the closed assistant message: another prompt.
+    let (_, plain) = chat(json!({"chat_template_kwargs": {"enable_thinking": false}}));
+    assert_ne!(
+        plain["usage"]["prompt_tokens"], c["usage"]["prompt_tokens"],
+        "continuing drops the end of turn and the generation prompt"
+    );
+    let (s, e) = chat(json!({"continue_final_message": true, "add_generation_prompt": true}));
+    assert_eq!((s, e["error"]["param"].as_str()), (400, Some("add_generation_prompt")), "{e}");
+}
+
+/// `deadline_secs` applies on every front end, not only chat completions.
+#[test]
+fn deadline_secs_applies_to_responses_and_messages() {
+    let long = "Tell me a long story. ".repeat(50);
+    let r = json!({"input": long, "max_output_tokens": 3000, "deadline_secs": 0.000_001});
+    let (s, v) = post(server(), "/v1/responses", &r.to_string(), None);
+    assert_eq!(s, 504, "{v}");
+    let m = json!({"max_tokens": 3000, "deadline_secs": 0.000_001, "messages": [{"role": "user", "content": long}]});
+    let (s, v) = post(server(), "/v1/messages", &m.to_string(), None);
+    assert_eq!(s, 504, "{v}");
+}
+
+/// `ChatAnthropic` sends `max_tokens: 4096`, the embedded model's whole context: clamped to what the
+/// context leaves, and the answer ends with `max_tokens` if it runs there.
+#[test]
+fn max_tokens_beyond_the_context_is_clamped_to_what_is_left() {
+    let (s, v) = post(
+        server(),
+        "/v1/messages",
+        &json!({"max_tokens": 4096, "messages": [{"role": "user", "content": "Hello!"}]}).to_string(),
+        None,
+    );
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = post(
+        server(),
+        "/v1/chat/completions",
+        &json!({"max_tokens": 100_000, "ignore_eos": true, "messages": [{"role": "user", "content": "Hello!"}]})
+            .to_string(),
+        None,
+    );
+    assert_eq!(s, 200, "{v}");
+    let (p, c) = (
+        v["usage"]["prompt_tokens"].as_u64().expect("usage"),
+        v["usage"]["completion_tokens"].as_u64().expect("usage"),
+    );
+    assert_eq!(p + c, 4096, "generated up to the end of the context");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+}
