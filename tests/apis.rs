@@ -244,14 +244,13 @@ fn schema_constrained_output_validates_on_both_models() {
         let text = v["choices"][0]["message"]["content"].as_str().expect("content");
         assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
         assert!(serde_json::from_str::<Value>(text).expect("JSON").is_object(), "{text}");
-        // A budget too small to wrap up in still ends with `length` and the text so far.
-        let v = ok(
-            addr,
-            "/v1/chat/completions",
-            &json!({"messages": [{"role": "user", "content": "JSON"}], "max_tokens": 3,
-            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schemas[14]}}}),
-        );
-        assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+        // A budget below the shortest answer the schema allows is refused up front (it could only end
+        // with `length` and invalid JSON), naming the shortest.
+        let body = json!({"messages": [{"role": "user", "content": "JSON"}], "max_tokens": 3,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schemas[14]}}});
+        let (s, e) = post(addr, "/v1/chat/completions", &body.to_string(), None);
+        assert_eq!((s, e["error"]["param"].as_str()), (400, Some("max_tokens")), "{e}");
+        assert!(e["error"]["message"].as_str().is_some_and(|m| m.contains("shortest answer")), "{e}");
     }
 }
 

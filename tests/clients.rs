@@ -138,3 +138,73 @@ fn max_tokens_beyond_the_context_is_clamped_to_what_is_left() {
     assert_eq!(p + c, 4096, "generated up to the end of the context");
     assert_eq!(v["choices"][0]["finish_reason"], "length");
 }
+
+fn validates(schema: &Value, v: &Value) -> bool {
+    jsonschema::validator_for(schema).expect("a valid schema").is_valid(v)
+}
+
+/// The shortest answer a format allows, as the server reports it when `max_tokens` is below it.
+fn shortest(body: &Value) -> u64 {
+    let mut b = body.clone();
+    b["max_tokens"] = json!(1);
+    let (s, e) = post(server(), "/v1/chat/completions", &b.to_string(), None);
+    assert_eq!((s, e["error"]["param"].as_str()), (400, Some("max_tokens")), "{e}");
+    let msg = e["error"]["message"].as_str().expect("message");
+    msg.rsplit('(').next().and_then(|t| t.split_whitespace().next()).and_then(|n| n.parse().ok()).expect(msg)
+}
+
+/// Issue 22, item 2: structured output that runs out of budget inside a string was not JSON
+/// (`{"description": "... a red}}}}}}`). Every answer of the sweep, schemas × budgets from the shortest
+/// answer up, parses and validates.
+#[test]
+fn structured_output_validates_at_every_budget_from_the_shortest_up() {
+    let schemas = [
+        json!({"type": "object", "properties": {"description": {"type": "string"}}, "required": ["description"], "additionalProperties": false}),
+        json!({"type": "object", "properties": {"shapes": {"type": "array", "minItems": 1, "items": {"type": "object",
+            "properties": {"color": {"enum": ["red", "green", "blue"]}, "name": {"type": "string"}}, "required": ["color", "name"],
+            "additionalProperties": false}}, "count": {"type": "integer", "minimum": 0}}, "required": ["shapes", "count"], "additionalProperties": false}),
+        json!({"type": "object", "properties": {"answer": {"type": "string", "maxLength": 60}, "confidence": {"type": "number"},
+            "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["answer", "confidence", "tags"], "additionalProperties": false}),
+    ];
+    let mut answers = 0;
+    for schema in &schemas {
+        let body = json!({"messages": [{"role": "user", "content": "Describe the image."}], "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "Desc", "strict": true, "schema": schema}}});
+        let from = shortest(&body);
+        for budget in from..from + 40 {
+            let mut b = body.clone();
+            b["max_tokens"] = json!(budget);
+            let (s, v) = post(server(), "/v1/chat/completions", &b.to_string(), None);
+            assert_eq!(s, 200, "{v}");
+            let text = v["choices"][0]["message"]["content"].as_str().expect("content");
+            let answer: Value =
+                serde_json::from_str(text).unwrap_or_else(|e| panic!("{schema} at {budget}: not JSON ({e}): {text}"));
+            assert!(validates(schema, &answer), "{schema} at {budget}: {text}");
+            assert!(v["usage"]["completion_tokens"].as_u64().expect("usage") <= budget);
+            answers += 1;
+        }
+    }
+    assert_eq!(answers, 120);
+}
+
+/// Issue 22, item 2: a forced call of three parameters once needed 78 tokens and was cut at 64.
+#[test]
+fn a_forced_three_parameter_call_fits_a_small_budget() {
+    let tools = json!([{"type": "function", "function": {"name": "plan_trip", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["city", "days", "tags"]}}}]);
+    let body = json!({"messages": [{"role": "user", "content": "Plan a trip to Paris."}], "tools": tools,
+        "tool_choice": "required", "temperature": 0});
+    let from = shortest(&body);
+    for budget in [from, from + 5, from + 20, 96] {
+        let mut b = body.clone();
+        b["max_tokens"] = json!(budget);
+        let (s, v) = post(server(), "/v1/chat/completions", &b.to_string(), None);
+        assert_eq!(s, 200, "{v}");
+        let calls = v["choices"][0]["message"]["tool_calls"].as_array().unwrap_or_else(|| panic!("at {budget}: {v}"));
+        let args: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().expect("arguments")).expect("json");
+        assert!(validates(&tools[0]["function"]["parameters"], &args), "at {budget}: {args}");
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "at {budget}: {v}");
+    }
+}

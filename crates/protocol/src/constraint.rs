@@ -27,6 +27,9 @@ pub trait CompiledGrammar: Send + Sync + std::fmt::Debug {
     /// A matcher at the start of the output; `budget` is the most tokens the answer may have (the
     /// matcher steers the answer to its end as the budget runs out).
     fn start(&self, budget: Option<usize>) -> Box<dyn TokenMatcher>;
+    /// Tokens of the shortest answer the grammar allows (its end token included), as the matcher's
+    /// closing walk finds it: a budget below this cannot end in a valid answer.
+    fn shortest_answer(&self) -> usize;
 }
 
 /// A shared compiled grammar and the answer's token budget (equal only to itself).

@@ -269,7 +269,20 @@ pub(crate) async fn start_answer(
     chat: bool,
 ) -> Result<Answer, ApiError> {
     // The grammar steers the answer to its end as its budget runs out (`max_tokens`, else the context).
-    let budget = gen.max_tokens.unwrap_or(state.cfg.context_len.saturating_sub(prompt.input_ids.len()));
+    let left = state.cfg.context_len.saturating_sub(prompt.input_ids.len());
+    let budget = gen.max_tokens.map_or(left, |m| m.min(left));
+    if let Some(c) = &prompt.constraint {
+        let shortest = c.grammar.shortest_answer();
+        if budget < shortest {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "max_tokens {budget} cannot hold the shortest answer the output format allows ({shortest} tokens)"
+                ),
+            )
+            .param("max_tokens"));
+        }
+    }
     gen.sampling.constraint = prompt.constraint.take().map(|c| Constraint { budget: Some(budget), ..c });
     let tools = gen.tools.clone();
     let g = Generation::start(state, prompt, gen, req, chat).await?;

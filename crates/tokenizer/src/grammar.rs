@@ -6,12 +6,9 @@
 //! module compiles them.
 //!
 //! A grammar only says what may come next, not that the answer ends: a number's digits or a string's
-//! characters can go on until `max_tokens` cuts the answer mid-value. So in the last quarter of its token
-//! budget (16 to 64 tokens, at most half of it) a matcher *wraps up*: among the allowed tokens it keeps, when there are any,
-//! first the end-of-answer tokens, then the `<` of a closing tag right after a line break, then a line
-//! break (closing tags start a line), then tokens that close strings, objects and arrays (made only of
-//! `"`, `}`, `]`), then a comma; the grammar forces what must come in between (required keys, tag
-//! names). The answer then ends inside its budget and parses.
+//! characters can go on until `max_tokens` cuts the answer mid-value. So a matcher with a token budget
+//! *wraps up* when what is left of the budget comes near the shortest way to close the answer from where
+//! it stands (`wrapup.rs`).
 
 use std::sync::{Arc, Mutex};
 
@@ -20,6 +17,8 @@ use llguidance::{Matcher, ParserFactory};
 use osprey_protocol::constraint::{CompiledGrammar, Constraint, Grammar, TokenMatcher};
 use serde_json::Value;
 use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+
+use crate::wrapup::{Lex, Tiers};
 
 /// The vocabulary as llguidance sees it: token bytes in a trie, tokenization by our tokenizer.
 struct Env {
@@ -37,71 +36,6 @@ impl TokenizerEnv for Env {
         match std::str::from_utf8(s) {
             Ok(text) => self.tok.encode(text, false).map(|e| e.get_ids().to_vec()).unwrap_or_default(),
             Err(_) => self.trie.greedy_tokenize(s),
-        }
-    }
-}
-
-/// Token classes a wrapping-up matcher prefers, best first (one bit per token).
-#[derive(Debug)]
-struct Tiers {
-    /// End-of-answer tokens.
-    eos: Vec<u32>,
-    /// Tokens that start with `<` (a closing tag, once a line has ended).
-    lt: Vec<u32>,
-    /// Tokens that start with a line break and `<`.
-    nl_lt: Vec<u32>,
-    /// A lone line break (a closing tag starts on its own line).
-    nl: Vec<u32>,
-    /// Tokens made only of `"`, `}` and `]` (they close strings, objects, arrays).
-    close: Vec<u32>,
-    /// A comma, perhaps with the layout's space (it ends a number; spaces alone would let a string
-    /// run on).
-    comma: Vec<u32>,
-    /// Tokens that end with a line break.
-    ends_nl: Vec<u32>,
-}
-
-fn has(bits: &[u32], t: u32) -> bool {
-    bits.get(t as usize / 32).is_some_and(|w| w >> (t % 32) & 1 == 1)
-}
-
-impl Tiers {
-    fn new(words: &[Vec<u8>], eos: &[u32]) -> Self {
-        let n = words.len().div_ceil(32);
-        let set = |pick: &dyn Fn(usize, &[u8]) -> bool| {
-            let mut bits = vec![0u32; n];
-            for (t, w) in words.iter().enumerate() {
-                if w.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER) && pick(t, w) {
-                    bits[t / 32] |= 1 << (t % 32);
-                }
-            }
-            bits
-        };
-        Tiers {
-            eos: {
-                let mut bits = vec![0u32; n];
-                eos.iter()
-                    .filter(|&&t| (t as usize) < words.len())
-                    .for_each(|&t| bits[t as usize / 32] |= 1 << (t % 32));
-                bits
-            },
-            lt: set(&|_, w| w.first() == Some(&b'<')),
-            nl_lt: set(&|_, w| w.starts_with(b"\n<")),
-            nl: set(&|_, w| w == b"\n"),
-            close: set(&|_, w| !w.is_empty() && w.iter().all(|b| matches!(b, b'"' | b'}' | b']'))),
-            comma: set(&|_, w| w.first() == Some(&b',') && w[1..].iter().all(|b| *b == b' ')),
-            ends_nl: set(&|_, w| w.last() == Some(&b'\n')),
-        }
-    }
-
-    /// `allowed` narrowed to the best class that keeps a token; `after_nl`: the last token ended a line.
-    fn narrow(&self, allowed: &mut [u32], after_nl: bool) {
-        let lt: &[u32] = if after_nl { &self.lt } else { &[] };
-        for tier in [&self.eos[..], lt, &self.nl_lt, &self.nl, &self.close, &self.comma] {
-            if allowed.iter().zip(tier).any(|(a, t)| a & t != 0) {
-                allowed.iter_mut().enumerate().for_each(|(i, a)| *a &= tier.get(i).copied().unwrap_or(0));
-                return;
-            }
         }
     }
 }
@@ -160,15 +94,22 @@ impl GrammarCompiler {
         if let Some(e) = trial.get_error() {
             return Err(e);
         }
-        let grammar = Arc::new(Compiled { proto: Mutex::new(proto), tiers: self.tiers.clone() });
+        let shortest = crate::wrapup::distance(&mut trial, &self.tiers, &Lex::default(), MAX_SHORTEST)?;
+        let grammar = Arc::new(Compiled { proto: Mutex::new(proto), tiers: self.tiers.clone(), shortest });
         Ok(Constraint { grammar, budget: None })
     }
 }
+
+/// Longest closing walk measured at compile time (a grammar whose shortest answer is longer counts as
+/// this long).
+const MAX_SHORTEST: usize = 4096;
 
 /// A compiled grammar: a matcher at the start, cloned for each sequence.
 struct Compiled {
     proto: Mutex<Matcher>,
     tiers: Arc<Tiers>,
+    /// Tokens of the shortest answer (the closing walk from the start).
+    shortest: usize,
 }
 
 impl std::fmt::Debug for Compiled {
@@ -180,10 +121,20 @@ impl std::fmt::Debug for Compiled {
 impl CompiledGrammar for Compiled {
     fn start(&self, budget: Option<usize>) -> Box<dyn TokenMatcher> {
         let m = self.proto.lock().unwrap_or_else(std::sync::PoisonError::into_inner).deep_clone();
-        // Wrap up over the last quarter of the budget: at least 16 tokens (closing a few levels and
-        // writing the required keys left), at most 64, never more than half of it.
-        let wrap_at = budget.map(|b| b.saturating_sub((b / 4).clamp(16, 64).min(b / 2)));
-        Box::new(Seq { m, tiers: self.tiers.clone(), committed: 0, wrap_at, after_nl: false })
+        Box::new(Seq {
+            m,
+            tiers: self.tiers.clone(),
+            committed: 0,
+            budget,
+            wrapping: false,
+            next_check: 0,
+            lex: Lex::default(),
+            last_distance: 0,
+        })
+    }
+
+    fn shortest_answer(&self) -> usize {
+        self.shortest
     }
 }
 
@@ -192,10 +143,16 @@ struct Seq {
     m: Matcher,
     tiers: Arc<Tiers>,
     committed: usize,
-    /// Tokens after which it wraps up.
-    wrap_at: Option<usize>,
-    /// The last token ended a line.
-    after_nl: bool,
+    /// Most tokens the answer may have, its end token included.
+    budget: Option<usize>,
+    /// The answer is being closed: only closing tokens from now on.
+    wrapping: bool,
+    /// Tokens committed when the distance to the end is measured next.
+    next_check: usize,
+    /// Where the answer's text stands (in a JSON string, after a line break).
+    lex: Lex,
+    /// The closing path's length at the last measure.
+    last_distance: usize,
 }
 
 impl std::fmt::Debug for Seq {
@@ -204,20 +161,103 @@ impl std::fmt::Debug for Seq {
     }
 }
 
+/// Tokens of slack kept when deciding to wrap up: the model may pick another closing token of the same
+/// class than the measured path does.
+const WRAP_MARGIN: usize = 3;
+
+/// Slack under which the closing path is measured at every token.
+const CHECK_EVERY_TOKEN: usize = 64;
+
+/// Tokens of slack under which structural tokens are guarded (a structure a token can open, such as an
+/// array item with its required keys, is shorter than this).
+const GUARD_SLACK: usize = 48;
+
+impl Seq {
+    /// Decides whether to start wrapping up: measures the shortest closing path when due, and wraps up
+    /// once the budget left is within [`WRAP_MARGIN`] of it. A single token can lengthen the path by
+    /// a whole structure (`, {` opens an array item with its required keys), so the path is measured at
+    /// every token once the slack is under [`CHECK_EVERY_TOKEN`], and after a sixteenth of the slack
+    /// before that.
+    fn check_wrap(&mut self) -> Result<(), String> {
+        let Some(budget) = self.budget else { return Ok(()) };
+        if self.wrapping || self.committed < self.next_check {
+            return Ok(());
+        }
+        let left = budget.saturating_sub(self.committed);
+        let d = crate::wrapup::distance(&mut self.m, &self.tiers, &self.lex, left + 1)?;
+        self.last_distance = d;
+        if d + WRAP_MARGIN >= left {
+            self.wrapping = true;
+        } else {
+            let slack = left - d - WRAP_MARGIN;
+            self.next_check = self.committed + if slack < CHECK_EVERY_TOKEN { 1 } else { slack / 16 };
+        }
+        Ok(())
+    }
+
+    /// Near the end of the budget (but not yet wrapping up), forbids the allowed tokens after which the
+    /// closing path would no longer fit: a `,` that opens another array item or property, a `"` that
+    /// starts an optional key. Tokens are grouped by what they do to the structure
+    /// ([`crate::wrapup::structure`]); one representative per group is tried (consumed, measured, rolled
+    /// back). Plain content never lengthens the path and is left alone.
+    fn guard(&mut self, allowed: &mut [u32]) -> Result<(), String> {
+        let Some(budget) = self.budget else { return Ok(()) };
+        let left = budget.saturating_sub(self.committed);
+        if self.wrapping || left > self.last_distance + GUARD_SLACK {
+            return Ok(());
+        }
+        let mut groups: Vec<(Vec<u8>, Vec<u32>)> = Vec::new();
+        for t in self.tiers.structural(allowed) {
+            let key = crate::wrapup::structure(&self.lex, self.tiers.word(t));
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, members)) => members.push(t),
+                None => groups.push((key, vec![t])),
+            }
+        }
+        for (_, members) in groups {
+            let t = members[0];
+            if self.m.consume_token(t).is_err() {
+                continue;
+            }
+            let mut lex = self.lex.clone();
+            lex.feed_token(t, self.tiers.word(t));
+            let d = crate::wrapup::distance(&mut self.m, &self.tiers, &lex, left);
+            self.m.rollback(1).map_err(|e| e.to_string())?;
+            // After `t`, `left - 1` tokens remain for a path of `d`.
+            if d? + 1 > left.saturating_sub(1) {
+                for m in members {
+                    allowed[m as usize / 32] &= !(1 << (m % 32));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl TokenMatcher for Seq {
     fn allowed(&mut self, allowed: &mut Vec<u32>) -> Result<(), String> {
+        self.check_wrap()?;
         let mask = self.m.compute_mask_or_eos().map_err(|e| e.to_string())?;
         allowed.clear();
         allowed.extend_from_slice(mask.as_slice());
-        if self.wrap_at.is_some_and(|w| self.committed >= w) {
-            self.tiers.narrow(allowed, self.after_nl);
+        if self.wrapping {
+            self.tiers.wrap(allowed, &self.lex);
+        } else {
+            self.guard(allowed)?;
+            if allowed.iter().all(|w| *w == 0) {
+                // Nothing fits any more (a path measured too short): close from here.
+                self.wrapping = true;
+                allowed.clear();
+                allowed.extend_from_slice(mask.as_slice());
+                self.tiers.wrap(allowed, &self.lex);
+            }
         }
         Ok(())
     }
 
     fn commit(&mut self, token: u32) -> Result<(), String> {
         self.committed += 1;
-        self.after_nl = has(&self.tiers.ends_nl, token);
+        self.lex.feed_token(token, self.tiers.word(token));
         if self.m.is_stopped() {
             return Ok(()); // the end-of-answer token after a complete grammar
         }
@@ -300,6 +340,59 @@ mod tests {
         let lark = c.compile(&Grammar::Lark(r#"start: /[^<]*\n<\/parameter>\n/ "done""#.into())).expect("lark");
         let out = walk(&lark, &tok, Some(24), 24, true).expect("ends");
         assert!(out.ends_with("</parameter>\ndone"), "{out:?}");
+    }
+
+    fn validates(schema: &Value, v: &Value) -> bool {
+        jsonschema::validator_for(schema).expect("a valid schema").is_valid(v)
+    }
+
+    /// Issue 22: every answer of a stubborn model, for every budget from the shortest answer up, parses
+    /// and validates (a string once ran `...red}}}}}}` to the limit: inside it `}` is a character).
+    #[test]
+    fn every_budget_from_the_shortest_answer_up_ends_in_a_valid_answer() {
+        let (c, tok) = compiler();
+        let schemas = [
+            json!({"type": "object", "properties": {"description": {"type": "string"}}, "required": ["description"], "additionalProperties": false}),
+            json!({"type": "object", "properties": {"x": {"type": "number"}, "s": {"type": "string"},
+                "xs": {"type": "array", "items": {"type": "integer"}}}, "required": ["x", "s", "xs"], "additionalProperties": false}),
+            json!({"type": "object", "properties": {"shapes": {"type": "array", "minItems": 1, "items": {"type": "object",
+                "properties": {"color": {"enum": ["red", "green"]}, "name": {"type": "string", "minLength": 2}},
+                "required": ["color", "name"], "additionalProperties": false}}}, "required": ["shapes"], "additionalProperties": false}),
+            json!({"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object",
+                "properties": {"c": {"type": "string"}, "n": {"type": "integer", "minimum": 3, "maximum": 70}},
+                "required": ["c", "n"], "additionalProperties": false}}, "required": ["b"], "additionalProperties": false}},
+                "required": ["a"], "additionalProperties": false}),
+            json!({"type": "array", "items": {"type": "string"}, "minItems": 2}),
+            json!({"type": "string", "maxLength": 40}),
+        ];
+        for schema in &schemas {
+            let g = c.compile(&json(schema.clone())).expect("compile");
+            let shortest = g.grammar.shortest_answer();
+            assert!(shortest > 1 && shortest < 60, "{schema}: {shortest}");
+            for budget in shortest..shortest + 32 {
+                for stubborn in [true, false] {
+                    let out = walk(&g, &tok, Some(budget), budget, stubborn)
+                        .unwrap_or_else(|e| panic!("{schema} at {budget}: did not end: {e:?}"));
+                    let v: Value =
+                        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{schema} at {budget}: {out:?}: {e}"));
+                    assert!(validates(schema, &v), "{schema} at {budget}: {out}");
+                }
+            }
+        }
+        // A forced call of three parameters (the server's call grammar: raw strings and JSON values).
+        let call = r#"start: "<tool_call>\n<function=f>\n" p0 p1 p2 "</function>\n</tool_call>"
+p0: "<parameter=city>\n" /[^<]*\n<\/parameter>\n/
+p1: "<parameter=days>\n" v1 "\n</parameter>\n"
+v1: %json {"type": "integer", "minimum": 1, "maximum": 14, "x-guidance": {"whitespace_flexible": false}}
+p2: "<parameter=tags>\n" v2 "\n</parameter>\n"
+v2: %json {"type": "array", "items": {"type": "string"}, "minItems": 1, "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}}
+"#;
+        let g = c.compile(&Grammar::Lark(call.into())).expect("lark");
+        let shortest = g.grammar.shortest_answer();
+        for budget in shortest..shortest + 48 {
+            let out = walk(&g, &tok, Some(budget), budget, true).unwrap_or_else(|e| panic!("call at {budget}: {e:?}"));
+            assert!(out.ends_with("</function>\n</tool_call>"), "call at {budget}: {out:?}");
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@ mod detok;
 mod grammar;
 mod placeholders;
 mod prepare;
+mod wrapup;
 
 use std::path::{Path, PathBuf};
 
