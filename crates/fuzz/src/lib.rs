@@ -53,23 +53,10 @@ fn env() -> &'static Env {
         let core = TokenizerCore::from_dir(&dir, true).expect("the tiny model's tokenizer loads");
         let tok = core.tokenizer();
         let cfg = ServerConfig {
-            model_id: "tiny".into(),
-            context_len: 4096,
-            vocab_size: tok.vocab_size(),
-            max_token_bytes: tok.max_token_bytes(),
-            vision: true,
-            video: true,
-            api_key: None,
-            allowed_hosts: Vec::new(),
-            allowed_origins: Vec::new(),
-            shutdown_grace_secs: 0,
-            body_timeout_secs: 1.0,
-            request_deadline_secs: None,
-            idle_timeout_secs: 1.0,
-            eos_token_ids: Vec::new(),
             template_kwargs: core.template_variables(),
             // No remote or local media: a fuzzed URL never leaves the process.
             limits: Limits { max_image_pixels: MAX_PIXELS, max_media_bytes: 1 << 20, ..Limits::default() },
+            ..ServerConfig::basic("tiny", 4096, tok.vocab_size(), tok.max_token_bytes())
         };
         Env { core, cfg }
     })

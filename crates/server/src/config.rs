@@ -84,15 +84,15 @@ pub struct ServerConfig {
     pub limits: Limits,
 }
 
-#[cfg(test)]
 impl ServerConfig {
-    /// A configuration for unit tests: a 4,096-token context, no template-argument restriction.
-    pub(crate) fn test() -> Self {
+    /// A configuration for a vision model of `context_len` tokens with everything else at its default
+    /// (no key, no allow-lists, no deadline, short timeouts): unit tests and the fuzz targets.
+    pub fn basic(model_id: &str, context_len: usize, vocab_size: usize, max_token_bytes: usize) -> Self {
         ServerConfig {
-            model_id: "test".into(),
-            context_len: 4096,
-            vocab_size: 1000,
-            max_token_bytes: 16,
+            model_id: model_id.into(),
+            context_len,
+            vocab_size,
+            max_token_bytes,
             vision: true,
             video: true,
             api_key: None,
@@ -106,5 +106,11 @@ impl ServerConfig {
             template_kwargs: None,
             limits: Limits::default(),
         }
+    }
+
+    /// A configuration for unit tests: a 4,096-token context, no template-argument restriction.
+    #[cfg(test)]
+    pub(crate) fn test() -> Self {
+        Self::basic("test", 4096, 1000, 16)
     }
 }
