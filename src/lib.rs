@@ -228,6 +228,24 @@ fn extra_metrics() -> String {
     grammar + &ple_metrics()
 }
 
+/// [`extra_metrics`] as JSON for the engine view.
+fn extra_stats() -> serde_json::Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (nanos, masks) = (osprey_runner::MASK_NANOS.load(Relaxed), osprey_runner::MASKS.load(Relaxed));
+    let mut v = serde_json::json!({"grammar": {"masks": masks, "mask_seconds": nanos as f64 * 1e-9}});
+    let s = osprey_models::ple_stats();
+    if s.table_bytes.load(Relaxed) > 0 {
+        let (hits, misses) = (s.hits.load(Relaxed), s.misses.load(Relaxed));
+        v["ple"] = serde_json::json!({
+            "hits": hits, "misses": misses,
+            "residency": if hits + misses == 0 { 1.0 } else { hits as f64 / (hits + misses) as f64 },
+            "bytes_read": s.bytes_read.load(Relaxed), "resident_bytes": s.resident_bytes.load(Relaxed),
+            "table_bytes": s.table_bytes.load(Relaxed),
+        });
+    }
+    v
+}
+
 fn ple_metrics() -> String {
     use std::sync::atomic::Ordering::Relaxed;
     let s = osprey_models::ple_stats();
@@ -348,6 +366,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         eos_token_ids: eos,
         template_kwargs,
         limits,
+        webui: !settings.no_webui.unwrap_or(false),
     };
     let engine = Engine {
         tokenizer: tokenizer.sender(),
@@ -355,7 +374,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         vision: vision.map(|v| v.sender()),
         prefix,
         experts: experts.map(|e| e.sender()),
-        extra_metrics: Some(osprey_server::MetricsHook(Arc::new(extra_metrics))),
+        extra_metrics: Some(osprey_server::MetricsHook { text: Arc::new(extra_metrics), json: Arc::new(extra_stats) }),
     };
     let addr = format!("{}:{}", settings.host.as_deref().unwrap_or("127.0.0.1"), settings.port.unwrap_or(8080));
     let served = osprey_server::bind(server_cfg, engine, &addr, settings.http_workers.unwrap_or(2))?;

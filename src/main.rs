@@ -155,6 +155,9 @@ struct ServeArgs {
     /// Most MiB of conversations kept for `previous_response_id`, media included (default 256).
     #[arg(long)]
     max_stored_response_mb: Option<f64>,
+    /// Do not serve the web page (the chat at `/` and the engine view at `/dashboard`).
+    #[arg(long)]
+    no_webui: bool,
 }
 
 impl ServeArgs {
@@ -199,6 +202,7 @@ impl ServeArgs {
             max_request_pixels: self.max_request_pixels,
             max_stored_responses: self.max_stored_responses,
             max_stored_response_mb: self.max_stored_response_mb,
+            no_webui: self.no_webui.then_some(true),
             device: None,
             activations: None,
         }

@@ -95,6 +95,8 @@ pub struct Settings {
     pub max_stored_responses: Option<usize>,
     /// Most MiB of stored conversations, media included (default 256).
     pub max_stored_response_mb: Option<f64>,
+    /// Do not serve the web page (`/`, `/dashboard`); the API is unchanged.
+    pub no_webui: Option<bool>,
 }
 
 impl Settings {

@@ -8,7 +8,7 @@ recursive schemas, JSON amplification, template-argument and media-URL tricks, o
 special tokens, deadlines shorter than the media work...); each must get the refusal it expects, never a
 5xx other than its own 504, and never take the engine down. A prober thread asks /health and a fixed set
 of greedy requests every few seconds: their answers must stay byte-identical to the ones the server gave
-before the soak (after --warmup seconds of normal traffic, where RSS is first measured).
+before the soak (after --warmup seconds of the same mix, where RSS is first measured).
 
 Usage: python3 tools/soak.py --base http://127.0.0.1:8080 --pid $(pgrep -f 'osprey serve') \\
            [--clients 64] [--seconds 600] [--media fixtures/media/default] [--abuse 0.25] [--warmup 60]
@@ -283,7 +283,9 @@ def main():
         return threads
 
     if a.warmup > 0:
-        for t in run(a.warmup, 0.0):
+        # The same mix as the soak, so allocator arenas, the KV pool's recycled pages and the caches are
+        # at their high-water marks before RSS is first measured: what follows shows growth, not warm-up.
+        for t in run(a.warmup, a.abuse):
             t.join()
         results.clear()
         latencies.clear()

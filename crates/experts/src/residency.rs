@@ -16,7 +16,7 @@ use osprey_models::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, Pen
 use osprey_protocol::{ErrorCode, Handle, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
-pub use osprey_protocol::experts::{LayerStats, ResidencyCommand, ResidencyStats};
+pub use osprey_protocol::experts::{ExpertMap, LayerStats, ResidencyCommand, ResidencyStats};
 
 use crate::reader::Reader;
 use crate::store::ExpertIndex;
@@ -64,6 +64,8 @@ pub struct ResidencyTable {
     tick: u64,
     /// Per-layer counters.
     pub stats: Vec<LayerStats>,
+    /// Per layer, per expert: (hits, misses) (grown as experts are seen).
+    per_expert: Vec<Vec<(u64, u64)>>,
     /// Experts evicted.
     pub evictions: u64,
 }
@@ -79,8 +81,30 @@ impl ResidencyTable {
             per_layer: vec![0; layers],
             tick: 0,
             stats: vec![LayerStats::default(); layers],
+            per_expert: vec![Vec::new(); layers],
             evictions: 0,
         }
+    }
+
+    /// Per layer of `experts_per_layer[layer]` experts: the resident ids and each expert's counts.
+    pub fn expert_maps(&self, experts_per_layer: &[usize]) -> Vec<ExpertMap> {
+        let mut maps: Vec<ExpertMap> = experts_per_layer
+            .iter()
+            .zip(&self.per_expert)
+            .map(|(&count, c)| ExpertMap {
+                count,
+                resident: Vec::new(),
+                hits: (0..count).map(|e| c.get(e).map_or(0, |x| x.0)).collect(),
+                misses: (0..count).map(|e| c.get(e).map_or(0, |x| x.1)).collect(),
+            })
+            .collect();
+        for &(layer, expert) in self.slots.iter().map(|(k, _)| k) {
+            if let Some(m) = maps.get_mut(layer) {
+                m.resident.push(expert as u32);
+            }
+        }
+        maps.iter_mut().for_each(|m| m.resident.sort_unstable());
+        maps
     }
 
     /// Bytes held.
@@ -130,11 +154,17 @@ impl ResidencyTable {
     /// A resident expert, leased; `None` on a miss.
     pub fn lease(&mut self, layer: usize, expert: usize) -> Option<Arc<ExpertWeights>> {
         let key = (layer, expert);
+        let counts = &mut self.per_expert[layer];
+        if counts.len() <= expert {
+            counts.resize(expert + 1, (0, 0));
+        }
         if !self.slots.contains(&key) {
             self.stats[layer].misses += 1;
+            counts[expert].1 += 1;
             return None;
         }
         self.stats[layer].hits += 1;
+        counts[expert].0 += 1;
         self.touch(key);
         let s = self.slots.peek_mut(&key).expect("present");
         s.leases += 1;
@@ -298,6 +328,7 @@ pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy
                             evictions: table.evictions,
                             stall_secs: stall.load(Ordering::Relaxed) as f64 / 1e9,
                             reader: format!("{:?}", reader.kind()),
+                            experts: table.expert_maps(&index.experts.iter().map(Vec::len).collect::<Vec<_>>()),
                         });
                     }
                 }

@@ -65,4 +65,19 @@ pub struct ResidencyStats {
     pub stall_secs: f64,
     /// Reader in use.
     pub reader: String,
+    /// Per layer, per expert: which are in RAM and their hit and miss counts (the engine view's heat map).
+    pub experts: Vec<ExpertMap>,
+}
+
+/// The experts of one layer as the residency manager sees them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ExpertMap {
+    /// Experts in the layer.
+    pub count: usize,
+    /// Ids of the experts held in RAM, ascending.
+    pub resident: Vec<u32>,
+    /// Accesses served from RAM, per expert id.
+    pub hits: Vec<u64>,
+    /// Accesses read from disk, per expert id.
+    pub misses: Vec<u64>,
 }

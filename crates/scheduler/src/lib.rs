@@ -55,6 +55,21 @@ impl SchedulerHandle {
     }
 }
 
+/// Shortest time between two [`release_free_memory`] calls.
+const TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Returns the allocator's free pages to the system (glibc's `malloc_trim`). A burst of large requests
+/// (64 MB bodies, decoded images) leaves freed memory in the allocator's per-thread arenas, which glibc
+/// keeps: without this an idle server stayed ~15 MB above where it was after a soak of abusive bodies.
+/// Called when the engine goes idle, at most every [`TRIM_INTERVAL`]; it costs about a millisecond.
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory of the allocator's own heaps.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Starts the scheduler thread, driving `runner`.
 pub fn spawn(
     cfg: SchedulerConfig,
@@ -70,7 +85,15 @@ pub fn spawn(
                 Some(tx) => Box::new(ActorPort(tx)),
                 None => Box::new(NoPrefixCache),
             };
+            let mut trimmed = std::time::Instant::now();
+            let mut worked = false;
             loop {
+                // Going idle after work: give the heap's free pages back (rate-limited).
+                if worked && !s.has_work() && trimmed.elapsed() >= TRIM_INTERVAL {
+                    release_free_memory();
+                    trimmed = std::time::Instant::now();
+                    worked = false;
+                }
                 // Block only when idle; otherwise take what is queued and step.
                 let first = if s.has_work() {
                     match rx.try_recv() {
@@ -98,6 +121,7 @@ pub fn spawn(
                     next = rx.try_recv().ok();
                 }
                 let Some(plan) = s.schedule(port.as_mut()) else { continue };
+                worked = true;
                 let (reply, wait) = oneshot::channel();
                 if runner.send(RunnerCommand::Step { plan: plan.clone(), reply }).is_err() {
                     tracing::error!("runner is gone; scheduler stops");

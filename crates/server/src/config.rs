@@ -82,6 +82,8 @@ pub struct ServerConfig {
     pub template_kwargs: Option<Vec<String>>,
     /// Request limits.
     pub limits: Limits,
+    /// Serve the web page (`/`, `/dashboard`); `--no-webui` turns it off.
+    pub webui: bool,
 }
 
 impl ServerConfig {
@@ -105,6 +107,7 @@ impl ServerConfig {
             eos_token_ids: Vec::new(),
             template_kwargs: None,
             limits: Limits::default(),
+            webui: true,
         }
     }
 

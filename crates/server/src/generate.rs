@@ -260,7 +260,7 @@ impl Generation {
                 EngineEvent::Token { token, logprobs } => {
                     let now = Instant::now();
                     match self.last_token {
-                        None => self.state.metrics.ttft.observe((now - self.started).as_secs_f64()),
+                        None => self.state.metrics.observe_ttft((now - self.started).as_secs_f64()),
                         Some(t) => self.state.metrics.itl.observe((now - t).as_secs_f64()),
                     }
                     self.last_token = Some(now);

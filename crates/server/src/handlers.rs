@@ -555,14 +555,21 @@ pub async fn health(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
-/// `GET /metrics` (Prometheus text).
-pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+/// What the actors report, asked once each (`/metrics` and `/v1/engine/stats`).
+pub(crate) struct EngineSnapshot {
+    pub(crate) scheduler: osprey_protocol::scheduler::SchedulerStats,
+    pub(crate) vision: VisionStats,
+    pub(crate) prefix: PrefixStats,
+    pub(crate) experts: Option<osprey_protocol::experts::ResidencyStats>,
+}
+
+pub(crate) async fn engine_snapshot(state: &AppState) -> Result<EngineSnapshot, ApiError> {
     let (tx, rx) = oneshot::channel();
     if state.engine.scheduler.send(SchedulerCommand::Stats { reply: tx }).is_err() {
         return Err(ApiError::new(ErrorCode::Unavailable, "the scheduler is gone"));
     }
-    let s = rx.await.map_err(|_| ApiError::new(ErrorCode::Unavailable, "the scheduler is gone"))?;
-    let v = match &state.engine.vision {
+    let scheduler = rx.await.map_err(|_| ApiError::new(ErrorCode::Unavailable, "the scheduler is gone"))?;
+    let vision = match &state.engine.vision {
         Some(vision) => {
             let (tx, rx) = oneshot::channel();
             let _ = vision.send(VisionCommand::Stats { reply: tx });
@@ -570,7 +577,7 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         }
         None => VisionStats::default(),
     };
-    let p = match &state.engine.prefix {
+    let prefix = match &state.engine.prefix {
         Some(prefix) => {
             let (tx, rx) = oneshot::channel();
             let _ = prefix.send(PrefixCommand::Stats { reply: tx });
@@ -578,13 +585,23 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         }
         None => PrefixStats::default(),
     };
-    let mut body = state.metrics.render(&s, &v, &p);
-    if let Some(experts) = &state.engine.experts {
-        let (tx, rx) = oneshot::channel();
-        let _ = experts.send(ResidencyCommand::Stats { reply: tx });
-        if let Ok(e) = rx.await {
-            body.push_str(&crate::metrics::render_experts(&e));
+    let experts = match &state.engine.experts {
+        Some(experts) => {
+            let (tx, rx) = oneshot::channel();
+            let _ = experts.send(ResidencyCommand::Stats { reply: tx });
+            rx.await.ok()
         }
+        None => None,
+    };
+    Ok(EngineSnapshot { scheduler, vision, prefix, experts })
+}
+
+/// `GET /metrics` (Prometheus text).
+pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let snap = engine_snapshot(&state).await?;
+    let mut body = state.metrics.render(&snap.scheduler, &snap.vision, &snap.prefix);
+    if let Some(e) = &snap.experts {
+        body.push_str(&crate::metrics::render_experts(e));
     }
     let (stored, stored_bytes) = state.responses.usage();
     for (name, help, v) in [
@@ -594,7 +611,7 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         body.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}\n"));
     }
     if let Some(extra) = &state.engine.extra_metrics {
-        body.push_str(&(extra.0)());
+        body.push_str(&(extra.text)());
     }
     Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(body))
 }

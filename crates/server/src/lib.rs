@@ -23,6 +23,7 @@ mod store;
 mod text;
 pub mod tools;
 mod validate;
+mod webui;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -43,6 +44,7 @@ pub use error::ApiError;
 pub use handlers::{check_body, Endpoint};
 pub use metrics::Metrics;
 pub use validate::schema_grammar;
+pub use webui::{total_bytes as webui_bytes, CSP as WEBUI_CSP};
 
 /// Where a graceful shutdown stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,9 +90,15 @@ pub struct Engine {
     pub extra_metrics: Option<MetricsHook>,
 }
 
-/// A source of extra `/metrics` text.
+/// Engine figures the server does not own (PLE row caches, grammar masks): Prometheus text for
+/// `/metrics` and the same as JSON for `/v1/engine/stats`.
 #[derive(Clone)]
-pub struct MetricsHook(pub std::sync::Arc<dyn Fn() -> String + Send + Sync>);
+pub struct MetricsHook {
+    /// Prometheus text.
+    pub text: std::sync::Arc<dyn Fn() -> String + Send + Sync>,
+    /// JSON (`{"ple": {...}, "grammar": {...}}`, keys absent when they do not apply).
+    pub json: std::sync::Arc<dyn Fn() -> serde_json::Value + Send + Sync>,
+}
 
 impl std::fmt::Debug for MetricsHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -155,6 +163,7 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
         phase,
         responses: store::ResponseStore::new(limits_store.0, limits_store.1),
     });
+    let webui_on = state.cfg.webui;
     let edge = std::sync::Arc::new(edge::EdgePolicy {
         allowed_hosts: state.cfg.allowed_hosts.clone(),
         allowed_origins: state.cfg.allowed_origins.clone(),
@@ -199,6 +208,14 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
             .service(get("/v1/models/{id}").route(web::get().to(handlers::model)))
             .service(get("/health").route(web::get().to(handlers::health)))
             .service(get("/metrics").route(web::get().to(handlers::metrics)))
+            .service(get("/v1/engine/stats").route(web::get().to(webui::stats)))
+            .configure(|c| {
+                if webui_on {
+                    c.service(get("/").route(web::get().to(webui::chat)))
+                        .service(get("/dashboard").route(web::get().to(webui::dashboard)))
+                        .service(get("/webui/{file}").route(web::get().to(webui::asset)));
+                }
+            })
             .default_service(web::to(|| async {
                 ApiError::new(ErrorCode::NotFound, "no such endpoint").param("path").error_response_owned()
             }))

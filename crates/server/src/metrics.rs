@@ -63,7 +63,12 @@ pub struct Metrics {
     /// Generations ended by their deadline.
     pub deadlines: AtomicU64,
     last_scrape: Mutex<Option<(Instant, u64)>>,
+    /// The last [`RECENT_TTFT`] times to first token: (seconds since the epoch, seconds).
+    recent: Mutex<std::collections::VecDeque<(f64, f64)>>,
 }
+
+/// Times to first token the engine view gets.
+const RECENT_TTFT: usize = 64;
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -77,6 +82,7 @@ impl Default for Metrics {
             itl: Histogram::default(),
             deadlines: AtomicU64::new(0),
             last_scrape: Mutex::new(None),
+            recent: Mutex::new(std::collections::VecDeque::new()),
         }
     }
 }
@@ -86,6 +92,22 @@ fn gauge(out: &mut String, name: &str, help: &str, kind: &str, v: f64) {
 }
 
 impl Metrics {
+    /// Records a request's time to first token (the histogram and the recent list).
+    pub fn observe_ttft(&self, secs: f64) {
+        self.ttft.observe(secs);
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        let mut r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        if r.len() == RECENT_TTFT {
+            r.pop_front();
+        }
+        r.push_back((now, secs));
+    }
+
+    /// The recent times to first token, oldest first.
+    pub fn recent_ttft(&self) -> Vec<(f64, f64)> {
+        self.recent.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect()
+    }
+
     /// Prometheus exposition text.
     pub fn render(&self, s: &SchedulerStats, v: &VisionStats, p: &PrefixStats) -> String {
         let mut out = String::new();

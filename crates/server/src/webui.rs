@@ -1,0 +1,111 @@
+//! The web page: a chat at `/` and a live engine view at `/dashboard`, plain HTML, CSS and JavaScript
+//! compiled into the binary (`crates/server/webui/`, ~35 KB), and `/v1/engine/stats`, the JSON the
+//! engine view polls. The page loads nothing from elsewhere: every response carries a
+//! Content-Security-Policy that allows this origin only (images also as `data:`/`blob:`, which attached
+//! media are), and the page talks to the same API with the same key, Host and CORS rules.
+
+use actix_web::http::header;
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde_json::{json, Value};
+
+use crate::handlers::{check_key, engine_snapshot};
+use crate::{ApiError, AppState};
+
+/// The policy every page and asset is served with: nothing but this origin (and inline media data).
+pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; \
+media-src 'self' blob:; connect-src 'self'; form-action 'none'; frame-ancestors 'none'; base-uri 'none'";
+
+const ASSETS: &[(&str, &str, &str)] = &[
+    ("index.html", "text/html; charset=utf-8", include_str!("../webui/index.html")),
+    ("dashboard.html", "text/html; charset=utf-8", include_str!("../webui/dashboard.html")),
+    ("style.css", "text/css; charset=utf-8", include_str!("../webui/style.css")),
+    ("common.js", "text/javascript; charset=utf-8", include_str!("../webui/common.js")),
+    ("markdown.js", "text/javascript; charset=utf-8", include_str!("../webui/markdown.js")),
+    ("chat.js", "text/javascript; charset=utf-8", include_str!("../webui/chat.js")),
+    ("dashboard.js", "text/javascript; charset=utf-8", include_str!("../webui/dashboard.js")),
+];
+
+fn serve(name: &str) -> HttpResponse {
+    match ASSETS.iter().find(|(n, _, _)| *n == name) {
+        Some((_, kind, body)) => HttpResponse::Ok()
+            .insert_header((header::CONTENT_TYPE, *kind))
+            .insert_header((header::CONTENT_SECURITY_POLICY, CSP))
+            .insert_header((header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
+            .insert_header((header::REFERRER_POLICY, "no-referrer"))
+            .insert_header((header::CACHE_CONTROL, "no-cache"))
+            .body(*body),
+        None => ApiError::new(osprey_protocol::ErrorCode::NotFound, "no such file").error_response_owned(),
+    }
+}
+
+/// `GET /`: the chat.
+pub async fn chat() -> HttpResponse {
+    serve("index.html")
+}
+
+/// `GET /dashboard`: the engine view.
+pub async fn dashboard() -> HttpResponse {
+    serve("dashboard.html")
+}
+
+/// `GET /webui/{file}`: the scripts and the style sheet.
+pub async fn asset(name: web::Path<String>) -> HttpResponse {
+    serve(name.as_str())
+}
+
+/// Bytes of every page and asset together (the page's weight, held under 200 KB by a test).
+pub fn total_bytes() -> usize {
+    ASSETS.iter().map(|(_, _, b)| b.len()).sum()
+}
+
+/// `GET /v1/engine/stats`: what the engine view draws, from the actors' own counters (one query each).
+pub async fn stats(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    check_key(&state, &req)?;
+    let snap = engine_snapshot(&state).await?;
+    let (s, p) = (&snap.scheduler, &snap.prefix);
+    let m = &state.metrics;
+    let ld = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    let experts = snap.experts.as_ref().map(|e| {
+        let (h, mi, bytes) =
+            e.layers.iter().fold((0u64, 0u64, 0u64), |(h, m, b), l| (h + l.hits, m + l.misses, b + l.bytes_read));
+        json!({
+            "residency": if h + mi == 0 { 1.0 } else { h as f64 / (h + mi) as f64 },
+            "bytes_read": bytes,
+            "resident_bytes": e.resident_bytes,
+            "resident_experts": e.resident_experts,
+            "evictions": e.evictions,
+            "stall_secs": e.stall_secs,
+            "reader": e.reader,
+            "layers": e.layers.iter().zip(e.experts.iter().map(Some).chain(std::iter::repeat(None))).map(|(l, x)| json!({
+                "hits": l.hits, "misses": l.misses, "bytes_read": l.bytes_read,
+                "experts": x.map_or(0, |x| x.count),
+                "resident": x.map(|x| x.resident.clone()).unwrap_or_default(),
+                "expert_hits": x.map(|x| x.hits.clone()).unwrap_or_default(),
+                "expert_misses": x.map(|x| x.misses.clone()).unwrap_or_default(),
+            })).collect::<Vec<Value>>(),
+        })
+    });
+    let extra = state.engine.extra_metrics.as_ref().map(|h| (h.json)()).unwrap_or(Value::Null);
+    let requests =
+        ld(&m.chat_requests) + ld(&m.completion_requests) + ld(&m.responses_requests) + ld(&m.messages_requests);
+    let now =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+    Ok(HttpResponse::Ok().json(json!({
+        "time": now,
+        "model": state.cfg.model_id,
+        "healthy": state.engine.stopped_actor().is_none(),
+        "requests": {"running": s.running, "waiting": s.waiting, "total": requests, "failed": ld(&m.failed_requests),
+            "preemptions": s.preemptions_total, "cancelled": s.cancelled_total},
+        "tokens": {"prompt_total": s.prompt_tokens_total, "generated_total": s.generated_tokens_total,
+            "cached_total": s.cached_tokens_total},
+        "ttft_recent": m.recent_ttft(),
+        "kv": {"pages_total": s.kv_pages_total, "pages_free": s.kv_pages_free, "pages_shared": s.kv_pages_shared,
+            "capacity_tokens": s.kv_capacity},
+        "prefix_cache": {"lookups": p.lookups, "hits": p.hits, "cached_tokens": s.cached_tokens_total, "bytes": p.bytes,
+            "budget": p.budget, "nodes": p.nodes, "evictions": p.evictions},
+        "vision_cache": {"hits": snap.vision.hits, "misses": snap.vision.misses, "bytes": snap.vision.cached_bytes},
+        "experts": experts,
+        "ple": extra.get("ple").cloned().unwrap_or(Value::Null),
+        "grammar": extra.get("grammar").cloned().unwrap_or(Value::Null),
+    })))
+}

@@ -1,0 +1,143 @@
+// The engine view: polls /v1/engine/stats every 1.5 s and draws what it says (docs/webui.md explains
+// each chart). Rates are differences between two polls of the server's own counters.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const HISTORY = 120; // points kept per chart (3 minutes)
+const series = { tps: [], ttft: [], running: [], queued: [], kv: [], hit: [], disk: [] };
+let last = null;
+
+function push(name, v) {
+  series[name].push(v);
+  if (series[name].length > HISTORY) series[name].shift();
+}
+
+function fmtBytes(n) {
+  const u = ["B", "KB", "MB", "GB"];
+  let i = 0;
+  while (n >= 1000 && i < u.length - 1) {
+    n /= 1000;
+    i++;
+  }
+  return `${n.toFixed(i ? 1 : 0)} ${u[i]}`;
+}
+
+// A line chart of one or two series in an SVG of 300 × 90.
+function chart(svg, lines) {
+  svg.textContent = "";
+  const all = lines.flatMap((l) => l.data).filter((v) => v !== null && isFinite(v));
+  const top = Math.max(0, ...all);
+  const max = (top || 1) * 1.1;
+  const ns = "http://www.w3.org/2000/svg";
+  for (const [i, l] of lines.entries()) {
+    const pts = l.data
+      .map((v, j) => (v === null || !isFinite(v) ? null : `${(j / (HISTORY - 1)) * 300},${86 - (v / max) * 80}`))
+      .filter(Boolean)
+      .join(" ");
+    const p = document.createElementNS(ns, "polyline");
+    p.setAttribute("points", pts);
+    p.setAttribute("class", "line l" + i);
+    svg.append(p);
+  }
+  const t = document.createElementNS(ns, "text");
+  t.setAttribute("x", "2");
+  t.setAttribute("y", "10");
+  t.setAttribute("class", "axis");
+  t.textContent = `max ${top >= 100 ? top.toFixed(0) : +top.toPrecision(3)}`;
+  svg.append(t);
+}
+
+function tile(name, value, id) {
+  return el("div", { class: "tile" }, el("div", { class: "v", id, text: value }), el("div", { class: "k", text: name }));
+}
+
+function heatmap(experts) {
+  const box = $("heatmap");
+  box.textContent = "";
+  if (!experts) {
+    $("experts-note").textContent = "every expert is mapped from the checkpoint (no --expert-ram budget): all in RAM";
+    return;
+  }
+  $("experts-note").textContent =
+    `${experts.resident_experts} experts in RAM (${fmtBytes(experts.resident_bytes)}), ${experts.evictions} evictions, ` +
+    `${experts.stall_secs.toFixed(2)} s stalled, reader ${experts.reader}`;
+  const table = el("table", { class: "heat" });
+  experts.layers.forEach((l, li) => {
+    if (!l.experts) return;
+    const tr = el("tr", {}, el("th", { text: `layer ${li}` }));
+    const resident = new Set(l.resident);
+    for (let e = 0; e < l.experts; e++) {
+      const hits = l.expert_hits[e] || 0;
+      const misses = l.expert_misses[e] || 0;
+      const td = el("td", { class: resident.has(e) ? "res" : "out", title: `layer ${li} expert ${e}: ${hits} hits, ${misses} misses` });
+      tr.append(td);
+    }
+    tr.append(el("td", { class: "sum", text: `${l.hits} hits · ${l.misses} misses` }));
+    table.append(tr);
+  });
+  box.append(table);
+}
+
+async function poll() {
+  let r;
+  try {
+    r = await api("/v1/engine/stats");
+  } catch (e) {
+    $("status").textContent = "unreachable";
+    return;
+  }
+  if (!r.ok) {
+    $("status").textContent = await errorText(r);
+    return;
+  }
+  const s = await r.json();
+  $("status").textContent = s.healthy ? "" : "engine stopped";
+  $("model").textContent = s.model;
+  const kvUsed = s.kv.pages_total - s.kv.pages_free;
+  const pc = s.prefix_cache;
+  const hitRate = pc.lookups ? pc.hits / pc.lookups : 0;
+  if (last) {
+    const dt = Math.max(1e-3, s.time - last.time);
+    const gen = s.tokens.generated_total - last.tokens.generated_total;
+    push("tps", gen / dt);
+    const lookups = pc.lookups - last.prefix_cache.lookups;
+    push("hit", lookups ? (pc.hits - last.prefix_cache.hits) / lookups : null);
+    const read = s.experts ? s.experts.bytes_read - last.experts.bytes_read : 0;
+    push("disk", gen ? read / gen : null);
+  }
+  push("running", s.requests.running);
+  push("queued", s.requests.waiting);
+  push("kv", kvUsed);
+  series.ttft = s.ttft_recent.map((x) => x[1]).slice(-HISTORY);
+  last = s;
+
+  const tiles = $("tiles");
+  tiles.textContent = "";
+  tiles.append(
+    tile("running", s.requests.running, "t-running"),
+    tile("queued", s.requests.waiting, "t-queued"),
+    tile("decode tok/s", series.tps.length ? series.tps[series.tps.length - 1].toFixed(1) : "–", "t-tps"),
+    tile("KV pages in use", `${kvUsed} / ${s.kv.pages_total}`, "t-kv"),
+    tile("prefix cache hits", `${pc.hits} of ${pc.lookups} (${(hitRate * 100).toFixed(0)} %)`, "t-prefix-hits"),
+    tile("cached tokens served", pc.cached_tokens, "t-cached"),
+    tile("prefix cache size", `${fmtBytes(pc.bytes)} / ${fmtBytes(pc.budget)}`, "t-prefix-size"),
+    tile("expert residency", s.experts ? `${(s.experts.residency * 100).toFixed(0)} %` : "100 % (mapped)", "t-residency"),
+    tile("requests", `${s.requests.total} (${s.requests.failed} failed)`, "t-requests"),
+  );
+  chart($("c-tps"), [{ data: series.tps }]);
+  chart($("c-ttft"), [{ data: series.ttft }]);
+  chart($("c-load"), [{ data: series.running }, { data: series.queued }]);
+  chart($("c-kv"), [{ data: series.kv }]);
+  chart($("c-hit"), [{ data: series.hit }]);
+  chart($("c-disk"), [{ data: series.disk }]);
+  heatmap(s.experts);
+  if (s.ple) {
+    $("ple-section").hidden = false;
+    const p = s.ple;
+    $("ple").textContent = `${p.hits} hits, ${p.misses} misses (${(p.residency * 100).toFixed(0)} %), ` +
+      `${fmtBytes(p.resident_bytes)} in RAM of ${fmtBytes(p.table_bytes)}, ${fmtBytes(p.bytes_read)} read`;
+  }
+}
+
+poll();
+setInterval(poll, 1500);
