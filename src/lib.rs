@@ -208,7 +208,12 @@ pub fn open_backend(device: Option<&str>, activations: Option<&str>) -> Result<o
         "f32" | "exact" => osprey_backend::Precision::Exact,
         other => anyhow::bail!("--activations {other}: use int8 (the fast default) or f32 (exact)"),
     };
-    let backend = osprey_backend::open_with(device, precision)?;
+    let backend = match device {
+        osprey_backend::Device::Cpu => osprey_backend_cpu::open(precision),
+        osprey_backend::Device::Cuda(n) => anyhow::bail!(osprey_backend::BackendError::Unavailable(format!(
+            "--device cuda:{n}: this build has no CUDA backend yet; use --device cpu"
+        ))),
+    };
     tracing::info!(device = %device, backend = backend.describe(), "compute backend");
     Ok(backend)
 }
@@ -399,4 +404,15 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         "model loaded; listening on http://{bound}"
     );
     Ok(served)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_device_this_build_cannot_drive_is_refused_by_name() {
+        let e = super::open_backend(Some("cuda:1"), None).expect_err("no CUDA backend yet").to_string();
+        assert!(e.contains("cuda:1") && e.contains("--device cpu"), "{e}");
+        let cpu = super::open_backend(Some("cpu"), Some("f32")).expect("cpu");
+        assert_eq!(cpu.device(), osprey_backend::Device::Cpu);
+    }
 }

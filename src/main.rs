@@ -421,8 +421,10 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Run(a) => {
-            let m = load(&a.model, cli.device.as_deref(), cli.activations.as_deref())?;
-            run::run(a, m)
+            let backend = osprey::open_backend(cli.device.as_deref(), cli.activations.as_deref())?;
+            let m = osprey_models::load_on(&a.model, backend.clone())
+                .with_context(|| format!("loading {}", a.model.display()))?;
+            run::run(a, m, backend)
         }
         Command::Bench(BenchCommand::Forward { model, prompt_len, decode_tokens, repeats }) => {
             let model = load(&model, cli.device.as_deref(), cli.activations.as_deref())?;
@@ -478,8 +480,15 @@ fn main() -> Result<()> {
             budgets: None,
             ..
         }) => {
-            let (report, trace) =
-                osprey_bench::bench_experts_traced(&model, (budget, ple_budget), prompt_len, decode_tokens, wait_all)?;
+            let backend = osprey::open_backend(cli.device.as_deref(), cli.activations.as_deref())?;
+            let run = osprey_bench::ExpertsRun {
+                fraction: budget,
+                ple_fraction: ple_budget,
+                prompt_len,
+                decode_tokens,
+                wait_all,
+            };
+            let (report, trace) = osprey_bench::bench_experts_traced(&model, run, backend)?;
             if let Some(path) = trace_out {
                 std::fs::write(&path, serde_json::to_string(&trace)?)
                     .with_context(|| format!("writing {}", path.display()))?;
@@ -586,7 +595,8 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Bench(BenchCommand::Vision { model, sizes, repeats }) => {
-            let tower = VisionTower::from_dir(&model)?.context("the model has no vision tower")?;
+            let backend = osprey::open_backend(cli.device.as_deref(), cli.activations.as_deref())?;
+            let tower = VisionTower::from_dir(&model, backend)?.context("the model has no vision tower")?;
             let proc = osprey_models::vision::ProcessorConfig::from_dir(&model)?;
             for size in sizes {
                 let (w, h) = size.split_once('x').context("sizes are WxH")?;

@@ -63,7 +63,7 @@ fn load_video(spec: &str, fps: f64, limits: DecodeLimits) -> Result<Media> {
 }
 
 /// Runs the command.
-pub fn run(a: RunArgs, model: Model) -> Result<()> {
+pub fn run(a: RunArgs, model: Model, backend: osprey_models::backend::BackendRef) -> Result<()> {
     let tok = TextTokenizer::from_dir(&a.model).ok();
     let limits = DecodeLimits::default();
     let mut media: Vec<Media> = Vec::new();
@@ -107,7 +107,7 @@ pub fn run(a: RunArgs, model: Model) -> Result<()> {
     let tower = if prompt.media.is_empty() {
         None
     } else {
-        Some(VisionTower::from_dir(&a.model)?.context("this model has no vision tower")?)
+        Some(VisionTower::from_dir(&a.model, backend)?.context("this model has no vision tower")?)
     };
     let n_prompt = prompt.input_ids.len();
     let opts = GenerateOptions {

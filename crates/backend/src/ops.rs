@@ -7,11 +7,8 @@ use std::fmt::Debug;
 use std::ops::Range;
 use std::sync::Arc;
 
-use osprey_kernels::attention::AttnShape;
-use osprey_kernels::gdn::GdnShape;
-use osprey_kernels::rope::MRope;
-
-use crate::{fallback, Device, HostMatrix, Tensor};
+use crate::types::{AttnShape, GdnShape, MRope};
+use crate::{Device, HostMatrix, Tensor};
 
 /// A shared backend.
 pub type BackendRef = Arc<dyn Backend>;
@@ -46,6 +43,9 @@ pub trait Backend: Send + Sync + Debug {
 
     /// One line for the startup log (device, kernels chosen).
     fn describe(&self) -> String;
+
+    /// Whether this backend runs `op` on its device (model families check theirs at load).
+    fn supports(&self, op: Op) -> bool;
 
     // --- memory ---------------------------------------------------------------------------------------
 
@@ -207,53 +207,27 @@ pub trait Backend: Send + Sync + Debug {
     fn router_topk(&self, logits: &Tensor, k: usize) -> Vec<(Vec<usize>, Vec<f32>)>;
 
     /// [`Backend::router_topk`], or without renormalising the kept weights (`norm_topk_prob = false`).
-    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Vec<(Vec<usize>, Vec<f32>)> {
-        if renorm {
-            return self.router_topk(logits, k);
-        }
-        let l = self.download(logits);
-        l.chunks(logits.cols()).map(|row| fallback::route(row, k, false)).collect()
-    }
+    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Vec<(Vec<usize>, Vec<f32>)>;
 
-    // --- qwen4_exp: hyper-connections, PLE, QSA (host fallbacks; a device backend overrides) ----------
+    // --- qwen4_exp: hyper-connections, PLE, QSA --------------------------------------------------------
 
     /// Zero-centred RMSNorm `x̂·(1+w)` per group of `group` columns, `w` over the whole row.
-    fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32) {
-        let mut h = self.download(x);
-        fallback::rms_norm_grouped(&mut h, &self.download(w), group, eps);
-        *x = self.upload(&h, x.shape());
-    }
+    fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32);
 
     /// `x = silu(x)` element-wise.
-    fn silu(&self, x: &mut Tensor) {
-        let h: Vec<f32> = self.download(x).into_iter().map(|v| v / (1.0 + (-v).exp())).collect();
-        *x = self.upload(&h, x.shape());
-    }
+    fn silu(&self, x: &mut Tensor);
 
     /// `x = sigmoid(x)` element-wise.
-    fn sigmoid(&self, x: &mut Tensor) {
-        let h: Vec<f32> = self.download(x).into_iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
-        *x = self.upload(&h, x.shape());
-    }
+    fn sigmoid(&self, x: &mut Tensor);
 
     /// Hyper-connection input: `mean_s(m_s ⊙ xn_s)`, `m`, `xn` `[n, hc·h]` → `[n, h]`.
-    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Tensor {
-        let h = m.cols() / hc;
-        self.upload(&fallback::hc_combine(&self.download(m), &self.download(xn), hc, h), &[m.rows(), h])
-    }
+    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Tensor;
 
     /// Hyper-connection output: `x_s += inj_s · out` for each of the `hc` streams of `x [n, hc·h]`.
-    fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize) {
-        let mut h = self.download(x);
-        fallback::hc_inject(&mut h, &self.download(out), &self.download(inj), hc, out.cols());
-        *x = self.upload(&h, x.shape());
-    }
+    fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize);
 
     /// PLE's gated value per stream: `sigmoid(signed_sqrt(Σ k·q / √h)) · v`, `[n, hc·h]`.
-    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Tensor {
-        let g = fallback::ple_gate(&self.download(k), &self.download(q), &self.download(v), hc, v.cols());
-        self.upload(&g, k.shape())
-    }
+    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Tensor;
 
     /// Causal depthwise conv (no bias) with `dilation`, then silu, from and advancing `state`
     /// `[(kernel−1)·dilation, c]`: `x [n, c]`, `w [c, kernel]`.
@@ -264,20 +238,10 @@ pub trait Backend: Send + Sync + Debug {
         kernel: usize,
         dilation: usize,
         state: &mut Tensor,
-    ) -> Tensor {
-        let mut s = self.download(state);
-        let c = x.cols();
-        let out = fallback::causal_conv_dilated_silu(&self.download(x), c, &self.download(w), kernel, dilation, &mut s);
-        *state = self.upload(&s, state.shape());
-        self.upload(&out, x.shape())
-    }
+    ) -> Tensor;
 
     /// Gated RMSNorm per group of `w.len()` with a sigmoid gate: `x̂ · w · sigmoid(z)`.
-    fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
-        let mut h = self.download(x);
-        fallback::rms_norm_gated_sigmoid(&mut h, &self.download(z), &self.download(w), eps);
-        *x = self.upload(&h, x.shape());
-    }
+    fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32);
 
     /// Attention of rows `rows` of `q` over explicit key positions of the sequence each (`selected[j]`
     /// for row `rows.start + j`), into the same rows of `out`.
@@ -291,21 +255,63 @@ pub trait Backend: Send + Sync + Debug {
         shape: AttnShape,
         scale: f32,
         out: &mut Tensor,
-    ) {
-        let pages: Vec<Vec<f32>> = kv.pages.iter().map(|p| self.download(p)).collect();
-        let row = shape.kv_heads * shape.head_dim;
-        let fetch = |pos: usize| fallback::kv_rows(&pages[pos / kv.page_size], &kv, pos % kv.page_size, row);
-        let c = q.cols();
-        let qh = self.download(q);
-        let mut o = self.download(out);
-        fallback::attention_selected(
-            &qh[rows.start * c..rows.end * c],
-            selected,
-            &fetch,
-            (shape.heads, shape.kv_heads, shape.head_dim),
-            scale,
-            &mut o[rows.start * c..rows.end * c],
-        );
-        *out = self.upload(&o, out.shape());
-    }
+    );
+}
+
+/// An op of the set, for [`Backend::supports`]: a backend in progress (a device backend gaining its
+/// kernels one by one) answers which it runs, and a model family lists the ops it needs, so loading
+/// refuses a backend that lacks one with a clear error instead of running a host fallback slowly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Weights, uploads, downloads, row copies, gathers and scatters, column splits.
+    Memory,
+    /// `linear` (and `linear_pair`) over f32 / bf16 / f16 weights.
+    LinearDense,
+    /// `linear` over NVFP4 weights.
+    LinearNvfp4,
+    /// `embed`.
+    Embed,
+    /// `add`, `add_bias`, `scale`, `silu_mul`, `sigmoid_mul`, `add_sigmoid_gated`, `gelu`.
+    Elementwise,
+    /// `rms_norm`, `rms_norm_gated`, `l2_norm`, `layer_norm`.
+    Norms,
+    /// `rope_table`, `rope`, `rotate_half`.
+    Rotary,
+    /// `attention_paged`.
+    AttentionPaged,
+    /// `attention_bidirectional` (vision towers).
+    AttentionBidirectional,
+    /// `causal_conv_silu`, `delta_gates`, `gated_delta`.
+    GatedDeltaNet,
+    /// `router_topk`, `router_topk_with`.
+    Router,
+    /// `rms_norm_grouped`, `rms_norm_gated_sigmoid`, `silu`, `sigmoid` (`qwen4_exp`).
+    GroupedNorms,
+    /// `hc_combine`, `hc_inject` (hyper-connections).
+    HyperConnections,
+    /// `ple_gate`, `causal_conv_dilated_silu` (PLE).
+    Ple,
+    /// `attention_selected` (QSA).
+    AttentionSelected,
+}
+
+impl Op {
+    /// Every op.
+    pub const ALL: [Op; 15] = [
+        Op::Memory,
+        Op::LinearDense,
+        Op::LinearNvfp4,
+        Op::Embed,
+        Op::Elementwise,
+        Op::Norms,
+        Op::Rotary,
+        Op::AttentionPaged,
+        Op::AttentionBidirectional,
+        Op::GatedDeltaNet,
+        Op::Router,
+        Op::GroupedNorms,
+        Op::HyperConnections,
+        Op::Ple,
+        Op::AttentionSelected,
+    ];
 }

@@ -3,7 +3,7 @@
 use std::any::Any;
 use std::fmt::Debug;
 
-use osprey_kernels::{DType, WeightView};
+use crate::types::{DType, WeightView};
 
 use crate::Device;
 

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use osprey_experts::{
     open_reader, spawn, Budget, ExpertIndex, Policy, ResidencyCommand, ResidencyStats, ResidencyTable,
 };
+use osprey_models::backend::BackendRef;
 use osprey_models::{Checkpoint, ExpertSource, ExpertTicket, ExpertWeights, ModelConfig, PendingExperts, Weight};
 use osprey_runner::{Driver, GenerateOptions, NoMedia};
 use serde::Serialize;
@@ -184,27 +185,34 @@ fn simulate(trace: &Trace, layers: usize, per_layer_experts: usize, capacity: us
     }
 }
 
-/// Prefills `prompt_len` tokens then decodes `decode_tokens` with experts under `fraction` of their bytes
-/// (`wait_all`: the no-overlap baseline, see [`Recording`]).
-/// `ple_fraction`: the PLE row caches' budget as a fraction of the tables' rows (models with PLE).
-pub fn bench_experts(
-    dir: &Path,
-    (fraction, ple_fraction): (f64, f64),
-    prompt_len: usize,
-    decode_tokens: usize,
-    wait_all: bool,
-) -> crate::Result<ExpertsReport> {
-    bench_experts_traced(dir, (fraction, ple_fraction), prompt_len, decode_tokens, wait_all).map(|(r, _)| r)
+/// One `bench experts` run: expert and PLE budgets as fractions of their bytes, the prompt and decode
+/// lengths, and `wait_all` (the no-overlap baseline, see [`Recording`]).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertsRun {
+    /// Expert RAM budget, a fraction of every expert's bytes.
+    pub fraction: f64,
+    /// PLE row caches' budget, a fraction of the tables' rows (models with PLE).
+    pub ple_fraction: f64,
+    /// Prompt tokens prefilled.
+    pub prompt_len: usize,
+    /// Tokens decoded after it.
+    pub decode_tokens: usize,
+    /// Wait for every expert before computing (no overlap).
+    pub wait_all: bool,
+}
+
+/// Prefills then decodes as `run` says with the model on `backend` and its experts streamed from disk.
+pub fn bench_experts(dir: &Path, run: ExpertsRun, backend: BackendRef) -> crate::Result<ExpertsReport> {
+    bench_experts_traced(dir, run, backend).map(|(r, _)| r)
 }
 
 /// [`bench_experts`], also returning the routing trace the run recorded.
 pub fn bench_experts_traced(
     dir: &Path,
-    (fraction, ple_fraction): (f64, f64),
-    prompt_len: usize,
-    decode_tokens: usize,
-    wait_all: bool,
+    run: ExpertsRun,
+    backend: BackendRef,
 ) -> crate::Result<(ExpertsReport, TraceFile)> {
+    let ExpertsRun { fraction, ple_fraction, prompt_len, decode_tokens, wait_all } = run;
     let cfg = ModelConfig::from_dir(dir)?;
     let ck = Checkpoint::open(dir)?;
     let layout = osprey_models::expert_layout(&cfg, &ck)?
@@ -222,7 +230,7 @@ pub fn bench_experts_traced(
     let tx = set.sender();
     let trace = Arc::new(Mutex::new(Vec::new()));
     let source = Arc::new(Recording { inner: Arc::new(set), trace: trace.clone(), wait_all });
-    let model = osprey_models::load_checkpoint(&cfg, &ck, Some(source))?;
+    let model = osprey_models::load_checkpoint(&cfg, &ck, Some(source), backend)?;
     let ple_rows = osprey_models::ple_stats().table_row_bytes.load(std::sync::atomic::Ordering::Relaxed);
     if ple_rows > 0 {
         osprey_models::set_ple_ram_budget((ple_rows as f64 * ple_fraction) as u64);

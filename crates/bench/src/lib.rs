@@ -20,7 +20,8 @@ pub use compare::compare;
 use std::time::Instant;
 
 pub use experts::{
-    bench_experts, bench_experts_traced, measure_disk_read, replay, ExpertsReport, PolicyHitRates, TraceFile,
+    bench_experts, bench_experts_traced, measure_disk_read, replay, ExpertsReport, ExpertsRun, PolicyHitRates,
+    TraceFile,
 };
 
 use osprey_models::vision::{preprocess_image, ImageParams, RgbImage, VisionTower};

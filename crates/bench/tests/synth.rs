@@ -19,7 +19,7 @@ fn a_synthetic_checkpoint_loads_runs_and_streams_its_experts() {
         let r = synth(&dir, TINY, layers, 3).expect("synth");
         assert_eq!(r.layers, layers);
         assert_eq!(r.expert_bytes, (layers * 8 * 3 * (64 * 128 / 2 + 64 * 128 / 16)) as u64);
-        let m = osprey_models::load(&dir).expect("load the synthetic checkpoint");
+        let m = osprey_models::load_on(&dir, cpu()).expect("load the synthetic checkpoint");
         assert_eq!(m.info().num_layers, layers);
         let ids: Vec<u32> = (1..=20).collect();
         let mut st = m.new_state();
@@ -28,7 +28,7 @@ fn a_synthetic_checkpoint_loads_runs_and_streams_its_experts() {
         assert!(logits.iter().all(|v| v.is_finite()), "finite logits");
         let (lo, hi) = logits.iter().fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
         assert!(hi - lo > 1e-3, "varied logits");
-        let rep = osprey_bench::bench_experts(&dir, (0.25, 1.0), 8, 4, false).expect("bench experts");
+        let rep = osprey_bench::bench_experts(&dir, run(0.25, 1.0, 4), cpu()).expect("bench experts");
         assert!(rep.residency < 1.0 && rep.bytes_read_per_token > 0.0, "experts streamed from disk");
     }
 }
@@ -39,7 +39,7 @@ fn a_synthetic_checkpoint_loads_runs_and_streams_its_experts() {
 fn a_recorded_routing_trace_replays_the_policies_at_other_budgets() {
     let dir = scratch("trace");
     synth(&dir, TINY, 2, 9).expect("synth");
-    let (_, trace) = osprey_bench::bench_experts_traced(&dir, (0.25, 1.0), 8, 6, false).expect("run");
+    let (_, trace) = osprey_bench::bench_experts_traced(&dir, run(0.25, 1.0, 6), cpu()).expect("run");
     assert_eq!((trace.layers, trace.experts_per_layer, trace.top_k), (2, 8, 2));
     assert!(!trace.trace.is_empty());
     let file = dir.join("trace.json");
@@ -58,13 +58,21 @@ fn a_recorded_routing_trace_replays_the_policies_at_other_budgets() {
 fn a_synthetic_flash_next_checkpoint_loads_and_runs_as_qwen4_exp() {
     let dir = scratch("flash");
     synth(&dir, osprey_bench::synth::TINY_FLASH, 4, 5).expect("synth");
-    let m = osprey_models::load(&dir).expect("load the synthetic qwen4_exp checkpoint");
+    let m = osprey_models::load_on(&dir, cpu()).expect("load the synthetic qwen4_exp checkpoint");
     assert_eq!(m.info().family, "qwen4_exp");
     let ids: Vec<u32> = (1..=24).collect();
     let mut st = m.new_state();
     let input = SeqInput { logits: LogitsWanted::Last, ..SeqInput::text(&ids) };
     let logits = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("forward").logits.remove(0);
     assert!(logits.iter().all(|v| v.is_finite()));
-    let rep = osprey_bench::bench_experts(&dir, (0.25, 0.5), 8, 4, false).expect("bench experts");
+    let rep = osprey_bench::bench_experts(&dir, run(0.25, 0.5, 4), cpu()).expect("bench experts");
     assert!(rep.residency < 1.0 && rep.ple_bytes_read_per_token.is_some());
+}
+
+fn cpu() -> osprey_models::backend::BackendRef {
+    osprey_backend_cpu::CpuBackend::shared()
+}
+
+fn run(fraction: f64, ple_fraction: f64, decode_tokens: usize) -> osprey_bench::ExpertsRun {
+    osprey_bench::ExpertsRun { fraction, ple_fraction, prompt_len: 8, decode_tokens, wait_all: false }
 }

@@ -51,7 +51,7 @@ fn index(dir: &Path) -> ExpertIndex {
 fn model_with(dir: &Path, source: Option<Arc<dyn ExpertSource>>) -> Model {
     let cfg = ModelConfig::from_dir(dir).expect("config");
     let ck = Checkpoint::open(dir).expect("open");
-    osprey_models::load_checkpoint(&cfg, &ck, source).expect("model")
+    osprey_models::load_checkpoint(&cfg, &ck, source, osprey_backend_cpu::CpuBackend::shared()).expect("model")
 }
 
 fn run(m: &dyn CausalLm, ids: &[u32]) -> osprey_models::Result<Vec<f32>> {

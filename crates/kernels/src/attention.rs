@@ -1,17 +1,8 @@
 //! Causal grouped-query attention of a sequence's new queries over its cached keys and values.
 
-use crate::matmul::matmul_into_strided as gemm;
+pub use osprey_backend::types::AttnShape;
 
-/// Head geometry of one attention layer.
-#[derive(Clone, Copy, Debug)]
-pub struct AttnShape {
-    /// Query heads.
-    pub heads: usize,
-    /// Key/value heads (`heads` is a multiple of it).
-    pub kv_heads: usize,
-    /// Dims per head.
-    pub head_dim: usize,
-}
+use crate::matmul::matmul_into_strided as gemm;
 
 /// `out[i, h] = softmax(q[i,h]·K[..=start+i]ᵀ·scale)·V` for `n = q.len()/(heads·head_dim)` queries at
 /// positions `start..start+n`. `k`, `v` are `[t, kv_heads, head_dim]` and already hold the new tokens.

@@ -7,31 +7,13 @@
 //! (UT-transform) form transformers' `torch_chunk_gated_delta_rule` uses for prefill, with chunks of
 //! [`CHUNK`] tokens counted from the start of the call; both give the same state up to f32 rounding.
 
+pub use osprey_backend::types::GdnShape;
+
 use crate::act::silu;
 use crate::matmul::matmul_into_strided as gemm;
 
 /// Chunk length of the chunked form (the FLA / transformers value).
 pub const CHUNK: usize = 64;
-
-/// Head geometry of one Gated DeltaNet layer.
-#[derive(Clone, Copy, Debug)]
-pub struct GdnShape {
-    /// Key (and query) heads.
-    pub nk: usize,
-    /// Value heads (a multiple of `nk`).
-    pub nv: usize,
-    /// Key head dim.
-    pub dk: usize,
-    /// Value head dim.
-    pub dv: usize,
-}
-
-impl GdnShape {
-    /// Floats in one sequence's recurrent state `[nv, dk, dv]`.
-    pub fn state_len(&self) -> usize {
-        self.nv * self.dk * self.dv
-    }
-}
 
 /// Causal depthwise conv over `n` rows of `c` channels followed by silu, continuing from `state`.
 ///

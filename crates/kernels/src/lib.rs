@@ -34,7 +34,9 @@ pub mod rope;
 mod simd;
 
 pub use act::{gelu_erf, gelu_tanh, sigmoid, silu, softplus};
-pub use matmul::{matmul, matmul_into_strided, matmul_pair_with, matmul_with, DType, Precision, WeightView};
+pub use matmul::{
+    matmul, matmul_into_strided, matmul_pair_with, matmul_with, DType, Precision, WeightRows, WeightView,
+};
 pub use simd::dot_f32;
 
 /// Threads the kernels split work across ([`pool`]: the caller and its workers).

@@ -12,20 +12,10 @@
 //!
 //! Both split the output columns (weight rows) across the kernels' [`crate::pool`].
 
+pub use osprey_backend::types::{DType, Precision, WeightView};
+
 use crate::q8::{self, Isa, Q8Act};
 use crate::{bf16, nvfp4, pool, simd};
-
-/// How activations enter a matmul.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Precision {
-    /// f32 activations everywhere (what the parity tests use).
-    Exact,
-    /// The fast default: NVFP4 matmuls of up to [`q8_gemv_max_rows`] rows take int8 activations
-    /// quantised per 16-value block ([`crate::q8`]); on CPUs with AVX512-BF16, bf16 matmuls and larger
-    /// NVFP4 ones take activations rounded to bf16 ([`crate::bf16`]); everything else is as `Exact`.
-    #[default]
-    Int8,
-}
 
 /// Up to this many input rows a matmul takes the GEMV path.
 pub const GEMV_MAX_ROWS: usize = 4;
@@ -50,62 +40,19 @@ pub fn q8_gemv_max_rows() -> usize {
     }
 }
 
-/// Element type of a stored weight.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DType {
-    /// IEEE f32.
-    F32,
-    /// bfloat16 (stored as raw u16 bits).
-    BF16,
-    /// IEEE half (stored as raw u16 bits).
-    F16,
-    /// NVFP4: packed e2m1 pairs with e4m3 block scales and a global scale.
-    Nvfp4,
-}
-
-impl DType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::BF16 | DType::F16 => 2,
-            // Half a byte per value plus one scale byte per 16 values, rounded up to a byte.
-            DType::Nvfp4 => 1,
-        }
-    }
-}
-
-/// A borrowed row-major `[n, k]` weight matrix.
-#[derive(Clone, Copy, Debug)]
-pub enum WeightView<'a> {
-    /// f32 values.
-    F32(&'a [f32]),
-    /// bf16 bit patterns.
-    Bf16(&'a [u16]),
-    /// f16 bit patterns.
-    F16(&'a [u16]),
-    /// NVFP4 rows: `packed [n, k/2]`, `scales [n, k/16]` (e4m3), one global scale.
-    Nvfp4 {
-        /// Two e2m1 codes per byte, even column in the low nibble.
-        packed: &'a [u8],
-        /// One e4m3 scale per 16 values.
-        scales: &'a [u8],
-        /// Tensor-wide scale.
-        global: f32,
-    },
-}
-
-impl WeightView<'_> {
-    fn len(&self) -> usize {
-        match self {
-            WeightView::F32(w) => w.len(),
-            WeightView::Bf16(w) | WeightView::F16(w) => w.len(),
-            WeightView::Nvfp4 { packed, .. } => packed.len() * 2,
-        }
-    }
-
+/// What the CPU kernels read from a [`WeightView`]: rows widened to f32 and dot products with a row.
+pub trait WeightRows {
     /// Row `r` (row length `k`) widened to f32 (an embedding lookup).
-    pub fn row_f32(&self, r: usize, k: usize, out: &mut [f32]) {
+    fn row_f32(&self, r: usize, k: usize, out: &mut [f32]);
+    /// Dot of `x` with weight row `r` (row length `k`).
+    fn dot_row(&self, x: &[f32], r: usize, k: usize) -> f32;
+    /// Rows `[r0, r1)` as f32: borrowed when already f32, else widened into `scratch`.
+    fn rows_f32<'s>(&'s self, r0: usize, r1: usize, k: usize, scratch: &'s mut Vec<f32>) -> &'s [f32];
+}
+
+impl WeightRows for WeightView<'_> {
+    /// Row `r` (row length `k`) widened to f32 (an embedding lookup).
+    fn row_f32(&self, r: usize, k: usize, out: &mut [f32]) {
         match self {
             WeightView::F32(w) => out.copy_from_slice(&w[r * k..(r + 1) * k]),
             WeightView::Bf16(w) => {

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use memmap2::Mmap;
-use osprey_kernels::{DType, WeightView};
+use osprey_kernels::{DType, WeightRows, WeightView};
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 use crate::error::{Error, Result};

@@ -22,6 +22,9 @@ pub struct ModelConfig {
     pub vision: Option<serde_json::Value>,
     /// Special token ids the multimodal wrapper declares.
     pub media_tokens: MediaTokens,
+    /// The checkpoint declares a quantization (`quantization_config`, or `hf_quant_config.json`):
+    /// its linears may be NVFP4.
+    pub quantized: bool,
 }
 
 /// Token ids of the media placeholders (multimodal checkpoints only).
@@ -380,10 +383,12 @@ impl ModelConfig {
             Error::Json { source, .. } => Error::Json { path, source },
             other => other,
         })?;
+        let mut cfg = cfg;
         let hq = dir.join("hf_quant_config.json");
         if let Ok(t) = std::fs::read_to_string(&hq) {
             let v: serde_json::Value = serde_json::from_str(&t).map_err(|source| Error::Json { path: hq, source })?;
             check_quantization(&v)?;
+            cfg.quantized = true;
         }
         Ok(cfg)
     }
@@ -414,7 +419,15 @@ impl ModelConfig {
         if let Some(q) = v.get("quantization_config") {
             check_quantization(q)?;
         }
-        Ok(ModelConfig { model_type, architectures, text, vision: v.get("vision_config").cloned(), media_tokens })
+        let quantized = v.get("quantization_config").is_some_and(|q| !q.is_null());
+        Ok(ModelConfig {
+            model_type,
+            architectures,
+            text,
+            vision: v.get("vision_config").cloned(),
+            media_tokens,
+            quantized,
+        })
     }
 }
 

@@ -289,7 +289,7 @@ impl KvPool {
 
 #[cfg(test)]
 mod tests {
-    use osprey_backend::cpu::{host, CpuBackend};
+    use osprey_backend_cpu::{host, CpuBackend};
 
     use super::*;
 

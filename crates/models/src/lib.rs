@@ -45,6 +45,6 @@ pub use osprey_backend as backend;
 pub use quantize_dir::{quantize_dir, QuantizeOptions};
 pub use qwen4_exp::{ple_stats, ple_table_rows, set_ple_ram_budget, PleStats, DEFAULT_PLE_RAM_BYTES};
 pub use registry::{
-    expert_layout, load, load_checkpoint, load_on, load_vision, load_with_progress, ExpertLayout, MediaSupport,
+    expert_layout, load_checkpoint, load_on, load_vision, load_with_progress, ExpertLayout, MediaSupport,
 };
 pub use state::{FamilySnapshot, FamilyState, SeqState, StateSnapshot};

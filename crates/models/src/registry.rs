@@ -6,8 +6,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use osprey_backend::cpu::CpuBackend;
-use osprey_backend::BackendRef;
+use osprey_backend::{BackendRef, Op};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
@@ -85,7 +84,23 @@ pub struct Family {
     pub media: MediaSupport,
     /// Tensor selection for `osprey quantize`.
     pub quant: QuantRules,
+    /// The backend ops its decoder runs (NVFP4 linears are asked for when the checkpoint is
+    /// quantized, bidirectional attention when the vision tower loads).
+    pub ops: &'static [Op],
 }
+
+/// The ops every decoder of today's families runs.
+pub const DECODER_OPS: &[Op] = &[
+    Op::Memory,
+    Op::LinearDense,
+    Op::Embed,
+    Op::Elementwise,
+    Op::Norms,
+    Op::Rotary,
+    Op::AttentionPaged,
+    Op::GatedDeltaNet,
+    Op::Router,
+];
 
 /// The vision tower of a checkpoint of this family (`None` for a text-only one).
 pub type VisionFn = fn(&ModelConfig, &Checkpoint, BackendRef) -> Result<Option<VisionTower>>;
@@ -108,11 +123,6 @@ pub fn family_of(model_type: &str, architectures: &[String]) -> Result<&'static 
     )))
 }
 
-/// Loads a Hugging Face model directory onto the CPU backend with every expert mapped from the checkpoint.
-pub fn load(dir: &Path) -> Result<Model> {
-    load_on(dir, CpuBackend::shared())
-}
-
 /// Loads a Hugging Face model directory with its weights placed on `backend`.
 pub fn load_on(dir: &Path, backend: BackendRef) -> Result<Model> {
     let cfg = ModelConfig::from_dir(dir)?;
@@ -120,13 +130,19 @@ pub fn load_on(dir: &Path, backend: BackendRef) -> Result<Model> {
     load_with_progress(&cfg, &ck, None, backend, &mut |_, _| {})
 }
 
-/// Builds the decoder on the CPU backend from an opened checkpoint; `experts` replaces the default
-/// expert source of MoE models (e.g. with the residency manager).
-pub fn load_checkpoint(cfg: &ModelConfig, ck: &Checkpoint, experts: Option<Arc<dyn ExpertSource>>) -> Result<Model> {
-    load_with_progress(cfg, ck, experts, CpuBackend::shared(), &mut |_, _| {})
+/// Builds the decoder on `backend` from an opened checkpoint; `experts` replaces the default expert
+/// source of MoE models (e.g. with the residency manager).
+pub fn load_checkpoint(
+    cfg: &ModelConfig,
+    ck: &Checkpoint,
+    experts: Option<Arc<dyn ExpertSource>>,
+    backend: BackendRef,
+) -> Result<Model> {
+    load_with_progress(cfg, ck, experts, backend, &mut |_, _| {})
 }
 
-/// Builds the decoder with its weights placed on `backend`, reporting `(layers done, layers)`.
+/// Builds the decoder with its weights placed on `backend`, reporting `(layers done, layers)`. A
+/// backend that lacks an op the family runs is refused here, naming the ops.
 pub fn load_with_progress(
     cfg: &ModelConfig,
     ck: &Checkpoint,
@@ -134,7 +150,13 @@ pub fn load_with_progress(
     backend: BackendRef,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Model> {
-    (family_for(cfg)?.load)(cfg, ck, experts, backend, progress)
+    let family = family_for(cfg)?;
+    let mut ops = family.ops.to_vec();
+    if cfg.quantized {
+        ops.push(Op::LinearNvfp4);
+    }
+    osprey_backend::require(backend.as_ref(), &ops).map_err(|e| Error::Unsupported(e.to_string()))?;
+    (family.load)(cfg, ck, experts, backend, progress)
 }
 
 /// Where the checkpoint's routed experts are (`None` for a dense model).
@@ -149,6 +171,10 @@ pub fn load_vision(
     backend: BackendRef,
 ) -> Result<Option<(VisionTower, MediaSupport)>> {
     let f = family_for(cfg)?;
+    if cfg.vision.is_some() {
+        osprey_backend::require(backend.as_ref(), &[Op::AttentionBidirectional])
+            .map_err(|e| Error::Unsupported(e.to_string()))?;
+    }
     Ok((f.vision)(cfg, ck, backend)?.map(|t| (t, f.media)))
 }
 

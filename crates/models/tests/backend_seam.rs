@@ -10,8 +10,9 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use osprey_backend::cpu::CpuBackend;
-use osprey_backend::{AttnShape, Backend, Device, GdnShape, HostMatrix, MRope, PagedView, RopeTable, Tensor};
+use osprey_backend::{AttnShape, Backend, Device, GdnShape, HostMatrix, MRope, Op, PagedView, RopeTable, Tensor};
+use osprey_backend_cpu::testing::HostOps;
+use osprey_backend_cpu::CpuBackend;
 use osprey_models::{CausalLm, LogitsWanted, Positions, SeqInput, SeqStep};
 
 /// The CPU backend with its host crossings counted.
@@ -34,6 +35,10 @@ impl Backend for Counting {
     }
     fn describe(&self) -> String {
         format!("counting {}", self.cpu.describe())
+    }
+    /// Like a device backend still without them, it has none of the ops only `qwen4_exp` runs.
+    fn supports(&self, op: Op) -> bool {
+        !matches!(op, Op::GroupedNorms | Op::HyperConnections | Op::Ple | Op::AttentionSelected)
     }
     fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Tensor {
         bump(&self.placed);
@@ -176,6 +181,46 @@ impl Backend for Counting {
         bump(&self.router);
         self.cpu.router_topk(logits, k)
     }
+    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Vec<(Vec<usize>, Vec<f32>)> {
+        bump(&self.router);
+        self.cpu.router_topk_with(logits, k, renorm)
+    }
+    fn rms_norm_grouped(&self, _: &mut Tensor, _: &Tensor, _: usize, _: f32) {
+        unreachable!("not supported: the loader refuses a model that needs it")
+    }
+    fn silu(&self, _: &mut Tensor) {
+        unreachable!("not supported: the loader refuses a model that needs it")
+    }
+    fn sigmoid(&self, _: &mut Tensor) {
+        unreachable!("not supported: the loader refuses a model that needs it")
+    }
+    fn hc_combine(&self, _: &Tensor, _: &Tensor, _: usize) -> Tensor {
+        unreachable!("not supported: the loader refuses a model that needs it")
+    }
+    fn hc_inject(&self, _: &mut Tensor, _: &Tensor, _: &Tensor, _: usize) {
+        unreachable!("not supported: the loader refuses a model that needs it")
+    }
+    fn ple_gate(&self, _: &Tensor, _: &Tensor, _: &Tensor, _: usize) -> Tensor {
+        unreachable!("not supported: the loader refuses a model that needs it")
+    }
+    fn causal_conv_dilated_silu(&self, _: &Tensor, _: &Tensor, _: usize, _: usize, _: &mut Tensor) -> Tensor {
+        unreachable!("not supported: the loader refuses a model that needs it")
+    }
+    fn rms_norm_gated_sigmoid(&self, _: &mut Tensor, _: &Tensor, _: &Tensor, _: f32) {
+        unreachable!("not supported: the loader refuses a model that needs it")
+    }
+    fn attention_selected(
+        &self,
+        _: &Tensor,
+        _: Range<usize>,
+        _: PagedView<'_>,
+        _: &[Vec<usize>],
+        _: AttnShape,
+        _: f32,
+        _: &mut Tensor,
+    ) {
+        unreachable!("not supported: the loader refuses a model that needs it")
+    }
 }
 
 fn counts(c: &Counting) -> [usize; 4] {
@@ -187,7 +232,7 @@ fn weights_are_placed_at_load_and_a_forward_crosses_to_the_host_only_for_logits(
     let dir = common::fixtures().join("models/qwen3_5_moe-tiny");
     let counting = Arc::new(Counting::default());
     let model = osprey_models::load_on(&dir, counting.clone()).expect("load on the counting backend");
-    let reference = osprey_models::load(&dir).expect("load on the CPU backend");
+    let reference = osprey_models::load_on(&dir, CpuBackend::shared()).expect("load on the CPU backend");
     let info = model.info().clone();
     let [placed, _, _, _] = counts(&counting);
     // Every linear of every layer, the router, the shared expert and the embedding went through the
@@ -222,30 +267,31 @@ fn weights_are_placed_at_load_and_a_forward_crosses_to_the_host_only_for_logits(
     }
 }
 
+/// The seam has no silent host fallbacks: a backend that lacks `qwen4_exp`'s ops is refused at load,
+/// naming them; wrapped in the explicit host-ops test wrapper it runs the family, and the wrapper's
+/// download-compute-upload versions give the CPU backend's in-place logits to the bit.
 #[test]
-fn a_device_this_build_cannot_drive_is_refused_by_name() {
-    let e = osprey_backend::open("cuda:1".parse().expect("a device name")).expect_err("no CUDA backend yet");
-    assert!(e.to_string().contains("cuda:1") && e.to_string().contains("--device cpu"), "{e}");
-    assert_eq!(osprey_backend::open(Device::Cpu).expect("cpu").device(), Device::Cpu);
-}
-
-/// `qwen4_exp`'s ops (hyper-connections, PLE, QSA attention, grouped norms) have host fallbacks in the
-/// trait for any backend; the counting backend does not override them, so it runs the fallbacks through
-/// `download` / `upload`, and must give the CPU backend's in-place overrides' logits to the bit.
-#[test]
-fn the_trait_fallbacks_of_qwen4_exp_ops_equal_the_cpu_overrides() {
+fn a_backend_without_qwen4_exp_ops_is_refused_and_the_host_wrapper_equals_the_cpu() {
     let dir = common::fixtures().join("models/qwen4_exp-tiny");
     let counting = Arc::new(Counting::default());
-    let model = osprey_models::load_on(&dir, counting.clone()).expect("load on the counting backend");
-    let reference = osprey_models::load(&dir).expect("load on the CPU backend");
+    let Err(e) = osprey_models::load_on(&dir, counting.clone()) else { panic!("a backend without the ops loaded") };
+    let e = e.to_string();
+    for op in ["GroupedNorms", "HyperConnections", "Ple", "AttentionSelected"] {
+        assert!(e.contains(op), "{e}");
+    }
+    let qwen35 = common::fixtures().join("models/qwen3_5_moe-tiny");
+    assert!(osprey_models::load_on(&qwen35, counting.clone()).is_ok(), "Qwen3.5 needs none of them");
+    let model = osprey_models::load_on(&dir, HostOps::wrap(counting.clone())).expect("load on the wrapper");
+    let reference = osprey_models::load_on(&dir, CpuBackend::shared()).expect("load on the CPU backend");
     let prompt: Vec<u32> = (1..=40).map(|i| (i * 37) % 1000).collect();
     let (mut st, mut want) = (model.new_state(), reference.new_state());
     let run = |m: &dyn CausalLm, st: &mut osprey_models::SeqState, ids: &[u32]| {
         let input = SeqInput { tokens: ids, positions: Positions::Text, injected: &[], logits: LogitsWanted::All };
         m.forward(&mut [SeqStep { state: st, input }], false).expect("forward").logits.remove(0)
     };
+    counts(&counting);
     for chunk in [&prompt[..23], &prompt[23..], &[7u32][..]] {
         assert_eq!(run(&model, &mut st, chunk), run(&reference, &mut want, chunk));
     }
-    assert!(counts(&counting)[2] > 3, "the fallbacks downloaded their inputs");
+    assert!(counts(&counting)[2] > 3, "the wrapper downloaded their inputs");
 }

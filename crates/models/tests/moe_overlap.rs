@@ -97,7 +97,7 @@ fn resident_experts_are_computed_before_waiting_for_the_missing_ones_with_identi
             waits: waits.clone(),
         };
         // On the exact backend, as the reference (`common::model`) is.
-        let exact = osprey_models::backend::cpu::CpuBackend::exact();
+        let exact = osprey_backend_cpu::CpuBackend::exact();
         let m =
             osprey_models::load_with_progress(&cfg, &ck, Some(Arc::new(src)), exact, &mut |_, _| {}).expect("model");
         // Bit-identical: the same per-expert products summed in the same order.

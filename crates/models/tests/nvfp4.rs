@@ -34,7 +34,7 @@ fn quantized_model(src: &str, tag: &str) -> (std::path::PathBuf, osprey_models::
     osprey_models::quantize_dir(&common::fixtures().join("models").join(src), &dst, Default::default(), &mut |_, _| {})
         .expect("quantize");
     // Parity is measured on the exact path (f32 activations); the int8 default is bounded below.
-    let m = osprey_models::load_on(&dst, osprey_backend::cpu::CpuBackend::exact()).expect("load the NVFP4 checkpoint");
+    let m = osprey_models::load_on(&dst, osprey_backend_cpu::CpuBackend::exact()).expect("load the NVFP4 checkpoint");
     (dst, m)
 }
 
@@ -208,7 +208,7 @@ fn drift(
 /// its own bounds (6e-2, 2e-2) apply.
 #[test]
 fn fast_activations_drift_from_the_exact_path_within_a_bound() {
-    use osprey_backend::cpu::CpuBackend;
+    use osprey_backend_cpu::CpuBackend;
     let (dir, exact) = quantized_model("qwen3_5_moe-tiny", "drift");
     let fast = osprey_models::load_on(&dir, CpuBackend::shared()).expect("load on the default backend");
     let (worst, worst_top, agree, steps) = drift(&exact, &fast, "qwen3_5_moe-tiny-nvfp4");
@@ -225,7 +225,7 @@ fn fast_activations_drift_from_the_exact_path_within_a_bound() {
 /// the whole vocabulary, 1.4e-2 on the top token, 16/16 top-1; the bounds keep the same ~1.7x margin.
 #[test]
 fn bf16_activations_drift_from_the_exact_path_within_a_bound() {
-    use osprey_backend::cpu::CpuBackend;
+    use osprey_backend_cpu::CpuBackend;
     let dir = common::fixtures().join("models/qwen3_5_moe-tiny");
     let exact = osprey_models::load_on(&dir, CpuBackend::exact()).expect("load exact");
     let fast = osprey_models::load_on(&dir, CpuBackend::shared()).expect("load on the default backend");
@@ -261,7 +261,7 @@ fn lm_head_quantisation_is_opt_in_and_loads_as_nvfp4() {
     let (v, h) = (1024, 128);
     let head = ck.linear("lm_head", v, h).expect("lm_head");
     assert_eq!(head.dtype(), osprey_kernels::DType::Nvfp4);
-    let m = osprey_models::load_on(&dst, osprey_backend::cpu::CpuBackend::exact()).expect("load");
+    let m = osprey_models::load_on(&dst, osprey_backend_cpu::CpuBackend::exact()).expect("load");
     let ids: Vec<u32> = (1..=6).collect();
     let mut st = m.new_state();
     let input = SeqInput { logits: LogitsWanted::Last, ..SeqInput::text(&ids) };

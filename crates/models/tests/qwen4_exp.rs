@@ -167,7 +167,7 @@ fn an_fp8_table_with_modelopt_scales_reads_its_dequantised_values() {
             vec![(".weight", Dtype::F32, shape.to_vec(), f32_bytes(&d))]
         });
         let ids = Ref::load("qwen4_exp-tiny", "long").ids("input_ids");
-        let exact = osprey_models::backend::cpu::CpuBackend::exact;
+        let exact = osprey_backend_cpu::CpuBackend::exact;
         let a = osprey_models::load_on(&fp8, exact()).expect("load the FP8 checkpoint");
         let b = osprey_models::load_on(&dequant, exact()).expect("load the dequantised checkpoint");
         let (la, lb) = (

@@ -45,6 +45,7 @@ pub(crate) static FAMILY: Family = Family {
     experts: expert_layout,
     vision: |cfg, ck, backend| cfg.vision.as_ref().map(|v| VisionTower::load(backend, ck, v)).transpose(),
     media: MediaSupport { images: true, video: true },
+    ops: crate::registry::DECODER_OPS,
     quant: QuantRules {
         is_routed_expert,
         eligible_linear,

@@ -41,6 +41,26 @@ use ple::Ple;
 use qsa::{Indexer, IndexerState};
 use state::{LayerState, Mix, Qwen4State};
 
+/// Today's decoder ops and those only this family runs (hyper-connections, PLE, QSA, grouped norms).
+const QWEN4_OPS: [osprey_backend::Op; 13] = {
+    use osprey_backend::Op::*;
+    [
+        Memory,
+        LinearDense,
+        Embed,
+        Elementwise,
+        Norms,
+        Rotary,
+        AttentionPaged,
+        GatedDeltaNet,
+        Router,
+        GroupedNorms,
+        HyperConnections,
+        Ple,
+        AttentionSelected,
+    ]
+};
+
 /// The registry entry of `qwen4_exp`, multimodal wrapper or text-only.
 pub(crate) static FAMILY: Family = Family {
     name: "qwen4_exp",
@@ -53,6 +73,7 @@ pub(crate) static FAMILY: Family = Family {
     // The tower is Qwen3.5-MoE's (`Qwen4ExpVisionModel = Qwen3_5MoeVisionModel`).
     vision: |cfg, ck, backend| cfg.vision.as_ref().map(|v| VisionTower::load(backend, ck, v)).transpose(),
     media: MediaSupport { images: true, video: true },
+    ops: &QWEN4_OPS,
     quant: QuantRules {
         is_routed_expert,
         eligible_linear,

@@ -199,13 +199,8 @@ impl VisionTower {
         })
     }
 
-    /// Loads the tower of a model directory on the default CPU backend; `None` for a text-only checkpoint.
-    pub fn from_dir(dir: &std::path::Path) -> Result<Option<Self>> {
-        Self::from_dir_on(dir, osprey_backend::cpu::CpuBackend::shared())
-    }
-
-    /// [`VisionTower::from_dir`] on a given backend (the parity tests use the exact one).
-    pub fn from_dir_on(dir: &std::path::Path, backend: BackendRef) -> Result<Option<Self>> {
+    /// Loads the tower of a model directory onto `backend`; `None` for a text-only checkpoint.
+    pub fn from_dir(dir: &std::path::Path, backend: BackendRef) -> Result<Option<Self>> {
         let cfg = crate::config::ModelConfig::from_dir(dir)?;
         let Some(v) = cfg.vision else { return Ok(None) };
         let ck = Checkpoint::open(dir)?;

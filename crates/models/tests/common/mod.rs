@@ -65,14 +65,14 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32) -> f32 {
 
 /// A fixture model on the exact CPU backend (f32 activations everywhere): what parity is measured on.
 pub fn model(name: &str) -> Model {
-    osprey_models::load_on(&fixtures().join("models").join(name), osprey_models::backend::cpu::CpuBackend::exact())
+    osprey_models::load_on(&fixtures().join("models").join(name), osprey_backend_cpu::CpuBackend::exact())
         .expect("load model")
 }
 
 /// The vision tower of fixture model `name` on the exact backend (what parity is measured on).
 pub fn tower(name: &str) -> osprey_models::vision::VisionTower {
     let dir = fixtures().join("models").join(name);
-    osprey_models::vision::VisionTower::from_dir_on(&dir, osprey_models::backend::cpu::CpuBackend::exact())
+    osprey_models::vision::VisionTower::from_dir(&dir, osprey_backend_cpu::CpuBackend::exact())
         .expect("load the tower")
         .expect("the model has a vision tower")
 }

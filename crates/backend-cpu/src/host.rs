@@ -1,11 +1,10 @@
-//! Host implementations shared by the trait's default bodies and the CPU backend: routing, and the ops
-//! that only the `qwen4_exp` family uses (hyper-connections, PLE, QSA attention, grouped norms). The
-//! defaults call these through `download` / `upload`, so every backend runs the family correctly from
-//! day one; the CPU backend calls them on its tensors in place, and a device backend overrides an op to
-//! keep its data on the device. The `qwen4_exp` ones follow transformers 5.23.0's `modular_qwen4_exp.py`
-//! (cited per function).
+//! Host implementations of routing and of the ops only the `qwen4_exp` family uses (hyper-connections,
+//! PLE, QSA attention, grouped norms). The CPU backend runs them on its tensors in place; the test
+//! wrapper [`crate::testing::HostOps`] runs them around another backend through `download` / `upload`,
+//! explicitly (the seam has no silent fallbacks). They follow transformers 5.23.0's
+//! `modular_qwen4_exp.py` (cited per function).
 
-use crate::PagedView;
+use osprey_backend::PagedView;
 
 /// Zero-centred RMSNorm per group of `group` columns, weight `(1 + w)` over the whole row
 /// (`Qwen4ExpTextRMSNorm` with `group_size`).

@@ -6,16 +6,18 @@
 use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
-use crate::fallback as fb;
-use osprey_kernels::attention::{bidirectional_attention, causal_attention_paged, AttnShape, PagedKv};
-use osprey_kernels::gdn::{causal_conv_silu, gated_delta_chunked, gated_delta_recurrent, DeltaInputs, GdnShape};
+use osprey_backend::{
+    AttnShape, Backend, BackendRef, DType, Device, GdnShape, HostMatrix, MRope, Op, PagedView, Precision, RopeTable,
+    Storage, Tensor,
+};
+use osprey_kernels::attention::{bidirectional_attention, causal_attention_paged, PagedKv};
+use osprey_kernels::gdn::{causal_conv_silu, gated_delta_chunked, gated_delta_recurrent, DeltaInputs};
 use osprey_kernels::norm::{l2_norm, layer_norm, rms_norm, rms_norm_1p, rms_norm_gated};
 use osprey_kernels::q8::Isa;
-use osprey_kernels::rope::{rotate_half_pairs, MRope};
-use osprey_kernels::{gelu_erf, gelu_tanh, matmul_pair_with, matmul_with, sigmoid, silu, softplus, DType, Precision};
+use osprey_kernels::rope::rotate_half_pairs;
+use osprey_kernels::{gelu_erf, gelu_tanh, matmul_pair_with, matmul_with, sigmoid, silu, softplus, WeightRows};
 
-use crate::ops::{Backend, BackendRef, PagedView, RopeTable};
-use crate::{Device, HostMatrix, Storage, Tensor};
+use crate::host as fb;
 
 /// What a CPU tensor holds.
 #[derive(Debug)]
@@ -100,6 +102,10 @@ pub fn route(logits: &[f32], top_k: usize) -> (Vec<usize>, Vec<f32>) {
 impl Backend for CpuBackend {
     fn device(&self) -> Device {
         Device::Cpu
+    }
+
+    fn supports(&self, _op: Op) -> bool {
+        true // every op runs here, in place on host memory
     }
 
     fn describe(&self) -> String {
@@ -278,7 +284,7 @@ impl Backend for CpuBackend {
         let (half, c) = (table.cos.cols(), x.cols());
         let (cos, sin) = (host(&table.cos), host(&table.sin));
         for (i, row) in host_mut(x).chunks_mut(c).enumerate() {
-            rope.apply(row, &cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+            osprey_kernels::rope::apply(rope, row, &cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
         }
     }
 
@@ -397,7 +403,11 @@ impl Backend for CpuBackend {
         host(logits).chunks(logits.cols()).map(|row| route(row, k)).collect()
     }
 
-    // qwen4_exp's ops: the same host code as the trait's fallbacks, on the tensors in place (no copies).
+    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Vec<(Vec<usize>, Vec<f32>)> {
+        host(logits).chunks(logits.cols()).map(|row| fb::route(row, k, renorm)).collect()
+    }
+
+    // qwen4_exp's ops: the host code of `host.rs`, on the tensors in place (no copies).
 
     fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32) {
         fb::rms_norm_grouped(host_mut(x), host(w), group, eps);
