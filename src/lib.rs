@@ -201,6 +201,17 @@ async fn engine_idle(
 /// The compute backend `--device` names (default `cpu`) at the `--activations` precision (`int8`, also
 /// spelled `fast`, the default; or `f32`, also `exact`), logged once.
 pub fn open_backend(device: Option<&str>, activations: Option<&str>) -> Result<osprey_backend::BackendRef> {
+    open_backend_with(device, activations, None)
+}
+
+/// [`open_backend`] whose live tensors may take at most `memory` bytes (`--device-memory-mb`): an
+/// allocation past it fails with `BackendError::OutOfMemory`, which fails that step's requests with 503
+/// `out_of_memory` while the engine goes on.
+pub fn open_backend_with(
+    device: Option<&str>,
+    activations: Option<&str>,
+    memory: Option<usize>,
+) -> Result<osprey_backend::BackendRef> {
     let device: osprey_backend::Device =
         device.unwrap_or("cpu").parse().map_err(|e: String| anyhow::anyhow!(e)).context("--device")?;
     let precision = match activations.unwrap_or("int8") {
@@ -209,7 +220,10 @@ pub fn open_backend(device: Option<&str>, activations: Option<&str>) -> Result<o
         other => anyhow::bail!("--activations {other}: use int8 (the fast default) or f32 (exact)"),
     };
     let backend = match device {
-        osprey_backend::Device::Cpu => osprey_backend_cpu::open(precision),
+        osprey_backend::Device::Cpu => match memory {
+            Some(bytes) => osprey_backend_cpu::CpuBackend::with_memory_cap(precision, bytes),
+            None => osprey_backend_cpu::open(precision),
+        },
         osprey_backend::Device::Cuda(n) => anyhow::bail!(osprey_backend::BackendError::Unavailable(format!(
             "--device cuda:{n}: this build has no CUDA backend yet; use --device cpu"
         ))),
@@ -284,7 +298,8 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let ck = Checkpoint::open(model_dir)?;
     let experts = expert_source(settings, &cfg, &ck, wrap_reader)?;
     let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
-    let backend = open_backend(settings.device.as_deref(), settings.activations.as_deref())?;
+    let memory = settings.device_memory_mb.map(|mb| (mb.max(0.0) * 1048576.0) as usize);
+    let backend = open_backend_with(settings.device.as_deref(), settings.activations.as_deref(), memory)?;
     let ple = settings.ple_ram_gb.map_or(osprey_models::DEFAULT_PLE_RAM_BYTES, |gb| (gb.max(0.0) * 1e9) as u64);
     osprey_models::set_ple_ram_budget(ple);
     let mut progress = Progress::new("loading weights");

@@ -73,6 +73,10 @@ struct ServeArgs {
     /// Prefix cache budget (KV pages + recurrent snapshots) in MiB.
     #[arg(long)]
     prefix_cache_mb: Option<f64>,
+    /// MiB of live tensors (activations, states, KV) the compute backend may hold; past it a request
+    /// gets 503 out_of_memory and the engine goes on.
+    #[arg(long)]
+    device_memory_mb: Option<f64>,
     /// Prefix cache page size in tokens.
     #[arg(long)]
     page_size: Option<usize>,
@@ -177,6 +181,7 @@ impl ServeArgs {
             vision_cache_mb: self.vision_cache_mb,
             disable_prefix_cache: self.disable_prefix_cache.then_some(true),
             prefix_cache_mb: self.prefix_cache_mb,
+            device_memory_mb: self.device_memory_mb,
             page_size: self.page_size,
             snapshot_interval: self.snapshot_interval,
             expert_ram_gb: self.expert_ram_gb,

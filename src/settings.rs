@@ -87,6 +87,10 @@ pub struct Settings {
     pub device: Option<String>,
     /// Activations of NVFP4 decode matmuls: `int8` (default, fast) or `f32` (exact).
     pub activations: Option<String>,
+    /// MiB the compute backend may hold in live tensors (activations, recurrent states, KV pages; not
+    /// the weights). Past it a step fails with 503 `out_of_memory` and the engine goes on. Default: no cap
+    /// on CPU (the machine bounds it); a device's free memory on CUDA.
+    pub device_memory_mb: Option<f64>,
     /// Tokenizer worker threads (templates, media decoding and preprocessing, detokenization; default 2).
     pub tokenizer_workers: Option<usize>,
     /// Most pixels of all images and frames of one request (default 192 M: ~576 MB decoded).

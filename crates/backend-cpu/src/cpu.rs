@@ -4,11 +4,12 @@
 //! are bit-identical to the pre-seam engine.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use osprey_backend::{
-    AttnShape, Backend, BackendRef, DType, Device, GdnShape, HostMatrix, MRope, Op, PagedView, Precision, RopeTable,
-    Storage, Tensor,
+    AttnShape, Backend, BackendError, BackendRef, DType, Device, GdnShape, HostData, HostMatrix, HostVec, MRope, Op,
+    PagedView, Precision, Result, RopeTable, Storage, Tensor,
 };
 use osprey_kernels::attention::{bidirectional_attention, causal_attention_paged, PagedKv};
 use osprey_kernels::gdn::{causal_conv_silu, gated_delta_chunked, gated_delta_recurrent, DeltaInputs};
@@ -22,23 +23,79 @@ use crate::host as fb;
 /// What a CPU tensor holds.
 #[derive(Debug)]
 pub enum CpuStorage {
-    /// f32 elements (activations, states, norms, KV pages).
-    F32(Vec<f32>),
-    /// A placed weight: the host matrix, not copied.
+    /// Typed host elements (f32 activations, states, norms and KV pages; bf16 KV; i32 slot and page
+    /// ids; bytes), and what they are charged to the memory cap (given back on drop).
+    Data(HostVec, Option<Charge>),
+    /// A placed weight: the host matrix, not copied (mapped memory is not charged).
     Matrix(Arc<dyn HostMatrix>),
+}
+
+/// Bytes of a tensor charged to a [`CpuBackend`]'s memory cap until the tensor drops.
+#[derive(Debug)]
+pub struct Charge {
+    cap: Arc<MemoryCap>,
+    bytes: usize,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.cap.live.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// A cap on the bytes of live tensors (`CpuBackend::with_memory_cap`): the CPU's stand-in for a
+/// device's memory, so the path a device's out-of-memory takes is tested here.
+#[derive(Debug)]
+pub struct MemoryCap {
+    cap: usize,
+    live: AtomicUsize,
+}
+
+impl MemoryCap {
+    /// Charges `bytes`, or refuses when the cap would be passed.
+    fn charge(self: &Arc<Self>, bytes: usize) -> Result<Charge> {
+        let live = self.live.fetch_add(bytes, Ordering::Relaxed);
+        if live + bytes > self.cap {
+            self.live.fetch_sub(bytes, Ordering::Relaxed);
+            return Err(BackendError::OutOfMemory { requested: bytes, available: self.cap.saturating_sub(live) });
+        }
+        Ok(Charge { cap: self.clone(), bytes })
+    }
+
+    /// Bytes of live tensors.
+    pub fn live(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
+    }
+}
+
+fn data_bytes(v: &HostVec) -> usize {
+    match v {
+        HostVec::F32(v) => std::mem::size_of_val(v.as_slice()),
+        HostVec::Bf16(v) | HostVec::F16(v) => std::mem::size_of_val(v.as_slice()),
+        HostVec::U8(v) => v.len(),
+        HostVec::I32(v) => std::mem::size_of_val(v.as_slice()),
+    }
 }
 
 impl Storage for CpuStorage {
     fn bytes(&self) -> usize {
         match self {
-            CpuStorage::F32(v) => std::mem::size_of_val(v.as_slice()),
+            CpuStorage::Data(v, _) => data_bytes(v),
             CpuStorage::Matrix(m) => m.bytes(),
         }
     }
 
     fn clone_storage(&self) -> Box<dyn Storage> {
         Box::new(match self {
-            CpuStorage::F32(v) => CpuStorage::F32(v.clone()),
+            // A clone is charged like the original (over the cap only by what is already live: a copy
+            // of a tensor in use is never the allocation that matters).
+            CpuStorage::Data(v, charge) => {
+                let charge = charge.as_ref().map(|c| {
+                    c.cap.live.fetch_add(c.bytes, Ordering::Relaxed);
+                    Charge { cap: c.cap.clone(), bytes: c.bytes }
+                });
+                CpuStorage::Data(v.clone(), charge)
+            }
             CpuStorage::Matrix(m) => CpuStorage::Matrix(m.clone()),
         })
     }
@@ -50,6 +107,8 @@ impl Storage for CpuStorage {
 pub struct CpuBackend {
     /// Activation precision of the matmuls.
     pub precision: Precision,
+    /// Most bytes of live tensors (none: bounded by the machine).
+    cap: Option<Arc<MemoryCap>>,
 }
 
 impl CpuBackend {
@@ -62,19 +121,36 @@ impl CpuBackend {
     /// The process-wide exact instance: f32 activations everywhere (the parity tests' backend).
     pub fn exact() -> BackendRef {
         static CPU: OnceLock<BackendRef> = OnceLock::new();
-        CPU.get_or_init(|| Arc::new(CpuBackend { precision: Precision::Exact })).clone()
+        CPU.get_or_init(|| Arc::new(CpuBackend { precision: Precision::Exact, cap: None })).clone()
     }
 
-    fn tensor(shape: &[usize], data: Vec<f32>) -> Tensor {
-        debug_assert_eq!(shape.iter().product::<usize>(), data.len());
-        Tensor::new(shape.to_vec(), DType::F32, Device::Cpu, Box::new(CpuStorage::F32(data)))
+    /// A backend whose live tensors (activations, states, KV pages; not the mapped weights) may take
+    /// at most `bytes`: an allocation past it is [`BackendError::OutOfMemory`], as on a device.
+    pub fn with_memory_cap(precision: Precision, bytes: usize) -> BackendRef {
+        Arc::new(CpuBackend { precision, cap: Some(Arc::new(MemoryCap { cap: bytes, live: AtomicUsize::new(0) })) })
+    }
+
+    /// The cap's account, when there is one.
+    pub fn memory_cap(&self) -> Option<&MemoryCap> {
+        self.cap.as_deref()
+    }
+
+    fn tensor(&self, shape: &[usize], data: Vec<f32>) -> Result<Tensor> {
+        self.typed(shape, HostVec::F32(data))
+    }
+
+    fn typed(&self, shape: &[usize], data: HostVec) -> Result<Tensor> {
+        let dtype = data.as_data().dtype();
+        debug_assert_eq!(shape.iter().product::<usize>(), data.as_data().len());
+        let charge = self.cap.as_ref().map(|c| c.charge(data_bytes(&data))).transpose()?;
+        Ok(Tensor::new(shape.to_vec(), dtype, Device::Cpu, Box::new(CpuStorage::Data(data, charge))))
     }
 }
 
 /// An f32 CPU tensor's elements.
 pub fn host(t: &Tensor) -> &[f32] {
     match t.storage::<CpuStorage>() {
-        Some(CpuStorage::F32(v)) => v,
+        Some(CpuStorage::Data(HostVec::F32(v), _)) => v,
         other => panic!("expected an f32 CPU tensor, got {other:?}: this is a bug"),
     }
 }
@@ -82,7 +158,7 @@ pub fn host(t: &Tensor) -> &[f32] {
 /// An f32 CPU tensor's elements, mutably.
 pub fn host_mut(t: &mut Tensor) -> &mut [f32] {
     match t.storage_mut::<CpuStorage>() {
-        Some(CpuStorage::F32(v)) => v,
+        Some(CpuStorage::Data(HostVec::F32(v), _)) => v,
         _ => panic!("expected an f32 CPU tensor: this is a bug"),
     }
 }
@@ -121,21 +197,40 @@ impl Backend for CpuBackend {
         format!("cpu ({simd} kernels, {fast}, {} threads)", osprey_kernels::threads())
     }
 
-    fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Tensor {
+    fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Result<Tensor> {
         let (shape, dtype) = (vec![w.rows(), w.cols()], w.dtype());
-        Tensor::new(shape, dtype, Device::Cpu, Box::new(CpuStorage::Matrix(w)))
+        Ok(Tensor::new(shape, dtype, Device::Cpu, Box::new(CpuStorage::Matrix(w))))
     }
 
-    fn upload(&self, data: &[f32], shape: &[usize]) -> Tensor {
-        Self::tensor(shape, data.to_vec())
+    fn upload(&self, data: HostData<'_>, shape: &[usize]) -> Result<Tensor> {
+        let owned = match data {
+            HostData::F32(v) => HostVec::F32(v.to_vec()),
+            HostData::Bf16(v) => HostVec::Bf16(v.to_vec()),
+            HostData::F16(v) => HostVec::F16(v.to_vec()),
+            HostData::U8(v) => HostVec::U8(v.to_vec()),
+            HostData::I32(v) => HostVec::I32(v.to_vec()),
+        };
+        self.typed(shape, owned)
     }
 
-    fn download(&self, t: &Tensor) -> Vec<f32> {
-        host(t).to_vec()
+    fn download(&self, t: &Tensor) -> Result<HostVec> {
+        match t.storage::<CpuStorage>() {
+            Some(CpuStorage::Data(v, _)) => Ok(v.clone()),
+            other => panic!("expected a CPU data tensor, got {other:?}: this is a bug"),
+        }
     }
 
-    fn zeros(&self, shape: &[usize]) -> Tensor {
-        Self::tensor(shape, vec![0f32; shape.iter().product()])
+    fn zeros(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        let n = shape.iter().product();
+        let data = match dtype {
+            DType::F32 => HostVec::F32(vec![0.0; n]),
+            DType::BF16 => HostVec::Bf16(vec![0; n]),
+            DType::F16 => HostVec::F16(vec![0; n]),
+            DType::U8 => HostVec::U8(vec![0; n]),
+            DType::I32 => HostVec::I32(vec![0; n]),
+            DType::Nvfp4 => panic!("NVFP4 tensors are placed weights, not zeros: this is a bug"),
+        };
+        self.typed(shape, data)
     }
 
     fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>) {
@@ -144,13 +239,13 @@ impl Backend for CpuBackend {
         host_mut(dst)[at..at + s.len()].copy_from_slice(s);
     }
 
-    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Tensor {
+    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor> {
         let (c, xs) = (x.cols(), host(x));
         let mut out = Vec::with_capacity(rows.len() * c);
         for &i in rows {
             out.extend_from_slice(&xs[i * c..(i + 1) * c]);
         }
-        Self::tensor(&[rows.len(), c], out)
+        self.tensor(&[rows.len(), c], out)
     }
 
     fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor) {
@@ -163,7 +258,7 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Vec<Tensor> {
+    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Result<Vec<Tensor>> {
         let (t, xs) = (x.rows(), host(x));
         let group: usize = parts.iter().sum();
         let mut outs: Vec<Vec<f32>> = parts.iter().map(|p| Vec::with_capacity(t * heads * p)).collect();
@@ -174,28 +269,28 @@ impl Backend for CpuBackend {
                 at += p;
             }
         }
-        outs.into_iter().zip(parts).map(|(o, &p)| Self::tensor(&[t, heads * p], o)).collect()
+        outs.into_iter().zip(parts).map(|(o, &p)| self.tensor(&[t, heads * p], o)).collect()
     }
 
-    fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let w = matrix(w);
         let m = x.rows();
         let mut out = vec![0f32; m * w.rows()];
         matmul_with(host(x), m, w.view(), w.rows(), w.cols(), &mut out, self.precision);
-        Self::tensor(&[m, w.rows()], out)
+        self.tensor(&[m, w.rows()], out)
     }
 
-    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> (Tensor, Tensor) {
+    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
         let (a, b) = (matrix(w1), matrix(w2));
         assert!(a.rows() == b.rows() && a.cols() == b.cols(), "linear_pair shapes: this is a bug");
         let m = x.rows();
         let (mut o1, mut o2) = (vec![0f32; m * a.rows()], vec![0f32; m * a.rows()]);
         let views = (a.view(), b.view());
         matmul_pair_with(host(x), m, views, a.rows(), a.cols(), (&mut o1, &mut o2), self.precision);
-        (Self::tensor(&[m, a.rows()], o1), Self::tensor(&[m, a.rows()], o2))
+        Ok((self.tensor(&[m, a.rows()], o1)?, self.tensor(&[m, a.rows()], o2)?))
     }
 
-    fn embed(&self, table: &Tensor, ids: &[u32]) -> Tensor {
+    fn embed(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
         let w = matrix(table);
         let h = w.cols();
         let mut out = vec![0f32; ids.len() * h];
@@ -203,7 +298,7 @@ impl Backend for CpuBackend {
         for (i, &t) in ids.iter().enumerate() {
             view.row_f32(t as usize, h, &mut out[i * h..(i + 1) * h]);
         }
-        Self::tensor(&[ids.len(), h], out)
+        self.tensor(&[ids.len(), h], out)
     }
 
     fn add(&self, x: &mut Tensor, y: &Tensor) {
@@ -269,7 +364,7 @@ impl Backend for CpuBackend {
         layer_norm(host_mut(x), host(w), host(b), eps);
     }
 
-    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> RopeTable {
+    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable> {
         let half = rope.rot_dim() / 2;
         let mut cos = vec![0f32; positions.len() * half];
         let mut sin = vec![0f32; positions.len() * half];
@@ -277,7 +372,7 @@ impl Backend for CpuBackend {
             rope.cos_sin(*p, &mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
         }
         let shape = [positions.len(), half];
-        RopeTable { cos: Self::tensor(&shape, cos), sin: Self::tensor(&shape, sin) }
+        Ok(RopeTable { cos: self.tensor(&shape, cos)?, sin: self.tensor(&shape, sin)? })
     }
 
     fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable) {
@@ -347,11 +442,11 @@ impl Backend for CpuBackend {
         w: &Tensor,
         kernel: usize,
         state: &mut Tensor,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let c = x.cols();
         let mut out = vec![0f32; rows.len() * c];
         causal_conv_silu(&host(x)[rows.start * c..rows.end * c], c, host(w), kernel, host_mut(state), &mut out);
-        Self::tensor(&[rows.len(), c], out)
+        self.tensor(&[rows.len(), c], out)
     }
 
     fn delta_gates(
@@ -361,7 +456,7 @@ impl Backend for CpuBackend {
         rows: Range<usize>,
         neg_a: &Tensor,
         dt_bias: &Tensor,
-    ) -> (Tensor, Tensor) {
+    ) -> Result<(Tensor, Tensor)> {
         let nv = a.cols();
         let (a, b, neg_a, dt_bias) = (host(a), host(b), host(neg_a), host(dt_bias));
         let n = rows.len();
@@ -374,7 +469,7 @@ impl Backend for CpuBackend {
                 g[i * nv + h] = neg_a[h] * softplus(a[idx] + dt_bias[h]);
             }
         }
-        (Self::tensor(&[n, nv], beta), Self::tensor(&[n, nv], g))
+        Ok((self.tensor(&[n, nv], beta)?, self.tensor(&[n, nv], g)?))
     }
 
     fn gated_delta(
@@ -387,7 +482,7 @@ impl Backend for CpuBackend {
         g: &Tensor,
         beta: &Tensor,
         state: &mut Tensor,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let n = q.rows();
         let mut out = vec![0f32; n * shape.nv * shape.dv];
         let inp = DeltaInputs { q: host(q), k: host(k), v: host(v), g: host(g), beta: host(beta) };
@@ -396,15 +491,15 @@ impl Backend for CpuBackend {
         } else {
             gated_delta_chunked(shape, inp, host_mut(state), &mut out);
         }
-        Self::tensor(&[n, shape.nv * shape.dv], out)
+        self.tensor(&[n, shape.nv * shape.dv], out)
     }
 
-    fn router_topk(&self, logits: &Tensor, k: usize) -> Vec<(Vec<usize>, Vec<f32>)> {
-        host(logits).chunks(logits.cols()).map(|row| route(row, k)).collect()
+    fn router_topk(&self, logits: &Tensor, k: usize) -> Result<Vec<(Vec<usize>, Vec<f32>)>> {
+        Ok(host(logits).chunks(logits.cols()).map(|row| route(row, k)).collect())
     }
 
-    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Vec<(Vec<usize>, Vec<f32>)> {
-        host(logits).chunks(logits.cols()).map(|row| fb::route(row, k, renorm)).collect()
+    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Vec<(Vec<usize>, Vec<f32>)>> {
+        Ok(host(logits).chunks(logits.cols()).map(|row| fb::route(row, k, renorm)).collect())
     }
 
     // qwen4_exp's ops: the host code of `host.rs`, on the tensors in place (no copies).
@@ -421,17 +516,17 @@ impl Backend for CpuBackend {
         host_mut(x).iter_mut().for_each(|v| *v = sigmoid(*v));
     }
 
-    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Tensor {
+    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Result<Tensor> {
         let h = m.cols() / hc;
-        Self::tensor(&[m.rows(), h], fb::hc_combine(host(m), host(xn), hc, h))
+        self.tensor(&[m.rows(), h], fb::hc_combine(host(m), host(xn), hc, h))
     }
 
     fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize) {
         fb::hc_inject(host_mut(x), host(out), host(inj), hc, out.cols());
     }
 
-    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Tensor {
-        Self::tensor(k.shape(), fb::ple_gate(host(k), host(q), host(v), hc, v.cols()))
+    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Result<Tensor> {
+        self.tensor(k.shape(), fb::ple_gate(host(k), host(q), host(v), hc, v.cols()))
     }
 
     fn causal_conv_dilated_silu(
@@ -441,9 +536,9 @@ impl Backend for CpuBackend {
         kernel: usize,
         dilation: usize,
         state: &mut Tensor,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let out = fb::causal_conv_dilated_silu(host(x), x.cols(), host(w), kernel, dilation, host_mut(state));
-        Self::tensor(x.shape(), out)
+        self.tensor(x.shape(), out)
     }
 
     fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
@@ -499,18 +594,29 @@ mod tests {
     #[test]
     fn split_gather_scatter_and_rows_move_the_right_elements() {
         let b = CpuBackend::default();
-        let x = b.upload(&(0..12).map(|v| v as f32).collect::<Vec<_>>(), &[2, 6]);
+        let x = b.upload_f32(&(0..12).map(|v| v as f32).collect::<Vec<_>>(), &[2, 6]).expect("upload");
         // Two heads of [a a | g] per row.
-        let parts = b.split_cols(&x, 2, &[2, 1]);
+        let parts = b.split_cols(&x, 2, &[2, 1]).expect("split");
         assert_eq!(host(&parts[0]), &[0.0, 1.0, 3.0, 4.0, 6.0, 7.0, 9.0, 10.0]);
         assert_eq!(host(&parts[1]), &[2.0, 5.0, 8.0, 11.0]);
-        let g = b.gather_rows(&x, &[1, 0]);
+        let g = b.gather_rows(&x, &[1, 0]).expect("gather");
         assert_eq!(&host(&g)[..6], &host(&x)[6..]);
-        let mut out = b.zeros(&[2, 6]);
-        b.scatter_add_rows(&mut out, &[1], &[2.0], &b.gather_rows(&x, &[0]));
+        let mut out = b.zeros_f32(&[2, 6]).expect("zeros");
+        b.scatter_add_rows(&mut out, &[1], &[2.0], &b.gather_rows(&x, &[0]).expect("gather"));
         assert_eq!(&host(&out)[6..], &[0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
-        let mut dst = b.zeros(&[3, 6]);
+        let mut dst = b.zeros_f32(&[3, 6]).expect("zeros");
         b.write_rows(&mut dst, 6, &x, 1..2);
         assert_eq!(&host(&dst)[6..12], &host(&x)[6..]);
+    }
+
+    #[test]
+    fn memory_is_typed() {
+        let b = CpuBackend::default();
+        let ids = b.upload(HostData::I32(&[3, -1, 7]), &[3]).expect("upload");
+        assert_eq!((ids.dtype(), ids.bytes()), (DType::I32, 12));
+        assert_eq!(b.download(&ids).expect("download"), HostVec::I32(vec![3, -1, 7]));
+        let half = b.zeros(DType::BF16, &[2, 2]).expect("zeros");
+        assert_eq!((half.dtype(), half.bytes()), (DType::BF16, 8));
+        assert!(b.download_f32(&half).is_err(), "a bf16 tensor is not read as f32");
     }
 }

@@ -12,6 +12,14 @@ pub mod testing;
 
 pub use cpu::{host, host_mut, route, CpuBackend, CpuStorage};
 
+/// Paths the [`forward_core_ops`] macro names, so a crate that uses it needs no `osprey-backend` import.
+#[doc(hidden)]
+pub mod reexport {
+    pub use osprey_backend::{
+        AttnShape, DType, Device, GdnShape, HostData, HostMatrix, HostVec, MRope, PagedView, Result, RopeTable, Tensor,
+    };
+}
+
 /// The CPU backend at `precision` (the process-wide instance).
 pub fn open(precision: osprey_backend::Precision) -> osprey_backend::BackendRef {
     match precision {

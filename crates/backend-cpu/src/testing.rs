@@ -7,9 +7,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use osprey_backend::{
-    AttnShape, Backend, BackendRef, Device, GdnShape, HostMatrix, MRope, Op, PagedView, RopeTable, Tensor,
-};
+use osprey_backend::{AttnShape, Backend, BackendRef, MRope, Op, PagedView, Result, RopeTable, Tensor};
 
 use crate::host as fb;
 
@@ -30,186 +28,269 @@ impl HostOps {
 /// The ops [`HostOps`] runs on the host itself.
 const ON_HOST: [Op; 4] = [Op::GroupedNorms, Op::HyperConnections, Op::Ple, Op::AttentionSelected];
 
+/// Forwards the seam's core ops (all but the `qwen4_exp` ones and the router) of a backend to the
+/// `BackendRef` field `$inner`: test wrappers override only what they watch or replace.
+#[macro_export]
+macro_rules! forward_core_ops {
+    ($inner:ident) => {
+        fn device(&self) -> $crate::reexport::Device {
+            self.$inner.device()
+        }
+        fn place_weight(
+            &self,
+            w: std::sync::Arc<dyn $crate::reexport::HostMatrix>,
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.place_weight(w)
+        }
+        fn upload(
+            &self,
+            data: $crate::reexport::HostData<'_>,
+            shape: &[usize],
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.upload(data, shape)
+        }
+        fn download(&self, t: &$crate::reexport::Tensor) -> $crate::reexport::Result<$crate::reexport::HostVec> {
+            self.$inner.download(t)
+        }
+        fn zeros(
+            &self,
+            dtype: $crate::reexport::DType,
+            shape: &[usize],
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.zeros(dtype, shape)
+        }
+        fn write_rows(
+            &self,
+            dst: &mut $crate::reexport::Tensor,
+            at: usize,
+            src: &$crate::reexport::Tensor,
+            rows: std::ops::Range<usize>,
+        ) {
+            self.$inner.write_rows(dst, at, src, rows)
+        }
+        fn gather_rows(
+            &self,
+            x: &$crate::reexport::Tensor,
+            rows: &[usize],
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.gather_rows(x, rows)
+        }
+        fn scatter_add_rows(
+            &self,
+            out: &mut $crate::reexport::Tensor,
+            rows: &[usize],
+            weights: &[f32],
+            y: &$crate::reexport::Tensor,
+        ) {
+            self.$inner.scatter_add_rows(out, rows, weights, y)
+        }
+        fn split_cols(
+            &self,
+            x: &$crate::reexport::Tensor,
+            heads: usize,
+            parts: &[usize],
+        ) -> $crate::reexport::Result<Vec<$crate::reexport::Tensor>> {
+            self.$inner.split_cols(x, heads, parts)
+        }
+        fn linear(
+            &self,
+            x: &$crate::reexport::Tensor,
+            w: &$crate::reexport::Tensor,
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.linear(x, w)
+        }
+        fn linear_pair(
+            &self,
+            x: &$crate::reexport::Tensor,
+            w1: &$crate::reexport::Tensor,
+            w2: &$crate::reexport::Tensor,
+        ) -> $crate::reexport::Result<($crate::reexport::Tensor, $crate::reexport::Tensor)> {
+            self.$inner.linear_pair(x, w1, w2)
+        }
+        fn embed(
+            &self,
+            table: &$crate::reexport::Tensor,
+            ids: &[u32],
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.embed(table, ids)
+        }
+        fn add(&self, x: &mut $crate::reexport::Tensor, y: &$crate::reexport::Tensor) {
+            self.$inner.add(x, y)
+        }
+        fn add_bias(&self, x: &mut $crate::reexport::Tensor, bias: &$crate::reexport::Tensor) {
+            self.$inner.add_bias(x, bias)
+        }
+        fn scale(&self, x: &mut $crate::reexport::Tensor, s: f32) {
+            self.$inner.scale(x, s)
+        }
+        fn silu_mul(&self, gate: &mut $crate::reexport::Tensor, up: &$crate::reexport::Tensor) {
+            self.$inner.silu_mul(gate, up)
+        }
+        fn sigmoid_mul(&self, x: &mut $crate::reexport::Tensor, gate: &$crate::reexport::Tensor) {
+            self.$inner.sigmoid_mul(x, gate)
+        }
+        fn add_sigmoid_gated(
+            &self,
+            out: &mut $crate::reexport::Tensor,
+            y: &$crate::reexport::Tensor,
+            gate: &$crate::reexport::Tensor,
+        ) {
+            self.$inner.add_sigmoid_gated(out, y, gate)
+        }
+        fn gelu(&self, x: &mut $crate::reexport::Tensor, tanh: bool) {
+            self.$inner.gelu(x, tanh)
+        }
+        fn rms_norm(&self, x: &mut $crate::reexport::Tensor, w: &$crate::reexport::Tensor, eps: f32, one_plus: bool) {
+            self.$inner.rms_norm(x, w, eps, one_plus)
+        }
+        fn rms_norm_gated(
+            &self,
+            x: &mut $crate::reexport::Tensor,
+            z: &$crate::reexport::Tensor,
+            w: &$crate::reexport::Tensor,
+            eps: f32,
+        ) {
+            self.$inner.rms_norm_gated(x, z, w, eps)
+        }
+        fn l2_norm(&self, x: &mut $crate::reexport::Tensor, group: usize, eps: f32) {
+            self.$inner.l2_norm(x, group, eps)
+        }
+        fn layer_norm(
+            &self,
+            x: &mut $crate::reexport::Tensor,
+            w: &$crate::reexport::Tensor,
+            b: &$crate::reexport::Tensor,
+            eps: f32,
+        ) {
+            self.$inner.layer_norm(x, w, b, eps)
+        }
+        fn rope(
+            &self,
+            x: &mut $crate::reexport::Tensor,
+            rope: &$crate::reexport::MRope,
+            table: &$crate::reexport::RopeTable,
+        ) {
+            self.$inner.rope(x, rope, table)
+        }
+        fn rotate_half(
+            &self,
+            x: &mut $crate::reexport::Tensor,
+            head_dim: usize,
+            cos: &$crate::reexport::Tensor,
+            sin: &$crate::reexport::Tensor,
+        ) {
+            self.$inner.rotate_half(x, head_dim, cos, sin)
+        }
+        fn attention_paged(
+            &self,
+            q: &$crate::reexport::Tensor,
+            rows: std::ops::Range<usize>,
+            kv: $crate::reexport::PagedView<'_>,
+            past: usize,
+            shape: $crate::reexport::AttnShape,
+            scale: f32,
+            out: &mut $crate::reexport::Tensor,
+        ) {
+            self.$inner.attention_paged(q, rows, kv, past, shape, scale, out)
+        }
+        fn attention_bidirectional(
+            &self,
+            q: &$crate::reexport::Tensor,
+            k: &$crate::reexport::Tensor,
+            v: &$crate::reexport::Tensor,
+            rows: std::ops::Range<usize>,
+            shape: $crate::reexport::AttnShape,
+            scale: f32,
+            out: &mut $crate::reexport::Tensor,
+        ) {
+            self.$inner.attention_bidirectional(q, k, v, rows, shape, scale, out)
+        }
+        fn causal_conv_silu(
+            &self,
+            x: &$crate::reexport::Tensor,
+            rows: std::ops::Range<usize>,
+            w: &$crate::reexport::Tensor,
+            kernel: usize,
+            state: &mut $crate::reexport::Tensor,
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.causal_conv_silu(x, rows, w, kernel, state)
+        }
+        fn delta_gates(
+            &self,
+            a: &$crate::reexport::Tensor,
+            b: &$crate::reexport::Tensor,
+            rows: std::ops::Range<usize>,
+            neg_a: &$crate::reexport::Tensor,
+            dt_bias: &$crate::reexport::Tensor,
+        ) -> $crate::reexport::Result<($crate::reexport::Tensor, $crate::reexport::Tensor)> {
+            self.$inner.delta_gates(a, b, rows, neg_a, dt_bias)
+        }
+        fn gated_delta(
+            &self,
+            shape: $crate::reexport::GdnShape,
+            recurrent: bool,
+            q: &$crate::reexport::Tensor,
+            k: &$crate::reexport::Tensor,
+            v: &$crate::reexport::Tensor,
+            g: &$crate::reexport::Tensor,
+            beta: &$crate::reexport::Tensor,
+            state: &mut $crate::reexport::Tensor,
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.gated_delta(shape, recurrent, q, k, v, g, beta, state)
+        }
+    };
+}
+
 impl Backend for HostOps {
-    fn device(&self) -> Device {
-        self.inner.device()
-    }
+    forward_core_ops!(inner);
+
     fn describe(&self) -> String {
         format!("{} with host qwen4_exp ops", self.inner.describe())
     }
     fn supports(&self, op: Op) -> bool {
         ON_HOST.contains(&op) || self.inner.supports(op)
     }
-    fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Tensor {
-        self.inner.place_weight(w)
-    }
-    fn upload(&self, data: &[f32], shape: &[usize]) -> Tensor {
-        self.inner.upload(data, shape)
-    }
-    fn download(&self, t: &Tensor) -> Vec<f32> {
-        self.inner.download(t)
-    }
-    fn zeros(&self, shape: &[usize]) -> Tensor {
-        self.inner.zeros(shape)
-    }
-    fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>) {
-        self.inner.write_rows(dst, at, src, rows)
-    }
-    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Tensor {
-        self.inner.gather_rows(x, rows)
-    }
-    fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor) {
-        self.inner.scatter_add_rows(out, rows, weights, y)
-    }
-    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Vec<Tensor> {
-        self.inner.split_cols(x, heads, parts)
-    }
-    fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
-        self.inner.linear(x, w)
-    }
-    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> (Tensor, Tensor) {
-        self.inner.linear_pair(x, w1, w2)
-    }
-    fn embed(&self, table: &Tensor, ids: &[u32]) -> Tensor {
-        self.inner.embed(table, ids)
-    }
-    fn add(&self, x: &mut Tensor, y: &Tensor) {
-        self.inner.add(x, y)
-    }
-    fn add_bias(&self, x: &mut Tensor, bias: &Tensor) {
-        self.inner.add_bias(x, bias)
-    }
-    fn scale(&self, x: &mut Tensor, s: f32) {
-        self.inner.scale(x, s)
-    }
-    fn silu_mul(&self, gate: &mut Tensor, up: &Tensor) {
-        self.inner.silu_mul(gate, up)
-    }
-    fn sigmoid_mul(&self, x: &mut Tensor, gate: &Tensor) {
-        self.inner.sigmoid_mul(x, gate)
-    }
-    fn add_sigmoid_gated(&self, out: &mut Tensor, y: &Tensor, gate: &Tensor) {
-        self.inner.add_sigmoid_gated(out, y, gate)
-    }
-    fn gelu(&self, x: &mut Tensor, tanh: bool) {
-        self.inner.gelu(x, tanh)
-    }
-    fn rms_norm(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool) {
-        self.inner.rms_norm(x, w, eps, one_plus)
-    }
-    fn rms_norm_gated(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
-        self.inner.rms_norm_gated(x, z, w, eps)
-    }
-    fn l2_norm(&self, x: &mut Tensor, group: usize, eps: f32) {
-        self.inner.l2_norm(x, group, eps)
-    }
-    fn layer_norm(&self, x: &mut Tensor, w: &Tensor, b: &Tensor, eps: f32) {
-        self.inner.layer_norm(x, w, b, eps)
-    }
-    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> RopeTable {
+    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable> {
         self.inner.rope_table(rope, positions)
     }
-    fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable) {
-        self.inner.rope(x, rope, table)
-    }
-    fn rotate_half(&self, x: &mut Tensor, head_dim: usize, cos: &Tensor, sin: &Tensor) {
-        self.inner.rotate_half(x, head_dim, cos, sin)
-    }
-    fn attention_paged(
-        &self,
-        q: &Tensor,
-        rows: Range<usize>,
-        kv: PagedView<'_>,
-        past: usize,
-        shape: AttnShape,
-        scale: f32,
-        out: &mut Tensor,
-    ) {
-        self.inner.attention_paged(q, rows, kv, past, shape, scale, out)
-    }
-    fn attention_bidirectional(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        rows: Range<usize>,
-        shape: AttnShape,
-        scale: f32,
-        out: &mut Tensor,
-    ) {
-        self.inner.attention_bidirectional(q, k, v, rows, shape, scale, out)
-    }
-    fn causal_conv_silu(
-        &self,
-        x: &Tensor,
-        rows: Range<usize>,
-        w: &Tensor,
-        kernel: usize,
-        state: &mut Tensor,
-    ) -> Tensor {
-        self.inner.causal_conv_silu(x, rows, w, kernel, state)
-    }
-    fn delta_gates(
-        &self,
-        a: &Tensor,
-        b: &Tensor,
-        rows: Range<usize>,
-        neg_a: &Tensor,
-        dt_bias: &Tensor,
-    ) -> (Tensor, Tensor) {
-        self.inner.delta_gates(a, b, rows, neg_a, dt_bias)
-    }
-    fn gated_delta(
-        &self,
-        shape: GdnShape,
-        recurrent: bool,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-        beta: &Tensor,
-        state: &mut Tensor,
-    ) -> Tensor {
-        self.inner.gated_delta(shape, recurrent, q, k, v, g, beta, state)
-    }
-    fn router_topk(&self, logits: &Tensor, k: usize) -> Vec<(Vec<usize>, Vec<f32>)> {
+    fn router_topk(&self, logits: &Tensor, k: usize) -> Result<Vec<(Vec<usize>, Vec<f32>)>> {
         self.inner.router_topk(logits, k)
     }
 
     // --- on the host ------------------------------------------------------------------------------------
 
-    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Vec<(Vec<usize>, Vec<f32>)> {
+    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Vec<(Vec<usize>, Vec<f32>)>> {
         if renorm {
             return self.router_topk(logits, k);
         }
-        let l = self.download(logits);
-        l.chunks(logits.cols()).map(|row| fb::route(row, k, false)).collect()
+        let l = self.download_f32(logits)?;
+        Ok(l.chunks(logits.cols()).map(|row| fb::route(row, k, false)).collect())
     }
     fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32) {
-        let mut h = self.download(x);
-        fb::rms_norm_grouped(&mut h, &self.download(w), group, eps);
-        *x = self.upload(&h, x.shape());
+        let mut h = self.host(x);
+        fb::rms_norm_grouped(&mut h, &self.host(w), group, eps);
+        self.put(x, &h);
     }
     fn silu(&self, x: &mut Tensor) {
-        let h: Vec<f32> = self.download(x).into_iter().map(|v| v / (1.0 + (-v).exp())).collect();
-        *x = self.upload(&h, x.shape());
+        let h: Vec<f32> = self.host(x).into_iter().map(|v| v / (1.0 + (-v).exp())).collect();
+        self.put(x, &h);
     }
     fn sigmoid(&self, x: &mut Tensor) {
-        let h: Vec<f32> = self.download(x).into_iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
-        *x = self.upload(&h, x.shape());
+        let h: Vec<f32> = self.host(x).into_iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
+        self.put(x, &h);
     }
-    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Tensor {
+    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Result<Tensor> {
         let h = m.cols() / hc;
-        self.upload(&fb::hc_combine(&self.download(m), &self.download(xn), hc, h), &[m.rows(), h])
+        self.upload_f32(&fb::hc_combine(&self.download_f32(m)?, &self.download_f32(xn)?, hc, h), &[m.rows(), h])
     }
     fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize) {
-        let mut h = self.download(x);
-        fb::hc_inject(&mut h, &self.download(out), &self.download(inj), hc, out.cols());
-        *x = self.upload(&h, x.shape());
+        let mut h = self.host(x);
+        fb::hc_inject(&mut h, &self.host(out), &self.host(inj), hc, out.cols());
+        self.put(x, &h);
     }
-    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Tensor {
-        let g = fb::ple_gate(&self.download(k), &self.download(q), &self.download(v), hc, v.cols());
-        self.upload(&g, k.shape())
+    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Result<Tensor> {
+        let g = fb::ple_gate(&self.download_f32(k)?, &self.download_f32(q)?, &self.download_f32(v)?, hc, v.cols());
+        self.upload_f32(&g, k.shape())
     }
     fn causal_conv_dilated_silu(
         &self,
@@ -218,17 +299,18 @@ impl Backend for HostOps {
         kernel: usize,
         dilation: usize,
         state: &mut Tensor,
-    ) -> Tensor {
-        let mut s = self.download(state);
+    ) -> Result<Tensor> {
+        let mut s = self.download_f32(state)?;
         let c = x.cols();
-        let out = fb::causal_conv_dilated_silu(&self.download(x), c, &self.download(w), kernel, dilation, &mut s);
-        *state = self.upload(&s, state.shape());
-        self.upload(&out, x.shape())
+        let out =
+            fb::causal_conv_dilated_silu(&self.download_f32(x)?, c, &self.download_f32(w)?, kernel, dilation, &mut s);
+        *state = self.upload_f32(&s, state.shape())?;
+        self.upload_f32(&out, x.shape())
     }
     fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
-        let mut h = self.download(x);
-        fb::rms_norm_gated_sigmoid(&mut h, &self.download(z), &self.download(w), eps);
-        *x = self.upload(&h, x.shape());
+        let mut h = self.host(x);
+        fb::rms_norm_gated_sigmoid(&mut h, &self.host(z), &self.host(w), eps);
+        self.put(x, &h);
     }
     fn attention_selected(
         &self,
@@ -240,12 +322,12 @@ impl Backend for HostOps {
         scale: f32,
         out: &mut Tensor,
     ) {
-        let pages: Vec<Vec<f32>> = kv.pages.iter().map(|p| self.download(p)).collect();
+        let pages: Vec<Vec<f32>> = kv.pages.iter().map(|p| self.host(p)).collect();
         let row = shape.kv_heads * shape.head_dim;
         let fetch = |pos: usize| fb::kv_rows(&pages[pos / kv.page_size], &kv, pos % kv.page_size, row);
         let c = q.cols();
-        let qh = self.download(q);
-        let mut o = self.download(out);
+        let qh = self.host(q);
+        let mut o = self.host(out);
         fb::attention_selected(
             &qh[rows.start * c..rows.end * c],
             selected,
@@ -254,6 +336,18 @@ impl Backend for HostOps {
             scale,
             &mut o[rows.start * c..rows.end * c],
         );
-        *out = self.upload(&o, out.shape());
+        self.put(out, &o);
+    }
+}
+
+impl HostOps {
+    /// An f32 tensor's elements (the in-place ops cannot report errors: a failing copy is a test bug).
+    fn host(&self, t: &Tensor) -> Vec<f32> {
+        self.download_f32(t).expect("a host copy for a test backend")
+    }
+
+    /// Replaces `t` with `data` of its shape.
+    fn put(&self, t: &mut Tensor, data: &[f32]) {
+        *t = self.upload_f32(data, t.shape()).expect("an upload for a test backend");
     }
 }

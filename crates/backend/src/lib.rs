@@ -24,15 +24,34 @@ pub mod types;
 
 pub use device::Device;
 pub use ops::{Backend, BackendRef, Op, PagedView, RopeTable};
-pub use tensor::{HostMatrix, Storage, Tensor};
-pub use types::{AttnShape, DType, GdnShape, MRope, Precision, WeightView};
 
-/// Why a backend could not be opened or run.
-#[derive(Debug, thiserror::Error)]
+/// What a backend op returns.
+pub type Result<T> = std::result::Result<T, BackendError>;
+pub use tensor::{HostMatrix, Storage, Tensor};
+pub use types::{AttnShape, DType, GdnShape, HostData, HostVec, MRope, Precision, WeightView};
+
+/// Why a backend could not be opened or an op could not run.
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum BackendError {
     /// The device is not one this build can drive.
     #[error("{0}")]
     Unavailable(String),
+    /// The device has no room for an allocation: the request that asked fails (503), the next runs.
+    #[error("out of device memory: {requested} bytes asked, {available} available")]
+    OutOfMemory {
+        /// Bytes the allocation needed.
+        requested: usize,
+        /// Bytes the device had left under its cap.
+        available: usize,
+    },
+    /// A tensor of one element type was used as another (a bug in the caller).
+    #[error("expected a {expected:?} tensor, got {got:?}: this is a bug")]
+    DType {
+        /// The type the op reads.
+        expected: DType,
+        /// The tensor's type.
+        got: DType,
+    },
     /// The backend lacks ops a model needs.
     #[error("the {backend} backend lacks {ops:?}, which this model needs")]
     Unsupported {
@@ -44,7 +63,7 @@ pub enum BackendError {
 }
 
 /// Refuses a backend that lacks any of `ops` (a model family's [`Op`]s), naming every missing one.
-pub fn require(backend: &dyn Backend, ops: &[Op]) -> Result<(), BackendError> {
+pub fn require(backend: &dyn Backend, ops: &[Op]) -> Result<()> {
     let missing: Vec<Op> = ops.iter().copied().filter(|&op| !backend.supports(op)).collect();
     if missing.is_empty() {
         Ok(())

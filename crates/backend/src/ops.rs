@@ -2,13 +2,17 @@
 //! dimension but the last). Ops that name a row range work on those rows of their inputs, so a layer can
 //! run a sequence's part of a batch without copying it out. Shapes are checked by the caller (the family
 //! built them); a mismatch is a bug and panics.
+//!
+//! Every op that allocates returns a [`Result`]: a device that runs out of memory answers
+//! [`BackendError::OutOfMemory`], which fails the request that asked (503) instead of the runner
+//! thread. Ops that write into tensors they are given allocate nothing and cannot fail that way.
 
 use std::fmt::Debug;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::types::{AttnShape, GdnShape, MRope};
-use crate::{Device, HostMatrix, Tensor};
+use crate::types::{AttnShape, DType, GdnShape, HostData, HostVec, MRope};
+use crate::{BackendError, Device, HostMatrix, Result, Tensor};
 
 /// A shared backend.
 pub type BackendRef = Arc<dyn Backend>;
@@ -50,43 +54,61 @@ pub trait Backend: Send + Sync + Debug {
     // --- memory ---------------------------------------------------------------------------------------
 
     /// Places a weight on the device (at load; routed experts when they arrive).
-    fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Tensor;
+    fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Result<Tensor>;
 
-    /// An f32 tensor of `shape` from host data.
-    fn upload(&self, data: &[f32], shape: &[usize]) -> Tensor;
+    /// A tensor of `shape` from typed host data (its element type is the data's).
+    fn upload(&self, data: HostData<'_>, shape: &[usize]) -> Result<Tensor>;
 
-    /// An f32 tensor's elements on the host (waits for the device).
-    fn download(&self, t: &Tensor) -> Vec<f32>;
+    /// A tensor's elements on the host, typed (waits for the device).
+    fn download(&self, t: &Tensor) -> Result<HostVec>;
 
-    /// An f32 tensor of zeros.
-    fn zeros(&self, shape: &[usize]) -> Tensor;
+    /// A tensor of `dtype` zeros (f32, bf16, f16, u8 or i32).
+    fn zeros(&self, dtype: DType, shape: &[usize]) -> Result<Tensor>;
+
+    /// [`Backend::upload`] of f32 data (the activations' type).
+    fn upload_f32(&self, data: &[f32], shape: &[usize]) -> Result<Tensor> {
+        self.upload(HostData::F32(data), shape)
+    }
+
+    /// [`Backend::download`] of an f32 tensor.
+    fn download_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
+        match self.download(t)? {
+            HostVec::F32(v) => Ok(v),
+            _ => Err(BackendError::DType { expected: DType::F32, got: t.dtype() }),
+        }
+    }
+
+    /// [`Backend::zeros`] of f32.
+    fn zeros_f32(&self, shape: &[usize]) -> Result<Tensor> {
+        self.zeros(DType::F32, shape)
+    }
 
     /// Copies `src` rows `rows` into `dst` starting at element `at` (KV page writes, injected rows).
     fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>);
 
     /// Rows `rows` of `x`, gathered in that order (expert inputs, rows whose logits are wanted).
-    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Tensor;
+    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor>;
 
     /// `out[rows[j]] += weights[j] · y[j]` in order of `j` (expert outputs back to their tokens).
     fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor);
 
     /// Splits each row of `x`, viewed as `heads` groups of `parts.iter().sum()` columns, into one tensor
     /// per part (`[rows, heads·part]` each): `[q_h | gate_h]` per head, or `q | k | v` with one group.
-    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Vec<Tensor>;
+    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Result<Vec<Tensor>>;
 
     // --- dense ----------------------------------------------------------------------------------------
 
     /// `x [m, k] · wᵀ → [m, n]` for a placed weight `[n, k]` of any dtype.
-    fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor;
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor>;
 
     /// `(x·w1ᵀ, x·w2ᵀ)` for two placed weights of one shape (an MLP's gate and up). A backend may fuse
     /// them into one pass over the activations; by default it is two [`Backend::linear`]s.
-    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> (Tensor, Tensor) {
-        (self.linear(x, w1), self.linear(x, w2))
+    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((self.linear(x, w1)?, self.linear(x, w2)?))
     }
 
     /// Rows `ids` of a placed embedding table, widened to f32.
-    fn embed(&self, table: &Tensor, ids: &[u32]) -> Tensor;
+    fn embed(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor>;
 
     // --- element-wise ---------------------------------------------------------------------------------
 
@@ -129,7 +151,7 @@ pub trait Backend: Send + Sync + Debug {
     // --- positions ------------------------------------------------------------------------------------
 
     /// Rotary tables for positions `[T][t, h, w]` (text positions repeat one value three times).
-    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> RopeTable;
+    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable>;
 
     /// Partial (m)RoPE on every head of each row `i` of `x`, with row `i` of `table`.
     fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable);
@@ -172,8 +194,14 @@ pub trait Backend: Send + Sync + Debug {
 
     /// Depthwise causal conv (`w [channels, kernel]`) then silu over rows `rows` of `x`, continuing from
     /// and advancing `state` (the last `kernel − 1` inputs).
-    fn causal_conv_silu(&self, x: &Tensor, rows: Range<usize>, w: &Tensor, kernel: usize, state: &mut Tensor)
-        -> Tensor;
+    fn causal_conv_silu(
+        &self,
+        x: &Tensor,
+        rows: Range<usize>,
+        w: &Tensor,
+        kernel: usize,
+        state: &mut Tensor,
+    ) -> Result<Tensor>;
 
     /// The gates of rows `rows`: `β = sigmoid(b)`, `g = neg_a · softplus(a + dt_bias)` (`[n, heads]`).
     fn delta_gates(
@@ -183,7 +211,7 @@ pub trait Backend: Send + Sync + Debug {
         rows: Range<usize>,
         neg_a: &Tensor,
         dt_bias: &Tensor,
-    ) -> (Tensor, Tensor);
+    ) -> Result<(Tensor, Tensor)>;
 
     /// The gated delta rule over `n` tokens of one sequence, advancing `state [nv, dk, dv]`: the
     /// recurrent form token by token (decode) or the chunked form (prefill) → `[n, nv·dv]`.
@@ -198,16 +226,16 @@ pub trait Backend: Send + Sync + Debug {
         g: &Tensor,
         beta: &Tensor,
         state: &mut Tensor,
-    ) -> Tensor;
+    ) -> Result<Tensor>;
 
     // --- MoE ------------------------------------------------------------------------------------------
 
     /// Softmax over each row of router logits, the `k` most probable experts (descending, ties to the
     /// lower id) and their renormalised weights, on the host: which experts to fetch is a host decision.
-    fn router_topk(&self, logits: &Tensor, k: usize) -> Vec<(Vec<usize>, Vec<f32>)>;
+    fn router_topk(&self, logits: &Tensor, k: usize) -> Result<Vec<(Vec<usize>, Vec<f32>)>>;
 
     /// [`Backend::router_topk`], or without renormalising the kept weights (`norm_topk_prob = false`).
-    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Vec<(Vec<usize>, Vec<f32>)>;
+    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Vec<(Vec<usize>, Vec<f32>)>>;
 
     // --- qwen4_exp: hyper-connections, PLE, QSA --------------------------------------------------------
 
@@ -221,13 +249,13 @@ pub trait Backend: Send + Sync + Debug {
     fn sigmoid(&self, x: &mut Tensor);
 
     /// Hyper-connection input: `mean_s(m_s ⊙ xn_s)`, `m`, `xn` `[n, hc·h]` → `[n, h]`.
-    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Tensor;
+    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Result<Tensor>;
 
     /// Hyper-connection output: `x_s += inj_s · out` for each of the `hc` streams of `x [n, hc·h]`.
     fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize);
 
     /// PLE's gated value per stream: `sigmoid(signed_sqrt(Σ k·q / √h)) · v`, `[n, hc·h]`.
-    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Tensor;
+    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Result<Tensor>;
 
     /// Causal depthwise conv (no bias) with `dilation`, then silu, from and advancing `state`
     /// `[(kernel−1)·dilation, c]`: `x [n, c]`, `w [c, kernel]`.
@@ -238,7 +266,7 @@ pub trait Backend: Send + Sync + Debug {
         kernel: usize,
         dilation: usize,
         state: &mut Tensor,
-    ) -> Tensor;
+    ) -> Result<Tensor>;
 
     /// Gated RMSNorm per group of `w.len()` with a sigmoid gate: `x̂ · w · sigmoid(z)`.
     fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32);

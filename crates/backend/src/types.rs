@@ -26,6 +26,10 @@ pub enum DType {
     F16,
     /// NVFP4: packed e2m1 pairs with e4m3 block scales and a global scale.
     Nvfp4,
+    /// Bytes (packed blobs, masks).
+    U8,
+    /// 32-bit signed integers (expert slot ids, page tables, selected positions).
+    I32,
 }
 
 impl DType {
@@ -35,7 +39,79 @@ impl DType {
             DType::F32 => 4,
             DType::BF16 | DType::F16 => 2,
             // Half a byte per value plus one scale byte per 16 values, rounded up to a byte.
-            DType::Nvfp4 => 1,
+            DType::Nvfp4 | DType::U8 => 1,
+            DType::I32 => 4,
+        }
+    }
+}
+
+/// Host data on its way to a device ([`crate::Backend::upload`]), typed.
+#[derive(Clone, Copy, Debug)]
+pub enum HostData<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// bf16 bit patterns.
+    Bf16(&'a [u16]),
+    /// f16 bit patterns.
+    F16(&'a [u16]),
+    /// Bytes.
+    U8(&'a [u8]),
+    /// 32-bit integers.
+    I32(&'a [i32]),
+}
+
+impl HostData<'_> {
+    /// Its element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostData::F32(_) => DType::F32,
+            HostData::Bf16(_) => DType::BF16,
+            HostData::F16(_) => DType::F16,
+            HostData::U8(_) => DType::U8,
+            HostData::I32(_) => DType::I32,
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            HostData::F32(v) => v.len(),
+            HostData::Bf16(v) | HostData::F16(v) => v.len(),
+            HostData::U8(v) => v.len(),
+            HostData::I32(v) => v.len(),
+        }
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A tensor's elements brought to the host ([`crate::Backend::download`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostVec {
+    /// f32 values.
+    F32(Vec<f32>),
+    /// bf16 bit patterns.
+    Bf16(Vec<u16>),
+    /// f16 bit patterns.
+    F16(Vec<u16>),
+    /// Bytes.
+    U8(Vec<u8>),
+    /// 32-bit integers.
+    I32(Vec<i32>),
+}
+
+impl HostVec {
+    /// Borrowed, as it would be uploaded.
+    pub fn as_data(&self) -> HostData<'_> {
+        match self {
+            HostVec::F32(v) => HostData::F32(v),
+            HostVec::Bf16(v) => HostData::Bf16(v),
+            HostVec::F16(v) => HostData::F16(v),
+            HostVec::U8(v) => HostData::U8(v),
+            HostVec::I32(v) => HostData::I32(v),
         }
     }
 }

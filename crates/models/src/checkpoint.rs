@@ -184,6 +184,7 @@ impl Weight {
                         DType::BF16 => WeightView::Bf16(std::slice::from_raw_parts(bytes.as_ptr() as *const u16, n)),
                         DType::F16 => WeightView::F16(std::slice::from_raw_parts(bytes.as_ptr() as *const u16, n)),
                         DType::Nvfp4 => unreachable!("nvfp4 weights use Storage::Nvfp4: this is a bug"),
+                        DType::U8 | DType::I32 => unreachable!("weights are never U8 or I32: this is a bug"),
                     }
                 }
             }

@@ -58,6 +58,9 @@ pub enum Error {
     /// The config asks for something this build does not implement.
     #[error("unsupported model configuration: {0}")]
     Unsupported(String),
+    /// The compute backend failed an op (out of device memory, above all).
+    #[error(transparent)]
+    Backend(#[from] osprey_backend::BackendError),
     /// A request is inconsistent with the model (e.g. a token id beyond the vocabulary).
     #[error("invalid input: {0}")]
     InvalidInput(String),

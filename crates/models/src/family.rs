@@ -142,15 +142,18 @@ pub trait CausalLm: Send + Sync + Debug {
     fn kv_layout(&self) -> KvLayout;
 
     /// A fresh state for a new sequence whose KV lives in `kv` (from [`crate::KvPool::table`], or an
-    /// unpooled table).
-    fn new_state_with(&self, kv: PageTable) -> SeqState;
+    /// unpooled table); its recurrent states are allocated on the backend (which may be out of memory).
+    fn new_state_with(&self, kv: PageTable) -> Result<SeqState>;
 
     /// The backend its weights live on and its forward runs on (KV pools for it allocate there).
     fn backend(&self) -> &BackendRef;
 
-    /// A fresh state whose KV pages are allocated as it grows, outside any pool (tests, one-off runs).
+    /// A fresh state whose KV pages are allocated as it grows, outside any pool (tests, one-off runs,
+    /// where running out of memory for one sequence's state is fatal: the serving path uses
+    /// [`CausalLm::new_state_with`] and answers that request 503).
     fn new_state(&self) -> SeqState {
         self.new_state_with(PageTable::unpooled(PageGeometry::new(self.kv_layout(), DEFAULT_PAGE_SIZE)))
+            .expect("memory for a new sequence's state")
     }
 
     /// Runs one step for a batch of sequences, with options (hidden-state capture, per-layer teacher
@@ -177,7 +180,7 @@ impl<T: CausalLm + ?Sized> CausalLm for Box<T> {
     fn kv_layout(&self) -> KvLayout {
         (**self).kv_layout()
     }
-    fn new_state_with(&self, kv: PageTable) -> SeqState {
+    fn new_state_with(&self, kv: PageTable) -> Result<SeqState> {
         (**self).new_state_with(kv)
     }
     fn backend(&self) -> &BackendRef {

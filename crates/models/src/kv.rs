@@ -16,7 +16,7 @@ use std::ops::Range;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
-use osprey_backend::{Backend, BackendRef, PagedView, Tensor};
+use osprey_backend::{Backend, BackendError, BackendRef, PagedView, Tensor};
 
 use crate::family::KvLayout;
 
@@ -129,15 +129,16 @@ impl PageTable {
 
     /// Makes room for `tokens` slots (new pages on `b`); a pooled table must have been reserved by its
     /// pool.
-    pub(crate) fn grow(&mut self, tokens: usize, b: &dyn Backend) -> Result<(), String> {
+    pub(crate) fn grow(&mut self, tokens: usize, b: &dyn Backend) -> crate::Result<()> {
         while self.capacity() < tokens {
             if self.pooled {
-                return Err(format!(
+                return Err(crate::Error::InvalidInput(format!(
                     "KV pages for {tokens} tokens were not reserved ({} reserved): this is a bug",
                     self.capacity()
-                ));
+                )));
             }
-            let buf = b.zeros(&[self.geo.floats()]);
+            // A page the backend cannot hold keeps its type: the runner answers `out_of_memory`.
+            let buf = b.zeros_f32(&[self.geo.floats()])?;
             self.pages.push(Arc::new(Page { id: u32::MAX, buf: Some(buf), home: None }));
         }
         Ok(())
@@ -254,18 +255,19 @@ impl KvPool {
         PoolStats { total: self.total, free: self.total - self.created + self.free.len() }
     }
 
-    /// A page, or `None` when every page is referenced.
-    pub fn alloc(&mut self) -> Option<PageRef> {
+    /// A page, `None` when every page is referenced, or the backend's refusal to allocate one.
+    pub fn alloc(&mut self) -> Result<Option<PageRef>, BackendError> {
         self.reclaim();
         let (id, buf) = match self.free.pop() {
             Some(r) => r,
             None if self.created < self.total => {
+                let buf = self.backend.zeros_f32(&[self.geo.floats()])?;
                 self.created += 1;
-                ((self.created - 1) as u32, self.backend.zeros(&[self.geo.floats()]))
+                ((self.created - 1) as u32, buf)
             }
-            None => return None,
+            None => return Ok(None),
         };
-        Some(Arc::new(Page { id, buf: Some(buf), home: Some(self.home.clone()) }))
+        Ok(Some(Arc::new(Page { id, buf: Some(buf), home: Some(self.home.clone()) })))
     }
 
     /// A table whose pages come from this pool.
@@ -273,18 +275,28 @@ impl KvPool {
         PageTable { geo: self.geo, pages: Vec::new(), pooled: true }
     }
 
-    /// Extends `table` to cover `tokens` slots; on failure the table is unchanged.
-    pub fn reserve(&mut self, table: &mut PageTable, tokens: usize) -> Result<(), PoolStats> {
+    /// Extends `table` to cover `tokens` slots: [`ReserveError::Full`] (the table unchanged) when the
+    /// pool has too few free pages, or the backend's refusal to allocate one.
+    pub fn reserve(&mut self, table: &mut PageTable, tokens: usize) -> Result<(), ReserveError> {
         let need = tokens.div_ceil(self.geo.page_size).saturating_sub(table.pages.len());
         if need > self.stats().free {
-            return Err(self.stats());
+            return Err(ReserveError::Full(self.stats()));
         }
         for _ in 0..need {
-            let p = self.alloc().expect("counted free pages: this is a bug");
+            let p = self.alloc().map_err(ReserveError::Backend)?.expect("counted free pages: this is a bug");
             table.pages.push(p);
         }
         Ok(())
     }
+}
+
+/// Why [`KvPool::reserve`] could not.
+#[derive(Debug)]
+pub enum ReserveError {
+    /// Too few free pages (the scheduler plans by them, so this is a bug when it happens).
+    Full(PoolStats),
+    /// The backend could not allocate a page's memory.
+    Backend(BackendError),
 }
 
 #[cfg(test)]
@@ -304,7 +316,8 @@ mod tests {
         fn write_host(&mut self, layer: usize, at: usize, k: &[f32], v: &[f32]) {
             let b = CpuBackend::default();
             let n = k.len() / self.geo.row;
-            let (k, v) = (b.upload(k, &[n, self.geo.row]), b.upload(v, &[n, self.geo.row]));
+            let (k, v) =
+                (b.upload_f32(k, &[n, self.geo.row]).expect("k"), b.upload_f32(v, &[n, self.geo.row]).expect("v"));
             self.write(&b, layer, at, (&k, &v), 0..n);
         }
     }

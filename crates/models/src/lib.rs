@@ -38,7 +38,7 @@ pub use family::{
     CausalLm, ForwardOptions, ForwardOutput, InjectedRows, KvLayout, LmInfo, LogitsWanted, Model, Positions, SeqInput,
     SeqStep, DEFAULT_PAGE_SIZE,
 };
-pub use kv::{KvPool, PageGeometry, PageRef, PageTable, PoolStats};
+pub use kv::{KvPool, PageGeometry, PageRef, PageTable, PoolStats, ReserveError};
 pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts, ResidentExperts};
 /// The compute-backend seam the families are written against (re-exported for callers that pick one).
 pub use osprey_backend as backend;

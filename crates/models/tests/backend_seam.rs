@@ -10,7 +10,10 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use osprey_backend::{AttnShape, Backend, Device, GdnShape, HostMatrix, MRope, Op, PagedView, RopeTable, Tensor};
+use osprey_backend::{
+    AttnShape, Backend, DType, Device, GdnShape, HostData, HostMatrix, HostVec, MRope, Op, PagedView, Result,
+    RopeTable, Tensor,
+};
 use osprey_backend_cpu::testing::HostOps;
 use osprey_backend_cpu::CpuBackend;
 use osprey_models::{CausalLm, LogitsWanted, Positions, SeqInput, SeqStep};
@@ -40,40 +43,40 @@ impl Backend for Counting {
     fn supports(&self, op: Op) -> bool {
         !matches!(op, Op::GroupedNorms | Op::HyperConnections | Op::Ple | Op::AttentionSelected)
     }
-    fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Tensor {
+    fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Result<Tensor> {
         bump(&self.placed);
         self.cpu.place_weight(w)
     }
-    fn upload(&self, data: &[f32], shape: &[usize]) -> Tensor {
+    fn upload(&self, data: HostData<'_>, shape: &[usize]) -> Result<Tensor> {
         bump(&self.uploads);
         self.cpu.upload(data, shape)
     }
-    fn download(&self, t: &Tensor) -> Vec<f32> {
+    fn download(&self, t: &Tensor) -> Result<HostVec> {
         bump(&self.downloads);
         self.cpu.download(t)
     }
-    fn zeros(&self, shape: &[usize]) -> Tensor {
-        self.cpu.zeros(shape)
+    fn zeros(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        self.cpu.zeros(dtype, shape)
     }
     fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>) {
         self.cpu.write_rows(dst, at, src, rows)
     }
-    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Tensor {
+    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor> {
         self.cpu.gather_rows(x, rows)
     }
     fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor) {
         self.cpu.scatter_add_rows(out, rows, weights, y)
     }
-    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Vec<Tensor> {
+    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Result<Vec<Tensor>> {
         self.cpu.split_cols(x, heads, parts)
     }
-    fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         self.cpu.linear(x, w)
     }
-    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> (Tensor, Tensor) {
+    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
         self.cpu.linear_pair(x, w1, w2)
     }
-    fn embed(&self, table: &Tensor, ids: &[u32]) -> Tensor {
+    fn embed(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
         self.cpu.embed(table, ids)
     }
     fn add(&self, x: &mut Tensor, y: &Tensor) {
@@ -109,7 +112,7 @@ impl Backend for Counting {
     fn layer_norm(&self, x: &mut Tensor, w: &Tensor, b: &Tensor, eps: f32) {
         self.cpu.layer_norm(x, w, b, eps)
     }
-    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> RopeTable {
+    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable> {
         // Tables are computed where the positions are (the host) and sent once per forward.
         bump(&self.uploads);
         self.cpu.rope_table(rope, positions)
@@ -151,7 +154,7 @@ impl Backend for Counting {
         w: &Tensor,
         kernel: usize,
         state: &mut Tensor,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         self.cpu.causal_conv_silu(x, rows, w, kernel, state)
     }
     fn delta_gates(
@@ -161,7 +164,7 @@ impl Backend for Counting {
         rows: Range<usize>,
         neg_a: &Tensor,
         dt_bias: &Tensor,
-    ) -> (Tensor, Tensor) {
+    ) -> Result<(Tensor, Tensor)> {
         self.cpu.delta_gates(a, b, rows, neg_a, dt_bias)
     }
     fn gated_delta(
@@ -174,14 +177,14 @@ impl Backend for Counting {
         g: &Tensor,
         beta: &Tensor,
         state: &mut Tensor,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         self.cpu.gated_delta(shape, recurrent, q, k, v, g, beta, state)
     }
-    fn router_topk(&self, logits: &Tensor, k: usize) -> Vec<(Vec<usize>, Vec<f32>)> {
+    fn router_topk(&self, logits: &Tensor, k: usize) -> Result<Vec<(Vec<usize>, Vec<f32>)>> {
         bump(&self.router);
         self.cpu.router_topk(logits, k)
     }
-    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Vec<(Vec<usize>, Vec<f32>)> {
+    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Vec<(Vec<usize>, Vec<f32>)>> {
         bump(&self.router);
         self.cpu.router_topk_with(logits, k, renorm)
     }
@@ -194,16 +197,16 @@ impl Backend for Counting {
     fn sigmoid(&self, _: &mut Tensor) {
         unreachable!("not supported: the loader refuses a model that needs it")
     }
-    fn hc_combine(&self, _: &Tensor, _: &Tensor, _: usize) -> Tensor {
+    fn hc_combine(&self, _: &Tensor, _: &Tensor, _: usize) -> Result<Tensor> {
         unreachable!("not supported: the loader refuses a model that needs it")
     }
     fn hc_inject(&self, _: &mut Tensor, _: &Tensor, _: &Tensor, _: usize) {
         unreachable!("not supported: the loader refuses a model that needs it")
     }
-    fn ple_gate(&self, _: &Tensor, _: &Tensor, _: &Tensor, _: usize) -> Tensor {
+    fn ple_gate(&self, _: &Tensor, _: &Tensor, _: &Tensor, _: usize) -> Result<Tensor> {
         unreachable!("not supported: the loader refuses a model that needs it")
     }
-    fn causal_conv_dilated_silu(&self, _: &Tensor, _: &Tensor, _: usize, _: usize, _: &mut Tensor) -> Tensor {
+    fn causal_conv_dilated_silu(&self, _: &Tensor, _: &Tensor, _: usize, _: usize, _: &mut Tensor) -> Result<Tensor> {
         unreachable!("not supported: the loader refuses a model that needs it")
     }
     fn rms_norm_gated_sigmoid(&self, _: &mut Tensor, _: &Tensor, _: &Tensor, _: f32) {

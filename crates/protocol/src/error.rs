@@ -53,6 +53,8 @@ pub enum ErrorCode {
     InvalidSchema,
     /// `previous_response_id` names a response the store does not hold.
     ResponseNotFound,
+    /// The compute device had no memory left for this request (it fails; the next one is served).
+    OutOfMemory,
 }
 
 impl ErrorCode {
@@ -78,6 +80,7 @@ impl ErrorCode {
             ErrorCode::RequestTooLarge => "request_too_large",
             ErrorCode::UnsupportedMediaType => "unsupported_media_type",
             ErrorCode::HostNotAllowed => "host_not_allowed",
+            ErrorCode::OutOfMemory => "out_of_memory",
             ErrorCode::OriginNotAllowed => "origin_not_allowed",
             ErrorCode::Overloaded => "overloaded",
             ErrorCode::RequestTimeout => "request_timeout",

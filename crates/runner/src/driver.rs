@@ -13,7 +13,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use osprey_models::vision::{rows_in_chunk, MediaSpan};
 use osprey_models::{
-    KvPool, LogitsWanted, Model, PageGeometry, PageRef, Positions, SeqInput, SeqState, SeqStep, StateSnapshot,
+    KvPool, LogitsWanted, Model, PageGeometry, PageRef, Positions, ReserveError, SeqInput, SeqState, SeqStep,
+    StateSnapshot,
 };
 use osprey_protocol::constraint::TokenMatcher;
 use osprey_protocol::runner::{KvPages, TokenLogprobs};
@@ -152,6 +153,24 @@ fn engine_error(e: impl std::fmt::Display) -> RequestError {
     RequestError::new(ErrorCode::EngineError, e.to_string())
 }
 
+/// A model error as the request sees it: the device running out of memory is 503 `out_of_memory` (this
+/// request fails, the engine goes on), anything else an engine error.
+fn model_error(e: osprey_models::Error) -> RequestError {
+    match e {
+        osprey_models::Error::Backend(b @ osprey_models::backend::BackendError::OutOfMemory { .. }) => backend_error(b),
+        other => engine_error(other),
+    }
+}
+
+fn backend_error(e: osprey_models::backend::BackendError) -> RequestError {
+    match e {
+        osprey_models::backend::BackendError::OutOfMemory { .. } => {
+            RequestError::new(ErrorCode::OutOfMemory, e.to_string())
+        }
+        other => engine_error(other),
+    }
+}
+
 /// The driver: a model behind the seam, the KV page pool and the sequences it is running.
 #[derive(Debug)]
 pub struct Driver {
@@ -215,7 +234,7 @@ impl Driver {
         resume: Option<Resume<'_>>,
         generated: &[u32],
     ) -> Result<(), RequestError> {
-        let mut state = self.model.new_state_with(self.pool.table());
+        let mut state = self.model.new_state_with(self.pool.table()).map_err(model_error)?;
         let mut pages_reported = 0;
         if let Some(r) = resume {
             state.restore_prefix(&r.pages, r.snapshot).map_err(engine_error)?;
@@ -276,11 +295,18 @@ impl Driver {
                 out.push((w.seq, Err(engine_error("work out of order with the sequence: this is a bug"))));
                 continue;
             }
-            if let Err(st) = self.pool.reserve(rec.state.pages_mut(), w.end) {
-                // The scheduler plans by the pool's free pages, so this is never reached when it is right.
-                let msg = format!("KV pool exhausted ({} of {} pages free): this is a bug", st.free, st.total);
-                out.push((w.seq, Err(engine_error(msg))));
-                continue;
+            match self.pool.reserve(rec.state.pages_mut(), w.end) {
+                Ok(()) => {}
+                Err(ReserveError::Full(st)) => {
+                    // The scheduler plans by the pool's free pages, so this is never reached when it is right.
+                    let msg = format!("KV pool exhausted ({} of {} pages free): this is a bug", st.free, st.total);
+                    out.push((w.seq, Err(engine_error(msg))));
+                    continue;
+                }
+                Err(ReserveError::Backend(e)) => {
+                    out.push((w.seq, Err(backend_error(e))));
+                    continue;
+                }
             }
             let fetched = w.span.in_scope(|| {
                 tracing::debug!(start = w.start, end = w.end, sample = w.sample, "chunk");
@@ -323,7 +349,7 @@ impl Driver {
         let logits = match outcome {
             Ok(o) => o.logits,
             Err(e) => {
-                let e = engine_error(e);
+                let e = model_error(e);
                 out.extend(ok.into_iter().map(|(w, _)| (w.seq, Err(e.clone()))));
                 return out;
             }

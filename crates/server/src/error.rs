@@ -64,7 +64,7 @@ impl ResponseError for ApiError {
             ErrorCode::MediaTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::MediaUrlNotAllowed => StatusCode::FORBIDDEN,
             ErrorCode::EngineError => StatusCode::INTERNAL_SERVER_ERROR,
-            ErrorCode::Unavailable | ErrorCode::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::Unavailable | ErrorCode::Overloaded | ErrorCode::OutOfMemory => StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::NotFound | ErrorCode::ResponseNotFound => StatusCode::NOT_FOUND,
             ErrorCode::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorCode::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,

@@ -49,7 +49,7 @@ impl GatedAttention {
         segs: &[Segment],
         kv: (&mut [&mut PageTable], usize),
         rope: (&RopeTable, &MRope),
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         self.forward_selected(b, x, segs, kv, rope, None)
     }
 
@@ -63,13 +63,13 @@ impl GatedAttention {
         (tables, kv_layer): (&mut [&mut PageTable], usize),
         (rope, rot): (&RopeTable, &MRope),
         selected: Option<&[Vec<Vec<usize>>]>,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let AttnShape { heads: nh, head_dim: hd, .. } = self.shape;
         // 1. Projections. q_proj rows are [q_h (hd) | gate_h (hd)] per head.
-        let qg = b.linear(x, &self.q_proj); // [T, nh·2hd]
-        let mut k = b.linear(x, &self.k_proj); // [T, nkv·hd]
-        let v = b.linear(x, &self.v_proj); // [T, nkv·hd]
-        let mut parts = b.split_cols(&qg, nh, &[hd, hd]).into_iter();
+        let qg = b.linear(x, &self.q_proj)?; // [T, nh·2hd]
+        let mut k = b.linear(x, &self.k_proj)?; // [T, nkv·hd]
+        let v = b.linear(x, &self.v_proj)?; // [T, nkv·hd]
+        let mut parts = b.split_cols(&qg, nh, &[hd, hd])?.into_iter();
         let (mut q, gate) = (parts.next().expect("q"), parts.next().expect("gate"));
         // 2. Per-head q/k norms, then rotary on the first rot dims.
         b.rms_norm(&mut q, &self.q_norm, self.eps, true);
@@ -77,7 +77,7 @@ impl GatedAttention {
         b.rope(&mut q, rot, rope);
         b.rope(&mut k, rot, rope);
         // 3. Write into each sequence's pages and attend through its page table.
-        let mut attn = b.zeros(&[x.rows(), nh * hd]);
+        let mut attn = b.zeros_f32(&[x.rows(), nh * hd])?;
         let scale = (hd as f32).powf(-0.5);
         for (si, (seg, table)) in segs.iter().zip(tables.iter_mut()).enumerate() {
             let rows = seg.row..seg.row + seg.len;
@@ -91,7 +91,7 @@ impl GatedAttention {
         }
         // 4. Output gate and projection.
         b.sigmoid_mul(&mut attn, &gate);
-        b.linear(&attn, &self.o_proj)
+        Ok(b.linear(&attn, &self.o_proj)?)
     }
 
     /// Bytes of weights.

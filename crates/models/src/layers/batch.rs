@@ -52,15 +52,21 @@ pub(crate) fn layout(steps: &[SeqStep<'_, '_>]) -> Layout {
 }
 
 /// The token embeddings of the batch `[T, hidden]` with each step's injected media rows in place.
-pub(crate) fn embed(b: &dyn Backend, table: &Tensor, steps: &[SeqStep<'_, '_>], l: &Layout, hidden: usize) -> Tensor {
-    let mut x = b.embed(table, &l.ids);
+pub(crate) fn embed(
+    b: &dyn Backend,
+    table: &Tensor,
+    steps: &[SeqStep<'_, '_>],
+    l: &Layout,
+    hidden: usize,
+) -> Result<Tensor> {
+    let mut x = b.embed(table, &l.ids)?;
     for (s, seg) in steps.iter().zip(&l.segs) {
         for inj in s.input.injected {
             let n = inj.rows.len() / hidden;
-            b.write_rows(&mut x, (seg.row + inj.offset) * hidden, &b.upload(inj.rows, &[n, hidden]), 0..n);
+            b.write_rows(&mut x, (seg.row + inj.offset) * hidden, &b.upload_f32(inj.rows, &[n, hidden])?, 0..n);
         }
     }
-    x
+    Ok(x)
 }
 
 /// Advances every step's length by its tokens and returns, per step, `head(rows)` for the rows whose
@@ -68,8 +74,8 @@ pub(crate) fn embed(b: &dyn Backend, table: &Tensor, steps: &[SeqStep<'_, '_>], 
 pub(crate) fn logits(
     steps: &mut [SeqStep<'_, '_>],
     segs: &[Segment],
-    head: impl Fn(&[usize]) -> Vec<f32>,
-) -> Vec<Vec<f32>> {
+    head: impl Fn(&[usize]) -> Result<Vec<f32>>,
+) -> Result<Vec<Vec<f32>>> {
     steps
         .iter_mut()
         .zip(segs)
@@ -81,7 +87,7 @@ pub(crate) fn logits(
             };
             s.state.len += seg.len;
             if rows.is_empty() {
-                Vec::new()
+                Ok(Vec::new())
             } else {
                 head(&rows)
             }

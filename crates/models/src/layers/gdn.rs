@@ -70,8 +70,8 @@ impl GatedDeltaNet {
             in_proj_b: w("in_proj_b", shape.nv, h)?,
             in_proj_a: w("in_proj_a", shape.nv, h)?,
             out_proj: w("out_proj", h, vd)?,
-            conv_w: b.upload(&conv_w, &[conv_dim, kernel]),
-            neg_a: b.upload(&neg_a, &[shape.nv]),
+            conv_w: b.upload_f32(&conv_w, &[conv_dim, kernel])?,
+            neg_a: b.upload_f32(&neg_a, &[shape.nv])?,
             dt_bias: load_vector(b, ck, &format!("{prefix}.dt_bias"), shape.nv)?,
             norm_w: load_vector(b, ck, &format!("{prefix}.norm.weight"), shape.dv)?,
             shape,
@@ -92,35 +92,44 @@ impl GatedDeltaNet {
     }
 
     /// Zeroed state for a new sequence.
-    pub fn new_state(&self, b: &dyn Backend) -> LinearState {
+    pub fn new_state(&self, b: &dyn Backend) -> Result<LinearState> {
         let s = self.shape;
-        LinearState { conv: b.zeros(&[self.kernel - 1, self.conv_dim()]), recurrent: b.zeros(&[s.nv, s.dk, s.dv]) }
+        Ok(LinearState {
+            conv: b.zeros_f32(&[self.kernel - 1, self.conv_dim()])?,
+            recurrent: b.zeros_f32(&[s.nv, s.dk, s.dv])?,
+        })
     }
 
     /// `x [T, hidden]` (already normed) → `[T, hidden]`, advancing each segment's state.
-    pub fn forward(&self, b: &dyn Backend, x: &Tensor, segs: &[Segment], states: &mut [&mut LinearState]) -> Tensor {
+    pub fn forward(
+        &self,
+        b: &dyn Backend,
+        x: &Tensor,
+        segs: &[Segment],
+        states: &mut [&mut LinearState],
+    ) -> Result<Tensor> {
         let s = self.shape;
         let (kd, vd) = (s.nk * s.dk, s.nv * s.dv);
         // 1. Projections for all rows of the batch.
-        let mixed = b.linear(x, &self.in_proj_qkv); // [T, cd] rows q|k|v
-        let z = b.linear(x, &self.in_proj_z); // [T, vd]
-        let bb = b.linear(x, &self.in_proj_b); // [T, nv]
-        let a = b.linear(x, &self.in_proj_a); // [T, nv]
-        let mut core = b.zeros(&[x.rows(), vd]);
+        let mixed = b.linear(x, &self.in_proj_qkv)?; // [T, cd] rows q|k|v
+        let z = b.linear(x, &self.in_proj_z)?; // [T, vd]
+        let bb = b.linear(x, &self.in_proj_b)?; // [T, nv]
+        let a = b.linear(x, &self.in_proj_a)?; // [T, nv]
+        let mut core = b.zeros_f32(&[x.rows(), vd])?;
         for (seg, st) in segs.iter().zip(states.iter_mut()) {
             let rows = seg.row..seg.row + seg.len;
             // 2. Causal conv + silu, continuing from the sequence's last kernel-1 inputs.
-            let conv = b.causal_conv_silu(&mixed, rows.clone(), &self.conv_w, self.kernel, &mut st.conv);
+            let conv = b.causal_conv_silu(&mixed, rows.clone(), &self.conv_w, self.kernel, &mut st.conv)?;
             // 3. Split, L2-normalise q and k, scale q.
-            let mut qkv = b.split_cols(&conv, 1, &[kd, kd, vd]).into_iter();
+            let mut qkv = b.split_cols(&conv, 1, &[kd, kd, vd])?.into_iter();
             let (mut q, mut k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
             b.l2_norm(&mut q, s.dk, 1e-6);
             b.l2_norm(&mut k, s.dk, 1e-6);
             b.scale(&mut q, (s.dk as f32).powf(-0.5));
             // 4. β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias).
-            let (beta, g) = b.delta_gates(&a, &bb, rows.clone(), &self.neg_a, &self.dt_bias);
+            let (beta, g) = b.delta_gates(&a, &bb, rows.clone(), &self.neg_a, &self.dt_bias)?;
             let recurrent = seg.len == 1 && seg.past > 0;
-            let out = b.gated_delta(s, recurrent, &q, &k, &v, &g, &beta, &mut st.recurrent);
+            let out = b.gated_delta(s, recurrent, &q, &k, &v, &g, &beta, &mut st.recurrent)?;
             b.write_rows(&mut core, seg.row * vd, &out, 0..seg.len);
         }
         // 5. Gated norm per (token, head) with silu(z), then the output projection.
@@ -129,7 +138,7 @@ impl GatedDeltaNet {
         } else {
             b.rms_norm_gated(&mut core, &z, &self.norm_w, self.eps);
         }
-        b.linear(&core, &self.out_proj)
+        Ok(b.linear(&core, &self.out_proj)?)
     }
 
     /// Bytes of weights.

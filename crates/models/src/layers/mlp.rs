@@ -28,7 +28,7 @@ impl Mlp {
     }
 
     /// `x [m, hidden] → [m, hidden]`.
-    pub fn forward(&self, b: &dyn Backend, x: &Tensor) -> Tensor {
+    pub fn forward(&self, b: &dyn Backend, x: &Tensor) -> Result<Tensor> {
         swiglu(b, x, (&self.gate, &self.up, &self.down))
     }
 
@@ -39,8 +39,8 @@ impl Mlp {
 }
 
 /// `down(silu(gate(x)) · up(x))` with placed weights (an MLP, or a routed expert).
-pub fn swiglu(b: &dyn Backend, x: &Tensor, (gate, up, down): (&Tensor, &Tensor, &Tensor)) -> Tensor {
-    let (mut g, u) = b.linear_pair(x, gate, up);
+pub fn swiglu(b: &dyn Backend, x: &Tensor, (gate, up, down): (&Tensor, &Tensor, &Tensor)) -> Result<Tensor> {
+    let (mut g, u) = b.linear_pair(x, gate, up)?;
     b.silu_mul(&mut g, &u);
-    b.linear(&g, down)
+    Ok(b.linear(&g, down)?)
 }

@@ -27,16 +27,16 @@ pub struct Segment {
 }
 
 /// A host weight placed on `b`.
-pub fn place(b: &dyn Backend, w: Weight) -> Tensor {
-    b.place_weight(Arc::new(w))
+pub fn place(b: &dyn Backend, w: Weight) -> Result<Tensor> {
+    Ok(b.place_weight(Arc::new(w))?)
 }
 
 /// `{prefix}.weight` as an `[out, inp]` linear placed on `b`.
 pub fn load_linear(b: &dyn Backend, ck: &Checkpoint, prefix: &str, out: usize, inp: usize) -> Result<Tensor> {
-    Ok(place(b, ck.linear(prefix, out, inp)?))
+    place(b, ck.linear(prefix, out, inp)?)
 }
 
 /// A vector (norm weight, bias) placed on `b`.
 pub fn load_vector(b: &dyn Backend, ck: &Checkpoint, name: &str, len: usize) -> Result<Tensor> {
-    Ok(b.upload(&ck.vector(name, len)?, &[len]))
+    Ok(b.upload_f32(&ck.vector(name, len)?, &[len])?)
 }

@@ -231,9 +231,9 @@ impl SparseMoe {
         let t = x.rows();
         // 1. Route every token (the host learns which experts to fetch); group tokens by expert
         //    (ascending expert id, as transformers accumulates).
-        let logits = b.linear(x, &self.router);
+        let logits = b.linear(x, &self.router)?;
         let mut by_expert: Vec<(Vec<usize>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); self.cfg.num_experts];
-        for (i, (ids, w)) in b.router_topk_with(&logits, self.cfg.top_k, self.cfg.renorm).into_iter().enumerate() {
+        for (i, (ids, w)) in b.router_topk_with(&logits, self.cfg.top_k, self.cfg.renorm)?.into_iter().enumerate() {
             for (e, wt) in ids.into_iter().zip(w) {
                 by_expert[e].0.push(i);
                 by_expert[e].1.push(wt);
@@ -243,12 +243,12 @@ impl SparseMoe {
         // 2. Ask for every routed expert of this layer at once, then compute the shared expert and the
         //    resident experts while a disk-backed source reads the misses.
         let (resident, pending) = experts.request(self.layer, &hit).resident()?;
-        let shared = self.shared.forward(b, x);
-        let sgate = b.linear(x, &self.shared_gate);
+        let shared = self.shared.forward(b, x)?;
+        let sgate = b.linear(x, &self.shared_gate)?;
         // 3. Routed experts on their gathered rows, weighted and scattered back, always accumulated in
         //    ascending expert order (so the answer does not depend on what was resident): a resident
         //    expert after a missing one is kept aside until the gap is filled.
-        let mut out = b.zeros(&[t, x.cols()]);
+        let mut out = b.zeros_f32(&[t, x.cols()])?;
         let scatter = |out: &mut Tensor, k: usize, d: &Tensor| {
             let (rows, weights) = &by_expert[hit[k]];
             b.scatter_add_rows(out, rows, weights, d);
@@ -257,7 +257,7 @@ impl SparseMoe {
         let mut next = 0; // first expert not yet accumulated
         for (k, handle) in resident.iter().enumerate() {
             let Some(handle) = handle else { continue };
-            let d = expert(b, x, &by_expert[hit[k]].0, handle.weights());
+            let d = expert(b, x, &by_expert[hit[k]].0, handle.weights())?;
             if k == next {
                 scatter(&mut out, k, &d);
                 next += 1;
@@ -278,7 +278,7 @@ impl SparseMoe {
                     let handle = read.next().ok_or_else(|| {
                         crate::error::Error::InvalidInput("an expert source returned too few experts".into())
                     })?;
-                    expert(b, x, &by_expert[hit[k]].0, handle.weights())
+                    expert(b, x, &by_expert[hit[k]].0, handle.weights())?
                 }
             };
             scatter(&mut out, k, &d);
@@ -296,8 +296,8 @@ impl SparseMoe {
 /// One expert on its gathered rows: `[rows, hidden]`. Its weights, which may have just arrived from
 /// disk, are placed on the backend here (the CPU backend keeps the host handle; a device backend
 /// uploads or finds its slot).
-fn expert(b: &dyn Backend, x: &Tensor, rows: &[usize], w: &ExpertWeights) -> Tensor {
-    let xs = b.gather_rows(x, rows);
-    let (gate, up, down) = (place(b, w.gate.clone()), place(b, w.up.clone()), place(b, w.down.clone()));
+fn expert(b: &dyn Backend, x: &Tensor, rows: &[usize], w: &ExpertWeights) -> Result<Tensor> {
+    let xs = b.gather_rows(x, rows)?;
+    let (gate, up, down) = (place(b, w.gate.clone())?, place(b, w.up.clone())?, place(b, w.down.clone())?);
     swiglu(b, &xs, (&gate, &up, &down))
 }

@@ -29,7 +29,7 @@ impl Qwen35 {
         // KV slots for the new tokens (a pooled table was reserved by its pool; an unpooled one grows).
         for s in steps.iter_mut() {
             let need = s.state.len + s.input.tokens.len();
-            s.state.kv.grow(need, b).map_err(Error::InvalidInput)?;
+            s.state.kv.grow(need, b)?;
         }
         let capture_hidden = opts.capture_hidden || opts.teacher_inputs.is_some();
         if let Some(t) = opts.teacher_inputs {
@@ -43,12 +43,12 @@ impl Qwen35 {
         // 1. Segments, embeddings (with injected rows) and positions of the whole batch: the host sends
         //    token ids, positions and media rows; everything after stays on the backend.
         let l = batch::layout(steps);
-        let mut x = batch::embed(b, &self.embed, steps, &l, h);
+        let mut x = batch::embed(b, &self.embed, steps, &l, h)?;
         let (segs, ids, positions) = (l.segs, l.ids, l.positions);
-        let rope = b.rope_table(&self.rope, &positions);
+        let rope = b.rope_table(&self.rope, &positions)?;
         let mut hidden = Vec::new();
         if capture_hidden {
-            hidden.push(b.download(&x));
+            hidden.push(b.download_f32(&x)?);
         }
         // 2. Decoder layers: x += mixer(norm(x)); x += ffn(norm(x)). Each sequence's page table and this
         //    family's state, borrowed apart.
@@ -63,7 +63,7 @@ impl Qwen35 {
             .collect();
         for (li, layer) in self.layers.iter().enumerate() {
             if let Some(t) = opts.teacher_inputs {
-                x = b.upload(&t[li], &[ids.len(), h]);
+                x = b.upload_f32(&t[li], &[ids.len(), h])?;
             }
             let mut hn = x.clone();
             b.rms_norm(&mut hn, &layer.input_norm, eps, true);
@@ -78,7 +78,7 @@ impl Qwen35 {
                             }
                         })
                         .collect();
-                    g.forward(b, &hn, &segs, &mut st)
+                    g.forward(b, &hn, &segs, &mut st)?
                 }
                 Mixer::Full(a) => {
                     let kv_layer = match parts.first().map(|(_, f)| &f.layers[li]) {
@@ -86,14 +86,14 @@ impl Qwen35 {
                         _ => unreachable!("state built for another layer stack: this is a bug"),
                     };
                     let mut tables: Vec<&mut PageTable> = parts.iter_mut().map(|(t, _)| &mut **t).collect();
-                    a.forward(b, &hn, &segs, (&mut tables, kv_layer), (&rope, &self.rope))
+                    a.forward(b, &hn, &segs, (&mut tables, kv_layer), (&rope, &self.rope))?
                 }
             };
             b.add(&mut x, &mixed);
             let mut hn = x.clone();
             b.rms_norm(&mut hn, &layer.post_norm, eps, true);
             let ffn = match &layer.ffn {
-                Ffn::Dense(m) => m.forward(b, &hn),
+                Ffn::Dense(m) => m.forward(b, &hn)?,
                 Ffn::Moe(m) => {
                     let src = self.experts.as_deref().expect("MoE model without an expert source: this is a bug");
                     m.forward(b, &hn, src)?
@@ -101,7 +101,7 @@ impl Qwen35 {
             };
             b.add(&mut x, &ffn);
             if capture_hidden && li + 1 < self.layers.len() {
-                hidden.push(b.download(&x));
+                hidden.push(b.download_f32(&x)?);
             }
         }
         drop(parts);
@@ -109,13 +109,13 @@ impl Qwen35 {
         if capture_hidden {
             let mut normed = x.clone();
             b.rms_norm(&mut normed, &self.norm, eps, true);
-            hidden.push(b.download(&normed));
+            hidden.push(b.download_f32(&normed)?);
         }
         let logits = batch::logits(steps, &segs, |rows| {
-            let mut sel = b.gather_rows(&x, rows);
+            let mut sel = b.gather_rows(&x, rows)?;
             b.rms_norm(&mut sel, &self.norm, eps, true);
-            b.download(&b.linear(&sel, &self.lm_head))
-        });
+            Ok(b.download_f32(&b.linear(&sel, &self.lm_head)?)?)
+        })?;
         Ok(ForwardOutput { logits, hidden })
     }
 }

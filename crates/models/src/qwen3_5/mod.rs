@@ -168,7 +168,7 @@ impl Qwen35 {
             }
             (None, _) => None,
         };
-        let embed = place(b, ck.weight(&format!("{p}embed_tokens.weight"), &[v, h])?);
+        let embed = place(b, ck.weight(&format!("{p}embed_tokens.weight"), &[v, h])?)?;
         let lm_head = if c.tie_word_embeddings { embed.clone() } else { load_linear(b, ck, "lm_head", v, h)? };
         let rope_p = c.rope()?;
         let sec = &rope_p.mrope_section;
@@ -206,17 +206,19 @@ impl CausalLm for Qwen35 {
         self.run(steps, opts)
     }
 
-    fn new_state_with(&self, kv: PageTable) -> SeqState {
+    fn new_state_with(&self, kv: PageTable) -> Result<SeqState> {
         let mut kv_layers = 0..;
         let layers = self
             .layers
             .iter()
-            .map(|l| match &l.mixer {
-                Mixer::Linear(g) => LayerState::Linear(g.new_state(self.backend.as_ref())),
-                Mixer::Full(_) => LayerState::Full { kv_layer: kv_layers.next().unwrap_or_default() },
+            .map(|l| {
+                Ok(match &l.mixer {
+                    Mixer::Linear(g) => LayerState::Linear(g.new_state(self.backend.as_ref())?),
+                    Mixer::Full(_) => LayerState::Full { kv_layer: kv_layers.next().unwrap_or_default() },
+                })
             })
-            .collect();
-        SeqState::new(Box::new(HybridState { layers }), kv)
+            .collect::<Result<_>>()?;
+        Ok(SeqState::new(Box::new(HybridState { layers }), kv))
     }
 
     fn weight_bytes(&self) -> (usize, usize) {

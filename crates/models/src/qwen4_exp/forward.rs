@@ -32,19 +32,19 @@ impl Qwen4Exp {
         let (h, hc) = (self.hidden, self.p.hc);
         for s in steps.iter_mut() {
             let need = s.state.len + s.input.tokens.len();
-            s.state.kv.grow(need, b).map_err(Error::InvalidInput)?;
+            s.state.kv.grow(need, b)?;
         }
         // 1. Segments, embeddings (with injected media rows), positions; the streams start as hc copies.
         let l = batch::layout(steps);
-        let e = batch::embed(b, &self.embed, steps, &l, h);
+        let e = batch::embed(b, &self.embed, steps, &l, h)?;
         let (segs, ids, positions) = (l.segs, l.ids, l.positions);
         let n = ids.len();
-        let mut x = b.zeros(&[n, hc * h]);
-        b.hc_inject(&mut x, &e, &b.upload(&vec![1.0; n * hc], &[n, hc]), hc);
-        let rope = b.rope_table(&self.rope, &positions);
+        let mut x = b.zeros_f32(&[n, hc * h])?;
+        b.hc_inject(&mut x, &e, &b.upload_f32(&vec![1.0; n * hc], &[n, hc])?, hc);
+        let rope = b.rope_table(&self.rope, &positions)?;
         let mut hidden = Vec::new();
         if opts.capture_hidden {
-            hidden.push(b.download(&x));
+            hidden.push(b.download_f32(&x)?);
         }
         let mut parts: Vec<(&mut PageTable, &mut Qwen4State)> = steps
             .iter_mut()
@@ -78,10 +78,10 @@ impl Qwen4Exp {
             if let Some(ple) = &layer.ple {
                 let mut st: Vec<_> =
                     parts.iter_mut().map(|(_, f)| f.layers[li].ple.as_mut().expect("PLE state: a bug")).collect();
-                let add = ple.forward(b, &x, &ple_rows[li], &segs, &mut st);
+                let add = ple.forward(b, &x, &ple_rows[li], &segs, &mut st)?;
                 b.add(&mut x, &add);
             }
-            let (input, inj) = layer.attn_hc.enter(b, &x);
+            let (input, inj) = layer.attn_hc.enter(b, &x)?;
             let mixed = match &layer.mixer {
                 Mixer::Linear(g) => {
                     let mut st: Vec<&mut LinearState> = parts
@@ -91,7 +91,7 @@ impl Qwen4Exp {
                             Mix::Indexed { .. } => unreachable!("state built for another layer stack: a bug"),
                         })
                         .collect();
-                    g.forward(b, &input, &segs, &mut st)
+                    g.forward(b, &input, &segs, &mut st)?
                 }
                 Mixer::Indexed(attn, indexer) => {
                     let kv_layer = match parts.first().map(|(_, f)| &f.layers[li].mix) {
@@ -109,7 +109,7 @@ impl Qwen4Exp {
                                 }
                             })
                             .unzip();
-                        indexer.select(b, &input, &segs, &rope, &hist, &mut st)
+                        indexer.select(b, &input, &segs, &rope, &hist, &mut st)?
                     };
                     let mut tables: Vec<&mut PageTable> = parts.iter_mut().map(|(t, _)| &mut **t).collect();
                     attn.forward_selected(
@@ -119,25 +119,26 @@ impl Qwen4Exp {
                         (&mut tables, kv_layer),
                         (&rope, &self.rope),
                         Some(&selected),
-                    )
+                    )?
                 }
             };
             b.hc_inject(&mut x, &mixed, inj.as_ref().expect("a layer's hyper-connection injects"), hc);
-            let (input, inj) = layer.mlp_hc.enter(b, &x);
+            let (input, inj) = layer.mlp_hc.enter(b, &x)?;
             let ffn = layer.moe.forward(b, &input, self.experts.as_ref())?;
             b.hc_inject(&mut x, &ffn, inj.as_ref().expect("a layer's hyper-connection injects"), hc);
             if opts.capture_hidden && li + 1 < self.layers.len() {
-                hidden.push(b.download(&x));
+                hidden.push(b.download_f32(&x)?);
             }
         }
         drop(parts);
         // 4. The final mixer (no norm) and lm_head on the rows whose logits are wanted.
-        let (out, _) = self.mixer.enter(b, &x);
+        let (out, _) = self.mixer.enter(b, &x)?;
         if opts.capture_hidden {
-            hidden.push(b.download(&out));
+            hidden.push(b.download_f32(&out)?);
         }
-        let logits =
-            batch::logits(steps, &segs, |rows| b.download(&b.linear(&b.gather_rows(&out, rows), &self.lm_head)));
+        let logits = batch::logits(steps, &segs, |rows| {
+            Ok(b.download_f32(&b.linear(&b.gather_rows(&out, rows)?, &self.lm_head)?)?)
+        })?;
         Ok(ForwardOutput { logits, hidden })
     }
 }

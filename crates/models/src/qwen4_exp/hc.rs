@@ -49,24 +49,27 @@ impl HyperConnection {
 
     /// The block input `[n, hidden]` of the streams `x [n, hc·hidden]`, and the injection weights
     /// `[n, hc]` (none for the final mixer).
-    pub(crate) fn enter(&self, b: &dyn Backend, x: &Tensor) -> (Tensor, Option<Tensor>) {
+    pub(crate) fn enter(&self, b: &dyn Backend, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
         let mut xn = x.clone();
         b.rms_norm_grouped(&mut xn, &self.norm, self.hidden, self.eps);
         let inv = 1.0 / self.hc as f32;
-        let mut d = b.linear(&xn, &self.down);
+        let mut d = b.linear(&xn, &self.down)?;
         b.scale(&mut d, inv);
         b.silu(&mut d);
-        let mut m = b.linear(&d, &self.up);
+        let mut m = b.linear(&d, &self.up)?;
         b.sigmoid(&mut m);
-        let input = b.hc_combine(&m, &xn, self.hc);
-        let inj = self.inject.as_ref().map(|w| {
-            let mut i = b.linear(&xn, w);
-            b.scale(&mut i, inv);
-            b.sigmoid(&mut i);
-            b.scale(&mut i, 2.0);
-            i
-        });
-        (input, inj)
+        let input = b.hc_combine(&m, &xn, self.hc)?;
+        let inj = match &self.inject {
+            Some(w) => {
+                let mut i = b.linear(&xn, w)?;
+                b.scale(&mut i, inv);
+                b.sigmoid(&mut i);
+                b.scale(&mut i, 2.0);
+                Some(i)
+            }
+            None => None,
+        };
+        Ok((input, inj))
     }
 
     /// Bytes of weights.

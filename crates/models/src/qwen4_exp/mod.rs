@@ -180,7 +180,7 @@ impl Qwen4Exp {
                 Arc::new(ResidentExperts::load(ck, &prefixes, h, moe)?) as Arc<dyn ExpertSource>
             }
         };
-        let embed = place(b, ck.weight(&format!("{pre}embed_tokens.weight"), &[v, h])?);
+        let embed = place(b, ck.weight(&format!("{pre}embed_tokens.weight"), &[v, h])?)?;
         let lm_head = if c.tie_word_embeddings { embed.clone() } else { load_linear(b, ck, "lm_head", v, h)? };
         let mixer = HyperConnection::load(b, ck, &format!("{pre}hyper_connection_mixer"), hc_dims, false, eps)?;
         let info = LmInfo {
@@ -219,25 +219,27 @@ impl CausalLm for Qwen4Exp {
         self.run(steps, opts)
     }
 
-    fn new_state_with(&self, kv: PageTable) -> SeqState {
+    fn new_state_with(&self, kv: PageTable) -> Result<SeqState> {
         let b = self.backend.as_ref();
         let mut kv_layers = 0..;
         let layers = self
             .layers
             .iter()
-            .map(|l| LayerState {
-                mix: match &l.mixer {
-                    Mixer::Linear(g) => Mix::Linear(g.new_state(b)),
-                    Mixer::Indexed(..) => Mix::Indexed {
-                        kv_layer: kv_layers.next().unwrap_or_default(),
-                        indexer: IndexerState::default(),
+            .map(|l| {
+                Ok(LayerState {
+                    mix: match &l.mixer {
+                        Mixer::Linear(g) => Mix::Linear(g.new_state(b)?),
+                        Mixer::Indexed(..) => Mix::Indexed {
+                            kv_layer: kv_layers.next().unwrap_or_default(),
+                            indexer: IndexerState::default(),
+                        },
                     },
-                },
-                ple: l.ple.as_ref().map(|p| p.new_state(b)),
+                    ple: l.ple.as_ref().map(|p| p.new_state(b)).transpose()?,
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let history = vec![self.p.ngram.eos; self.p.ngram.ngram_size - 1];
-        SeqState::new(Box::new(Qwen4State { layers, history, positions: Vec::new() }), kv)
+        Ok(SeqState::new(Box::new(Qwen4State { layers, history, positions: Vec::new() }), kv))
     }
 
     fn weight_bytes(&self) -> (usize, usize) {

@@ -60,7 +60,7 @@ impl Ple {
             norm_key: load_vector(b, ck, &format!("{prefix}.norm_key.weight"), wide)?,
             norm_query: load_vector(b, ck, &format!("{prefix}.norm_query.weight"), wide)?,
             norm_conv: load_vector(b, ck, &format!("{prefix}.norm_conv.weight"), wide)?,
-            conv_w: b.upload(&conv, &[wide, p.ple_conv_kernel]),
+            conv_w: b.upload_f32(&conv, &[wide, p.ple_conv_kernel])?,
             kernel: p.ple_conv_kernel,
             dilation: p.ngram.ngram_size,
             hc: p.hc,
@@ -70,8 +70,8 @@ impl Ple {
     }
 
     /// A new sequence's conv state: `[(kernel − 1)·dilation, hc·hidden]` zeros.
-    pub(crate) fn new_state(&self, b: &dyn Backend) -> Tensor {
-        b.zeros(&[(self.kernel - 1) * self.dilation, self.hc * self.hidden])
+    pub(crate) fn new_state(&self, b: &dyn Backend) -> Result<Tensor> {
+        Ok(b.zeros_f32(&[(self.kernel - 1) * self.dilation, self.hc * self.hidden])?)
     }
 
     /// What the layer adds to the streams `x [n, hc·hidden]`, given every row's table rows `row_ids`
@@ -83,27 +83,27 @@ impl Ple {
         row_ids: &[u32],
         segs: &[Segment],
         states: &mut [&mut Tensor],
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let n = x.rows();
         let width = row_ids.len() / n.max(1) * self.table.cols();
-        let e = b.upload(&self.table.rows(row_ids), &[n, width]);
-        let mut k = b.linear(&e, &self.key);
+        let e = b.upload_f32(&self.table.rows(row_ids), &[n, width])?;
+        let mut k = b.linear(&e, &self.key)?;
         b.rms_norm_grouped(&mut k, &self.norm_key, self.hidden, self.eps);
-        let v = b.linear(&e, &self.value);
+        let v = b.linear(&e, &self.value)?;
         let mut q = x.clone();
         b.rms_norm_grouped(&mut q, &self.norm_query, self.hidden, self.eps);
-        let mut out = b.ple_gate(&k, &q, &v, self.hc);
+        let mut out = b.ple_gate(&k, &q, &v, self.hc)?;
         let mut normed = out.clone();
         b.rms_norm_grouped(&mut normed, &self.norm_conv, self.hidden, self.eps);
-        let mut conv = b.zeros(out.shape());
+        let mut conv = b.zeros_f32(out.shape())?;
         for (seg, st) in segs.iter().zip(states.iter_mut()) {
             let rows: Vec<usize> = (seg.row..seg.row + seg.len).collect();
-            let part = b.gather_rows(&normed, &rows);
-            let c = b.causal_conv_dilated_silu(&part, &self.conv_w, self.kernel, self.dilation, st);
+            let part = b.gather_rows(&normed, &rows)?;
+            let c = b.causal_conv_dilated_silu(&part, &self.conv_w, self.kernel, self.dilation, st)?;
             b.write_rows(&mut conv, seg.row * c.cols(), &c, 0..seg.len);
         }
         b.add(&mut out, &conv);
-        out
+        Ok(out)
     }
 
     /// Bytes of weights held (the table is not: its rows are cached under their own budget).

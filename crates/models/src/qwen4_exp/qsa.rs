@@ -74,14 +74,14 @@ impl Indexer {
         rope: &RopeTable,
         positions: &[&[[i64; 3]]],
         states: &mut [&mut IndexerState],
-    ) -> Vec<Vec<Vec<usize>>> {
+    ) -> Result<Vec<Vec<Vec<usize>>>> {
         let (d, heads, ratio) = (self.g.head_dim, self.g.heads, self.g.ratio);
-        let qk = b.linear(x, &self.qk);
-        let mut parts = b.split_cols(&qk, 1, &[heads * d, d]).into_iter();
+        let qk = b.linear(x, &self.qk)?;
+        let mut parts = b.split_cols(&qk, 1, &[heads * d, d])?.into_iter();
         let (mut q, raw) = (parts.next().expect("q"), parts.next().expect("k"));
         b.rms_norm(&mut q, &self.q_norm, self.eps, true);
         b.rope(&mut q, &self.rope, rope);
-        let (q, raw) = (b.download(&q), b.download(&raw));
+        let (q, raw) = (b.download_f32(&q)?, b.download_f32(&raw)?);
         let scale = 1.0 / (d as f32).sqrt();
         let mut out = Vec::with_capacity(segs.len());
         for ((seg, st), pos) in segs.iter().zip(states.iter_mut()).zip(positions) {
@@ -91,7 +91,7 @@ impl Indexer {
                 st.tail.extend_from_slice(&raw[r * d..(r + 1) * d]);
                 if st.tail.len() == ratio * d {
                     let start = p + 1 - ratio;
-                    let key = self.block_key(b, &st.tail, pos[start]);
+                    let key = self.block_key(b, &st.tail, pos[start])?;
                     st.blocks.extend_from_slice(&key);
                     st.tail.clear();
                 }
@@ -115,19 +115,19 @@ impl Indexer {
             }
             out.push(rows);
         }
-        out
+        Ok(out)
     }
 
     /// A complete block's key: the mean of its raw keys, normalised, roped at its first position.
-    fn block_key(&self, b: &dyn Backend, raw: &[f32], first: [i64; 3]) -> Vec<f32> {
+    fn block_key(&self, b: &dyn Backend, raw: &[f32], first: [i64; 3]) -> Result<Vec<f32>> {
         let d = self.g.head_dim;
         let n = raw.len() / d;
         let mean: Vec<f32> = (0..d).map(|c| (0..n).map(|t| raw[t * d + c]).sum::<f32>() / n as f32).collect();
-        let mut k = b.upload(&mean, &[1, d]);
+        let mut k = b.upload_f32(&mean, &[1, d])?;
         b.rms_norm(&mut k, &self.k_norm, self.eps, true);
-        let table = b.rope_table(&self.rope, &[first]);
+        let table = b.rope_table(&self.rope, &[first])?;
         b.rope(&mut k, &self.rope, &table);
-        b.download(&k)
+        Ok(b.download_f32(&k)?)
     }
 
     /// Bytes of weights.

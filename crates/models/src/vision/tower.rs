@@ -81,15 +81,15 @@ impl Affine {
         let mut shape = vec![out];
         shape.extend_from_slice(inp);
         Ok(Affine {
-            w: place(be, ck.weight(&format!("{p}.weight"), &shape)?),
+            w: place(be, ck.weight(&format!("{p}.weight"), &shape)?)?,
             b: load_vector(be, ck, &format!("{p}.bias"), out)?,
         })
     }
 
-    fn forward(&self, be: &dyn Backend, x: &Tensor) -> Tensor {
-        let mut y = be.linear(x, &self.w);
+    fn forward(&self, be: &dyn Backend, x: &Tensor) -> Result<Tensor> {
+        let mut y = be.linear(x, &self.w)?;
         be.add_bias(&mut y, &self.b);
-        y
+        Ok(y)
     }
 }
 
@@ -228,7 +228,7 @@ impl VisionTower {
         let be = self.backend.as_ref();
         // 1. Patch embedding + interpolated learned positions (the table resampled on the host for this
         //    grid, once per frame).
-        let mut x = self.patch.forward(be, &be.upload(rows, &[n, row_len]));
+        let mut x = self.patch.forward(be, &be.upload_f32(rows, &[n, row_len])?)?;
         let order = block_order(h, w, m);
         let mut pos = vec![0f32; h * w * d];
         for (p, &(r, col)) in order.iter().enumerate() {
@@ -241,7 +241,7 @@ impl VisionTower {
                 }
             }
         }
-        be.add(&mut x, &be.upload(&pos.repeat(t), &[n, d]));
+        be.add(&mut x, &be.upload_f32(&pos.repeat(t), &[n, d])?);
         // 2. 2-D rotary tables: the first hd/4 frequencies take the row, the next hd/4 the column.
         let quarter = hd / 4;
         let inv: Vec<f32> =
@@ -256,31 +256,31 @@ impl VisionTower {
                 }
             }
         }
-        let (cos, sin) = (be.upload(&cos.repeat(t), &[n, hd / 2]), be.upload(&sin.repeat(t), &[n, hd / 2]));
+        let (cos, sin) = (be.upload_f32(&cos.repeat(t), &[n, hd / 2])?, be.upload_f32(&sin.repeat(t), &[n, hd / 2])?);
         // 3. Blocks; attention sees only its own frame group (h·w rows).
         let shape = AttnShape { heads, kv_heads: heads, head_dim: hd };
         let group = h * w;
         for b in &self.blocks {
-            let qkv = b.qkv.forward(be, &b.norm1.apply(be, &x));
-            let mut parts = be.split_cols(&qkv, 1, &[d, d, d]).into_iter();
+            let qkv = b.qkv.forward(be, &b.norm1.apply(be, &x))?;
+            let mut parts = be.split_cols(&qkv, 1, &[d, d, d])?.into_iter();
             let (mut q, mut k, v) = (parts.next().expect("q"), parts.next().expect("k"), parts.next().expect("v"));
             be.rotate_half(&mut q, hd, &cos, &sin);
             be.rotate_half(&mut k, hd, &cos, &sin);
-            let mut attn = be.zeros(&[n, d]);
+            let mut attn = be.zeros_f32(&[n, d])?;
             for g in 0..t {
                 let rows = g * group..(g + 1) * group;
                 be.attention_bidirectional(&q, &k, &v, rows, shape, (hd as f32).powf(-0.5), &mut attn);
             }
-            be.add(&mut x, &b.proj.forward(be, &attn));
-            let mut hmid = b.fc1.forward(be, &b.norm2.apply(be, &x));
+            be.add(&mut x, &b.proj.forward(be, &attn)?);
+            let mut hmid = b.fc1.forward(be, &b.norm2.apply(be, &x))?;
             be.gelu(&mut hmid, true);
-            be.add(&mut x, &b.fc2.forward(be, &hmid));
+            be.add(&mut x, &b.fc2.forward(be, &hmid)?);
         }
         // 4. Merger: LayerNorm per patch, then each 2×2 block (4 consecutive rows) is one row of 4·d.
         let rows_out = n / (m * m);
         let merged = self.merger_norm.apply(be, &x).reshape(&[rows_out, d * m * m]);
-        let mut y = self.merger_fc1.forward(be, &merged);
+        let mut y = self.merger_fc1.forward(be, &merged)?;
         be.gelu(&mut y, false);
-        Ok(be.download(&self.merger_fc2.forward(be, &y)))
+        Ok(be.download_f32(&self.merger_fc2.forward(be, &y)?)?)
     }
 }
