@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use osprey_backend::{
-    AttnShape, Backend, BackendError, BackendRef, DType, Device, GdnShape, HostData, HostMatrix, HostVec, MRope, Op,
-    PagedView, Precision, Result, RopeTable, Storage, Tensor,
+    AttnShape, Backend, BackendError, BackendRef, DType, Device, ExpertPool, ExpertShape, Fence, GdnShape, HostData,
+    HostExpert, HostMatrix, HostVec, MRope, Op, PagedView, Precision, Result, RopeTable, Routing, Storage, Tensor,
 };
 use osprey_kernels::attention::{bidirectional_attention, causal_attention_paged, PagedKv};
 use osprey_kernels::gdn::{causal_conv_silu, gated_delta_chunked, gated_delta_recurrent, DeltaInputs};
@@ -18,6 +18,7 @@ use osprey_kernels::q8::Isa;
 use osprey_kernels::rope::rotate_half_pairs;
 use osprey_kernels::{gelu_erf, gelu_tanh, matmul_pair_with, matmul_with, sigmoid, silu, softplus, WeightRows};
 
+use crate::experts::CpuPool;
 use crate::host as fb;
 
 /// What a CPU tensor holds.
@@ -135,7 +136,7 @@ impl CpuBackend {
         self.cap.as_deref()
     }
 
-    fn tensor(&self, shape: &[usize], data: Vec<f32>) -> Result<Tensor> {
+    pub(crate) fn tensor(&self, shape: &[usize], data: Vec<f32>) -> Result<Tensor> {
         self.typed(shape, HostVec::F32(data))
     }
 
@@ -494,12 +495,53 @@ impl Backend for CpuBackend {
         self.tensor(&[n, shape.nv * shape.dv], out)
     }
 
-    fn router_topk(&self, logits: &Tensor, k: usize) -> Result<Vec<(Vec<usize>, Vec<f32>)>> {
-        Ok(host(logits).chunks(logits.cols()).map(|row| route(row, k)).collect())
+    fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing> {
+        let (ids, weights) = fb::route_sorted(host(logits), logits.cols(), k, renorm);
+        let t = logits.rows();
+        Ok(Routing { ids: self.typed(&[t, k], HostVec::I32(ids))?, weights: self.tensor(&[t, k], weights)? })
     }
 
-    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Vec<(Vec<usize>, Vec<f32>)>> {
-        Ok(host(logits).chunks(logits.cols()).map(|row| fb::route(row, k, renorm)).collect())
+    fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {
+        // Slots alias host experts: the pool itself holds no expert memory.
+        let storage = CpuPool((0..slots).map(|_| None).collect());
+        Ok(ExpertPool::new(layer, shape, slots, Box::new(storage)))
+    }
+
+    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
+        let key = expert.key;
+        let cpu =
+            pool.storage_mut::<CpuPool>().ok_or_else(|| BackendError::Slot("a pool of another backend".into()))?;
+        let at = cpu.0.get_mut(slot).ok_or_else(|| BackendError::Slot(format!("slot {slot} out of the pool")))?;
+        *at = Some(expert); // the previous expert's lease ends here
+        pool.set_key(slot, key);
+        Ok(Fence::DONE)
+    }
+
+    fn moe_routed(
+        &self,
+        x: &Tensor,
+        slots: &Tensor,
+        weights: &Tensor,
+        pool: &ExpertPool,
+        partials: &mut Tensor,
+    ) -> Result<()> {
+        self.routed(x, slots, weights, pool, partials)
+    }
+
+    fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {
+        self.combine(partials, k)
+    }
+
+    fn record_fence(&self) -> Fence {
+        Fence::DONE // every op has run when it returns
+    }
+
+    fn fence_complete(&self, _fence: Fence) -> bool {
+        true
+    }
+
+    fn wait_fence(&self, _fence: Fence) -> Result<()> {
+        Ok(())
     }
 
     // qwen4_exp's ops: the host code of `host.rs`, on the tensors in place (no copies).

@@ -141,6 +141,20 @@ pub fn route(logits: &[f32], top_k: usize, renorm: bool) -> (Vec<usize>, Vec<f32
     (idx, top.iter().map(|p| p / s).collect())
 }
 
+/// [`route`] of every row of `logits` (`cols` wide) as `[T, k]` ids (i32) and weights, each row's
+/// experts in ascending id order (the order their outputs are summed in).
+pub fn route_sorted(logits: &[f32], cols: usize, top_k: usize, renorm: bool) -> (Vec<i32>, Vec<f32>) {
+    let (mut ids, mut weights) = (Vec::new(), Vec::new());
+    for row in logits.chunks(cols) {
+        let (idx, w) = route(row, top_k, renorm);
+        let mut pairs: Vec<(usize, f32)> = idx.into_iter().zip(w).collect();
+        pairs.sort_by_key(|&(e, _)| e);
+        ids.extend(pairs.iter().map(|&(e, _)| e as i32));
+        weights.extend(pairs.iter().map(|&(_, w)| w));
+    }
+    (ids, weights)
+}
+
 /// The K and V rows of slot `slot` of one page's data (`row` values each) in the layer `kv` views.
 pub fn kv_rows<'a>(page: &'a [f32], kv: &PagedView<'_>, slot: usize, row: usize) -> (&'a [f32], &'a [f32]) {
     let at = |off: usize| &page[off + slot * row..off + (slot + 1) * row];

@@ -7,6 +7,7 @@
 //! [`testing::HostOps`] is the explicit host-fallback wrapper the seam's tests use.
 
 mod cpu;
+mod experts;
 pub mod host;
 pub mod testing;
 
@@ -16,7 +17,8 @@ pub use cpu::{host, host_mut, route, CpuBackend, CpuStorage};
 #[doc(hidden)]
 pub mod reexport {
     pub use osprey_backend::{
-        AttnShape, DType, Device, GdnShape, HostData, HostMatrix, HostVec, MRope, PagedView, Result, RopeTable, Tensor,
+        AttnShape, DType, Device, ExpertPool, ExpertShape, Fence, GdnShape, HostData, HostExpert, HostMatrix, HostVec,
+        MRope, PagedView, Result, RopeTable, Routing, Tensor,
     };
 }
 

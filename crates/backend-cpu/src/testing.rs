@@ -7,7 +7,9 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use osprey_backend::{AttnShape, Backend, BackendRef, MRope, Op, PagedView, Result, RopeTable, Tensor};
+use osprey_backend::{
+    AttnShape, Backend, BackendRef, HostData, MRope, Op, PagedView, Result, RopeTable, Routing, Tensor,
+};
 
 use crate::host as fb;
 
@@ -28,7 +30,8 @@ impl HostOps {
 /// The ops [`HostOps`] runs on the host itself.
 const ON_HOST: [Op; 4] = [Op::GroupedNorms, Op::HyperConnections, Op::Ple, Op::AttentionSelected];
 
-/// Forwards the seam's core ops (all but the `qwen4_exp` ones and the router) of a backend to the
+/// Forwards the seam's core ops (all but the `qwen4_exp` ones, `rope_table`, the router, expert slots
+/// and fences) of a backend to the
 /// `BackendRef` field `$inner`: test wrappers override only what they watch or replace.
 #[macro_export]
 macro_rules! forward_core_ops {
@@ -241,8 +244,163 @@ macro_rules! forward_core_ops {
     };
 }
 
+/// Forwards a backend's expert-slot ops (`alloc_expert_pool`, `upload_expert`, `moe_routed`,
+/// `moe_combine`) to the `BackendRef` field `$inner`.
+#[macro_export]
+macro_rules! forward_expert_ops {
+    ($inner:ident) => {
+        fn alloc_expert_pool(
+            &self,
+            layer: u32,
+            slots: usize,
+            shape: $crate::reexport::ExpertShape,
+        ) -> $crate::reexport::Result<$crate::reexport::ExpertPool> {
+            self.$inner.alloc_expert_pool(layer, slots, shape)
+        }
+        fn upload_expert(
+            &self,
+            pool: &mut $crate::reexport::ExpertPool,
+            slot: usize,
+            expert: $crate::reexport::HostExpert,
+        ) -> $crate::reexport::Result<$crate::reexport::Fence> {
+            self.$inner.upload_expert(pool, slot, expert)
+        }
+        fn moe_routed(
+            &self,
+            x: &$crate::reexport::Tensor,
+            slots: &$crate::reexport::Tensor,
+            weights: &$crate::reexport::Tensor,
+            pool: &$crate::reexport::ExpertPool,
+            partials: &mut $crate::reexport::Tensor,
+        ) -> $crate::reexport::Result<()> {
+            self.$inner.moe_routed(x, slots, weights, pool, partials)
+        }
+        fn moe_combine(
+            &self,
+            partials: &$crate::reexport::Tensor,
+            k: usize,
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.moe_combine(partials, k)
+        }
+    };
+}
+
+/// Forwards a backend's fences (`record_fence`, `fence_complete`, `wait_fence`) to the `BackendRef` field
+/// `$inner`.
+#[macro_export]
+macro_rules! forward_fences {
+    ($inner:ident) => {
+        fn record_fence(&self) -> $crate::reexport::Fence {
+            self.$inner.record_fence()
+        }
+        fn fence_complete(&self, fence: $crate::reexport::Fence) -> bool {
+            self.$inner.fence_complete(fence)
+        }
+        fn wait_fence(&self, fence: $crate::reexport::Fence) -> $crate::reexport::Result<()> {
+            self.$inner.wait_fence(fence)
+        }
+    };
+}
+
+/// Forwards the router, the rope tables and the `qwen4_exp` ops to the `BackendRef` field `$inner` (with
+/// [`forward_core_ops`], [`forward_expert_ops`] and [`forward_fences`], a whole wrapper).
+#[macro_export]
+macro_rules! forward_model_ops {
+    ($inner:ident) => {
+        fn route(
+            &self,
+            logits: &$crate::reexport::Tensor,
+            k: usize,
+            renorm: bool,
+        ) -> $crate::reexport::Result<$crate::reexport::Routing> {
+            self.$inner.route(logits, k, renorm)
+        }
+        fn rope_table(
+            &self,
+            rope: &$crate::reexport::MRope,
+            positions: &[[i64; 3]],
+        ) -> $crate::reexport::Result<$crate::reexport::RopeTable> {
+            self.$inner.rope_table(rope, positions)
+        }
+        fn rms_norm_grouped(
+            &self,
+            x: &mut $crate::reexport::Tensor,
+            w: &$crate::reexport::Tensor,
+            group: usize,
+            eps: f32,
+        ) {
+            self.$inner.rms_norm_grouped(x, w, group, eps)
+        }
+        fn silu(&self, x: &mut $crate::reexport::Tensor) {
+            self.$inner.silu(x)
+        }
+        fn sigmoid(&self, x: &mut $crate::reexport::Tensor) {
+            self.$inner.sigmoid(x)
+        }
+        fn hc_combine(
+            &self,
+            m: &$crate::reexport::Tensor,
+            xn: &$crate::reexport::Tensor,
+            hc: usize,
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.hc_combine(m, xn, hc)
+        }
+        fn hc_inject(
+            &self,
+            x: &mut $crate::reexport::Tensor,
+            out: &$crate::reexport::Tensor,
+            inj: &$crate::reexport::Tensor,
+            hc: usize,
+        ) {
+            self.$inner.hc_inject(x, out, inj, hc)
+        }
+        fn ple_gate(
+            &self,
+            k: &$crate::reexport::Tensor,
+            q: &$crate::reexport::Tensor,
+            v: &$crate::reexport::Tensor,
+            hc: usize,
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.ple_gate(k, q, v, hc)
+        }
+        fn causal_conv_dilated_silu(
+            &self,
+            x: &$crate::reexport::Tensor,
+            w: &$crate::reexport::Tensor,
+            kernel: usize,
+            dilation: usize,
+            state: &mut $crate::reexport::Tensor,
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.causal_conv_dilated_silu(x, w, kernel, dilation, state)
+        }
+        fn rms_norm_gated_sigmoid(
+            &self,
+            x: &mut $crate::reexport::Tensor,
+            z: &$crate::reexport::Tensor,
+            w: &$crate::reexport::Tensor,
+            eps: f32,
+        ) {
+            self.$inner.rms_norm_gated_sigmoid(x, z, w, eps)
+        }
+        fn attention_selected(
+            &self,
+            q: &$crate::reexport::Tensor,
+            rows: std::ops::Range<usize>,
+            kv: $crate::reexport::PagedView<'_>,
+            selected: &[Vec<usize>],
+            shape: $crate::reexport::AttnShape,
+            scale: f32,
+            out: &mut $crate::reexport::Tensor,
+        ) {
+            self.$inner.attention_selected(q, rows, kv, selected, shape, scale, out)
+        }
+    };
+}
+
 impl Backend for HostOps {
     forward_core_ops!(inner);
+    forward_expert_ops!(inner);
+    forward_fences!(inner);
 
     fn describe(&self) -> String {
         format!("{} with host qwen4_exp ops", self.inner.describe())
@@ -253,18 +411,16 @@ impl Backend for HostOps {
     fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable> {
         self.inner.rope_table(rope, positions)
     }
-    fn router_topk(&self, logits: &Tensor, k: usize) -> Result<Vec<(Vec<usize>, Vec<f32>)>> {
-        self.inner.router_topk(logits, k)
-    }
 
     // --- on the host ------------------------------------------------------------------------------------
 
-    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Vec<(Vec<usize>, Vec<f32>)>> {
+    fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing> {
         if renorm {
-            return self.router_topk(logits, k);
+            return self.inner.route(logits, k, renorm);
         }
-        let l = self.download_f32(logits)?;
-        Ok(l.chunks(logits.cols()).map(|row| fb::route(row, k, false)).collect())
+        let (ids, weights) = fb::route_sorted(&self.download_f32(logits)?, logits.cols(), k, false);
+        let t = logits.rows();
+        Ok(Routing { ids: self.upload(HostData::I32(&ids), &[t, k])?, weights: self.upload_f32(&weights, &[t, k])? })
     }
     fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32) {
         let mut h = self.host(x);

@@ -18,11 +18,13 @@
 //! lacks one of its ops instead of running it slowly. The CPU backend is `osprey-backend-cpu`.
 
 mod device;
+pub mod experts;
 mod ops;
 mod tensor;
 pub mod types;
 
 pub use device::Device;
+pub use experts::{ExpertKey, ExpertPool, ExpertShape, Fence, HostExpert, Routing};
 pub use ops::{Backend, BackendRef, Op, PagedView, RopeTable};
 
 /// What a backend op returns.
@@ -52,6 +54,9 @@ pub enum BackendError {
         /// The tensor's type.
         got: DType,
     },
+    /// An expert pool or slot used out of its bounds, or a pool of another backend (a bug in the caller).
+    #[error("{0}: this is a bug")]
+    Slot(String),
     /// The backend lacks ops a model needs.
     #[error("the {backend} backend lacks {ops:?}, which this model needs")]
     Unsupported {

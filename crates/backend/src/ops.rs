@@ -11,6 +11,7 @@ use std::fmt::Debug;
 use std::ops::Range;
 use std::sync::Arc;
 
+use crate::experts::{ExpertPool, ExpertShape, Fence, HostExpert, Routing};
 use crate::types::{AttnShape, DType, GdnShape, HostData, HostVec, MRope};
 use crate::{BackendError, Device, HostMatrix, Result, Tensor};
 
@@ -41,6 +42,15 @@ pub struct PagedView<'a> {
 }
 
 /// A compute backend: device memory and the operations model families are written in.
+///
+/// Execution contract. Ops run in the order a thread issues them (a device backend gives each calling
+/// thread its own queue; the CPU runs each op before it returns). Results reach the host only through
+/// [`Backend::download`], which waits for the work before it. A [`Fence`] from [`Backend::record_fence`]
+/// covers the work the calling thread issued before it; a slot may be overwritten only once its last
+/// reader's fence is complete, and a host buffer handed to [`Backend::upload_expert`] is kept (with its
+/// lease) until the copy's fence is. One backend is shared by the runner thread and the vision encoder
+/// thread: each uses only the tensors it created (the vision tower's output reaches the runner as host
+/// rows, which the runner uploads), so the two queues never order against each other.
 pub trait Backend: Send + Sync + Debug {
     /// Its device.
     fn device(&self) -> Device;
@@ -230,12 +240,49 @@ pub trait Backend: Send + Sync + Debug {
 
     // --- MoE ------------------------------------------------------------------------------------------
 
-    /// Softmax over each row of router logits, the `k` most probable experts (descending, ties to the
-    /// lower id) and their renormalised weights, on the host: which experts to fetch is a host decision.
-    fn router_topk(&self, logits: &Tensor, k: usize) -> Result<Vec<(Vec<usize>, Vec<f32>)>>;
+    /// Softmax over each row of router logits, the `k` most probable experts (ties to the lower id) and
+    /// their weights, renormalised over the kept `k` when `renorm` (`norm_topk_prob`); each row's
+    /// experts in ascending id order. The ids stay a tensor: downloading them is the layer's one
+    /// routing sync, which the caller makes explicitly.
+    fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing>;
 
-    /// [`Backend::router_topk`], or without renormalising the kept weights (`norm_topk_prob = false`).
-    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Vec<(Vec<usize>, Vec<f32>)>>;
+    /// A pool of `slots` fixed-stride expert slots for `layer` (device memory for `slots` experts).
+    fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool>;
+
+    /// Copies `expert` into `slot` of `pool` (replacing what it held, whose last reader's fence the
+    /// caller has waited for) and records its key. The returned fence completes when the copy has; the
+    /// backend keeps `expert` (and its lease) until then, or, where the slot is the host memory itself
+    /// (the CPU), until the slot is reused.
+    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence>;
+
+    /// Routed experts on resident slots: for every token `t` and entry `j` with `slots[t, j] ≥ 0`,
+    /// `partials[t·k + j] = weights[t, j] · down(silu(gate(x_t)) · up(x_t))` of the expert in that slot;
+    /// entries with a negative slot (not in this wave) are left as they are. `slots` is `[T, k]` i32,
+    /// `weights` `[T, k]` f32, `partials` `[T·k, hidden]`. An expert runs on all of its wave's tokens at
+    /// once.
+    fn moe_routed(
+        &self,
+        x: &Tensor,
+        slots: &Tensor,
+        weights: &Tensor,
+        pool: &ExpertPool,
+        partials: &mut Tensor,
+    ) -> Result<()>;
+
+    /// `out[t] = 0 + partials[t·k] + partials[t·k + 1] + …` in that order (ascending expert id) → `[T,
+    /// hidden]`.
+    fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor>;
+
+    // --- execution ------------------------------------------------------------------------------------
+
+    /// A fence after every op queued so far on this backend (a slot's last reader, a copy).
+    fn record_fence(&self) -> Fence;
+
+    /// Whether the work before `fence` has run.
+    fn fence_complete(&self, fence: Fence) -> bool;
+
+    /// Blocks until the work before `fence` has run.
+    fn wait_fence(&self, fence: Fence) -> Result<()>;
 
     // --- qwen4_exp: hyper-connections, PLE, QSA --------------------------------------------------------
 
@@ -311,8 +358,10 @@ pub enum Op {
     AttentionBidirectional,
     /// `causal_conv_silu`, `delta_gates`, `gated_delta`.
     GatedDeltaNet,
-    /// `router_topk`, `router_topk_with`.
+    /// `route`.
     Router,
+    /// `alloc_expert_pool`, `upload_expert`, `moe_routed`, `moe_combine` (routed experts in slots).
+    ExpertSlots,
     /// `rms_norm_grouped`, `rms_norm_gated_sigmoid`, `silu`, `sigmoid` (`qwen4_exp`).
     GroupedNorms,
     /// `hc_combine`, `hc_inject` (hyper-connections).
@@ -325,7 +374,7 @@ pub enum Op {
 
 impl Op {
     /// Every op.
-    pub const ALL: [Op; 15] = [
+    pub const ALL: [Op; 16] = [
         Op::Memory,
         Op::LinearDense,
         Op::LinearNvfp4,
@@ -337,6 +386,7 @@ impl Op {
         Op::AttentionBidirectional,
         Op::GatedDeltaNet,
         Op::Router,
+        Op::ExpertSlots,
         Op::GroupedNorms,
         Op::HyperConnections,
         Op::Ple,

@@ -26,9 +26,28 @@ struct Recording {
 }
 
 impl ExpertSource for Recording {
-    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
+    fn slots_per_layer(&self) -> Option<usize> {
+        self.inner.slots_per_layer()
+    }
+
+    /// A MoE step notes its slot hits first (possibly none), then requests its misses: the two make one
+    /// trace entry, every expert the step routed to.
+    fn note_hits(&self, layer: usize, experts: &[usize]) {
         if let Ok(mut t) = self.trace.lock() {
             t.push((layer, experts.to_vec()));
+        }
+        self.inner.note_hits(layer, experts);
+    }
+
+    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
+        if let Ok(mut t) = self.trace.lock() {
+            match t.last_mut() {
+                Some((l, e)) if *l == layer => {
+                    e.extend_from_slice(experts);
+                    e.sort_unstable();
+                }
+                _ => t.push((layer, experts.to_vec())),
+            }
         }
         let ticket = self.inner.request(layer, experts);
         if !self.wait_all {

@@ -171,6 +171,22 @@ impl ResidencyTable {
         Some(s.weights.clone())
     }
 
+    /// Counts a use of a resident expert that needs no lease (it sits in a backend slot that holds one):
+    /// a hit, and the most recent. An expert not resident is ignored.
+    pub fn hit(&mut self, layer: usize, expert: usize) {
+        let key = (layer, expert);
+        if !self.slots.contains(&key) {
+            return;
+        }
+        self.stats[layer].hits += 1;
+        let counts = &mut self.per_expert[layer];
+        if counts.len() <= expert {
+            counts.resize(expert + 1, (0, 0));
+        }
+        counts[expert].0 += 1;
+        self.touch(key);
+    }
+
     /// Inserts a freshly read expert, leased once, then evicts unleased experts over the budget.
     pub fn insert(
         &mut self,
@@ -247,6 +263,8 @@ impl Drop for Lease {
 pub struct ResidentSet {
     tx: mpsc::UnboundedSender<ResidencyCommand>,
     stall_nanos: Arc<AtomicU64>,
+    /// Backend slots per layer the budget allows (slots hold leases, so they count against it).
+    slots: usize,
 }
 
 impl ResidentSet {
@@ -257,6 +275,16 @@ impl ResidentSet {
 }
 
 impl ExpertSource for ResidentSet {
+    fn note_hits(&self, layer: usize, experts: &[usize]) {
+        if !experts.is_empty() {
+            let _ = self.tx.send(ResidencyCommand::Hits { layer, experts: experts.to_vec() });
+        }
+    }
+
+    fn slots_per_layer(&self) -> Option<usize> {
+        Some(self.slots)
+    }
+
     fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
         let (resident_tx, resident_rx) = oneshot::channel();
         let (reply, rx) = oneshot::channel();
@@ -277,7 +305,10 @@ impl ExpertSource for ResidentSet {
             if !sent {
                 return Err(gone());
             }
-            let lease = move |w, expert| ExpertHandle::new(w, Some(Box::new(Lease { tx: tx.clone(), layer, expert })));
+            let lease = move |w, expert| {
+                let key = osprey_models::layers::moe::key(layer, expert);
+                ExpertHandle::new(key, w, Some(Box::new(Lease { tx: tx.clone(), layer, expert })))
+            };
             let t0 = Instant::now();
             let have = resident_rx
                 .blocking_recv()
@@ -308,6 +339,7 @@ pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy
     let (tx, mut rx) = mpsc::unbounded_channel::<ResidencyCommand>();
     let stall_nanos = Arc::new(AtomicU64::new(0));
     let stall = stall_nanos.clone();
+    let slots = slots_for(&index, budget);
     std::thread::Builder::new()
         .name("osprey-experts".into())
         .spawn(move || {
@@ -319,6 +351,7 @@ pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy
                         let _in = span.enter();
                         need(&index, reader.as_mut(), &mut table, layer, &experts, resident, reply)
                     }
+                    ResidencyCommand::Hits { layer, experts } => experts.iter().for_each(|&e| table.hit(layer, e)),
                     ResidencyCommand::Release { layer, expert } => table.release(layer, expert),
                     ResidencyCommand::Stats { reply } => {
                         let _ = reply.send(ResidencyStats {
@@ -335,7 +368,26 @@ pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy
             }
         })
         .expect("spawn expert residency thread");
-    ResidentSet { tx, stall_nanos }
+    ResidentSet { tx, stall_nanos, slots }
+}
+
+/// Backend slots per MoE layer under `budget`: the experts per layer, or the bytes shared evenly by the
+/// layers with experts, at the RAM an expert takes once read (at least one: a step runs in waves of one
+/// then).
+pub fn slots_for(index: &ExpertIndex, budget: Budget) -> usize {
+    match budget {
+        Budget::PerLayer(n) => n.max(1),
+        Budget::Bytes(b) => {
+            let layers = index.experts.iter().filter(|l| !l.is_empty()).count().max(1);
+            let largest = (0..index.experts.len())
+                .flat_map(|l| (0..index.experts[l].len()).map(move |e| (l, e)))
+                .map(|(l, e)| index.expert_footprint(l, e))
+                .max()
+                .unwrap_or(1)
+                .max(1);
+            (b / (layers * largest)).max(1)
+        }
+    }
 }
 
 type Reply<T> = oneshot::Sender<Result<T, RequestError>>;

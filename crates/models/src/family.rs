@@ -167,6 +167,11 @@ pub trait CausalLm: Send + Sync + Debug {
 
     /// Bytes of weights read per token excluding routed experts (the dense part), and per routed expert.
     fn weight_bytes(&self) -> (usize, usize);
+
+    /// Expert slot counters summed over the MoE layers (zero for a dense model).
+    fn slot_stats(&self) -> crate::SlotStats {
+        crate::SlotStats::default()
+    }
 }
 
 /// A loaded model behind the seam.
@@ -191,5 +196,8 @@ impl<T: CausalLm + ?Sized> CausalLm for Box<T> {
     }
     fn weight_bytes(&self) -> (usize, usize) {
         (**self).weight_bytes()
+    }
+    fn slot_stats(&self) -> crate::SlotStats {
+        (**self).slot_stats()
     }
 }

@@ -40,11 +40,13 @@ pub use family::{
 };
 pub use kv::{KvPool, PageGeometry, PageRef, PageTable, PoolStats, ReserveError};
 pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts, ResidentExperts};
+pub use layers::slots::SlotStats;
 /// The compute-backend seam the families are written against (re-exported for callers that pick one).
 pub use osprey_backend as backend;
 pub use quantize_dir::{quantize_dir, QuantizeOptions};
 pub use qwen4_exp::{ple_stats, ple_table_rows, set_ple_ram_budget, PleStats, DEFAULT_PLE_RAM_BYTES};
 pub use registry::{
-    expert_layout, load_checkpoint, load_on, load_vision, load_with_progress, ExpertLayout, MediaSupport,
+    expert_layout, load_checkpoint, load_on, load_vision, load_with_options, load_with_progress, ExpertLayout,
+    LoadOptions, MediaSupport,
 };
 pub use state::{FamilySnapshot, FamilyState, SeqState, StateSnapshot};

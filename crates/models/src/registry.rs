@@ -28,16 +28,20 @@ pub struct ExpertLayout {
     pub intermediate: usize,
 }
 
+/// How a model is loaded, beyond its directory and backend.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// Replaces the default source of routed experts (every expert mapped from the checkpoint), e.g.
+    /// with the residency manager.
+    pub experts: Option<Arc<dyn ExpertSource>>,
+    /// Expert slots per MoE layer on the backend (`None`: the source's
+    /// [`ExpertSource::slots_per_layer`], else one per expert).
+    pub expert_slots: Option<usize>,
+}
+
 /// Loads a family's decoder from a parsed config and an opened checkpoint, its weights placed on the
-/// backend; `experts` replaces the default source of routed experts (all mapped from the checkpoint);
-/// `progress` gets (layers done, layers).
-pub type LoadFn = fn(
-    &ModelConfig,
-    &Checkpoint,
-    Option<Arc<dyn ExpertSource>>,
-    BackendRef,
-    &mut dyn FnMut(usize, usize),
-) -> Result<Model>;
+/// backend; `progress` gets (layers done, layers).
+pub type LoadFn = fn(&ModelConfig, &Checkpoint, LoadOptions, BackendRef, &mut dyn FnMut(usize, usize)) -> Result<Model>;
 
 /// The routed-expert layout of a checkpoint of this family (`None` for a dense model).
 pub type ExpertsFn = fn(&ModelConfig, &Checkpoint) -> Result<Option<ExpertLayout>>;
@@ -141,12 +145,23 @@ pub fn load_checkpoint(
     load_with_progress(cfg, ck, experts, backend, &mut |_, _| {})
 }
 
-/// Builds the decoder with its weights placed on `backend`, reporting `(layers done, layers)`. A
-/// backend that lacks an op the family runs is refused here, naming the ops.
+/// Builds the decoder with its weights placed on `backend`, reporting `(layers done, layers)`.
 pub fn load_with_progress(
     cfg: &ModelConfig,
     ck: &Checkpoint,
     experts: Option<Arc<dyn ExpertSource>>,
+    backend: BackendRef,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Model> {
+    load_with_options(cfg, ck, LoadOptions { experts, ..LoadOptions::default() }, backend, progress)
+}
+
+/// Builds the decoder with `opts`, its weights placed on `backend`, reporting `(layers done, layers)`.
+/// A backend that lacks an op the family runs is refused here, naming the ops.
+pub fn load_with_options(
+    cfg: &ModelConfig,
+    ck: &Checkpoint,
+    opts: LoadOptions,
     backend: BackendRef,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Model> {
@@ -156,7 +171,7 @@ pub fn load_with_progress(
         ops.push(Op::LinearNvfp4);
     }
     osprey_backend::require(backend.as_ref(), &ops).map_err(|e| Error::Unsupported(e.to_string()))?;
-    (family.load)(cfg, ck, experts, backend, progress)
+    (family.load)(cfg, ck, opts, backend, progress)
 }
 
 /// Where the checkpoint's routed experts are (`None` for a dense model).

@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use osprey_backend::{
-    AttnShape, Backend, DType, Device, GdnShape, HostData, HostMatrix, HostVec, MRope, Op, PagedView, Result,
-    RopeTable, Tensor,
+    AttnShape, Backend, DType, Device, ExpertPool, ExpertShape, Fence, GdnShape, HostData, HostExpert, HostMatrix,
+    HostVec, MRope, Op, PagedView, Result, RopeTable, Routing, Tensor,
 };
 use osprey_backend_cpu::testing::HostOps;
 use osprey_backend_cpu::CpuBackend;
@@ -23,9 +23,16 @@ use osprey_models::{CausalLm, LogitsWanted, Positions, SeqInput, SeqStep};
 struct Counting {
     cpu: CpuBackend,
     placed: AtomicUsize,
+    /// f32 uploads (token embeddings of injected rows, rope tables).
     uploads: AtomicUsize,
+    /// f32 downloads (logits).
     downloads: AtomicUsize,
-    router: AtomicUsize,
+    /// i32 downloads: routed expert ids (the routing sync).
+    routing: AtomicUsize,
+    /// i32 uploads: slot ids of a wave.
+    slot_ids: AtomicUsize,
+    /// Experts copied into slots.
+    expert_uploads: AtomicUsize,
 }
 
 fn bump(c: &AtomicUsize) {
@@ -48,11 +55,11 @@ impl Backend for Counting {
         self.cpu.place_weight(w)
     }
     fn upload(&self, data: HostData<'_>, shape: &[usize]) -> Result<Tensor> {
-        bump(&self.uploads);
+        bump(if matches!(data, HostData::I32(_)) { &self.slot_ids } else { &self.uploads });
         self.cpu.upload(data, shape)
     }
     fn download(&self, t: &Tensor) -> Result<HostVec> {
-        bump(&self.downloads);
+        bump(if t.dtype() == DType::I32 { &self.routing } else { &self.downloads });
         self.cpu.download(t)
     }
     fn zeros(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
@@ -180,14 +187,23 @@ impl Backend for Counting {
     ) -> Result<Tensor> {
         self.cpu.gated_delta(shape, recurrent, q, k, v, g, beta, state)
     }
-    fn router_topk(&self, logits: &Tensor, k: usize) -> Result<Vec<(Vec<usize>, Vec<f32>)>> {
-        bump(&self.router);
-        self.cpu.router_topk(logits, k)
+    fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing> {
+        self.cpu.route(logits, k, renorm)
     }
-    fn router_topk_with(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Vec<(Vec<usize>, Vec<f32>)>> {
-        bump(&self.router);
-        self.cpu.router_topk_with(logits, k, renorm)
+    fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {
+        self.cpu.alloc_expert_pool(layer, slots, shape)
     }
+    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
+        bump(&self.expert_uploads);
+        self.cpu.upload_expert(pool, slot, expert)
+    }
+    fn moe_routed(&self, x: &Tensor, slots: &Tensor, w: &Tensor, pool: &ExpertPool, out: &mut Tensor) -> Result<()> {
+        self.cpu.moe_routed(x, slots, w, pool, out)
+    }
+    fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {
+        self.cpu.moe_combine(partials, k)
+    }
+    osprey_backend_cpu::forward_fences!(cpu);
     fn rms_norm_grouped(&self, _: &mut Tensor, _: &Tensor, _: usize, _: f32) {
         unreachable!("not supported: the loader refuses a model that needs it")
     }
@@ -226,48 +242,104 @@ impl Backend for Counting {
     }
 }
 
-fn counts(c: &Counting) -> [usize; 4] {
-    [&c.placed, &c.uploads, &c.downloads, &c.router].map(|a| a.swap(0, Ordering::Relaxed))
+/// `[placed, f32 uploads, f32 downloads, routing syncs, slot-id uploads, expert uploads]` since the last call.
+fn counts(c: &Counting) -> [usize; 6] {
+    [&c.placed, &c.uploads, &c.downloads, &c.routing, &c.slot_ids, &c.expert_uploads]
+        .map(|a| a.swap(0, Ordering::Relaxed))
+}
+
+fn run(m: &dyn CausalLm, st: &mut osprey_models::SeqState, ids: &[u32], logits: LogitsWanted) -> Vec<f32> {
+    let input = SeqInput { tokens: ids, positions: Positions::Text, injected: &[], logits };
+    m.forward(&mut [SeqStep { state: st, input }], false).expect("forward").logits.remove(0)
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).expect("logits")
 }
 
 #[test]
-fn weights_are_placed_at_load_and_a_forward_crosses_to_the_host_only_for_logits() {
+fn weights_are_placed_at_load_and_a_forward_crosses_to_the_host_only_for_routing_and_logits() {
     let dir = common::fixtures().join("models/qwen3_5_moe-tiny");
     let counting = Arc::new(Counting::default());
     let model = osprey_models::load_on(&dir, counting.clone()).expect("load on the counting backend");
     let reference = osprey_models::load_on(&dir, CpuBackend::shared()).expect("load on the CPU backend");
     let info = model.info().clone();
-    let [placed, _, _, _] = counts(&counting);
+    let [placed, ..] = counts(&counting);
     // Every linear of every layer, the router, the shared expert and the embedding went through the
-    // backend (the routed experts are placed when they arrive, not here).
+    // backend (the routed experts go into slots when a step needs them, not here).
     assert!(placed >= 4 * info.num_layers, "{placed} weights placed for {} layers", info.num_layers);
 
     let prompt: Vec<u32> = (1..=12).collect();
     let (mut st, mut want) = (model.new_state(), reference.new_state());
-    let run = |m: &dyn CausalLm, st: &mut osprey_models::SeqState, ids: &[u32], logits: LogitsWanted| {
-        let input = SeqInput { tokens: ids, positions: Positions::Text, injected: &[], logits };
-        m.forward(&mut [SeqStep { state: st, input }], false).expect("forward").logits.remove(0)
-    };
-    // A prefill chunk that wants no logits downloads nothing, whatever the depth.
+    // A prefill chunk that wants no logits downloads only the routed ids, once per MoE layer.
     assert!(run(&model, &mut st, &prompt[..8], LogitsWanted::None).is_empty());
     run(&reference, &mut want, &prompt[..8], LogitsWanted::None);
-    let [placed, uploads, downloads, router] = counts(&counting);
-    assert_eq!((downloads, uploads), (0, 1), "only the rope table goes up; nothing comes down");
-    // Every MoE layer asks the host once which experts to fetch (and places the ones it gets).
-    assert_eq!(router, info.moe_layers);
-    assert!(placed > 0);
-    // The rest of the prompt, then decode steps: one download each (the last row's logits).
+    let [_, uploads, downloads, routing, _, expert_uploads] = counts(&counting);
+    assert_eq!((downloads, uploads), (0, 1), "only the rope table goes up; no activation comes down");
+    assert_eq!(routing, info.moe_layers, "one routing sync per MoE layer");
+    assert_eq!(expert_uploads as u64, model.slot_stats().misses, "an upload per slot miss");
+    // The rest of the prompt, then decode steps: one logits download each.
     let mut got = run(&model, &mut st, &prompt[8..], LogitsWanted::Last);
     let mut reference_logits = run(&reference, &mut want, &prompt[8..], LogitsWanted::Last);
     for step in 0..4 {
         assert_eq!(got, reference_logits, "step {step}: the counting backend computes the CPU backend's answer");
-        let [_, _, downloads, router] = counts(&counting);
+        let [_, _, downloads, routing, ..] = counts(&counting);
         assert_eq!(downloads, 1, "step {step}: one download per forward, not per layer");
-        assert_eq!(router, info.moe_layers);
-        let next = got.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).expect("logits");
+        assert_eq!(routing, info.moe_layers);
+        let next = argmax(&got);
         got = run(&model, &mut st, &[next], LogitsWanted::Last);
         reference_logits = run(&reference, &mut want, &[next], LogitsWanted::Last);
     }
+}
+
+/// Every expert resident in a slot: a decode step uploads no expert, syncs once per MoE layer and
+/// downloads the logits once. With one slot per layer every miss is an upload, in waves, and the logits
+/// are the same bits.
+#[test]
+fn resident_experts_cost_no_upload_and_one_slot_per_layer_gives_the_same_bits() {
+    let dir = common::fixtures().join("models/qwen3_5_moe-tiny");
+    let cfg = osprey_models::ModelConfig::from_dir(&dir).expect("config");
+    let ck = osprey_models::Checkpoint::open(&dir).expect("checkpoint");
+    let load = |slots: Option<usize>, b: Arc<Counting>| {
+        let opts = osprey_models::LoadOptions { expert_slots: slots, ..Default::default() };
+        osprey_models::load_with_options(&cfg, &ck, opts, b, &mut |_, _| {}).expect("load")
+    };
+    let (all, one) = (Arc::new(Counting::default()), Arc::new(Counting::default()));
+    let (wide, narrow) = (load(None, all.clone()), load(Some(1), one.clone()));
+    let info = wide.info().clone();
+    let experts = info.moe_layers * 8;
+    let (mut s_all, mut s_one) = (wide.new_state(), narrow.new_state());
+    // Warm every expert of every layer into the wide model's slots.
+    let (mut uploaded, mut one_uploads) = (0, 0);
+    for chunk in 0..32u32 {
+        let ids: Vec<u32> = (0..16).map(|i| (chunk * 131 + i * 37 + 3) % 1000).collect();
+        assert_eq!(
+            run(&wide, &mut s_all, &ids, LogitsWanted::Last),
+            run(&narrow, &mut s_one, &ids, LogitsWanted::Last),
+            "chunk {chunk}: one slot per layer, in waves, gives the same bits"
+        );
+        uploaded += counts(&all)[5];
+        one_uploads += counts(&one)[5];
+        if uploaded == experts {
+            break;
+        }
+    }
+    assert_eq!(uploaded, experts, "each expert uploaded once while the pool holds them all");
+    let mut next = 7;
+    for step in 0..6 {
+        let a = run(&wide, &mut s_all, &[next], LogitsWanted::Last);
+        assert_eq!(a, run(&narrow, &mut s_one, &[next], LogitsWanted::Last), "step {step}");
+        let [_, _, downloads, routing, _, expert_uploads] = counts(&all);
+        assert_eq!((expert_uploads, routing, downloads), (0, info.moe_layers, 1), "step {step}: all resident");
+        let [.., expert_uploads] = counts(&one);
+        assert!(expert_uploads >= info.moe_layers, "step {step}: with one slot, every layer uploads");
+        one_uploads += expert_uploads;
+        next = argmax(&a);
+    }
+    let narrow_stats = narrow.slot_stats();
+    assert_eq!(one_uploads as u64, narrow_stats.misses, "with one slot per layer, uploads equal misses");
+    assert!(narrow_stats.waves >= narrow_stats.misses, "each miss runs in a wave of its own");
+    assert_eq!(wide.slot_stats().misses as usize, experts);
 }
 
 /// The seam has no silent host fallbacks: a backend that lacks `qwen4_exp`'s ops is refused at load,

@@ -1,5 +1,5 @@
 //! The MoE block computes the experts a source has resident while the others are still being read, and
-//! the answer does not depend on which were resident (accumulation stays in ascending expert order).
+//! the answer does not depend on which were resident (outputs are summed in ascending expert order).
 
 mod common;
 
@@ -7,38 +7,68 @@ use std::fmt::Debug;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use osprey_backend::{Backend, BackendRef, ExpertPool, ExpertShape, Fence, HostExpert, Result, Tensor};
+use osprey_backend_cpu::{forward_core_ops, forward_fences, forward_model_ops};
 use osprey_models::{
     CausalLm, Checkpoint, ExpertHandle, ExpertSource, ExpertTicket, ModelConfig, PendingExperts, ResidentExperts,
     SeqInput, SeqStep,
 };
 
-/// Declares every expert whose id is `≡ parity (mod 2)` missing. Resident handles count their drops, and
-/// the pending part records how many resident handles were still alive when the model waited on it.
+/// The exact CPU backend, counting the expert waves it runs (`moe_routed`).
+#[derive(Debug)]
+struct Waves {
+    inner: BackendRef,
+    waves: Arc<AtomicUsize>,
+}
+
+impl Backend for Waves {
+    forward_core_ops!(inner);
+    forward_fences!(inner);
+    forward_model_ops!(inner);
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn supports(&self, op: osprey_backend::Op) -> bool {
+        self.inner.supports(op)
+    }
+    fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {
+        self.inner.alloc_expert_pool(layer, slots, shape)
+    }
+    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
+        self.inner.upload_expert(pool, slot, expert)
+    }
+    fn moe_routed(&self, x: &Tensor, slots: &Tensor, w: &Tensor, pool: &ExpertPool, out: &mut Tensor) -> Result<()> {
+        self.waves.fetch_add(1, Ordering::SeqCst);
+        self.inner.moe_routed(x, slots, w, pool, out)
+    }
+    fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {
+        self.inner.moe_combine(partials, k)
+    }
+}
+
+/// Declares every expert whose id is `≡ parity (mod 2)` missing; the pending part records how many waves
+/// the backend had run since the request when the model waited on it. One slot per layer (so every step
+/// misses).
 #[derive(Debug)]
 struct HalfResident {
     inner: ResidentExperts,
     missing_parity: usize,
-    released: Arc<AtomicUsize>,
-    /// Per wait: (resident handles given, resident handles already dropped when `wait` was called).
+    waves: Arc<AtomicUsize>,
+    /// Per wait: (resident handles given, waves run between the request and the wait).
     waits: Arc<Mutex<Vec<(usize, usize)>>>,
 }
 
-#[derive(Debug)]
-struct Counted(Arc<AtomicUsize>);
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.0.fetch_add(1, Ordering::SeqCst);
-    }
-}
-
 impl ExpertSource for HalfResident {
+    fn slots_per_layer(&self) -> Option<usize> {
+        Some(1)
+    }
+
     fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
         let all = self.inner.request(layer, experts).wait().expect("resident");
-        let (released, waits, parity) = (self.released.clone(), self.waits.clone(), self.missing_parity);
+        let (waves, waits, parity) = (self.waves.clone(), self.waits.clone(), self.missing_parity);
         let experts = experts.to_vec();
         ExpertTicket::new(move || {
-            let base = released.load(Ordering::SeqCst);
+            let base = waves.load(Ordering::SeqCst);
             let mut have = Vec::new();
             let mut later = Vec::new();
             for (h, e) in all.into_iter().zip(&experts) {
@@ -46,13 +76,12 @@ impl ExpertSource for HalfResident {
                     have.push(None);
                     later.push(h);
                 } else {
-                    let w = Arc::new(h.weights().clone());
-                    have.push(Some(ExpertHandle::new(w, Some(Box::new(Counted(released.clone()))))));
+                    have.push(Some(ExpertHandle::new(h.key(), Arc::new(h.weights().clone()), None)));
                 }
             }
             let given = have.iter().flatten().count();
             let pending = PendingExperts::new(move || {
-                waits.lock().expect("lock").push((given, released.load(Ordering::SeqCst) - base));
+                waits.lock().expect("lock").push((given, waves.load(Ordering::SeqCst) - base));
                 Ok(later)
             });
             Ok((have, pending))
@@ -89,15 +118,15 @@ fn resident_experts_are_computed_before_waiting_for_the_missing_ones_with_identi
     let ids: Vec<u32> = (0..10).map(|i| (i * 37 + 5) % 200).collect();
     let reference = logits(&common::model("qwen3_5_moe-tiny"), &ids);
     for parity in [0, 1] {
-        let waits = Arc::new(Mutex::new(Vec::new()));
+        let (waits, waves) = (Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicUsize::new(0)));
         let src = HalfResident {
             inner: ResidentExperts::load(&ck, &prefixes, cfg.text.hidden_size, moe).expect("experts"),
             missing_parity: parity,
-            released: Arc::new(AtomicUsize::new(0)),
+            waves: waves.clone(),
             waits: waits.clone(),
         };
         // On the exact backend, as the reference (`common::model`) is.
-        let exact = osprey_backend_cpu::CpuBackend::exact();
+        let exact = Arc::new(Waves { inner: osprey_backend_cpu::CpuBackend::exact(), waves });
         let m =
             osprey_models::load_with_progress(&cfg, &ck, Some(Arc::new(src)), exact, &mut |_, _| {}).expect("model");
         // Bit-identical: the same per-expert products summed in the same order.
@@ -105,8 +134,9 @@ fn resident_experts_are_computed_before_waiting_for_the_missing_ones_with_identi
         let waits = waits.lock().expect("lock");
         assert!(!waits.is_empty());
         assert!(waits.iter().any(|&(given, _)| given > 0), "some experts were resident");
-        for &(given, dropped) in waits.iter() {
-            assert_eq!(dropped, given, "every resident expert was computed (and released) before the wait");
+        for &(given, waves) in waits.iter() {
+            // One slot: each resident expert is its own wave, all run before the wait.
+            assert!(waves >= given, "{given} resident experts but {waves} waves before the wait");
         }
     }
 }

@@ -36,6 +36,14 @@ pub enum ResidencyCommand {
         /// The experts `resident` left out, in request order, once read (leased), or the read error.
         reply: oneshot::Sender<Result<Vec<Handle>, RequestError>>,
     },
+    /// Experts a step found already in the backend's slots: counted as hits and made the most recent,
+    /// not leased (the slots hold their leases).
+    Hits {
+        /// Layer.
+        layer: usize,
+        /// Experts.
+        experts: Vec<usize>,
+    },
     /// A lease was dropped.
     Release {
         /// Layer.

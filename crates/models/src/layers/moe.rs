@@ -7,15 +7,18 @@
 //! the shared expert and the already-resident experts are computed while the misses are read.
 
 use std::fmt::Debug;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use osprey_backend::{Backend, Tensor};
+use osprey_backend::{
+    Backend, BackendError, DType, ExpertKey, ExpertPool, ExpertShape, HostData, HostExpert, HostVec, Tensor,
+};
 
-use super::mlp::{swiglu, Mlp};
-use super::{load_linear, place};
+use super::load_linear;
+use super::mlp::Mlp;
+use super::slots::{SlotStats, SlotTable};
 use crate::checkpoint::{Checkpoint, Weight};
 use crate::config::MoeConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The three projections of one routed expert.
 #[derive(Clone, Debug)]
@@ -31,20 +34,38 @@ pub struct ExpertWeights {
 /// A held expert: the weights stay valid (and, for a residency manager, resident) until it is dropped.
 #[derive(Debug)]
 pub struct ExpertHandle {
+    key: ExpertKey,
     weights: Arc<ExpertWeights>,
     /// Whatever the source needs to release on drop (a lease); `None` for always-resident experts.
     _lease: Option<Box<dyn Debug + Send + Sync>>,
 }
 
 impl ExpertHandle {
-    /// Wraps weights with an optional release guard.
-    pub fn new(weights: Arc<ExpertWeights>, lease: Option<Box<dyn Debug + Send + Sync>>) -> Self {
-        ExpertHandle { weights, _lease: lease }
+    /// Wraps the weights of expert `key` with an optional release guard.
+    pub fn new(key: ExpertKey, weights: Arc<ExpertWeights>, lease: Option<Box<dyn Debug + Send + Sync>>) -> Self {
+        ExpertHandle { key, weights, _lease: lease }
+    }
+
+    /// Which expert.
+    pub fn key(&self) -> ExpertKey {
+        self.key
     }
 
     /// The expert's weights.
     pub fn weights(&self) -> &ExpertWeights {
         &self.weights
+    }
+
+    /// The host expert a backend uploads into a slot; the handle (and so its lease) goes with it.
+    pub fn into_host(self) -> HostExpert {
+        let w = self.weights.clone();
+        HostExpert {
+            key: self.key,
+            gate: Arc::new(w.gate.clone()),
+            up: Arc::new(w.up.clone()),
+            down: Arc::new(w.down.clone()),
+            lease: Some(Box::new(self)),
+        }
     }
 }
 
@@ -129,6 +150,17 @@ pub trait ExpertSource: Debug + Send + Sync {
     fn expert_bytes(&self) -> Option<usize> {
         None
     }
+
+    /// Experts of `layer` a step found in the backend's slots (so never asked for): a source that
+    /// counts uses (the residency manager's hit rate and recency) records them; nothing is leased.
+    fn note_hits(&self, _layer: usize, _experts: &[usize]) {}
+
+    /// Expert slots per layer this source's budget allows on the backend (`None`: one per expert). On
+    /// the CPU a slot is the source's expert itself, lease included, so a streaming source bounds them
+    /// by its RAM budget.
+    fn slots_per_layer(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Every expert mapped from the checkpoint (the page cache decides what is in RAM).
@@ -191,9 +223,32 @@ impl ExpertSource for ResidentExperts {
     fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
         ExpertTicket::ready(Ok(experts
             .iter()
-            .map(|&e| ExpertHandle::new(self.experts[layer][e].clone(), None))
+            .map(|&e| ExpertHandle::new(key(layer, e), self.experts[layer][e].clone(), None))
             .collect()))
     }
+}
+
+/// The stored type of the routed experts under `{prefix}` (expert 0's gate, in either layout).
+pub fn expert_dtype(ck: &Checkpoint, prefix: &str, hidden: usize, m: MoeConfig) -> Result<DType> {
+    let fused = format!("{prefix}.experts.gate_up_proj");
+    let w = if ck.contains(&fused) {
+        ck.weight_rows(&fused, &[m.num_experts, 2 * m.intermediate, hidden], 0, m.intermediate, hidden)?
+    } else {
+        ck.linear(&format!("{prefix}.experts.0.gate_proj"), m.intermediate, hidden)?
+    };
+    Ok(w.dtype())
+}
+
+/// The expert key of `expert` of `layer`.
+pub fn key(layer: usize, expert: usize) -> ExpertKey {
+    ExpertKey { layer: layer as u32, expert: expert as u32 }
+}
+
+/// A layer's pool on the backend and its slot table (allocated at the first step).
+#[derive(Debug, Default)]
+struct Slots {
+    pool: Option<ExpertPool>,
+    table: Option<SlotTable>,
 }
 
 /// One MoE block.
@@ -204,11 +259,17 @@ pub struct SparseMoe {
     shared: Mlp,
     shared_gate: Tensor,
     cfg: MoeConfig,
+    shape: ExpertShape,
+    /// Slots per layer (`None`: the expert source's, else one per expert).
+    slots_per_layer: Option<usize>,
+    slots: Mutex<Slots>,
 }
 
 impl SparseMoe {
     /// Loads the router and shared expert of `{prefix}` onto `b` (routed experts come from an
-    /// [`ExpertSource`] and are placed when they arrive).
+    /// [`ExpertSource`] and are uploaded into the layer's slots when a step needs them); `dtype` is the
+    /// routed experts' weight type, `slots` the slots per layer (`None`: see [`ExpertSource::slots_per_layer`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn load(
         b: &dyn Backend,
         ck: &Checkpoint,
@@ -216,6 +277,8 @@ impl SparseMoe {
         layer: usize,
         hidden: usize,
         cfg: MoeConfig,
+        dtype: DType,
+        slots: Option<usize>,
     ) -> Result<Self> {
         Ok(SparseMoe {
             layer,
@@ -223,66 +286,96 @@ impl SparseMoe {
             shared: Mlp::load(b, ck, &format!("{prefix}.shared_expert"), hidden, cfg.shared_intermediate)?,
             shared_gate: load_linear(b, ck, &format!("{prefix}.shared_expert_gate"), 1, hidden)?,
             cfg,
+            shape: ExpertShape { hidden, inter: cfg.intermediate, dtype },
+            slots_per_layer: slots,
+            slots: Mutex::new(Slots::default()),
         })
     }
 
     /// `x [T, hidden]` (already normed) → `[T, hidden]`.
+    ///
+    /// Per step: route on the backend and download the expert ids (the layer's one routing sync); look
+    /// the touched experts up in the slot table; ask the source for the misses only (one request, so a
+    /// disk-backed source reads them in one batch) and compute the shared expert and the hits while they
+    /// are read; then upload the misses into slots in waves of at most the pool's size, each wave one
+    /// `moe_routed`; finally sum every token's expert outputs in ascending expert id (`moe_combine`), so
+    /// the answer does not depend on what was resident.
     pub fn forward(&self, b: &dyn Backend, x: &Tensor, experts: &dyn ExpertSource) -> Result<Tensor> {
-        let t = x.rows();
-        // 1. Route every token (the host learns which experts to fetch); group tokens by expert
-        //    (ascending expert id, as transformers accumulates).
+        let (t, k, h) = (x.rows(), self.cfg.top_k, x.cols());
         let logits = b.linear(x, &self.router)?;
-        let mut by_expert: Vec<(Vec<usize>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); self.cfg.num_experts];
-        for (i, (ids, w)) in b.router_topk_with(&logits, self.cfg.top_k, self.cfg.renorm)?.into_iter().enumerate() {
-            for (e, wt) in ids.into_iter().zip(w) {
-                by_expert[e].0.push(i);
-                by_expert[e].1.push(wt);
-            }
-        }
-        let hit: Vec<usize> = (0..self.cfg.num_experts).filter(|&e| !by_expert[e].0.is_empty()).collect();
-        // 2. Ask for every routed expert of this layer at once, then compute the shared expert and the
-        //    resident experts while a disk-backed source reads the misses.
-        let (resident, pending) = experts.request(self.layer, &hit).resident()?;
+        let routing = b.route(&logits, k, self.cfg.renorm)?;
+        let ids = match b.download(&routing.ids)? {
+            HostVec::I32(v) => v,
+            _ => return Err(BackendError::DType { expected: DType::I32, got: routing.ids.dtype() }.into()),
+        };
+        let mut touched: Vec<u32> = ids.iter().map(|&e| e as u32).collect();
+        touched.sort_unstable();
+        touched.dedup();
+
+        let mut guard = self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Slots { pool, table } = &mut *guard;
+        let n_slots = self
+            .slots_per_layer
+            .or_else(|| experts.slots_per_layer())
+            .unwrap_or(self.cfg.num_experts)
+            .clamp(1, self.cfg.num_experts);
+        let pool = match pool {
+            Some(p) => p,
+            None => pool.insert(b.alloc_expert_pool(self.layer as u32, n_slots, self.shape)?),
+        };
+        let table = table.get_or_insert_with(|| SlotTable::new(pool.slots()));
+        let (hits, misses) = table.lookup(&touched);
+        let hit_ids: Vec<usize> = hits.iter().map(|&(e, _)| e as usize).collect();
+        experts.note_hits(self.layer, &hit_ids);
+        let miss_ids: Vec<usize> = misses.iter().map(|&e| e as usize).collect();
+        let (resident, pending) = if miss_ids.is_empty() {
+            (Vec::new(), PendingExperts::none())
+        } else {
+            experts.request(self.layer, &miss_ids).resident()?
+        };
+
         let shared = self.shared.forward(b, x)?;
         let sgate = b.linear(x, &self.shared_gate)?;
-        // 3. Routed experts on their gathered rows, weighted and scattered back, always accumulated in
-        //    ascending expert order (so the answer does not depend on what was resident): a resident
-        //    expert after a missing one is kept aside until the gap is filled.
-        let mut out = b.zeros_f32(&[t, x.cols()])?;
-        let scatter = |out: &mut Tensor, k: usize, d: &Tensor| {
-            let (rows, weights) = &by_expert[hit[k]];
-            b.scatter_add_rows(out, rows, weights, d);
-        };
-        let mut done: Vec<Option<Tensor>> = vec![None; hit.len()];
-        let mut next = 0; // first expert not yet accumulated
-        for (k, handle) in resident.iter().enumerate() {
-            let Some(handle) = handle else { continue };
-            let d = expert(b, x, &by_expert[hit[k]].0, handle.weights())?;
-            if k == next {
-                scatter(&mut out, k, &d);
-                next += 1;
-                while let Some(d) = done.get_mut(next).and_then(Option::take) {
-                    scatter(&mut out, next, &d);
-                    next += 1;
-                }
-            } else {
-                done[k] = Some(d);
+        let mut partials = b.zeros_f32(&[t * k, h])?;
+        let run = |wave: &[(u32, usize)], table: &mut SlotTable, pool: &ExpertPool, partials: &mut Tensor| {
+            let slot_of: std::collections::HashMap<u32, usize> = wave.iter().copied().collect();
+            let slot_ids: Vec<i32> = ids.iter().map(|&e| slot_of.get(&(e as u32)).map_or(-1, |&s| s as i32)).collect();
+            let slot_ids = b.upload(HostData::I32(&slot_ids), &[t, k])?;
+            b.moe_routed(x, &slot_ids, &routing.weights, pool, partials)?;
+            let fence = b.record_fence();
+            for &(_, s) in wave {
+                table.read(s, fence);
             }
+            table.stats.waves += 1;
+            Ok::<(), Error>(())
+        };
+        if !hits.is_empty() {
+            run(&hits, table, pool, &mut partials)?;
         }
-        drop(resident);
-        let mut read = pending.wait()?.into_iter();
-        for k in next..hit.len() {
-            let d = match done[k].take() {
-                Some(d) => d,
-                None => {
-                    let handle = read.next().ok_or_else(|| {
-                        crate::error::Error::InvalidInput("an expert source returned too few experts".into())
-                    })?;
-                    expert(b, x, &by_expert[hit[k]].0, handle.weights())?
+        // Misses: those the source had in RAM first (no wait), then those read from disk.
+        let mut ready: Vec<ExpertHandle> = resident.into_iter().flatten().collect();
+        let mut pending = Some(pending);
+        let mut uploaded = 0;
+        while uploaded < miss_ids.len() {
+            if ready.is_empty() {
+                ready = pending.take().map(PendingExperts::wait).transpose()?.unwrap_or_default();
+                if ready.is_empty() {
+                    return Err(Error::InvalidInput("an expert source returned too few experts".into()));
                 }
-            };
-            scatter(&mut out, k, &d);
+            }
+            let wave_handles: Vec<ExpertHandle> = ready.drain(..ready.len().min(table.slots())).collect();
+            uploaded += wave_handles.len();
+            let wave_experts: Vec<u32> = wave_handles.iter().map(|e| e.key().expert).collect();
+            let slots = table.assign(&wave_experts);
+            for (handle, &slot) in wave_handles.into_iter().zip(&slots) {
+                // The slot's last reader must be done before it is overwritten.
+                b.wait_fence(table.reader(slot))?;
+                b.upload_expert(pool, slot, handle.into_host())?;
+            }
+            let wave: Vec<(u32, usize)> = wave_experts.into_iter().zip(slots).collect();
+            run(&wave, table, pool, &mut partials)?;
         }
+        let mut out = b.moe_combine(&partials, k)?;
         b.add_sigmoid_gated(&mut out, &shared, &sgate);
         Ok(out)
     }
@@ -291,13 +384,10 @@ impl SparseMoe {
     pub fn bytes(&self) -> usize {
         self.router.bytes() + self.shared.bytes() + self.shared_gate.bytes()
     }
-}
 
-/// One expert on its gathered rows: `[rows, hidden]`. Its weights, which may have just arrived from
-/// disk, are placed on the backend here (the CPU backend keeps the host handle; a device backend
-/// uploads or finds its slot).
-fn expert(b: &dyn Backend, x: &Tensor, rows: &[usize], w: &ExpertWeights) -> Result<Tensor> {
-    let xs = b.gather_rows(x, rows)?;
-    let (gate, up, down) = (place(b, w.gate.clone())?, place(b, w.up.clone())?, place(b, w.down.clone())?);
-    swiglu(b, &xs, (&gate, &up, &down))
+    /// This layer's slot counters (zero before its first step).
+    pub fn slot_stats(&self) -> SlotStats {
+        let guard = self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        guard.table.as_ref().map(|t| t.stats).unwrap_or_default()
+    }
 }

@@ -21,7 +21,7 @@ use crate::kv::PageTable;
 use crate::layers::attention::GatedAttention;
 use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
-use crate::layers::moe::{ExpertSource, ResidentExperts, SparseMoe};
+use crate::layers::moe::{expert_dtype, ExpertSource, ResidentExperts, SparseMoe};
 use crate::layers::{load_linear, load_vector, place};
 use crate::qwen_layout::{self, expert_layout, is_routed_expert, text_prefix};
 use crate::registry::{Family, MediaSupport, QuantRules};
@@ -39,8 +39,8 @@ pub(crate) static FAMILY: Family = Family {
         "Qwen3_5ForCausalLM",
         "Qwen3_5MoeForCausalLM",
     ],
-    load: |cfg, ck, experts, backend, progress| {
-        Ok(Box::new(Qwen35::from_checkpoint_with_progress(cfg, ck, experts, backend, progress)?) as Model)
+    load: |cfg, ck, opts, backend, progress| {
+        Ok(Box::new(Qwen35::from_checkpoint_with_progress(cfg, ck, opts, backend, progress)?) as Model)
     },
     experts: expert_layout,
     vision: |cfg, ck, backend| cfg.vision.as_ref().map(|v| VisionTower::load(backend, ck, v)).transpose(),
@@ -116,7 +116,7 @@ impl Qwen35 {
     fn from_checkpoint_with_progress(
         cfg: &ModelConfig,
         ck: &Checkpoint,
-        experts: Option<Arc<dyn ExpertSource>>,
+        opts: crate::registry::LoadOptions,
         backend: BackendRef,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
@@ -142,7 +142,11 @@ impl Qwen35 {
                 }
             };
             let ffn = match moe {
-                Some(m) => Ffn::Moe(Box::new(SparseMoe::load(b, ck, &format!("{lp}.mlp"), i, h, m)?)),
+                Some(m) => {
+                    let mp = format!("{lp}.mlp");
+                    let dtype = expert_dtype(ck, &mp, h, m)?;
+                    Ffn::Moe(Box::new(SparseMoe::load(b, ck, &mp, i, h, m, dtype, opts.expert_slots)?))
+                }
                 None => Ffn::Dense(Box::new(Mlp::load(
                     b,
                     ck,
@@ -159,7 +163,7 @@ impl Qwen35 {
             });
             progress(i + 1, kinds.len());
         }
-        let experts = match (moe, experts) {
+        let experts = match (moe, opts.experts) {
             (Some(_), Some(src)) => Some(src),
             (Some(m), None) => {
                 let prefixes: Vec<Option<String>> =
@@ -219,6 +223,16 @@ impl CausalLm for Qwen35 {
             })
             .collect::<Result<_>>()?;
         Ok(SeqState::new(Box::new(HybridState { layers }), kv))
+    }
+
+    fn slot_stats(&self) -> crate::SlotStats {
+        self.layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                Ffn::Moe(m) => Some(m.slot_stats()),
+                Ffn::Dense(_) => None,
+            })
+            .fold(crate::SlotStats::default(), |a, s| a + s)
     }
 
     fn weight_bytes(&self) -> (usize, usize) {

@@ -29,7 +29,7 @@ use crate::family::{CausalLm, ForwardOptions, ForwardOutput, KvLayout, LmInfo, M
 use crate::kv::PageTable;
 use crate::layers::attention::GatedAttention;
 use crate::layers::gdn::GatedDeltaNet;
-use crate::layers::moe::{ExpertSource, ResidentExperts, SparseMoe};
+use crate::layers::moe::{expert_dtype, ExpertSource, ResidentExperts, SparseMoe};
 use crate::layers::{load_linear, place};
 use crate::qwen_layout::{self, expert_layout, is_routed_expert, text_prefix};
 use crate::registry::{Family, MediaSupport, QuantRules};
@@ -66,9 +66,7 @@ pub(crate) static FAMILY: Family = Family {
     name: "qwen4_exp",
     model_types: &["qwen4_exp", "qwen4_exp_text"],
     architectures: &["Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM"],
-    load: |cfg, ck, experts, backend, progress| {
-        Ok(Box::new(Qwen4Exp::load(cfg, ck, experts, backend, progress)?) as Model)
-    },
+    load: |cfg, ck, opts, backend, progress| Ok(Box::new(Qwen4Exp::load(cfg, ck, opts, backend, progress)?) as Model),
     experts: expert_layout,
     // The tower is Qwen3.5-MoE's (`Qwen4ExpVisionModel = Qwen3_5MoeVisionModel`).
     vision: |cfg, ck, backend| cfg.vision.as_ref().map(|v| VisionTower::load(backend, ck, v)).transpose(),
@@ -131,7 +129,7 @@ impl Qwen4Exp {
     fn load(
         cfg: &ModelConfig,
         ck: &Checkpoint,
-        experts: Option<Arc<dyn ExpertSource>>,
+        opts: crate::registry::LoadOptions,
         backend: BackendRef,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
@@ -168,11 +166,15 @@ impl Qwen4Exp {
                 attn_hc: HyperConnection::load(b, ck, &format!("{lp}.attn_hyper_connection"), hc_dims, true, eps)?,
                 mixer,
                 mlp_hc: HyperConnection::load(b, ck, &format!("{lp}.mlp_hyper_connection"), hc_dims, true, eps)?,
-                moe: Box::new(SparseMoe::load(b, ck, &format!("{lp}.mlp"), i, h, moe)?),
+                moe: {
+                    let mp = format!("{lp}.mlp");
+                    let dtype = expert_dtype(ck, &mp, h, moe)?;
+                    Box::new(SparseMoe::load(b, ck, &mp, i, h, moe, dtype, opts.expert_slots)?)
+                },
             });
             progress(i + 1, p.kinds.len());
         }
-        let experts = match experts {
+        let experts = match opts.experts {
             Some(src) => src,
             None => {
                 let prefixes: Vec<Option<String>> =
@@ -253,5 +255,9 @@ impl CausalLm for Qwen4Exp {
         }
         let per_expert = self.experts.expert_bytes().unwrap_or(0);
         (dense, per_expert)
+    }
+
+    fn slot_stats(&self) -> crate::SlotStats {
+        self.layers.iter().fold(crate::SlotStats::default(), |a, l| a + l.moe.slot_stats())
     }
 }

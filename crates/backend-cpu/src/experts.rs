@@ -1,0 +1,81 @@
+//! Routed experts on the CPU backend. A slot is the host expert itself (no copy): the pool keeps the
+//! [`HostExpert`], lease included, until the slot is reused, so what a slot reads stays valid and counted
+//! by the residency manager. The computation is the one the MoE block did before slots, in the same
+//! order: each expert on all of its wave's tokens at once, weighted outputs summed per token from zero in
+//! ascending expert id, so answers are the same bits whatever was resident.
+
+use osprey_backend::{Backend, BackendError, ExpertPool, HostExpert, HostVec, Result, Tensor};
+
+use crate::cpu::{host, host_mut, CpuBackend, CpuStorage};
+
+/// The CPU backend's storage of an [`ExpertPool`]: per slot, the host expert it aliases.
+#[derive(Debug, Default)]
+pub(crate) struct CpuPool(pub(crate) Vec<Option<HostExpert>>);
+
+fn slot_ids(t: &Tensor) -> Result<&[i32]> {
+    match t.storage::<CpuStorage>() {
+        Some(CpuStorage::Data(HostVec::I32(v), _)) => Ok(v),
+        _ => Err(BackendError::DType { expected: osprey_backend::DType::I32, got: t.dtype() }),
+    }
+}
+
+impl CpuBackend {
+    /// [`Backend::moe_routed`]: per referenced slot (ascending), its tokens gathered, SwiGLU through the
+    /// expert's placed projections, and each output row scaled by its weight into `partials`.
+    pub(crate) fn routed(
+        &self,
+        x: &Tensor,
+        slots: &Tensor,
+        weights: &Tensor,
+        pool: &ExpertPool,
+        partials: &mut Tensor,
+    ) -> Result<()> {
+        let (ids, w, k, h) = (slot_ids(slots)?, host(weights), slots.cols(), x.cols());
+        let cpu = pool.storage::<CpuPool>().ok_or_else(|| BackendError::Slot("a pool of another backend".into()))?;
+        // Entries per slot, tokens ascending (an expert appears at most once per token).
+        let mut by_slot: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+        for (entry, &s) in ids.iter().enumerate() {
+            if s >= 0 {
+                by_slot.entry(s as usize).or_default().push(entry);
+            }
+        }
+        for (slot, entries) in by_slot {
+            let e = cpu.0.get(slot).and_then(Option::as_ref).ok_or_else(|| {
+                BackendError::Slot(format!("slot {slot} of layer {}'s pool read while empty", pool.layer))
+            })?;
+            let rows: Vec<usize> = entries.iter().map(|&en| en / k).collect();
+            let xs = self.gather_rows(x, &rows)?;
+            let (gate, up, down) = (
+                self.place_weight(e.gate.clone())?,
+                self.place_weight(e.up.clone())?,
+                self.place_weight(e.down.clone())?,
+            );
+            let (mut g, u) = self.linear_pair(&xs, &gate, &up)?;
+            self.silu_mul(&mut g, &u);
+            let d = self.linear(&g, &down)?;
+            let (d, out) = (host(&d), host_mut(partials));
+            for (i, &en) in entries.iter().enumerate() {
+                let wt = w[en];
+                for (o, v) in out[en * h..(en + 1) * h].iter_mut().zip(&d[i * h..(i + 1) * h]) {
+                    *o = v * wt;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Backend::moe_combine`].
+    pub(crate) fn combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {
+        let (h, p) = (partials.cols(), host(partials));
+        let t = partials.rows() / k;
+        let mut out = vec![0f32; t * h];
+        for (i, o) in out.chunks_mut(h).enumerate() {
+            for j in 0..k {
+                for (a, v) in o.iter_mut().zip(&p[(i * k + j) * h..(i * k + j + 1) * h]) {
+                    *a += v;
+                }
+            }
+        }
+        self.tensor(&[t, h], out)
+    }
+}
