@@ -176,6 +176,13 @@ fn eviction_under_a_tiny_budget_keeps_answers_exact() {
     }
     assert!(metric(c, "osprey_prefix_cache_evictions_total") > 0.0, "the budget forced evictions");
     assert!(metric(c, "osprey_prefix_cache_bytes") <= 0.1 * 1048576.0);
+    // Snapshots are host memory, pages device memory, counted apart (the hybrid model snapshots).
+    let m = harness::metrics(
+        c,
+        &["osprey_prefix_cache_host_bytes", "osprey_prefix_cache_device_bytes", "osprey_prefix_cache_bytes"],
+    );
+    assert!(m[0] > 0.0 && m[1] > 0.0, "host {} device {}", m[0], m[1]);
+    assert_eq!(m[0] + m[1], m[2]);
 }
 
 #[test]

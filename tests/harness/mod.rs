@@ -100,8 +100,20 @@ pub fn raw_json_post(path: &str, body: &str) -> String {
 
 /// One Prometheus sample from `/metrics` (NaN when absent).
 pub fn metric(addr: SocketAddr, name: &str) -> f64 {
+    metrics(addr, &[name])[0]
+}
+
+/// Several metrics from one scrape (values that must agree with each other).
+pub fn metrics(addr: SocketAddr, names: &[&str]) -> Vec<f64> {
     let (_, text) = get(addr, "/metrics");
-    text.lines().find_map(|l| l.strip_prefix(&format!("{name} ")).and_then(|v| v.parse().ok())).unwrap_or(f64::NAN)
+    names
+        .iter()
+        .map(|name| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{name} ")).and_then(|v| v.parse().ok()))
+                .unwrap_or(f64::NAN)
+        })
+        .collect()
 }
 
 /// A PNG file as a `data:` URL.

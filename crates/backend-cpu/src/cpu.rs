@@ -69,19 +69,10 @@ impl MemoryCap {
     }
 }
 
-fn data_bytes(v: &HostVec) -> usize {
-    match v {
-        HostVec::F32(v) => std::mem::size_of_val(v.as_slice()),
-        HostVec::Bf16(v) | HostVec::F16(v) => std::mem::size_of_val(v.as_slice()),
-        HostVec::U8(v) => v.len(),
-        HostVec::I32(v) => std::mem::size_of_val(v.as_slice()),
-    }
-}
-
 impl Storage for CpuStorage {
     fn bytes(&self) -> usize {
         match self {
-            CpuStorage::Data(v, _) => data_bytes(v),
+            CpuStorage::Data(v, _) => v.bytes(),
             CpuStorage::Matrix(m) => m.bytes(),
         }
     }
@@ -143,7 +134,7 @@ impl CpuBackend {
     fn typed(&self, shape: &[usize], data: HostVec) -> Result<Tensor> {
         let dtype = data.as_data().dtype();
         debug_assert_eq!(shape.iter().product::<usize>(), data.as_data().len());
-        let charge = self.cap.as_ref().map(|c| c.charge(data_bytes(&data))).transpose()?;
+        let charge = self.cap.as_ref().map(|c| c.charge(data.bytes())).transpose()?;
         Ok(Tensor::new(shape.to_vec(), dtype, Device::Cpu, Box::new(CpuStorage::Data(data, charge))))
     }
 }

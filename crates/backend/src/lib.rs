@@ -30,7 +30,7 @@ pub use ops::{Backend, BackendRef, Op, PagedView, RopeTable};
 /// What a backend op returns.
 pub type Result<T> = std::result::Result<T, BackendError>;
 pub use tensor::{HostMatrix, Storage, Tensor};
-pub use types::{AttnShape, DType, GdnShape, HostData, HostVec, MRope, Precision, WeightView};
+pub use types::{AttnShape, DType, GdnShape, HostData, HostTensor, HostVec, MRope, Precision, WeightView};
 
 /// Why a backend could not be opened or an op could not run.
 #[derive(Clone, Debug, thiserror::Error)]

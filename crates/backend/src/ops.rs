@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::experts::{ExpertPool, ExpertShape, Fence, HostExpert, Routing};
-use crate::types::{AttnShape, DType, GdnShape, HostData, HostVec, MRope};
+use crate::types::{AttnShape, DType, GdnShape, HostData, HostTensor, HostVec, MRope};
 use crate::{BackendError, Device, HostMatrix, Result, Tensor};
 
 /// A shared backend.
@@ -91,6 +91,16 @@ pub trait Backend: Send + Sync + Debug {
     /// [`Backend::zeros`] of f32.
     fn zeros_f32(&self, shape: &[usize]) -> Result<Tensor> {
         self.zeros(DType::F32, shape)
+    }
+
+    /// A tensor's shape and elements on the host (a host snapshot of device state).
+    fn download_host(&self, t: &Tensor) -> Result<HostTensor> {
+        Ok(HostTensor { shape: t.shape().to_vec(), data: self.download(t)? })
+    }
+
+    /// A tensor from a host copy ([`Backend::download_host`]).
+    fn upload_host(&self, h: &HostTensor) -> Result<Tensor> {
+        self.upload(h.data.as_data(), &h.shape)
     }
 
     /// Copies `src` rows `rows` into `dst` starting at element `at` (KV page writes, injected rows).

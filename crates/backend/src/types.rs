@@ -116,6 +116,35 @@ impl HostVec {
     }
 }
 
+impl HostVec {
+    /// Bytes of the elements.
+    pub fn bytes(&self) -> usize {
+        match self {
+            HostVec::F32(v) => 4 * v.len(),
+            HostVec::Bf16(v) | HostVec::F16(v) => 2 * v.len(),
+            HostVec::U8(v) => v.len(),
+            HostVec::I32(v) => 4 * v.len(),
+        }
+    }
+}
+
+/// A tensor's shape and elements in host memory: what a host snapshot keeps of a device tensor
+/// ([`crate::Backend::download_host`], [`crate::Backend::upload_host`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    /// Row-major shape.
+    pub shape: Vec<usize>,
+    /// Elements.
+    pub data: HostVec,
+}
+
+impl HostTensor {
+    /// Bytes of the elements.
+    pub fn bytes(&self) -> usize {
+        self.data.bytes()
+    }
+}
+
 /// A borrowed row-major `[n, k]` weight matrix.
 #[derive(Clone, Copy, Debug)]
 pub enum WeightView<'a> {

@@ -5,11 +5,15 @@
 //!
 //! Invariant: `len` tokens have been fed; the page table covers at least `len` slots and rows `[0, len)`
 //! are written; the family state is the state after token `len - 1`. A [`StateSnapshot`] holds only what
-//! cannot be recovered from KV pages (the family's snapshot, plus `len` and the rope delta); the KV pages
-//! `[..len]` are kept by whoever holds them (this state, or the prefix cache).
+//! cannot be recovered from KV pages (the family's snapshot, plus `len` and the rope delta), in host
+//! memory: taking one downloads the family's device tensors and restoring uploads them, so a prefix cache
+//! full of snapshots fills RAM, not the device. The KV pages `[..len]` are kept by whoever holds them
+//! (this state, or the prefix cache).
 
 use std::any::Any;
 use std::fmt::Debug;
+
+use osprey_backend::Backend;
 
 use crate::error::{Error, Result};
 use crate::kv::{PageRef, PageTable};
@@ -18,17 +22,18 @@ use crate::kv::{PageRef, PageTable};
 pub trait FamilyState: Any + Send + Sync + Debug {
     /// Bytes held.
     fn bytes(&self) -> usize;
-    /// What a resumed sequence needs from this state, taken now.
-    fn snapshot(&self) -> Box<dyn FamilySnapshot>;
-    /// Replaces the state with a snapshot's (one this family made).
-    fn restore(&mut self, snap: &dyn FamilySnapshot) -> Result<()>;
+    /// What a resumed sequence needs from this state, taken now into host memory (its tensors
+    /// downloaded from `b`).
+    fn snapshot(&self, b: &dyn Backend) -> Result<Box<dyn FamilySnapshot>>;
+    /// Replaces the state with a snapshot's (one this family made), its tensors uploaded to `b`.
+    fn restore(&mut self, snap: &dyn FamilySnapshot, b: &dyn Backend) -> Result<()>;
     /// A copy.
     fn boxed_clone(&self) -> Box<dyn FamilyState>;
 }
 
-/// A family's snapshot of its [`FamilyState`].
+/// A family's snapshot of its [`FamilyState`], in host memory.
 pub trait FamilySnapshot: Any + Send + Sync + Debug {
-    /// Bytes held (what a prefix cache charges for it).
+    /// Host bytes held (what a prefix cache charges for it).
     fn bytes(&self) -> usize;
     /// A copy.
     fn boxed_clone(&self) -> Box<dyn FamilySnapshot>;
@@ -68,7 +73,7 @@ impl Clone for StateSnapshot {
 }
 
 impl StateSnapshot {
-    /// Bytes held (what a prefix cache charges for it).
+    /// Host bytes held (what a prefix cache charges for it).
     pub fn bytes(&self) -> usize {
         self.family.bytes()
     }
@@ -119,8 +124,8 @@ impl SeqState {
     }
 
     /// Rebuilds a fresh state from cached pages (in order, from token 0; shared, not copied) and the
-    /// snapshot taken right after them.
-    pub fn restore_prefix(&mut self, pages: &[&PageRef], snap: &StateSnapshot) -> Result<()> {
+    /// snapshot taken right after them (uploaded to `b`).
+    pub fn restore_prefix(&mut self, pages: &[&PageRef], snap: &StateSnapshot, b: &dyn Backend) -> Result<()> {
         let ps = self.kv.geometry().page_size;
         if self.len != 0 || pages.len() * ps != snap.len {
             return Err(Error::InvalidInput(format!(
@@ -131,25 +136,25 @@ impl SeqState {
         }
         self.kv.share(pages).map_err(|e| Error::InvalidInput(format!("page from another model: {e}")))?;
         self.len = snap.len;
-        self.restore(snap)
+        self.restore(snap, b)
     }
 
-    /// Copies what cannot be recovered from KV pages, at the current length.
-    pub fn snapshot(&self) -> StateSnapshot {
-        StateSnapshot { len: self.len, rope_delta: self.rope_delta, family: self.family.snapshot() }
+    /// Copies what cannot be recovered from KV pages, at the current length, into host memory.
+    pub fn snapshot(&self, b: &dyn Backend) -> Result<StateSnapshot> {
+        Ok(StateSnapshot { len: self.len, rope_delta: self.rope_delta, family: self.family.snapshot(b)? })
     }
 
     /// Rewinds to `snap`: the page table is cut to `snap.len` slots and the family state replaced. The KV rows
     /// `[..snap.len]` must be the ones the snapshot was taken over, so this state must descend from the
     /// snapshot's sequence (same prefix) and be at least as long.
-    pub fn restore(&mut self, snap: &StateSnapshot) -> Result<()> {
+    pub fn restore(&mut self, snap: &StateSnapshot, b: &dyn Backend) -> Result<()> {
         if snap.len > self.len {
             return Err(Error::InvalidInput(format!(
                 "snapshot at {} tokens is ahead of the state ({} tokens)",
                 snap.len, self.len
             )));
         }
-        self.family.restore(snap.family.as_ref())?;
+        self.family.restore(snap.family.as_ref(), b)?;
         self.kv.truncate(snap.len);
         self.len = snap.len;
         self.rope_delta = snap.rope_delta;

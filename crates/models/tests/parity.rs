@@ -167,10 +167,11 @@ fn snapshot_and_restore_continue_exactly() {
         let (prefix, x, y) = (&ids[..70], &ids[70..90], &ids[150..170]);
         let mut st = m.new_state();
         prefill(&m, &mut st, prefix, LogitsWanted::None);
-        let snap = st.snapshot();
+        let b = m.backend().clone();
+        let snap = st.snapshot(b.as_ref()).expect("a host snapshot");
         assert!(snap.bytes() > 0);
         prefill(&m, &mut st, x, LogitsWanted::Last);
-        st.restore(&snap).expect("restore");
+        st.restore(&snap, b.as_ref()).expect("restore");
         assert_eq!(st.len(), prefix.len());
         let resumed = prefill(&m, &mut st, y, LogitsWanted::All);
         let mut fresh = m.new_state();
@@ -181,7 +182,7 @@ fn snapshot_and_restore_continue_exactly() {
         // A snapshot ahead of the state cannot be restored.
         let mut short = m.new_state();
         prefill(&m, &mut short, &prefix[..10], LogitsWanted::None);
-        assert!(short.restore(&snap).is_err());
+        assert!(short.restore(&snap, b.as_ref()).is_err());
     }
 }
 

@@ -61,6 +61,8 @@ pub fn spawn(page_size: usize, budget_bytes: usize) -> mpsc::UnboundedSender<Pre
                             cached_tokens: s.cached_tokens,
                             evictions: s.evictions,
                             bytes: tree.used() as u64,
+                            device_bytes: tree.device_bytes() as u64,
+                            host_bytes: tree.host_bytes() as u64,
                             budget: tree.budget() as u64,
                             nodes: tree.len() as u64,
                         });

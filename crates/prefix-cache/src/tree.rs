@@ -68,6 +68,8 @@ pub struct RadixTree<P: ?Sized, S: ?Sized> {
     page: usize,
     budget: usize,
     used: usize,
+    /// Of `used`, the snapshots' bytes: host memory (pages are the KV pool's, on the device).
+    host: usize,
     nodes: Vec<Option<Node<P, S>>>,
     free: Vec<usize>,
     tick: u64,
@@ -92,6 +94,7 @@ impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
             page: page.max(1),
             budget,
             used: 0,
+            host: 0,
             nodes: vec![Some(root)],
             free: Vec::new(),
             tick: 0,
@@ -215,6 +218,7 @@ impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
         }
         if self.node(cur).snapshot.is_none() {
             self.used += snapshot.bytes();
+            self.host += snapshot.bytes();
             self.node_mut(cur).snapshot = Some(snapshot);
         }
         self.evict();
@@ -249,7 +253,9 @@ impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
                 .map(|(i, _)| i);
             let Some(v) = victim else { return false };
             let node = self.nodes[v].take().expect("live");
-            self.used -= node.page.as_ref().map_or(0, |p| p.bytes()) + node.snapshot.as_ref().map_or(0, |s| s.bytes());
+            let snap = node.snapshot.as_ref().map_or(0, |s| s.bytes());
+            self.used -= node.page.as_ref().map_or(0, |p| p.bytes()) + snap;
+            self.host -= snap;
             self.node_mut(node.parent).children.remove(&node.key);
             self.free.push(v);
             self.stats.evictions += 1;
@@ -260,6 +266,16 @@ impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
     /// Bytes held.
     pub fn used(&self) -> usize {
         self.used
+    }
+
+    /// Bytes of snapshots held (host memory); the rest of [`Self::used`] is KV pages (device memory).
+    pub fn host_bytes(&self) -> usize {
+        self.host
+    }
+
+    /// Bytes of KV pages held (device memory).
+    pub fn device_bytes(&self) -> usize {
+        self.used - self.host
     }
 
     /// Byte budget.
@@ -284,7 +300,7 @@ impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
 
     /// Checks every structural invariant (tests).
     pub fn check(&self) {
-        let mut bytes = 0;
+        let (mut bytes, mut host) = (0, 0);
         let mut locks: HashMap<usize, u32> = HashMap::new();
         for path in self.leases.values() {
             for &n in path {
@@ -294,12 +310,14 @@ impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
         for (i, n) in self.nodes.iter().enumerate().skip(1) {
             let Some(n) = n else { continue };
             bytes += n.page.as_ref().map_or(0, |p| p.bytes()) + n.snapshot.as_ref().map_or(0, |s| s.bytes());
+            host += n.snapshot.as_ref().map_or(0, |s| s.bytes());
             assert_eq!(n.key.len(), self.page, "edge length");
             assert_eq!(self.node(n.parent).children.get(&n.key), Some(&i), "parent link");
             assert_eq!(n.lock, locks.get(&i).copied().unwrap_or(0), "lock count = leases through the node");
             assert!(n.page.is_some());
         }
         assert_eq!(bytes, self.used, "byte accounting");
+        assert_eq!(host, self.host, "host (snapshot) byte accounting");
         if self.leases.is_empty() {
             assert!(self.used <= self.budget, "over budget with nothing pinned");
         }

@@ -93,6 +93,10 @@ pub struct PrefixStats {
     pub evictions: u64,
     /// Bytes held (pages + snapshots).
     pub bytes: u64,
+    /// Of `bytes`, the KV pages (the KV pool's memory, on the compute device).
+    pub device_bytes: u64,
+    /// Of `bytes`, the recurrent-state snapshots (host memory).
+    pub host_bytes: u64,
     /// Budget in bytes.
     pub budget: u64,
     /// Nodes in the tree.

@@ -237,7 +237,8 @@ impl Driver {
         let mut state = self.model.new_state_with(self.pool.table()).map_err(model_error)?;
         let mut pages_reported = 0;
         if let Some(r) = resume {
-            state.restore_prefix(&r.pages, r.snapshot).map_err(engine_error)?;
+            let b = self.model.backend().clone();
+            state.restore_prefix(&r.pages, r.snapshot, b.as_ref()).map_err(model_error)?;
             pages_reported = r.tokens / self.page_size;
         }
         // The snapshot's delta belongs to the sequence that made it; positions are this prompt's.
@@ -358,9 +359,15 @@ impl Driver {
             let mut done = Done::default();
             let p = self.page_size;
             if w.snapshot && w.end.is_multiple_of(p) {
-                let pages = (rec.pages_reported..w.end / p).map(|i| (i, rec.state.full_page(i))).collect();
-                rec.pages_reported = w.end / p;
-                done.snapshot = Some(Taken { tokens: w.end, pages, state: rec.state.snapshot() });
+                // A host snapshot that cannot be taken (no room to download) only costs the cache an entry.
+                match rec.state.snapshot(self.model.backend().as_ref()) {
+                    Ok(state) => {
+                        let pages = (rec.pages_reported..w.end / p).map(|i| (i, rec.state.full_page(i))).collect();
+                        rec.pages_reported = w.end / p;
+                        done.snapshot = Some(Taken { tokens: w.end, pages, state });
+                    }
+                    Err(e) => tracing::warn!(seq = ?w.seq, error = %e, "prefix snapshot skipped"),
+                }
             }
             if w.sample {
                 let plen = rec.prompt.input_ids.len();

@@ -260,6 +260,20 @@ impl Metrics {
             "gauge",
             p.bytes as f64,
         );
+        gauge(
+            &mut out,
+            "osprey_prefix_cache_device_bytes",
+            "Of the prefix cache's bytes, KV pages (the compute device's memory).",
+            "gauge",
+            p.device_bytes as f64,
+        );
+        gauge(
+            &mut out,
+            "osprey_prefix_cache_host_bytes",
+            "Of the prefix cache's bytes, recurrent-state snapshots (host memory).",
+            "gauge",
+            p.host_bytes as f64,
+        );
         gauge(&mut out, "osprey_prefix_cache_nodes", "Pages in the prefix tree.", "gauge", p.nodes as f64);
         let vt = v.hits + v.misses;
         gauge(

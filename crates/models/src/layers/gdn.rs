@@ -3,7 +3,7 @@
 //! silu(z) → out_proj. Prefill chunks use the chunked rule, single-token steps the recurrent one (as
 //! transformers does: the chunked rule restarts its 64-token chunks at each call).
 
-use osprey_backend::{Backend, GdnShape, Tensor};
+use osprey_backend::{Backend, GdnShape, HostTensor, Tensor};
 
 use super::{load_linear, load_vector, Segment};
 use crate::checkpoint::Checkpoint;
@@ -21,6 +21,32 @@ pub struct LinearState {
 
 impl LinearState {
     /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.conv.bytes() + self.recurrent.bytes()
+    }
+
+    /// A host copy.
+    pub fn to_host(&self, b: &dyn Backend) -> Result<HostLinearState> {
+        Ok(HostLinearState { conv: b.download_host(&self.conv)?, recurrent: b.download_host(&self.recurrent)? })
+    }
+
+    /// Replaces the state with a host copy's.
+    pub fn restore(&mut self, h: &HostLinearState, b: &dyn Backend) -> Result<()> {
+        self.conv = b.upload_host(&h.conv)?;
+        self.recurrent = b.upload_host(&h.recurrent)?;
+        Ok(())
+    }
+}
+
+/// A [`LinearState`] in host memory (a snapshot's).
+#[derive(Clone, Debug)]
+pub struct HostLinearState {
+    conv: HostTensor,
+    recurrent: HostTensor,
+}
+
+impl HostLinearState {
+    /// Host bytes held.
     pub fn bytes(&self) -> usize {
         self.conv.bytes() + self.recurrent.bytes()
     }

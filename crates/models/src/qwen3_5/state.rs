@@ -4,8 +4,10 @@
 
 use std::any::Any;
 
+use osprey_backend::Backend;
+
 use crate::error::{Error, Result};
-use crate::layers::gdn::LinearState;
+use crate::layers::gdn::{HostLinearState, LinearState};
 use crate::state::{FamilySnapshot, FamilyState};
 
 #[derive(Clone, Debug)]
@@ -23,15 +25,15 @@ pub(crate) struct HybridState {
     pub(crate) layers: Vec<LayerState>,
 }
 
-/// The linear states, in layer order.
+/// The linear states, in layer order, in host memory.
 #[derive(Clone, Debug)]
 struct HybridSnapshot {
-    linear: Vec<LinearState>,
+    linear: Vec<HostLinearState>,
 }
 
 impl FamilySnapshot for HybridSnapshot {
     fn bytes(&self) -> usize {
-        self.linear.iter().map(LinearState::bytes).sum()
+        self.linear.iter().map(HostLinearState::bytes).sum()
     }
     fn boxed_clone(&self) -> Box<dyn FamilySnapshot> {
         Box::new(self.clone())
@@ -49,19 +51,19 @@ impl FamilyState for HybridState {
             .sum()
     }
 
-    fn snapshot(&self) -> Box<dyn FamilySnapshot> {
+    fn snapshot(&self, b: &dyn Backend) -> Result<Box<dyn FamilySnapshot>> {
         let linear = self
             .layers
             .iter()
             .filter_map(|l| match l {
-                LayerState::Linear(s) => Some(s.clone()),
+                LayerState::Linear(s) => Some(s.to_host(b)),
                 LayerState::Full { .. } => None,
             })
-            .collect();
-        Box::new(HybridSnapshot { linear })
+            .collect::<Result<_>>()?;
+        Ok(Box::new(HybridSnapshot { linear }))
     }
 
-    fn restore(&mut self, snap: &dyn FamilySnapshot) -> Result<()> {
+    fn restore(&mut self, snap: &dyn FamilySnapshot, b: &dyn Backend) -> Result<()> {
         let any: &dyn Any = snap;
         let snap = any
             .downcast_ref::<HybridSnapshot>()
@@ -74,7 +76,7 @@ impl FamilyState for HybridState {
         for l in &mut self.layers {
             if let LayerState::Linear(s) = l {
                 if let Some(src) = lin.next() {
-                    s.clone_from(src);
+                    s.restore(src, b)?;
                 }
             }
         }

@@ -5,11 +5,11 @@
 
 use std::any::Any;
 
-use osprey_backend::Tensor;
+use osprey_backend::{Backend, HostTensor, Tensor};
 
 use super::qsa::IndexerState;
 use crate::error::{Error, Result};
-use crate::layers::gdn::LinearState;
+use crate::layers::gdn::{HostLinearState, LinearState};
 use crate::state::{FamilySnapshot, FamilyState};
 
 #[derive(Clone, Debug)]
@@ -34,9 +34,35 @@ pub(crate) struct Qwen4State {
     pub(crate) positions: Vec<[i64; 3]>,
 }
 
-impl FamilySnapshot for Qwen4State {
+/// A layer's state in host memory.
+#[derive(Clone, Debug)]
+enum HostMix {
+    Linear(HostLinearState),
+    Indexed(IndexerState),
+}
+
+/// [`Qwen4State`] in host memory (a snapshot): the device tensors downloaded, the rest copied.
+#[derive(Clone, Debug)]
+struct Qwen4Snapshot {
+    layers: Vec<(HostMix, Option<HostTensor>)>,
+    history: Vec<u32>,
+    positions: Vec<[i64; 3]>,
+}
+
+impl FamilySnapshot for Qwen4Snapshot {
     fn bytes(&self) -> usize {
-        FamilyState::bytes(self)
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|(mix, ple)| {
+                let mix = match mix {
+                    HostMix::Linear(s) => s.bytes(),
+                    HostMix::Indexed(i) => i.bytes(),
+                };
+                mix + ple.as_ref().map_or(0, HostTensor::bytes)
+            })
+            .sum();
+        layers + 4 * self.history.len() + 24 * self.positions.len()
     }
     fn boxed_clone(&self) -> Box<dyn FamilySnapshot> {
         Box::new(self.clone())
@@ -59,19 +85,39 @@ impl FamilyState for Qwen4State {
         layers + 4 * self.history.len() + 24 * self.positions.len()
     }
 
-    fn snapshot(&self) -> Box<dyn FamilySnapshot> {
-        Box::new(self.clone())
+    fn snapshot(&self, b: &dyn Backend) -> Result<Box<dyn FamilySnapshot>> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                let mix = match &l.mix {
+                    Mix::Linear(s) => HostMix::Linear(s.to_host(b)?),
+                    Mix::Indexed { indexer, .. } => HostMix::Indexed(indexer.clone()),
+                };
+                Ok((mix, l.ple.as_ref().map(|t| b.download_host(t)).transpose()?))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Box::new(Qwen4Snapshot { layers, history: self.history.clone(), positions: self.positions.clone() }))
     }
 
-    fn restore(&mut self, snap: &dyn FamilySnapshot) -> Result<()> {
+    fn restore(&mut self, snap: &dyn FamilySnapshot, b: &dyn Backend) -> Result<()> {
         let any: &dyn Any = snap;
         let snap = any
-            .downcast_ref::<Qwen4State>()
+            .downcast_ref::<Qwen4Snapshot>()
             .ok_or_else(|| Error::InvalidInput("snapshot belongs to another model family".into()))?;
         if snap.layers.len() != self.layers.len() {
             return Err(Error::InvalidInput("snapshot belongs to another model".into()));
         }
-        self.clone_from(snap);
+        for (l, (mix, ple)) in self.layers.iter_mut().zip(&snap.layers) {
+            match (&mut l.mix, mix) {
+                (Mix::Linear(s), HostMix::Linear(h)) => s.restore(h, b)?,
+                (Mix::Indexed { indexer, .. }, HostMix::Indexed(h)) => indexer.clone_from(h),
+                _ => return Err(Error::InvalidInput("snapshot belongs to another model".into())),
+            }
+            l.ple = ple.as_ref().map(|h| b.upload_host(h)).transpose()?;
+        }
+        self.history.clone_from(&snap.history);
+        self.positions.clone_from(&snap.positions);
         Ok(())
     }
 
