@@ -301,10 +301,13 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let memory = settings.device_memory_mb.map(|mb| (mb.max(0.0) * 1048576.0) as usize);
     let backend = open_backend_with(settings.device.as_deref(), settings.activations.as_deref(), memory)?;
     let ple = settings.ple_ram_gb.map_or(osprey_models::DEFAULT_PLE_RAM_BYTES, |gb| (gb.max(0.0) * 1e9) as u64);
-    osprey_models::set_ple_ram_budget(ple);
+    let opts = osprey_models::LoadOptions {
+        experts: source,
+        expert_slots: None,
+        ple_budget: osprey_models::PleBudget::new(ple),
+    };
     let mut progress = Progress::new("loading weights");
-    let model =
-        osprey_models::load_with_progress(&cfg, &ck, source, backend.clone(), &mut |d, n| progress.update(d, n))?;
+    let model = osprey_models::load_with_options(&cfg, &ck, opts, backend.clone(), &mut |d, n| progress.update(d, n))?;
     let (tower, media) = match osprey_models::load_vision(&cfg, &ck, backend)? {
         Some((t, media)) => (Some(t), Some(media)),
         None => (None, None),

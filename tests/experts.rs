@@ -69,6 +69,12 @@ fn a_budget_of_top_k_experts_per_layer_answers_exactly_as_fully_resident() {
     assert!(metric(streamed, "osprey_expert_residency") < 1.0);
     assert!(metric(streamed, "osprey_expert_evictions_total") > 0.0);
     assert!(metric(lean, "osprey_expert_resident_bytes") < 200_000.0, "the byte budget bounds what stays resident");
+    // Slot counters reach /metrics through the runner: with every expert mapped, each of the 4 × 8
+    // experts goes into a slot at most once; with two slots per layer they keep being replaced.
+    let names = ["osprey_expert_slot_hits_total", "osprey_expert_slot_misses_total"];
+    let full_slots = harness::metrics(full, &names);
+    assert!(full_slots[0] > 0.0 && full_slots[1] > 0.0 && full_slots[1] <= 32.0, "{full_slots:?}");
+    assert!(harness::metrics(streamed, &names)[1] > 32.0, "two slots per layer are refilled");
 }
 
 #[test]

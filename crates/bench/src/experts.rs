@@ -249,10 +249,13 @@ pub fn bench_experts_traced(
     let tx = set.sender();
     let trace = Arc::new(Mutex::new(Vec::new()));
     let source = Arc::new(Recording { inner: Arc::new(set), trace: trace.clone(), wait_all });
-    let model = osprey_models::load_checkpoint(&cfg, &ck, Some(source), backend)?;
+    let ple_budget = osprey_models::PleBudget::default();
+    let opts = osprey_models::LoadOptions { experts: Some(source), expert_slots: None, ple_budget: ple_budget.clone() };
+    let model = osprey_models::load_with_options(&cfg, &ck, opts, backend, &mut |_, _| {})?;
+    // The tables' size is known once they are open: the budget is a fraction of it.
     let ple_rows = osprey_models::ple_stats().table_row_bytes.load(std::sync::atomic::Ordering::Relaxed);
     if ple_rows > 0 {
-        osprey_models::set_ple_ram_budget((ple_rows as f64 * ple_fraction) as u64);
+        ple_budget.set((ple_rows as f64 * ple_fraction) as u64);
     }
     let top_k = model.info().experts_per_token;
     let prompt = crate::text_prompt(crate::bench_prompt(prompt_len, model.info().vocab_size));

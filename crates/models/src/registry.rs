@@ -37,6 +37,9 @@ pub struct LoadOptions {
     /// Expert slots per MoE layer on the backend (`None`: the source's
     /// [`ExpertSource::slots_per_layer`], else one per expert).
     pub expert_slots: Option<usize>,
+    /// RAM for cached PLE table rows, all layers together (`qwen4_exp`; default 1 GiB). The caller may
+    /// keep a clone and change it while the model runs.
+    pub ple_budget: crate::PleBudget,
 }
 
 /// Loads a family's decoder from a parsed config and an opened checkpoint, its weights placed on the

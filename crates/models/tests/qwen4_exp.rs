@@ -188,13 +188,20 @@ fn the_ple_row_budget_changes_reads_not_answers() {
     let ids = Ref::load("qwen4_exp-tiny", "long").ids("input_ids");
     let stats = osprey_models::ple_stats();
     let read = |s: &osprey_models::PleStats| s.misses.load(std::sync::atomic::Ordering::Relaxed);
-    let roomy = model("qwen4_exp-tiny");
+    let dir = common::fixtures().join("models/qwen4_exp-tiny");
+    let (cfg, ck) = (
+        osprey_models::ModelConfig::from_dir(&dir).expect("config"),
+        osprey_models::Checkpoint::open(&dir).expect("ck"),
+    );
+    let budget = osprey_models::PleBudget::default();
+    let opts = osprey_models::LoadOptions { ple_budget: budget.clone(), ..Default::default() };
+    let exact = osprey_backend_cpu::CpuBackend::exact();
+    let roomy = osprey_models::load_with_options(&cfg, &ck, opts, exact, &mut |_, _| {}).expect("load");
     let want = prefill(&roomy, &mut roomy.new_state(), &ids, LogitsWanted::All);
-    // The budget is process-wide and followed at each lookup (the other tests here only cache less).
-    osprey_models::set_ple_ram_budget(0);
+    // The model's budget is followed at each lookup.
+    budget.set(0);
     let before = read(stats);
     let got = prefill(&roomy, &mut roomy.new_state(), &ids, LogitsWanted::All);
-    osprey_models::set_ple_ram_budget(osprey_models::DEFAULT_PLE_RAM_BYTES);
     assert_eq!(got, want);
     // 220 tokens x 4 heads x 2 PLE layers, all read: the budget held nothing.
     assert!(read(stats) - before >= 220 * 4 * 2, "every lookup read the table");

@@ -99,6 +99,19 @@ pub struct StepResult {
     pub snapshots: Vec<SnapshotTaken>,
     /// The KV page pool after the step.
     pub kv: KvPages,
+    /// Expert slot counters after the step.
+    pub slots: ExpertSlots,
+}
+
+/// Expert slot counters of the runner's model, summed over its MoE layers, since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExpertSlots {
+    /// Routed experts a step found in a backend slot (no transfer).
+    pub hits: u64,
+    /// Routed experts uploaded into a slot.
+    pub misses: u64,
+    /// Expert waves run (`moe_routed` calls).
+    pub waves: u64,
 }
 
 /// Page counts of the runner's KV pool.

@@ -119,6 +119,8 @@ pub struct SchedulerStats {
     pub kv_pages_free: usize,
     /// KV pages of running sequences shared with another holder (as of the last step).
     pub kv_pages_shared: usize,
+    /// Expert slot counters (as of the last step).
+    pub expert_slots: crate::runner::ExpertSlots,
     /// Sequences preempted (KV pages ran out) since start.
     pub preemptions_total: u64,
     /// Prompt tokens computed since start.

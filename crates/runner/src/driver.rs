@@ -198,6 +198,12 @@ impl Driver {
         Driver { model, pool, seqs: HashMap::new(), page_size, parked: HashMap::new(), next_private: SeqId::MAX }
     }
 
+    /// The model's expert slot counters.
+    pub fn slot_stats(&self) -> osprey_protocol::runner::ExpertSlots {
+        let s = self.model.slot_stats();
+        osprey_protocol::runner::ExpertSlots { hits: s.hits, misses: s.misses, waves: s.waves }
+    }
+
     /// Page counts of the pool; `shared` counts the running sequences' pages that another holder (the
     /// prefix cache or another sequence) also references.
     pub fn kv_pages(&mut self) -> KvPages {

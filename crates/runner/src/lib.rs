@@ -153,6 +153,7 @@ impl Runner {
             }
         }
         result.kv = self.driver.kv_pages();
+        result.slots = self.driver.slot_stats();
         result
     }
 }

@@ -449,6 +449,7 @@ impl Scheduler {
         if result.kv.total > 0 {
             self.kv = result.kv;
         }
+        self.stats.expert_slots = result.slots;
         for item in &plan.items {
             if let Some(s) = self.running.iter_mut().find(|s| s.req.id == item.seq) {
                 let n = item.end - item.start;

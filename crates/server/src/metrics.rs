@@ -157,6 +157,28 @@ impl Metrics {
             used as f64,
         );
         gauge(&mut out, "osprey_kv_pages_free", "KV pages nobody holds.", "gauge", s.kv_pages_free as f64);
+        let slots = s.expert_slots;
+        gauge(
+            &mut out,
+            "osprey_expert_slot_hits_total",
+            "Routed experts a step found in a compute-backend slot (no transfer).",
+            "counter",
+            slots.hits as f64,
+        );
+        gauge(
+            &mut out,
+            "osprey_expert_slot_misses_total",
+            "Routed experts uploaded into a compute-backend slot.",
+            "counter",
+            slots.misses as f64,
+        );
+        gauge(
+            &mut out,
+            "osprey_expert_slot_waves_total",
+            "Expert waves run (one routed-experts op each).",
+            "counter",
+            slots.waves as f64,
+        );
         gauge(
             &mut out,
             "osprey_kv_pages_shared",

@@ -16,7 +16,7 @@ mod state;
 mod table;
 
 pub use ngram::ple_table_rows;
-pub use table::{ple_stats, set_ple_ram_budget, PleStats, DEFAULT_PLE_RAM_BYTES};
+pub use table::{ple_stats, PleBudget, PleStats, DEFAULT_PLE_RAM_BYTES};
 
 use std::sync::Arc;
 
@@ -158,7 +158,9 @@ impl Qwen4Exp {
                 ),
             };
             let ple = match p.ple_layers.iter().position(|&l| l == i) {
-                Some(index) => Some(Box::new(Ple::load(b, ck, &format!("{lp}.ple"), index, &p, (h, eps))?)),
+                Some(index) => {
+                    Some(Box::new(Ple::load(b, ck, &format!("{lp}.ple"), index, &p, (h, eps), &opts.ple_budget)?))
+                }
                 None => None,
             };
             layers.push(Layer {

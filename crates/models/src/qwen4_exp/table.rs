@@ -6,9 +6,9 @@
 //! concatenated in order; dtypes f32 / bf16 / f16, or FP8 E4M3 as ModelOpt writes it (`weight` F8_E4M3
 //! with `weight_scale` F32, one per tensor or one per row).
 //!
-//! Counters are process-wide ([`ple_stats`]) like a Prometheus registry, and so is the budget
-//! ([`set_ple_ram_budget`], shared by every PLE layer and followed at each lookup): both are the server's,
-//! not a model's.
+//! Counters are process-wide ([`ple_stats`]) like a Prometheus registry. The budget is a load option
+//! ([`PleBudget`] in `LoadOptions`), shared by the model's PLE layers and followed at each lookup, so
+//! whoever loaded the model may change it while it runs.
 
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -50,17 +50,38 @@ static STATS: PleStats = PleStats {
 /// Default RAM budget for cached PLE rows, all layers together.
 pub const DEFAULT_PLE_RAM_BYTES: u64 = 1 << 30;
 
-static BUDGET: AtomicU64 = AtomicU64::new(DEFAULT_PLE_RAM_BYTES);
+/// The RAM budget of a model's PLE row caches, all its layers together (a load option). Clones share
+/// it: the model's tables follow a change at their next lookup (shrinking evicts their least recently
+/// used rows).
+#[derive(Clone, Debug)]
+pub struct PleBudget(Arc<AtomicU64>);
+
+impl PleBudget {
+    /// A budget of `bytes`.
+    pub fn new(bytes: u64) -> Self {
+        PleBudget(Arc::new(AtomicU64::new(bytes)))
+    }
+
+    /// Changes it.
+    pub fn set(&self, bytes: u64) {
+        self.0.store(bytes, Relaxed);
+    }
+
+    /// Bytes.
+    pub fn get(&self) -> u64 {
+        self.0.load(Relaxed)
+    }
+}
+
+impl Default for PleBudget {
+    fn default() -> Self {
+        PleBudget::new(DEFAULT_PLE_RAM_BYTES)
+    }
+}
 
 /// The process-wide PLE counters.
 pub fn ple_stats() -> &'static PleStats {
     &STATS
-}
-
-/// Sets the RAM budget of the PLE row caches (all layers together); loaded tables follow it at their next
-/// lookup (shrinking evicts their least recently used rows).
-pub fn set_ple_ram_budget(bytes: u64) {
-    BUDGET.store(bytes, Relaxed);
 }
 
 /// One part of the table: `rows` rows of a mapped tensor, with its scale for FP8.
@@ -80,6 +101,7 @@ pub(crate) struct PleTable {
     cache: Mutex<LruCache<u32, Arc<[f32]>>>,
     /// PLE layers sharing the budget.
     layers: usize,
+    budget: PleBudget,
 }
 
 fn scales(ck: &Checkpoint, name: &str, rows: usize) -> Result<Vec<f32>> {
@@ -93,8 +115,14 @@ fn scales(ck: &Checkpoint, name: &str, rows: usize) -> Result<Vec<f32>> {
 
 impl PleTable {
     /// The table `{prefix}.ngram_embedding` of `rows` rows of `cols` values, and this layer's share
-    /// `layers` of the budget.
-    pub(crate) fn open(ck: &Checkpoint, prefix: &str, rows: usize, cols: usize, layers: usize) -> Result<Self> {
+    /// `1 / layers` of `budget`.
+    pub(crate) fn open(
+        ck: &Checkpoint,
+        prefix: &str,
+        (rows, cols): (usize, usize),
+        layers: usize,
+        budget: &PleBudget,
+    ) -> Result<Self> {
         let one = format!("{prefix}.ngram_embedding");
         let names: Vec<String> = if ck.contains(&format!("{one}.weight")) {
             vec![one]
@@ -129,12 +157,12 @@ impl PleTable {
         STATS.table_bytes.fetch_add(disk, Relaxed);
         STATS.table_row_bytes.fetch_add((rows * cols * 4) as u64, Relaxed);
         let cache = LruCache::new(NonZeroUsize::MIN);
-        Ok(PleTable { parts, cols, cache: Mutex::new(cache), layers: layers.max(1) })
+        Ok(PleTable { parts, cols, cache: Mutex::new(cache), layers: layers.max(1), budget: budget.clone() })
     }
 
     /// This table's row capacity under the current budget.
     fn capacity(&self) -> usize {
-        (BUDGET.load(Relaxed) / self.layers as u64 / (4 * self.cols) as u64) as usize
+        (self.budget.get() / self.layers as u64 / (4 * self.cols) as u64) as usize
     }
 
     /// Row `r` decoded from the table.
