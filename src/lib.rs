@@ -59,9 +59,9 @@ impl Progress {
 /// The residency manager when the settings ask for a RAM budget and the model has routed experts.
 fn expert_source(
     settings: &Settings,
-    cfg: &ModelConfig,
-    ck: &Checkpoint,
+    (cfg, ck): (&ModelConfig, &Checkpoint),
     wrap_reader: Option<ReaderLayer>,
+    backend: &dyn osprey_backend::Backend,
 ) -> Result<Option<osprey_experts::ResidentSet>> {
     use osprey_experts::{Budget, ExpertIndex, Policy, ReaderKind};
     let budget = match (settings.expert_ram_experts, settings.expert_ram_gb) {
@@ -93,7 +93,7 @@ fn expert_source(
         .map(|l| (0..index.experts[l].len()).map(|e| index.expert_bytes(l, e)).sum::<usize>())
         .sum();
     tracing::info!(?budget, ?policy, reader = ?reader.kind(), expert_bytes = total, "streaming experts from disk");
-    Ok(Some(osprey_experts::spawn(index, reader, budget, policy)))
+    Ok(Some(osprey_experts::spawn(index, reader, budget, policy, backend)))
 }
 
 /// Wraps the expert reader the server opens (instrumentation, or fault injection in tests); applies only
@@ -296,10 +296,10 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let t0 = Instant::now();
     let cfg = ModelConfig::from_dir(model_dir).with_context(|| format!("reading {}", model_dir.display()))?;
     let ck = Checkpoint::open(model_dir)?;
-    let experts = expert_source(settings, &cfg, &ck, wrap_reader)?;
-    let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
     let memory = settings.device_memory_mb.map(|mb| (mb.max(0.0) * 1048576.0) as usize);
     let backend = open_backend_with(settings.device.as_deref(), settings.activations.as_deref(), memory)?;
+    let experts = expert_source(settings, (&cfg, &ck), wrap_reader, backend.as_ref())?;
+    let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
     let ple = settings.ple_ram_gb.map_or(osprey_models::DEFAULT_PLE_RAM_BYTES, |gb| (gb.max(0.0) * 1e9) as u64);
     let opts = osprey_models::LoadOptions {
         experts: source,

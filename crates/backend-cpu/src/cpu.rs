@@ -8,8 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use osprey_backend::{
-    AttnShape, Backend, BackendError, BackendRef, DType, Device, ExpertPool, ExpertShape, Fence, GdnShape, HostData,
-    HostExpert, HostMatrix, HostVec, MRope, Op, PagedView, Precision, Result, RopeTable, Routing, Storage, Tensor,
+    AttnShape, Backend, BackendError, BackendRef, DType, Device, ExpertPool, ExpertShape, Fence, GdnShape, HostArena,
+    HostData, HostExpert, HostMatrix, HostVec, MRope, Op, PagedView, Precision, Result, RopeTable, Routing, Storage,
+    Tensor,
 };
 use osprey_kernels::attention::{bidirectional_attention, causal_attention_paged, PagedKv};
 use osprey_kernels::gdn::{causal_conv_silu, gated_delta_chunked, gated_delta_recurrent, DeltaInputs};
@@ -490,6 +491,10 @@ impl Backend for CpuBackend {
         let (ids, weights) = fb::route_sorted(host(logits), logits.cols(), k, renorm);
         let t = logits.rows();
         Ok(Routing { ids: self.typed(&[t, k], HostVec::I32(ids))?, weights: self.tensor(&[t, k], weights)? })
+    }
+
+    fn alloc_host_arena(&self, bytes: usize) -> Result<HostArena> {
+        crate::experts::arena(bytes)
     }
 
     fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {

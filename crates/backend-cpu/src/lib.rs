@@ -17,8 +17,8 @@ pub use cpu::{host, host_mut, route, CpuBackend, CpuStorage};
 #[doc(hidden)]
 pub mod reexport {
     pub use osprey_backend::{
-        AttnShape, DType, Device, ExpertPool, ExpertShape, Fence, GdnShape, HostData, HostExpert, HostMatrix, HostVec,
-        MRope, PagedView, Result, RopeTable, Routing, Tensor,
+        AttnShape, DType, Device, ExpertPool, ExpertShape, Fence, GdnShape, HostArena, HostData, HostExpert,
+        HostMatrix, HostVec, MRope, PagedView, Result, RopeTable, Routing, Tensor,
     };
 }
 

@@ -62,6 +62,9 @@ macro_rules! forward_core_ops {
         ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
             self.$inner.zeros(dtype, shape)
         }
+        fn alloc_host_arena(&self, bytes: usize) -> $crate::reexport::Result<$crate::reexport::HostArena> {
+            self.$inner.alloc_host_arena(bytes)
+        }
         fn write_rows(
             &self,
             dst: &mut $crate::reexport::Tensor,

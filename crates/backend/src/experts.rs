@@ -132,3 +132,50 @@ impl Fence {
     /// A fence with nothing before it.
     pub const DONE: Fence = Fence(0);
 }
+
+/// Host memory a backend allocates for the expert RAM tier ([`crate::Backend::alloc_host_arena`]):
+/// page-locked on a device (so uploads from it overlap compute), 4 KiB-aligned on the CPU (so direct
+/// reads land in it). Zeroed; valid until dropped.
+pub struct HostArena {
+    ptr: *mut u8,
+    len: usize,
+    /// Frees the memory when dropped.
+    _owner: Box<dyn Any + Send + Sync>,
+}
+
+// SAFETY: the arena is plain memory owned by `_owner`; who writes where is its users' contract (each
+// slot has one writer before it is shared read-only).
+unsafe impl Send for HostArena {}
+unsafe impl Sync for HostArena {}
+
+impl Debug for HostArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostArena({} bytes)", self.len)
+    }
+}
+
+impl HostArena {
+    /// Wraps `len` bytes at `ptr`, freed when `owner` drops.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, aligned to 4 KiB, and stay so until
+    /// `owner` is dropped.
+    pub unsafe fn new(ptr: *mut u8, len: usize, owner: Box<dyn Any + Send + Sync>) -> Self {
+        HostArena { ptr, len, _owner: owner }
+    }
+
+    /// Start of the memory.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}

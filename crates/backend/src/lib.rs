@@ -24,7 +24,7 @@ mod tensor;
 pub mod types;
 
 pub use device::Device;
-pub use experts::{ExpertKey, ExpertPool, ExpertShape, Fence, HostExpert, Routing};
+pub use experts::{ExpertKey, ExpertPool, ExpertShape, Fence, HostArena, HostExpert, Routing};
 pub use ops::{Backend, BackendRef, Op, PagedView, RopeTable};
 
 /// What a backend op returns.

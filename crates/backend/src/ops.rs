@@ -11,7 +11,7 @@ use std::fmt::Debug;
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::experts::{ExpertPool, ExpertShape, Fence, HostExpert, Routing};
+use crate::experts::{ExpertPool, ExpertShape, Fence, HostArena, HostExpert, Routing};
 use crate::types::{AttnShape, DType, GdnShape, HostData, HostTensor, HostVec, MRope};
 use crate::{BackendError, Device, HostMatrix, Result, Tensor};
 
@@ -255,6 +255,10 @@ pub trait Backend: Send + Sync + Debug {
     /// experts in ascending id order. The ids stay a tensor: downloading them is the layer's one
     /// routing sync, which the caller makes explicitly.
     fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing>;
+
+    /// Host memory for the expert RAM tier, `bytes` long, zeroed, 4 KiB-aligned: page-locked on a device
+    /// (uploads from it are asynchronous copies), plain memory on the CPU. Allocated once at start.
+    fn alloc_host_arena(&self, bytes: usize) -> Result<HostArena>;
 
     /// A pool of `slots` fixed-stride expert slots for `layer` (device memory for `slots` experts).
     fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool>;

@@ -39,12 +39,56 @@ pub enum ReaderKind {
     Pread,
 }
 
+/// Where one read lands: `cap` bytes at `ptr` (4 KiB-aligned, at least the request's aligned window),
+/// and the io_uring registered buffer that memory lies in, when the reader registered it.
+#[derive(Clone, Copy, Debug)]
+pub struct Dest {
+    /// Start of the window's memory.
+    pub ptr: *mut u8,
+    /// Bytes available there.
+    pub cap: usize,
+    /// Registered buffer index ([`Reader::register`]).
+    pub fixed: Option<u16>,
+}
+
 /// Reads batches of ranges.
 pub trait Reader: Send {
     /// Reads every request; one result per request, in order.
     fn read_batch(&mut self, reqs: &[ReadReq]) -> Vec<std::io::Result<ReadDone>>;
+
     /// What it is.
     fn kind(&self) -> ReaderKind;
+
+    /// Reads every request's aligned window into its destination, in place; returns per request where
+    /// the wanted bytes start in it. This default reads into buffers and copies (test wrappers); the
+    /// real readers write straight into the destinations.
+    ///
+    /// # Safety
+    /// Each destination must be valid for writes of `cap` bytes, not read or written by anyone else
+    /// until this returns, and hold the request's aligned window (`cap` ≥ the window).
+    unsafe fn read_into(&mut self, reqs: &[ReadReq], dests: &[Dest]) -> Vec<std::io::Result<usize>> {
+        self.read_batch(reqs)
+            .into_iter()
+            .zip(dests)
+            .map(|(r, d)| {
+                r.map(|done| {
+                    let n = done.buf.len().min(d.cap);
+                    // SAFETY: the caller guarantees `d.ptr` is valid for `d.cap` ≥ `n` bytes, unaliased.
+                    unsafe { std::ptr::copy_nonoverlapping(done.buf.as_ref().as_ptr(), d.ptr, n) };
+                    done.at
+                })
+            })
+            .collect()
+    }
+
+    /// Registers `slots` buffers of `stride` bytes from `base` (the expert arena) so reads into them skip
+    /// per-I/O page pinning; false when the reader cannot (pread) or the kernel refuses (memlock).
+    ///
+    /// # Safety
+    /// The memory must stay valid for as long as the reader lives.
+    unsafe fn register(&mut self, _base: *mut u8, _stride: usize, _slots: usize) -> bool {
+        false
+    }
 }
 
 #[derive(Debug)]
@@ -69,8 +113,9 @@ fn open_all(paths: &[PathBuf]) -> std::io::Result<Vec<Opened>> {
         .collect()
 }
 
-/// The aligned window covering `[offset, offset + len)`.
-fn window(offset: u64, len: usize) -> (u64, usize, usize) {
+/// The aligned window covering `[offset, offset + len)`: (file start, offset of the wanted bytes in it,
+/// bytes to read).
+pub(crate) fn window(offset: u64, len: usize) -> (u64, usize, usize) {
     let start = offset / ALIGN as u64 * ALIGN as u64;
     let at = (offset - start) as usize;
     let total = (at + len).div_ceil(ALIGN) * ALIGN;
@@ -109,18 +154,24 @@ impl PreadReader {
 }
 
 fn pread_one(f: &Opened, r: &ReadReq) -> std::io::Result<ReadDone> {
-    let (start, at, total) = window(r.offset, r.len);
+    let (_, at, total) = window(r.offset, r.len);
     let mut buf = AlignedBuf::new(total);
+    // SAFETY: the buffer is ours, `total` bytes long.
+    unsafe { pread_to(f, r, buf.as_mut_ptr())? };
+    Ok(ReadDone { buf, at })
+}
+
+/// Reads `r`'s aligned window to `dst`; returns where the wanted bytes start.
+///
+/// # Safety
+/// `dst` must be valid for writes of the window's bytes and not accessed by anyone else meanwhile.
+unsafe fn pread_to(f: &Opened, r: &ReadReq, dst: *mut u8) -> std::io::Result<usize> {
+    let (start, at, total) = window(r.offset, r.len);
     let mut got = 0usize;
     while got < at + r.len {
-        // SAFETY: the buffer is valid for `total` bytes; we write at most `total - got` bytes past `got`.
+        // SAFETY: `dst` is valid for `total` bytes; we write at most `total - got` bytes past `got`.
         let n = unsafe {
-            libc::pread(
-                f.file.as_raw_fd(),
-                buf.as_mut_ptr().add(got) as *mut libc::c_void,
-                total - got,
-                (start + got as u64) as i64,
-            )
+            libc::pread(f.file.as_raw_fd(), dst.add(got) as *mut libc::c_void, total - got, (start + got as u64) as i64)
         };
         if n < 0 {
             return Err(std::io::Error::last_os_error());
@@ -132,10 +183,41 @@ fn pread_one(f: &Opened, r: &ReadReq) -> std::io::Result<ReadDone> {
     }
     drop_cache(f, start, total);
     check(got, at, r.len)?;
-    Ok(ReadDone { buf, at })
+    Ok(at)
 }
 
+/// A destination pointer moved to a reader thread (the caller of `read_into` vouches for it).
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+
+// SAFETY: the pointer is only written by the one thread it is handed to, while `read_into` waits.
+unsafe impl Send for SendPtr {}
+
 impl Reader for PreadReader {
+    unsafe fn read_into(&mut self, reqs: &[ReadReq], dests: &[Dest]) -> Vec<std::io::Result<usize>> {
+        let files = &self.files;
+        let mut out: Vec<Option<std::io::Result<usize>>> = (0..reqs.len()).map(|_| None).collect();
+        let work: Vec<(&ReadReq, SendPtr)> = reqs.iter().zip(dests).map(|(r, d)| (r, SendPtr(d.ptr))).collect();
+        for (chunk, chunk_out) in work.chunks(self.threads).zip(out.chunks_mut(self.threads)) {
+            std::thread::scope(|s| {
+                let hs: Vec<_> = chunk
+                    .iter()
+                    .map(|&(r, p)| {
+                        s.spawn(move || {
+                            let p = p;
+                            // SAFETY: the caller's contract on `dests`; each thread writes its own one.
+                            unsafe { pread_to(&files[r.file], r, p.0) }
+                        })
+                    })
+                    .collect();
+                for (h, o) in hs.into_iter().zip(chunk_out.iter_mut()) {
+                    *o = Some(h.join().unwrap_or_else(|_| Err(std::io::Error::other("reader thread panicked"))));
+                }
+            });
+        }
+        out.into_iter().map(|o| o.expect("every request answered")).collect()
+    }
+
     fn read_batch(&mut self, reqs: &[ReadReq]) -> Vec<std::io::Result<ReadDone>> {
         let files = &self.files;
         let mut out: Vec<Option<std::io::Result<ReadDone>>> = (0..reqs.len()).map(|_| None).collect();
@@ -166,7 +248,10 @@ struct Fixed {
 pub struct UringReader {
     files: Vec<Opened>,
     ring: io_uring::IoUring,
+    /// Registered staging buffers (reads into fresh buffers), until the arena is registered instead.
     fixed: Option<Fixed>,
+    /// The expert arena's slots are the registered buffers ([`Reader::register`]).
+    arena: bool,
 }
 
 impl std::fmt::Debug for UringReader {
@@ -195,16 +280,124 @@ impl UringReader {
                 None
             }
         };
-        Ok(UringReader { files: open_all(paths)?, ring, fixed })
+        Ok(UringReader { files: open_all(paths)?, ring, fixed, arena: false })
     }
 
     /// Whether reads go through registered buffers.
     pub fn registered(&self) -> bool {
-        self.fixed.is_some()
+        self.fixed.is_some() || self.arena
+    }
+
+    /// Whether the expert arena is registered (reads land in it through fixed buffers).
+    pub fn arena_registered(&self) -> bool {
+        self.arena
     }
 }
 
 impl Reader for UringReader {
+    unsafe fn register(&mut self, base: *mut u8, stride: usize, slots: usize) -> bool {
+        // The kernel takes at most 16384 registered buffers, addressed by a u16.
+        if slots == 0 || slots > 16384 {
+            return false;
+        }
+        // SAFETY: the caller keeps `slots` buffers of `stride` bytes at `base` valid while we live.
+        let iovecs: Vec<libc::iovec> = (0..slots)
+            .map(|i| libc::iovec { iov_base: unsafe { base.add(i * stride) } as *mut libc::c_void, iov_len: stride })
+            .collect();
+        let sub = self.ring.submitter();
+        if self.fixed.is_some() {
+            let _ = sub.unregister_buffers();
+        }
+        // SAFETY: as above; the registration ends when the ring drops, before the caller's arena.
+        match unsafe { sub.register_buffers(&iovecs) } {
+            Ok(()) => {
+                self.fixed = None;
+                self.arena = true;
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, slots, "registering the expert arena with io_uring refused (memlock limit?); reading into it unregistered");
+                if let Some(f) = &self.fixed {
+                    let staging: Vec<libc::iovec> = f
+                        .slots
+                        .iter()
+                        .map(|b| libc::iovec { iov_base: b.as_ref().as_ptr() as *mut libc::c_void, iov_len: b.len() })
+                        .collect();
+                    // SAFETY: the staging buffers live as long as the reader, as at construction.
+                    if unsafe { sub.register_buffers(&staging) }.is_err() {
+                        self.fixed = None;
+                    }
+                }
+                false
+            }
+        }
+    }
+
+    unsafe fn read_into(&mut self, reqs: &[ReadReq], dests: &[Dest]) -> Vec<std::io::Result<usize>> {
+        let mut results: Vec<Option<std::io::Result<usize>>> = (0..reqs.len()).map(|_| None).collect();
+        let cap = self.ring.params().sq_entries() as usize;
+        let (mut next, mut inflight) = (0, 0);
+        while next < reqs.len() || inflight > 0 {
+            while next < reqs.len() && inflight < cap {
+                let (r, d) = (&reqs[next], dests[next]);
+                let (start, _, total) = window(r.offset, r.len);
+                if total > d.cap {
+                    results[next] = Some(Err(std::io::Error::other("read destination smaller than its window")));
+                    next += 1;
+                    continue;
+                }
+                let fd = io_uring::types::Fd(self.files[r.file].file.as_raw_fd());
+                let e = match d.fixed.filter(|_| self.arena) {
+                    Some(i) => io_uring::opcode::ReadFixed::new(fd, d.ptr, total as u32, i).offset(start).build(),
+                    None => io_uring::opcode::Read::new(fd, d.ptr, total as u32).offset(start).build(),
+                }
+                .user_data(next as u64);
+                // SAFETY: the destination outlives the operation (we wait for every completion below).
+                if unsafe { self.ring.submission().push(&e) }.is_err() {
+                    break;
+                }
+                next += 1;
+                inflight += 1;
+            }
+            if inflight == 0 {
+                if next < reqs.len() {
+                    for r in results.iter_mut().filter(|r| r.is_none()) {
+                        *r = Some(Err(std::io::Error::other("io_uring submission queue refused a read")));
+                    }
+                }
+                break;
+            }
+            if let Err(e) = self.ring.submit_and_wait(1) {
+                for r in results.iter_mut().filter(|r| r.is_none()) {
+                    *r = Some(Err(std::io::Error::new(e.kind(), e.to_string())));
+                }
+                // Wait for what is in flight so no destination is released under the kernel.
+                while inflight > 0 && self.ring.submit_and_wait(1).is_ok() {
+                    inflight -= self.ring.completion().count();
+                }
+                break;
+            }
+            let done: Vec<(usize, i32)> =
+                self.ring.completion().map(|c| (c.user_data() as usize, c.result())).collect();
+            for (i, res) in done {
+                inflight -= 1;
+                results[i] =
+                    Some(if res < 0 { Err(std::io::Error::from_raw_os_error(-res)) } else { Ok(res as usize) });
+            }
+        }
+        results
+            .into_iter()
+            .zip(reqs)
+            .map(|(res, r)| {
+                let got = res.unwrap_or_else(|| Err(std::io::Error::other("read not completed")))?;
+                let (start, at, total) = window(r.offset, r.len);
+                drop_cache(&self.files[r.file], start, total);
+                check(got, at, r.len)?;
+                Ok(at)
+            })
+            .collect()
+    }
+
     fn read_batch(&mut self, reqs: &[ReadReq]) -> Vec<std::io::Result<ReadDone>> {
         let mut bufs: Vec<(AlignedBuf, u64, usize, usize)> = reqs
             .iter()
@@ -336,6 +529,47 @@ mod tests {
             }
             let past = r.read_batch(&[ReadReq { file: 0, offset: 49_995, len: 10 }]);
             assert!(past[0].is_err(), "{:?}: reading past the end is a short-read error", r.kind());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Reads land in place in an arena's slots, through registered buffers when io_uring takes them.
+    #[test]
+    fn reads_land_in_place_in_an_arena() {
+        let dir = std::env::temp_dir().join(format!("osprey-reader-into-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let path = dir.join("data.bin");
+        let data: Vec<u8> = (0..50_000u32).map(|i| (i * 7 % 253) as u8).collect();
+        std::fs::write(&path, &data).expect("write");
+        let reqs = [ReadReq { file: 0, offset: 5, len: 100 }, ReadReq { file: 0, offset: 12_000, len: 9_000 }];
+        let mut readers: Vec<Box<dyn Reader>> =
+            vec![Box::new(PreadReader::new(std::slice::from_ref(&path), 2).expect("pread"))];
+        if let Ok(u) = UringReader::new(std::slice::from_ref(&path), 8) {
+            readers.push(Box::new(u));
+        }
+        for mut r in readers {
+            let stride = 4 * ALIGN;
+            let mem = osprey_backend_cpu::CpuBackend::shared().alloc_host_arena(2 * stride).expect("arena");
+            let arena = crate::arena::Arena::new(mem, stride);
+            // SAFETY: the arena outlives the reader (dropped at the end of this iteration, after `r`).
+            let registered = unsafe { r.register(arena.base(), stride, arena.slots()) };
+            let mut slots = [arena.take().expect("slot"), arena.take().expect("slot")];
+            let dests: Vec<Dest> = slots
+                .iter_mut()
+                .map(|s| Dest { ptr: s.as_mut_ptr(), cap: stride, fixed: registered.then_some(s.index() as u16) })
+                .collect();
+            // SAFETY: each slot is ours, `stride` bytes, untouched during the read.
+            let ats = unsafe { r.read_into(&reqs, &dests) };
+            for ((req, at), slot) in reqs.iter().zip(ats).zip(&slots) {
+                let at = at.expect("read");
+                let o = req.offset as usize;
+                assert_eq!(&slot.as_ref()[at..at + req.len], &data[o..o + req.len], "{:?} {req:?}", r.kind());
+            }
+            let past = [ReadReq { file: 0, offset: 49_995, len: 10 }];
+            let d = [dests[0]];
+            // SAFETY: as above.
+            assert!(unsafe { r.read_into(&past, &d) }[0].is_err(), "{:?}: a short read is an error", r.kind());
+            drop(r);
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

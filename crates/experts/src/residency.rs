@@ -18,7 +18,11 @@ use tokio::sync::{mpsc, oneshot};
 
 pub use osprey_protocol::experts::{ExpertMap, LayerStats, ResidencyCommand, ResidencyStats};
 
-use crate::reader::Reader;
+use osprey_models::ByteSource;
+
+use crate::arena::{Arena, ArenaSlot};
+use crate::buf::AlignedBuf;
+use crate::reader::{window, Dest, Reader};
 use crate::store::ExpertIndex;
 
 /// How much RAM experts may hold.
@@ -334,22 +338,35 @@ impl ExpertSource for ResidentSet {
     }
 }
 
-/// Starts the manager thread over `index` with `reader`.
-pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy: Policy) -> ResidentSet {
+/// Starts the manager thread over `index` with `reader`. Resident experts live in a host arena that
+/// `backend` allocates (the budget's worth of slots, registered with the reader where it can be); reads
+/// past it (leased experts over the budget) land in buffers of their own, as do all of them when the
+/// arena cannot be allocated.
+pub fn spawn(
+    index: ExpertIndex,
+    reader: Box<dyn Reader>,
+    budget: Budget,
+    policy: Policy,
+    backend: &dyn osprey_models::backend::Backend,
+) -> ResidentSet {
     let (tx, mut rx) = mpsc::unbounded_channel::<ResidencyCommand>();
     let stall_nanos = Arc::new(AtomicU64::new(0));
     let stall = stall_nanos.clone();
     let slots = slots_for(&index, budget);
+    let mut reader = reader;
+    let tier = host_tier(&index, budget, backend, reader.as_mut());
     std::thread::Builder::new()
         .name("osprey-experts".into())
         .spawn(move || {
+            // Declared before the reader so it drops after it: the ring unregisters the arena first.
+            let tier = tier;
             let mut reader = reader;
             let mut table = ResidencyTable::new(index.experts.len(), budget, policy);
             while let Some(cmd) = rx.blocking_recv() {
                 match cmd {
                     ResidencyCommand::Need { layer, experts, span, resident, reply } => {
                         let _in = span.enter();
-                        need(&index, reader.as_mut(), &mut table, layer, &experts, resident, reply)
+                        need(&index, (reader.as_mut(), tier.as_ref()), &mut table, layer, &experts, resident, reply)
                     }
                     ResidencyCommand::Hits { layer, experts } => experts.iter().for_each(|&e| table.hit(layer, e)),
                     ResidencyCommand::Release { layer, expert } => table.release(layer, expert),
@@ -362,6 +379,9 @@ pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy
                             stall_secs: stall.load(Ordering::Relaxed) as f64 / 1e9,
                             reader: format!("{:?}", reader.kind()),
                             experts: table.expert_maps(&index.experts.iter().map(Vec::len).collect::<Vec<_>>()),
+                            arena_slots: tier.as_ref().map_or(0, |t| t.arena.slots() as u64),
+                            arena_used: tier.as_ref().map_or(0, |t| (t.arena.slots() - t.arena.free()) as u64),
+                            arena_registered: tier.as_ref().is_some_and(|t| t.registered),
                         });
                     }
                 }
@@ -369,6 +389,45 @@ pub fn spawn(index: ExpertIndex, reader: Box<dyn Reader>, budget: Budget, policy
         })
         .expect("spawn expert residency thread");
     ResidentSet { tx, stall_nanos, slots }
+}
+
+/// The RAM tier's arena: slots of the largest expert's read footprint, as many as the budget holds
+/// (never more than there are experts), registered with `reader` when it can be.
+fn host_tier(
+    index: &ExpertIndex,
+    budget: Budget,
+    backend: &dyn osprey_models::backend::Backend,
+    reader: &mut dyn Reader,
+) -> Option<HostTier> {
+    let all: Vec<(usize, usize)> =
+        (0..index.experts.len()).flat_map(|l| (0..index.experts[l].len()).map(move |e| (l, e))).collect();
+    let stride = all.iter().map(|&(l, e)| index.expert_footprint(l, e)).max()?;
+    let layers = index.experts.iter().filter(|l| !l.is_empty()).count();
+    let slots = match budget {
+        Budget::PerLayer(n) => n.max(1) * layers,
+        Budget::Bytes(b) => (b / stride).max(1),
+    }
+    .min(all.len());
+    let mem = match backend.alloc_host_arena(slots * stride) {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!(error = %e, slots, stride, "no host arena for experts; reading into buffers of their own");
+            return None;
+        }
+    };
+    let arena = Arena::new(mem, stride);
+    // SAFETY: the arena outlives the reader's use of it: both move into the manager thread, where the
+    // reader is dropped first (and every slot handle keeps the arena alive besides).
+    let registered = unsafe { reader.register(arena.base(), stride, arena.slots()) };
+    tracing::info!(slots = arena.slots(), stride, registered, "expert host arena");
+    Some(HostTier { arena, registered })
+}
+
+/// The arena resident experts are read into, and whether the reader registered it.
+#[derive(Debug)]
+struct HostTier {
+    arena: Arc<Arena>,
+    registered: bool,
 }
 
 /// Backend slots per MoE layer under `budget`: the experts per layer, or the bytes shared evenly by the
@@ -422,7 +481,7 @@ fn from_handle(h: &Handle) -> Arc<ExpertWeights> {
 /// reads all misses of the layer in one batch and answers them.
 fn need(
     index: &ExpertIndex,
-    reader: &mut dyn Reader,
+    (reader, tier): (&mut dyn Reader, Option<&HostTier>),
     table: &mut ResidencyTable,
     layer: usize,
     experts: &[usize],
@@ -445,8 +504,9 @@ fn need(
         let _ = reply.send(Ok(Vec::new()));
         return;
     }
-    let read = read_missing(index, reader, table, layer, &missing.iter().map(|&i| experts[i]).collect::<Vec<_>>())
-        .map(|ws| ws.into_iter().map(to_handle).collect());
+    let read =
+        read_missing(index, (reader, tier), table, layer, &missing.iter().map(|&i| experts[i]).collect::<Vec<_>>())
+            .map(|ws| ws.into_iter().map(to_handle).collect());
     if let Err(Ok(unclaimed)) = reply.send(read) {
         // Nobody took the experts just read: release their leases (they stay cached).
         drop(unclaimed);
@@ -454,36 +514,77 @@ fn need(
     }
 }
 
-/// Reads `experts` of `layer` in one batch, inserts them leased; on any failure releases what it inserted.
+/// Where one expert's reads land: an arena slot (its ranges' windows back to back, at these offsets),
+/// or buffers of their own.
+enum Landing {
+    Slot(ArenaSlot, Vec<usize>),
+    Bufs(Vec<AlignedBuf>),
+}
+
+/// Reads `experts` of `layer` in one batch straight into arena slots (buffers of their own when the arena
+/// is full), inserts them leased; on any failure releases what it inserted.
 fn read_missing(
     index: &ExpertIndex,
-    reader: &mut dyn Reader,
+    (reader, tier): (&mut dyn Reader, Option<&HostTier>),
     table: &mut ResidencyTable,
     layer: usize,
     experts: &[usize],
 ) -> Result<Vec<Arc<ExpertWeights>>, RequestError> {
-    let mut reqs = Vec::new();
-    let mut counts = Vec::new();
+    let (mut reqs, mut dests, mut landings, mut counts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for &e in experts {
         let r = index.reads(layer, e);
-        counts.push(r.len());
+        let windows: Vec<usize> = r.iter().map(|q| window(q.offset, q.len).2).collect();
+        let need: usize = windows.iter().sum();
+        let slot = tier.filter(|t| need <= t.arena.stride()).and_then(|t| t.arena.take().map(|s| (s, t.registered)));
+        let landing = match slot {
+            Some((mut slot, registered)) => {
+                let (base, fixed) = (slot.as_mut_ptr(), registered.then_some(slot.index() as u16));
+                let mut offsets = Vec::with_capacity(windows.len());
+                let mut off = 0;
+                for &w in &windows {
+                    // SAFETY: `off + w <= need <= stride`: inside the slot.
+                    dests.push(Dest { ptr: unsafe { base.add(off) }, cap: w, fixed });
+                    offsets.push(off);
+                    off += w;
+                }
+                Landing::Slot(slot, offsets)
+            }
+            None => {
+                let mut bufs: Vec<AlignedBuf> = windows.iter().map(|&w| AlignedBuf::new(w)).collect();
+                dests.extend(bufs.iter_mut().map(|b| Dest { ptr: b.as_mut_ptr(), cap: b.len(), fixed: None }));
+                Landing::Bufs(bufs)
+            }
+        };
+        counts.push((r.len(), need));
         reqs.extend(r);
+        landings.push(landing);
     }
     let t0 = Instant::now();
-    let results = reader.read_batch(&reqs);
+    // SAFETY: every destination is a slot or buffer owned by `landings`, each window inside its own,
+    // untouched by anyone else until the reads complete.
+    let results = unsafe { reader.read_into(&reqs, &dests) };
     let st = &mut table.stats[layer];
     st.read_secs += t0.elapsed().as_secs_f64();
     st.batches += 1;
     let mut results = results.into_iter();
     let mut out = Vec::with_capacity(experts.len());
     let mut first_err = None;
-    for (&e, n) in experts.iter().zip(counts) {
-        let done: Result<Vec<_>, _> = (&mut results).take(n).collect();
-        match done {
-            Ok(done) => {
-                let (w, held) = index.assemble(layer, e, done);
-                table.stats[layer].bytes_read += held as u64;
-                out.push((e, table.insert(layer, e, Arc::new(w), held)));
+    for ((&e, (n, need)), landing) in experts.iter().zip(counts).zip(landings) {
+        let ats: Result<Vec<usize>, _> = (&mut results).take(n).collect();
+        match ats {
+            Ok(ats) => {
+                let parts: Vec<(Arc<dyn ByteSource>, usize)> = match landing {
+                    Landing::Slot(slot, offsets) => {
+                        let buf: Arc<dyn ByteSource> = Arc::new(slot);
+                        offsets.into_iter().zip(ats).map(|(o, at)| (buf.clone(), o + at)).collect()
+                    }
+                    Landing::Bufs(bufs) => {
+                        bufs.into_iter().zip(ats).map(|(b, at)| (Arc::new(b) as Arc<dyn ByteSource>, at)).collect()
+                    }
+                };
+                let w = index.assemble_parts(layer, e, parts);
+                table.stats[layer].bytes_read += need as u64;
+                out.push((e, table.insert(layer, e, Arc::new(w), need)));
             }
             Err(err) => first_err = first_err.or(Some(err.to_string())),
         }

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use osprey_kernels::DType;
 use osprey_models::{ByteSource, Checkpoint, ExpertWeights, Weight};
 
-use crate::buf::AlignedBuf;
 use crate::reader::{ReadDone, ReadReq};
 
 /// A byte range of one file.
@@ -151,29 +150,35 @@ impl ExpertIndex {
     /// Rebuilds an expert from its reads (in the order of [`ExpertIndex::reads`]); returns the weights and
     /// the bytes of buffer they hold.
     pub fn assemble(&self, layer: usize, expert: usize, done: Vec<ReadDone>) -> (ExpertWeights, usize) {
-        let mut it = done.into_iter();
-        let mut held = 0;
-        let mut next = |held: &mut usize| -> (Arc<dyn ByteSource>, usize) {
-            let d = it.next().expect("one read per range: this is a bug");
-            *held += d.buf.len();
-            let buf: Arc<AlignedBuf> = Arc::new(d.buf);
-            (buf as Arc<dyn ByteSource>, d.at)
-        };
-        let mut build = |loc: &LinearLoc, held: &mut usize| -> Weight {
+        let held = done.iter().map(|d| d.buf.len()).sum();
+        let parts = done.into_iter().map(|d| (Arc::new(d.buf) as Arc<dyn ByteSource>, d.at)).collect();
+        (self.assemble_parts(layer, expert, parts), held)
+    }
+
+    /// Rebuilds an expert from where each of its ranges (in the order of [`ExpertIndex::reads`]) landed:
+    /// a buffer and the offset of the range's bytes in it (the weights borrow the buffers).
+    pub fn assemble_parts(
+        &self,
+        layer: usize,
+        expert: usize,
+        parts: Vec<(Arc<dyn ByteSource>, usize)>,
+    ) -> ExpertWeights {
+        let mut it = parts.into_iter();
+        let mut next = || it.next().expect("one read per range: this is a bug");
+        let mut build = |loc: &LinearLoc| -> Weight {
             match loc {
                 LinearLoc::Dense { dtype, shape: (rows, cols), .. } => {
-                    let (buf, at) = next(held);
+                    let (buf, at) = next();
                     Weight::from_buffer(*dtype, *rows, *cols, &buf, at)
                 }
                 LinearLoc::Nvfp4 { shape, global, .. } => {
-                    let (pb, pa) = next(held);
-                    let (sb, sa) = next(held);
+                    let (pb, pa) = next();
+                    let (sb, sa) = next();
                     Weight::nvfp4_from_parts(*shape, (&pb, pa), (&sb, sa), *global)
                 }
             }
         };
         let [g, u, d] = &self.experts[layer][expert];
-        let w = ExpertWeights { gate: build(g, &mut held), up: build(u, &mut held), down: build(d, &mut held) };
-        (w, held)
+        ExpertWeights { gate: build(g), up: build(u), down: build(d) }
     }
 }

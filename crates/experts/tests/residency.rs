@@ -88,7 +88,8 @@ fn logits_are_bit_identical_whatever_the_budget_and_the_reader() {
             let one = idx.expert_bytes(0, 0);
             for budget in [Budget::PerLayer(8), Budget::PerLayer(2), Budget::Bytes(3 * one)] {
                 let reader = open_reader(&idx.files, Some(kind)).expect("reader");
-                let set = spawn(idx.clone(), reader, budget, Policy::Lru);
+                let set =
+                    spawn(idx.clone(), reader, budget, Policy::Lru, osprey_backend_cpu::CpuBackend::shared().as_ref());
                 let m = model_with(&dir, Some(Arc::new(set.clone())));
                 let got = run(&m, &prompt()).expect("streamed");
                 assert!(got == reference, "{}: {kind:?} {budget:?} changed the logits", dir.display());
@@ -127,7 +128,13 @@ fn an_injected_read_fault_fails_one_forward_and_the_next_succeeds() {
         batch: Arc::new(AtomicUsize::new(0)),
         fail_at: 1,
     };
-    let set = spawn(idx, Box::new(faulty), Budget::PerLayer(2), Policy::Lru);
+    let set = spawn(
+        idx,
+        Box::new(faulty),
+        Budget::PerLayer(2),
+        Policy::Lru,
+        osprey_backend_cpu::CpuBackend::shared().as_ref(),
+    );
     let m = model_with(&dir, Some(Arc::new(set)));
     let e = run(&m, &prompt()).expect_err("the injected fault surfaces as an error");
     assert!(e.to_string().contains("injected I/O error"), "{e}");

@@ -190,6 +190,9 @@ impl Backend for Counting {
     fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing> {
         self.cpu.route(logits, k, renorm)
     }
+    fn alloc_host_arena(&self, bytes: usize) -> Result<osprey_backend::HostArena> {
+        self.cpu.alloc_host_arena(bytes)
+    }
     fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {
         self.cpu.alloc_expert_pool(layer, slots, shape)
     }

@@ -75,6 +75,12 @@ pub struct ResidencyStats {
     pub reader: String,
     /// Per layer, per expert: which are in RAM and their hit and miss counts (the engine view's heat map).
     pub experts: Vec<ExpertMap>,
+    /// Slots of the host arena experts are read into (0: none could be allocated).
+    pub arena_slots: u64,
+    /// Arena slots holding an expert.
+    pub arena_used: u64,
+    /// Whether the reader registered the arena (io_uring fixed buffers).
+    pub arena_registered: bool,
 }
 
 /// The experts of one layer as the residency manager sees them.

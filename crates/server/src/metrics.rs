@@ -357,5 +357,20 @@ pub fn render_experts(e: &osprey_protocol::experts::ResidencyStats) -> String {
     gauge(&mut out, "osprey_expert_resident_bytes", "Bytes of experts held in RAM.", "gauge", e.resident_bytes as f64);
     gauge(&mut out, "osprey_expert_resident", "Experts held in RAM.", "gauge", e.resident_experts as f64);
     gauge(&mut out, "osprey_expert_evictions_total", "Experts evicted.", "counter", e.evictions as f64);
+    gauge(
+        &mut out,
+        "osprey_expert_arena_slots",
+        "Slots of the host arena experts are read into.",
+        "gauge",
+        e.arena_slots as f64,
+    );
+    gauge(&mut out, "osprey_expert_arena_used", "Host arena slots holding an expert.", "gauge", e.arena_used as f64);
+    gauge(
+        &mut out,
+        "osprey_expert_arena_registered",
+        "1 when the host arena is registered with io_uring (reads into fixed buffers).",
+        "gauge",
+        if e.arena_registered { 1.0 } else { 0.0 },
+    );
     out
 }
