@@ -583,19 +583,49 @@ impl Backend for CpuBackend {
         fb::rms_norm_gated_sigmoid(host_mut(x), host(z), host(w), eps);
     }
 
+    fn mean_rows(&self, x: &Tensor, rows: Range<usize>) -> Result<Tensor> {
+        let c = x.cols();
+        let mean = fb::mean_rows(&host(x)[rows.start * c..rows.end * c], rows.len(), c);
+        self.tensor(&[1, c], mean)
+    }
+
+    fn qsa_select(
+        &self,
+        q: &Tensor,
+        rows: Range<usize>,
+        keys: &Tensor,
+        past: usize,
+        ratio: usize,
+        top: usize,
+        heads: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let (c, d) = (q.cols(), keys.cols());
+        let ids =
+            fb::qsa_select(&host(q)[rows.start * c..rows.end * c], host(keys), (past, ratio, top), heads, d, scale);
+        self.typed(&[rows.len(), top], HostVec::I32(ids))
+    }
+
     fn attention_selected(
         &self,
         q: &Tensor,
         rows: Range<usize>,
         kv: PagedView<'_>,
-        selected: &[Vec<usize>],
+        blocks: &Tensor,
+        (past, ratio): (usize, usize),
         shape: AttnShape,
         scale: f32,
         out: &mut Tensor,
     ) {
         let row = shape.kv_heads * shape.head_dim;
         let fetch = |pos: usize| fb::kv_rows(host(kv.pages[pos / kv.page_size]), &kv, pos % kv.page_size, row);
-        let c = q.cols();
+        let (c, top) = (q.cols(), blocks.cols());
+        let ids = match blocks.storage::<CpuStorage>() {
+            Some(CpuStorage::Data(HostVec::I32(v), _)) => v,
+            _ => panic!("QSA blocks must be an i32 CPU tensor: this is a bug"),
+        };
+        let selected: Vec<Vec<usize>> =
+            (0..rows.len()).map(|j| fb::selected_positions(&ids[j * top..(j + 1) * top], past + j, ratio)).collect();
         let qh = &host(q)[rows.start * c..rows.end * c];
         // Query rows are independent: blocks of 4 split across the pool.
         const BLOCK: usize = 4;

@@ -161,6 +161,54 @@ pub fn kv_rows<'a>(page: &'a [f32], kv: &PagedView<'_>, slot: usize, row: usize)
     (at(kv.k_offset), at(kv.v_offset))
 }
 
+/// Mean of `n` rows of `cols` values (summed in row order per column, then divided by `n`).
+pub fn mean_rows(x: &[f32], n: usize, cols: usize) -> Vec<f32> {
+    (0..cols).map(|c| (0..n).map(|t| x[t * cols + c]).sum::<f32>() / n as f32).collect()
+}
+
+/// [`osprey_backend::Backend::qsa_select`] on host slices: `q` holds the rows, `keys` at least the
+/// blocks the last row sees, `d` values each.
+#[allow(clippy::too_many_arguments)]
+pub fn qsa_select(
+    q: &[f32],
+    keys: &[f32],
+    (past, ratio, top): (usize, usize, usize),
+    heads: usize,
+    d: usize,
+    scale: f32,
+) -> Vec<i32> {
+    let n = q.len() / (heads * d);
+    let mut out = vec![-1i32; n * top];
+    for j in 0..n {
+        let complete = (past + j + 1) / ratio;
+        let qr = &q[j * heads * d..(j + 1) * heads * d];
+        let mut scored: Vec<(f32, usize)> = (0..complete)
+            .map(|blk| {
+                let kb = &keys[blk * d..(blk + 1) * d];
+                let s: f32 = qr.chunks(d).map(|qh| qh.iter().zip(kb).map(|(a, b)| a * b).sum::<f32>().max(0.0)).sum();
+                (s * scale, blk)
+            })
+            .collect();
+        // Best first; equal scores keep the lower block first.
+        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut keep: Vec<usize> = scored.iter().take(top).map(|&(_, blk)| blk).collect();
+        keep.sort_unstable();
+        for (o, blk) in out[j * top..(j + 1) * top].iter_mut().zip(keep) {
+            *o = blk as i32;
+        }
+    }
+    out
+}
+
+/// The key positions a QSA row at token index `p` attends to: its selected blocks' (−1 skipped) and its
+/// own incomplete block's.
+pub fn selected_positions(blocks: &[i32], p: usize, ratio: usize) -> Vec<usize> {
+    let mut sel: Vec<usize> =
+        blocks.iter().filter(|&&b| b >= 0).flat_map(|&b| b as usize * ratio..(b as usize + 1) * ratio).collect();
+    sel.extend((p + 1) / ratio * ratio..=p);
+    sel
+}
+
 /// Attention of query rows over an explicit set of key positions each (QSA: the selected blocks and the
 /// tail), GQA, softmax in f32: `q [rows, heads·hd]` against K/V rows fetched by `kv(pos)`.
 pub fn attention_selected<'a>(

@@ -385,17 +385,38 @@ macro_rules! forward_model_ops {
         ) {
             self.$inner.rms_norm_gated_sigmoid(x, z, w, eps)
         }
+        fn mean_rows(
+            &self,
+            x: &$crate::reexport::Tensor,
+            rows: std::ops::Range<usize>,
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.mean_rows(x, rows)
+        }
+        fn qsa_select(
+            &self,
+            q: &$crate::reexport::Tensor,
+            rows: std::ops::Range<usize>,
+            keys: &$crate::reexport::Tensor,
+            past: usize,
+            ratio: usize,
+            top: usize,
+            heads: usize,
+            scale: f32,
+        ) -> $crate::reexport::Result<$crate::reexport::Tensor> {
+            self.$inner.qsa_select(q, rows, keys, past, ratio, top, heads, scale)
+        }
         fn attention_selected(
             &self,
             q: &$crate::reexport::Tensor,
             rows: std::ops::Range<usize>,
             kv: $crate::reexport::PagedView<'_>,
-            selected: &[Vec<usize>],
+            blocks: &$crate::reexport::Tensor,
+            at: (usize, usize),
             shape: $crate::reexport::AttnShape,
             scale: f32,
             out: &mut $crate::reexport::Tensor,
         ) {
-            self.$inner.attention_selected(q, rows, kv, selected, shape, scale, out)
+            self.$inner.attention_selected(q, rows, kv, blocks, at, shape, scale, out)
         }
     };
 }
@@ -471,12 +492,41 @@ impl Backend for HostOps {
         fb::rms_norm_gated_sigmoid(&mut h, &self.host(z), &self.host(w), eps);
         self.put(x, &h);
     }
+    fn mean_rows(&self, x: &Tensor, rows: Range<usize>) -> Result<Tensor> {
+        let c = x.cols();
+        let h = self.download_f32(x)?;
+        self.upload_f32(&fb::mean_rows(&h[rows.start * c..rows.end * c], rows.len(), c), &[1, c])
+    }
+    fn qsa_select(
+        &self,
+        q: &Tensor,
+        rows: Range<usize>,
+        keys: &Tensor,
+        past: usize,
+        ratio: usize,
+        top: usize,
+        heads: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let (c, d) = (q.cols(), keys.cols());
+        let qh = self.download_f32(q)?;
+        let ids = fb::qsa_select(
+            &qh[rows.start * c..rows.end * c],
+            &self.download_f32(keys)?,
+            (past, ratio, top),
+            heads,
+            d,
+            scale,
+        );
+        self.upload(HostData::I32(&ids), &[rows.len(), top])
+    }
     fn attention_selected(
         &self,
         q: &Tensor,
         rows: Range<usize>,
         kv: PagedView<'_>,
-        selected: &[Vec<usize>],
+        blocks: &Tensor,
+        (past, ratio): (usize, usize),
         shape: AttnShape,
         scale: f32,
         out: &mut Tensor,
@@ -484,12 +534,19 @@ impl Backend for HostOps {
         let pages: Vec<Vec<f32>> = kv.pages.iter().map(|p| self.host(p)).collect();
         let row = shape.kv_heads * shape.head_dim;
         let fetch = |pos: usize| fb::kv_rows(&pages[pos / kv.page_size], &kv, pos % kv.page_size, row);
+        let top = blocks.cols();
+        let ids = match self.download(blocks).expect("a host copy for a test backend") {
+            osprey_backend::HostVec::I32(v) => v,
+            _ => panic!("QSA blocks are i32"),
+        };
+        let selected: Vec<Vec<usize>> =
+            (0..rows.len()).map(|j| fb::selected_positions(&ids[j * top..(j + 1) * top], past + j, ratio)).collect();
         let c = q.cols();
         let qh = self.host(q);
         let mut o = self.host(out);
         fb::attention_selected(
             &qh[rows.start * c..rows.end * c],
-            selected,
+            &selected,
             &fetch,
             (shape.heads, shape.kv_heads, shape.head_dim),
             scale,

@@ -332,15 +332,40 @@ pub trait Backend: Send + Sync + Debug {
     /// Gated RMSNorm per group of `w.len()` with a sigmoid gate: `x̂ · w · sigmoid(z)`.
     fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32);
 
-    /// Attention of rows `rows` of `q` over explicit key positions of the sequence each (`selected[j]`
-    /// for row `rows.start + j`), into the same rows of `out`.
+    /// Mean of rows `rows` of `x` → `[1, cols]` (summed in row order, then divided by the count): QSA's
+    /// pooled block key.
+    fn mean_rows(&self, x: &Tensor, rows: Range<usize>) -> Result<Tensor>;
+
+    /// QSA block selection for rows `rows` of `q` (`[·, heads·d]`, normalised and roped), token indices
+    /// `past..`: row `j` sees the first `(past + j + 1) / ratio` rows of `keys` (`[≥ blocks, d]`, the
+    /// complete blocks' keys), scores each `scale · Σ_h max(0, q_h · k)`, and keeps the `top` best (ties
+    /// to the lower block), ascending, padded with −1 → `[rows.len(), top]` i32. The indices stay on the
+    /// device: [`Backend::attention_selected`] reads them.
+    #[allow(clippy::too_many_arguments)]
+    fn qsa_select(
+        &self,
+        q: &Tensor,
+        rows: Range<usize>,
+        keys: &Tensor,
+        past: usize,
+        ratio: usize,
+        top: usize,
+        heads: usize,
+        scale: f32,
+    ) -> Result<Tensor>;
+
+    /// Attention of rows `rows` of `q` (token indices `past..`, `at = (past, ratio)`) over the positions of each row's
+    /// selected blocks (`blocks` `[rows.len(), top]` i32 from [`Backend::qsa_select`], −1 unused; block
+    /// `b` is positions `b·ratio..(b+1)·ratio`) and of its own incomplete block (`⌊(p+1)/ratio⌋·ratio ..=
+    /// p`), into the same rows of `out`.
     #[allow(clippy::too_many_arguments)]
     fn attention_selected(
         &self,
         q: &Tensor,
         rows: Range<usize>,
         kv: PagedView<'_>,
-        selected: &[Vec<usize>],
+        blocks: &Tensor,
+        at: (usize, usize),
         shape: AttnShape,
         scale: f32,
         out: &mut Tensor,
@@ -382,7 +407,7 @@ pub enum Op {
     HyperConnections,
     /// `ple_gate`, `causal_conv_dilated_silu` (PLE).
     Ple,
-    /// `attention_selected` (QSA).
+    /// `mean_rows`, `qsa_select`, `attention_selected` (QSA).
     AttentionSelected,
 }
 

@@ -33,6 +33,8 @@ struct Counting {
     slot_ids: AtomicUsize,
     /// Experts copied into slots.
     expert_uploads: AtomicUsize,
+    /// Whether it runs `qwen4_exp`'s ops (the CPU's, in place).
+    qwen4: bool,
 }
 
 fn bump(c: &AtomicUsize) {
@@ -46,9 +48,10 @@ impl Backend for Counting {
     fn describe(&self) -> String {
         format!("counting {}", self.cpu.describe())
     }
-    /// Like a device backend still without them, it has none of the ops only `qwen4_exp` runs.
+    /// Like a device backend still without them, it has none of the ops only `qwen4_exp` runs, unless
+    /// built with them (`qwen4`).
     fn supports(&self, op: Op) -> bool {
-        !matches!(op, Op::GroupedNorms | Op::HyperConnections | Op::Ple | Op::AttentionSelected)
+        self.qwen4 || !matches!(op, Op::GroupedNorms | Op::HyperConnections | Op::Ple | Op::AttentionSelected)
     }
     fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Result<Tensor> {
         bump(&self.placed);
@@ -207,41 +210,65 @@ impl Backend for Counting {
         self.cpu.moe_combine(partials, k)
     }
     osprey_backend_cpu::forward_fences!(cpu);
-    fn rms_norm_grouped(&self, _: &mut Tensor, _: &Tensor, _: usize, _: f32) {
-        unreachable!("not supported: the loader refuses a model that needs it")
+    fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32) {
+        self.cpu.rms_norm_grouped(x, w, group, eps)
     }
-    fn silu(&self, _: &mut Tensor) {
-        unreachable!("not supported: the loader refuses a model that needs it")
+    fn silu(&self, x: &mut Tensor) {
+        self.cpu.silu(x)
     }
-    fn sigmoid(&self, _: &mut Tensor) {
-        unreachable!("not supported: the loader refuses a model that needs it")
+    fn sigmoid(&self, x: &mut Tensor) {
+        self.cpu.sigmoid(x)
     }
-    fn hc_combine(&self, _: &Tensor, _: &Tensor, _: usize) -> Result<Tensor> {
-        unreachable!("not supported: the loader refuses a model that needs it")
+    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Result<Tensor> {
+        self.cpu.hc_combine(m, xn, hc)
     }
-    fn hc_inject(&self, _: &mut Tensor, _: &Tensor, _: &Tensor, _: usize) {
-        unreachable!("not supported: the loader refuses a model that needs it")
+    fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize) {
+        self.cpu.hc_inject(x, out, inj, hc)
     }
-    fn ple_gate(&self, _: &Tensor, _: &Tensor, _: &Tensor, _: usize) -> Result<Tensor> {
-        unreachable!("not supported: the loader refuses a model that needs it")
+    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Result<Tensor> {
+        self.cpu.ple_gate(k, q, v, hc)
     }
-    fn causal_conv_dilated_silu(&self, _: &Tensor, _: &Tensor, _: usize, _: usize, _: &mut Tensor) -> Result<Tensor> {
-        unreachable!("not supported: the loader refuses a model that needs it")
+    fn causal_conv_dilated_silu(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        k: usize,
+        dil: usize,
+        st: &mut Tensor,
+    ) -> Result<Tensor> {
+        self.cpu.causal_conv_dilated_silu(x, w, k, dil, st)
     }
-    fn rms_norm_gated_sigmoid(&self, _: &mut Tensor, _: &Tensor, _: &Tensor, _: f32) {
-        unreachable!("not supported: the loader refuses a model that needs it")
+    fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
+        self.cpu.rms_norm_gated_sigmoid(x, z, w, eps)
+    }
+    fn mean_rows(&self, x: &Tensor, rows: Range<usize>) -> Result<Tensor> {
+        self.cpu.mean_rows(x, rows)
+    }
+    fn qsa_select(
+        &self,
+        q: &Tensor,
+        rows: Range<usize>,
+        keys: &Tensor,
+        past: usize,
+        ratio: usize,
+        top: usize,
+        heads: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        self.cpu.qsa_select(q, rows, keys, past, ratio, top, heads, scale)
     }
     fn attention_selected(
         &self,
-        _: &Tensor,
-        _: Range<usize>,
-        _: PagedView<'_>,
-        _: &[Vec<usize>],
-        _: AttnShape,
-        _: f32,
-        _: &mut Tensor,
+        q: &Tensor,
+        rows: Range<usize>,
+        kv: PagedView<'_>,
+        blocks: &Tensor,
+        at: (usize, usize),
+        shape: AttnShape,
+        scale: f32,
+        out: &mut Tensor,
     ) {
-        unreachable!("not supported: the loader refuses a model that needs it")
+        self.cpu.attention_selected(q, rows, kv, blocks, at, shape, scale, out)
     }
 }
 
@@ -372,4 +399,30 @@ fn a_backend_without_qwen4_exp_ops_is_refused_and_the_host_wrapper_equals_the_cp
         assert_eq!(run(&model, &mut st, chunk), run(&reference, &mut want, chunk));
     }
     assert!(counts(&counting)[2] > 3, "the wrapper downloaded their inputs");
+}
+
+/// `qwen4_exp` on a backend that runs all of its ops: the QSA indexer's keys, scores and selected blocks
+/// stay on the backend, so a decode step with every expert in a slot downloads the routing ids once per
+/// MoE layer and the logits once (no index download), uploads no expert, and gives the CPU's bits.
+#[test]
+fn qwen4_exp_decode_downloads_only_routing_and_logits() {
+    let dir = common::fixtures().join("models/qwen4_exp-tiny");
+    let counting = Arc::new(Counting { qwen4: true, ..Counting::default() });
+    let model = osprey_models::load_on(&dir, counting.clone()).expect("load with the qwen4_exp ops");
+    let reference = osprey_models::load_on(&dir, CpuBackend::shared()).expect("load on the CPU backend");
+    let info = model.info().clone();
+    let (mut st, mut want) = (model.new_state(), reference.new_state());
+    // Warm every expert into its slot (8 per layer; the prompt routes to all of them).
+    let prompt: Vec<u32> = (1..=96).map(|i| (i * 37) % 1000).collect();
+    let mut got = run(&model, &mut st, &prompt, LogitsWanted::Last);
+    assert_eq!(got, run(&reference, &mut want, &prompt, LogitsWanted::Last));
+    let warm = counts(&counting);
+    assert_eq!(warm[5], info.moe_layers * 8, "the prompt put every expert in a slot");
+    for step in 0..4 {
+        let next = argmax(&got);
+        got = run(&model, &mut st, &[next], LogitsWanted::Last);
+        assert_eq!(got, run(&reference, &mut want, &[next], LogitsWanted::Last), "step {step}");
+        let [_, _, downloads, routing, _, expert_uploads] = counts(&counting);
+        assert_eq!((downloads, routing, expert_uploads), (1, info.moe_layers, 0), "step {step}");
+    }
 }

@@ -53,8 +53,9 @@ impl GatedAttention {
         self.forward_selected(b, x, segs, kv, rope, None)
     }
 
-    /// [`GatedAttention::forward`] where each query row attends only to the key positions `selected`
-    /// gives it (per segment, per row: QSA's selected blocks and tail), or causally when `None`.
+    /// [`GatedAttention::forward`] where each query row attends only to QSA's selection (`selected`: per
+    /// segment its rows' selected blocks on the backend, and the block size): those blocks and the row's
+    /// own incomplete block; causally when `None`.
     pub fn forward_selected(
         &self,
         b: &dyn Backend,
@@ -62,7 +63,7 @@ impl GatedAttention {
         segs: &[Segment],
         (tables, kv_layer): (&mut [&mut PageTable], usize),
         (rope, rot): (&RopeTable, &MRope),
-        selected: Option<&[Vec<Vec<usize>>]>,
+        selected: Option<(&[Tensor], usize)>,
     ) -> Result<Tensor> {
         let AttnShape { heads: nh, head_dim: hd, .. } = self.shape;
         // 1. Projections. q_proj rows are [q_h (hd) | gate_h (hd)] per head.
@@ -85,7 +86,9 @@ impl GatedAttention {
             let pages = table.page_tensors();
             let view = table.view(&pages, kv_layer);
             match selected {
-                Some(sel) => b.attention_selected(&q, rows, view, &sel[si], self.shape, scale, &mut attn),
+                Some((blocks, ratio)) => {
+                    b.attention_selected(&q, rows, view, &blocks[si], (seg.past, ratio), self.shape, scale, &mut attn)
+                }
                 None => b.attention_paged(&q, rows, view, seg.past, self.shape, scale, &mut attn),
             }
         }

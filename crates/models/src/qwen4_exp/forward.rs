@@ -118,7 +118,7 @@ impl Qwen4Exp {
                         &segs,
                         (&mut tables, kv_layer),
                         (&rope, &self.rope),
-                        Some(&selected),
+                        Some((&selected, indexer.ratio())),
                     )?
                 }
             };

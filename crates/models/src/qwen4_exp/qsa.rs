@@ -6,27 +6,64 @@
 //! block, and attends only to those (causal within them).
 //!
 //! A sequence keeps its blocks' keys as they complete and the raw keys of its incomplete block, so a
-//! chunked prefill selects exactly what a one-shot one does.
+//! chunked prefill selects exactly what a one-shot one does. All of it stays on the backend: the keys,
+//! the scores and the selected blocks (`qsa_select` → `attention_selected`); the host only knows how many
+//! blocks there are, which follows from the token count.
 
-use osprey_backend::{Backend, MRope, RopeTable, Tensor};
+use osprey_backend::{Backend, HostTensor, MRope, RopeTable, Tensor};
 
 use super::params::Qsa;
 use crate::checkpoint::Checkpoint;
 use crate::error::Result;
 use crate::layers::{load_linear, load_vector, Segment};
 
-/// A sequence's indexer keys for one layer.
+/// A sequence's indexer keys for one layer, on the backend.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct IndexerState {
-    /// Complete blocks' keys, normalised and roped, `[blocks · d]`.
-    blocks: Vec<f32>,
-    /// Raw keys of the incomplete block, `[< ratio · d]`.
-    tail: Vec<f32>,
+    /// Complete blocks' keys, normalised and roped, `[capacity, d]` (the first `blocks` rows are set).
+    keys: Option<Tensor>,
+    blocks: usize,
+    /// Raw keys of the incomplete block, `[ratio, d]` (the first `tail` rows are set).
+    tail_keys: Option<Tensor>,
+    tail: usize,
+}
+
+/// [`IndexerState`] in host memory (a snapshot's).
+#[derive(Clone, Debug)]
+pub(crate) struct HostIndexerState {
+    keys: Option<HostTensor>,
+    blocks: usize,
+    tail_keys: Option<HostTensor>,
+    tail: usize,
 }
 
 impl IndexerState {
     pub(crate) fn bytes(&self) -> usize {
-        4 * (self.blocks.len() + self.tail.len())
+        self.keys.as_ref().map_or(0, Tensor::bytes) + self.tail_keys.as_ref().map_or(0, Tensor::bytes)
+    }
+
+    /// A host copy.
+    pub(crate) fn to_host(&self, b: &dyn Backend) -> Result<HostIndexerState> {
+        Ok(HostIndexerState {
+            keys: self.keys.as_ref().map(|t| b.download_host(t)).transpose()?,
+            blocks: self.blocks,
+            tail_keys: self.tail_keys.as_ref().map(|t| b.download_host(t)).transpose()?,
+            tail: self.tail,
+        })
+    }
+
+    /// Replaces the state with a host copy's.
+    pub(crate) fn restore(&mut self, h: &HostIndexerState, b: &dyn Backend) -> Result<()> {
+        self.keys = h.keys.as_ref().map(|t| b.upload_host(t)).transpose()?;
+        self.tail_keys = h.tail_keys.as_ref().map(|t| b.upload_host(t)).transpose()?;
+        (self.blocks, self.tail) = (h.blocks, h.tail);
+        Ok(())
+    }
+}
+
+impl HostIndexerState {
+    pub(crate) fn bytes(&self) -> usize {
+        self.keys.as_ref().map_or(0, HostTensor::bytes) + self.tail_keys.as_ref().map_or(0, HostTensor::bytes)
     }
 }
 
@@ -63,9 +100,9 @@ impl Indexer {
         })
     }
 
-    /// For each segment and each of its rows, the key positions the row's query may attend to
-    /// (ascending). `x` is the block input `[n, hidden]`, `rope` the batch's rotary table, `positions`
-    /// each segment's whole position history (past and new rows).
+    /// For each segment, its rows' selected blocks (`[seg.len, top_blocks]` i32 on the backend, for
+    /// `attention_selected`). `x` is the block input `[n, hidden]`, `rope` the batch's rotary table,
+    /// `positions` each segment's whole position history (past and new rows).
     pub(crate) fn select(
         &self,
         b: &dyn Backend,
@@ -74,60 +111,74 @@ impl Indexer {
         rope: &RopeTable,
         positions: &[&[[i64; 3]]],
         states: &mut [&mut IndexerState],
-    ) -> Result<Vec<Vec<Vec<usize>>>> {
-        let (d, heads, ratio) = (self.g.head_dim, self.g.heads, self.g.ratio);
+    ) -> Result<Vec<Tensor>> {
+        let (d, heads) = (self.g.head_dim, self.g.heads);
         let qk = b.linear(x, &self.qk)?;
         let mut parts = b.split_cols(&qk, 1, &[heads * d, d])?.into_iter();
         let (mut q, raw) = (parts.next().expect("q"), parts.next().expect("k"));
         b.rms_norm(&mut q, &self.q_norm, self.eps, true);
         b.rope(&mut q, &self.rope, rope);
-        let (q, raw) = (b.download_f32(&q)?, b.download_f32(&raw)?);
         let scale = 1.0 / (d as f32).sqrt();
         let mut out = Vec::with_capacity(segs.len());
         for ((seg, st), pos) in segs.iter().zip(states.iter_mut()).zip(positions) {
-            let mut rows = Vec::with_capacity(seg.len);
-            for j in 0..seg.len {
-                let (r, p) = (seg.row + j, seg.past + j);
-                st.tail.extend_from_slice(&raw[r * d..(r + 1) * d]);
-                if st.tail.len() == ratio * d {
-                    let start = p + 1 - ratio;
-                    let key = self.block_key(b, &st.tail, pos[start])?;
-                    st.blocks.extend_from_slice(&key);
-                    st.tail.clear();
-                }
-                let complete = st.blocks.len() / d;
-                let qr = &q[r * heads * d..(r + 1) * heads * d];
-                let mut scored: Vec<(f32, usize)> = (0..complete)
-                    .map(|blk| {
-                        let kb = &st.blocks[blk * d..(blk + 1) * d];
-                        let s: f32 =
-                            qr.chunks(d).map(|qh| qh.iter().zip(kb).map(|(a, b)| a * b).sum::<f32>().max(0.0)).sum();
-                        (s * scale, blk)
-                    })
-                    .collect();
-                // Best first; equal scores keep the lower block first.
-                scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-                let mut keep: Vec<usize> = scored.iter().take(self.g.top_blocks).map(|&(_, blk)| blk).collect();
-                keep.sort_unstable();
-                let mut sel: Vec<usize> = keep.iter().flat_map(|&blk| blk * ratio..(blk + 1) * ratio).collect();
-                sel.extend(complete * ratio..=p);
-                rows.push(sel);
-            }
-            out.push(rows);
+            self.absorb(b, &raw, seg, pos, st)?;
+            let keys = st.keys.as_ref().expect("absorb allocates the keys");
+            let (past, ratio, top) = (seg.past, self.g.ratio, self.g.top_blocks);
+            let rows = seg.row..seg.row + seg.len;
+            out.push(b.qsa_select(&q, rows, keys, past, ratio, top, heads, scale)?);
         }
         Ok(out)
     }
 
-    /// A complete block's key: the mean of its raw keys, normalised, roped at its first position.
-    fn block_key(&self, b: &dyn Backend, raw: &[f32], first: [i64; 3]) -> Result<Vec<f32>> {
-        let d = self.g.head_dim;
-        let n = raw.len() / d;
-        let mean: Vec<f32> = (0..d).map(|c| (0..n).map(|t| raw[t * d + c]).sum::<f32>() / n as f32).collect();
-        let mut k = b.upload_f32(&mean, &[1, d])?;
-        b.rms_norm(&mut k, &self.k_norm, self.eps, true);
-        let table = b.rope_table(&self.rope, &[first])?;
-        b.rope(&mut k, &self.rope, &table);
-        Ok(b.download_f32(&k)?)
+    /// Feeds a segment's raw keys into its state: every block they complete gets its key (mean of its
+    /// raw keys, normalised, roped at its first position), the rest wait in the tail.
+    fn absorb(
+        &self,
+        b: &dyn Backend,
+        raw: &Tensor,
+        seg: &Segment,
+        pos: &[[i64; 3]],
+        st: &mut IndexerState,
+    ) -> Result<()> {
+        let (d, ratio) = (self.g.head_dim, self.g.ratio);
+        let complete_after = (seg.past + seg.len) / ratio;
+        let capacity = st.keys.as_ref().map_or(0, Tensor::rows);
+        if st.keys.is_none() || complete_after > capacity {
+            let mut grown = b.zeros_f32(&[complete_after.max(2 * capacity).max(16), d])?;
+            if let Some(old) = &st.keys {
+                b.write_rows(&mut grown, 0, old, 0..st.blocks);
+            }
+            st.keys = Some(grown);
+        }
+        let tail = match &mut st.tail_keys {
+            Some(t) => t,
+            None => st.tail_keys.insert(b.zeros_f32(&[ratio, d])?),
+        };
+        let keys = st.keys.as_mut().expect("allocated above");
+        let mut j = 0;
+        while j < seg.len {
+            let take = (ratio - st.tail).min(seg.len - j);
+            let r0 = seg.row + j;
+            b.write_rows(tail, st.tail * d, raw, r0..r0 + take);
+            st.tail += take;
+            j += take;
+            if st.tail == ratio {
+                let first = seg.past + j - ratio;
+                let mut k = b.mean_rows(tail, 0..ratio)?;
+                b.rms_norm(&mut k, &self.k_norm, self.eps, true);
+                let table = b.rope_table(&self.rope, &[pos[first]])?;
+                b.rope(&mut k, &self.rope, &table);
+                b.write_rows(keys, st.blocks * d, &k, 0..1);
+                st.blocks += 1;
+                st.tail = 0;
+            }
+        }
+        Ok(())
+    }
+
+    /// Tokens per block.
+    pub(crate) fn ratio(&self) -> usize {
+        self.g.ratio
     }
 
     /// Bytes of weights.

@@ -7,7 +7,7 @@ use std::any::Any;
 
 use osprey_backend::{Backend, HostTensor, Tensor};
 
-use super::qsa::IndexerState;
+use super::qsa::{HostIndexerState, IndexerState};
 use crate::error::{Error, Result};
 use crate::layers::gdn::{HostLinearState, LinearState};
 use crate::state::{FamilySnapshot, FamilyState};
@@ -38,7 +38,7 @@ pub(crate) struct Qwen4State {
 #[derive(Clone, Debug)]
 enum HostMix {
     Linear(HostLinearState),
-    Indexed(IndexerState),
+    Indexed(HostIndexerState),
 }
 
 /// [`Qwen4State`] in host memory (a snapshot): the device tensors downloaded, the rest copied.
@@ -92,7 +92,7 @@ impl FamilyState for Qwen4State {
             .map(|l| {
                 let mix = match &l.mix {
                     Mix::Linear(s) => HostMix::Linear(s.to_host(b)?),
-                    Mix::Indexed { indexer, .. } => HostMix::Indexed(indexer.clone()),
+                    Mix::Indexed { indexer, .. } => HostMix::Indexed(indexer.to_host(b)?),
                 };
                 Ok((mix, l.ple.as_ref().map(|t| b.download_host(t)).transpose()?))
             })
@@ -111,7 +111,7 @@ impl FamilyState for Qwen4State {
         for (l, (mix, ple)) in self.layers.iter_mut().zip(&snap.layers) {
             match (&mut l.mix, mix) {
                 (Mix::Linear(s), HostMix::Linear(h)) => s.restore(h, b)?,
-                (Mix::Indexed { indexer, .. }, HostMix::Indexed(h)) => indexer.clone_from(h),
+                (Mix::Indexed { indexer, .. }, HostMix::Indexed(h)) => indexer.restore(h, b)?,
                 _ => return Err(Error::InvalidInput("snapshot belongs to another model".into())),
             }
             l.ple = ple.as_ref().map(|h| b.upload_host(h)).transpose()?;
