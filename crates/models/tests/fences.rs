@@ -1,7 +1,8 @@
 //! The execution contract under a backend whose fences complete late: ops are "queued" (the CPU runs
 //! them at once, but a fence counts as complete only once waited for, or when the simulated device
 //! catches up at random), and the backend checks that the MoE block never overwrites an expert slot
-//! before the fence of the slot's last reader has completed. One slot per layer, so every step reuses
+//! before the fence of the slot's last reader has completed, and that no RAM lease handed over with an
+//! upload ends before that upload's fence. (Snapshots need no fence: a download waits for the device.) One slot per layer, so every step reuses
 //! slots in waves; the answers must still be the CPU backend's bits.
 
 mod common;
@@ -21,23 +22,48 @@ struct Deferred {
     /// Ops issued so far (a fence is the count when it was recorded).
     issued: AtomicU64,
     /// Fences up to this one have completed.
-    done: AtomicU64,
+    done: Arc<AtomicU64>,
     /// (layer, slot) → the issue count of the last op that read it.
     readers: Mutex<HashMap<(u32, usize), u64>>,
     /// Uploads into a slot whose last reader had not completed.
     violations: AtomicUsize,
+    /// RAM leases released before their upload's fence completed.
+    early_releases: Arc<AtomicUsize>,
     /// A small LCG: now and then the device catches up with part of the queue.
     rng: AtomicU64,
 }
 
+/// A RAM lease that checks, when released, that the upload it was handed with has completed.
+#[derive(Debug)]
+struct LeaseWatch {
+    inner: Option<Box<dyn std::fmt::Debug + Send + Sync>>,
+    fence: u64,
+    done: Arc<AtomicU64>,
+    early: Arc<AtomicUsize>,
+}
+
+impl Drop for LeaseWatch {
+    fn drop(&mut self) {
+        if self.done.load(Ordering::SeqCst) < self.fence {
+            self.early.fetch_add(1, Ordering::SeqCst);
+        }
+        drop(self.inner.take());
+    }
+}
+
 impl Deferred {
+    fn done_handle(&self) -> Arc<AtomicU64> {
+        self.done.clone()
+    }
+
     fn new(inner: BackendRef) -> Self {
         Deferred {
             inner,
             issued: AtomicU64::new(0),
-            done: AtomicU64::new(0),
+            done: Arc::new(AtomicU64::new(0)),
             readers: Mutex::new(HashMap::new()),
             violations: AtomicUsize::new(0),
+            early_releases: Arc::new(AtomicUsize::new(0)),
             rng: AtomicU64::new(12345),
         }
     }
@@ -65,13 +91,22 @@ impl Backend for Deferred {
     fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {
         self.inner.alloc_expert_pool(layer, slots, shape)
     }
-    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
+    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, mut expert: HostExpert) -> Result<Fence> {
         let last = self.readers.lock().expect("lock").get(&(pool.layer, slot)).copied().unwrap_or(0);
         if last > self.done.load(Ordering::SeqCst) {
             self.violations.fetch_add(1, Ordering::SeqCst);
         }
+        // The copy is queued: the RAM lease must outlive its fence (the slot keeps it until reused).
+        let fence = self.issue();
+        let watch = LeaseWatch {
+            inner: expert.lease.take(),
+            fence,
+            done: self.done_handle(),
+            early: self.early_releases.clone(),
+        };
+        expert.lease = Some(Box::new(watch));
         self.inner.upload_expert(pool, slot, expert)?;
-        Ok(Fence(self.issue()))
+        Ok(Fence(fence))
     }
     fn moe_routed(&self, x: &Tensor, slots: &Tensor, w: &Tensor, pool: &ExpertPool, out: &mut Tensor) -> Result<()> {
         let n = self.issue();
@@ -125,5 +160,9 @@ fn no_slot_is_overwritten_before_its_last_reader_completes() {
         }
         assert!(model.slot_stats().misses > 0, "{name}: slots were reused");
         assert_eq!(deferred.violations.load(Ordering::SeqCst), 0, "{name}: a slot was overwritten while read");
+        // The device drains its queue, then the model's slots release the leases they still hold.
+        deferred.wait_fence(deferred.record_fence()).expect("drain");
+        drop(model);
+        assert_eq!(deferred.early_releases.load(Ordering::SeqCst), 0, "{name}: a RAM lease ended before its upload");
     }
 }
