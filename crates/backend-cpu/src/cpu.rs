@@ -26,10 +26,27 @@ use crate::host as fb;
 #[derive(Debug)]
 pub enum CpuStorage {
     /// Typed host elements (f32 activations, states, norms and KV pages; bf16 KV; i32 slot and page
-    /// ids; bytes), and what they are charged to the memory cap (given back on drop).
-    Data(HostVec, Option<Charge>),
+    /// ids; bytes), what they are charged to the memory cap (given back on drop), and the thread that
+    /// made them.
+    Data(HostVec, Meta),
     /// A placed weight: the host matrix, not copied (mapped memory is not charged).
     Matrix(Arc<dyn HostMatrix>),
+}
+
+/// Who a CPU tensor belongs to: its memory-cap charge and the thread that made it. The execution
+/// contract (the trait's docs) gives each thread its own tensors; writes check it in debug builds, so a
+/// tensor written by a thread that did not make it (the vision thread's activations on the runner's
+/// queue, say) is caught by the tests. Weights and tensors only read are shared freely.
+#[derive(Debug)]
+pub struct Meta {
+    charge: Option<Charge>,
+    owner: std::thread::ThreadId,
+}
+
+impl Meta {
+    fn new(charge: Option<Charge>) -> Self {
+        Meta { charge, owner: std::thread::current().id() }
+    }
 }
 
 /// Bytes of a tensor charged to a [`CpuBackend`]'s memory cap until the tensor drops.
@@ -82,12 +99,13 @@ impl Storage for CpuStorage {
         Box::new(match self {
             // A clone is charged like the original (over the cap only by what is already live: a copy
             // of a tensor in use is never the allocation that matters).
-            CpuStorage::Data(v, charge) => {
-                let charge = charge.as_ref().map(|c| {
+            CpuStorage::Data(v, meta) => {
+                let charge = meta.charge.as_ref().map(|c| {
                     c.cap.live.fetch_add(c.bytes, Ordering::Relaxed);
                     Charge { cap: c.cap.clone(), bytes: c.bytes }
                 });
-                CpuStorage::Data(v.clone(), charge)
+                // The copy belongs to the thread that made it.
+                CpuStorage::Data(v.clone(), Meta::new(charge))
             }
             CpuStorage::Matrix(m) => CpuStorage::Matrix(m.clone()),
         })
@@ -136,7 +154,7 @@ impl CpuBackend {
         let dtype = data.as_data().dtype();
         debug_assert_eq!(shape.iter().product::<usize>(), data.as_data().len());
         let charge = self.cap.as_ref().map(|c| c.charge(data.bytes())).transpose()?;
-        Ok(Tensor::new(shape.to_vec(), dtype, Device::Cpu, Box::new(CpuStorage::Data(data, charge))))
+        Ok(Tensor::new(shape.to_vec(), dtype, Device::Cpu, Box::new(CpuStorage::Data(data, Meta::new(charge)))))
     }
 }
 
@@ -151,7 +169,14 @@ pub fn host(t: &Tensor) -> &[f32] {
 /// An f32 CPU tensor's elements, mutably.
 pub fn host_mut(t: &mut Tensor) -> &mut [f32] {
     match t.storage_mut::<CpuStorage>() {
-        Some(CpuStorage::Data(HostVec::F32(v), _)) => v,
+        Some(CpuStorage::Data(HostVec::F32(v), meta)) => {
+            debug_assert_eq!(
+                meta.owner,
+                std::thread::current().id(),
+                "a tensor written by a thread that did not make it (the backend's execution contract): this is a bug"
+            );
+            v
+        }
         _ => panic!("expected an f32 CPU tensor: this is a bug"),
     }
 }
@@ -647,6 +672,24 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The sharing rule of the execution contract is enforced: a thread may read another's tensor, but
+    /// writing one it did not make is a bug the debug build stops (mutation: without the check in
+    /// `host_mut` the write goes through and this test fails).
+    #[test]
+    #[cfg(debug_assertions)]
+    fn a_tensor_written_by_a_thread_that_did_not_make_it_is_refused() {
+        let b = CpuBackend::default();
+        let mut t = b.upload_f32(&[1.0, 2.0], &[1, 2]).expect("upload");
+        host_mut(&mut t)[0] = 3.0;
+        let read = std::thread::scope(|s| s.spawn(|| host(&t)[0]).join());
+        assert_eq!(read.ok(), Some(3.0), "reads are shared");
+        // A copy belongs to the thread that made it.
+        let mut copy = std::thread::scope(|s| s.spawn(|| t.clone()).join().expect("clone"));
+        let write = std::thread::spawn(move || host_mut(&mut t)[0] = 4.0).join();
+        assert!(write.is_err(), "a write from another thread panics");
+        assert!(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| host_mut(&mut copy)[0] = 5.0)).is_err());
+    }
 
     #[test]
     fn route_picks_top_k_and_renormalises() {

@@ -11,7 +11,7 @@ mod experts;
 pub mod host;
 pub mod testing;
 
-pub use cpu::{host, host_mut, route, CpuBackend, CpuStorage};
+pub use cpu::{host, host_mut, route, CpuBackend, CpuStorage, Meta};
 
 /// Paths the [`forward_core_ops`] macro names, so a crate that uses it needs no `osprey-backend` import.
 #[doc(hidden)]
