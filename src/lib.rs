@@ -204,6 +204,15 @@ pub fn open_backend(device: Option<&str>, activations: Option<&str>) -> Result<o
     open_backend_with(device, activations, None)
 }
 
+/// The KV cache's element type from `--kv-cache-dtype` (`f32` when unset).
+pub fn kv_cache_dtype(name: Option<&str>) -> Result<osprey_backend::DType> {
+    match name.unwrap_or("f32") {
+        "f32" | "auto" => Ok(osprey_backend::DType::F32),
+        "bf16" => Ok(osprey_backend::DType::BF16),
+        other => anyhow::bail!("--kv-cache-dtype {other:?}: expected f32 or bf16"),
+    }
+}
+
 /// [`open_backend`] whose live tensors may take at most `memory` bytes (`--device-memory-mb`): an
 /// allocation past it fails with `BackendError::OutOfMemory`, which fails that step's requests with 503
 /// `out_of_memory` while the engine goes on.
@@ -297,6 +306,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let cfg = ModelConfig::from_dir(model_dir).with_context(|| format!("reading {}", model_dir.display()))?;
     let ck = Checkpoint::open(model_dir)?;
     let memory = settings.device_memory_mb.map(|mb| (mb.max(0.0) * 1048576.0) as usize);
+    let kv_dtype = kv_cache_dtype(settings.kv_cache_dtype.as_deref())?;
     let backend = open_backend_with(settings.device.as_deref(), settings.activations.as_deref(), memory)?;
     let experts = expert_source(settings, (&cfg, &ck), wrap_reader, backend.as_ref())?;
     let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
@@ -330,7 +340,8 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let grid = settings.snapshot_interval.unwrap_or(64).max(page_size) / page_size * page_size;
     let kv_capacity_tokens = settings.kv_capacity_tokens.unwrap_or(4 * context_len);
     let kv_pages = kv_capacity_tokens.div_ceil(page_size);
-    let runner = osprey_runner::Runner::new(model, vision.as_ref().map(|v| v.sender()), page_size, kv_pages);
+    let runner =
+        osprey_runner::Runner::with_kv(model, vision.as_ref().map(|v| v.sender()), (page_size, kv_pages), kv_dtype);
     let runner = osprey_runner::spawn(runner);
     let prefix_on = !settings.disable_prefix_cache.unwrap_or(false);
     let prefix = prefix_on.then(|| {

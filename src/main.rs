@@ -77,6 +77,9 @@ struct ServeArgs {
     /// gets 503 out_of_memory and the engine goes on.
     #[arg(long)]
     device_memory_mb: Option<f64>,
+    /// Element type of the KV cache: `f32` (default, exact) or `bf16` (half the KV memory).
+    #[arg(long)]
+    kv_cache_dtype: Option<String>,
     /// Prefix cache page size in tokens.
     #[arg(long)]
     page_size: Option<usize>,
@@ -182,6 +185,7 @@ impl ServeArgs {
             disable_prefix_cache: self.disable_prefix_cache.then_some(true),
             prefix_cache_mb: self.prefix_cache_mb,
             device_memory_mb: self.device_memory_mb,
+            kv_cache_dtype: self.kv_cache_dtype.clone(),
             page_size: self.page_size,
             snapshot_interval: self.snapshot_interval,
             expert_ram_gb: self.expert_ram_gb,

@@ -91,6 +91,9 @@ pub struct Settings {
     /// the weights). Past it a step fails with 503 `out_of_memory` and the engine goes on. Default: no cap
     /// on CPU (the machine bounds it); a device's free memory on CUDA.
     pub device_memory_mb: Option<f64>,
+    /// Element type of the KV cache: `f32` (default: the exact path) or `bf16` (half the KV memory, rows
+    /// rounded to nearest even as they are written; answers may differ from f32's).
+    pub kv_cache_dtype: Option<String>,
     /// Tokenizer worker threads (templates, media decoding and preprocessing, detokenization; default 2).
     pub tokenizer_workers: Option<usize>,
     /// Most pixels of all images and frames of one request (default 192 M: ~576 MB decoded).

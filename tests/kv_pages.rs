@@ -143,3 +143,20 @@ fn preempted_image_and_video_sequences_are_recomputed_to_the_same_answers() {
 fn start_dir(settings: Settings, dir: std::path::PathBuf) -> SocketAddr {
     harness::start(Settings { activations: Some("f32".into()), ..settings }, dir)
 }
+
+/// `--kv-cache-dtype bf16`: a pool too small for the requests side by side still preempts, recomputes
+/// and answers every request in full with half the KV bytes (the drift against f32 KV is bounded in
+/// crates/models/tests/kv_dtype.rs); an unknown element type is refused at start, before the model loads.
+#[test]
+fn a_bf16_kv_pool_serves_and_preempts_and_an_unknown_kv_dtype_is_refused() {
+    let bf16 = Settings { kv_cache_dtype: Some("bf16".into()), ..Settings::default() };
+    let tiny =
+        start(Settings { kv_capacity_tokens: Some(160), page_size: Some(16), max_running_requests: Some(6), ..bf16 });
+    for (i, (_, tokens)) in ask_all(tiny, 6).iter().enumerate() {
+        assert_eq!(*tokens, 40, "request {i}: all tokens generated");
+    }
+    assert!(metric(tiny, "osprey_preemptions_total") > 0.0, "the tiny pool must have preempted");
+    let bad = Settings { kv_cache_dtype: Some("f8".into()), port: Some(0), ..Settings::default() };
+    let Err(err) = osprey::start(&bad, &fixtures().join("models/qwen3_5_moe-tiny")) else { panic!("refused") };
+    assert!(err.to_string().contains("--kv-cache-dtype"), "{err}");
+}

@@ -3,6 +3,7 @@
 //! nothing). Every op calls the kernel the layers called before the seam, in the same order, so answers
 //! are bit-identical to the pre-seam engine.
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -158,18 +159,18 @@ impl CpuBackend {
     }
 }
 
-/// An f32 CPU tensor's elements.
-pub fn host(t: &Tensor) -> &[f32] {
+/// A CPU tensor's typed elements.
+pub fn host_data(t: &Tensor) -> &HostVec {
     match t.storage::<CpuStorage>() {
-        Some(CpuStorage::Data(HostVec::F32(v), _)) => v,
-        other => panic!("expected an f32 CPU tensor, got {other:?}: this is a bug"),
+        Some(CpuStorage::Data(v, _)) => v,
+        other => panic!("expected a CPU tensor with data, got {other:?}: this is a bug"),
     }
 }
 
-/// An f32 CPU tensor's elements, mutably.
-pub fn host_mut(t: &mut Tensor) -> &mut [f32] {
+/// A CPU tensor's typed elements, mutably (by the thread that made it: the execution contract).
+pub fn host_data_mut(t: &mut Tensor) -> &mut HostVec {
     match t.storage_mut::<CpuStorage>() {
-        Some(CpuStorage::Data(HostVec::F32(v), meta)) => {
+        Some(CpuStorage::Data(v, meta)) => {
             debug_assert_eq!(
                 meta.owner,
                 std::thread::current().id(),
@@ -177,8 +178,52 @@ pub fn host_mut(t: &mut Tensor) -> &mut [f32] {
             );
             v
         }
+        _ => panic!("expected a CPU tensor with data: this is a bug"),
+    }
+}
+
+/// An f32 CPU tensor's elements.
+pub fn host(t: &Tensor) -> &[f32] {
+    match host_data(t) {
+        HostVec::F32(v) => v,
+        other => panic!("expected an f32 CPU tensor, got {:?}: this is a bug", other.as_data().dtype()),
+    }
+}
+
+/// An f32 CPU tensor's elements, mutably.
+pub fn host_mut(t: &mut Tensor) -> &mut [f32] {
+    match host_data_mut(t) {
+        HostVec::F32(v) => v,
         _ => panic!("expected an f32 CPU tensor: this is a bug"),
     }
+}
+
+/// The i32 elements of a CPU tensor (slot ids, page tables, selected blocks).
+fn host_i32(t: &Tensor) -> &[i32] {
+    match host_data(t) {
+        HostVec::I32(v) => v,
+        other => panic!("expected an i32 CPU tensor, got {:?}: this is a bug", other.as_data().dtype()),
+    }
+}
+
+/// One plane (K or V) per page, as f32.
+type Planes<'a> = Vec<Cow<'a, [f32]>>;
+
+/// The K and V planes of the first `pages` pages of a sequence's table, as f32 (borrowed from an f32
+/// pool, widened from a bf16 one).
+fn kv_planes<'a>(kv: &PagedView<'a>, pages: usize, row: usize) -> (Planes<'a>, Planes<'a>) {
+    let span = kv.page_size * row;
+    let plane = |p: i32, v: bool| -> Cow<'a, [f32]> {
+        let at = kv.k_row(p as usize, 0) * row + usize::from(v) * span;
+        match host_data(kv.pool) {
+            HostVec::F32(d) => Cow::Borrowed(&d[at..at + span]),
+            HostVec::Bf16(d) => {
+                Cow::Owned(d[at..at + span].iter().map(|&b| f32::from_bits(u32::from(b) << 16)).collect())
+            }
+            other => panic!("a KV pool of {:?}: this is a bug", other.as_data().dtype()),
+        }
+    };
+    host_i32(kv.table)[..pages].iter().map(|&p| (plane(p, false), plane(p, true))).unzip()
 }
 
 fn matrix(t: &Tensor) -> &dyn HostMatrix {
@@ -253,17 +298,33 @@ impl Backend for CpuBackend {
 
     fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>) {
         let c = src.cols();
-        let s = &host(src)[rows.start * c..rows.end * c];
-        host_mut(dst)[at..at + s.len()].copy_from_slice(s);
+        let r = rows.start * c..rows.end * c;
+        match (host_data_mut(dst), host_data(src)) {
+            (HostVec::F32(d), HostVec::F32(s)) => d[at..at + r.len()].copy_from_slice(&s[r]),
+            // One rounding for every machine (the AVX512-BF16 row kernel flushes subnormals).
+            (HostVec::Bf16(d), HostVec::F32(s)) => {
+                d[at..at + r.len()].iter_mut().zip(&s[r]).for_each(|(d, &s)| *d = osprey_kernels::bf16::round(s))
+            }
+            (HostVec::Bf16(d), HostVec::Bf16(s)) => d[at..at + r.len()].copy_from_slice(&s[r]),
+            (d, s) => panic!("write_rows of {:?} into {:?}: this is a bug", s.as_data().dtype(), d.as_data().dtype()),
+        }
     }
 
     fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor> {
-        let (c, xs) = (x.cols(), host(x));
-        let mut out = Vec::with_capacity(rows.len() * c);
-        for &i in rows {
-            out.extend_from_slice(&xs[i * c..(i + 1) * c]);
+        fn gather<T: Copy>(xs: &[T], c: usize, rows: &[usize]) -> Vec<T> {
+            let mut out = Vec::with_capacity(rows.len() * c);
+            for &i in rows {
+                out.extend_from_slice(&xs[i * c..(i + 1) * c]);
+            }
+            out
         }
-        self.tensor(&[rows.len(), c], out)
+        let c = x.cols();
+        let data = match host_data(x) {
+            HostVec::F32(v) => HostVec::F32(gather(v, c, rows)),
+            HostVec::Bf16(v) => HostVec::Bf16(gather(v, c, rows)),
+            other => panic!("gather_rows of {:?}: this is a bug", other.as_data().dtype()),
+        };
+        self.typed(&[rows.len(), c], data)
     }
 
     fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor) {
@@ -419,15 +480,9 @@ impl Backend for CpuBackend {
         scale: f32,
         out: &mut Tensor,
     ) {
-        let span = kv.page_size * shape.kv_heads * shape.head_dim;
-        let (k, v): (Vec<&[f32]>, Vec<&[f32]>) = kv
-            .pages
-            .iter()
-            .map(|p| {
-                let d = host(p);
-                (&d[kv.k_offset..kv.k_offset + span], &d[kv.v_offset..kv.v_offset + span])
-            })
-            .unzip();
+        let row = shape.kv_heads * shape.head_dim;
+        let (k, v) = kv_planes(&kv, (past + rows.len()).div_ceil(kv.page_size), row);
+        let (k, v): (Vec<&[f32]>, Vec<&[f32]>) = (k.iter().map(|p| &**p).collect(), v.iter().map(|p| &**p).collect());
         let c = q.cols();
         let paged = PagedKv { k: &k, v: &v, page: kv.page_size };
         let q = &host(q)[rows.start * c..rows.end * c];
@@ -643,12 +698,11 @@ impl Backend for CpuBackend {
         out: &mut Tensor,
     ) {
         let row = shape.kv_heads * shape.head_dim;
-        let fetch = |pos: usize| fb::kv_rows(host(kv.pages[pos / kv.page_size]), &kv, pos % kv.page_size, row);
+        let ps = kv.page_size;
+        let (kp, vp) = kv_planes(&kv, (past + rows.len()).div_ceil(ps), row);
+        let fetch = |pos: usize| fb::kv_rows((&kp[pos / ps], &vp[pos / ps]), pos % ps, row);
         let (c, top) = (q.cols(), blocks.cols());
-        let ids = match blocks.storage::<CpuStorage>() {
-            Some(CpuStorage::Data(HostVec::I32(v), _)) => v,
-            _ => panic!("QSA blocks must be an i32 CPU tensor: this is a bug"),
-        };
+        let ids = host_i32(blocks);
         let selected: Vec<Vec<usize>> =
             (0..rows.len()).map(|j| fb::selected_positions(&ids[j * top..(j + 1) * top], past + j, ratio)).collect();
         let qh = &host(q)[rows.start * c..rows.end * c];

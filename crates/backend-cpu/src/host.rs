@@ -4,8 +4,6 @@
 //! explicitly (the seam has no silent fallbacks). They follow transformers 5.23.0's
 //! `modular_qwen4_exp.py` (cited per function).
 
-use osprey_backend::PagedView;
-
 /// Zero-centred RMSNorm per group of `group` columns, weight `(1 + w)` over the whole row
 /// (`Qwen4ExpTextRMSNorm` with `group_size`).
 pub fn rms_norm_grouped(x: &mut [f32], w: &[f32], group: usize, eps: f32) {
@@ -155,10 +153,9 @@ pub fn route_sorted(logits: &[f32], cols: usize, top_k: usize, renorm: bool) -> 
     (ids, weights)
 }
 
-/// The K and V rows of slot `slot` of one page's data (`row` values each) in the layer `kv` views.
-pub fn kv_rows<'a>(page: &'a [f32], kv: &PagedView<'_>, slot: usize, row: usize) -> (&'a [f32], &'a [f32]) {
-    let at = |off: usize| &page[off + slot * row..off + (slot + 1) * row];
-    (at(kv.k_offset), at(kv.v_offset))
+/// The K and V rows of slot `slot` of one page's K and V planes (`row` values each).
+pub fn kv_rows<'a>((k, v): (&'a [f32], &'a [f32]), slot: usize, row: usize) -> (&'a [f32], &'a [f32]) {
+    (&k[slot * row..(slot + 1) * row], &v[slot * row..(slot + 1) * row])
 }
 
 /// Mean of `n` rows of `cols` values (summed in row order per column, then divided by `n`).

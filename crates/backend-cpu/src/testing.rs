@@ -531,9 +531,21 @@ impl Backend for HostOps {
         scale: f32,
         out: &mut Tensor,
     ) {
-        let pages: Vec<Vec<f32>> = kv.pages.iter().map(|p| self.host(p)).collect();
         let row = shape.kv_heads * shape.head_dim;
-        let fetch = |pos: usize| fb::kv_rows(&pages[pos / kv.page_size], &kv, pos % kv.page_size, row);
+        let pool = match self.download(kv.pool).expect("a host copy for a test backend") {
+            osprey_backend::HostVec::F32(v) => v,
+            osprey_backend::HostVec::Bf16(v) => v.iter().map(|&b| f32::from_bits(u32::from(b) << 16)).collect(),
+            _ => panic!("KV pools are f32 or bf16"),
+        };
+        let table = match self.download(kv.table).expect("a host copy for a test backend") {
+            osprey_backend::HostVec::I32(v) => v,
+            _ => panic!("page tables are i32"),
+        };
+        let ps = kv.page_size;
+        let fetch = |pos: usize| {
+            let at = kv.k_row(table[pos / ps] as usize, 0) * row;
+            fb::kv_rows((&pool[at..at + ps * row], &pool[at + ps * row..at + 2 * ps * row]), pos % ps, row)
+        };
         let top = blocks.cols();
         let ids = match self.download(blocks).expect("a host copy for a test backend") {
             osprey_backend::HostVec::I32(v) => v,

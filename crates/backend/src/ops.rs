@@ -27,18 +27,25 @@ pub struct RopeTable {
     pub sin: Tensor,
 }
 
-/// One KV layer of a sequence's pages: each page holds `page_size` slots of every layer; the K rows of
-/// this layer start at element `k_offset` of a page, the V rows at `v_offset`, `row` elements a slot.
+/// One KV layer of a sequence as attention reads it: the layer's page pool and the sequence's page table.
+/// The pool is `[pages · 2 · page_size, kv_heads · head_dim]`, f32 or bf16 (a half-size KV, widened as it
+/// is read): page `p` keeps its K rows at rows `p·2·page_size ..`, its V rows right after, `page_size`
+/// each. The table is `[pages]` i32 page ids in token order, on the backend.
 #[derive(Clone, Copy, Debug)]
 pub struct PagedView<'a> {
-    /// The sequence's pages in token order.
-    pub pages: &'a [&'a Tensor],
+    /// The layer's page pool.
+    pub pool: &'a Tensor,
+    /// The sequence's page ids in token order.
+    pub table: &'a Tensor,
     /// Slots per page.
     pub page_size: usize,
-    /// Offset of this layer's K plane in a page.
-    pub k_offset: usize,
-    /// Offset of this layer's V plane in a page.
-    pub v_offset: usize,
+}
+
+impl PagedView<'_> {
+    /// Pool row of the K row of `slot` in page `page` (the V row is `page_size` rows further).
+    pub fn k_row(&self, page: usize, slot: usize) -> usize {
+        page * 2 * self.page_size + slot
+    }
 }
 
 /// A compute backend: device memory and the operations model families are written in.
@@ -103,10 +110,13 @@ pub trait Backend: Send + Sync + Debug {
         self.upload(h.data.as_data(), &h.shape)
     }
 
-    /// Copies `src` rows `rows` into `dst` starting at element `at` (KV page writes, injected rows).
+    /// Copies `src` rows `rows` into `dst` starting at element `at` (KV page writes, injected rows). `dst`
+    /// may be f32 or bf16 (a bf16 KV pool: f32 rows are rounded to nearest even); `src` is f32 or of
+    /// `dst`'s type.
     fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>);
 
-    /// Rows `rows` of `x`, gathered in that order (expert inputs, rows whose logits are wanted).
+    /// Rows `rows` of `x`, gathered in that order, in `x`'s type (expert inputs, rows whose logits are
+    /// wanted, a KV page copied).
     fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor>;
 
     /// `out[rows[j]] += weights[j] · y[j]` in order of `j` (expert outputs back to their tokens).

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use osprey_models::backend::DType;
 use osprey_models::vision::{rows_in_chunk, MediaSpan};
 use osprey_models::{
     KvPool, LogitsWanted, Model, PageGeometry, PageRef, Positions, ReserveError, SeqInput, SeqState, SeqStep,
@@ -193,8 +194,15 @@ impl Driver {
 
     /// A driver whose KV pool holds `pages` pages of `page_size` tokens (the server: `--kv-capacity-tokens`).
     pub fn with_pool(model: Model, page_size: usize, pages: usize) -> Self {
+        Self::with_kv(model, page_size, pages, DType::F32)
+    }
+
+    /// [`Driver::with_pool`] with KV rows kept as `dtype` (f32, the exact path, or bf16: half the memory,
+    /// `--kv-cache-dtype bf16`).
+    pub fn with_kv(model: Model, page_size: usize, pages: usize, dtype: DType) -> Self {
         let page_size = page_size.max(1);
-        let pool = KvPool::new(PageGeometry::new(model.kv_layout(), page_size), pages, model.backend().clone());
+        let geo = PageGeometry::new(model.kv_layout(), page_size).with_dtype(dtype);
+        let pool = KvPool::new(geo, pages, model.backend().clone());
         Driver { model, pool, seqs: HashMap::new(), page_size, parked: HashMap::new(), next_private: SeqId::MAX }
     }
 

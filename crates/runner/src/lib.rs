@@ -12,6 +12,7 @@ mod sampler;
 use std::sync::Arc;
 use std::thread;
 
+use osprey_models::backend::DType;
 use osprey_models::{Model, PageRef, StateSnapshot};
 use osprey_protocol::prefix::PrefixMatch;
 use osprey_protocol::runner::{BatchPlan, RunnerCommand, Sampled, SnapshotTaken, StepResult};
@@ -77,7 +78,17 @@ impl Runner {
     /// A runner over a loaded model with a KV pool of `pages` pages of `page_size` tokens; `vision` serves
     /// media rows (None for text-only models).
     pub fn new(model: Model, vision: Option<VisionSender>, page_size: usize, pages: usize) -> Self {
-        Runner { driver: Driver::with_pool(model, page_size, pages), vision }
+        Self::with_kv(model, vision, (page_size, pages), DType::F32)
+    }
+
+    /// [`Runner::new`] with KV rows kept as `dtype` (f32 or bf16).
+    pub fn with_kv(
+        model: Model,
+        vision: Option<VisionSender>,
+        (page_size, pages): (usize, usize),
+        dtype: DType,
+    ) -> Self {
+        Runner { driver: Driver::with_kv(model, page_size, pages, dtype), vision }
     }
 
     /// Page counts of the KV pool.

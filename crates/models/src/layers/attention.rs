@@ -83,14 +83,12 @@ impl GatedAttention {
         for (si, (seg, table)) in segs.iter().zip(tables.iter_mut()).enumerate() {
             let rows = seg.row..seg.row + seg.len;
             table.write(b, kv_layer, seg.past, (&k, &v), rows.clone());
-            let pages = table.page_tensors();
-            let view = table.view(&pages, kv_layer);
-            match selected {
+            table.attend(kv_layer, |view| match selected {
                 Some((blocks, ratio)) => {
                     b.attention_selected(&q, rows, view, &blocks[si], (seg.past, ratio), self.shape, scale, &mut attn)
                 }
                 None => b.attention_paged(&q, rows, view, seg.past, self.shape, scale, &mut attn),
-            }
+            });
         }
         // 4. Output gate and projection.
         b.sigmoid_mul(&mut attn, &gate);

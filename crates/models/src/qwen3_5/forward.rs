@@ -26,10 +26,11 @@ impl Qwen35 {
             return Ok(ForwardOutput::default());
         }
         let b = self.backend.as_ref();
-        // KV slots for the new tokens (a pooled table was reserved by its pool; an unpooled one grows).
+        // KV slots for the new tokens (a pooled table was reserved by its pool; an unpooled one grows), the
+        // pages they land in private, the page ids on the backend.
         for s in steps.iter_mut() {
             let need = s.state.len + s.input.tokens.len();
-            s.state.kv.grow(need, b)?;
+            s.state.kv.grow(s.state.len, need, b)?;
         }
         let capture_hidden = opts.capture_hidden || opts.teacher_inputs.is_some();
         if let Some(t) = opts.teacher_inputs {

@@ -32,7 +32,7 @@ impl Qwen4Exp {
         let (h, hc) = (self.hidden, self.p.hc);
         for s in steps.iter_mut() {
             let need = s.state.len + s.input.tokens.len();
-            s.state.kv.grow(need, b)?;
+            s.state.kv.grow(s.state.len, need, b)?;
         }
         // 1. Segments, embeddings (with injected media rows), positions; the streams start as hc copies.
         let l = batch::layout(steps);
