@@ -241,63 +241,24 @@ pub fn open_backend_with(
     Ok(backend)
 }
 
-/// PLE row-cache metrics (Prometheus text), when a model with PLE tables is loaded.
-/// Metrics kept by model and runner code outside the actors' stats: PLE rows and grammar masks.
+/// Metrics kept by runner code outside the actors' stats: grammar masks.
 fn extra_metrics() -> String {
     use std::sync::atomic::Ordering::Relaxed;
     let (nanos, masks) = (osprey_runner::MASK_NANOS.load(Relaxed), osprey_runner::MASKS.load(Relaxed));
-    let grammar: String = [
+    [
         ("osprey_grammar_masks_total", "Token masks computed for constrained decoding.", masks as f64),
         ("osprey_grammar_mask_seconds_total", "Seconds spent computing token masks.", nanos as f64 * 1e-9),
     ]
     .iter()
     .map(|(name, help, v)| format!("# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"))
-    .collect();
-    grammar + &ple_metrics()
+    .collect()
 }
 
 /// [`extra_metrics`] as JSON for the engine view.
 fn extra_stats() -> serde_json::Value {
     use std::sync::atomic::Ordering::Relaxed;
     let (nanos, masks) = (osprey_runner::MASK_NANOS.load(Relaxed), osprey_runner::MASKS.load(Relaxed));
-    let mut v = serde_json::json!({"grammar": {"masks": masks, "mask_seconds": nanos as f64 * 1e-9}});
-    let s = osprey_models::ple_stats();
-    if s.table_bytes.load(Relaxed) > 0 {
-        let (hits, misses) = (s.hits.load(Relaxed), s.misses.load(Relaxed));
-        v["ple"] = serde_json::json!({
-            "hits": hits, "misses": misses,
-            "residency": if hits + misses == 0 { 1.0 } else { hits as f64 / (hits + misses) as f64 },
-            "bytes_read": s.bytes_read.load(Relaxed), "resident_bytes": s.resident_bytes.load(Relaxed),
-            "table_bytes": s.table_bytes.load(Relaxed),
-        });
-    }
-    v
-}
-
-fn ple_metrics() -> String {
-    use std::sync::atomic::Ordering::Relaxed;
-    let s = osprey_models::ple_stats();
-    if s.table_bytes.load(Relaxed) == 0 {
-        return String::new();
-    }
-    let (hits, misses) = (s.hits.load(Relaxed), s.misses.load(Relaxed));
-    let residency = if hits + misses == 0 { 1.0 } else { hits as f64 / (hits + misses) as f64 };
-    [
-        ("osprey_ple_hits_total", "PLE rows served from the RAM cache.", "counter", hits as f64),
-        ("osprey_ple_misses_total", "PLE rows read from the table on disk.", "counter", misses as f64),
-        (
-            "osprey_ple_bytes_read_total",
-            "Bytes of PLE rows read from the table.",
-            "counter",
-            s.bytes_read.load(Relaxed) as f64,
-        ),
-        ("osprey_ple_resident_bytes", "Bytes of PLE rows held in RAM.", "gauge", s.resident_bytes.load(Relaxed) as f64),
-        ("osprey_ple_table_bytes", "Bytes of the PLE tables on disk.", "gauge", s.table_bytes.load(Relaxed) as f64),
-        ("osprey_ple_residency", "Fraction of PLE row lookups served from RAM.", "gauge", residency),
-    ]
-    .iter()
-    .map(|(name, help, kind, v)| format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"))
-    .collect()
+    serde_json::json!({"grammar": {"masks": masks, "mask_seconds": nanos as f64 * 1e-9}})
 }
 
 /// [`start`] with the expert reader wrapped by `wrap_reader`.

@@ -132,11 +132,10 @@ pub struct ExpertsReport {
     pub ple_bytes_read_per_token: Option<f64>,
 }
 
-/// PLE counters: (hits, misses, bytes read).
-fn ple_counts() -> (u64, u64, u64) {
-    use std::sync::atomic::Ordering::Relaxed;
-    let s = osprey_models::ple_stats();
-    (s.hits.load(Relaxed), s.misses.load(Relaxed), s.bytes_read.load(Relaxed))
+/// The model's PLE counters: (hits, misses, bytes read).
+fn ple_counts(stats: Option<&osprey_models::PleStats>) -> (u64, u64, u64) {
+    let s = stats.map(|s| s.counts()).unwrap_or_default();
+    (s.hits, s.misses, s.bytes_read)
 }
 
 fn stats(tx: &tokio::sync::mpsc::UnboundedSender<ResidencyCommand>) -> ResidencyStats {
@@ -253,22 +252,23 @@ pub fn bench_experts_traced(
     let opts = osprey_models::LoadOptions { experts: Some(source), expert_slots: None, ple_budget: ple_budget.clone() };
     let model = osprey_models::load_with_options(&cfg, &ck, opts, backend, &mut |_, _| {})?;
     // The tables' size is known once they are open: the budget is a fraction of it.
-    let ple_rows = osprey_models::ple_stats().table_row_bytes.load(std::sync::atomic::Ordering::Relaxed);
+    let ple_rows = model.ple_counts().map_or(0, |c| c.table_row_bytes);
     if ple_rows > 0 {
         ple_budget.set((ple_rows as f64 * ple_fraction) as u64);
     }
     let top_k = model.info().experts_per_token;
     let prompt = crate::text_prompt(crate::bench_prompt(prompt_len, model.info().vocab_size));
+    let ple = model.ple_stats();
     let mut driver = Driver::new(model, 16);
     // Counters are sampled at the first token, so they cover the decode only.
     let (mut before, mut ple_before) = (None, (0, 0, 0));
     let opts = GenerateOptions { chunk: prompt_len.max(1), max_tokens: decode_tokens + 1, stop_token_ids: Vec::new() };
     let g = driver.generate_observed(prompt, crate::greedy(), &opts, &mut NoMedia, &mut || {
         before = Some(stats(&tx));
-        ple_before = ple_counts();
+        ple_before = ple_counts(ple.as_deref());
     })?;
     let before = before.unwrap_or_default();
-    let ple_after = ple_counts();
+    let ple_after = ple_counts(ple.as_deref());
     let (ph, pm, pb) = (ple_after.0 - ple_before.0, ple_after.1 - ple_before.1, ple_after.2 - ple_before.2);
     let secs = g.decode_secs;
     let after = stats(&tx);

@@ -172,6 +172,16 @@ pub trait CausalLm: Send + Sync + Debug {
     fn slot_stats(&self) -> crate::SlotStats {
         crate::SlotStats::default()
     }
+
+    /// The PLE row caches' counters, live (`None` for a model without PLE layers).
+    fn ple_stats(&self) -> Option<std::sync::Arc<crate::PleStats>> {
+        None
+    }
+
+    /// [`CausalLm::ple_stats`] read now.
+    fn ple_counts(&self) -> Option<crate::PleCounts> {
+        self.ple_stats().map(|s| s.counts())
+    }
 }
 
 /// A loaded model behind the seam.
@@ -199,5 +209,8 @@ impl<T: CausalLm + ?Sized> CausalLm for Box<T> {
     }
     fn slot_stats(&self) -> crate::SlotStats {
         (**self).slot_stats()
+    }
+    fn ple_stats(&self) -> Option<std::sync::Arc<crate::PleStats>> {
+        (**self).ple_stats()
     }
 }

@@ -44,7 +44,7 @@ pub use layers::slots::SlotStats;
 /// The compute-backend seam the families are written against (re-exported for callers that pick one).
 pub use osprey_backend as backend;
 pub use quantize_dir::{quantize_dir, QuantizeOptions};
-pub use qwen4_exp::{ple_stats, ple_table_rows, PleBudget, PleStats, DEFAULT_PLE_RAM_BYTES};
+pub use qwen4_exp::{ple_table_rows, PleBudget, PleCounts, PleStats, DEFAULT_PLE_RAM_BYTES};
 pub use registry::{
     expert_layout, load_checkpoint, load_on, load_vision, load_with_options, load_with_progress, ExpertLayout,
     LoadOptions, MediaSupport,

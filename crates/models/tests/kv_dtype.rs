@@ -4,15 +4,9 @@
 
 mod common;
 
-use common::Ref;
+use common::{Drift, Ref};
 use osprey_models::backend::DType;
 use osprey_models::{CausalLm, PageGeometry, PageTable, SeqInput, SeqState, SeqStep, DEFAULT_PAGE_SIZE};
-
-fn log_softmax(l: &[f32]) -> Vec<f64> {
-    let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = l.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln() + max;
-    l.iter().map(|&v| v as f64 - lse).collect()
-}
 
 fn state(m: &dyn CausalLm, dtype: DType) -> SeqState {
     let geo = PageGeometry::new(m.kv_layout(), DEFAULT_PAGE_SIZE).with_dtype(dtype);
@@ -29,21 +23,16 @@ fn drift(m: &dyn CausalLm, reference: &str) -> (f64, f64, usize, usize) {
     };
     let ids = r.ids("input_ids");
     let (mut la, mut lb) = (fwd(&mut a, &ids), fwd(&mut b, &ids));
-    let (mut worst, mut worst_top, mut agree, mut steps) = (0f64, 0f64, 0, 0);
+    let mut d = Drift::default();
     for tok in r.ids("generated_ids") {
-        let (pa, pb) = (log_softmax(&la), log_softmax(&lb));
-        worst = pa.iter().zip(&pb).map(|(x, y)| (x - y).abs()).fold(worst, f64::max);
-        let top = |p: &[f64]| p.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map(|(i, _)| i).unwrap_or(0);
-        agree += usize::from(top(&pa) == top(&pb));
-        worst_top = worst_top.max((pa[top(&pa)] - pb[top(&pa)]).abs());
-        steps += 1;
+        d.add(&la, &lb);
         la = fwd(&mut a, &[tok]);
         lb = fwd(&mut b, &[tok]);
     }
     // Half the KV bytes for the same tokens.
     let kv = |s: &SeqState| s.pages().pages().len() * s.pages().geometry().bytes();
     assert_eq!(kv(&b) * 2, kv(&a));
-    (worst, worst_top, agree, steps)
+    (d.worst, d.worst_top, d.agree, d.steps)
 }
 
 /// Measured here (2026-12-04): qwen3_5_moe-tiny max |Δlogprob| 1.1e-3 (top token 3.9e-4), qwen4_exp-tiny

@@ -154,12 +154,6 @@ fn compressed_tensors_nvfp4_loads_to_the_same_weights_as_modelopt() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn log_softmax(l: &[f32]) -> Vec<f64> {
-    let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = l.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln() + max;
-    l.iter().map(|&v| v as f64 - lse).collect()
-}
-
 /// Teacher-forced drift of `fast` from `exact` on `reference`'s prompts and generated tokens: the largest
 /// |Δlogprob| over the whole vocabulary, the largest on the exact path's top token, and how many steps
 /// agree on the top token.
@@ -168,7 +162,7 @@ fn drift(
     fast: &dyn osprey_models::CausalLm,
     reference: &str,
 ) -> (f64, f64, usize, usize) {
-    let (mut worst, mut worst_top, mut agree, mut steps) = (0f64, 0f64, 0, 0);
+    let mut d = common::Drift::default();
     for case in ["text", "long"] {
         let r = Ref::load(reference, case);
         let ids = r.ids("input_ids");
@@ -181,17 +175,12 @@ fn drift(
         };
         let (mut le, mut lf) = (fwd(exact, &mut se, &ids), fwd(fast, &mut sf, &ids));
         for tok in r.ids("generated_ids") {
-            let (pe, pf) = (log_softmax(&le), log_softmax(&lf));
-            worst = pe.iter().zip(&pf).map(|(a, b)| (a - b).abs()).fold(worst, f64::max);
-            let top = |p: &[f64]| p.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i).unwrap_or(0);
-            agree += usize::from(top(&pe) == top(&pf));
-            worst_top = worst_top.max((pe[top(&pe)] - pf[top(&pe)]).abs());
-            steps += 1;
+            d.add(&le, &lf);
             le = fwd(exact, &mut se, &[tok]);
             lf = fwd(fast, &mut sf, &[tok]);
         }
     }
-    (worst, worst_top, agree, steps)
+    (d.worst, d.worst_top, d.agree, d.steps)
 }
 
 /// The fast default against the exact path on the NVFP4 fixture: int8 activations on NVFP4 rows of up

@@ -186,8 +186,7 @@ fn an_fp8_table_with_modelopt_scales_reads_its_dequantised_values() {
 #[test]
 fn the_ple_row_budget_changes_reads_not_answers() {
     let ids = Ref::load("qwen4_exp-tiny", "long").ids("input_ids");
-    let stats = osprey_models::ple_stats();
-    let read = |s: &osprey_models::PleStats| s.misses.load(std::sync::atomic::Ordering::Relaxed);
+    let read = |m: &dyn osprey_models::CausalLm| m.ple_counts().expect("PLE layers").misses;
     let dir = common::fixtures().join("models/qwen4_exp-tiny");
     let (cfg, ck) = (
         osprey_models::ModelConfig::from_dir(&dir).expect("config"),
@@ -200,10 +199,13 @@ fn the_ple_row_budget_changes_reads_not_answers() {
     let want = prefill(&roomy, &mut roomy.new_state(), &ids, LogitsWanted::All);
     // The model's budget is followed at each lookup.
     budget.set(0);
-    let before = read(stats);
+    let before = read(&roomy);
     let got = prefill(&roomy, &mut roomy.new_state(), &ids, LogitsWanted::All);
     assert_eq!(got, want);
     // 220 tokens x 4 heads x 2 PLE layers, all read: the budget held nothing.
-    assert!(read(stats) - before >= 220 * 4 * 2, "every lookup read the table");
-    assert!(stats.table_bytes.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    assert!(read(&roomy) - before >= 220 * 4 * 2, "every lookup read the table");
+    assert!(roomy.ple_counts().expect("PLE layers").table_bytes > 0);
+    // The counters are the model's own: another model loaded beside it starts from zero.
+    let other = osprey_models::load_on(&dir, osprey_backend_cpu::CpuBackend::exact()).expect("load");
+    assert_eq!(other.ple_counts().map(|c| (c.hits, c.misses)), Some((0, 0)));
 }

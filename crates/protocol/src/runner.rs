@@ -101,6 +101,23 @@ pub struct StepResult {
     pub kv: KvPages,
     /// Expert slot counters after the step.
     pub slots: ExpertSlots,
+    /// PLE row-cache counters after the step (`None`: the model has no PLE layers).
+    pub ple: Option<PleCounters>,
+}
+
+/// PLE row-cache counters of the runner's model, summed over its PLE layers, since load.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PleCounters {
+    /// Rows served from RAM.
+    pub hits: u64,
+    /// Rows read from the table.
+    pub misses: u64,
+    /// Bytes read from the tables.
+    pub bytes_read: u64,
+    /// Bytes of rows held in RAM.
+    pub resident_bytes: u64,
+    /// Bytes of the tables on disk.
+    pub table_bytes: u64,
 }
 
 /// Expert slot counters of the runner's model, summed over its MoE layers, since start.

@@ -121,6 +121,8 @@ pub struct SchedulerStats {
     pub kv_pages_shared: usize,
     /// Expert slot counters (as of the last step).
     pub expert_slots: crate::runner::ExpertSlots,
+    /// PLE row-cache counters (as of the last step; `None` without PLE layers).
+    pub ple: Option<crate::runner::PleCounters>,
     /// Sequences preempted (KV pages ran out) since start.
     pub preemptions_total: u64,
     /// Prompt tokens computed since start.

@@ -212,6 +212,17 @@ impl Driver {
         osprey_protocol::runner::ExpertSlots { hits: s.hits, misses: s.misses, waves: s.waves }
     }
 
+    /// The model's PLE row-cache counters.
+    pub fn ple_counters(&self) -> Option<osprey_protocol::runner::PleCounters> {
+        self.model.ple_counts().map(|c| osprey_protocol::runner::PleCounters {
+            hits: c.hits,
+            misses: c.misses,
+            bytes_read: c.bytes_read,
+            resident_bytes: c.resident_bytes,
+            table_bytes: c.table_bytes,
+        })
+    }
+
     /// Page counts of the pool; `shared` counts the running sequences' pages that another holder (the
     /// prefix cache or another sequence) also references.
     pub fn kv_pages(&mut self) -> KvPages {

@@ -165,6 +165,7 @@ impl Runner {
         }
         result.kv = self.driver.kv_pages();
         result.slots = self.driver.slot_stats();
+        result.ple = self.driver.ple_counters();
         result
     }
 }

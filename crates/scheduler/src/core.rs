@@ -450,6 +450,7 @@ impl Scheduler {
             self.kv = result.kv;
         }
         self.stats.expert_slots = result.slots;
+        self.stats.ple = result.ple;
         for item in &plan.items {
             if let Some(s) = self.running.iter_mut().find(|s| s.req.id == item.seq) {
                 let n = item.end - item.start;

@@ -179,6 +179,24 @@ impl Metrics {
             "counter",
             slots.waves as f64,
         );
+        if let Some(p) = s.ple {
+            let residency = if p.hits + p.misses == 0 { 1.0 } else { p.hits as f64 / (p.hits + p.misses) as f64 };
+            for (name, help, kind, v) in [
+                ("osprey_ple_hits_total", "PLE rows served from the RAM cache.", "counter", p.hits as f64),
+                ("osprey_ple_misses_total", "PLE rows read from the table on disk.", "counter", p.misses as f64),
+                (
+                    "osprey_ple_bytes_read_total",
+                    "Bytes of PLE rows read from the table.",
+                    "counter",
+                    p.bytes_read as f64,
+                ),
+                ("osprey_ple_resident_bytes", "Bytes of PLE rows held in RAM.", "gauge", p.resident_bytes as f64),
+                ("osprey_ple_table_bytes", "Bytes of the PLE tables on disk.", "gauge", p.table_bytes as f64),
+                ("osprey_ple_residency", "Fraction of PLE row lookups served from RAM.", "gauge", residency),
+            ] {
+                gauge(&mut out, name, help, kind, v);
+            }
+        }
         gauge(
             &mut out,
             "osprey_kv_pages_shared",

@@ -105,7 +105,9 @@ pub async fn stats(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpR
             "budget": p.budget, "nodes": p.nodes, "evictions": p.evictions},
         "vision_cache": {"hits": snap.vision.hits, "misses": snap.vision.misses, "bytes": snap.vision.cached_bytes},
         "experts": experts,
-        "ple": extra.get("ple").cloned().unwrap_or(Value::Null),
+        "ple": s.ple.map(|p| json!({"hits": p.hits, "misses": p.misses,
+            "residency": if p.hits + p.misses == 0 { 1.0 } else { p.hits as f64 / (p.hits + p.misses) as f64 },
+            "bytes_read": p.bytes_read, "resident_bytes": p.resident_bytes, "table_bytes": p.table_bytes})),
         "grammar": extra.get("grammar").cloned().unwrap_or(Value::Null),
     })))
 }

@@ -16,7 +16,7 @@ mod state;
 mod table;
 
 pub use ngram::ple_table_rows;
-pub use table::{ple_stats, PleBudget, PleStats, DEFAULT_PLE_RAM_BYTES};
+pub use table::{PleBudget, PleCounts, PleStats, DEFAULT_PLE_RAM_BYTES};
 
 use std::sync::Arc;
 
@@ -123,6 +123,8 @@ pub(crate) struct Qwen4Exp {
     lm_head: Tensor,
     rope: MRope,
     experts: Arc<dyn ExpertSource>,
+    /// The PLE row caches' counters (all PLE layers).
+    ple_stats: Arc<PleStats>,
 }
 
 impl Qwen4Exp {
@@ -146,6 +148,7 @@ impl Qwen4Exp {
         let rope = MRope::new(c.head_dim(), c.rot_dim(), rope_p.rope_theta, [sec[0], sec[1], sec[2]]);
         let hc_dims = (h, p.hc, p.hc_lowrank);
         let mut layers = Vec::with_capacity(p.kinds.len());
+        let ple_stats = Arc::new(PleStats::default());
         for (i, kind) in p.kinds.iter().enumerate() {
             let lp = format!("{pre}layers.{i}");
             let mixer = match kind {
@@ -159,7 +162,8 @@ impl Qwen4Exp {
             };
             let ple = match p.ple_layers.iter().position(|&l| l == i) {
                 Some(index) => {
-                    Some(Box::new(Ple::load(b, ck, &format!("{lp}.ple"), index, &p, (h, eps), &opts.ple_budget)?))
+                    let ram = (&opts.ple_budget, &ple_stats);
+                    Some(Box::new(Ple::load(b, ck, &format!("{lp}.ple"), index, &p, (h, eps), ram)?))
                 }
                 None => None,
             };
@@ -202,7 +206,21 @@ impl Qwen4Exp {
             kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim(),
         };
-        Ok(Qwen4Exp { p, hidden: h, vocab: v, info, kv, backend, embed, layers, mixer, lm_head, rope, experts })
+        Ok(Qwen4Exp {
+            p,
+            hidden: h,
+            vocab: v,
+            info,
+            kv,
+            backend,
+            embed,
+            layers,
+            mixer,
+            lm_head,
+            rope,
+            experts,
+            ple_stats,
+        })
     }
 }
 
@@ -261,5 +279,9 @@ impl CausalLm for Qwen4Exp {
 
     fn slot_stats(&self) -> crate::SlotStats {
         self.layers.iter().fold(crate::SlotStats::default(), |a, l| a + l.moe.slot_stats())
+    }
+
+    fn ple_stats(&self) -> Option<Arc<PleStats>> {
+        self.layers.iter().any(|l| l.ple.is_some()).then(|| self.ple_stats.clone())
     }
 }

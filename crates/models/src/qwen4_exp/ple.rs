@@ -44,13 +44,13 @@ impl Ple {
         index: usize,
         p: &Params,
         (hidden, eps): (usize, f32),
-        budget: &super::table::PleBudget,
+        ram: (&super::table::PleBudget, &std::sync::Arc<super::table::PleStats>),
     ) -> Result<Self> {
         let hasher = NGramHasher::new(p.ngram, index);
         let head_dim = p.ple_embed_dim / hasher.heads();
         let rows = super::ngram::ple_table_rows(p.ngram.vocab_base, hasher.heads(), index, p.ngram_pad_to);
         let name = format!("{prefix}.ple_embedding");
-        let table = PleTable::open(ck, &name, (rows as usize, head_dim), p.ple_layers.len(), budget)?;
+        let table = PleTable::open(ck, &name, (rows as usize, head_dim), p.ple_layers.len(), ram)?;
         let wide = p.hc * hidden;
         let conv = ck.weight(&format!("{prefix}.conv1d.weight"), &[wide, 1, p.ple_conv_kernel])?.to_f32();
         Ok(Ple {

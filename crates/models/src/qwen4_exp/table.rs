@@ -6,9 +6,10 @@
 //! concatenated in order; dtypes f32 / bf16 / f16, or FP8 E4M3 as ModelOpt writes it (`weight` F8_E4M3
 //! with `weight_scale` F32, one per tensor or one per row).
 //!
-//! Counters are process-wide ([`ple_stats`]) like a Prometheus registry. The budget is a load option
-//! ([`PleBudget`] in `LoadOptions`), shared by the model's PLE layers and followed at each lookup, so
-//! whoever loaded the model may change it while it runs.
+//! Counters are the model's own ([`PleStats`], summed over its PLE layers; `CausalLm::ple_counts` reads
+//! them, and the runner passes them on to `/metrics`). The budget is a load option ([`PleBudget`] in
+//! `LoadOptions`), shared by the model's PLE layers and followed at each lookup, so whoever loaded the
+//! model may change it while it runs.
 
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -38,14 +39,36 @@ pub struct PleStats {
     pub table_row_bytes: AtomicU64,
 }
 
-static STATS: PleStats = PleStats {
-    hits: AtomicU64::new(0),
-    misses: AtomicU64::new(0),
-    bytes_read: AtomicU64::new(0),
-    resident_bytes: AtomicU64::new(0),
-    table_bytes: AtomicU64::new(0),
-    table_row_bytes: AtomicU64::new(0),
-};
+/// [`PleStats`] read at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PleCounts {
+    /// Rows served from the cache.
+    pub hits: u64,
+    /// Rows read from the table.
+    pub misses: u64,
+    /// Bytes read from the table.
+    pub bytes_read: u64,
+    /// Bytes of rows held in the caches.
+    pub resident_bytes: u64,
+    /// Bytes of the tables on disk.
+    pub table_bytes: u64,
+    /// Bytes the tables would take in RAM as cached rows (f32).
+    pub table_row_bytes: u64,
+}
+
+impl PleStats {
+    /// The counters now.
+    pub fn counts(&self) -> PleCounts {
+        PleCounts {
+            hits: self.hits.load(Relaxed),
+            misses: self.misses.load(Relaxed),
+            bytes_read: self.bytes_read.load(Relaxed),
+            resident_bytes: self.resident_bytes.load(Relaxed),
+            table_bytes: self.table_bytes.load(Relaxed),
+            table_row_bytes: self.table_row_bytes.load(Relaxed),
+        }
+    }
+}
 
 /// Default RAM budget for cached PLE rows, all layers together.
 pub const DEFAULT_PLE_RAM_BYTES: u64 = 1 << 30;
@@ -79,11 +102,6 @@ impl Default for PleBudget {
     }
 }
 
-/// The process-wide PLE counters.
-pub fn ple_stats() -> &'static PleStats {
-    &STATS
-}
-
 /// One part of the table: `rows` rows of a mapped tensor, with its scale for FP8.
 #[derive(Debug)]
 struct Part {
@@ -102,6 +120,8 @@ pub(crate) struct PleTable {
     /// PLE layers sharing the budget.
     layers: usize,
     budget: PleBudget,
+    /// The model's counters.
+    stats: Arc<PleStats>,
 }
 
 fn scales(ck: &Checkpoint, name: &str, rows: usize) -> Result<Vec<f32>> {
@@ -121,7 +141,7 @@ impl PleTable {
         prefix: &str,
         (rows, cols): (usize, usize),
         layers: usize,
-        budget: &PleBudget,
+        (budget, stats): (&PleBudget, &Arc<PleStats>),
     ) -> Result<Self> {
         let one = format!("{prefix}.ngram_embedding");
         let names: Vec<String> = if ck.contains(&format!("{one}.weight")) {
@@ -154,10 +174,11 @@ impl PleTable {
                 "{prefix}.ngram_embedding: {first_row} rows, the hash needs {rows}"
             )));
         }
-        STATS.table_bytes.fetch_add(disk, Relaxed);
-        STATS.table_row_bytes.fetch_add((rows * cols * 4) as u64, Relaxed);
+        stats.table_bytes.fetch_add(disk, Relaxed);
+        stats.table_row_bytes.fetch_add((rows * cols * 4) as u64, Relaxed);
         let cache = LruCache::new(NonZeroUsize::MIN);
-        Ok(PleTable { parts, cols, cache: Mutex::new(cache), layers: layers.max(1), budget: budget.clone() })
+        let (budget, stats) = (budget.clone(), stats.clone());
+        Ok(PleTable { parts, cols, cache: Mutex::new(cache), layers: layers.max(1), budget, stats })
     }
 
     /// This table's row capacity under the current budget.
@@ -171,7 +192,7 @@ impl PleTable {
         let (i, c) = (r - p.first_row, self.cols);
         let size = p.t.dtype.bitsize() / 8;
         let raw = p.t.bytes(i * c * size, c * size);
-        STATS.bytes_read.fetch_add(raw.len() as u64, Relaxed);
+        self.stats.bytes_read.fetch_add(raw.len() as u64, Relaxed);
         match (p.t.dtype, &p.scales) {
             (Dtype::F32, _) => raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             (Dtype::BF16, _) => raw.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
@@ -197,18 +218,18 @@ impl PleTable {
             Some(cap) if cap != cache.cap() => cache.resize(cap),
             Some(_) => {}
         }
-        STATS.resident_bytes.fetch_sub((before - cache.len()) as u64 * row_bytes, Relaxed);
+        self.stats.resident_bytes.fetch_sub((before - cache.len()) as u64 * row_bytes, Relaxed);
         for &id in ids {
             if let Some(row) = cache.get(&id) {
-                STATS.hits.fetch_add(1, Relaxed);
+                self.stats.hits.fetch_add(1, Relaxed);
                 out.extend_from_slice(row);
                 continue;
             }
-            STATS.misses.fetch_add(1, Relaxed);
+            self.stats.misses.fetch_add(1, Relaxed);
             let row: Arc<[f32]> = self.read(id as usize).into();
             out.extend_from_slice(&row);
             if capacity > 0 && cache.push(id, row).is_none() {
-                STATS.resident_bytes.fetch_add(row_bytes, Relaxed);
+                self.stats.resident_bytes.fetch_add(row_bytes, Relaxed);
             }
         }
         out
@@ -222,11 +243,8 @@ impl PleTable {
 
 impl Drop for PleTable {
     fn drop(&mut self) {
+        // The counters may outlive the table (a caller holding the model's stats): its rows leave RAM.
         let held = self.cache.get_mut().map(|c| c.len()).unwrap_or(0) as u64 * (4 * self.cols) as u64;
-        STATS.resident_bytes.fetch_sub(held.min(STATS.resident_bytes.load(Relaxed)), Relaxed);
-        let disk: u64 = self.parts.iter().map(|p| (p.rows * self.cols * p.t.dtype.bitsize() / 8) as u64).sum();
-        STATS.table_bytes.fetch_sub(disk.min(STATS.table_bytes.load(Relaxed)), Relaxed);
-        let rows: u64 = self.parts.iter().map(|p| (p.rows * self.cols * 4) as u64).sum();
-        STATS.table_row_bytes.fetch_sub(rows.min(STATS.table_row_bytes.load(Relaxed)), Relaxed);
+        self.stats.resident_bytes.fetch_sub(held.min(self.stats.resident_bytes.load(Relaxed)), Relaxed);
     }
 }

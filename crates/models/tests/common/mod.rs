@@ -113,3 +113,32 @@ pub fn scratch_dir(tag: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).expect("create the scratch directory");
     dir
 }
+
+/// Log-probabilities of one row of logits, in f64.
+pub fn log_softmax(l: &[f32]) -> Vec<f64> {
+    let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = l.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln() + max;
+    l.iter().map(|&v| v as f64 - lse).collect()
+}
+
+/// How far one path's logits drift from a reference path's, step by step (teacher forced): the largest
+/// |Δlogprob| over the vocabulary, the largest on the reference's top token, and top-1 agreements.
+#[derive(Debug, Default)]
+pub struct Drift {
+    pub worst: f64,
+    pub worst_top: f64,
+    pub agree: usize,
+    pub steps: usize,
+}
+
+impl Drift {
+    /// Adds one step: `exact` is the reference path's logits, `other` the drifting path's.
+    pub fn add(&mut self, exact: &[f32], other: &[f32]) {
+        let (pe, po) = (log_softmax(exact), log_softmax(other));
+        self.worst = pe.iter().zip(&po).map(|(a, b)| (a - b).abs()).fold(self.worst, f64::max);
+        let top = |p: &[f64]| p.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i).unwrap_or(0);
+        self.agree += usize::from(top(&pe) == top(&po));
+        self.worst_top = self.worst_top.max((pe[top(&pe)] - po[top(&pe)]).abs());
+        self.steps += 1;
+    }
+}
