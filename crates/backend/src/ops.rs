@@ -100,12 +100,14 @@ pub trait Backend: Send + Sync + Debug {
         self.zeros(DType::F32, shape)
     }
 
-    /// A tensor's shape and elements on the host (a host snapshot of device state).
+    /// A tensor's shape and elements on the host (a host snapshot of device state). A device may copy
+    /// asynchronously into pinned host memory: the returned copy may be read (uploaded, hashed, written
+    /// out) only once a fence recorded after this call has completed. On the CPU it is complete at once.
     fn download_host(&self, t: &Tensor) -> Result<HostTensor> {
         Ok(HostTensor { shape: t.shape().to_vec(), data: self.download(t)? })
     }
 
-    /// A tensor from a host copy ([`Backend::download_host`]).
+    /// A tensor from a host copy ([`Backend::download_host`]); the caller has waited for the copy's fence.
     fn upload_host(&self, h: &HostTensor) -> Result<Tensor> {
         self.upload(h.data.as_data(), &h.shape)
     }

@@ -7,13 +7,15 @@
 //! are written; the family state is the state after token `len - 1`. A [`StateSnapshot`] holds only what
 //! cannot be recovered from KV pages (the family's snapshot, plus `len` and the rope delta), in host
 //! memory: taking one downloads the family's device tensors and restoring uploads them, so a prefix cache
-//! full of snapshots fills RAM, not the device. The KV pages `[..len]` are kept by whoever holds them
+//! full of snapshots fills RAM, not the device. On a device the downloads may be asynchronous (into pinned
+//! host memory), so a snapshot carries the fence recorded after them and restoring waits for it before
+//! it reads the host copy. The KV pages `[..len]` are kept by whoever holds them
 //! (this state, or the prefix cache).
 
 use std::any::Any;
 use std::fmt::Debug;
 
-use osprey_backend::Backend;
+use osprey_backend::{Backend, Fence};
 
 use crate::error::{Error, Result};
 use crate::kv::{PageRef, PageTable};
@@ -35,8 +37,6 @@ pub trait FamilyState: Any + Send + Sync + Debug {
 pub trait FamilySnapshot: Any + Send + Sync + Debug {
     /// Host bytes held (what a prefix cache charges for it).
     fn bytes(&self) -> usize;
-    /// A copy.
-    fn boxed_clone(&self) -> Box<dyn FamilySnapshot>;
 }
 
 /// Everything one sequence carries between forwards.
@@ -64,12 +64,8 @@ pub struct StateSnapshot {
     /// mRoPE delta at that point.
     pub rope_delta: i64,
     family: Box<dyn FamilySnapshot>,
-}
-
-impl Clone for StateSnapshot {
-    fn clone(&self) -> Self {
-        StateSnapshot { len: self.len, rope_delta: self.rope_delta, family: self.family.boxed_clone() }
-    }
+    /// Recorded after the downloads: the host copy may be read once it has completed.
+    fence: Fence,
 }
 
 impl StateSnapshot {
@@ -141,7 +137,8 @@ impl SeqState {
 
     /// Copies what cannot be recovered from KV pages, at the current length, into host memory.
     pub fn snapshot(&self, b: &dyn Backend) -> Result<StateSnapshot> {
-        Ok(StateSnapshot { len: self.len, rope_delta: self.rope_delta, family: self.family.snapshot(b)? })
+        let family = self.family.snapshot(b)?;
+        Ok(StateSnapshot { len: self.len, rope_delta: self.rope_delta, family, fence: b.record_fence() })
     }
 
     /// Rewinds to `snap`: the page table is cut to `snap.len` slots and the family state replaced. The KV rows
@@ -154,6 +151,8 @@ impl SeqState {
                 snap.len, self.len
             )));
         }
+        // The copies into host memory must have landed before the host copy is read.
+        b.wait_fence(snap.fence)?;
         self.family.restore(snap.family.as_ref(), b)?;
         self.kv.truncate(snap.len);
         self.len = snap.len;

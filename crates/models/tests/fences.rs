@@ -1,9 +1,10 @@
 //! The execution contract under a backend whose fences complete late: ops are "queued" (the CPU runs
 //! them at once, but a fence counts as complete only once waited for, or when the simulated device
 //! catches up at random), and the backend checks that the MoE block never overwrites an expert slot
-//! before the fence of the slot's last reader has completed, and that no RAM lease handed over with an
-//! upload ends before that upload's fence. (Snapshots need no fence: a download waits for the device.) One slot per layer, so every step reuses
-//! slots in waves; the answers must still be the CPU backend's bits.
+//! before the fence of the slot's last reader has completed, that no RAM lease handed over with an
+//! upload ends before that upload's fence, and that no host snapshot is read (uploaded back) before the
+//! fence of the copy that filled it. One slot per layer, so every step reuses slots in waves; the answers
+//! must still be the CPU backend's bits.
 
 mod common;
 
@@ -11,7 +12,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use osprey_backend::{Backend, BackendRef, ExpertPool, ExpertShape, Fence, HostExpert, HostVec, Result, Tensor};
+use osprey_backend::{
+    Backend, BackendRef, ExpertPool, ExpertShape, Fence, HostData, HostExpert, HostTensor, HostVec, Result, Tensor,
+};
 use osprey_backend_cpu::{forward_core_ops, forward_model_ops, CpuBackend};
 use osprey_models::{CausalLm, LoadOptions, LogitsWanted, Positions, SeqInput, SeqStep};
 
@@ -29,6 +32,10 @@ struct Deferred {
     violations: AtomicUsize,
     /// RAM leases released before their upload's fence completed.
     early_releases: Arc<AtomicUsize>,
+    /// Host copies (by address of their elements) → the issue count of the download that fills them.
+    copies: Mutex<HashMap<usize, u64>>,
+    /// Host copies read before their download's fence completed.
+    early_reads: AtomicUsize,
     /// A small LCG: now and then the device catches up with part of the queue.
     rng: AtomicU64,
 }
@@ -64,6 +71,8 @@ impl Deferred {
             readers: Mutex::new(HashMap::new()),
             violations: AtomicUsize::new(0),
             early_releases: Arc::new(AtomicUsize::new(0)),
+            copies: Mutex::new(HashMap::new()),
+            early_reads: AtomicUsize::new(0),
             rng: AtomicU64::new(12345),
         }
     }
@@ -76,6 +85,16 @@ impl Deferred {
             self.done.fetch_max(n.saturating_sub(1 + (r >> 40) % 4), Ordering::SeqCst);
         }
         n
+    }
+}
+
+/// Where a host copy's elements live (what identifies it between its download and its upload).
+fn address(h: &HostTensor) -> usize {
+    match h.data.as_data() {
+        HostData::F32(v) => v.as_ptr() as usize,
+        HostData::Bf16(v) | HostData::F16(v) => v.as_ptr() as usize,
+        HostData::U8(v) => v.as_ptr() as usize,
+        HostData::I32(v) => v.as_ptr() as usize,
     }
 }
 
@@ -122,6 +141,20 @@ impl Backend for Deferred {
         self.issue();
         self.inner.moe_combine(partials, k)
     }
+    fn download_host(&self, t: &Tensor) -> Result<HostTensor> {
+        // The copy into host memory is queued: it is readable once its fence has completed.
+        let n = self.issue();
+        let h = HostTensor { shape: t.shape().to_vec(), data: self.inner.download(t)? };
+        self.copies.lock().expect("lock").insert(address(&h), n);
+        Ok(h)
+    }
+    fn upload_host(&self, h: &HostTensor) -> Result<Tensor> {
+        let filled = self.copies.lock().expect("lock").get(&address(h)).copied().unwrap_or(0);
+        if filled > self.done.load(Ordering::SeqCst) {
+            self.early_reads.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.upload(h.data.as_data(), &h.shape)
+    }
     fn record_fence(&self) -> Fence {
         Fence(self.issued.load(Ordering::SeqCst))
     }
@@ -164,5 +197,30 @@ fn no_slot_is_overwritten_before_its_last_reader_completes() {
         deferred.wait_fence(deferred.record_fence()).expect("drain");
         drop(model);
         assert_eq!(deferred.early_releases.load(Ordering::SeqCst), 0, "{name}: a RAM lease ended before its upload");
+    }
+}
+
+#[test]
+fn no_snapshot_is_read_before_its_copy_completes() {
+    for name in ["qwen3_5_moe-tiny", "qwen4_exp-tiny"] {
+        let dir = common::fixtures().join("models").join(name);
+        let deferred = Arc::new(Deferred::new(CpuBackend::shared()));
+        let model = osprey_models::load_on(&dir, deferred.clone()).expect("load");
+        let reference = osprey_models::load_on(&dir, CpuBackend::shared()).expect("reference");
+        let (mut st, mut want) = (model.new_state(), reference.new_state());
+        let prompt: Vec<u32> = (0..24).map(|i| (i * 53 + 7) % 1000).collect();
+        assert_eq!(run(&model, &mut st, &prompt), run(&reference, &mut want, &prompt), "{name}: prompt");
+        // Restored at once (the copy is still queued), then again after a few steps past it: both
+        // restores must give the reference's next logits.
+        let snap = st.snapshot(deferred.as_ref()).expect("snapshot");
+        st.restore(&snap, deferred.as_ref()).expect("restore at once");
+        let steps = [3u32, 141, 59];
+        let first: Vec<Vec<f32>> = steps.iter().map(|&t| run(&model, &mut st, &[t])).collect();
+        let expected: Vec<Vec<f32>> = steps.iter().map(|&t| run(&reference, &mut want, &[t])).collect();
+        assert_eq!(first, expected, "{name}: decoding after a restore at once");
+        st.restore(&snap, deferred.as_ref()).expect("restore later");
+        let again: Vec<Vec<f32>> = steps.iter().map(|&t| run(&model, &mut st, &[t])).collect();
+        assert_eq!(again, expected, "{name}: decoding again from the snapshot");
+        assert_eq!(deferred.early_reads.load(Ordering::SeqCst), 0, "{name}: a snapshot was read before its copy");
     }
 }

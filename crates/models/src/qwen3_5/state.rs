@@ -35,9 +35,6 @@ impl FamilySnapshot for HybridSnapshot {
     fn bytes(&self) -> usize {
         self.linear.iter().map(HostLinearState::bytes).sum()
     }
-    fn boxed_clone(&self) -> Box<dyn FamilySnapshot> {
-        Box::new(self.clone())
-    }
 }
 
 impl FamilyState for HybridState {

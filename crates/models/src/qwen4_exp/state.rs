@@ -64,9 +64,6 @@ impl FamilySnapshot for Qwen4Snapshot {
             .sum();
         layers + 4 * self.history.len() + 24 * self.positions.len()
     }
-    fn boxed_clone(&self) -> Box<dyn FamilySnapshot> {
-        Box::new(self.clone())
-    }
 }
 
 impl FamilyState for Qwen4State {
