@@ -276,6 +276,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         experts: source,
         expert_slots: None,
         ple_budget: osprey_models::PleBudget::new(ple),
+        draft_head: false,
     };
     let mut progress = Progress::new("loading weights");
     let model = osprey_models::load_with_options(&cfg, &ck, opts, backend.clone(), &mut |d, n| progress.update(d, n))?;

@@ -143,7 +143,8 @@ fn qwen4_exp_streams_match_transformers_layer_by_layer_on_media() {
                 logits: LogitsWanted::All,
             };
             let mut st = m.new_state();
-            let opts = osprey_models::ForwardOptions { capture_hidden: true, teacher_inputs: None };
+            let opts =
+                osprey_models::ForwardOptions { capture_hidden: true, teacher_inputs: None, ..Default::default() };
             let out = m.forward_with(&mut [SeqStep { state: &mut st, input }], &opts).expect("forward");
             for (i, got) in out.hidden.iter().enumerate() {
                 let want = r.f32s(&format!("hidden_states.{i}"));

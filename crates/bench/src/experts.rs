@@ -249,7 +249,11 @@ pub fn bench_experts_traced(
     let trace = Arc::new(Mutex::new(Vec::new()));
     let source = Arc::new(Recording { inner: Arc::new(set), trace: trace.clone(), wait_all });
     let ple_budget = osprey_models::PleBudget::default();
-    let opts = osprey_models::LoadOptions { experts: Some(source), expert_slots: None, ple_budget: ple_budget.clone() };
+    let opts = osprey_models::LoadOptions {
+        experts: Some(source),
+        ple_budget: ple_budget.clone(),
+        ..osprey_models::LoadOptions::default()
+    };
     let model = osprey_models::load_with_options(&cfg, &ck, opts, backend, &mut |_, _| {})?;
     // The tables' size is known once they are open: the budget is a fraction of it.
     let ple_rows = model.ple_counts().map_or(0, |c| c.table_row_bytes);

@@ -125,6 +125,9 @@ pub struct TextConfig {
     /// lm_head shares the embedding matrix.
     #[serde(default)]
     pub tie_word_embeddings: bool,
+    /// Layers of the multi-token-prediction head (`mtp.*`; 0: none). Loaded only for speculative decoding.
+    #[serde(default)]
+    pub mtp_num_hidden_layers: usize,
     /// Rotary parameters (transformers 5 layout).
     pub rope_parameters: Option<RopeParameters>,
     /// Legacy top-level θ.

@@ -6,7 +6,7 @@
 
 use std::fmt::Debug;
 
-use osprey_backend::BackendRef;
+use osprey_backend::{BackendRef, Tensor};
 
 use crate::error::Result;
 use crate::kv::{PageGeometry, PageTable};
@@ -82,6 +82,13 @@ pub struct ForwardOptions<'a> {
     /// reference's `hidden_states[i]`) instead of the previous layer's output, so each captured hidden
     /// state measures one layer's own error. Implies `capture_hidden`.
     pub teacher_inputs: Option<&'a [Vec<f32>]>,
+    /// Keep the final normed hidden rows of the batch on the backend ([`ForwardOutput::last_hidden`]):
+    /// what the draft head reads.
+    pub keep_hidden: bool,
+    /// Per sequence (in batch order; missing: `false`): a speculative verification. Its tokens run with
+    /// the numerics of single-token steps (the recurrent rule, token by token) and the recurrent state
+    /// after each token is kept, so [`SeqState::rewind`] can cut it back to any accepted length.
+    pub verify: &'a [bool],
 }
 
 /// Results of a forward.
@@ -92,6 +99,38 @@ pub struct ForwardOutput {
     /// With `capture_hidden`: transformers' `hidden_states` for the whole batch `[T, hidden]`: the input
     /// embeddings, the output of every layer but the last, then the final normed output.
     pub hidden: Vec<Vec<f32>>,
+    /// With `keep_hidden`: the final normed hidden rows `[T, hidden]` of the whole batch, on the backend.
+    pub last_hidden: Option<Tensor>,
+}
+
+/// One sequence's entries for the draft head (multi-token prediction): entry `i` pairs `tokens[i]` with
+/// row `i` of `hidden` (the main model's final normed hidden state of the token before it, or the draft
+/// head's own output when drafting ahead), at KV slot and position `start + i`. Its K/V rows land in the
+/// head's own plane of the sequence's page table, which must cover `start + tokens.len()` slots.
+#[derive(Debug)]
+pub struct DraftStep<'s, 'a> {
+    /// The sequence's state (its page table; its length does not change).
+    pub state: &'s mut SeqState,
+    /// Tokens of the entries.
+    pub tokens: &'a [u32],
+    /// `[tokens.len(), hidden]` rows on the backend.
+    pub hidden: Tensor,
+    /// Slot of the first entry.
+    pub start: usize,
+    /// Positions of the entries (`Text`: slot + the state's rope delta).
+    pub positions: Positions<'a>,
+}
+
+/// What the draft head returned.
+#[derive(Debug, Default)]
+pub struct DraftOutput {
+    /// Per sequence: the last entry's logits `[vocab]`.
+    pub logits: Vec<Vec<f32>>,
+    /// Per sequence: the last entry's normed output `[1, hidden]` on the backend (the next entry's
+    /// hidden when drafting ahead).
+    pub hidden: Vec<Tensor>,
+    /// With `capture`: per stage (`fc`, layer output, normed output, logits), every entry's rows.
+    pub captured: Vec<Vec<f32>>,
 }
 
 /// Shape facts the runtime needs about a loaded decoder.
@@ -162,7 +201,7 @@ pub trait CausalLm: Send + Sync + Debug {
 
     /// [`CausalLm::forward_with`] with default options.
     fn forward(&self, steps: &mut [SeqStep<'_, '_>], capture_hidden: bool) -> Result<ForwardOutput> {
-        self.forward_with(steps, &ForwardOptions { capture_hidden, teacher_inputs: None })
+        self.forward_with(steps, &ForwardOptions { capture_hidden, ..ForwardOptions::default() })
     }
 
     /// Bytes of weights read per token excluding routed experts (the dense part), and per routed expert.
@@ -171,6 +210,18 @@ pub trait CausalLm: Send + Sync + Debug {
     /// Expert slot counters summed over the MoE layers (zero for a dense model).
     fn slot_stats(&self) -> crate::SlotStats {
         crate::SlotStats::default()
+    }
+
+    /// Whether a draft head (`mtp.*`) was loaded ([`crate::LoadOptions::draft_head`]).
+    fn has_draft_head(&self) -> bool {
+        false
+    }
+
+    /// Runs the draft head over each sequence's entries; `capture` also returns every stage's rows
+    /// (parity tests).
+    fn draft(&self, steps: &mut [DraftStep<'_, '_>], capture: bool) -> Result<DraftOutput> {
+        let _ = (steps, capture);
+        Err(crate::Error::Unsupported(format!("{} has no draft head loaded", self.info().family)))
     }
 
     /// The PLE row caches' counters, live (`None` for a model without PLE layers).
@@ -212,5 +263,11 @@ impl<T: CausalLm + ?Sized> CausalLm for Box<T> {
     }
     fn ple_stats(&self) -> Option<std::sync::Arc<crate::PleStats>> {
         (**self).ple_stats()
+    }
+    fn has_draft_head(&self) -> bool {
+        (**self).has_draft_head()
+    }
+    fn draft(&self, steps: &mut [DraftStep<'_, '_>], capture: bool) -> Result<DraftOutput> {
+        (**self).draft(steps, capture)
     }
 }

@@ -16,12 +16,17 @@ pub(crate) fn text_prefix(ck: &Checkpoint) -> &'static str {
     }
 }
 
-/// The routed experts: one MoE block per decoder layer.
+/// The routed experts: one MoE block per decoder layer, then the draft head's (`mtp.*`) when the
+/// checkpoint has one.
 pub(crate) fn expert_layout(cfg: &ModelConfig, ck: &Checkpoint) -> Result<Option<ExpertLayout>> {
     let Some(moe) = cfg.text.moe()? else { return Ok(None) };
     let p = text_prefix(ck);
+    let mut prefixes: Vec<String> = (0..cfg.text.num_hidden_layers).map(|i| format!("{p}layers.{i}.mlp")).collect();
+    if cfg.text.mtp_num_hidden_layers > 0 && ck.contains("mtp.layers.0.mlp.gate.weight") {
+        prefixes.push("mtp.layers.0.mlp".into());
+    }
     Ok(Some(ExpertLayout {
-        prefixes: (0..cfg.text.num_hidden_layers).map(|i| format!("{p}layers.{i}.mlp")).collect(),
+        prefixes,
         num_experts: moe.num_experts,
         hidden: cfg.text.hidden_size,
         intermediate: moe.intermediate,

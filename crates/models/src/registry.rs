@@ -40,6 +40,9 @@ pub struct LoadOptions {
     /// RAM for cached PLE table rows, all layers together (`qwen4_exp`; default 1 GiB). The caller may
     /// keep a clone and change it while the model runs.
     pub ple_budget: crate::PleBudget,
+    /// Load the checkpoint's draft head (`mtp.*`, speculative decoding) when it has one: the head's
+    /// layer then keeps its own plane in the KV pages.
+    pub draft_head: bool,
 }
 
 /// Loads a family's decoder from a parsed config and an opened checkpoint, its weights placed on the

@@ -31,6 +31,12 @@ pub trait FamilyState: Any + Send + Sync + Debug {
     fn restore(&mut self, snap: &dyn FamilySnapshot, b: &dyn Backend) -> Result<()>;
     /// A copy.
     fn boxed_clone(&self) -> Box<dyn FamilyState>;
+    /// Cuts the state back to after the first `keep` tokens of the last forward, which was a
+    /// verification ([`crate::ForwardOptions::verify`]) that kept the state after each of its tokens.
+    fn rewind(&mut self, keep: usize) -> Result<()> {
+        let _ = keep;
+        Err(Error::Unsupported("this model family cannot rewind a verification".into()))
+    }
 }
 
 /// A family's snapshot of its [`FamilyState`], in host memory.
@@ -139,6 +145,20 @@ impl SeqState {
     pub fn snapshot(&self, b: &dyn Backend) -> Result<StateSnapshot> {
         let family = self.family.snapshot(b)?;
         Ok(StateSnapshot { len: self.len, rope_delta: self.rope_delta, family, fence: b.record_fence() })
+    }
+
+    /// Cuts a state that has just run a verification of `n` tokens back to `len` tokens (between the
+    /// length before it, exclusive, and after it): the recurrent state after the accepted tokens, the KV
+    /// pages cut to `len` slots (rows past it are rewritten by the next forward).
+    pub fn rewind(&mut self, len: usize, n: usize) -> Result<()> {
+        let before = self.len.checked_sub(n).filter(|&b| b < len && len <= self.len);
+        let Some(before) = before else {
+            return Err(Error::InvalidInput(format!("rewind to {len} of a verification ending at {}", self.len)));
+        };
+        self.family.rewind(len - before)?;
+        self.kv.truncate(len);
+        self.len = len;
+        Ok(())
     }
 
     /// Rewinds to `snap`: the page table is cut to `snap.len` slots and the family state replaced. The KV rows

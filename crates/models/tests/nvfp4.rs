@@ -58,7 +58,7 @@ fn an_nvfp4_checkpoint_made_by_osprey_quantize_matches_dequantised_transformers(
         let out = m
             .forward_with(
                 &mut [SeqStep { state: &mut st, input }],
-                &ForwardOptions { capture_hidden: true, teacher_inputs: Some(&teacher) },
+                &ForwardOptions { capture_hidden: true, teacher_inputs: Some(&teacher), ..Default::default() },
             )
             .expect("forward");
         for (i, h) in out.hidden.iter().enumerate() {
@@ -257,7 +257,7 @@ fn lm_head_quantisation_is_opt_in_and_loads_as_nvfp4() {
     let out = m
         .forward_with(
             &mut [SeqStep { state: &mut st, input }],
-            &ForwardOptions { capture_hidden: true, teacher_inputs: None },
+            &ForwardOptions { capture_hidden: true, teacher_inputs: None, ..Default::default() },
         )
         .expect("forward");
     let normed = &out.hidden.last().expect("final normed hidden")[5 * h..6 * h];

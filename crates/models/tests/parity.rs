@@ -48,7 +48,7 @@ fn hidden_states_and_logits_match_transformers() {
             let teacher: Vec<Vec<f32>> = (0..N_LAYERS).map(|i| r.f32s(&format!("hidden_states.{i}"))).collect();
             let mut st = m.new_state();
             let input = SeqInput { logits: LogitsWanted::None, ..SeqInput::text(&ids) };
-            let opts = ForwardOptions { capture_hidden: true, teacher_inputs: Some(&teacher) };
+            let opts = ForwardOptions { capture_hidden: true, teacher_inputs: Some(&teacher), ..Default::default() };
             let out = m.forward_with(&mut [SeqStep { state: &mut st, input }], &opts).expect("forward");
             assert_eq!(out.hidden.len(), N_LAYERS + 1);
             for (i, h) in out.hidden.iter().enumerate() {

@@ -30,7 +30,7 @@ fn hidden_streams_and_logits_match_transformers() {
             let ids = r.ids("input_ids");
             let mut st = m.new_state();
             let input = SeqInput { logits: LogitsWanted::All, ..SeqInput::text(&ids) };
-            let opts = ForwardOptions { capture_hidden: true, teacher_inputs: None };
+            let opts = ForwardOptions { capture_hidden: true, teacher_inputs: None, ..Default::default() };
             let out = m.forward_with(&mut [SeqStep { state: &mut st, input }], &opts).expect("forward");
             for (i, h) in out.hidden.iter().enumerate() {
                 assert_close(

@@ -217,7 +217,7 @@ fn positions_and_multimodal_logits_match_transformers() {
                 injected: &inj,
                 logits: LogitsWanted::None,
             };
-            let opts = ForwardOptions { capture_hidden: true, teacher_inputs: Some(&teacher) };
+            let opts = ForwardOptions { capture_hidden: true, teacher_inputs: Some(&teacher), ..Default::default() };
             let tf = m.forward_with(&mut [SeqStep { state: &mut st, input }], &opts).expect("forward");
             for (i, h) in tf.hidden.iter().enumerate() {
                 assert_close(

@@ -17,6 +17,9 @@ pub struct LinearState {
     pub(crate) conv: Tensor,
     /// `[nv, dk, dv]` in f32.
     pub(crate) recurrent: Tensor,
+    /// After a verification: `(conv, recurrent)` after each of its tokens (what [`LinearState::rewind`]
+    /// picks from); emptied by the next forward.
+    pub(crate) kept: Vec<(Tensor, Tensor)>,
 }
 
 impl LinearState {
@@ -34,6 +37,21 @@ impl LinearState {
     pub fn restore(&mut self, h: &HostLinearState, b: &dyn Backend) -> Result<()> {
         self.conv = b.upload_host(&h.conv)?;
         self.recurrent = b.upload_host(&h.recurrent)?;
+        self.kept.clear();
+        Ok(())
+    }
+
+    /// The state after the first `keep` tokens of the last verification.
+    pub fn rewind(&mut self, keep: usize) -> Result<()> {
+        if keep == 0 || keep > self.kept.len() {
+            return Err(crate::error::Error::InvalidInput(format!(
+                "rewind to {keep} of {} kept states",
+                self.kept.len()
+            )));
+        }
+        let (conv, recurrent) = self.kept.swap_remove(keep - 1);
+        (self.conv, self.recurrent) = (conv, recurrent);
+        self.kept.clear();
         Ok(())
     }
 }
@@ -50,6 +68,13 @@ impl HostLinearState {
     pub fn bytes(&self) -> usize {
         self.conv.bytes() + self.recurrent.bytes()
     }
+}
+
+/// The input projections a layer's token mixing reads, for all rows of the batch.
+struct Projected {
+    mixed: Tensor,
+    a: Tensor,
+    bb: Tensor,
 }
 
 /// One Gated DeltaNet layer.
@@ -123,40 +148,40 @@ impl GatedDeltaNet {
         Ok(LinearState {
             conv: b.zeros_f32(&[self.kernel - 1, self.conv_dim()])?,
             recurrent: b.zeros_f32(&[s.nv, s.dk, s.dv])?,
+            kept: Vec::new(),
         })
     }
 
-    /// `x [T, hidden]` (already normed) → `[T, hidden]`, advancing each segment's state.
+    /// `x [T, hidden]` (already normed) → `[T, hidden]`, advancing each segment's state. A segment marked
+    /// in `verify` runs token by token with the recurrent rule (the numerics of single-token steps) and
+    /// keeps its state after each token ([`LinearState::rewind`]).
     pub fn forward(
         &self,
         b: &dyn Backend,
         x: &Tensor,
         segs: &[Segment],
         states: &mut [&mut LinearState],
+        verify: &[bool],
     ) -> Result<Tensor> {
-        let s = self.shape;
-        let (kd, vd) = (s.nk * s.dk, s.nv * s.dv);
         // 1. Projections for all rows of the batch.
-        let mixed = b.linear(x, &self.in_proj_qkv)?; // [T, cd] rows q|k|v
+        let p = Projected {
+            mixed: b.linear(x, &self.in_proj_qkv)?, // [T, cd] rows q|k|v
+            a: b.linear(x, &self.in_proj_a)?,       // [T, nv]
+            bb: b.linear(x, &self.in_proj_b)?,      // [T, nv]
+        };
         let z = b.linear(x, &self.in_proj_z)?; // [T, vd]
-        let bb = b.linear(x, &self.in_proj_b)?; // [T, nv]
-        let a = b.linear(x, &self.in_proj_a)?; // [T, nv]
-        let mut core = b.zeros_f32(&[x.rows(), vd])?;
-        for (seg, st) in segs.iter().zip(states.iter_mut()) {
-            let rows = seg.row..seg.row + seg.len;
-            // 2. Causal conv + silu, continuing from the sequence's last kernel-1 inputs.
-            let conv = b.causal_conv_silu(&mixed, rows.clone(), &self.conv_w, self.kernel, &mut st.conv)?;
-            // 3. Split, L2-normalise q and k, scale q.
-            let mut qkv = b.split_cols(&conv, 1, &[kd, kd, vd])?.into_iter();
-            let (mut q, mut k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
-            b.l2_norm(&mut q, s.dk, 1e-6);
-            b.l2_norm(&mut k, s.dk, 1e-6);
-            b.scale(&mut q, (s.dk as f32).powf(-0.5));
-            // 4. β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias).
-            let (beta, g) = b.delta_gates(&a, &bb, rows.clone(), &self.neg_a, &self.dt_bias)?;
-            let recurrent = seg.len == 1 && seg.past > 0;
-            let out = b.gated_delta(s, recurrent, &q, &k, &v, &g, &beta, &mut st.recurrent)?;
-            b.write_rows(&mut core, seg.row * vd, &out, 0..seg.len);
+        let mut core = b.zeros_f32(&[x.rows(), self.shape.nv * self.shape.dv])?;
+        for (si, (seg, st)) in segs.iter().zip(states.iter_mut()).enumerate() {
+            st.kept.clear();
+            if verify.get(si).copied().unwrap_or(false) {
+                for j in 0..seg.len {
+                    let one = Segment { row: seg.row + j, len: 1, past: seg.past + j };
+                    self.mix(b, &p, one, st, &mut core)?;
+                    st.kept.push((st.conv.clone(), st.recurrent.clone()));
+                }
+            } else {
+                self.mix(b, &p, *seg, st, &mut core)?;
+            }
         }
         // 5. Gated norm per (token, head) with silu(z), then the output projection.
         if self.sigmoid_gate {
@@ -165,6 +190,27 @@ impl GatedDeltaNet {
             b.rms_norm_gated(&mut core, &z, &self.norm_w, self.eps);
         }
         Ok(b.linear(&core, &self.out_proj)?)
+    }
+
+    /// Steps 2–4 for one segment: conv, q/k/v, gates and the delta rule into its rows of `core`.
+    fn mix(&self, b: &dyn Backend, p: &Projected, seg: Segment, st: &mut LinearState, core: &mut Tensor) -> Result<()> {
+        let s = self.shape;
+        let (kd, vd) = (s.nk * s.dk, s.nv * s.dv);
+        let rows = seg.row..seg.row + seg.len;
+        // 2. Causal conv + silu, continuing from the sequence's last kernel-1 inputs.
+        let conv = b.causal_conv_silu(&p.mixed, rows.clone(), &self.conv_w, self.kernel, &mut st.conv)?;
+        // 3. Split, L2-normalise q and k, scale q.
+        let mut qkv = b.split_cols(&conv, 1, &[kd, kd, vd])?.into_iter();
+        let (mut q, mut k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
+        b.l2_norm(&mut q, s.dk, 1e-6);
+        b.l2_norm(&mut k, s.dk, 1e-6);
+        b.scale(&mut q, (s.dk as f32).powf(-0.5));
+        // 4. β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias).
+        let (beta, g) = b.delta_gates(&p.a, &p.bb, rows, &self.neg_a, &self.dt_bias)?;
+        let recurrent = seg.len == 1 && seg.past > 0;
+        let out = b.gated_delta(s, recurrent, &q, &k, &v, &g, &beta, &mut st.recurrent)?;
+        b.write_rows(core, seg.row * vd, &out, 0..seg.len);
+        Ok(())
     }
 
     /// Bytes of weights.

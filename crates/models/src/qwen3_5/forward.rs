@@ -1,7 +1,7 @@
 //! The batched forward: any mix of prefill chunks and decode tokens from several sequences in one call.
 
 use super::state::{HybridState, LayerState};
-use super::{Ffn, Mixer, Qwen35};
+use super::{DecoderLayer, Ffn, Mixer, Qwen35};
 use crate::error::{Error, Result};
 use crate::family::{ForwardOptions, ForwardOutput, SeqStep};
 use crate::kv::PageTable;
@@ -17,6 +17,18 @@ impl Qwen35 {
             }
         }
         batch::check_inputs(steps, self.cfg.vocab_size, h)
+    }
+
+    /// A layer's dense MLP or MoE block on its normed input.
+    pub(super) fn ffn(&self, layer: &DecoderLayer, hn: &osprey_backend::Tensor) -> Result<osprey_backend::Tensor> {
+        let b = self.backend.as_ref();
+        match &layer.ffn {
+            Ffn::Dense(m) => m.forward(b, hn),
+            Ffn::Moe(m) => {
+                let src = self.experts.as_deref().expect("MoE model without an expert source: this is a bug");
+                m.forward(b, hn, src)
+            }
+        }
     }
 
     /// Runs one step for a batch of sequences (the seam's `forward_with`). Each state advances by its tokens.
@@ -79,7 +91,7 @@ impl Qwen35 {
                             }
                         })
                         .collect();
-                    g.forward(b, &hn, &segs, &mut st)?
+                    g.forward(b, &hn, &segs, &mut st, opts.verify)?
                 }
                 Mixer::Full(a) => {
                     let kv_layer = match parts.first().map(|(_, f)| &f.layers[li]) {
@@ -93,30 +105,28 @@ impl Qwen35 {
             b.add(&mut x, &mixed);
             let mut hn = x.clone();
             b.rms_norm(&mut hn, &layer.post_norm, eps, true);
-            let ffn = match &layer.ffn {
-                Ffn::Dense(m) => m.forward(b, &hn)?,
-                Ffn::Moe(m) => {
-                    let src = self.experts.as_deref().expect("MoE model without an expert source: this is a bug");
-                    m.forward(b, &hn, src)?
-                }
-            };
-            b.add(&mut x, &ffn);
+            b.add(&mut x, &self.ffn(layer, &hn)?);
             if capture_hidden && li + 1 < self.layers.len() {
                 hidden.push(b.download_f32(&x)?);
             }
         }
         drop(parts);
         // 3. Final norm and lm_head on the rows whose logits are wanted; only those logits come back.
-        if capture_hidden {
+        let last_hidden = if capture_hidden || opts.keep_hidden {
             let mut normed = x.clone();
             b.rms_norm(&mut normed, &self.norm, eps, true);
-            hidden.push(b.download_f32(&normed)?);
-        }
+            if capture_hidden {
+                hidden.push(b.download_f32(&normed)?);
+            }
+            opts.keep_hidden.then_some(normed)
+        } else {
+            None
+        };
         let logits = batch::logits(steps, &segs, |rows| {
             let mut sel = b.gather_rows(&x, rows)?;
             b.rms_norm(&mut sel, &self.norm, eps, true);
             Ok(b.download_f32(&b.linear(&sel, &self.lm_head)?)?)
         })?;
-        Ok(ForwardOutput { logits, hidden })
+        Ok(ForwardOutput { logits, hidden, last_hidden })
     }
 }

@@ -7,6 +7,7 @@
 //! (`model.language_model.…`) live in this directory alone.
 
 mod forward;
+mod mtp;
 mod state;
 
 use std::sync::Arc;
@@ -94,6 +95,45 @@ struct DecoderLayer {
     ffn: Ffn,
 }
 
+impl DecoderLayer {
+    /// Layer `{lp}` of kind `kind`, its routed experts (if any) under expert-layer index `index`.
+    fn load(
+        b: &dyn osprey_backend::Backend,
+        ck: &Checkpoint,
+        lp: &str,
+        kind: LayerKind,
+        index: usize,
+        c: &TextConfig,
+        expert_slots: Option<usize>,
+    ) -> Result<Self> {
+        let h = c.hidden_size;
+        let mixer = match kind {
+            LayerKind::Linear => Mixer::Linear(Box::new(GatedDeltaNet::load(b, ck, &format!("{lp}.linear_attn"), c)?)),
+            LayerKind::Full => Mixer::Full(Box::new(GatedAttention::load(b, ck, &format!("{lp}.self_attn"), c)?)),
+            LayerKind::Indexed => {
+                return Err(crate::error::Error::Unsupported(format!(
+                    "{lp}: indexed attention is qwen4_exp's, not {}'s",
+                    c.model_type
+                )))
+            }
+        };
+        let mp = format!("{lp}.mlp");
+        let ffn = match c.moe()? {
+            Some(m) => {
+                let dtype = expert_dtype(ck, &mp, h, m)?;
+                Ffn::Moe(Box::new(SparseMoe::load(b, ck, &mp, index, h, m, dtype, expert_slots)?))
+            }
+            None => Ffn::Dense(Box::new(Mlp::load(b, ck, &mp, h, c.intermediate_size.unwrap_or_default())?)),
+        };
+        Ok(DecoderLayer {
+            input_norm: load_vector(b, ck, &format!("{lp}.input_layernorm.weight"), h)?,
+            post_norm: load_vector(b, ck, &format!("{lp}.post_attention_layernorm.weight"), h)?,
+            mixer,
+            ffn,
+        })
+    }
+}
+
 /// A loaded Qwen3.5 text decoder.
 #[derive(Debug)]
 pub(crate) struct Qwen35 {
@@ -107,6 +147,8 @@ pub(crate) struct Qwen35 {
     lm_head: Tensor,
     rope: MRope,
     experts: Option<Arc<dyn ExpertSource>>,
+    /// The multi-token-prediction head, when loaded for speculative decoding.
+    draft: Option<mtp::MtpHead>,
 }
 
 impl Qwen35 {
@@ -128,46 +170,20 @@ impl Qwen35 {
         let moe = c.moe()?;
         let mut layers = Vec::with_capacity(kinds.len());
         for (i, kind) in kinds.iter().enumerate() {
-            let lp = format!("{p}layers.{i}");
-            let mixer = match kind {
-                LayerKind::Linear => {
-                    Mixer::Linear(Box::new(GatedDeltaNet::load(b, ck, &format!("{lp}.linear_attn"), &c)?))
-                }
-                LayerKind::Full => Mixer::Full(Box::new(GatedAttention::load(b, ck, &format!("{lp}.self_attn"), &c)?)),
-                LayerKind::Indexed => {
-                    return Err(crate::error::Error::Unsupported(format!(
-                        "layer {i}: indexed attention is qwen4_exp's, not {}'s",
-                        c.model_type
-                    )))
-                }
-            };
-            let ffn = match moe {
-                Some(m) => {
-                    let mp = format!("{lp}.mlp");
-                    let dtype = expert_dtype(ck, &mp, h, m)?;
-                    Ffn::Moe(Box::new(SparseMoe::load(b, ck, &mp, i, h, m, dtype, opts.expert_slots)?))
-                }
-                None => Ffn::Dense(Box::new(Mlp::load(
-                    b,
-                    ck,
-                    &format!("{lp}.mlp"),
-                    h,
-                    c.intermediate_size.unwrap_or_default(),
-                )?)),
-            };
-            layers.push(DecoderLayer {
-                input_norm: load_vector(b, ck, &format!("{lp}.input_layernorm.weight"), h)?,
-                post_norm: load_vector(b, ck, &format!("{lp}.post_attention_layernorm.weight"), h)?,
-                mixer,
-                ffn,
-            });
+            layers.push(DecoderLayer::load(b, ck, &format!("{p}layers.{i}"), *kind, i, &c, opts.expert_slots)?);
             progress(i + 1, kinds.len());
         }
+        // The draft head's layer takes the next expert-layer index and the next KV plane.
+        let kv_planes = kinds.iter().filter(|k| matches!(k, LayerKind::Full)).count();
+        let draft = if opts.draft_head { mtp::MtpHead::load(b, ck, &c, opts.expert_slots, kv_planes)? } else { None };
         let experts = match (moe, opts.experts) {
             (Some(_), Some(src)) => Some(src),
             (Some(m), None) => {
-                let prefixes: Vec<Option<String>> =
+                let mut prefixes: Vec<Option<String>> =
                     (0..kinds.len()).map(|i| Some(format!("{p}layers.{i}.mlp"))).collect();
+                if draft.is_some() {
+                    prefixes.push(Some(mtp::MOE_PREFIX.into()));
+                }
                 Some(Arc::new(ResidentExperts::load(ck, &prefixes, h, m)?) as Arc<dyn ExpertSource>)
             }
             (None, _) => None,
@@ -188,7 +204,7 @@ impl Qwen35 {
             max_position_embeddings: c.max_position_embeddings,
         };
         let norm = load_vector(b, ck, &format!("{p}norm.weight"), h)?;
-        Ok(Qwen35 { norm, cfg: c, info, backend, embed, layers, lm_head, rope, experts })
+        Ok(Qwen35 { norm, cfg: c, info, backend, embed, layers, lm_head, rope, experts, draft })
     }
 }
 
@@ -198,7 +214,8 @@ impl CausalLm for Qwen35 {
     }
 
     fn kv_layout(&self) -> KvLayout {
-        let layers = self.layers.iter().filter(|l| matches!(l.mixer, Mixer::Full(_))).count();
+        let layers = self.layers.iter().filter(|l| matches!(l.mixer, Mixer::Full(_))).count()
+            + usize::from(self.draft.is_some());
         KvLayout { layers, kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim() }
     }
 
@@ -225,9 +242,21 @@ impl CausalLm for Qwen35 {
         Ok(SeqState::new(Box::new(HybridState { layers }), kv))
     }
 
+    fn has_draft_head(&self) -> bool {
+        self.draft.is_some()
+    }
+
+    fn draft(&self, steps: &mut [crate::DraftStep<'_, '_>], capture: bool) -> Result<crate::DraftOutput> {
+        match &self.draft {
+            Some(d) => d.run(self, steps, capture),
+            None => Err(crate::error::Error::Unsupported("no draft head loaded".into())),
+        }
+    }
+
     fn slot_stats(&self) -> crate::SlotStats {
         self.layers
             .iter()
+            .chain(self.draft.as_ref().map(|d| &d.layer))
             .filter_map(|l| match &l.ffn {
                 Ffn::Moe(m) => Some(m.slot_stats()),
                 Ffn::Dense(_) => None,

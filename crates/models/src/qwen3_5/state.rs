@@ -83,4 +83,13 @@ impl FamilyState for HybridState {
     fn boxed_clone(&self) -> Box<dyn FamilyState> {
         Box::new(self.clone())
     }
+
+    fn rewind(&mut self, keep: usize) -> Result<()> {
+        for l in &mut self.layers {
+            if let LayerState::Linear(s) = l {
+                s.rewind(keep)?;
+            }
+        }
+        Ok(())
+    }
 }

@@ -91,7 +91,7 @@ impl Qwen4Exp {
                             Mix::Indexed { .. } => unreachable!("state built for another layer stack: a bug"),
                         })
                         .collect();
-                    g.forward(b, &input, &segs, &mut st)?
+                    g.forward(b, &input, &segs, &mut st, &[])?
                 }
                 Mixer::Indexed(attn, indexer) => {
                     let kv_layer = match parts.first().map(|(_, f)| &f.layers[li].mix) {
@@ -139,6 +139,6 @@ impl Qwen4Exp {
         let logits = batch::logits(steps, &segs, |rows| {
             Ok(b.download_f32(&b.linear(&b.gather_rows(&out, rows)?, &self.lm_head)?)?)
         })?;
-        Ok(ForwardOutput { logits, hidden })
+        Ok(ForwardOutput { logits, hidden, last_hidden: None })
     }
 }
