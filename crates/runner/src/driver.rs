@@ -14,8 +14,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use osprey_models::backend::DType;
 use osprey_models::vision::{rows_in_chunk, MediaSpan};
 use osprey_models::{
-    KvPool, LogitsWanted, Model, PageGeometry, PageRef, Positions, ReserveError, SeqInput, SeqState, SeqStep,
-    StateSnapshot,
+    ForwardOptions, KvPool, LogitsWanted, Model, PageGeometry, PageRef, Positions, ReserveError, SeqInput, SeqState,
+    SeqStep, StateSnapshot,
 };
 use osprey_protocol::constraint::TokenMatcher;
 use osprey_protocol::runner::{KvPages, TokenLogprobs};
@@ -24,6 +24,7 @@ use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
 use osprey_protocol::{ErrorCode, RequestError, SeqId};
 
 use crate::sampler::{sample, Rng};
+use crate::speculative::{feed_head, DraftOverride, Pending, SpecCounters, MAX_SPECULATIVE_TOKENS};
 
 /// Where a sequence's media rows come from: the vision actor in the server, the tower in-process for
 /// `osprey run`.
@@ -104,19 +105,21 @@ pub static MASKS: AtomicU64 = AtomicU64::new(0);
 type MediaRows = Vec<Option<Arc<Vec<f32>>>>;
 
 #[derive(Debug)]
-struct SeqRec {
-    state: SeqState,
-    prompt: Arc<PreparedPrompt>,
+pub(crate) struct SeqRec {
+    pub(crate) state: SeqState,
+    pub(crate) prompt: Arc<PreparedPrompt>,
     /// Prompt tokens followed by generated ones.
-    tokens: Vec<u32>,
-    sampling: SamplingParams,
-    rng: Rng,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) sampling: SamplingParams,
+    pub(crate) rng: Rng,
     /// Where the sequence stands in its grammar (constrained requests).
-    matcher: Option<Box<dyn TokenMatcher>>,
+    pub(crate) matcher: Option<Box<dyn TokenMatcher>>,
     /// The grammar's allowed-token bits (reused between steps).
-    allowed: Vec<u32>,
+    pub(crate) allowed: Vec<u32>,
     /// Vision rows per media item, fetched on first need, dropped when the prefill ends.
-    rows: MediaRows,
+    pub(crate) rows: MediaRows,
+    /// With speculation: hidden rows waiting for the draft head.
+    pub(crate) pending: Option<Pending>,
     /// Pages `[0, pages_reported)` are in the prefix cache or were sent with an earlier snapshot.
     pages_reported: usize,
 }
@@ -150,13 +153,13 @@ fn clock_seed(seq: SeqId) -> u64 {
     nanos ^ seq.wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
-fn engine_error(e: impl std::fmt::Display) -> RequestError {
+pub(crate) fn engine_error(e: impl std::fmt::Display) -> RequestError {
     RequestError::new(ErrorCode::EngineError, e.to_string())
 }
 
 /// A model error as the request sees it: the device running out of memory is 503 `out_of_memory` (this
 /// request fails, the engine goes on), anything else an engine error.
-fn model_error(e: osprey_models::Error) -> RequestError {
+pub(crate) fn model_error(e: osprey_models::Error) -> RequestError {
     match e {
         osprey_models::Error::Backend(b @ osprey_models::backend::BackendError::OutOfMemory { .. }) => backend_error(b),
         other => engine_error(other),
@@ -175,15 +178,19 @@ fn backend_error(e: osprey_models::backend::BackendError) -> RequestError {
 /// The driver: a model behind the seam, the KV page pool and the sequences it is running.
 #[derive(Debug)]
 pub struct Driver {
-    model: Model,
-    pool: KvPool,
-    seqs: HashMap<SeqId, SeqRec>,
+    pub(crate) model: Model,
+    pub(crate) pool: KvPool,
+    pub(crate) seqs: HashMap<SeqId, SeqRec>,
     page_size: usize,
     /// Sampler states (and grammar positions) of preempted sequences, until they are admitted again (so a
     /// recomputed sequence draws exactly the numbers it would have drawn, in the same grammar state).
     parked: HashMap<SeqId, Parked>,
     /// Ids for [`Driver::generate`]'s private sequences (counting down from the top of the id space).
     next_private: SeqId,
+    /// Draft tokens per decode step (0: no speculation).
+    spec: usize,
+    pub(crate) spec_counters: SpecCounters,
+    pub(crate) draft_override: Option<DraftOverride>,
 }
 
 impl Driver {
@@ -203,7 +210,44 @@ impl Driver {
         let page_size = page_size.max(1);
         let geo = PageGeometry::new(model.kv_layout(), page_size).with_dtype(dtype);
         let pool = KvPool::new(geo, pages, model.backend().clone());
-        Driver { model, pool, seqs: HashMap::new(), page_size, parked: HashMap::new(), next_private: SeqId::MAX }
+        Driver {
+            model,
+            pool,
+            seqs: HashMap::new(),
+            page_size,
+            parked: HashMap::new(),
+            next_private: SeqId::MAX,
+            spec: 0,
+            spec_counters: SpecCounters::default(),
+            draft_override: None,
+        }
+    }
+
+    /// Decodes with `k` draft tokens per step from the model's draft head (`--speculative-tokens`;
+    /// 0: off). The model must have been loaded with its head.
+    pub fn with_speculative(mut self, k: usize) -> Result<Self, String> {
+        if k > MAX_SPECULATIVE_TOKENS {
+            return Err(format!("--speculative-tokens is at most {MAX_SPECULATIVE_TOKENS}, not {k}"));
+        }
+        if k > 0 && !self.model.has_draft_head() {
+            return Err("speculative decoding needs a checkpoint with a draft head (mtp.*), loaded with it".into());
+        }
+        self.spec = k;
+        Ok(self)
+    }
+
+    /// Test seam: drafts chosen by `f` (given the sequence's tokens and the drafts so far; `None`: the
+    /// head's argmax) instead of the head's argmax, which still runs. A random-weight head accepts almost
+    /// nothing, so the acceptance path is tested with drafts that agree where the test says.
+    #[doc(hidden)]
+    pub fn override_drafts(mut self, f: impl FnMut(&[u32]) -> Option<u32> + Send + 'static) -> Self {
+        self.draft_override = Some(DraftOverride(Box::new(f)));
+        self
+    }
+
+    /// Speculation counters since start.
+    pub fn spec_counters(&self) -> SpecCounters {
+        self.spec_counters.clone()
     }
 
     /// The model's expert slot counters.
@@ -276,7 +320,9 @@ impl Driver {
         let mut tokens = prompt.input_ids.clone();
         tokens.extend_from_slice(generated);
         let allowed = Vec::new();
-        self.seqs.insert(seq, SeqRec { state, prompt, tokens, sampling, rng, matcher, allowed, rows, pages_reported });
+        let rec =
+            SeqRec { state, prompt, tokens, sampling, rng, matcher, allowed, rows, pending: None, pages_reported };
+        self.seqs.insert(seq, rec);
         Ok(())
     }
 
@@ -367,21 +413,31 @@ impl Driver {
                     input: SeqInput { tokens, positions, injected: inj, logits },
                 });
             }
-            self.model.forward(&mut steps, false)
+            let opts = ForwardOptions { keep_hidden: self.spec > 0, ..ForwardOptions::default() };
+            self.model.forward_with(&mut steps, &opts)
         };
         drop(injected);
         drop(spans);
-        // 3. Sample, snapshot, put the sequences back.
-        let logits = match outcome {
-            Ok(o) => o.logits,
+        // 3. Feed the draft head, sample, snapshot, put the sequences back.
+        let (logits, hidden) = match outcome {
+            Ok(o) => (o.logits, o.last_hidden),
             Err(e) => {
                 let e = model_error(e);
                 out.extend(ok.into_iter().map(|(w, _)| (w.seq, Err(e.clone()))));
                 return out;
             }
         };
+        let mut row0 = 0;
         for ((w, mut rec), logits) in ok.into_iter().zip(logits) {
             let mut done = Done::default();
+            if let Some(h) = &hidden {
+                let fed = feed_head(&self.model, &mut rec, (w.start, w.end), h, row0);
+                row0 += w.end - w.start;
+                if let Err(e) = fed {
+                    out.push((w.seq, Err(e)));
+                    continue;
+                }
+            }
             let p = self.page_size;
             if w.snapshot && w.end.is_multiple_of(p) {
                 // A host snapshot that cannot be taken (no room to download) only costs the cache an entry.
@@ -469,7 +525,23 @@ impl Driver {
         let mut start = 0;
         // (time to the first token, start of the decode)
         let mut first: Option<(f64, Instant)> = None;
-        let finish = loop {
+        let finish = 'gen: loop {
+            // Past the first token, a speculative step emits one token or more.
+            let left = opts.max_tokens.saturating_sub(tokens.len());
+            if self.spec > 0 && first.is_some() && left > 1 {
+                let k = self.spec.min(left - 1);
+                for (token, _) in self.speculate(seq, k, left, &opts.stop_token_ids)? {
+                    tokens.push(token);
+                    if opts.stop_token_ids.contains(&token) {
+                        break 'gen FinishReason::Stop;
+                    }
+                }
+                start = tokens.len() + plen - 1;
+                if tokens.len() >= opts.max_tokens {
+                    break FinishReason::Length;
+                }
+                continue;
+            }
             let end = if start < plen { (start + opts.chunk.max(1)).min(plen) } else { start + 1 };
             let span = tracing::Span::current();
             let work = Work { seq, start, end, sample: end >= plen, snapshot: false, span };
@@ -496,14 +568,14 @@ impl Driver {
 
 /// A grammar engine's failure as the client sees it: its first line only (the engine appends its
 /// parser state, logged here at debug level instead).
-fn grammar_error(e: &str) -> RequestError {
+pub(crate) fn grammar_error(e: &str) -> RequestError {
     tracing::debug!(error = e, "grammar failed");
     let line: String = e.lines().next().unwrap_or("").chars().take(200).collect();
     engine_error(format!("grammar: {line}"))
 }
 
 /// Fills `rec.allowed` from its grammar (timed into [`MASK_NANOS`]); `false` when unconstrained.
-fn grammar_mask(rec: &mut SeqRec) -> Result<bool, RequestError> {
+pub(crate) fn grammar_mask(rec: &mut SeqRec) -> Result<bool, RequestError> {
     let Some(m) = rec.matcher.as_mut() else { return Ok(false) };
     let t = Instant::now();
     m.allowed(&mut rec.allowed).map_err(|e| grammar_error(&e))?;
@@ -519,7 +591,7 @@ fn grammar_mask(rec: &mut SeqRec) -> Result<bool, RequestError> {
 /// A preempted sequence is recomputed from its prompt and the tokens it had generated, so a chunk can
 /// cross the prompt's end: the generated tokens after it are text at `t + rope_delta` on all three axes,
 /// exactly as they were fed the first time, one decode step each.
-fn chunk_positions(prompt: &PreparedPrompt, start: usize, end: usize) -> Option<Vec<[i64; 3]>> {
+pub(crate) fn chunk_positions(prompt: &PreparedPrompt, start: usize, end: usize) -> Option<Vec<[i64; 3]>> {
     let p = prompt.positions.as_ref()?;
     if start >= p.len() {
         return None;

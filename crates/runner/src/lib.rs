@@ -8,6 +8,7 @@
 
 mod driver;
 mod sampler;
+mod speculative;
 
 use std::sync::Arc;
 use std::thread;
@@ -28,7 +29,8 @@ pub use driver::{
 /// The vision actor's inbox (the runner asks it for rows; actor crates do not depend on each other).
 pub type VisionSender = mpsc::UnboundedSender<VisionCommand>;
 
-pub use sampler::{sample, Rng};
+pub use sampler::{sample, verify, Rng};
+pub use speculative::{SpecCounters, MAX_SPECULATIVE_TOKENS};
 
 /// A KV page as the prefix cache holds it (opaque outside the runner): the pool's page itself, shared.
 #[derive(Debug)]
