@@ -102,7 +102,7 @@ fn agreeing_drafts_are_accepted_and_the_answer_is_unchanged() {
                 let oracle = move |ctx: &[u32]| {
                     let i = ctx.len() - plen;
                     let t = *truth.get(i)?;
-                    Some(if wrong_every > 0 && i % wrong_every == 0 { (t + 1) % 990 } else { t })
+                    Some(if wrong_every > 0 && i.is_multiple_of(wrong_every) { (t + 1) % 990 } else { t })
                 };
                 let mut d =
                     Driver::new(load(name, true, None), 16).with_speculative(k).expect("head").override_drafts(oracle);
