@@ -431,8 +431,13 @@ fn main() -> Result<()> {
         }
         Command::Run(a) => {
             let backend = osprey::open_backend(cli.device.as_deref(), cli.activations.as_deref())?;
-            let m = osprey_models::load_on(&a.model, backend.clone())
-                .with_context(|| format!("loading {}", a.model.display()))?;
+            let load = || -> Result<osprey_models::Model> {
+                let cfg = osprey_models::ModelConfig::from_dir(&a.model)?;
+                let ck = osprey_models::Checkpoint::open(&a.model)?;
+                let opts = osprey_models::LoadOptions { draft_head: a.speculative_tokens > 0, ..Default::default() };
+                Ok(osprey_models::load_with_options(&cfg, &ck, opts, backend.clone(), &mut |_, _| {})?)
+            };
+            let m = load().with_context(|| format!("loading {}", a.model.display()))?;
             run::run(a, m, backend)
         }
         Command::Bench(BenchCommand::Forward { model, prompt_len, decode_tokens, repeats }) => {

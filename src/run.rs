@@ -45,6 +45,10 @@ pub struct RunArgs {
     /// Prefill chunk size (tokens per forward).
     #[arg(long, default_value_t = 512)]
     pub chunk: usize,
+    /// Draft tokens per decode step from the checkpoint's MTP head (speculative decoding; 0: off, at
+    /// most 4). Greedy answers are the same tokens either way.
+    #[arg(long, default_value_t = 0)]
+    pub speculative_tokens: usize,
 }
 
 fn read(path: &Path) -> Result<Vec<u8>> {
@@ -116,7 +120,7 @@ pub fn run(a: RunArgs, model: Model, backend: osprey_models::backend::BackendRef
         stop_token_ids: model.info().eos_token_ids.clone(),
     };
     let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
-    let mut driver = Driver::new(model, 16);
+    let mut driver = Driver::new(model, 16).with_speculative(a.speculative_tokens).map_err(anyhow::Error::msg)?;
     let out = driver.generate(Arc::new(prompt), greedy, &opts, &mut TowerRows(tower.as_ref()))?;
     println!("prompt tokens: {n_prompt}");
     println!("generated ids: {:?}", out.tokens);
@@ -129,6 +133,17 @@ pub fn run(a: RunArgs, model: Model, backend: osprey_models::backend::BackendRef
         out.tokens.len(),
         out.prefill_secs + out.decode_secs
     );
+    if a.speculative_tokens > 0 {
+        let c = driver.spec_counters();
+        eprintln!(
+            "speculative: {} drafted, {} accepted ({:.1}%, per position {:?}), {:.2} tokens per verification",
+            c.drafted,
+            c.accepted,
+            100.0 * c.acceptance(),
+            c.accepted_at,
+            c.tokens_per_forward()
+        );
+    }
     Ok(())
 }
 
