@@ -166,7 +166,19 @@ pub(crate) fn model_error(e: osprey_models::Error) -> RequestError {
     }
 }
 
-fn backend_error(e: osprey_models::backend::BackendError) -> RequestError {
+/// A KV page reservation that failed, as the request sees it.
+pub(crate) fn reserve_error(e: ReserveError) -> RequestError {
+    match e {
+        // The scheduler plans by the pool's free pages (and `generate`'s pool is unbounded), so this is
+        // never reached when it is right.
+        ReserveError::Full(st) => {
+            engine_error(format!("KV pool exhausted ({} of {} pages free): this is a bug", st.free, st.total))
+        }
+        ReserveError::Backend(e) => backend_error(e),
+    }
+}
+
+pub(crate) fn backend_error(e: osprey_models::backend::BackendError) -> RequestError {
     match e {
         osprey_models::backend::BackendError::OutOfMemory { .. } => {
             RequestError::new(ErrorCode::OutOfMemory, e.to_string())
@@ -367,18 +379,9 @@ impl Driver {
                 out.push((w.seq, Err(engine_error("work out of order with the sequence: this is a bug"))));
                 continue;
             }
-            match self.pool.reserve(rec.state.pages_mut(), w.end) {
-                Ok(()) => {}
-                Err(ReserveError::Full(st)) => {
-                    // The scheduler plans by the pool's free pages, so this is never reached when it is right.
-                    let msg = format!("KV pool exhausted ({} of {} pages free): this is a bug", st.free, st.total);
-                    out.push((w.seq, Err(engine_error(msg))));
-                    continue;
-                }
-                Err(ReserveError::Backend(e)) => {
-                    out.push((w.seq, Err(backend_error(e))));
-                    continue;
-                }
+            if let Err(e) = self.pool.reserve(rec.state.pages_mut(), w.end) {
+                out.push((w.seq, Err(reserve_error(e))));
+                continue;
             }
             let fetched = w.span.in_scope(|| {
                 tracing::debug!(start = w.start, end = w.end, sample = w.sample, "chunk");

@@ -36,7 +36,7 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|l| l - lse).collect()
 }
 
-fn argmax(v: &[f32]) -> usize {
+pub(crate) fn argmax(v: &[f32]) -> usize {
     // First index of the maximum (torch.argmax's tie rule).
     let mut best = 0;
     for (i, x) in v.iter().enumerate() {

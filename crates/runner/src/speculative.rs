@@ -21,8 +21,11 @@ use osprey_models::{CausalLm, DraftStep, ForwardOptions, LogitsWanted, Positions
 use osprey_protocol::runner::TokenLogprobs;
 use osprey_protocol::{RequestError, SeqId};
 
-use crate::driver::{chunk_positions, engine_error, grammar_error, grammar_mask, model_error, Driver, SeqRec};
-use crate::sampler::{sample, verify};
+use crate::driver::{
+    backend_error, chunk_positions, engine_error, grammar_error, grammar_mask, model_error, reserve_error, Driver,
+    SeqRec,
+};
+use crate::sampler::{argmax, sample, verify};
 
 /// The most draft tokens per step (`--speculative-tokens`).
 pub const MAX_SPECULATIVE_TOKENS: usize = 4;
@@ -83,7 +86,7 @@ fn stack(m: &dyn CausalLm, parts: &[Tensor], hidden: usize) -> Result<Tensor, Re
     }
     let b = m.backend().as_ref();
     let rows: usize = parts.iter().map(Tensor::rows).sum();
-    let mut out = b.zeros_f32(&[rows, hidden]).map_err(|e| model_error(e.into()))?;
+    let mut out = b.zeros_f32(&[rows, hidden]).map_err(backend_error)?;
     let mut at = 0;
     for p in parts {
         b.write_rows(&mut out, at * hidden, p, 0..p.rows());
@@ -103,7 +106,6 @@ pub(crate) fn feed_head(
 ) -> Result<(), RequestError> {
     let b = m.backend().as_ref();
     let h = m.info().hidden_size;
-    let err = |e: osprey_models::backend::BackendError| model_error(e.into());
     // A hit or a recomputation starts without the rows before `start`: its entries start there.
     let (first, mut parts) = match rec.pending.take() {
         Some(p) if p.pos + p.rows.rows() == start => (p.pos, vec![p.rows]),
@@ -111,9 +113,9 @@ pub(crate) fn feed_head(
     };
     let n = end - start;
     if n > 1 {
-        parts.push(b.gather_rows(hidden, &(row0..row0 + n - 1).collect::<Vec<_>>()).map_err(err)?);
+        parts.push(b.gather_rows(hidden, &(row0..row0 + n - 1).collect::<Vec<_>>()).map_err(backend_error)?);
     }
-    let last = b.gather_rows(hidden, &[row0 + n - 1]).map_err(err)?;
+    let last = b.gather_rows(hidden, &[row0 + n - 1]).map_err(backend_error)?;
     if end - 1 > first {
         let rows = stack(m, &parts, h)?;
         let positions = chunk_positions(&rec.prompt, first, end - 1);
@@ -128,10 +130,6 @@ pub(crate) fn feed_head(
     }
     rec.pending = Some(Pending { pos: end - 1, rows: last });
     Ok(())
-}
-
-fn argmax(l: &[f32]) -> u32 {
-    l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0))).map_or(0, |(i, _)| i as u32)
 }
 
 impl Driver {
@@ -163,12 +161,7 @@ impl Driver {
         if rec.tokens.len() != n + 1 {
             return Err(engine_error("speculation out of order with the sequence: this is a bug"));
         }
-        self.pool.reserve(rec.state.pages_mut(), n + k + 1).map_err(|e| match e {
-            osprey_models::ReserveError::Full(st) => {
-                engine_error(format!("KV pool exhausted ({} of {} pages free)", st.free, st.total))
-            }
-            osprey_models::ReserveError::Backend(e) => model_error(e.into()),
-        })?;
+        self.pool.reserve(rec.state.pages_mut(), n + k + 1).map_err(reserve_error)?;
         // 1. Drafts: the pending entries (the last one pairs the sampled token), then one entry per draft.
         let Pending { pos, rows } = rec.pending.take().ok_or_else(|| engine_error("no hidden rows to draft from"))?;
         let step = DraftStep {
@@ -181,7 +174,7 @@ impl Driver {
         let mut out = m.draft(&mut [step], false).map_err(model_error)?;
         let mut verify_tokens = vec![rec.tokens[n]];
         for j in 0..k {
-            let mut d = argmax(&out.logits[0]);
+            let mut d = argmax(&out.logits[0]) as u32;
             if let Some(DraftOverride(f)) = self.draft_override.as_mut() {
                 let ctx: Vec<u32> = rec.tokens.iter().chain(&verify_tokens[1..]).copied().collect();
                 d = f(&ctx).unwrap_or(d);
@@ -235,7 +228,7 @@ impl Driver {
         rec.state.rewind(len, k + 1).map_err(model_error)?;
         let hidden = fwd.last_hidden.ok_or_else(|| engine_error("no hidden rows kept: this is a bug"))?;
         let b = m.backend().as_ref();
-        let rows = b.gather_rows(&hidden, &(0..=accepted).collect::<Vec<_>>()).map_err(|e| model_error(e.into()))?;
+        let rows = b.gather_rows(&hidden, &(0..=accepted).collect::<Vec<_>>()).map_err(backend_error)?;
         rec.pending = Some(Pending { pos: n, rows });
         rec.rows.iter_mut().for_each(|r| *r = None);
         let c = &mut self.spec_counters;

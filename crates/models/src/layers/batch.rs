@@ -13,14 +13,8 @@ use crate::family::{LogitsWanted, Positions, SeqStep};
 pub(crate) fn check_inputs(steps: &[SeqStep<'_, '_>], vocab: usize, hidden: usize) -> Result<()> {
     for s in steps {
         let n = s.input.tokens.len();
-        if let Some(&t) = s.input.tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::InvalidInput(format!("token id {t} is outside the vocabulary ({vocab})")));
-        }
-        if let Positions::Explicit(p) = s.input.positions {
-            if p.len() != n {
-                return Err(Error::InvalidInput(format!("{} positions for {n} tokens", p.len())));
-            }
-        }
+        check_tokens(s.input.tokens, vocab)?;
+        check_positions(s.input.positions, n)?;
         for inj in s.input.injected {
             if inj.rows.len() % hidden != 0 || inj.offset + inj.rows.len() / hidden > n {
                 return Err(Error::InvalidInput("injected rows do not fit the chunk".into()));
@@ -28,6 +22,33 @@ pub(crate) fn check_inputs(steps: &[SeqStep<'_, '_>], vocab: usize, hidden: usiz
         }
     }
     Ok(())
+}
+
+/// Rejects a token id outside the vocabulary.
+pub(crate) fn check_tokens(tokens: &[u32], vocab: usize) -> Result<()> {
+    match tokens.iter().find(|&&t| t as usize >= vocab) {
+        Some(t) => Err(Error::InvalidInput(format!("token id {t} is outside the vocabulary ({vocab})"))),
+        None => Ok(()),
+    }
+}
+
+/// Rejects an explicit position list whose length is not `n`.
+pub(crate) fn check_positions(positions: Positions<'_>, n: usize) -> Result<()> {
+    match positions {
+        Positions::Explicit(p) if p.len() != n => {
+            Err(Error::InvalidInput(format!("{} positions for {n} tokens", p.len())))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Appends the mRoPE positions of `n` tokens at slots `past..`: text ones at `slot + rope_delta` on all
+/// three axes, or the explicit list (checked by [`check_positions`]).
+pub(crate) fn extend_positions(out: &mut Vec<[i64; 3]>, positions: Positions<'_>, past: usize, n: usize, delta: i64) {
+    match positions {
+        Positions::Text => out.extend((0..n).map(|i| [(past + i) as i64 + delta; 3])),
+        Positions::Explicit(p) => out.extend_from_slice(p),
+    }
 }
 
 /// A batch laid out flat: each step's segment, every token id and mRoPE position in batch order.
@@ -43,10 +64,7 @@ pub(crate) fn layout(steps: &[SeqStep<'_, '_>]) -> Layout {
         let (past, n) = (s.state.len, s.input.tokens.len());
         l.segs.push(Segment { row: l.ids.len(), len: n, past });
         l.ids.extend_from_slice(s.input.tokens);
-        match s.input.positions {
-            Positions::Text => l.positions.extend((0..n).map(|i| [(past + i) as i64 + s.state.rope_delta; 3])),
-            Positions::Explicit(p) => l.positions.extend_from_slice(p),
-        }
+        extend_positions(&mut l.positions, s.input.positions, past, n, s.state.rope_delta);
     }
     l
 }

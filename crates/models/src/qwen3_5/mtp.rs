@@ -15,9 +15,9 @@ use super::{DecoderLayer, Mixer, Qwen35};
 use crate::checkpoint::{Checkpoint, Weight};
 use crate::config::{LayerKind, TextConfig};
 use crate::error::{Error, Result};
-use crate::family::{DraftOutput, DraftStep, Positions};
+use crate::family::{DraftOutput, DraftStep};
 use crate::kv::PageTable;
-use crate::layers::{load_vector, place, Segment};
+use crate::layers::{batch, load_vector, place, Segment};
 
 /// Where the head's routed experts live (its expert-layer index follows the decoder's).
 pub(super) const MOE_PREFIX: &str = "mtp.layers.0.mlp";
@@ -81,21 +81,11 @@ impl MtpHead {
             if n == 0 || s.hidden.rows() != n || s.hidden.cols() != h {
                 return Err(Error::InvalidInput(format!("{n} draft entries with {} hidden rows", s.hidden.rows())));
             }
-            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= m.cfg.vocab_size) {
-                return Err(Error::InvalidInput(format!("token id {t} is outside the vocabulary")));
-            }
+            batch::check_tokens(s.tokens, m.cfg.vocab_size)?;
+            batch::check_positions(s.positions, n)?;
             segs.push(Segment { row: ids.len(), len: n, past: s.start });
             ids.extend_from_slice(s.tokens);
-            match s.positions {
-                Positions::Text => {
-                    let d = s.state.rope_delta;
-                    positions.extend((0..n).map(|i| [(s.start + i) as i64 + d; 3]));
-                }
-                Positions::Explicit(p) if p.len() == n => positions.extend_from_slice(p),
-                Positions::Explicit(p) => {
-                    return Err(Error::InvalidInput(format!("{} positions for {n} draft entries", p.len())))
-                }
-            }
+            batch::extend_positions(&mut positions, s.positions, s.start, n, s.state.rope_delta);
         }
         let mut hidden = b.zeros_f32(&[ids.len(), h])?;
         for (s, seg) in steps.iter().zip(&segs) {
