@@ -17,6 +17,7 @@
 //!   non-speculative run's).
 
 use osprey_models::backend::Tensor;
+use osprey_models::layers::stack_rows;
 use osprey_models::{CausalLm, DraftStep, ForwardOptions, LogitsWanted, Positions, SeqInput, SeqStep};
 use osprey_protocol::runner::TokenLogprobs;
 use osprey_protocol::{RequestError, SeqId};
@@ -79,22 +80,6 @@ impl SpecCounters {
     }
 }
 
-/// `parts` stacked by rows into one `[rows, hidden]` tensor.
-fn stack(m: &dyn CausalLm, parts: &[Tensor], hidden: usize) -> Result<Tensor, RequestError> {
-    if let [one] = parts {
-        return Ok(one.clone());
-    }
-    let b = m.backend().as_ref();
-    let rows: usize = parts.iter().map(Tensor::rows).sum();
-    let mut out = b.zeros_f32(&[rows, hidden]).map_err(backend_error)?;
-    let mut at = 0;
-    for p in parts {
-        b.write_rows(&mut out, at * hidden, p, 0..p.rows());
-        at += p.rows();
-    }
-    Ok(out)
-}
-
 /// Feeds the head the entries a main forward over tokens `[start, end)` completed (its hidden rows are
 /// rows `row0..` of `hidden`), and keeps the last row pending.
 pub(crate) fn feed_head(
@@ -117,7 +102,7 @@ pub(crate) fn feed_head(
     }
     let last = b.gather_rows(hidden, &[row0 + n - 1]).map_err(backend_error)?;
     if end - 1 > first {
-        let rows = stack(m, &parts, h)?;
+        let rows = stack_rows(b, &parts.iter().collect::<Vec<_>>(), h).map_err(model_error)?;
         let positions = chunk_positions(&rec.prompt, first, end - 1);
         let step = DraftStep {
             state: &mut rec.state,

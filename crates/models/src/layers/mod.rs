@@ -37,6 +37,20 @@ pub fn load_linear(b: &dyn Backend, ck: &Checkpoint, prefix: &str, out: usize, i
     place(b, ck.linear(prefix, out, inp)?)
 }
 
+/// `parts` (`[rows_i, cols]` each) stacked by rows into one `[Σ rows_i, cols]` tensor.
+pub fn stack_rows(b: &dyn Backend, parts: &[&Tensor], cols: usize) -> Result<Tensor> {
+    if let [one] = parts {
+        return Ok((*one).clone());
+    }
+    let mut out = b.zeros_f32(&[parts.iter().map(|p| p.rows()).sum(), cols])?;
+    let mut at = 0;
+    for p in parts {
+        b.write_rows(&mut out, at * cols, p, 0..p.rows());
+        at += p.rows();
+    }
+    Ok(out)
+}
+
 /// A vector (norm weight, bias) placed on `b`.
 pub fn load_vector(b: &dyn Backend, ck: &Checkpoint, name: &str, len: usize) -> Result<Tensor> {
     Ok(b.upload_f32(&ck.vector(name, len)?, &[len])?)

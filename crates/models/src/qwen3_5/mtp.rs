@@ -17,7 +17,7 @@ use crate::config::{LayerKind, TextConfig};
 use crate::error::{Error, Result};
 use crate::family::{DraftOutput, DraftStep};
 use crate::kv::PageTable;
-use crate::layers::{batch, load_vector, place, Segment};
+use crate::layers::{batch, load_vector, place, stack_rows, Segment};
 
 /// Where the head's routed experts live (its expert-layer index follows the decoder's).
 pub(super) const MOE_PREFIX: &str = "mtp.layers.0.mlp";
@@ -87,10 +87,7 @@ impl MtpHead {
             ids.extend_from_slice(s.tokens);
             batch::extend_positions(&mut positions, s.positions, s.start, n, s.state.rope_delta);
         }
-        let mut hidden = b.zeros_f32(&[ids.len(), h])?;
-        for (s, seg) in steps.iter().zip(&segs) {
-            b.write_rows(&mut hidden, seg.row * h, &s.hidden, 0..seg.len);
-        }
+        let mut hidden = stack_rows(b, &steps.iter().map(|s| &s.hidden).collect::<Vec<_>>(), h)?;
         for s in steps.iter_mut() {
             s.state.kv.grow(s.start, s.start + s.tokens.len(), b)?;
         }
