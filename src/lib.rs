@@ -276,7 +276,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         experts: source,
         expert_slots: None,
         ple_budget: osprey_models::PleBudget::new(ple),
-        draft_head: false,
+        draft_head: settings.speculative_tokens.unwrap_or(0) > 0,
     };
     let mut progress = Progress::new("loading weights");
     let model = osprey_models::load_with_options(&cfg, &ck, opts, backend.clone(), &mut |d, n| progress.update(d, n))?;
@@ -303,7 +303,9 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let kv_capacity_tokens = settings.kv_capacity_tokens.unwrap_or(4 * context_len);
     let kv_pages = kv_capacity_tokens.div_ceil(page_size);
     let runner =
-        osprey_runner::Runner::with_kv(model, vision.as_ref().map(|v| v.sender()), (page_size, kv_pages), kv_dtype);
+        osprey_runner::Runner::with_kv(model, vision.as_ref().map(|v| v.sender()), (page_size, kv_pages), kv_dtype)
+            .with_speculative(settings.speculative_tokens.unwrap_or(0))
+            .map_err(anyhow::Error::msg)?;
     let runner = osprey_runner::spawn(runner);
     let prefix_on = !settings.disable_prefix_cache.unwrap_or(false);
     let prefix = prefix_on.then(|| {

@@ -80,6 +80,9 @@ struct ServeArgs {
     /// Element type of the KV cache: `f32` (default, exact) or `bf16` (half the KV memory).
     #[arg(long)]
     kv_cache_dtype: Option<String>,
+    /// Draft tokens per decode step from the checkpoint's MTP head (speculative decoding; 0: off).
+    #[arg(long)]
+    speculative_tokens: Option<usize>,
     /// Prefix cache page size in tokens.
     #[arg(long)]
     page_size: Option<usize>,
@@ -186,6 +189,7 @@ impl ServeArgs {
             prefix_cache_mb: self.prefix_cache_mb,
             device_memory_mb: self.device_memory_mb,
             kv_cache_dtype: self.kv_cache_dtype.clone(),
+            speculative_tokens: self.speculative_tokens,
             page_size: self.page_size,
             snapshot_interval: self.snapshot_interval,
             expert_ram_gb: self.expert_ram_gb,

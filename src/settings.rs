@@ -94,6 +94,9 @@ pub struct Settings {
     /// Element type of the KV cache: `f32` (default: the exact path) or `bf16` (half the KV memory, rows
     /// rounded to nearest even as they are written; answers may differ from f32's).
     pub kv_cache_dtype: Option<String>,
+    /// Draft tokens per decode step from the checkpoint's MTP head (speculative decoding; 0 or unset:
+    /// off; at most 4). Greedy answers are the same tokens either way.
+    pub speculative_tokens: Option<usize>,
     /// Tokenizer worker threads (templates, media decoding and preprocessing, detokenization; default 2).
     pub tokenizer_workers: Option<usize>,
     /// Most pixels of all images and frames of one request (default 192 M: ~576 MB decoded).

@@ -341,6 +341,10 @@ fn osprey_counters(text: &str) -> BTreeMap<String, f64> {
         "osprey_ple_hits_total",
         "osprey_ple_misses_total",
         "osprey_ple_bytes_read_total",
+        "osprey_spec_drafted_total",
+        "osprey_spec_accepted_total",
+        "osprey_spec_verifications_total",
+        "osprey_spec_emitted_tokens_total",
         "osprey_grammar_masks_total",
         "osprey_grammar_mask_seconds_total",
     ];

@@ -39,6 +39,9 @@ pub struct PlanItem {
     /// Snapshot the state after this chunk (its end is on the snapshot grid) and return the pages
     /// computed since the sequence's last snapshot.
     pub snapshot: bool,
+    /// The most tokens this item may emit (what is left of the request's `max_tokens` and context):
+    /// a speculative step drafts at most `budget - 1`.
+    pub budget: usize,
     /// The request's span.
     pub span: tracing::Span,
 }
@@ -103,6 +106,40 @@ pub struct StepResult {
     pub slots: ExpertSlots,
     /// PLE row-cache counters after the step (`None`: the model has no PLE layers).
     pub ple: Option<PleCounters>,
+    /// Speculation counters after the step (`None`: no speculative decoding).
+    pub spec: Option<SpecCounters>,
+}
+
+/// The most draft tokens per speculative step (`--speculative-tokens`).
+pub const MAX_SPECULATIVE_TOKENS: usize = 4;
+
+/// Speculative decoding counters of the runner since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecCounters {
+    /// Tokens drafted.
+    pub drafted: u64,
+    /// Drafts accepted.
+    pub accepted: u64,
+    /// Per draft position (0 = the first draft of a step): drafts proposed there.
+    pub drafted_at: [u64; MAX_SPECULATIVE_TOKENS],
+    /// Per draft position: drafts accepted there.
+    pub accepted_at: [u64; MAX_SPECULATIVE_TOKENS],
+    /// Verifications (speculative steps of a sequence; they share the step's one main forward).
+    pub forwards: u64,
+    /// Tokens the verifications emitted.
+    pub emitted: u64,
+}
+
+impl SpecCounters {
+    /// Tokens per verification: what one pass over the main weights yields for a sequence.
+    pub fn tokens_per_forward(&self) -> f64 {
+        self.emitted as f64 / self.forwards.max(1) as f64
+    }
+
+    /// Accepted drafts over drafted ones.
+    pub fn acceptance(&self) -> f64 {
+        self.accepted as f64 / self.drafted.max(1) as f64
+    }
 }
 
 /// PLE row-cache counters of the runner's model, summed over its PLE layers, since load.

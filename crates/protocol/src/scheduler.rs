@@ -123,6 +123,8 @@ pub struct SchedulerStats {
     pub expert_slots: crate::runner::ExpertSlots,
     /// PLE row-cache counters (as of the last step; `None` without PLE layers).
     pub ple: Option<crate::runner::PleCounters>,
+    /// Speculation counters (as of the last step; `None` without speculative decoding).
+    pub spec: Option<crate::runner::SpecCounters>,
     /// Sequences preempted (KV pages ran out) since start.
     pub preemptions_total: u64,
     /// Prompt tokens computed since start.

@@ -24,7 +24,8 @@ use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
 use osprey_protocol::{ErrorCode, RequestError, SeqId};
 
 use crate::sampler::{sample, Rng};
-use crate::speculative::{feed_head, DraftOverride, Pending, SpecCounters, MAX_SPECULATIVE_TOKENS};
+use crate::speculative::{self, feed_head, DraftOverride, Pending};
+use osprey_protocol::runner::{SpecCounters, MAX_SPECULATIVE_TOKENS};
 
 /// Where a sequence's media rows come from: the vision actor in the server, the tower in-process for
 /// `osprey run`.
@@ -68,6 +69,8 @@ pub struct Work {
     /// Snapshot the state after this chunk (its end is a page boundary) with the pages computed since the
     /// sequence's previous snapshot.
     pub snapshot: bool,
+    /// The most tokens the item may emit: a speculative step drafts at most `budget - 1`.
+    pub budget: usize,
     /// The request's span (entered while this item's media rows are fetched).
     pub span: tracing::Span,
 }
@@ -86,8 +89,9 @@ pub struct Taken {
 /// What a work item produced.
 #[derive(Debug, Default)]
 pub struct Done {
-    /// The sampled token and its logprobs (items with `sample`).
-    pub sampled: Option<(u32, Option<TokenLogprobs>)>,
+    /// The sampled tokens and their logprobs, in order (items with `sample`: one, or with speculation
+    /// the accepted drafts and the main model's next token).
+    pub sampled: Vec<(u32, Option<TokenLogprobs>)>,
     /// The snapshot (items with `snapshot` ending on a page boundary).
     pub snapshot: Option<Taken>,
 }
@@ -259,7 +263,12 @@ impl Driver {
 
     /// Speculation counters since start.
     pub fn spec_counters(&self) -> SpecCounters {
-        self.spec_counters.clone()
+        self.spec_counters
+    }
+
+    /// Draft tokens per decode step (0: no speculation).
+    pub fn speculative(&self) -> usize {
+        self.spec
     }
 
     /// The model's expert slot counters.
@@ -363,8 +372,9 @@ impl Driver {
         Ok(())
     }
 
-    /// Runs one batched forward over `work` (each sequence at most once) and samples. A sequence whose
-    /// item fails is released.
+    /// Runs one batched forward over `work` (each sequence at most once) and samples. With speculation,
+    /// a decode item drafts tokens with the head and is verified in the same forward, so it may emit
+    /// several tokens ([`crate::speculative`]). A sequence whose item fails is released.
     pub fn step(&mut self, work: &[Work], rows: &mut dyn RowSource) -> Vec<(SeqId, Result<Done, RequestError>)> {
         let mut out = Vec::with_capacity(work.len());
         // 1. Take every scheduled record out of the map (disjoint &mut borrows) and fetch its rows.
@@ -395,33 +405,71 @@ impl Driver {
         if ok.is_empty() {
             return out;
         }
-        // 2. One batched forward. Rows and prompts are shared (`Arc`), so the spans can borrow copies while
+        // 2. Drafts for the decode items, each with the pages its verification needs when the pool has
+        //    them to spare (after every item's own pages: the scheduler planned those).
+        let ks: Vec<usize> = ok
+            .iter_mut()
+            .map(|(w, rec)| {
+                if self.spec == 0 || !speculative::eligible(rec, (w.start, w.end), w.sample, w.snapshot) {
+                    return 0;
+                }
+                let most = self.spec.min(w.budget.saturating_sub(1));
+                (1..=most).rev().find(|k| self.pool.reserve(rec.state.pages_mut(), w.end + k).is_ok()).unwrap_or(0)
+            })
+            .collect();
+        let mut verify_tokens: Vec<Option<Vec<u32>>> = vec![None; ok.len()];
+        if ks.iter().any(|&k| k > 0) {
+            let mut recs: Vec<&mut SeqRec> =
+                ok.iter_mut().zip(&ks).filter(|(_, &k)| k > 0).map(|((_, r), _)| r).collect();
+            let spec_ks: Vec<usize> = ks.iter().copied().filter(|&k| k > 0).collect();
+            match speculative::draft(&self.model, &mut recs, &spec_ks, self.draft_override.as_mut()) {
+                Ok(drafted) => {
+                    let mut drafted = drafted.into_iter();
+                    for (slot, _) in verify_tokens.iter_mut().zip(&ks).filter(|(_, &k)| k > 0) {
+                        *slot = drafted.next();
+                    }
+                }
+                Err(e) => {
+                    let (failed, kept): (Vec<_>, Vec<_>) = ok.into_iter().zip(ks).partition(|(_, k)| *k > 0);
+                    out.extend(failed.into_iter().map(|((w, _), _)| (w.seq, Err(e.clone()))));
+                    ok = kept.into_iter().map(|(x, _)| x).collect();
+                    verify_tokens = vec![None; ok.len()];
+                }
+            }
+        }
+        // 3. One batched forward. Rows and prompts are shared (`Arc`), so the spans can borrow copies while
         //    states are borrowed mutably.
         let hidden = self.model.info().hidden_size;
         let held: Vec<(Arc<PreparedPrompt>, MediaRows)> =
             ok.iter().map(|(_, rec)| (rec.prompt.clone(), rec.rows.clone())).collect();
         let spans: Vec<Vec<MediaSpan<'_>>> = held.iter().map(|(p, r)| media_spans(p, r, hidden)).collect();
+        let ends: Vec<usize> =
+            ok.iter().zip(&verify_tokens).map(|((w, _), v)| v.as_ref().map_or(w.end, |v| w.start + v.len())).collect();
         let injected: Vec<_> =
-            ok.iter().zip(&spans).map(|((w, _), sp)| rows_in_chunk(sp, w.start, w.end, hidden)).collect();
+            ok.iter().zip(&spans).zip(&ends).map(|(((w, _), sp), &e)| rows_in_chunk(sp, w.start, e, hidden)).collect();
         let positions: Vec<Option<Vec<[i64; 3]>>> =
-            ok.iter().map(|(w, rec)| chunk_positions(&rec.prompt, w.start, w.end)).collect();
+            ok.iter().zip(&ends).map(|((w, rec), &e)| chunk_positions(&rec.prompt, w.start, e)).collect();
+        let verify: Vec<bool> = verify_tokens.iter().map(Option::is_some).collect();
         let outcome = {
             let mut steps: Vec<SeqStep<'_, '_>> = Vec::with_capacity(ok.len());
-            for (((w, rec), inj), pos) in ok.iter_mut().zip(&injected).zip(&positions) {
+            for ((((w, rec), inj), pos), v) in ok.iter_mut().zip(&injected).zip(&positions).zip(&verify_tokens) {
                 let positions = pos.as_deref().map_or(Positions::Text, Positions::Explicit);
-                let logits = if w.sample { LogitsWanted::Last } else { LogitsWanted::None };
-                let tokens = &rec.tokens[w.start..w.end];
+                let (tokens, logits) = match v {
+                    Some(v) => (&v[..], LogitsWanted::All),
+                    None if w.sample => (&rec.tokens[w.start..w.end], LogitsWanted::Last),
+                    None => (&rec.tokens[w.start..w.end], LogitsWanted::None),
+                };
                 steps.push(SeqStep {
                     state: &mut rec.state,
                     input: SeqInput { tokens, positions, injected: inj, logits },
                 });
             }
-            let opts = ForwardOptions { keep_hidden: self.spec > 0, ..ForwardOptions::default() };
+            let opts = ForwardOptions { keep_hidden: self.spec > 0, verify: &verify, ..ForwardOptions::default() };
             self.model.forward_with(&mut steps, &opts)
         };
         drop(injected);
         drop(spans);
-        // 3. Feed the draft head, sample, snapshot, put the sequences back.
+        // 4. Accept the verified drafts, or feed the draft head and sample; snapshot, put the sequences back.
         let (logits, hidden) = match outcome {
             Ok(o) => (o.logits, o.last_hidden),
             Err(e) => {
@@ -431,12 +479,32 @@ impl Driver {
             }
         };
         let mut row0 = 0;
-        for ((w, mut rec), logits) in ok.into_iter().zip(logits) {
+        for (((w, mut rec), logits), (v, end)) in ok.into_iter().zip(logits).zip(verify_tokens.into_iter().zip(ends)) {
             let mut done = Done::default();
+            let rows_of_item = row0;
+            row0 += end - w.start;
+            if let (Some(v), Some(h)) = (v, &hidden) {
+                let accepted = speculative::accept(
+                    &self.model,
+                    &mut rec,
+                    (&logits, &v),
+                    (h, rows_of_item),
+                    &mut self.spec_counters,
+                );
+                match accepted {
+                    Ok(emitted) => done.sampled = emitted,
+                    Err(e) => {
+                        out.push((w.seq, Err(e)));
+                        continue;
+                    }
+                }
+                rec.rows.iter_mut().for_each(|r| *r = None);
+                self.seqs.insert(w.seq, rec);
+                out.push((w.seq, Ok(done)));
+                continue;
+            }
             if let Some(h) = &hidden {
-                let fed = feed_head(&self.model, &mut rec, (w.start, w.end), h, row0);
-                row0 += w.end - w.start;
-                if let Err(e) = fed {
+                if let Err(e) = feed_head(&self.model, &mut rec, (w.start, w.end), h, rows_of_item) {
                     out.push((w.seq, Err(e)));
                     continue;
                 }
@@ -473,7 +541,7 @@ impl Driver {
                 }
                 rec.tokens.push(token);
                 rec.rows.iter_mut().for_each(|r| *r = None);
-                done.sampled = Some((token, logprobs));
+                done.sampled = vec![(token, logprobs)];
             }
             self.seqs.insert(w.seq, rec);
             out.push((w.seq, Ok(done)));
@@ -529,40 +597,33 @@ impl Driver {
         // (time to the first token, start of the decode)
         let mut first: Option<(f64, Instant)> = None;
         let finish = 'gen: loop {
-            // Past the first token, a speculative step emits one token or more.
-            let left = opts.max_tokens.saturating_sub(tokens.len());
-            if self.spec > 0 && first.is_some() && left > 1 {
-                let k = self.spec.min(left - 1);
-                for (token, _) in self.speculate(seq, k, left, &opts.stop_token_ids)? {
-                    tokens.push(token);
-                    if opts.stop_token_ids.contains(&token) {
-                        break 'gen FinishReason::Stop;
-                    }
-                }
-                start = tokens.len() + plen - 1;
-                if tokens.len() >= opts.max_tokens {
-                    break FinishReason::Length;
-                }
-                continue;
-            }
             let end = if start < plen { (start + opts.chunk.max(1)).min(plen) } else { start + 1 };
             let span = tracing::Span::current();
-            let work = Work { seq, start, end, sample: end >= plen, snapshot: false, span };
+            let budget = opts.max_tokens - tokens.len();
+            let work = Work { seq, start, end, sample: end >= plen, snapshot: false, budget, span };
             let (_, res) = self.step(&[work], rows).pop().expect("one result per work item");
-            start = end;
-            let Some((token, _)) = res?.sampled else { continue };
+            let sampled = res?.sampled;
+            if sampled.is_empty() {
+                start = end;
+                continue;
+            }
             if first.is_none() {
                 let ttft = t0.elapsed().as_secs_f64();
                 at_first_token();
                 first = Some((ttft, Instant::now()));
             }
-            tokens.push(token);
-            if opts.stop_token_ids.contains(&token) {
-                break FinishReason::Stop;
+            // A speculative step may emit several tokens; what follows a stop or the budget is dropped.
+            for (token, _) in sampled {
+                tokens.push(token);
+                if opts.stop_token_ids.contains(&token) {
+                    break 'gen FinishReason::Stop;
+                }
+                if tokens.len() >= opts.max_tokens {
+                    break 'gen FinishReason::Length;
+                }
             }
-            if tokens.len() >= opts.max_tokens {
-                break FinishReason::Length;
-            }
+            // The last token is sampled, not fed: the sequence's state ends just before it.
+            start = plen + tokens.len() - 1;
         };
         let (prefill_secs, decode_start) = first.expect("the loop ends after a sampled token");
         Ok(Generated { tokens, finish, prefill_secs, decode_secs: decode_start.elapsed().as_secs_f64() })

@@ -29,8 +29,8 @@ pub use driver::{
 /// The vision actor's inbox (the runner asks it for rows; actor crates do not depend on each other).
 pub type VisionSender = mpsc::UnboundedSender<VisionCommand>;
 
+pub use osprey_protocol::runner::{SpecCounters, MAX_SPECULATIVE_TOKENS};
 pub use sampler::{sample, verify, Rng};
-pub use speculative::{SpecCounters, MAX_SPECULATIVE_TOKENS};
 
 /// A KV page as the prefix cache holds it (opaque outside the runner): the pool's page itself, shared.
 #[derive(Debug)]
@@ -93,6 +93,13 @@ impl Runner {
         Runner { driver: Driver::with_kv(model, page_size, pages, dtype), vision }
     }
 
+    /// Decodes with `k` draft tokens per step from the model's draft head (see
+    /// [`Driver::with_speculative`]).
+    pub fn with_speculative(mut self, k: usize) -> Result<Self, String> {
+        self.driver = self.driver.with_speculative(k)?;
+        Ok(self)
+    }
+
     /// Page counts of the KV pool.
     pub fn kv_pages(&mut self) -> osprey_protocol::runner::KvPages {
         self.driver.kv_pages()
@@ -133,6 +140,7 @@ impl Runner {
                 end: item.end,
                 sample: item.sample,
                 snapshot: item.snapshot,
+                budget: item.budget,
                 span: item.span.clone(),
             });
         }
@@ -159,7 +167,7 @@ impl Runner {
                             snapshot: Arc::new(Snapshot(t.state)),
                         });
                     }
-                    if let Some((token, logprobs)) = done.sampled {
+                    for (token, logprobs) in done.sampled {
                         result.sampled.push(Sampled { seq, token, logprobs });
                     }
                 }
@@ -168,6 +176,7 @@ impl Runner {
         result.kv = self.driver.kv_pages();
         result.slots = self.driver.slot_stats();
         result.ple = self.driver.ple_counters();
+        result.spec = (self.driver.speculative() > 0).then(|| self.driver.spec_counters());
         result
     }
 }

@@ -1,7 +1,12 @@
 //! Speculative decoding with the model's own draft head (multi-token prediction, `mtp.*`): the head
 //! drafts `K` tokens autoregressively, one forward of the main model verifies them all, and the longest
 //! agreeing prefix plus the main model's own next token are emitted, so a decode step can yield up to
-//! `K + 1` tokens per pass over the main weights.
+//! `K + 1` tokens per pass over the main weights. It runs inside [`crate::Driver::step`], so the server
+//! and `generate` share it: a decode item of a sequence the head can draft for gets up to `K` drafts
+//! (fewer when the KV pool has no pages to spare for them), the drafts of all such items are batched
+//! through the head, and their verifications ride in the step's one batched forward beside prefill
+//! chunks and plain decode items. A decode item that asks for a prefix snapshot runs plain (the state
+//! would move past the snapshot point).
 //!
 //! - The head's entries: entry `i` pairs token `i + 1` with the main model's final normed hidden state at
 //!   `i`, in the head's own plane of the sequence's KV pages at slot `i`. Each main forward keeps its
@@ -18,18 +23,12 @@
 
 use osprey_models::backend::Tensor;
 use osprey_models::layers::stack_rows;
-use osprey_models::{CausalLm, DraftStep, ForwardOptions, LogitsWanted, Positions, SeqInput, SeqStep};
-use osprey_protocol::runner::TokenLogprobs;
-use osprey_protocol::{RequestError, SeqId};
+use osprey_models::{CausalLm, DraftStep, Positions};
+use osprey_protocol::runner::{SpecCounters, TokenLogprobs};
+use osprey_protocol::RequestError;
 
-use crate::driver::{
-    backend_error, chunk_positions, engine_error, grammar_error, grammar_mask, model_error, reserve_error, Driver,
-    SeqRec,
-};
+use crate::driver::{backend_error, chunk_positions, engine_error, grammar_error, grammar_mask, model_error, SeqRec};
 use crate::sampler::{argmax, sample, verify};
-
-/// The most draft tokens per step (`--speculative-tokens`).
-pub const MAX_SPECULATIVE_TOKENS: usize = 4;
 
 /// The main model's hidden rows for slots `[pos, pos + rows)` whose head entries wait for the token
 /// after each.
@@ -39,10 +38,10 @@ pub(crate) struct Pending {
     rows: Tensor,
 }
 
-/// See [`Driver::override_drafts`].
+/// See [`crate::Driver::override_drafts`].
 pub(crate) struct DraftOverride(pub(crate) Box<DraftFn>);
 
-/// Picks a draft from the tokens so far (see [`Driver::override_drafts`]).
+/// Picks a draft from the tokens so far (see [`crate::Driver::override_drafts`]).
 pub(crate) type DraftFn = dyn FnMut(&[u32]) -> Option<u32> + Send;
 
 impl std::fmt::Debug for DraftOverride {
@@ -51,33 +50,15 @@ impl std::fmt::Debug for DraftOverride {
     }
 }
 
-/// Speculation counters since start.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SpecCounters {
-    /// Tokens drafted.
-    pub drafted: u64,
-    /// Drafts accepted.
-    pub accepted: u64,
-    /// Per draft position (0 = the first draft of a step): drafts proposed there.
-    pub drafted_at: Vec<u64>,
-    /// Per draft position: drafts accepted there.
-    pub accepted_at: Vec<u64>,
-    /// Verification forwards of the main model.
-    pub forwards: u64,
-    /// Tokens emitted by them.
-    pub emitted: u64,
-}
-
-impl SpecCounters {
-    /// Tokens per main-model forward in the speculative steps.
-    pub fn tokens_per_forward(&self) -> f64 {
-        self.emitted as f64 / self.forwards.max(1) as f64
-    }
-
-    /// Accepted drafts over drafted ones.
-    pub fn acceptance(&self) -> f64 {
-        self.accepted as f64 / self.drafted.max(1) as f64
-    }
+/// The first KV slot the head may write for `rec`: past its last page that another holder (the prefix
+/// cache, another sequence) shares. The head never writes a shared page: a private copy would cost a
+/// page the scheduler did not plan for, and the page's other holders keep what they had. The entries
+/// it skips (the last slot of a page that was cached before the token after it came) only make the
+/// next drafts a little worse.
+fn first_private_slot(rec: &SeqRec) -> usize {
+    let t = rec.state.pages();
+    let ps = t.geometry().page_size;
+    t.pages().iter().rposition(|p| std::sync::Arc::strong_count(p) > 1).map_or(0, |i| (i + 1) * ps)
 }
 
 /// Feeds the head the entries a main forward over tokens `[start, end)` completed (its hidden rows are
@@ -101,8 +82,14 @@ pub(crate) fn feed_head(
         parts.push(b.gather_rows(hidden, &(row0..row0 + n - 1).collect::<Vec<_>>()).map_err(backend_error)?);
     }
     let last = b.gather_rows(hidden, &[row0 + n - 1]).map_err(backend_error)?;
-    if end - 1 > first {
-        let rows = stack_rows(b, &parts.iter().collect::<Vec<_>>(), h).map_err(model_error)?;
+    // Entries in pages another holder shares are not written (see `first_private_slot`).
+    let lo = first_private_slot(rec).max(first);
+    if end - 1 > lo {
+        let mut rows = stack_rows(b, &parts.iter().collect::<Vec<_>>(), h).map_err(model_error)?;
+        if lo > first {
+            rows = b.gather_rows(&rows, &(lo - first..rows.rows()).collect::<Vec<_>>()).map_err(backend_error)?;
+        }
+        let first = lo;
         let positions = chunk_positions(&rec.prompt, first, end - 1);
         let step = DraftStep {
             state: &mut rec.state,
@@ -117,114 +104,126 @@ pub(crate) fn feed_head(
     Ok(())
 }
 
-impl Driver {
-    /// One speculative step of sequence `seq` (its last token sampled, not yet fed): `k` drafts, one
-    /// verification, the rewind. Returns the emitted tokens (at least one); it stops early after a token
-    /// of `stop` or at `budget` tokens.
-    pub(crate) fn speculate(
-        &mut self,
-        seq: SeqId,
-        k: usize,
-        budget: usize,
-        stop: &[u32],
-    ) -> Result<Vec<(u32, Option<TokenLogprobs>)>, RequestError> {
-        let mut rec = self.seqs.remove(&seq).ok_or_else(|| engine_error("unknown sequence: this is a bug"))?;
-        let out = self.speculate_rec(&mut rec, k, budget, stop);
-        self.seqs.insert(seq, rec);
-        out
-    }
-
-    fn speculate_rec(
-        &mut self,
-        rec: &mut SeqRec,
-        k: usize,
-        budget: usize,
-        stop: &[u32],
-    ) -> Result<Vec<(u32, Option<TokenLogprobs>)>, RequestError> {
-        let m: &dyn CausalLm = &self.model;
-        let n = rec.state.len();
-        if rec.tokens.len() != n + 1 {
-            return Err(engine_error("speculation out of order with the sequence: this is a bug"));
+/// Drafts for the speculative items of a step, batched: `recs[i]` (its last token sampled, not yet
+/// fed) gets `ks[i]` drafts from the head, its pending entries first, then one entry per draft. Returns
+/// per item the tokens to verify: the sampled token, then the drafts.
+pub(crate) fn draft(
+    m: &dyn CausalLm,
+    recs: &mut [&mut SeqRec],
+    ks: &[usize],
+    mut choose: Option<&mut DraftOverride>,
+) -> Result<Vec<Vec<u32>>, RequestError> {
+    let mut verify: Vec<Vec<u32>> = recs.iter().map(|r| vec![r.tokens[r.state.len()]]).collect();
+    let mut steps = Vec::with_capacity(recs.len());
+    for r in recs.iter_mut() {
+        let n = r.state.len();
+        let Pending { mut pos, mut rows } =
+            r.pending.take().ok_or_else(|| engine_error("no hidden rows to draft from"))?;
+        // `eligible` saw slot n - 1 private; earlier pending slots may sit in a shared page.
+        let lo = first_private_slot(r);
+        if pos < lo {
+            let keep: Vec<usize> = (lo - pos..rows.rows()).collect();
+            rows = m.backend().gather_rows(&rows, &keep).map_err(backend_error)?;
+            pos = lo;
         }
-        self.pool.reserve(rec.state.pages_mut(), n + k + 1).map_err(reserve_error)?;
-        // 1. Drafts: the pending entries (the last one pairs the sampled token), then one entry per draft.
-        let Pending { pos, rows } = rec.pending.take().ok_or_else(|| engine_error("no hidden rows to draft from"))?;
-        let step = DraftStep {
-            state: &mut rec.state,
-            tokens: &rec.tokens[pos + 1..=n],
-            hidden: rows,
-            start: pos,
-            positions: Positions::Text,
-        };
-        let mut out = m.draft(&mut [step], false).map_err(model_error)?;
-        let mut verify_tokens = vec![rec.tokens[n]];
-        for j in 0..k {
-            let mut d = argmax(&out.logits[0]) as u32;
-            if let Some(DraftOverride(f)) = self.draft_override.as_mut() {
-                let ctx: Vec<u32> = rec.tokens.iter().chain(&verify_tokens[1..]).copied().collect();
+        let tokens = &r.tokens[pos + 1..=n];
+        steps.push(DraftStep { state: &mut r.state, tokens, hidden: rows, start: pos, positions: Positions::Text });
+    }
+    let mut out = m.draft(&mut steps, false).map_err(model_error)?;
+    drop(steps);
+    for j in 0..ks.iter().copied().max().unwrap_or(0) {
+        // Pick draft j + 1 of every item that wants it, then run one more entry for those that want more.
+        let mut hidden = out.hidden.into_iter();
+        let mut next = Vec::new();
+        for (i, (r, &k)) in recs.iter().zip(ks).enumerate().filter(|(_, (_, &k))| k > j) {
+            let mut d = argmax(&out.logits[next.len()]) as u32;
+            let h = hidden.next().ok_or_else(|| engine_error("a draft without its hidden row: this is a bug"))?;
+            if let Some(DraftOverride(f)) = choose.as_deref_mut() {
+                let ctx: Vec<u32> = r.tokens.iter().chain(&verify[i][1..]).copied().collect();
                 d = f(&ctx).unwrap_or(d);
             }
-            verify_tokens.push(d);
-            if j + 1 < k {
-                let hidden = out.hidden.remove(0);
-                let step =
-                    DraftStep { state: &mut rec.state, tokens: &[d], hidden, start: n + j, positions: Positions::Text };
-                out = m.draft(&mut [step], false).map_err(model_error)?;
+            verify[i].push(d);
+            next.push((i, k, h));
+        }
+        let mut steps = Vec::new();
+        let more: Vec<(usize, Tensor)> =
+            next.into_iter().filter(|&(_, k, _)| k > j + 1).map(|(i, _, h)| (i, h)).collect();
+        if more.is_empty() {
+            break;
+        }
+        let mut it = more.into_iter().peekable();
+        for (i, r) in recs.iter_mut().enumerate() {
+            if it.peek().is_some_and(|(mi, _)| *mi == i) {
+                let (_, h) = it.next().expect("peeked");
+                let start = r.state.len() + j;
+                let tokens = std::slice::from_ref(verify[i].last().expect("a draft"));
+                steps.push(DraftStep { state: &mut r.state, tokens, hidden: h, start, positions: Positions::Text });
             }
         }
-        // 2. One verification forward of the sampled token and the drafts.
-        let positions = chunk_positions(&rec.prompt, n, n + k + 1);
-        let input = SeqInput {
-            tokens: &verify_tokens,
-            positions: positions.as_deref().map_or(Positions::Text, Positions::Explicit),
-            injected: &[],
-            logits: LogitsWanted::All,
-        };
-        let opts = ForwardOptions { keep_hidden: true, verify: &[true], ..ForwardOptions::default() };
-        let fwd = m.forward_with(&mut [SeqStep { state: &mut rec.state, input }], &opts).map_err(model_error)?;
-        let logits = &fwd.logits[0];
-        let v = logits.len() / (k + 1);
-        // 3. Accept row by row.
-        let plen = rec.prompt.input_ids.len();
-        let (mut emitted, mut accepted) = (Vec::new(), 0);
-        for j in 0..=k {
-            let row = &logits[j * v..(j + 1) * v];
-            let allowed = grammar_mask(rec)?;
-            let mask = allowed.then_some(&rec.allowed[..]);
-            let (prompt, output) = rec.tokens.split_at(plen);
-            let (token, ok, lp) = if j < k {
-                verify(row, &rec.sampling, prompt, output, &mut rec.rng, mask, verify_tokens[j + 1])
-            } else {
-                let (t, lp) = sample(row, &rec.sampling, prompt, output, &mut rec.rng, mask);
-                (t, false, lp)
-            };
-            if let Some(mt) = rec.matcher.as_mut() {
-                mt.commit(token).map_err(|e| grammar_error(&e))?;
-            }
-            rec.tokens.push(token);
-            emitted.push((token, lp));
-            accepted += usize::from(ok);
-            if !ok || stop.contains(&token) || emitted.len() >= budget {
-                break;
-            }
-        }
-        // 4. Keep the state of the accepted tokens; their hidden rows wait for the head.
-        let len = n + 1 + accepted;
-        rec.state.rewind(len, k + 1).map_err(model_error)?;
-        let hidden = fwd.last_hidden.ok_or_else(|| engine_error("no hidden rows kept: this is a bug"))?;
-        let b = m.backend().as_ref();
-        let rows = b.gather_rows(&hidden, &(0..=accepted).collect::<Vec<_>>()).map_err(backend_error)?;
-        rec.pending = Some(Pending { pos: n, rows });
-        rec.rows.iter_mut().for_each(|r| *r = None);
-        let c = &mut self.spec_counters;
-        c.drafted += k as u64;
-        c.accepted += accepted as u64;
-        c.drafted_at.resize(c.drafted_at.len().max(k), 0);
-        c.accepted_at.resize(c.drafted_at.len(), 0);
-        c.drafted_at[..k].iter_mut().for_each(|x| *x += 1);
-        c.accepted_at[..accepted].iter_mut().for_each(|x| *x += 1);
-        c.forwards += 1;
-        c.emitted += emitted.len() as u64;
-        Ok(emitted)
+        out = m.draft(&mut steps, false).map_err(model_error)?;
     }
+    Ok(verify)
+}
+
+/// Accepts a verified item: `logits` are the verification's rows for `tokens` (the sampled token and
+/// the drafts), `hidden` its final normed rows from `row0`. Emits the accepted drafts and one token of
+/// the main model's, rewinds the state to them and keeps their hidden rows pending for the head.
+pub(crate) fn accept(
+    m: &dyn CausalLm,
+    rec: &mut SeqRec,
+    (logits, tokens): (&[f32], &[u32]),
+    (hidden, row0): (&Tensor, usize),
+    counters: &mut SpecCounters,
+) -> Result<Vec<(u32, Option<TokenLogprobs>)>, RequestError> {
+    let k = tokens.len() - 1;
+    let n = rec.state.len() - tokens.len();
+    let v = logits.len() / tokens.len();
+    let plen = rec.prompt.input_ids.len();
+    let (mut emitted, mut accepted) = (Vec::new(), 0);
+    for j in 0..=k {
+        let row = &logits[j * v..(j + 1) * v];
+        let allowed = grammar_mask(rec)?;
+        let mask = allowed.then_some(&rec.allowed[..]);
+        let (prompt, output) = rec.tokens.split_at(plen);
+        let (token, ok, lp) = if j < k {
+            verify(row, &rec.sampling, prompt, output, &mut rec.rng, mask, tokens[j + 1])
+        } else {
+            let (t, lp) = sample(row, &rec.sampling, prompt, output, &mut rec.rng, mask);
+            (t, false, lp)
+        };
+        if let Some(mt) = rec.matcher.as_mut() {
+            mt.commit(token).map_err(|e| grammar_error(&e))?;
+        }
+        rec.tokens.push(token);
+        emitted.push((token, lp));
+        if !ok {
+            break;
+        }
+        accepted += 1;
+    }
+    // Keep the state of the accepted tokens; their hidden rows wait for the head.
+    rec.state.rewind(n + 1 + accepted, k + 1).map_err(model_error)?;
+    let b = m.backend().as_ref();
+    let rows = b.gather_rows(hidden, &(row0..=row0 + accepted).collect::<Vec<_>>()).map_err(backend_error)?;
+    rec.pending = Some(Pending { pos: n, rows });
+    let c = counters;
+    c.drafted += k as u64;
+    c.accepted += accepted as u64;
+    c.drafted_at[..k].iter_mut().for_each(|x| *x += 1);
+    c.accepted_at[..accepted].iter_mut().for_each(|x| *x += 1);
+    c.forwards += 1;
+    c.emitted += emitted.len() as u64;
+    Ok(emitted)
+}
+
+/// Whether `rec`'s work item `[start, end)` may be speculated: a decode step of its last sampled token
+/// whose hidden rows the head has pending, the slot of the last of them in a page of its own (the first
+/// draft's entry is written there), and no prefix snapshot asked after it (the state moves past `end`).
+pub(crate) fn eligible(rec: &SeqRec, (start, end): (usize, usize), sample: bool, snapshot: bool) -> bool {
+    sample
+        && !snapshot
+        && end == start + 1
+        && end == rec.tokens.len()
+        && rec.pending.as_ref().is_some_and(|p| p.pos + p.rows.rows() == start)
+        && first_private_slot(rec) < start
 }

@@ -27,12 +27,14 @@ fn admit(seq: u64, p: &Arc<PreparedPrompt>, prefix: Option<PrefixMatch>, (start,
         end,
         sample: end == p.input_ids.len(),
         snapshot: end.is_multiple_of(16),
+        budget: usize::MAX,
         span: tracing::Span::none(),
     }
 }
 
 fn feed(seq: u64, (start, end): (usize, usize)) -> PlanItem {
-    PlanItem { seq, admit: None, start, end, sample: true, snapshot: false, span: tracing::Span::none() }
+    let span = tracing::Span::none();
+    PlanItem { seq, admit: None, start, end, sample: true, snapshot: false, budget: usize::MAX, span }
 }
 
 fn step(r: &mut Runner, items: Vec<PlanItem>, release: Vec<u64>) -> StepResult {

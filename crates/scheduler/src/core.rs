@@ -416,7 +416,9 @@ impl Scheduler {
             s.sent_to_runner = true;
             let span = s.req.span.clone();
             let sample = end == s.total();
-            items.push(PlanItem { seq: s.req.id, admit, start: s.computed, end, sample, snapshot, span });
+            let budget =
+                s.req.max_tokens.saturating_sub(s.generated).min(self.cfg.context_len.saturating_sub(s.total()));
+            items.push(PlanItem { seq: s.req.id, admit, start: s.computed, end, sample, snapshot, budget, span });
         }
         let release = std::mem::take(&mut self.release);
         let preempt = std::mem::take(&mut self.preempt);
@@ -451,6 +453,7 @@ impl Scheduler {
         }
         self.stats.expert_slots = result.slots;
         self.stats.ple = result.ple;
+        self.stats.spec = result.spec;
         for item in &plan.items {
             if let Some(s) = self.running.iter_mut().find(|s| s.req.id == item.seq) {
                 let n = item.end - item.start;
@@ -488,6 +491,9 @@ impl Scheduler {
             let s = &mut self.running[i];
             s.generated += 1;
             s.cache_ids.push(t.token as u64);
+            // A speculative step feeds its accepted drafts: the runner's state ends just before the last
+            // token sampled, whatever the step's plan said.
+            s.computed = s.total() - 1;
             self.stats.generated_tokens_total += 1;
             let stop = s.req.stop_token_ids.contains(&t.token);
             let sent = s.events.send(EngineEvent::Token { token: t.token, logprobs: t.logprobs }).is_ok();

@@ -197,6 +197,38 @@ impl Metrics {
                 gauge(&mut out, name, help, kind, v);
             }
         }
+        if let Some(c) = s.spec {
+            for (name, help, kind, v) in [
+                ("osprey_spec_drafted_total", "Tokens drafted by the MTP head.", "counter", c.drafted as f64),
+                ("osprey_spec_accepted_total", "Drafted tokens the main model accepted.", "counter", c.accepted as f64),
+                (
+                    "osprey_spec_verifications_total",
+                    "Speculative steps of a sequence (its drafts verified in one main forward).",
+                    "counter",
+                    c.forwards as f64,
+                ),
+                (
+                    "osprey_spec_emitted_tokens_total",
+                    "Tokens the speculative steps emitted.",
+                    "counter",
+                    c.emitted as f64,
+                ),
+                (
+                    "osprey_spec_tokens_per_forward",
+                    "Tokens per speculative step of a sequence (per pass over the main weights).",
+                    "gauge",
+                    c.tokens_per_forward(),
+                ),
+            ] {
+                gauge(&mut out, name, help, kind, v);
+            }
+            out.push_str("# HELP osprey_spec_acceptance_rate Accepted over drafted tokens, per draft position.\n");
+            out.push_str("# TYPE osprey_spec_acceptance_rate gauge\n");
+            for (i, (&d, &a)) in c.drafted_at.iter().zip(&c.accepted_at).enumerate() {
+                let rate = if d == 0 { 0.0 } else { a as f64 / d as f64 };
+                out.push_str(&format!("osprey_spec_acceptance_rate{{position=\"{i}\"}} {rate}\n"));
+            }
+        }
         gauge(
             &mut out,
             "osprey_kv_pages_shared",
