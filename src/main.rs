@@ -265,6 +265,22 @@ enum BenchCommand {
         #[arg(long, default_value_t = 3)]
         repeats: usize,
     },
+    /// The cost side of speculative decoding: a verification forward of K + 1 tokens against one decode
+    /// step, after the same prompt (docs/speculative.md).
+    Verify {
+        /// Model directory.
+        #[arg(long)]
+        model: PathBuf,
+        /// Prompt tokens before the measured forwards.
+        #[arg(long, default_value_t = 512)]
+        prompt_len: usize,
+        /// Largest number of drafts K.
+        #[arg(long, default_value_t = 4)]
+        drafts: usize,
+        /// Measured repetitions (median reported).
+        #[arg(long, default_value_t = 5)]
+        repeats: usize,
+    },
     /// Writes a synthetic checkpoint of a real model's layer geometry (NVFP4 experts, bf16 rest), to
     /// measure the disk tier at real expert sizes without Python or real weights.
     Synth {
@@ -448,6 +464,12 @@ fn main() -> Result<()> {
             let model = load(&model, cli.device.as_deref(), cli.activations.as_deref())?;
             let mut driver = osprey_runner::Driver::new(model, 16);
             let report = bench_forward(&mut driver, ForwardBench { prompt_len, decode_tokens, repeats })?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Verify { model, prompt_len, drafts, repeats }) => {
+            let model = load(&model, cli.device.as_deref(), cli.activations.as_deref())?;
+            let report = osprey_bench::bench_verify(&model, osprey_bench::VerifyBench { prompt_len, drafts, repeats })?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }

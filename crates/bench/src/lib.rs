@@ -14,8 +14,10 @@ pub mod report;
 mod rng;
 pub mod serve;
 pub mod synth;
+mod verify;
 
 pub use compare::compare;
+pub use verify::{bench_verify, VerifyBench, VerifyReport, VerifyRow};
 
 use std::time::Instant;
 
