@@ -180,6 +180,40 @@ def ask_osprey(url: str, body: dict) -> dict:
             "tokens": v["usage"]["completion_tokens"]}
 
 
+def spec_counters(url: str) -> dict:
+    """The server's speculative-decoding counters (`osprey_spec_*` in /metrics; absent: none) and its
+    inter-token latency sum and count (decode tok/s over a run)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(("osprey_spec_", "osprey_inter_token_latency_seconds_sum",
+                            "osprey_inter_token_latency_seconds_count")) and " " in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def spec_report(before: dict, after: dict) -> dict:
+    """Decode tok/s as the server measured it (inter-token latencies: count over sum) and, when the
+    server speculates, drafted and accepted tokens, the acceptance rate, tokens per main-model forward."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    itl_n, itl_s = d.get("osprey_inter_token_latency_seconds_count", 0.0), d.get("osprey_inter_token_latency_seconds_sum", 0.0)
+    decode = {"decode_tok_s": round(itl_n / itl_s, 1) if itl_s > 0 else None}
+    print(f"decode {decode['decode_tok_s']} tok/s (server inter-token latencies)")
+    drafted = d.get("osprey_spec_drafted_total", 0.0)
+    if drafted == 0:
+        return decode
+    verifications = d.get("osprey_spec_verifications_total", 0.0)
+    rep = {"drafted": int(drafted), "accepted": int(d.get("osprey_spec_accepted_total", 0.0)),
+           "acceptance": round(d.get("osprey_spec_accepted_total", 0.0) / drafted, 4),
+           "verifications": int(verifications),
+           "tokens_per_verification": round(d.get("osprey_spec_emitted_tokens_total", 0.0) / max(1.0, verifications), 3)}
+    print(f"speculative: {rep['drafted']} drafted, {rep['accepted']} accepted ({rep['acceptance']:.1%}), "
+          f"{rep['tokens_per_verification']:.2f} tokens per verification")
+    return {**decode, **rep}
+
+
 def report(who: str, rows: list, answers: list) -> dict:
     per = collections.defaultdict(lambda: [0, 0])
     for r, a in zip(rows, answers):
@@ -193,10 +227,12 @@ def report(who: str, rows: list, answers: list) -> dict:
 def cmd_ask(args):
     rows = json.loads((args.set / "prompts.json").read_text())
     answers = []
+    before = spec_counters(args.url)
     t0 = time.time()
     for r in rows:
         answers.append(ask_osprey(args.url, request_body(r, args.set)))
     secs = time.time() - t0
+    spec = spec_report(before, spec_counters(args.url))
     same = [a["content"] == r["transformers"]["content"] and a["reasoning"] == r["transformers"]["reasoning"]
             for r, a in zip(rows, answers)]
     differ = [(r["name"], r["transformers"], a) for r, a, s in zip(rows, answers, same) if not s]
@@ -208,7 +244,7 @@ def cmd_ask(args):
     summary = {"tag": args.tag, "prompts": len(rows), "equal_to_transformers": sum(same),
                "agreement": round(sum(same) / len(rows), 4), "accuracy": acc,
                "transformers_accuracy": report("transformers", rows, [r["transformers"] for r in rows]),
-               "differs": differ, "seconds": round(secs, 1), "answers": answers}
+               "differs": differ, "seconds": round(secs, 1), "speculative": spec, "answers": answers}
     if args.same_as:
         other = json.loads((args.set / f"osprey-{args.same_as}.json").read_text())["answers"]
         equal = sum(a["content"] == b["content"] and a["reasoning"] == b["reasoning"] for a, b in zip(answers, other))

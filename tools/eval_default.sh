@@ -3,8 +3,9 @@
 # transformers' greedy answers, then osprey at the fast default precision (`fast`: int8 / bf16
 # activations where the CPU has the kernels), osprey exact (`--activations f32`), osprey NVFP4
 # (`osprey quantize`) fully resident, and NVFP4 with 2 experts per layer in RAM (top-k: every token
-# evicts and re-reads from disk).
-#   tools/eval_default.sh [MODEL_DIR] [OSPREY_BIN] [OUT_DIR]
+# evicts and re-reads from disk); then the fast default again with the MTP head drafting K = 1…4 tokens
+# per step (answers must be identical; the acceptance rate is printed).
+#   PER_TASK=200 tools/eval_default.sh [MODEL_DIR] [OSPREY_BIN] [OUT_DIR]   (prompts per task; default 64)
 set -euo pipefail
 cd "$(dirname "$0")"
 MODEL=$(realpath "${1:-../fixtures/models/osprey-default}")
@@ -14,7 +15,7 @@ PY=${PY:-$HOME/.cache/osprey/venv/bin/python}
 PORT=${PORT:-18181}
 
 rm -rf "$OUT" && mkdir -p "$OUT"
-"$PY" eval_default.py heldout --model "$MODEL" --out "$OUT/set" 2>&1 | grep -v '^\[transformers\]'
+"$PY" eval_default.py heldout --model "$MODEL" --out "$OUT/set" --per-task "${PER_TASK:-64}" 2>&1 | grep -v '^\[transformers\]'
 "$BIN" quantize --model "$MODEL" --out "$OUT/nvfp4" >"$OUT/quantize.log" 2>&1
 
 serve_and_ask() { # TAG MODEL_DIR [extra serve flags...] -- [extra ask flags...]
@@ -34,3 +35,6 @@ serve_and_ask fast "$MODEL"
 serve_and_ask exact "$MODEL" --activations f32 -- --same-as fast
 serve_and_ask nvfp4 "$OUT/nvfp4"
 serve_and_ask nvfp4-2experts "$OUT/nvfp4" --expert-ram-experts 2 -- --same-as nvfp4
+for k in 1 2 3 4; do
+  serve_and_ask "spec$k" "$MODEL" --speculative-tokens "$k" -- --same-as fast
+done
