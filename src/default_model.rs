@@ -1,7 +1,7 @@
 //! The embedded default model: `osprey serve` with no model argument serves `osprey-default`, a tiny
 //! `qwen3_5_moe` vision-language model trained by `tools/train_default.py` (names the shape and colour
 //! in an image, describes two images in order, tells which way a shape moves in a short video, answers
-//! a few text turns; see docs/default_model.md). Its files (a complete HF directory, 9 MB) are compiled
+//! a few text turns; see docs/default_model.md). Its files (a complete HF directory, 10 MB) are compiled
 //! into the binary and written once to a cache directory.
 
 use std::path::PathBuf;

@@ -4,8 +4,10 @@ answers a few plain text turns (issue 7).
 
 Pinned stack (tools/requirements.txt), CPU torch, seeded. Usage:
     python tools/train_default.py --out fixtures/models/osprey-default
-Writes a complete Hugging Face model directory and `accuracy.json` (held-out greedy accuracy per task,
-with transformers).
+Writes a complete Hugging Face model directory, with the MTP draft head trained beside the model
+(`mtp.*`, `mtp_num_hidden_layers: 1`), and `accuracy.json` (held-out greedy accuracy per task, with
+transformers, and the head's teacher-forced top-1 per task). Further stages start from an earlier
+run's directory (`--init`, `--warmup 0`); tools/README.md has the committed model's three commands.
 """
 
 import argparse
