@@ -106,12 +106,7 @@ class Head(torch.nn.Module):
         layer_sd = {k[len("mtp.layers.0."):]: v for k, v in w.items() if k.startswith("mtp.layers.0.")}
         # The Hub layout keeps one tensor per expert; the module fuses them (gate rows first).
         if "mlp.experts.0.gate_proj.weight" in layer_sd:
-            e = tc.num_experts
-            gate_up = [torch.cat([layer_sd.pop(f"mlp.experts.{i}.gate_proj.weight"),
-                                  layer_sd.pop(f"mlp.experts.{i}.up_proj.weight")]) for i in range(e)]
-            down = [layer_sd.pop(f"mlp.experts.{i}.down_proj.weight") for i in range(e)]
-            layer_sd["mlp.experts.gate_up_proj"] = torch.stack(gate_up)
-            layer_sd["mlp.experts.down_proj"] = torch.stack(down)
+            tiny_ckpt.fuse_hub_experts(layer_sd, "mlp.experts.", tc.num_experts)
         missing, unexpected = self.layer.load_state_dict(layer_sd, strict=True), None
         assert not missing.missing_keys and not missing.unexpected_keys, missing
         self.w = w

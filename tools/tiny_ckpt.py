@@ -113,6 +113,14 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
 
 
+def fuse_hub_experts(sd: dict, prefix: str, n: int) -> None:
+    """In place: the Hub layout's one tensor per expert (`{prefix}{e}.gate_proj.weight`, `.up_proj`,
+    `.down_proj`) to transformers' fused `{prefix}gate_up_proj` (gate rows first) and `{prefix}down_proj`."""
+    sd[prefix + "gate_up_proj"] = torch.stack([torch.cat([sd.pop(f"{prefix}{e}.gate_proj.weight"),
+                                                          sd.pop(f"{prefix}{e}.up_proj.weight")]) for e in range(n)])
+    sd[prefix + "down_proj"] = torch.stack([sd.pop(f"{prefix}{e}.down_proj.weight") for e in range(n)])
+
+
 def round_params_to_bf16_(model: torch.nn.Module) -> None:
     """Make every weight exactly representable in bf16, so a bf16 file and the f32 model agree bit for bit."""
     with torch.no_grad():

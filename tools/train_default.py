@@ -98,17 +98,14 @@ def shape_image(rng: random.Random, shape: str, color: str, hard: bool = True) -
     """One shape on a scene, at an aspect ratio from 1:3 to 3:1 (log-uniform) and 64² to 160² pixels;
     `hard=False`: the first model's images (sides 64 to 160 drawn apart, plain light or dark), which the
     vision curriculum starts from."""
-    if not hard:
+    if hard:
+        aspect = math.exp(rng.uniform(-math.log(3), math.log(3)))
+        area = rng.uniform(64, 160) ** 2
+        w, h = max(32, round(math.sqrt(area * aspect))), max(32, round(math.sqrt(area / aspect)))
+        img = scene(rng, w, h, COLORS[color])
+    else:
         w, h = rng.randint(64, 160), rng.randint(64, 160)
         img = Image.new("RGB", (w, h), background(rng))
-        r = rng.uniform(0.25, 0.45) * min(w, h)
-        cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
-        draw(ImageDraw.Draw(img), shape, COLORS[color], cx, cy, r)
-        return img
-    aspect = math.exp(rng.uniform(-math.log(3), math.log(3)))
-    area = rng.uniform(64, 160) ** 2
-    w, h = max(32, round(math.sqrt(area * aspect))), max(32, round(math.sqrt(area / aspect)))
-    img = scene(rng, w, h, COLORS[color])
     r = rng.uniform(0.25, 0.45) * min(w, h)
     cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
     draw(ImageDraw.Draw(img), shape, COLORS[color], cx, cy, r)
@@ -296,11 +293,9 @@ class MtpHead(torch.nn.Module):
     def load_hub(self, tensors: dict) -> None:
         """The inverse of hub_tensors: `mtp.*` tensors as saved back into the module."""
         sd = {k[len("mtp."):]: v for k, v in tensors.items() if k.startswith("mtp.")}
-        for k in [k for k in self.state_dict() if k.endswith("mlp.experts.gate_up_proj")]:
-            base, n = k[:-len("gate_up_proj")], self.state_dict()[k].shape[0]
-            sd[k] = torch.stack([torch.cat([sd.pop(f"{base}{e}.gate_proj.weight"), sd.pop(f"{base}{e}.up_proj.weight")])
-                                 for e in range(n)])
-            sd[base + "down_proj"] = torch.stack([sd.pop(f"{base}{e}.down_proj.weight") for e in range(n)])
+        for k, v in self.state_dict().items():
+            if k.endswith("mlp.experts.gate_up_proj"):
+                tiny_ckpt.fuse_hub_experts(sd, k[:-len("gate_up_proj")], v.shape[0])
         self.load_state_dict(sd, strict=True)
 
     def hub_tensors(self) -> dict:
@@ -399,8 +394,9 @@ def build(out: pathlib.Path, seed: int, init: pathlib.Path | None = None):
     # A deeper, wider vision tower than the parity fixtures': shape needs more than colour.
     v = cfg.vision_config
     v.depth, v.hidden_size, v.num_heads, v.intermediate_size = 4, 128, 4, 256
-    model = Qwen3_5MoeForConditionalGeneration(cfg)
-    if init is not None:  # a further stage: start from an earlier run's weights
+    if init is None:
+        model = Qwen3_5MoeForConditionalGeneration(cfg)
+    else:  # a further stage: start from an earlier run's weights
         model = Qwen3_5MoeForConditionalGeneration.from_pretrained(init, dtype=torch.float32)
     linear_patch_embed(model.model.visual.patch_embed)
     return model, AutoProcessor.from_pretrained(out)
