@@ -305,6 +305,14 @@ impl ExpertSource for ResidentSet {
         let (tx, stall) = (self.tx.clone(), self.stall_nanos.clone());
         let experts = experts.to_vec();
         let gone = || osprey_models::Error::InvalidInput("the expert residency manager is gone".into());
+        // A dropped reply: the manager panicked; `/health` must see it before this failure travels on.
+        let died = {
+            let tx = self.tx.clone();
+            move || {
+                osprey_protocol::inbox::wait_closed(&tx);
+                gone()
+            }
+        };
         ExpertTicket::new(move || {
             if !sent {
                 return Err(gone());
@@ -316,14 +324,14 @@ impl ExpertSource for ResidentSet {
             let t0 = Instant::now();
             let have = resident_rx
                 .blocking_recv()
-                .map_err(|_| gone())?
+                .map_err(|_| died())?
                 .map_err(|e| osprey_models::Error::InvalidInput(e.message))?;
             stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
             let missing: Vec<usize> = experts.iter().zip(&have).filter(|(_, w)| w.is_none()).map(|(&e, _)| e).collect();
             let have = have.into_iter().zip(&experts).map(|(w, &e)| w.map(|w| lease(from_handle(&w), e))).collect();
             let pending = PendingExperts::new(move || {
                 let t0 = Instant::now();
-                let got = rx.blocking_recv().map_err(|_| gone())?;
+                let got = rx.blocking_recv().map_err(|_| died())?;
                 stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
                 let weights = got.map_err(|e| {
                     osprey_models::Error::InvalidInput(format!(

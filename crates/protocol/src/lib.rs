@@ -3,12 +3,14 @@
 //! Brief overview: ids, requests, plans and events exchanged by the HTTP server, tokenizer, vision encoder,
 //! scheduler and runner. One module per destination actor; no logic beyond constructors. Requests that
 //! expect an answer carry a `oneshot` reply sender; streams of events go through unbounded channels whose
-//! closure means the other side left (cancellation is channel closure).
+//! closure means the other side left (cancellation is channel closure). One rule about replies lives here too
+//! ([`inbox::wait_closed`]): a reply dropped unanswered is reported only once the actor's inbox is closed.
 #![deny(missing_docs)]
 
 pub mod constraint;
 pub mod error;
 pub mod experts;
+pub mod inbox;
 pub mod prefix;
 pub mod runner;
 pub mod scheduler;

@@ -65,7 +65,11 @@ impl RowSource for VisionRows<'_> {
         let span = tracing::Span::current();
         v.send(VisionCommand::Encode { hash: m.hash, patches: m.patches.clone(), span, reply })
             .map_err(|_| gone("is gone"))?;
-        rx.blocking_recv().map_err(|_| gone("dropped the request"))?
+        rx.blocking_recv().map_err(|_| {
+            // The encoder panicked: `/health` must see it before this failure travels on.
+            osprey_protocol::inbox::wait_closed(v);
+            gone("dropped the request")
+        })?
     }
 }
 

@@ -125,6 +125,9 @@ pub fn spawn(
                 let (reply, wait) = oneshot::channel();
                 if runner.send(RunnerCommand::Step { plan: plan.clone(), reply }).is_err() {
                     tracing::error!("runner is gone; scheduler stops");
+                    // Closed before the requests fail (dropping `s` ends their streams), so that `/health`
+                    // already reads the engine as stopped when a client sees its request fail.
+                    rx.close();
                     return;
                 }
                 match wait.blocking_recv() {
@@ -137,6 +140,7 @@ pub fn spawn(
                     }
                     Err(_) => {
                         tracing::error!("runner dropped a step; scheduler stops");
+                        rx.close();
                         return;
                     }
                 }
