@@ -11,7 +11,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{assert_close, fixtures, model, Ref};
+use common::{assert_close, assert_rows_close, fixtures, model, Ref};
 use osprey_models::vision::{
     decode_image, rows_in_chunk, DecodeLimits, MediaSpan, ProcessorConfig, RgbImage, VisionTower,
 };
@@ -147,10 +147,15 @@ fn qwen4_exp_streams_match_transformers_layer_by_layer_on_media() {
                 osprey_models::ForwardOptions { capture_hidden: true, teacher_inputs: None, ..Default::default() };
             let out = m.forward_with(&mut [SeqStep { state: &mut st, input }], &opts).expect("forward");
             for (i, got) in out.hidden.iter().enumerate() {
-                let want = r.f32s(&format!("hidden_states.{i}"));
-                assert_close(&format!("{name}/{case} hidden_states.{i}"), got, &want, 1e-4);
+                assert_rows_close(
+                    &format!("{name}/{case} hidden_states.{i}"),
+                    got,
+                    &r,
+                    &format!("hidden_states.{i}"),
+                    1e-4,
+                );
             }
-            assert_close(&format!("{name}/{case} all logits"), &out.logits[0], &r.f32s("all_logits"), 1e-4);
+            assert_rows_close(&format!("{name}/{case} all logits"), &out.logits[0], &r, "all_logits", 1e-4);
         }
     }
 }

@@ -78,16 +78,28 @@ def codes(pixels):
     return u.to(torch.uint8).contiguous()
 
 
+def one_frame(codes_rows, temporal=2):
+    """An image's patch rows keep one frame: the processor tiles an image over the temporal patch, so each row
+    is (channel, frame, 16x16) with every frame equal (checked). [n, C*T*P*P] -> [n, C, P*P]; the test
+    rebuilds the rows (crates/models/tests/vision.rs, `hf_pixels`)."""
+    n = codes_rows.shape[0]
+    x = codes_rows.view(n, 3, temporal, -1)
+    assert all(torch.equal(x[:, :, 0], x[:, :, f]) for f in range(1, temporal)), "image frames differ"
+    return x[:, :, 0].contiguous()
+
+
 def preprocess_refs(proc):
     small = AutoProcessor.from_pretrained(FIX / "models" / "qwen3_5_moe-tiny").image_processor
     small.size = {"shortest_edge": 4096, "longest_edge": 65536}
     t, meta = {}, {"small_image_processor": small.size, "items": {}}
     for name in ["img_224x160", "img_256x256", "img_1000x20", "img_rgba_64x64"]:
         out = proc.image_processor(images=[load_image(name)], return_tensors="pt")
-        t[f"{name}.codes"], t[f"{name}.grid"] = codes(out["pixel_values"]), out["image_grid_thw"][0]
+        t[f"{name}.codes_one_frame"] = one_frame(codes(out["pixel_values"]))
+        t[f"{name}.grid"] = out["image_grid_thw"][0]
         meta["items"][name] = {"processor": "default"}
     out = small(images=[load_image("img_640x480")], return_tensors="pt")
-    t["img_640x480.codes"], t["img_640x480.grid"] = codes(out["pixel_values"]), out["image_grid_thw"][0]
+    t["img_640x480.codes_one_frame"] = one_frame(codes(out["pixel_values"]))
+    t["img_640x480.grid"] = out["image_grid_thw"][0]
     meta["items"]["img_640x480"] = {"processor": "small"}
     for name, n in [("vid4_160x224", 4), ("vid5_96x128", 5)]:
         md = VideoMetadata(total_num_frames=n, fps=2.0)

@@ -62,17 +62,18 @@ fn an_nvfp4_checkpoint_made_by_osprey_quantize_matches_dequantised_transformers(
             )
             .expect("forward");
         for (i, h) in out.hidden.iter().enumerate() {
-            common::assert_close(
+            common::assert_rows_close(
                 &format!("nvfp4 {case} hidden_states.{i}"),
                 h,
-                &r.f32s(&format!("hidden_states.{i}")),
+                &r,
+                &format!("hidden_states.{i}"),
                 1e-4,
             );
         }
         let mut st = m.new_state();
         let input = SeqInput { logits: LogitsWanted::All, ..SeqInput::text(&ids) };
         let all = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("forward").logits.remove(0);
-        common::assert_close(&format!("nvfp4 {case} all logits vs f64"), &all, &r.f32s("all_logits_f64"), 1e-4);
+        common::assert_rows_close(&format!("nvfp4 {case} all logits vs f64"), &all, &r, "all_logits_f64", 1e-4);
         let steps = r.f32s("step_logits");
         let mut st = m.new_state();
         let input = SeqInput { logits: LogitsWanted::Last, ..SeqInput::text(&ids) };

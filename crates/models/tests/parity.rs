@@ -18,7 +18,7 @@
 
 mod common;
 
-use common::{assert_close, model, Ref};
+use common::{assert_close, assert_rows_close, model, Ref};
 use osprey_models::{CausalLm, ForwardOptions, LogitsWanted, Positions, SeqInput, SeqState, SeqStep};
 
 const ATOL: f32 = 1e-4;
@@ -53,12 +53,12 @@ fn hidden_states_and_logits_match_transformers() {
             assert_eq!(out.hidden.len(), N_LAYERS + 1);
             for (i, h) in out.hidden.iter().enumerate() {
                 let what = format!("{dir}/{case} hidden_states.{i} (teacher-forced)");
-                assert_close(&what, h, &r.f32s(&format!("hidden_states.{i}")), ATOL);
+                assert_rows_close(&what, h, &r, &format!("hidden_states.{i}"), ATOL);
             }
             let mut st = m.new_state();
             let input = SeqInput { logits: LogitsWanted::All, ..SeqInput::text(&ids) };
             let out = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("forward");
-            assert_close(&format!("{dir}/{case} all logits vs f64"), &out.logits[0], &r.f32s("all_logits_f64"), ATOL);
+            assert_rows_close(&format!("{dir}/{case} all logits vs f64"), &out.logits[0], &r, "all_logits_f64", ATOL);
         }
     }
 }

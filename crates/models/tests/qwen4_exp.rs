@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{assert_close, model, Ref};
+use common::{assert_close, assert_rows_close, model, Ref};
 use osprey_models::{CausalLm, ForwardOptions, LogitsWanted, SeqInput, SeqState, SeqStep};
 
 const ATOL: f32 = 1e-4;
@@ -33,14 +33,15 @@ fn hidden_streams_and_logits_match_transformers() {
             let opts = ForwardOptions { capture_hidden: true, teacher_inputs: None, ..Default::default() };
             let out = m.forward_with(&mut [SeqStep { state: &mut st, input }], &opts).expect("forward");
             for (i, h) in out.hidden.iter().enumerate() {
-                assert_close(
+                assert_rows_close(
                     &format!("{name}/{case} hidden_states.{i}"),
                     h,
-                    &r.f32s(&format!("hidden_states.{i}")),
+                    &r,
+                    &format!("hidden_states.{i}"),
                     ATOL,
                 );
             }
-            assert_close(&format!("{name}/{case} all logits"), &out.logits[0], &r.f32s("all_logits"), ATOL);
+            assert_rows_close(&format!("{name}/{case} all logits"), &out.logits[0], &r, "all_logits", ATOL);
         }
     }
 }

@@ -24,7 +24,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::{assert_close, fixtures, model, Ref};
+use common::{assert_close, assert_rows_close, fixtures, model, Ref};
 use osprey_models::positions::{mrope_positions, token_types};
 use osprey_models::vision::{
     decode_image, preprocess_image, preprocess_video, rows_in_chunk, DecodeLimits, MediaSpan, ProcessorConfig,
@@ -41,9 +41,18 @@ fn media(name: &str) -> RgbImage {
     decode_image(&bytes, DecodeLimits::default()).expect("decode")
 }
 
-/// HF pixel rows, decoded from the uint8 codes exactly as the processor computes them.
+/// HF pixel rows, decoded from the uint8 codes exactly as the processor computes them. A video's rows are
+/// stored whole (`.codes`); an image's patch repeats its one frame over the temporal patch of 2 (the processor
+/// tiles it), so its reference keeps one frame per channel (`.codes_one_frame`, [n, 3, 16*16],
+/// tools/gen_vision_fixtures.py checks the frames are equal) and the rows are rebuilt here.
 fn hf_pixels(pre: &Ref, name: &str) -> (Vec<f32>, [usize; 3]) {
-    let (_, _, codes) = pre.raw(&format!("{name}.codes"));
+    let codes = if pre.has(&format!("{name}.codes")) {
+        pre.raw(&format!("{name}.codes")).2
+    } else {
+        let (_, shape, one) = pre.raw(&format!("{name}.codes_one_frame"));
+        let plane = shape[2];
+        one.chunks_exact(plane).flat_map(|frame| frame.iter().chain(frame).copied()).collect()
+    };
     let g = pre.i64s(&format!("{name}.grid"));
     (codes.iter().map(|&u| (u as f32 - 127.5) / 127.5).collect(), [g[0] as usize, g[1] as usize, g[2] as usize])
 }
@@ -220,10 +229,11 @@ fn positions_and_multimodal_logits_match_transformers() {
             let opts = ForwardOptions { capture_hidden: true, teacher_inputs: Some(&teacher), ..Default::default() };
             let tf = m.forward_with(&mut [SeqStep { state: &mut st, input }], &opts).expect("forward");
             for (i, h) in tf.hidden.iter().enumerate() {
-                assert_close(
+                assert_rows_close(
                     &format!("{name}/{case} hidden_states.{i} (teacher-forced)"),
                     h,
-                    &r.f32s(&format!("hidden_states.{i}")),
+                    &r,
+                    &format!("hidden_states.{i}"),
                     ATOL,
                 );
             }
@@ -235,7 +245,7 @@ fn positions_and_multimodal_logits_match_transformers() {
                 logits: LogitsWanted::All,
             };
             let out = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("forward");
-            assert_close(&format!("{name}/{case} all logits vs f64"), &out.logits[0], &r.f32s("all_logits_f64"), ATOL);
+            assert_rows_close(&format!("{name}/{case} all logits vs f64"), &out.logits[0], &r, "all_logits_f64", ATOL);
             // Teacher-forced decode at position t + delta.
             let steps = r.f32s("step_logits");
             let mut st = m.new_state();

@@ -15,6 +15,18 @@ pub fn fixtures() -> PathBuf {
 pub struct Ref {
     pub bytes: Vec<u8>,
     pub meta: serde_json::Value,
+    /// The file, relative to `fixtures/ref/` (what [`note_read`] records).
+    pub file: String,
+}
+
+/// Appends `file tensor` to the file named by `OSPREY_FIXTURE_READS`, when set: which reference
+/// tensors the tests read (tools/fixture_reads.sh; fixtures keep what a test reads and nothing more).
+fn note_read(file: &str, name: &str) {
+    use std::io::Write;
+    if let Some(path) = std::env::var_os("OSPREY_FIXTURE_READS") {
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).expect("reads log");
+        writeln!(f, "{file} {name}").expect("write the reads log");
+    }
 }
 
 impl Ref {
@@ -23,10 +35,11 @@ impl Ref {
         let bytes = std::fs::read(dir.join(format!("{case}.safetensors"))).expect("fixture file");
         let summary: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).expect("summary")).expect("json");
-        Ref { bytes, meta: summary["cases"][case].clone() }
+        Ref { bytes, meta: summary["cases"][case].clone(), file: format!("{model}/{case}.safetensors") }
     }
 
     pub fn f32s(&self, name: &str) -> Vec<f32> {
+        note_read(&self.file, name);
         let st = SafeTensors::deserialize(&self.bytes).expect("safetensors");
         let t = st.tensor(name).unwrap_or_else(|_| panic!("fixture tensor {name}"));
         assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
@@ -34,6 +47,7 @@ impl Ref {
     }
 
     pub fn ids(&self, name: &str) -> Vec<u32> {
+        note_read(&self.file, name);
         let st = SafeTensors::deserialize(&self.bytes).expect("safetensors");
         let t = st.tensor(name).unwrap_or_else(|_| panic!("fixture tensor {name}"));
         assert_eq!(t.dtype(), safetensors::Dtype::I64, "{name}");
@@ -63,6 +77,26 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32) -> f32 {
     abs
 }
 
+/// Compares `got` (every position of a sequence, whole rows) with reference tensor `name` at the positions
+/// the reference keeps: all of them, or those listed in `<name>.rows` (tools/trim_refs.py keeps, of a
+/// free-running comparison's full-sequence tensor, the rows a test needs: a stride, the chunk and media
+/// edges, the end). The rows always end at the sequence's last position, so `got` must have exactly as many
+/// positions as the reference run had.
+pub fn assert_rows_close(what: &str, got: &[f32], r: &Ref, name: &str, atol: f32) -> f32 {
+    let want = r.f32s(name);
+    let rows_name = format!("{name}.rows");
+    if !r.has(&rows_name) {
+        return assert_close(what, got, &want, atol);
+    }
+    let rows: Vec<usize> = r.i64s(&rows_name).into_iter().map(|p| p as usize).collect();
+    let dim = want.len() / rows.len();
+    assert_eq!(got.len() % dim, 0, "{what}: {} values are not whole rows of {dim}", got.len());
+    let n = got.len() / dim;
+    assert_eq!(rows.last(), Some(&(n - 1)), "{what}: the reference's last row is position {}", n - 1);
+    let picked: Vec<f32> = rows.iter().flat_map(|&p| got[p * dim..(p + 1) * dim].iter().copied()).collect();
+    assert_close(&format!("{what} ({} of {n} rows)", rows.len()), &picked, &want, atol)
+}
+
 /// A fixture model on the exact CPU backend (f32 activations everywhere): what parity is measured on.
 pub fn model(name: &str) -> Model {
     osprey_models::load_on(&fixtures().join("models").join(name), osprey_backend_cpu::CpuBackend::exact())
@@ -80,6 +114,7 @@ pub fn tower(name: &str) -> osprey_models::vision::VisionTower {
 impl Ref {
     /// Raw little-endian bytes of a tensor with its dtype.
     pub fn raw(&self, name: &str) -> (safetensors::Dtype, Vec<usize>, Vec<u8>) {
+        note_read(&self.file, name);
         let st = SafeTensors::deserialize(&self.bytes).expect("safetensors");
         let t = st.tensor(name).unwrap_or_else(|_| panic!("fixture tensor {name}"));
         (t.dtype(), t.shape().to_vec(), t.data().to_vec())
@@ -100,7 +135,7 @@ impl Ref {
     /// Reads a file of `fixtures/ref/` that is not per model.
     pub fn load_file(file: &str) -> Self {
         let bytes = std::fs::read(fixtures().join("ref").join(file)).expect("fixture file");
-        Ref { bytes, meta: serde_json::Value::Null }
+        Ref { bytes, meta: serde_json::Value::Null, file: file.to_string() }
     }
 }
 
