@@ -115,16 +115,15 @@ fn a_two_point_expert_budget_sweep_runs_on_the_default_model() {
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).expect("mkdir");
     let json = out.join("sweep.json");
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_osprey"))
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_osprey"))
         .args(["--threads", "2", "bench", "experts", "--model"])
         .arg(&dir)
         .args(["--budgets", "1,0.5", "--prompt-len", "8", "--decode-tokens", "4", "--out"])
         .arg(&json)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
+        .output()
         .expect("run osprey");
-    assert!(status.success());
+    // Said in full when it fails (a run once failed with nothing to say why).
+    assert!(run.status.success(), "{}: {}", run.status, String::from_utf8_lossy(&run.stderr));
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("parse");
     assert_eq!(v["runs"].as_array().map(Vec::len), Some(2));
     assert!(v["disk_read_gb_s"].as_f64().is_some() && v["machine"]["cores"].as_u64().is_some());

@@ -84,6 +84,128 @@ fn a_deep_ref_chain_is_refused_on_every_front_end_and_the_process_lives() {
     assert_eq!(s, 200, "{e}");
 }
 
+/// Issue 39's probe: a chain of 2,000 objects, each a required property `$ref`ing the next (190 KB).
+fn object_chain(n: usize) -> Value {
+    let mut defs = serde_json::Map::new();
+    for i in 0..n {
+        defs.insert(
+            format!("a{i}"),
+            json!({"type": "object", "properties": {"a": {"$ref": format!("#/$defs/a{}", i + 1)}}, "required": ["a"]}),
+        );
+    }
+    defs.insert(format!("a{n}"), json!({"type": "string"}));
+    json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/a0"}}, "required": ["a"], "$defs": defs})
+}
+
+/// Issue 39: one schema gate on every path a schema takes, refusing before any grammar work and naming
+/// the parameter that carried the schema; the 2,000-deep chain is refused in well under a second on each.
+#[test]
+fn one_schema_gate_refuses_the_deep_chain_on_every_entry_point_naming_its_parameter() {
+    let addr = server();
+    let schema = object_chain(2000);
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let chat_tool = json!([{"type": "function", "function": {"name": "f", "parameters": schema}}]);
+    let resp_tool = json!([{"type": "function", "name": "f", "parameters": schema}]);
+    let msg_tool = json!([{"name": "f", "input_schema": schema}]);
+    let cases = [
+        ("/v1/chat/completions", chat_with_schema(&schema), "response_format.json_schema.schema"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": hi, "max_tokens": 8, "tools": chat_tool, "tool_choice": "required"}),
+            "tools[0].parameters",
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "hi", "max_output_tokens": 8, "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}}),
+            "text.format.schema",
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "hi", "max_output_tokens": 8, "tools": resp_tool, "tool_choice": "required"}),
+            "tools[0].parameters",
+        ),
+        (
+            "/v1/messages",
+            json!({"messages": hi, "max_tokens": 8, "tools": msg_tool, "tool_choice": {"type": "any"}}),
+            "tools[0].input_schema",
+        ),
+        (
+            "/v1/messages",
+            json!({"messages": hi, "max_tokens": 8, "output_config": {"format": {"type": "json_schema", "schema": schema}}}),
+            "output_config.format.schema",
+        ),
+    ];
+    for (path, body, param) in cases {
+        let t = Instant::now();
+        let (s, e) = post(addr, path, &body.to_string(), None);
+        let took = t.elapsed();
+        // Chat and Responses name the parameter in `param`; Anthropic's shape puts it in the message.
+        let named =
+            e["error"]["param"] == param || e["error"]["message"].as_str().is_some_and(|m| m.starts_with(param));
+        assert!(s == 400 && named, "{path} {param}: {e}");
+        assert!(took < Duration::from_secs(1), "{path} {param}: refused after {took:?}");
+    }
+    healthy(addr);
+}
+
+/// Issue 39: placeholders a user types beside real media are text, not the template's media slots.
+#[test]
+fn placeholders_typed_beside_media_are_text() {
+    let addr = server();
+    let ask = |text: &str| {
+        let content = json!([harness::media_part("image", "img_224x160"), {"type": "text", "text": text}]);
+        let body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 1});
+        let (s, v) = post(addr, "/v1/chat/completions", &body.to_string(), None);
+        assert_eq!(s, 200, "{text}: {v}");
+        v["usage"]["prompt_tokens"].as_u64().expect("usage")
+    };
+    let plain = ask("What is this?");
+    let typed = ask("<|video_pad|> <|image_pad|> What is this?");
+    // The image's rows are counted once; each typed placeholder is a few text tokens.
+    assert!(typed > plain && typed < plain + 40, "plain {plain} tokens, with typed placeholders {typed}");
+}
+
+/// Issue 39: schemas compile in a lane of their own, so a plain chat does not wait behind them. The
+/// costliest schemas the gate lets through compile in ~0.15 s each here (an `anyOf` of 900 objects,
+/// 250 KB: llguidance's limits and the closing walk's budget bound any schema, docs/reliability.md);
+/// twenty-four of them queued on one worker hold a shared lane for seconds.
+#[test]
+fn a_plain_chat_does_not_wait_behind_schema_compiles() {
+    let addr = start(Settings { tokenizer_workers: Some(1), ..Settings::default() });
+    let branch = |i: usize| {
+        let props: serde_json::Map<String, Value> =
+            (0..4).map(|j| (format!("k{i}_{j}"), json!({"type": "string", "maxLength": 40}))).collect();
+        json!({"type": "object", "properties": props, "required": (0..4).map(|j| format!("k{i}_{j}")).collect::<Vec<_>>(), "additionalProperties": false})
+    };
+    let schema = json!({"anyOf": (0..900).map(branch).collect::<Vec<_>>()});
+    let mut heavy = chat_with_schema(&schema);
+    heavy["max_tokens"] = json!(1); // refused after the compile (the answer cannot fit): compile time only
+    let heavy = heavy.to_string();
+    let chat = "osprey_requests_total{endpoint=\"chat\"}";
+    let before = harness::metric(addr, chat);
+    let bombs = 24;
+    let bg: Vec<_> = (0..bombs)
+        .map(|_| {
+            let heavy = heavy.clone();
+            std::thread::spawn(move || post(addr, "/v1/chat/completions", &heavy, None).0)
+        })
+        .collect();
+    // Every bomb received before the plain chat is sent (an ordering, polled; no sleep decides it).
+    while harness::metric(addr, chat) < before + bombs as f64 {
+        std::thread::yield_now();
+    }
+    let hi = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).to_string();
+    let t = Instant::now();
+    let (s, _) = post(addr, "/v1/chat/completions", &hi, None);
+    let waited = t.elapsed();
+    let t = Instant::now();
+    let codes: Vec<u16> = bg.into_iter().map(|h| h.join().expect("bomb")).collect();
+    let bombs_left = t.elapsed();
+    assert_eq!(s, 200);
+    assert!(codes.iter().all(|&c| c == 400), "{codes:?}");
+    assert!(waited < Duration::from_secs(2), "the plain chat waited {waited:?} (the bombs took {bombs_left:?} more)");
+}
+
 /// Item 2: a recursive required `$ref` answered 500 with the grammar engine's internal state.
 #[test]
 fn a_recursive_required_ref_is_a_400_without_internals() {

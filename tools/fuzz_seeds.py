@@ -108,7 +108,9 @@ put("detokenize", "steps3", ids(2, list(range(100, 160))))
 put("detokenize", "high", ids(1, list(range(60000, 60040))))
 put("detokenize", "bytes", ids(3, list(range(0, 260, 7))))
 
-# schema: first byte even = strict; then a JSON Schema (issue 26: $ref chains, recursion, numeric bounds).
+# schema: first byte bit 1 clear = response_format (bit 0 clear: strict), set = a forced tool call's parameters
+# (bit 0 clear: parallel calls); then a JSON Schema (issue 26: $ref chains, recursion, numeric bounds;
+# issue 39: the same gate on the tool path).
 def ref_chain(n):
     defs = {f"d{i}": ({"$ref": f"#/$defs/d{i + 1}"} if i + 1 < n else {"type": "string"}) for i in range(n)}
     return {"$defs": defs, "$ref": "#/$defs/d0"}
@@ -122,6 +124,16 @@ put("schema", "recursive_required", sch(0, {"$defs": {
     "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]}}, "$ref": "#/$defs/a"}))
 put("schema", "tree", sch(0, {"type": "object", "properties": {"v": {"type": "integer"},
     "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}}, "required": ["v"]}))
+def object_chain(n):
+    defs = {f"a{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/a{i + 1}"}}, "required": ["a"]}
+            for i in range(n)}
+    defs[f"a{n}"] = {"type": "string"}
+    return {"type": "object", "properties": {"a": {"$ref": "#/$defs/a0"}}, "required": ["a"], "$defs": defs}
+put("schema", "tool_object_chain_200", sch(2, object_chain(200)))
+put("schema", "tool_object_chain_5", sch(3, object_chain(5)))
+put("schema", "tool_weather", sch(2, {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "days"]}))
 put("schema", "huge_bounds", sch(0, {"type": "object", "properties": {"x": {"type": "number", "exclusiveMinimum": 0,
     "exclusiveMaximum": 1e-300}, "n": {"type": "integer", "minimum": 1e30}}}))
 

@@ -75,13 +75,19 @@ pub fn request(data: &[u8]) {
     let _ = osprey_server::check_body(endpoint, body, &env().cfg);
 }
 
-/// A JSON Schema (the first byte: strict when even) through the server's bounds and, when they pass, the
-/// grammar compiler with its first mask: whatever the schema, a 400 or a grammar, never a crash (a 700-deep
-/// `$ref` chain once overflowed the compiler's stack).
+/// A JSON Schema through the server's one schema gate and, when it passes, the grammar compiler with its
+/// first mask: whatever the schema, a 400 or a grammar, never a crash (a 700-deep `$ref` chain once
+/// overflowed the compiler's stack). The first byte picks the path: bit 1 clear, `response_format` (bit 0:
+/// strict when clear); set, the parameters of a forced tool call (bit 0: parallel calls when clear).
 pub fn schema(data: &[u8]) {
     let Some((&flags, rest)) = data.split_first() else { return };
     let Ok(v) = serde_json::from_slice::<serde_json::Value>(rest) else { return };
-    if let Ok(g) = osprey_server::schema_grammar(&v, flags % 2 == 0) {
+    let grammar = if flags & 2 == 0 {
+        osprey_server::schema_grammar(&v, flags % 2 == 0)
+    } else {
+        osprey_server::tool_call_grammar(&v, flags % 2 == 0)
+    };
+    if let Ok(g) = grammar {
         let _ = env().core.compile(&g);
     }
 }

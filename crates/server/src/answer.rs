@@ -76,6 +76,13 @@ pub struct Answer {
     g: Generation,
     tools: Option<ToolParser>,
     queue: VecDeque<Out>,
+    /// Text beside tool calls leaves trimmed (see [`Answer::push_text`]): whether text was sent yet, and the
+    /// whitespace held until text follows it.
+    text_started: bool,
+    held_ws: String,
+    /// The call being written, held until it closes: a call cut off by `max_tokens` is answered as text,
+    /// and a stream cannot take back a call it has begun (see [`Answer::push_tool_events`]).
+    open_call: Vec<Out>,
 }
 
 /// The whole of an answer.
@@ -95,17 +102,49 @@ impl Answer {
     /// Wraps `g`; `tools` turns on call parsing (call ids are `call_{request}_{index}`).
     pub fn new(g: Generation, tools: Option<&ToolSetup>, request: u64) -> Self {
         let tools = tools.map(|t| ToolParser::new(&t.specs, format!("call_{request}_"), t.parallel));
-        Answer { g, tools, queue: VecDeque::new() }
+        Answer { g, tools, queue: VecDeque::new(), text_started: false, held_ws: String::new(), open_call: Vec::new() }
+    }
+
+    /// Text of an answer with tools, sent as the whole answer gives it: trimmed (a chat message beside
+    /// calls has the trimmed text, null when empty). Whitespace is held until text follows it, so the
+    /// newlines around `<tool_call>` blocks never stream as content the whole answer does not have; the
+    /// logprobs of held tokens go out at once, with no text.
+    fn push_text(&mut self, t: String, logprobs: Vec<LogprobEntry>) {
+        let t = if self.text_started { t } else { t.trim_start().to_string() };
+        if t.trim_end().is_empty() {
+            if self.text_started {
+                self.held_ws.push_str(&t);
+            }
+            if !logprobs.is_empty() {
+                self.queue.push_back(Out::Text(String::new(), logprobs));
+            }
+            return;
+        }
+        let mut text = std::mem::take(&mut self.held_ws);
+        text.push_str(t.trim_end());
+        self.held_ws = t[t.trim_end().len()..].to_string();
+        self.text_started = true;
+        self.queue.push_back(Out::Text(text, logprobs));
     }
 
     fn push_tool_events(&mut self, events: Vec<ToolEvent>, mut logprobs: Vec<LogprobEntry>) {
+        // A call's start and arguments wait for its end, then go out together: a stream then says exactly
+        // what the whole answer says (a cut-off call is text in both), at the cost of a call's arguments
+        // arriving when the call is complete rather than piece by piece.
         for e in events {
-            self.queue.push_back(match e {
-                ToolEvent::Text(t) => Out::Text(t, std::mem::take(&mut logprobs)),
-                ToolEvent::Start { index, id, name } => Out::CallStart { index, id, name },
-                ToolEvent::Args { index, fragment } => Out::CallArgs { index, fragment },
-                ToolEvent::End { .. } => Out::CallEnd,
-            });
+            match e {
+                ToolEvent::Text(t) => {
+                    // Text while a call is open: the parser gave the call up as malformed (its raw text).
+                    self.open_call.clear();
+                    self.push_text(t, std::mem::take(&mut logprobs));
+                }
+                ToolEvent::Start { index, id, name } => self.open_call.push(Out::CallStart { index, id, name }),
+                ToolEvent::Args { index, fragment } => self.open_call.push(Out::CallArgs { index, fragment }),
+                ToolEvent::End { .. } => {
+                    self.queue.extend(self.open_call.drain(..));
+                    self.queue.push_back(Out::CallEnd);
+                }
+            }
         }
         if !logprobs.is_empty() {
             self.queue.push_back(Out::Text(String::new(), logprobs));
@@ -140,6 +179,8 @@ impl Answer {
                         let (ev, _cut) = p.finish();
                         let called = !p.calls().is_empty();
                         self.push_tool_events(ev, Vec::new());
+                        // A call still open was cut off: the parser answered it as text.
+                        self.open_call.clear();
                         // A cut-off call is answered as text; the finish reason stays what ended it.
                         if called && finish == Finish::Stop {
                             finish = Finish::ToolCalls;

@@ -44,6 +44,18 @@ pub use error::ApiError;
 pub use handlers::{check_body, Endpoint};
 pub use metrics::Metrics;
 pub use validate::schema_grammar;
+
+/// A forced call of a tool whose parameters are `schema`, as the grammar the tokenizer compiles, after the
+/// same schema gate as every other path (the `schema` fuzz target's tool entry).
+pub fn tool_call_grammar(
+    schema: &serde_json::Value,
+    parallel: bool,
+) -> Result<osprey_protocol::constraint::Grammar, ApiError> {
+    let tools = tools::parse_chat_tools(Some(
+        &serde_json::json!([{"type": "function", "function": {"name": "f", "parameters": schema}}]),
+    ))?;
+    Ok(osprey_protocol::constraint::Grammar::Lark(grammar::call_grammar(&tools, None, parallel)))
+}
 pub use webui::{total_bytes as webui_bytes, CSP as WEBUI_CSP};
 
 /// Where a graceful shutdown stands.

@@ -190,6 +190,10 @@ fn translate(body: &Value, store: &ResponseStore) -> Result<Translated, ApiError
         chat.insert("tool_choice".into(), tc);
     }
     if let Some(fmt) = o.get("text").and_then(|t| t.get("format")) {
+        // The gate here, so that a refusal names the Responses parameter, not chat's.
+        if let Some(schema) = fmt.get("schema") {
+            crate::validate::schema::check_schema(schema, "text.format.schema")?;
+        }
         chat.insert("response_format".into(), fmt.clone());
     }
     // Reasoning is on unless the request turns it down.

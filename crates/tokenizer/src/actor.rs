@@ -15,7 +15,7 @@ use osprey_protocol::tokenizer::{
 use osprey_protocol::{ErrorCode, MediaHash, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::grammar::GrammarCompiler;
+use crate::grammar::{CompileError, GrammarCompiler};
 use crate::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
 
 /// Everything the actor owns.
@@ -181,6 +181,17 @@ impl TokenizerCore {
 
     /// Compiles a grammar against this vocabulary.
     pub fn compile(&self, g: &Grammar) -> Result<Constraint, RequestError> {
+        self.compile_until(g, None, &|| false)
+    }
+
+    /// [`TokenizerCore::compile`] that stops when the request is cancelled (`cancelled()`) or past its
+    /// deadline: a grammar's work ends with its request (`GrammarCompiler::compile_until`).
+    pub fn compile_until(
+        &self,
+        g: &Grammar,
+        deadline: Option<Instant>,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<Constraint, RequestError> {
         let compiler = self.grammar.get_or_init(|| {
             let text = std::fs::read_to_string(&self.tokenizer_json).map_err(|e| e.to_string())?;
             let tok = tokenizers::Tokenizer::from_bytes(text.as_bytes()).map_err(|e| e.to_string())?;
@@ -191,13 +202,19 @@ impl TokenizerCore {
         let compiler = compiler.as_ref().map_err(|e| {
             RequestError::new(ErrorCode::EngineError, format!("constrained decoding is unavailable: {e}"))
         })?;
-        compiler.compile(g).map_err(|e| {
-            tracing::debug!(error = %e, "grammar refused");
-            RequestError::new(
-                ErrorCode::InvalidSchema,
-                format!("the output format cannot be enforced: {}", public_reason(&e)),
-            )
-            .with_param("response_format")
+        let stop = || cancelled() || deadline.is_some_and(|d| Instant::now() >= d);
+        compiler.compile_until(g, &stop).map_err(|e| match e {
+            CompileError::Refused(e) => {
+                tracing::debug!(error = %e, "grammar refused");
+                RequestError::new(
+                    ErrorCode::InvalidSchema,
+                    format!("the output format cannot be enforced: {}", public_reason(&e)),
+                )
+                .with_param("response_format")
+            }
+            CompileError::Stopped => check_deadline(deadline).err().unwrap_or_else(|| {
+                RequestError::new(ErrorCode::RequestTimeout, "the request was cancelled while its grammar was compiled")
+            }),
         })
     }
 
@@ -228,6 +245,15 @@ impl TokenizerCore {
 
     /// Renders, expands, tokenizes a chat prompt.
     pub fn prepare_chat(&self, p: ChatPrompt) -> Result<PreparedPrompt, RequestError> {
+        self.prepare_chat_until(p, &|| false)
+    }
+
+    /// [`TokenizerCore::prepare_chat`] whose grammar compile stops once `cancelled()` (the client left).
+    pub fn prepare_chat_until(
+        &self,
+        p: ChatPrompt,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<PreparedPrompt, RequestError> {
         if !p.media.is_empty() && !self.vision {
             return Err(RequestError::new(
                 ErrorCode::VisionUnsupported,
@@ -248,7 +274,7 @@ impl TokenizerCore {
             hashes.push(h);
         }
         check_deadline(p.deadline)?;
-        let constraint = p.grammar.as_ref().map(|g| self.compile(g)).transpose()?;
+        let constraint = p.grammar.as_ref().map(|g| self.compile_until(g, p.deadline, cancelled)).transpose()?;
         check_deadline(p.deadline)?;
         let (messages, kwargs) = if p.parse_special_tokens {
             (p.messages, p.template_kwargs)
@@ -410,11 +436,12 @@ pub fn spawn(core: TokenizerCore) -> TokenizerHandle {
     spawn_pool(core, 1)
 }
 
-/// Starts the tokenizer actor with two lanes of `workers` threads each. Prompts with media (decoding and
-/// resizing images and video frames: up to seconds) go to the media lane; everything else (text
-/// prompts, grammar compiles, the detokenization of every stream) to the text lane, so requests with
-/// large media cannot hold up a plain "hi" or a running stream: two 160-frame videos once kept both
-/// shared workers busy for 25 s while a short request waited behind them. A dispatcher thread owns the
+/// Starts the tokenizer actor with three lanes of `workers` threads each. Prompts with media (decoding and
+/// resizing images and video frames: up to seconds) go to the media lane; prompts with an output format
+/// or forced tool calls (a grammar to compile: bounded, but up to a few hundred milliseconds each) to the
+/// grammar lane; everything else (text prompts, the detokenization of every stream) to the text lane, so
+/// neither large media nor costly schemas can hold up a plain "hi" or a running stream: two 160-frame
+/// videos once kept both shared workers busy for 25 s while a short request waited behind them. A dispatcher thread owns the
 /// actor's inbox and routes each command; within a lane the workers share the lane's queue (its lock is
 /// held only while waiting for the next command, never while working on one). The core is read-only
 /// and shared.
@@ -447,13 +474,16 @@ pub fn spawn_pool(core: TokenizerCore, workers: usize) -> TokenizerHandle {
         }
         lane_tx
     };
-    let (media, text) = (lane("media"), lane("text"));
+    let (media, grammar, text) = (lane("media"), lane("grammar"), lane("text"));
     thread::Builder::new()
         .name("osprey-tokenizer".into())
         .spawn(move || {
             while let Some(cmd) = rx.blocking_recv() {
-                let heavy = matches!(&cmd, TokenizerCommand::PrepareChat { prompt, .. } if !prompt.media.is_empty());
-                let lane = if heavy { &media } else { &text };
+                let lane = match &cmd {
+                    TokenizerCommand::PrepareChat { prompt, .. } if !prompt.media.is_empty() => &media,
+                    TokenizerCommand::PrepareChat { prompt, .. } if prompt.grammar.is_some() => &grammar,
+                    _ => &text,
+                };
                 if lane.send(cmd).is_err() {
                     return;
                 }
@@ -467,7 +497,7 @@ fn handle(core: &TokenizerCore, cmd: TokenizerCommand) {
     match cmd {
         TokenizerCommand::PrepareChat { prompt, span, reply } => {
             let _in = span.enter();
-            let out = core.prepare_chat(*prompt);
+            let out = core.prepare_chat_until(*prompt, &|| reply.is_closed());
             log_prepared(&out);
             let _ = reply.send(out);
         }

@@ -72,37 +72,94 @@ impl GrammarCompiler {
         let env: TokEnv = Arc::new(Env { trie, tok });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         factory.quiet();
+        *factory.limits_mut() = limits();
         Ok(GrammarCompiler { factory: Arc::new(factory), tiers })
     }
 
     /// Compiles `g`; a schema or grammar llguidance refuses gives its message.
     pub fn compile(&self, g: &Grammar) -> Result<Constraint, String> {
+        self.compile_until(g, &|| false).map_err(|e| match e {
+            CompileError::Refused(m) => m,
+            CompileError::Stopped => "stopped".into(),
+        })
+    }
+
+    /// [`GrammarCompiler::compile`] that gives up as soon as `stop()` says so (the request was cancelled
+    /// or is past its deadline), checked between the compile's phases and before every token mask of the
+    /// closing walk. What one compile can cost is bounded whatever the grammar (docs/reliability.md):
+    /// building the parser by llguidance's limits ([`limits`]: lexer fuel and grammar size), each token
+    /// mask by its per-mask fuel, and the closing walk by [`WALK_BUDGET`].
+    pub fn compile_until(&self, g: &Grammar, stop: &dyn Fn() -> bool) -> Result<Constraint, CompileError> {
         let top = match g {
             Grammar::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
             Grammar::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
         };
-        let parser = self.factory.create_parser(top).map_err(|e| e.to_string())?;
+        let parser = self.factory.create_parser(top).map_err(|e| CompileError::Refused(e.to_string()))?;
         let proto = Matcher::new(Ok(parser));
         if let Some(e) = proto.get_error() {
-            return Err(e);
+            return Err(CompileError::Refused(e));
+        }
+        if stop() {
+            return Err(CompileError::Stopped);
         }
         // Some grammars compile and then fail on their first mask (a recursive required `$ref` has no
         // finite value: "too many items"). Computing that mask here makes it a refusal of the request,
         // not an engine error after admission; the mask is computed again per sequence.
         let mut trial = proto.deep_clone();
-        trial.compute_mask_or_eos().map_err(|e| e.to_string())?;
+        trial.compute_mask_or_eos().map_err(|e| CompileError::Refused(e.to_string()))?;
         if let Some(e) = trial.get_error() {
-            return Err(e);
+            return Err(CompileError::Refused(e));
         }
-        let shortest = crate::wrapup::distance(&mut trial, &self.tiers, &Lex::default(), MAX_SHORTEST)?;
+        // The closing walk computes a mask per token of the shortest answer: up to MAX_SHORTEST masks. Cut
+        // at WALK_BUDGET it gives a lower bound, which only makes the max_tokens check more lenient (the
+        // runtime wrap-up measures its own distances).
+        let until = std::time::Instant::now() + WALK_BUDGET;
+        let enough = || stop() || std::time::Instant::now() >= until;
+        let shortest = crate::wrapup::distance_until(&mut trial, &self.tiers, &Lex::default(), MAX_SHORTEST, &enough)
+            .map_err(CompileError::Refused)?;
+        if stop() {
+            return Err(CompileError::Stopped);
+        }
         let grammar = Arc::new(Compiled { proto: Mutex::new(proto), tiers: self.tiers.clone(), shortest });
         Ok(Constraint { grammar, budget: None })
     }
 }
 
+/// Why a compile gave no grammar.
+#[derive(Debug, PartialEq)]
+pub enum CompileError {
+    /// The schema or grammar is refused (its message; may hold the compiler's internal state).
+    Refused(String),
+    /// The caller's `stop()` said to give up.
+    Stopped,
+}
+
 /// Longest closing walk measured at compile time (a grammar whose shortest answer is longer counts as
 /// this long).
 const MAX_SHORTEST: usize = 4096;
+
+/// Longest the compile-time closing walk may run. Each of its steps computes one token mask (a mask is
+/// bounded by [`limits`]' per-mask fuel, about 15 ms at llguidance's measured rates, and usually takes
+/// tens of microseconds), so without this bound a grammar with a long shortest answer and costly masks
+/// could keep a worker for a minute (4096 × 15 ms).
+pub const WALK_BUDGET: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// llguidance's limits, set here rather than left to its defaults so that the bound is ours and written
+/// down (docs/reliability.md). At llguidance's measured rates: building the lexer ≤ 1,000,000 fuel
+/// (≈ 20 ms), a grammar of at most 500,000 symbols, a token mask ≤ 200,000 lexer fuel (≈ 15 ms) and
+/// 50,000 Earley items (≈ 2.5 ms), 250,000 lexer states (≈ 0.5 GB at the very most).
+pub fn limits() -> llguidance::api::ParserLimits {
+    llguidance::api::ParserLimits {
+        max_items_in_row: 2000,
+        initial_lexer_fuel: 1_000_000,
+        step_lexer_fuel: 200_000,
+        step_max_items: 50_000,
+        max_lexer_states: 250_000,
+        max_grammar_size: 500_000,
+        precompute_large_lexemes: true,
+        verbose_errors: true, // refusals are cut to their first line before a client sees them
+    }
+}
 
 /// A compiled grammar: a matcher at the start, cloned for each sequence.
 struct Compiled {
@@ -282,6 +339,37 @@ mod tests {
         let text = std::fs::read_to_string(dir.join("tokenizer.json")).expect("tokenizer.json");
         let tok = tokenizers::Tokenizer::from_bytes(text.as_bytes()).expect("tokenizer");
         (GrammarCompiler::new(&text, tok.clone(), 1024, &[994]).expect("compiler"), tok)
+    }
+
+    /// Issue 39: a compile gives up when its request is gone or past its deadline — at once, or in the
+    /// middle of the closing walk, which asks before every token mask — and otherwise compiles whole.
+    #[test]
+    fn a_compile_stops_when_asked_between_phases_and_within_the_closing_walk() {
+        let (c, _) = compiler();
+        let n = 60;
+        let props: serde_json::Map<String, Value> =
+            (0..n).map(|i| (format!("p{i}"), json!({"type": "string"}))).collect();
+        let schema = json(
+            json!({"type": "object", "properties": props, "required": (0..n).map(|i| format!("p{i}")).collect::<Vec<_>>()}),
+        );
+        assert_eq!(c.compile_until(&schema, &|| true).err(), Some(CompileError::Stopped));
+        let asked = std::cell::Cell::new(0usize);
+        let whole = c
+            .compile_until(&schema, &|| {
+                asked.set(asked.get() + 1);
+                false
+            })
+            .expect("compile");
+        let shortest = whole.grammar.shortest_answer();
+        assert!(shortest > 100 && asked.get() > shortest, "asked {} times over a walk of {shortest}", asked.get());
+        // Stopped halfway through the walk: no grammar.
+        let asked = std::cell::Cell::new(0usize);
+        let stop = || {
+            asked.set(asked.get() + 1);
+            asked.get() > shortest / 2
+        };
+        assert_eq!(c.compile_until(&schema, &stop).err(), Some(CompileError::Stopped));
+        assert!(asked.get() <= shortest / 2 + 3, "the walk went on after the stop ({} asks)", asked.get());
     }
 
     /// Follows the grammar for at most `limit` tokens and returns the text once the end token is the only

@@ -6,7 +6,7 @@
 //!   Only the pad is replaced, so the template's own `<|vision_start|>`/`<|vision_end|>` stay around the
 //!   groups (the nested layout of 5.23; every group is its own mRoPE item).
 
-use crate::{Error, Result};
+use crate::{Error, Result, LITERAL_OPEN};
 
 /// `<|image_pad|>`.
 pub const IMAGE_PAD: &str = "<|image_pad|>";
@@ -36,7 +36,9 @@ pub fn format_seconds(t: f64) -> String {
 }
 
 /// Replaces the i-th `<|image_pad|>` with image i's tokens and the j-th `<|video_pad|>` with video j's
-/// groups. The numbers of placeholders and items of each kind must agree.
+/// groups. The numbers of placeholders and items of each kind must agree. A placeholder a client typed is
+/// text (`TextTokenizer::mark_literal` wrapped it in [`LITERAL_OPEN`]/[`LITERAL_CLOSE`]): it is neither
+/// expanded nor counted; only the template's own placeholders stand for the request's media.
 pub fn expand_media_placeholders(prompt: &str, media: &[MediaPlaceholder]) -> Result<String> {
     let images: Vec<&MediaPlaceholder> = media.iter().filter(|m| matches!(m, MediaPlaceholder::Image { .. })).collect();
     let videos: Vec<&MediaPlaceholder> = media.iter().filter(|m| matches!(m, MediaPlaceholder::Video { .. })).collect();
@@ -52,6 +54,12 @@ pub fn expand_media_placeholders(prompt: &str, media: &[MediaPlaceholder]) -> Re
             (None, Some(b)) => (b, false),
             (Some(a), Some(b)) => (a.min(b), a < b),
         };
+        let len = if is_image { IMAGE_PAD.len() } else { VIDEO_PAD.len() };
+        if rest[..at].ends_with(LITERAL_OPEN) {
+            out.push_str(&rest[..at + len]);
+            rest = &rest[at + len..];
+            continue;
+        }
         out.push_str(&rest[..at]);
         let item = if is_image { images.get(ii) } else { videos.get(vi) };
         match item {
@@ -72,7 +80,7 @@ pub fn expand_media_placeholders(prompt: &str, media: &[MediaPlaceholder]) -> Re
                 return Err(Error::Media(format!("the prompt has more {kind} placeholders than {kind}s")));
             }
         }
-        rest = &rest[at + if is_image { IMAGE_PAD.len() } else { VIDEO_PAD.len() }..];
+        rest = &rest[at + len..];
     }
     out.push_str(rest);
     if ii != images.len() || vi != videos.len() {
@@ -94,6 +102,21 @@ mod tests {
         let got: Vec<String> = [0.25, 1.25, 0.35, 0.45, 2.5, 0.05, 3.75].iter().map(|t| format_seconds(*t)).collect();
         // Python: [f"{t:.1f}" for t in ...]
         assert_eq!(got, ["0.2", "1.2", "0.3", "0.5", "2.5", "0.1", "3.8"]);
+    }
+
+    #[test]
+    fn placeholders_a_client_typed_stay_text() {
+        let typed = |t: &str| format!("{LITERAL_OPEN}{t}{}", crate::LITERAL_CLOSE);
+        let p = format!("<|vision_start|><|image_pad|><|vision_end|>{} and {}", typed(VIDEO_PAD), typed(IMAGE_PAD));
+        let out = expand_media_placeholders(&p, &[MediaPlaceholder::Image { tokens: 2 }]).expect("expand");
+        assert_eq!(
+            out,
+            format!(
+                "<|vision_start|><|image_pad|><|image_pad|><|vision_end|>{} and {}",
+                typed(VIDEO_PAD),
+                typed(IMAGE_PAD)
+            )
+        );
     }
 
     #[test]

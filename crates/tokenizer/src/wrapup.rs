@@ -233,12 +233,27 @@ impl Tiers {
 /// that does not end by then, or fails, counts as `cap`). `m` is left as it was (the walk's tokens are
 /// rolled back).
 pub(crate) fn distance(m: &mut Matcher, tiers: &Tiers, lex: &Lex, cap: usize) -> Result<usize, String> {
+    distance_until(m, tiers, lex, cap, &|| false)
+}
+
+/// [`distance`] that also ends when `enough()` says so (checked before each step, each of which computes
+/// one token mask): then the steps walked so far, a lower bound of the distance.
+pub(crate) fn distance_until(
+    m: &mut Matcher,
+    tiers: &Tiers,
+    lex: &Lex,
+    cap: usize,
+    enough: &dyn Fn() -> bool,
+) -> Result<usize, String> {
     let mut lex = lex.clone();
     let mut consumed = 0;
     let mut steps = 0;
     let result = loop {
         if steps >= cap {
             break cap;
+        }
+        if enough() {
+            break steps;
         }
         let Ok(mask) = m.compute_mask_or_eos() else { break cap };
         let mut bits = mask.as_slice().to_vec();

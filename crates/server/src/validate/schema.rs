@@ -8,9 +8,9 @@ use super::bad;
 use crate::error::ApiError;
 use crate::grammar::json_layout;
 
-/// Largest `response_format` schema, in bytes of JSON (real schemas are a few KB; llguidance's own
+/// Largest schema, in bytes of JSON, on every path (real schemas are a few KB; llguidance's own
 /// limits bound the compile further).
-const MAX_SCHEMA_BYTES: usize = 256 << 10;
+pub const MAX_SCHEMA_BYTES: usize = 256 << 10;
 
 /// Deepest a schema may nest once its `$ref`s are followed: JSON nesting plus one level per `$ref` hop
 /// on the deepest path. Real schemas stay under 20; a chain of 700 `$ref`s overflowed the grammar
@@ -31,11 +31,23 @@ pub fn schema_grammar(schema: &Value, strict: bool) -> Result<Grammar, ApiError>
     Ok(Grammar::JsonSchema(json_layout(schema, strict)))
 }
 
-/// Checks what a schema may cost before it is compiled, and that every bound it sets is one the grammar
-/// enforces: `$ref` targets (local JSON pointers) are followed with cycle detection, and the deepest
-/// path, counting each hop, must stay within [`MAX_SCHEMA_DEPTH`]. A recursive `$ref` is allowed (it
-/// describes a tree); whether its values can end is the compiler's decision, refused as 400 too.
+/// The one schema gate: every path by which a client's schema reaches the grammar compiler calls it
+/// first — `response_format`, Responses' `text.format`, chat and Responses `tools[].parameters`, Messages
+/// `tools[].input_schema` and `output_config.format` — and a refusal names `param`, the parameter that
+/// carried the schema. It checks what the schema may cost before any grammar work: at most
+/// [`MAX_SCHEMA_BYTES`] of JSON; `$ref` targets (local JSON pointers) followed with cycle detection, the
+/// deepest path, counting each hop, within [`MAX_SCHEMA_DEPTH`]; every bound it sets one the grammar
+/// enforces. A recursive `$ref` is allowed (it describes a tree); whether its values can end is the
+/// compiler's decision, refused as 400 too.
 pub(crate) fn check_schema(schema: &Value, param: &str) -> Result<(), ApiError> {
+    let n = schema.to_string().len();
+    if n > MAX_SCHEMA_BYTES {
+        return Err(bad(
+            ErrorCode::InvalidSchema,
+            format!("the schema is {n} bytes of JSON, more than the limit of {MAX_SCHEMA_BYTES}"),
+            param,
+        ));
+    }
     let mut walk = Walk { root: schema, on_path: Vec::new(), memo: std::collections::HashMap::new(), param };
     let depth = walk.depth(schema, 0)?;
     if depth > MAX_SCHEMA_DEPTH {
@@ -249,14 +261,6 @@ pub(super) fn response_format(rf: Option<&Value>) -> Result<Option<Grammar>, Api
                 ));
             }
             // Compiling is paid before admission, on a tokenizer worker: bound what one request can ask.
-            let n = schema.to_string().len();
-            if n > MAX_SCHEMA_BYTES {
-                return Err(bad(
-                    ErrorCode::InvalidSchema,
-                    format!("the schema is {n} bytes of JSON, more than the limit of {MAX_SCHEMA_BYTES}"),
-                    &format!("{p}.json_schema.schema"),
-                ));
-            }
             check_schema(&schema, &format!("{p}.json_schema.schema"))?;
             let strict = js.get("strict").and_then(Value::as_bool).unwrap_or(false);
             Ok(Some(Grammar::JsonSchema(json_layout(&schema, strict))))
