@@ -527,12 +527,58 @@ mod tests {
     use std::sync::Arc;
 
     use osprey_protocol::vision::PixelPatches;
+    use std::time::Duration;
 
     use super::*;
 
     fn item(bytes: &[u8], spans: Vec<(usize, usize)>) -> PreparedMedia {
         let patches = Arc::new(PixelPatches { rows: Vec::new(), grid: [1, 2, 2] });
         PreparedMedia { hash: hash(&[b"image", bytes]), patches, spans }
+    }
+
+    /// CPU time of the calling thread (the compile runs on it).
+    fn thread_cpu() -> Duration {
+        let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime writes the timespec it is given.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+        assert_eq!(rc, 0, "clock_gettime");
+        Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+    }
+
+    /// Issue 39: a request's deadline stops its grammar's compile, and the CPU it would have taken. A
+    /// compile is the parser's construction (bounded by llguidance's limits, not interruptible) and then
+    /// the closing walk, the part that grows with the answer's length (here 50 required strings of at least 80
+    /// characters: thousands of masks), which a deadline cuts. Measured on this thread's CPU clock: the fixed part
+    /// (stopped before the walk), the whole, then a deadline a quarter of the walk past the fixed part;
+    /// wall time passes at least as fast as this thread's CPU time, so the stopped compile uses at most
+    /// about the fixed part and a quarter of the walk.
+    #[test]
+    fn a_deadline_stops_a_grammar_compile_and_its_cpu_time() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/osprey-default");
+        let core = TokenizerCore::from_dir(&dir, false).expect("core").with_grammar_vocab(1024, vec![994]);
+        let n = 50;
+        let props: serde_json::Map<String, serde_json::Value> =
+            (0..n).map(|i| (format!("p{i}"), serde_json::json!({"type": "string", "minLength": 80}))).collect();
+        let g = Grammar::JsonSchema(serde_json::json!({"type": "object", "properties": props,
+            "required": (0..n).map(|i| format!("p{i}")).collect::<Vec<_>>(),
+            "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}}));
+        core.compile(&Grammar::JsonSchema(serde_json::json!({"type": "string"}))).expect("the compiler is built");
+        let cpu = |f: &dyn Fn() -> Result<Constraint, RequestError>| {
+            let t0 = thread_cpu();
+            let r = f();
+            (r, thread_cpu() - t0)
+        };
+        let (r, whole) = cpu(&|| core.compile(&g));
+        r.expect("compile");
+        // A cancelled request (its client left) stops after the parser, before the walk.
+        let (gone, fixed) = cpu(&|| core.compile_until(&g, None, &|| true));
+        assert_eq!(gone.err().map(|e| e.code), Some(ErrorCode::RequestTimeout));
+        let walk = whole.saturating_sub(fixed);
+        let (stopped, used) = cpu(&|| core.compile_until(&g, Some(Instant::now() + fixed + walk / 4), &|| false));
+        println!("whole compile {whole:?} of CPU, its parser {fixed:?}; stopped at its deadline after {used:?}");
+        assert_eq!(stopped.err().map(|e| e.code), Some(ErrorCode::DeadlineExceeded));
+        assert!(walk > fixed, "the walk ({walk:?}) is the larger part here");
+        assert!(used < fixed + walk / 2, "a stopped compile used {used:?}: parser {fixed:?}, walk {walk:?}");
     }
 
     #[test]
