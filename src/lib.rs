@@ -350,6 +350,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let server_cfg = ServerConfig {
         model_id: model_id.clone(),
         context_len,
+        kv_capacity_tokens: kv_pages * page_size,
         vocab_size: vocab,
         max_token_bytes,
         vision: has_vision,

@@ -255,6 +255,22 @@ fn schema_constrained_output_validates_on_both_models() {
 }
 
 /// The text of a Responses output's items of `kind` (`message` or `reasoning`).
+/// A Responses `output` without its ids (item and call ids differ from run to run).
+fn without_ids(o: &Value) -> Vec<Value> {
+    o.as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|mut i| {
+            if let Some(m) = i.as_object_mut() {
+                m.remove("id");
+                m.remove("call_id");
+            }
+            i
+        })
+        .collect()
+}
+
 fn output_text(v: &Value, kind: &str) -> String {
     let items = v["output"].as_array().expect("output");
     let parts =
@@ -382,17 +398,6 @@ fn streams_of_responses_and_messages_add_up_to_the_whole() {
         .filter_map(|e| e["delta"].as_str())
         .collect();
     let last = &events.last().expect("last")["response"];
-    let without_ids = |o: &Value| -> Vec<Value> {
-        o.as_array()
-            .cloned()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|mut i| {
-                i.as_object_mut().map(|m| m.remove("id"));
-                i
-            })
-            .collect()
-    };
     assert_eq!(
         without_ids(&last["output"]),
         without_ids(&whole["output"]),
@@ -473,21 +478,7 @@ fn streamed_tool_calls_equal_whole_answers_on_every_front_end() {
         let whole = ok(addr, "/v1/responses", &body);
         let events = stream(addr, "/v1/responses", &body);
         let last = &events.last().expect("events")["response"];
-        let strip = |o: &Value| -> Vec<Value> {
-            o.as_array()
-                .cloned()
-                .unwrap_or_default()
-                .into_iter()
-                .map(|mut i| {
-                    if let Some(m) = i.as_object_mut() {
-                        m.remove("id");
-                        m.remove("call_id");
-                    }
-                    i
-                })
-                .collect()
-        };
-        assert_eq!(strip(&last["output"]), strip(&whole["output"]), "responses output");
+        assert_eq!(without_ids(&last["output"]), without_ids(&whole["output"]), "responses output");
         let text: String = events
             .iter()
             .filter(|e| e["type"] == "response.output_text.delta")

@@ -56,3 +56,16 @@ fn a_step_past_the_backend_memory_fails_with_503_and_the_engine_goes_on() {
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
     assert!(events.iter().any(|e| e.contains("out_of_memory")), "{events:?}");
 }
+
+/// Issue 40: an image whose vision encoding runs out of the backend's memory fails with 503
+/// `out_of_memory` as a decoder step does (it was 500 `engine_error`), and the engine goes on.
+#[test]
+fn an_image_past_the_backend_memory_fails_with_503_too() {
+    let addr = start(2.0);
+    let content = json!([harness::media_part("image", "img_640x480"), {"type": "text", "text": "What is it?"}]);
+    let body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 1});
+    let (status, v) = harness::post(addr, "/v1/chat/completions", &body.to_string(), None);
+    assert_eq!((status, code(&v)), (503, "out_of_memory"), "{v}");
+    assert_eq!(ask(addr, 4).0, 200);
+    assert_eq!(harness::get(addr, "/health").0, 200);
+}

@@ -526,3 +526,135 @@ fn deadlines_cover_preparation_and_text_is_not_queued_behind_media() {
     }
     assert!(waited < heavy / 2, "the text request waited {waited:?} behind media taking {heavy:?} each");
 }
+
+/// Issue 40 (item 5): limits follow the KV pool. With a pool of 2,048 tokens, a request without
+/// `max_tokens`, or with a client library's default of 4,096 (ChatAnthropic's), is clamped to what the
+/// pool holds for one sequence (it was a 400 "needs 4096 KV tokens"); a forced tool call whose prompt
+/// alone is past it is `context_length_exceeded` (it was "max_tokens 0 cannot hold the shortest answer").
+#[test]
+fn limits_follow_the_kv_pool_and_a_prompt_past_it_is_context_length_exceeded() {
+    let addr = start(Settings { kv_capacity_tokens: Some(2048), ..Settings::default() });
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    for body in
+        [json!({"messages": hi, "temperature": 0}), json!({"messages": hi, "temperature": 0, "max_tokens": 4096})]
+    {
+        let (s, v) = post(addr, "/v1/chat/completions", &body.to_string(), None);
+        assert_eq!(s, 200, "{body}: {v}");
+        let u = &v["usage"];
+        assert!(u["prompt_tokens"].as_u64().expect("n") + u["completion_tokens"].as_u64().expect("n") <= 2048, "{v}");
+    }
+    let (s, v) =
+        post(addr, "/v1/messages", &json!({"messages": hi, "max_tokens": 4096, "temperature": 0}).to_string(), None);
+    assert_eq!(s, 200, "{v}");
+    // A tool whose description alone fills the pool.
+    let props: serde_json::Map<String, Value> =
+        (0..400).map(|i| (format!("parameter_{i}"), json!({"type": "string", "description": "a parameter"}))).collect();
+    let tool =
+        json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": props}}}]);
+    let body = json!({"messages": hi, "max_tokens": 8, "tools": tool, "tool_choice": "required"});
+    let (s, e) = post(addr, "/v1/chat/completions", &body.to_string(), None);
+    assert_eq!((s, code(&e)), (400, "context_length_exceeded"), "{e}");
+}
+
+/// Issue 40 (item 6): Messages errors speak Messages — its own parameter names, no Rust `Some("text")` —
+/// and an `output_config` that would be ignored or a choice between two formats is refused.
+#[test]
+fn messages_errors_name_messages_parameters_and_no_output_format_is_ignored() {
+    let addr = server();
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let refused = |body: Value| {
+        let (s, e) = post(addr, "/v1/messages", &body.to_string(), None);
+        assert_eq!(s, 400, "{body}: {e}");
+        let m = e["error"]["message"].as_str().unwrap_or_default().to_string();
+        assert!(!m.contains("Some(") && !m.contains("response_format") && !m.contains("parameters"), "{m}");
+        m
+    };
+    let schema = json!({"type": "object", "properties": {"a": {"type": "string"}}});
+    let m = refused(json!({"messages": hi, "max_tokens": 8, "output_config": "json"}));
+    assert!(m.starts_with("output_config:"), "{m}");
+    let both = json!({"messages": hi, "max_tokens": 8, "output_format": {"type": "json_schema", "schema": schema},
+        "output_config": {"format": {"type": "json_schema", "schema": schema}}});
+    assert!(refused(both).contains("not both"));
+    let m = refused(json!({"messages": hi, "max_tokens": 8, "output_config": {"format": {"type": "text"}}}));
+    assert!(m.contains("`text`"), "{m}");
+    // Refused by the grammar compiler after the gate (the body runs as a chat body): still Messages' names.
+    let m = refused(json!({"messages": hi, "max_tokens": 8, "output_config": {"format": {"type": "json_schema",
+        "schema": {"type": "nonsense"}}}}));
+    assert!(m.starts_with("output_config.format"), "{m}");
+}
+
+/// Issue 40 (item 1): a non-streamed request whose client hangs up is cancelled at once, on chat
+/// completions, Responses and Messages (it went on to `max_tokens`: 4,000 tokens for nobody). Measured
+/// on the engine's own counters: tokens generated between the hang-up and the cancellation, then none.
+#[test]
+fn an_abandoned_non_streamed_request_is_cancelled_on_every_api() {
+    use std::net::TcpStream;
+    let addr = start(Settings::default());
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let apis = [
+        ("/v1/chat/completions", json!({"messages": hi, "max_tokens": 4000, "ignore_eos": true})),
+        ("/v1/responses", json!({"input": "hi", "max_output_tokens": 4000, "ignore_eos": true})),
+        ("/v1/messages", json!({"messages": hi, "max_tokens": 4000, "ignore_eos": true})),
+    ];
+    let count = |name: &str| harness::metric(addr, name) as u64;
+    for (path, body) in apis {
+        let (cancelled, generated) = (count("osprey_cancelled_total"), count("osprey_generated_tokens_total"));
+        let mut s = TcpStream::connect(addr).expect("connect");
+        s.write_all(harness::raw_json_post(path, &body.to_string()).as_bytes()).expect("send");
+        // The answer is being generated (polled: each look is one /metrics request) ...
+        while count("osprey_generated_tokens_total") < generated + 16 {
+            std::thread::yield_now();
+        }
+        // ... when the client hangs up.
+        let at_close = count("osprey_generated_tokens_total");
+        drop(s);
+        let t = Instant::now();
+        while count("osprey_cancelled_total") == cancelled {
+            assert!(t.elapsed() < Duration::from_secs(60), "{path}: never cancelled");
+            std::thread::yield_now();
+        }
+        let at_cancel = count("osprey_generated_tokens_total");
+        let after = count("osprey_generated_tokens_total");
+        println!("{path}: {} tokens between the hang-up and the cancellation", at_cancel - at_close);
+        assert_eq!(after, at_cancel, "{path}: the engine went on after the cancellation");
+        assert!(at_cancel - generated < 4000 / 4, "{path}: {} tokens for a client that left", at_cancel - generated);
+    }
+    healthy(addr);
+}
+
+/// Issue 40 (item 4): an answer that continues a prefilled assistant message continues its structure:
+/// the grammar starts after the prefill, so prefill and continuation are one valid answer (the answer
+/// started a new `{"color": ...}` before), on chat (`continue_final_message`) and Messages (a final
+/// assistant turn); a prefill the schema cannot continue is refused by name.
+#[test]
+fn a_prefilled_structure_is_continued_not_restarted() {
+    let addr = server();
+    let schema = json!({"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["color", "n"], "additionalProperties": false});
+    let prefill = "{\"color\": ";
+    let turns =
+        json!([{"role": "user", "content": "Describe a red circle."}, {"role": "assistant", "content": prefill}]);
+    let mut chat = chat_with_schema(&schema);
+    chat["messages"] = turns.clone();
+    chat["continue_final_message"] = json!(true);
+    chat["add_generation_prompt"] = json!(false);
+    chat["max_tokens"] = json!(32);
+    let (s, v) = post(addr, "/v1/chat/completions", &chat.to_string(), None);
+    assert_eq!(s, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().expect("content");
+    let whole: Value =
+        serde_json::from_str(&format!("{prefill}{text}")).unwrap_or_else(|e| panic!("{prefill}{text}: {e}"));
+    assert!(["red", "green", "blue"].contains(&whole["color"].as_str().unwrap_or_default()), "{whole}");
+    let messages = json!({"messages": turns, "max_tokens": 32,
+        "output_config": {"format": {"type": "json_schema", "schema": schema}}});
+    let (s, v) = post(addr, "/v1/messages", &messages.to_string(), None);
+    assert_eq!(s, 200, "{v}");
+    let text = v["content"][0]["text"].as_str().expect("text");
+    let whole: Value =
+        serde_json::from_str(&format!("{prefill}{text}")).unwrap_or_else(|e| panic!("{prefill}{text}: {e}"));
+    assert!(whole["n"].is_i64(), "{whole}");
+    // A prefill the schema cannot continue.
+    chat["messages"][1]["content"] = json!("[1, 2");
+    let (s, e) = post(addr, "/v1/chat/completions", &chat.to_string(), None);
+    assert_eq!((s, e["error"]["param"].as_str()), (400, Some("messages")), "{e}");
+}

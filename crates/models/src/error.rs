@@ -73,5 +73,13 @@ pub enum Error {
     InvalidMedia(String),
 }
 
+impl Error {
+    /// Whether the device (or the host memory cap) ran out of memory: a request fails with 503
+    /// `out_of_memory` and the engine goes on, unlike other model errors.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::Backend(osprey_backend::BackendError::OutOfMemory { .. }))
+    }
+}
+
 /// Result alias for this crate.
 pub type Result<T> = std::result::Result<T, Error>;

@@ -164,9 +164,10 @@ pub(crate) fn engine_error(e: impl std::fmt::Display) -> RequestError {
 /// A model error as the request sees it: the device running out of memory is 503 `out_of_memory` (this
 /// request fails, the engine goes on), anything else an engine error.
 pub(crate) fn model_error(e: osprey_models::Error) -> RequestError {
-    match e {
-        osprey_models::Error::Backend(b @ osprey_models::backend::BackendError::OutOfMemory { .. }) => backend_error(b),
-        other => engine_error(other),
+    if e.is_out_of_memory() {
+        RequestError::new(ErrorCode::OutOfMemory, e.to_string())
+    } else {
+        engine_error(e)
     }
 }
 

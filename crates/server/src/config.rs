@@ -51,6 +51,9 @@ pub struct ServerConfig {
     pub model_id: String,
     /// Context length of the model.
     pub context_len: usize,
+    /// Tokens the KV pool holds: one sequence's prompt and answer can take no more (`--kv-capacity-tokens`,
+    /// rounded up to whole pages).
+    pub kv_capacity_tokens: usize,
     /// Vocabulary size (token-id prompts are checked against it).
     pub vocab_size: usize,
     /// Most bytes of text one token can stand for (the tokenizer's longest entry): a prompt with more
@@ -93,6 +96,7 @@ impl ServerConfig {
         ServerConfig {
             model_id: model_id.into(),
             context_len,
+            kv_capacity_tokens: usize::MAX,
             vocab_size,
             max_token_bytes,
             vision: true,

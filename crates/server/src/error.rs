@@ -85,3 +85,9 @@ impl ResponseError for ApiError {
         r.json(self.body())
     }
 }
+
+/// An optional string field as an error message shows it: `` `text` ``, or "none" when missing (not
+/// Rust's `Some("text")`).
+pub(crate) fn shown(v: Option<&str>) -> String {
+    v.map_or_else(|| "none".to_string(), |s| format!("`{s}`"))
+}

@@ -126,6 +126,24 @@ async fn ask<T>(state: &AppState, make: impl FnOnce(oneshot::Sender<T>) -> Token
     })
 }
 
+/// Tokens one sequence may still generate after `prompt_len` prompt tokens: the smaller of the model's
+/// context and the KV pool's capacity, less the prompt. A prompt that leaves nothing is refused as
+/// `context_length_exceeded`. A `max_tokens` past it — the client's, none (the default), or a client
+/// library's own default such as ChatAnthropic's 4,096 — is clamped to it (llama.cpp's rule;
+/// docs/api.md), so the answer ends with `length` at the limit instead of a 400.
+pub(crate) fn room(cfg: &crate::ServerConfig, prompt_len: usize) -> Result<usize, ApiError> {
+    let (ctx, kv) = (cfg.context_len, cfg.kv_capacity_tokens);
+    if prompt_len >= ctx.min(kv) {
+        let why = if kv < ctx {
+            format!("the prompt has {prompt_len} tokens; the KV cache holds {kv} tokens (--kv-capacity-tokens)")
+        } else {
+            format!("the prompt has {prompt_len} tokens; this model's context length is {ctx}")
+        };
+        return Err(ApiError::new(ErrorCode::ContextLengthExceeded, why).param("messages"));
+    }
+    Ok(ctx.min(kv) - prompt_len)
+}
+
 impl Generation {
     /// Submits `prompt` as request `req`; `reasoning` enables the `<think>` split (chat only).
     pub async fn start(
@@ -138,15 +156,7 @@ impl Generation {
         let (id, started) = (req.id, req.started);
         let deadline = gen.deadline.map(|d| tokio::time::Instant::from_std(started + d));
         let prompt_len = prompt.input_ids.len();
-        let ctx = state.cfg.context_len;
-        if prompt_len >= ctx {
-            return Err(ApiError::new(
-                ErrorCode::ContextLengthExceeded,
-                format!("the prompt has {prompt_len} tokens; this model's context length is {ctx}"),
-            )
-            .param("messages"));
-        }
-        let left = ctx - prompt_len;
+        let left = room(&state.cfg, prompt_len)?;
         let max_tokens = gen.max_tokens.map_or(left, |m| m.min(left));
         let (tx, rx) = mpsc::unbounded_channel();
         let open = reasoning && prompt.thinking_open;

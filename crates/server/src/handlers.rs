@@ -268,8 +268,10 @@ pub(crate) async fn start_answer(
     req: &RequestCtx,
     chat: bool,
 ) -> Result<Answer, ApiError> {
-    // The grammar steers the answer to its end as its budget runs out (`max_tokens`, else the context).
-    let left = state.cfg.context_len.saturating_sub(prompt.input_ids.len());
+    // The grammar steers the answer to its end as its budget runs out (`max_tokens`, clamped to the room
+    // the context and the KV pool leave); a prompt that leaves none is `context_length_exceeded`, not a
+    // budget too small for the format.
+    let left = crate::generate::room(&state.cfg, prompt.input_ids.len())?;
     let budget = gen.max_tokens.map_or(left, |m| m.min(left));
     if let Some(c) = &prompt.constraint {
         let shortest = c.grammar.shortest_answer();

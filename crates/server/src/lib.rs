@@ -18,6 +18,7 @@ mod handlers;
 mod liveness;
 mod messages;
 mod metrics;
+mod peer;
 mod responses;
 mod store;
 mod text;
@@ -197,10 +198,21 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
                     return futures_util::future::Either::Left(futures_util::future::ready(Ok(r)));
                 }
                 let origin = req.headers().get(actix_web::http::header::ORIGIN).cloned();
+                let peer = req.conn_data::<peer::PeerSocket>().cloned();
                 let fut = actix_web::dev::Service::call(&srv, req);
                 let edge = edge.clone();
                 futures_util::future::Either::Right(async move {
-                    let mut res = fut.await?;
+                    // A client that hangs up before its answer is ready takes the work with it: the handler
+                    // (and the generation it awaits) is dropped at once (peer.rs). Streams return their
+                    // response at once and notice a departure on their next write.
+                    let res = match peer {
+                        Some(p) => tokio::select! {
+                            r = fut => r,
+                            () = peer::hung_up(&p) => Err(ApiError::new(ErrorCode::RequestTimeout, "the client left").into()),
+                        },
+                        None => fut.await,
+                    };
+                    let mut res = res?;
                     edge.decorate(origin.as_ref(), res.headers_mut());
                     Ok(res.map_into_left_body())
                 })
@@ -232,6 +244,7 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
                 ApiError::new(ErrorCode::NotFound, "no such endpoint").param("path").error_response_owned()
             }))
     })
+    .on_connect(peer::on_connect)
     .workers(workers.max(1))
     // An idle keep-alive connection, and one that does not finish its request head, is closed after
     // this long; bodies have their own limit (`body.rs`).

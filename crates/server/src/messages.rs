@@ -48,10 +48,22 @@ fn kind(status: u16) -> &'static str {
     }
 }
 
+/// A parameter as a Messages client wrote it: checks shared with chat completions name chat's parameters
+/// (the body runs as a chat body), and a Messages client sent `output_config.format` and `input_schema`.
+fn messages_param(p: &str) -> String {
+    if let Some(rest) = p.strip_prefix("response_format") {
+        return format!("output_config.format{}", rest.strip_prefix(".json_schema").unwrap_or(rest));
+    }
+    if let Some(i) = p.strip_prefix("tools[").and_then(|r| r.strip_suffix("].parameters")) {
+        return format!("tools[{i}].input_schema");
+    }
+    p.to_string()
+}
+
 fn envelope(e: &ApiError) -> Value {
     let mut msg = e.0.message.clone();
     if let Some(p) = &e.0.param {
-        msg = format!("{p}: {msg}");
+        msg = format!("{}: {msg}", messages_param(p));
     }
     json!({"type": "error", "error": {"type": kind(e.status_code().as_u16()), "message": msg}})
 }
@@ -89,7 +101,7 @@ fn image(b: &Value, param: &str) -> Result<Value, ApiError> {
         other => {
             return Err(ApiError::new(
                 ErrorCode::UnsupportedParameter,
-                format!("image source type {other:?} is not base64 or url"),
+                format!("image source type {} is not base64 or url", crate::error::shown(other)),
             )
             .param(param))
         }
@@ -111,7 +123,7 @@ fn parts(c: &Value, param: &str) -> Result<Value, ApiError> {
             Some("text") => out.push(json!({"type": "text", "text": b.get("text").and_then(Value::as_str).ok_or_else(|| invalid("text blocks need `text`", &p))?})),
             Some("image") => out.push(image(b, &p)?),
             other => {
-                return Err(ApiError::new(ErrorCode::UnsupportedParameter, format!("unsupported block type {other:?} here"))
+                return Err(ApiError::new(ErrorCode::UnsupportedParameter, format!("unsupported block type {} here", crate::error::shown(other)))
                     .param(&p))
             }
         }
@@ -206,7 +218,7 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
     if prefill {
         chat.insert("continue_final_message".into(), true.into());
     }
-    for k in ["model", "temperature", "top_p", "top_k", "stream", "deadline_secs"] {
+    for k in ["model", "temperature", "top_p", "top_k", "stream", "deadline_secs", "ignore_eos"] {
         if let Some(v) = o.get(k) {
             chat.insert(k.into(), v.clone());
         }
@@ -253,7 +265,7 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
             Some("tool") => json!({"type": "function", "function": {"name": tc.get("name")}}),
             other => {
                 return Err(invalid(
-                    format!("tool_choice type {other:?} is not auto, any, tool or none"),
+                    format!("tool_choice type {} is not auto, any, tool or none", crate::error::shown(other)),
                     "tool_choice",
                 ))
             }
@@ -264,10 +276,31 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
         }
     }
     // Structured outputs: `output_config.format` (and the older top-level `output_format`) constrain the
-    // answer with the same grammar engine as chat's `response_format`; Anthropic's are always strict.
-    let format = o.get("output_config").and_then(|c| c.get("format")).or_else(|| o.get("output_format"));
-    if let Some(f) = format.filter(|f| !f.is_null()) {
-        let param = if o.get("output_config").is_some() { "output_config.format" } else { "output_format" };
+    // answer with the same grammar engine as chat's `response_format`; Anthropic's are always strict. One
+    // of the two: given both, which applies would be a guess.
+    let config = o.get("output_config").filter(|v| !v.is_null());
+    let legacy = o.get("output_format").filter(|v| !v.is_null());
+    if config.is_some() && legacy.is_some() {
+        return Err(invalid("give output_config.format or the older output_format, not both", "output_format"));
+    }
+    if config.is_some_and(|c| !c.is_object()) {
+        return Err(invalid(
+            "output_config must be an object: {\"format\": {\"type\": \"json_schema\", ...}}",
+            "output_config",
+        ));
+    }
+    let format = match (config.and_then(|c| c.get("format")).filter(|f| !f.is_null()), legacy) {
+        (Some(f), _) => Some((f, "output_config.format")),
+        (None, Some(f)) => Some((f, "output_format")),
+        (None, None) => None,
+    };
+    if let Some((f, param)) = format {
+        if !f.is_object() {
+            return Err(invalid(
+                "the output format must be an object: {\"type\": \"json_schema\", \"schema\": {...}}",
+                param,
+            ));
+        }
         match f.get("type").and_then(Value::as_str) {
             Some("json_schema") => {
                 let schema = f.get("schema").ok_or_else(|| invalid("a json_schema format needs `schema`", param))?;
@@ -278,7 +311,8 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
                     json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": true}}),
                 );
             }
-            other => return Err(invalid(format!("output format type {other:?} is not json_schema"), param)),
+            Some(other) => return Err(invalid(format!("output format type `{other}` is not json_schema"), param)),
+            None => return Err(invalid("the output format needs a `type` (json_schema)", param)),
         }
     }
     // Thinking only when asked for, as Anthropic's API does.

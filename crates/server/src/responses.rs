@@ -36,10 +36,11 @@ fn part(p: &Value, param: &str) -> Result<Value, ApiError> {
                 .param(param)),
             }
         }
-        other => {
-            Err(ApiError::new(ErrorCode::UnsupportedParameter, format!("unsupported content part type {other:?}"))
-                .param(param))
-        }
+        other => Err(ApiError::new(
+            ErrorCode::UnsupportedParameter,
+            format!("unsupported content part type {}", crate::error::shown(other)),
+        )
+        .param(param)),
     }
 }
 
@@ -155,9 +156,18 @@ fn translate(body: &Value, store: &ResponseStore) -> Result<Translated, ApiError
     messages.extend(conversation.iter().cloned());
     let mut chat = Map::new();
     chat.insert("messages".into(), Value::Array(messages));
-    for k in
-        ["model", "temperature", "top_p", "stream", "parallel_tool_calls", "seed", "top_k", "stop", "deadline_secs"]
-    {
+    for k in [
+        "model",
+        "temperature",
+        "top_p",
+        "stream",
+        "parallel_tool_calls",
+        "seed",
+        "top_k",
+        "stop",
+        "deadline_secs",
+        "ignore_eos",
+    ] {
         if let Some(v) = o.get(k) {
             chat.insert(k.into(), v.clone());
         }

@@ -119,7 +119,7 @@ pub fn parse_chat_tools(tools: Option<&Value>) -> Result<Vec<ToolSpec>, ApiError
             other => {
                 return Err(ApiError::new(
                     ErrorCode::UnsupportedParameter,
-                    format!("only function tools are supported (got type {other:?})"),
+                    format!("only function tools are supported (got type {})", crate::error::shown(other)),
                 )
                 .param(&param))
             }
@@ -331,7 +331,12 @@ impl ToolParser {
         let ty = self.tools.get(name).and_then(|t| t.param_type(param));
         match ty {
             None | Some("string") => Value::String(value.to_string()),
-            Some(_) => serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string())),
+            Some(t) => match serde_json::from_str(value) {
+                // JSON's `-0` parses as the float -0.0; an integer parameter's value is the integer 0.
+                Ok(Value::Number(n)) if t == "integer" && n.as_f64() == Some(0.0) && n.as_i64().is_none() => 0.into(),
+                Ok(v) => v,
+                Err(_) => Value::String(value.to_string()),
+            },
         }
     }
 
@@ -560,6 +565,16 @@ mod tests {
         let mut p = ToolParser::new(&specs(), "c".into(), true);
         assert!(p.feed("a <tool_c").iter().all(|e| e == &ToolEvent::Text("a ".into())));
         assert_eq!(p.finish().0, vec![ToolEvent::Text("<tool_c".into())]);
+    }
+
+    /// Issue 40: an integer argument written `-0` is the integer 0, not `-0.0`.
+    #[test]
+    fn an_integer_argument_of_minus_zero_is_zero() {
+        let mut p = ToolParser::new(&specs(), "c".into(), true);
+        let mut ev = p
+            .feed("<tool_call>\n<function=get_weather>\n<parameter=days>\n-0\n</parameter>\n</function>\n</tool_call>");
+        ev.extend(p.finish().0);
+        assert_eq!(p.calls()[0].arguments, r#"{"days":0}"#);
     }
 
     #[test]

@@ -181,7 +181,7 @@ impl TokenizerCore {
 
     /// Compiles a grammar against this vocabulary.
     pub fn compile(&self, g: &Grammar) -> Result<Constraint, RequestError> {
-        self.compile_until(g, None, &|| false)
+        self.compile_until(g, &[], None, &|| false)
     }
 
     /// [`TokenizerCore::compile`] that stops when the request is cancelled (`cancelled()`) or past its
@@ -189,6 +189,7 @@ impl TokenizerCore {
     pub fn compile_until(
         &self,
         g: &Grammar,
+        prefix: &[u32],
         deadline: Option<Instant>,
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Constraint, RequestError> {
@@ -203,7 +204,7 @@ impl TokenizerCore {
             RequestError::new(ErrorCode::EngineError, format!("constrained decoding is unavailable: {e}"))
         })?;
         let stop = || cancelled() || deadline.is_some_and(|d| Instant::now() >= d);
-        compiler.compile_until(g, &stop).map_err(|e| match e {
+        compiler.compile_until(g, prefix, &stop).map_err(|e| match e {
             CompileError::Refused(e) => {
                 tracing::debug!(error = %e, "grammar refused");
                 RequestError::new(
@@ -212,6 +213,11 @@ impl TokenizerCore {
                 )
                 .with_param("response_format")
             }
+            CompileError::Prefill => RequestError::new(
+                ErrorCode::InvalidRequest,
+                "the final assistant message, which the answer continues, does not fit the output format",
+            )
+            .with_param("messages"),
             CompileError::Stopped => check_deadline(deadline).err().unwrap_or_else(|| {
                 RequestError::new(ErrorCode::RequestTimeout, "the request was cancelled while its grammar was compiled")
             }),
@@ -274,8 +280,6 @@ impl TokenizerCore {
             hashes.push(h);
         }
         check_deadline(p.deadline)?;
-        let constraint = p.grammar.as_ref().map(|g| self.compile_until(g, p.deadline, cancelled)).transpose()?;
-        check_deadline(p.deadline)?;
         let (messages, kwargs) = if p.parse_special_tokens {
             (p.messages, p.template_kwargs)
         } else {
@@ -293,7 +297,7 @@ impl TokenizerCore {
         let mut text = template
             .render(&messages, add_generation_prompt, &kwargs)
             .map_err(|e| RequestError::new(ErrorCode::InvalidRequest, e.to_string()).with_param("messages"))?;
-        if let Some(last) = continued {
+        if let Some(last) = &continued {
             // The template closes the turn after the text (`<|im_end|>\n`): cut there, as vLLM does,
             // so the model continues the text.
             let at = text.rfind(last.as_str()).ok_or_else(|| {
@@ -305,6 +309,18 @@ impl TokenizerCore {
             })?;
             text.truncate(at + last.len());
         }
+        // The grammar starts where the answer does: after the text it continues, if any.
+        let prefix = match &continued {
+            Some(last) if p.grammar.is_some() => self
+                .tok
+                .encode(last)
+                .map_err(|e| RequestError::new(ErrorCode::InvalidRequest, e.to_string()).with_param("messages"))?,
+            _ => Vec::new(),
+        };
+        check_deadline(p.deadline)?;
+        let constraint =
+            p.grammar.as_ref().map(|g| self.compile_until(g, &prefix, p.deadline, cancelled)).transpose()?;
+        check_deadline(p.deadline)?;
         let prepared = prepare_prompt(&self.tok, &self.processor, &text, &media).map_err(|e| match e {
             crate::Error::Model(m) => media_error(m),
             other => RequestError::new(ErrorCode::InvalidRequest, other.to_string()),
@@ -571,10 +587,10 @@ mod tests {
         let (r, whole) = cpu(&|| core.compile(&g));
         r.expect("compile");
         // A cancelled request (its client left) stops after the parser, before the walk.
-        let (gone, fixed) = cpu(&|| core.compile_until(&g, None, &|| true));
+        let (gone, fixed) = cpu(&|| core.compile_until(&g, &[], None, &|| true));
         assert_eq!(gone.err().map(|e| e.code), Some(ErrorCode::RequestTimeout));
         let walk = whole.saturating_sub(fixed);
-        let (stopped, used) = cpu(&|| core.compile_until(&g, Some(Instant::now() + fixed + walk / 4), &|| false));
+        let (stopped, used) = cpu(&|| core.compile_until(&g, &[], Some(Instant::now() + fixed + walk / 4), &|| false));
         println!("whole compile {whole:?} of CPU, its parser {fixed:?}; stopped at its deadline after {used:?}");
         assert_eq!(stopped.err().map(|e| e.code), Some(ErrorCode::DeadlineExceeded));
         assert!(walk > fixed, "the walk ({walk:?}) is the larger part here");

@@ -78,9 +78,10 @@ impl GrammarCompiler {
 
     /// Compiles `g`; a schema or grammar llguidance refuses gives its message.
     pub fn compile(&self, g: &Grammar) -> Result<Constraint, String> {
-        self.compile_until(g, &|| false).map_err(|e| match e {
+        self.compile_until(g, &[], &|| false).map_err(|e| match e {
             CompileError::Refused(m) => m,
             CompileError::Stopped => "stopped".into(),
+            CompileError::Prefill => "the prefill does not fit".into(),
         })
     }
 
@@ -89,15 +90,27 @@ impl GrammarCompiler {
     /// closing walk. What one compile can cost is bounded whatever the grammar (docs/reliability.md):
     /// building the parser by llguidance's limits ([`limits`]: lexer fuel and grammar size), each token
     /// mask by its per-mask fuel, and the closing walk by [`WALK_BUDGET`].
-    pub fn compile_until(&self, g: &Grammar, stop: &dyn Fn() -> bool) -> Result<Constraint, CompileError> {
+    ///
+    /// `prefix`: tokens the answer already has (an assistant message the request continues, its prefill):
+    /// the grammar starts after them, so prefill and continuation are one valid answer; a prefill the
+    /// grammar does not allow is refused.
+    pub fn compile_until(
+        &self,
+        g: &Grammar,
+        prefix: &[u32],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Constraint, CompileError> {
         let top = match g {
             Grammar::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
             Grammar::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
         };
         let parser = self.factory.create_parser(top).map_err(|e| CompileError::Refused(e.to_string()))?;
-        let proto = Matcher::new(Ok(parser));
+        let mut proto = Matcher::new(Ok(parser));
         if let Some(e) = proto.get_error() {
             return Err(CompileError::Refused(e));
+        }
+        if !prefix.is_empty() && proto.consume_tokens(prefix).is_err() {
+            return Err(CompileError::Prefill);
         }
         if stop() {
             return Err(CompileError::Stopped);
@@ -132,6 +145,8 @@ pub enum CompileError {
     Refused(String),
     /// The caller's `stop()` said to give up.
     Stopped,
+    /// The prefilled text is not the start of an answer the grammar allows.
+    Prefill,
 }
 
 /// Longest closing walk measured at compile time (a grammar whose shortest answer is longer counts as
@@ -352,10 +367,10 @@ mod tests {
         let schema = json(
             json!({"type": "object", "properties": props, "required": (0..n).map(|i| format!("p{i}")).collect::<Vec<_>>()}),
         );
-        assert_eq!(c.compile_until(&schema, &|| true).err(), Some(CompileError::Stopped));
+        assert_eq!(c.compile_until(&schema, &[], &|| true).err(), Some(CompileError::Stopped));
         let asked = std::cell::Cell::new(0usize);
         let whole = c
-            .compile_until(&schema, &|| {
+            .compile_until(&schema, &[], &|| {
                 asked.set(asked.get() + 1);
                 false
             })
@@ -368,7 +383,7 @@ mod tests {
             asked.set(asked.get() + 1);
             asked.get() > shortest / 2
         };
-        assert_eq!(c.compile_until(&schema, &stop).err(), Some(CompileError::Stopped));
+        assert_eq!(c.compile_until(&schema, &[], &stop).err(), Some(CompileError::Stopped));
         assert!(asked.get() <= shortest / 2 + 3, "the walk went on after the stop ({} asks)", asked.get());
     }
 

@@ -104,9 +104,12 @@ pub fn spawn(tower: VisionTower, cache_bytes: usize) -> VisionHandle {
                         let _in = span.enter();
                         let before = cache.stats().hits;
                         let out = cache.get_or_encode(hash, || {
-                            tower
-                                .encode(&patches.rows, patches.grid)
-                                .map_err(|e| RequestError::new(ErrorCode::EngineError, e.to_string()))
+                            tower.encode(&patches.rows, patches.grid).map_err(|e| {
+                                // Out of device memory fails this request (503), as the runner's steps do.
+                                let code =
+                                    if e.is_out_of_memory() { ErrorCode::OutOfMemory } else { ErrorCode::EngineError };
+                                RequestError::new(code, e.to_string())
+                            })
                         });
                         let hit = cache.stats().hits > before;
                         tracing::debug!(hit, grid = ?patches.grid, ok = out.is_ok(), "vision rows");

@@ -267,7 +267,7 @@ pub(super) fn response_format(rf: Option<&Value>) -> Result<Option<Grammar>, Api
         }
         other => Err(bad(
             ErrorCode::InvalidRequest,
-            format!("response_format type {other:?} is not text, json_object or json_schema"),
+            format!("response_format type {} is not text, json_object or json_schema", crate::error::shown(other)),
             p,
         )),
     }
