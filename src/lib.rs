@@ -3,6 +3,7 @@
 //! starts.
 
 pub mod default_model;
+pub mod hub;
 pub mod settings;
 
 use std::path::{Path, PathBuf};
@@ -106,7 +107,8 @@ pub type ReaderLayer = Box<dyn FnOnce(Box<dyn osprey_experts::Reader>) -> Box<dy
 /// cache directory on first use).
 pub fn model_dir(settings: &Settings) -> Result<PathBuf> {
     match &settings.model {
-        Some(d) => Ok(d.clone()),
+        // A directory, or a Hugging Face id found in the local cache (hub.rs).
+        Some(d) => hub::resolve(d),
         None => {
             let d = default_model::materialize()?;
             tracing::info!(dir = %d.display(), "no --model given: serving the embedded default model");

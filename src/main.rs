@@ -34,7 +34,8 @@ struct ServeArgs {
     /// Settings file (TOML, see config/osprey.toml); flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Model directory (default: the embedded tiny model).
+    /// Model directory, or a Hugging Face id (`org/name[@revision]`) in the local HF cache (default: the
+    /// embedded tiny model).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Id clients send as `model`.
@@ -449,7 +450,8 @@ fn main() -> Result<()> {
             tracing::info!(out = %out.display(), "wrote the NVFP4 checkpoint");
             Ok(())
         }
-        Command::Run(a) => {
+        Command::Run(mut a) => {
+            a.model = osprey::hub::resolve(&a.model)?;
             let backend = osprey::open_backend(cli.device.as_deref(), cli.activations.as_deref())?;
             let load = || -> Result<osprey_models::Model> {
                 let cfg = osprey_models::ModelConfig::from_dir(&a.model)?;
@@ -669,6 +671,7 @@ fn write_run(
 
 fn load(dir: &std::path::Path, device: Option<&str>, activations: Option<&str>) -> Result<Model> {
     let t0 = Instant::now();
+    let dir = &osprey::hub::resolve(dir)?;
     let backend = osprey::open_backend(device, activations)?;
     let m = osprey_models::load_on(dir, backend).with_context(|| format!("loading {}", dir.display()))?;
     tracing::info!(model = %dir.display(), family = m.info().family, layers = m.info().num_layers, secs = t0.elapsed().as_secs_f64(), "model loaded");

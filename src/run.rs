@@ -15,7 +15,8 @@ use osprey_tokenizer::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json, chat template).
+    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json, chat template), or a
+    /// Hugging Face id (`org/name[@revision]`) in the local HF cache.
     #[arg(long)]
     pub model: PathBuf,
     /// The user's message (rendered with the model's chat template unless --raw).
