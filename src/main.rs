@@ -446,7 +446,7 @@ fn main() -> Result<()> {
         Command::Quantize { model, out, all_linear, lm_head } => {
             let opts = osprey_models::QuantizeOptions { all_linear, lm_head };
             let mut progress = osprey::Progress::new("quantizing");
-            osprey_models::quantize_dir(&model, &out, opts, &mut |d, n| progress.update(d, n))?;
+            osprey_models::quantize_dir(&osprey::hub::resolve(&model)?, &out, opts, &mut |d, n| progress.update(d, n))?;
             tracing::info!(out = %out.display(), "wrote the NVFP4 checkpoint");
             Ok(())
         }
