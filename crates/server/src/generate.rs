@@ -145,19 +145,19 @@ pub(crate) fn room(cfg: &crate::ServerConfig, prompt_len: usize) -> Result<usize
 }
 
 impl Generation {
-    /// Submits `prompt` as request `req`; `reasoning` enables the `<think>` split (chat only).
+    /// Submits `prompt` as request `req` for at most `max_tokens` tokens (already clamped to its [`room`]);
+    /// `reasoning` enables the `<think>` split (chat only).
     pub async fn start(
         state: Arc<AppState>,
         prompt: PreparedPrompt,
         gen: GenParams,
+        max_tokens: usize,
         req: &RequestCtx,
         reasoning: bool,
     ) -> Result<Self, ApiError> {
         let (id, started) = (req.id, req.started);
         let deadline = gen.deadline.map(|d| tokio::time::Instant::from_std(started + d));
         let prompt_len = prompt.input_ids.len();
-        let left = room(&state.cfg, prompt_len)?;
-        let max_tokens = gen.max_tokens.map_or(left, |m| m.min(left));
         let (tx, rx) = mpsc::unbounded_channel();
         let open = reasoning && prompt.thinking_open;
         let request = GenerateRequest {

@@ -287,7 +287,7 @@ pub(crate) async fn start_answer(
     }
     gen.sampling.constraint = prompt.constraint.take().map(|c| Constraint { budget: Some(budget), ..c });
     let tools = gen.tools.clone();
-    let g = Generation::start(state, prompt, gen, req, chat).await?;
+    let g = Generation::start(state, prompt, gen, budget, req, chat).await?;
     Ok(Answer::new(g, tools.as_ref(), req.id))
 }
 

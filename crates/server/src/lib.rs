@@ -45,6 +45,7 @@ pub use error::ApiError;
 pub use handlers::{check_body, Endpoint};
 pub use metrics::Metrics;
 pub use validate::schema_grammar;
+pub use webui::{total_bytes as webui_bytes, CSP as WEBUI_CSP};
 
 /// A forced call of a tool whose parameters are `schema`, as the grammar the tokenizer compiles, after the
 /// same schema gate as every other path (the `schema` fuzz target's tool entry).
@@ -57,7 +58,6 @@ pub fn tool_call_grammar(
     ))?;
     Ok(osprey_protocol::constraint::Grammar::Lark(grammar::call_grammar(&tools, None, parallel)))
 }
-pub use webui::{total_bytes as webui_bytes, CSP as WEBUI_CSP};
 
 /// Where a graceful shutdown stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

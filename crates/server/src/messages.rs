@@ -243,10 +243,6 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
                 )
                 .param(format!("tools[{i}]")));
             }
-            // The gate here, so that a refusal names `input_schema` (chat's check would name `parameters`).
-            if let Some(schema) = t.get("input_schema").filter(|v| v.is_object()) {
-                crate::validate::schema::check_schema(schema, &format!("tools[{i}].input_schema"))?;
-            }
             let mut f = Map::new();
             for (from, to) in [("name", "name"), ("description", "description"), ("input_schema", "parameters")] {
                 if let Some(v) = t.get(from) {
@@ -304,7 +300,8 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
         match f.get("type").and_then(Value::as_str) {
             Some("json_schema") => {
                 let schema = f.get("schema").ok_or_else(|| invalid("a json_schema format needs `schema`", param))?;
-                // The gate here, so that a refusal names the Messages parameter, not chat's.
+                // The gate here, so that a refusal names the field the client used: the error envelope maps
+                // chat's `response_format` to `output_config.format` only (`messages_param`).
                 crate::validate::schema::check_schema(schema, &format!("{param}.schema"))?;
                 chat.insert(
                     "response_format".into(),

@@ -457,9 +457,9 @@ pub fn spawn(core: TokenizerCore) -> TokenizerHandle {
 /// or forced tool calls (a grammar to compile: bounded, but up to a few hundred milliseconds each) to the
 /// grammar lane; everything else (text prompts, the detokenization of every stream) to the text lane, so
 /// neither large media nor costly schemas can hold up a plain "hi" or a running stream: two 160-frame
-/// videos once kept both shared workers busy for 25 s while a short request waited behind them. A dispatcher thread owns the
-/// actor's inbox and routes each command; within a lane the workers share the lane's queue (its lock is
-/// held only while waiting for the next command, never while working on one). The core is read-only
+/// videos once kept both shared workers busy for 25 s while a short request waited behind them. A
+/// dispatcher thread owns the actor's inbox and routes each command; within a lane the workers share the
+/// lane's queue (its lock is held only while waiting for the next command, never while working on one). The core is read-only
 /// and shared.
 pub fn spawn_pool(core: TokenizerCore, workers: usize) -> TokenizerHandle {
     let (tx, mut rx) = mpsc::unbounded_channel::<TokenizerCommand>();
@@ -563,11 +563,11 @@ mod tests {
 
     /// Issue 39: a request's deadline stops its grammar's compile, and the CPU it would have taken. A
     /// compile is the parser's construction (bounded by llguidance's limits, not interruptible) and then
-    /// the closing walk, the part that grows with the answer's length (here 50 required strings of at least 80
-    /// characters: thousands of masks), which a deadline cuts. Measured on this thread's CPU clock: the fixed part
-    /// (stopped before the walk), the whole, then a deadline a quarter of the walk past the fixed part;
-    /// wall time passes at least as fast as this thread's CPU time, so the stopped compile uses at most
-    /// about the fixed part and a quarter of the walk.
+    /// the closing walk, the part that grows with the answer's length (here 50 required strings of at
+    /// least 80 characters: thousands of masks), which a deadline cuts. Measured on this thread's CPU
+    /// clock: the fixed part (stopped before the walk), the whole, then a deadline a quarter of the walk
+    /// past the fixed part; wall time passes at least as fast as this thread's CPU time, so the stopped
+    /// compile uses at most about the fixed part and a quarter of the walk.
     #[test]
     fn a_deadline_stops_a_grammar_compile_and_its_cpu_time() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/osprey-default");

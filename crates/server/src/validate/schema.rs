@@ -10,7 +10,7 @@ use crate::grammar::json_layout;
 
 /// Largest schema, in bytes of JSON, on every path (real schemas are a few KB; llguidance's own
 /// limits bound the compile further).
-pub const MAX_SCHEMA_BYTES: usize = 256 << 10;
+const MAX_SCHEMA_BYTES: usize = 256 << 10;
 
 /// Deepest a schema may nest once its `$ref`s are followed: JSON nesting plus one level per `$ref` hop
 /// on the deepest path. Real schemas stay under 20; a chain of 700 `$ref`s overflowed the grammar
