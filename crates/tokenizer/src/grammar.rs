@@ -240,6 +240,10 @@ const WRAP_MARGIN: usize = 3;
 /// Slack under which the closing path is measured at every token.
 const CHECK_EVERY_TOKEN: usize = 64;
 
+/// What a group of guarded tokens has in common: whether they are structural, and their structure
+/// ([`crate::wrapup::structure`]) or first byte.
+type Fork = (bool, Vec<u8>);
+
 /// Tokens of slack under which structural tokens are guarded (a structure a token can open, such as an
 /// array item with its required keys, is shorter than this).
 const GUARD_SLACK: usize = 48;
@@ -271,16 +275,29 @@ impl Seq {
     /// closing path would no longer fit: a `,` that opens another array item or property, a `"` that
     /// starts an optional key. Tokens are grouped by what they do to the structure
     /// ([`crate::wrapup::structure`]); one representative per group is tried (consumed, measured, rolled
-    /// back). Plain content never lengthens the path and is left alone.
+    /// back). Plain content is left alone where it is free (a string's text never lengthens the path),
+    /// and guarded by its first byte where few tokens are allowed (a fork in fixed text).
     fn guard(&mut self, allowed: &mut [u32]) -> Result<(), String> {
         let Some(budget) = self.budget else { return Ok(()) };
         let left = budget.saturating_sub(self.committed);
         if self.wrapping || left > self.last_distance + GUARD_SLACK {
             return Ok(());
         }
-        let mut groups: Vec<(Vec<u8>, Vec<u32>)> = Vec::new();
-        for t in self.tiers.structural(allowed) {
-            let key = crate::wrapup::structure(&self.lex, self.tiers.word(t));
+        // A few choices are a fork in fixed text (a tag name, an enum value, a number's digits), where
+        // plain letters can lengthen the path: `<p` opens an optional `<parameter=…>`, `</` closes. There
+        // plain tokens are grouped by their first byte (`p`, `pa`, `param` take one branch), and the
+        // group's lowest id, in a byte-level vocabulary its shortest token, stands for it: the longest
+        // path of the group.
+        let few = crate::wrapup::ids(allowed.iter().copied()).nth(crate::wrapup::FEW_CHOICES).is_none();
+        let mut groups: Vec<(Fork, Vec<u32>)> = Vec::new();
+        for t in crate::wrapup::ids(allowed.iter().copied()) {
+            let key = if self.tiers.is_structural(t) {
+                (true, crate::wrapup::structure(&self.lex, self.tiers.word(t)))
+            } else if few {
+                (false, self.tiers.word(t).iter().take(1).copied().collect())
+            } else {
+                continue;
+            };
             match groups.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, members)) => members.push(t),
                 None => groups.push((key, vec![t])),
@@ -313,7 +330,7 @@ impl TokenMatcher for Seq {
         allowed.clear();
         allowed.extend_from_slice(mask.as_slice());
         if self.wrapping {
-            self.tiers.wrap(allowed, &self.lex);
+            self.tiers.wrap(&mut self.m, allowed, &self.lex);
         } else {
             self.guard(allowed)?;
             if allowed.iter().all(|w| *w == 0) {
@@ -321,7 +338,7 @@ impl TokenMatcher for Seq {
                 self.wrapping = true;
                 allowed.clear();
                 allowed.extend_from_slice(mask.as_slice());
-                self.tiers.wrap(allowed, &self.lex);
+                self.tiers.wrap(&mut self.m, allowed, &self.lex);
             }
         }
         Ok(())
@@ -398,6 +415,33 @@ mod tests {
         limit: usize,
         stubborn: bool,
     ) -> Result<String, String> {
+        walk_with(c, tok, budget, limit, if stubborn { Model::Stubborn } else { Model::Eager })
+    }
+
+    /// How a test's stand-in model chooses among the allowed tokens.
+    #[derive(Clone, Copy)]
+    enum Model {
+        /// Continues whatever it is writing (see [`walk`]).
+        Stubborn,
+        /// The lowest allowed token, ending as soon as it may.
+        Eager,
+        /// Any allowed token, the end token included, with equal odds (a seeded xorshift): it opens
+        /// optional parameters and array items, and picks digits, at random, as a sampled model does.
+        Random(u64),
+    }
+
+    fn walk_with(
+        c: &Constraint,
+        tok: &tokenizers::Tokenizer,
+        budget: Option<usize>,
+        limit: usize,
+        model: Model,
+    ) -> Result<String, String> {
+        let (stubborn, mut rng) = match model {
+            Model::Stubborn => (true, None),
+            Model::Eager => (false, None),
+            Model::Random(seed) => (false, Some(seed.max(1))),
+        };
         let mut m = c.grammar.start(budget);
         let mut ids = Vec::new();
         let mut bits = Vec::new();
@@ -406,7 +450,12 @@ mod tests {
             let allowed: Vec<u32> =
                 (0..1024u32).filter(|t| bits.get(*t as usize / 32).is_some_and(|w| w >> (t % 32) & 1 == 1)).collect();
             let word = |t: &u32| tok.decode(&[*t], false).unwrap_or_default();
-            let pick = if stubborn {
+            let pick = if let Some(x) = rng.as_mut() {
+                *x ^= *x << 13;
+                *x ^= *x >> 7;
+                *x ^= *x << 17;
+                allowed.get((*x % allowed.len().max(1) as u64) as usize)
+            } else if stubborn {
                 let going = allowed.iter().find(|t| !word(t).is_empty() && word(t).chars().all(char::is_alphanumeric));
                 going.or_else(|| allowed.iter().find(|&&t| t != 994)).or(allowed.first())
             } else if allowed.contains(&994) {
@@ -496,6 +545,100 @@ v2: %json {"type": "array", "items": {"type": "string"}, "minItems": 1, "x-guida
             let out = walk(&g, &tok, Some(budget), budget, true).unwrap_or_else(|e| panic!("call at {budget}: {e:?}"));
             assert!(out.ends_with("</function>\n</tool_call>"), "call at {budget}: {out:?}");
         }
+    }
+
+    /// Issue 40, item 2: the server's grammar for a forced call of `get_shape` (an enum, an integer 0–9
+    /// and an optional array of at most two short strings) as `call_grammar` writes it. A sampled model
+    /// chooses among tag names (`<parameter=tags>` or `</function>`) through letters, which change no
+    /// JSON structure: every budget from the shortest call up ends in a whole call.
+    #[test]
+    fn a_sampled_model_closes_a_forced_call_with_an_optional_array_at_every_budget() {
+        let (c, tok) = compiler();
+        let call = r#"start: call
+call: c0
+c0_p0: "<parameter=color>\n" ("red" | "green" | "blue") "\n</parameter>\n"
+c0_v1: %json {"type": "integer", "minimum": 0, "maximum": 9, "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": true}}
+c0_p1: "<parameter=n>\n" c0_v1 "\n</parameter>\n"
+c0_v2: %json {"type": "array", "maxItems": 2, "items": {"type": "string", "maxLength": 5}, "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": true}}
+c0_p2: "<parameter=tags>\n" c0_v2 "\n</parameter>\n"
+c0: "<tool_call>\n<function=get_shape>\n" c0_p0 c0_p1 c0_p2? "</function>\n</tool_call>"
+"#;
+        let g = c.compile(&Grammar::Lark(call.into())).expect("lark");
+        let shortest = g.grammar.shortest_answer();
+        let mut failed = Vec::new();
+        for budget in shortest..shortest + 60 {
+            for seed in 1..=4u64 {
+                match walk_with(&g, &tok, Some(budget), budget, Model::Random(seed * 7919 + budget as u64)) {
+                    Ok(out) if out.ends_with("</function>\n</tool_call>") => {}
+                    other => failed.push(format!("{budget}/{seed}: {other:?}")),
+                }
+            }
+        }
+        assert!(
+            failed.is_empty(),
+            "{} of 240 did not close (shortest {shortest}): {:#?}",
+            failed.len(),
+            &failed[..failed.len().min(5)]
+        );
+    }
+
+    /// Issue 40, item 3: a number the closing walk cannot end by taking the lowest digit: after `2`,
+    /// `0` and `1` never make a multiple of 7 (the walk wrote `2001001001001001`). Every model ends
+    /// inside every budget with a valid number.
+    #[test]
+    fn numbers_with_a_step_close_inside_the_budget() {
+        let (c, tok) = compiler();
+        // (schema, its step as a fraction p/q). The validator checks `multipleOf` in f64, which a sampled
+        // model's 21-digit multiple of 7 defeats, so the step is checked exactly on the number's text and
+        // the rest of the schema by the validator.
+        let schemas = [
+            (json!({"type": "integer", "multipleOf": 7, "minimum": 1}), 7, 1),
+            (
+                json!({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 13, "minimum": 20}},
+                "required": ["n"], "additionalProperties": false}),
+                13,
+                1,
+            ),
+            (json!({"type": "number", "multipleOf": 0.25, "exclusiveMinimum": 0}), 1, 4),
+        ];
+        let stepless = |s: &Value| {
+            let mut s = s.clone();
+            match s.get_mut("properties") {
+                Some(p) => p["n"].as_object_mut().map(|n| n.remove("multipleOf")),
+                None => s.as_object_mut().map(|n| n.remove("multipleOf")),
+            };
+            s
+        };
+        for (schema, p, q) in &schemas {
+            let g = c.compile(&json(schema.clone())).expect("compile");
+            let shortest = g.grammar.shortest_answer();
+            assert!(shortest < 12, "{schema}: the shortest answer is {shortest} tokens");
+            for budget in (shortest..shortest + 24).chain([32, 200]) {
+                for (i, model) in [Model::Stubborn, Model::Eager, Model::Random(budget as u64), Model::Random(99)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let out = walk_with(&g, &tok, Some(budget), budget, model)
+                        .unwrap_or_else(|e| panic!("{schema} at {budget}, model {i}: did not end: {e:?}"));
+                    let v: Value =
+                        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{schema} at {budget}: {out:?}: {e}"));
+                    assert!(validates(&stepless(schema), &v), "{schema} at {budget}, model {i}: {out}");
+                    assert!(multiple_of(&out, *p, *q), "{schema} at {budget}, model {i}: {out}");
+                }
+            }
+        }
+    }
+
+    /// Whether the first number written in `text` is a multiple of `p / q`, exactly: the number is
+    /// `digits / 10^k`, a multiple when `digits · q` is one of `p · 10^k`.
+    fn multiple_of(text: &str, p: u128, q: u128) -> bool {
+        let start = text.find(|c: char| c.is_ascii_digit()).expect("a number");
+        let num: String = text[start..].chars().take_while(|c| c.is_ascii_digit() || *c == '.').collect();
+        let k = num.split_once('.').map_or(0, |(_, f)| f.len() as u32);
+        let modulus = p * 10u128.pow(k);
+        let digits =
+            num.bytes().filter(u8::is_ascii_digit).fold(0u128, |r, d| (r * 10 + u128::from(d - b'0')) % modulus);
+        (digits * q).is_multiple_of(modulus)
     }
 
     #[test]

@@ -14,11 +14,12 @@
 //!    outside one, a token made only of `}` and `]`;
 //! 4. a comma (it ends a number or a value; the grammar then forces the keys still required).
 //!
-//! When no class has an allowed token (a value must start: a digit, `"`, `[`), the walk takes the
-//! lowest allowed id, which in a byte-level vocabulary is a one-byte token. The grammar forces what must
-//! come in between (required keys, tag names). While wrapping up, the model keeps its choice among the
-//! tokens that do to the structure what the walk's token does ([`Tiers::wrap`]), so its answer is no
-//! longer than the walk.
+//! When no class has an allowed token, the walk takes, where the grammar forces text (a required key, a
+//! tag name), the longest allowed token of that text; else (a value must start: a digit, `"`, `[`; a
+//! number's next digit) the first of the [`LOOKAHEAD`] lowest allowed ids after which a closing token
+//! is allowed, else the lowest allowed id, which in a byte-level vocabulary is a one-byte token. While
+//! wrapping up, the model keeps its choice among the tokens that do to the structure what the walk's
+//! token does ([`Tiers::wrap`]), so its answer is no longer than the walk.
 
 use llguidance::Matcher;
 use toktrie::TokTrie;
@@ -88,7 +89,19 @@ pub(crate) struct Tiers {
     structural: Vec<u32>,
     /// A comma, perhaps with the layout's space.
     comma: Vec<u32>,
+    /// One-byte tokens that close something, by byte: `"`, `}`, `]`, `,` and a line break (what the
+    /// walk's lookahead tries after a candidate).
+    closers: Vec<(u8, u32)>,
+    eos_ids: Vec<u32>,
 }
+
+/// Most allowed tokens at which a choice is a fork in fixed text (a tag name, an enum value, a number's
+/// digits, text the grammar forces); past it the choice is free content, such as a string's text.
+pub(crate) const FEW_CHOICES: usize = 64;
+
+/// Allowed tokens, lowest ids first, that the walk tries for one that lets the answer close next, where
+/// no class has a token. Ten covers the digits, one of which always ends a number's step.
+const LOOKAHEAD: usize = 10;
 
 /// Bytes that can change what must follow: JSON's brackets, commas, colons and quotes, and the line
 /// breaks and `<` of tool-call tags (a line break after a call can start another call).
@@ -107,6 +120,19 @@ pub(crate) fn structure(lex: &Lex, w: &[u8]) -> Vec<u8> {
         }
     }
     out
+}
+
+/// The ids of the set bits of `words`, lowest first.
+pub(crate) fn ids(words: impl IntoIterator<Item = u32>) -> impl Iterator<Item = u32> {
+    words.into_iter().enumerate().flat_map(|(i, mut w)| {
+        std::iter::from_fn(move || {
+            (w != 0).then(|| {
+                let b = w.trailing_zeros();
+                w &= w - 1;
+                i as u32 * 32 + b
+            })
+        })
+    })
 }
 
 pub(crate) fn has(bits: &[u32], t: u32) -> bool {
@@ -139,21 +165,17 @@ impl Tiers {
             brace: set(&|w| !w.is_empty() && w.iter().all(|b| matches!(b, b'}' | b']'))),
             comma: set(&|w| w.first() == Some(&b',') && w[1..].iter().all(|b| *b == b' ')),
             structural: set(&|w| w.iter().any(|b| STRUCTURAL.contains(b))),
+            closers: b"\"}],\n"
+                .iter()
+                .filter_map(|&b| words.iter().position(|w| w.as_slice() == [b]).map(|t| (b, t as u32)))
+                .collect(),
+            eos_ids: eos.to_vec(),
         }
     }
 
-    /// The allowed tokens that have a structural byte.
-    pub(crate) fn structural<'a>(&'a self, allowed: &'a [u32]) -> impl Iterator<Item = u32> + 'a {
-        allowed.iter().zip(&self.structural).enumerate().flat_map(|(i, (a, s))| {
-            let mut w = a & s;
-            std::iter::from_fn(move || {
-                (w != 0).then(|| {
-                    let b = w.trailing_zeros();
-                    w &= w - 1;
-                    i as u32 * 32 + b
-                })
-            })
-        })
+    /// Whether token `t` has a structural byte.
+    pub(crate) fn is_structural(&self, t: u32) -> bool {
+        has(&self.structural, t)
     }
 
     /// The bytes of token `t` (empty for ids past the vocabulary).
@@ -180,8 +202,8 @@ impl Tiers {
     /// what the closing walk's own token does ([`structure`]), so the answer stays on the measured path:
     /// `",` or `"}` in place of `"` could open an optional property. Where no class has a token, the
     /// walk's own token only (a free choice there, `["` for `[` or one more digit, could lengthen it).
-    pub(crate) fn wrap(&self, allowed: &mut [u32], lex: &Lex) {
-        let Some((pick, classed)) = self.pick(allowed, lex) else { return };
+    pub(crate) fn wrap(&self, m: &mut Matcher, allowed: &mut [u32], lex: &Lex) {
+        let Some((pick, classed)) = self.pick(m, allowed, lex) else { return };
         if !classed {
             allowed.iter_mut().for_each(|w| *w = 0);
             allowed[pick as usize / 32] |= 1 << (pick % 32);
@@ -201,20 +223,31 @@ impl Tiers {
         }
     }
 
-    /// The closing walk's token, and whether a class had it: the lowest id of the best class, or of
-    /// all allowed tokens, skipping a token that came twice in a row already when there is another.
-    fn pick(&self, allowed: &mut [u32], lex: &Lex) -> Option<(u32, bool)> {
+    /// The closing walk's token, and whether a class had it: the lowest id of the best class; where no
+    /// class has a token, the first of the lowest [`LOOKAHEAD`] allowed ids after which a closing token
+    /// is allowed (a number under `multipleOf: 7` ends with the digit that makes a multiple, where the
+    /// lowest digit wrote `2001001…` forever), else the lowest, skipping a token that came twice in a
+    /// row already when there is another.
+    fn pick(&self, m: &mut Matcher, allowed: &mut [u32], lex: &Lex) -> Option<(u32, bool)> {
         let classed = self.narrow(allowed, lex);
-        let mut ids = allowed.iter().enumerate().flat_map(|(i, &w)| {
-            let mut bits = w;
-            std::iter::from_fn(move || {
-                (bits != 0).then(|| {
-                    let b = bits.trailing_zeros();
-                    bits &= bits - 1;
-                    i as u32 * 32 + b
-                })
-            })
-        });
+        if !classed {
+            // Text the grammar forces (a tag name, a key) is written in the longest allowed tokens that
+            // it starts with. Forced text allows few tokens (its prefixes); where many are allowed, none
+            // is forced.
+            if ids(allowed.iter().copied()).nth(FEW_CHOICES).is_none() {
+                let forced = m.compute_ff_bytes();
+                let longest = ids(allowed.iter().copied())
+                    .filter(|&t| !self.word(t).is_empty() && forced.starts_with(self.word(t)))
+                    .max_by_key(|&t| (self.word(t).len(), std::cmp::Reverse(t)));
+                if let Some(t) = longest {
+                    return Some((t, false));
+                }
+            }
+            if let Some(t) = ids(allowed.iter().copied()).take(LOOKAHEAD).find(|&t| self.closes_after(m, t, lex)) {
+                return Some((t, false));
+            }
+        }
+        let mut ids = ids(allowed.iter().copied());
         let first = ids.next()?;
         if lex.repeats >= 2 && lex.last == Some(first) {
             if let Some(other) = ids.next() {
@@ -222,6 +255,24 @@ impl Tiers {
             }
         }
         Some((first, classed))
+    }
+
+    /// Whether, after token `t`, the grammar allows a token that closes something from where the text
+    /// then stands (the end of the answer; a closing quote inside a string; else a bracket, a comma or
+    /// a line break). `m` is left as it was.
+    fn closes_after(&self, m: &mut Matcher, t: u32, lex: &Lex) -> bool {
+        let mut after = lex.clone();
+        after.feed(self.word(t));
+        let wanted: &[u8] = if after.in_string { b"\"" } else { b"}],\n" };
+        let closer = self.closers.iter().filter(|(b, _)| wanted.contains(b));
+        if closer.into_iter().any(|&(_, c)| m.validate_tokens(&[t, c]).is_ok_and(|n| n == 2)) {
+            return true;
+        }
+        if self.eos_ids.is_empty() || m.consume_token(t).is_err() {
+            return false;
+        }
+        let accepting = m.is_accepting().unwrap_or(false);
+        m.rollback(1).is_ok() && accepting
     }
 
     fn is_eos(&self, t: u32) -> bool {
@@ -257,7 +308,7 @@ pub(crate) fn distance_until(
         }
         let Ok(mask) = m.compute_mask_or_eos() else { break cap };
         let mut bits = mask.as_slice().to_vec();
-        let Some((t, _)) = tiers.pick(&mut bits, &lex) else { break cap };
+        let Some((t, _)) = tiers.pick(m, &mut bits, &lex) else { break cap };
         steps += 1;
         if tiers.is_eos(t) || m.is_stopped() {
             break steps;
