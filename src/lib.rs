@@ -2,6 +2,7 @@
 //! command line; this library builds the graph so integration tests start exactly what `osprey serve`
 //! starts.
 
+pub mod about;
 pub mod default_model;
 pub mod hub;
 pub mod settings;
@@ -368,6 +369,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         template_kwargs,
         limits,
         webui: !settings.no_webui.unwrap_or(false),
+        about: about::model_about(model_dir, &cfg.model_type, cfg.quantized),
     };
     let engine = Engine {
         tokenizer: tokenizer.sender(),

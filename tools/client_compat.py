@@ -1,5 +1,6 @@
 """Client compatibility suite: drives the libraries people reach a home server with (the official `openai`
-and `anthropic` SDKs and their helpers, LiteLLM, LangChain, instructor, pydantic-ai) against a running
+and `anthropic` SDKs and their helpers, LiteLLM, LangChain, instructor, pydantic-ai, and the official
+`ollama` client against the Ollama API) against a running
 `osprey serve` with the embedded default model, and reports each check as passed or failed with the
 reason. Run by hand (not part of `cargo test`, which needs no Python):
 
@@ -32,6 +33,7 @@ REQUIREMENTS = [
     "langchain-openai==1.4.3",
     "langchain-anthropic==1.7.10",
     "instructor==1.17.0",
+    "ollama==0.6.3",
     "jsonschema==4.26.0",
 ]
 PYDANTIC_AI_REQUIREMENTS = [
@@ -293,6 +295,73 @@ def main():
             out = client.chat.completions.create(model=model, response_model=Shape, max_tokens=64, max_retries=0,
                                                  messages=[{"role": "user", "content": "Describe a red circle."}])
             expect(isinstance(out, Shape), (mode, out))
+
+    # ---- ollama (the Ollama API: /api/chat, /api/generate, /api/tags, /api/show, /api/ps) ----
+    def ollama_client():
+        import ollama
+        return ollama, ollama.Client(host=base)
+
+    @check("ollama: list, show, ps and an unknown model")
+    def _():
+        ollama, c = ollama_client()
+        names = [m.model for m in c.list().models]
+        expect(names == [model + ":latest"], names)
+        info = c.show(model)
+        expect("completion" in info.capabilities and info.details.family, info)
+        expect([m.model for m in c.ps().models] == names, c.ps())
+        try:
+            c.chat(model="llama3.2", messages=[{"role": "user", "content": "hi"}])
+            raise AssertionError("an unknown model answered")
+        except ollama.ResponseError as e:
+            expect(e.status_code == 404 and "not found" in e.error, (e.status_code, e.error))
+
+    @check("ollama: chat with an image, whole and streamed")
+    def _():
+        _, c = ollama_client()
+        msgs = [{"role": "user", "content": "What is in the image?",
+                 "images": [os.path.join(MEDIA, "red_circle_img0.png")]}]
+        r = c.chat(model=model, messages=msgs, options={"temperature": 0, "num_predict": 16})
+        expect(r.message.content == "a red circle" and r.done and r.done_reason == "stop", r)
+        expect(r.eval_count > 0 and r.prompt_eval_count > 0 and r.total_duration > 0, r)
+        text, last = "", None
+        for chunk in c.chat(model=model, messages=msgs, stream=True, options={"temperature": 0, "num_predict": 16}):
+            text += chunk.message.content
+            last = chunk
+        expect(text == "a red circle" and last.done and last.eval_count == r.eval_count, (text, last))
+
+    @check("ollama: generate, with a system prompt and a length limit")
+    def _():
+        _, c = ollama_client()
+        r = c.generate(model=model, prompt="Describe a red circle.", options={"temperature": 0, "num_predict": 8})
+        expect(r.done_reason == "length" and r.eval_count == 8 and r.response, r)
+        r = c.generate(model=model, prompt="Describe a red circle.", system="Be brief.", options={"temperature": 0})
+        expect(r.done_reason == "stop" and r.response, r)
+
+    @check("ollama: structured output (format: a JSON Schema, and json)")
+    def _():
+        _, c = ollama_client()
+        r = c.chat(model=model, messages=[{"role": "user", "content": "Describe a red circle."}],
+                   format=Shape.model_json_schema(), options={"temperature": 0, "num_predict": 64})
+        Shape.model_validate_json(r.message.content)
+        r = c.chat(model=model, messages=[{"role": "user", "content": "Describe a red circle."}], format="json",
+                   options={"temperature": 0, "num_predict": 64})
+        expect(isinstance(json.loads(r.message.content), dict), r.message.content)
+
+    @check("ollama: tools reach the template, a call and its result round-trip")
+    def _():
+        ollama, c = ollama_client()
+        msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+        bare = c.chat(model=model, messages=msgs, options={"temperature": 0, "num_predict": 4})
+        r = c.chat(model=model, messages=msgs, tools=[weather_tool], options={"temperature": 0, "num_predict": 4})
+        expect(r.prompt_eval_count > bare.prompt_eval_count + 20, (bare.prompt_eval_count, r.prompt_eval_count))
+        # The Ollama API cannot force a call (no tool_choice) and the embedded model was not taught tools,
+        # so the call is the client's own Message type, as an agent loop sends it back with its result;
+        # forced calls in Ollama's shape are tested over HTTP in tests/apis.rs (osprey's tool_choice).
+        call = ollama.Message(role="assistant", content="", tool_calls=[ollama.Message.ToolCall(
+            function=ollama.Message.ToolCall.Function(name="get_weather", arguments={"city": "Paris"}))])
+        msgs += [call, {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"}]
+        r2 = c.chat(model=model, messages=msgs, tools=[weather_tool], options={"temperature": 0, "num_predict": 32})
+        expect(r2.done and r2.prompt_eval_count > r.prompt_eval_count, r2)
 
     # ---- pydantic-ai ----
     @check("pydantic-ai: an output type")

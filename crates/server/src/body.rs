@@ -21,6 +21,10 @@ pub struct BodyLimits {
     pub timeout: Duration,
     /// The shape the JSON may take.
     pub json: JsonLimits,
+    /// Any `Content-Type` is read as JSON when the request has no `Origin` (Ollama's API, whose own
+    /// examples are `curl -d`, which sends a form type): the JSON-only rule guards against a browser's
+    /// cross-origin form, and a browser always sends `Origin` with a POST.
+    pub any_type_without_origin: bool,
 }
 
 /// Bounds on a JSON body's shape, checked on its bytes before any tree is built: a parsed tree costs
@@ -50,7 +54,8 @@ impl JsonLimits {
 pub async fn read_json(req: &HttpRequest, mut payload: web::Payload, lim: BodyLimits) -> Result<Value, ApiError> {
     let ct = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     let essence = ct.split(';').next().unwrap_or("").trim();
-    if !essence.eq_ignore_ascii_case("application/json") {
+    let lenient = lim.any_type_without_origin && !req.headers().contains_key(header::ORIGIN);
+    if !essence.eq_ignore_ascii_case("application/json") && !lenient {
         // A browser can send text/plain or a form cross-origin without a preflight; JSON it cannot.
         return Err(ApiError::new(
             ErrorCode::UnsupportedMediaType,

@@ -44,6 +44,25 @@ impl Default for Limits {
     }
 }
 
+/// What the Ollama API's listings say about the served model (`/api/tags`, `/api/show`, `/api/ps`).
+#[derive(Clone, Debug, Default)]
+pub struct ModelAbout {
+    /// `model_type` of its config (`qwen3_5_moe`, ...).
+    pub family: String,
+    /// Parameters (an NVFP4 byte holds two).
+    pub parameters: u64,
+    /// Bytes of its weight files.
+    pub bytes: u64,
+    /// How its weights are stored: `BF16`, `F32`, `NVFP4`.
+    pub quantization: String,
+    /// Its chat template's text.
+    pub template: String,
+    /// When its config was last written (seconds since the epoch).
+    pub modified: u64,
+    /// A 64-hex-digit digest that names this checkpoint (Ollama lists a blob's sha256 there).
+    pub digest: String,
+}
+
 /// Everything the HTTP layer needs to know.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -87,6 +106,8 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// Serve the web page (`/`, `/dashboard`); `--no-webui` turns it off.
     pub webui: bool,
+    /// The model as the Ollama API describes it.
+    pub about: ModelAbout,
 }
 
 impl ServerConfig {
@@ -112,6 +133,7 @@ impl ServerConfig {
             template_kwargs: None,
             limits: Limits::default(),
             webui: true,
+            about: ModelAbout::default(),
         }
     }
 

@@ -29,6 +29,8 @@ pub struct Usage {
     pub cached: usize,
     /// Generated tokens.
     pub completion: usize,
+    /// When the first token came (Ollama's prompt and answer durations split there).
+    pub first_token_at: Option<Instant>,
 }
 
 impl Usage {
@@ -270,7 +272,10 @@ impl Generation {
                 EngineEvent::Token { token, logprobs } => {
                     let now = Instant::now();
                     match self.last_token {
-                        None => self.state.metrics.observe_ttft((now - self.started).as_secs_f64()),
+                        None => {
+                            self.state.metrics.observe_ttft((now - self.started).as_secs_f64());
+                            self.usage.first_token_at = Some(now);
+                        }
                         Some(t) => self.state.metrics.itl.observe((now - t).as_secs_f64()),
                     }
                     self.last_token = Some(now);
@@ -306,7 +311,12 @@ impl Generation {
                     return Some(Ok(Piece::Delta { reasoning, content, logprobs }));
                 }
                 EngineEvent::Finished { reason, prompt_tokens, cached_tokens, completion_tokens } => {
-                    self.usage = Usage { prompt: prompt_tokens, cached: cached_tokens, completion: completion_tokens };
+                    self.usage = Usage {
+                        prompt: prompt_tokens,
+                        cached: cached_tokens,
+                        completion: completion_tokens,
+                        first_token_at: self.usage.first_token_at,
+                    };
                     self.done = true;
                     let finish = match reason {
                         FinishReason::Stop => Finish::Stop,

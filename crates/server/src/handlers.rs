@@ -361,6 +361,19 @@ pub(crate) async fn read_body(
     crate::body::read_json(req, payload, state.body_limits(endpoint)).await
 }
 
+/// An Ollama request's JSON body: as [`read_body`], but of any `Content-Type` when no browser sent it
+/// (`body::BodyLimits::any_type_without_origin`).
+pub(crate) async fn read_ollama_body(
+    state: &AppState,
+    req: &HttpRequest,
+    payload: web::Payload,
+) -> Result<Value, ApiError> {
+    check_key(state, req)?;
+    check_serving(state)?;
+    let lim = crate::body::BodyLimits { any_type_without_origin: true, ..state.body_limits(Endpoint::Chat) };
+    crate::body::read_json(req, payload, lim).await
+}
+
 /// A chat completions body (sent by a client, or built by the Responses or Messages front end)
 /// validated off the async threads: the template-ready prompt and the generation settings.
 pub(crate) async fn validate_chat(state: &Arc<AppState>, body: &Value) -> Result<(ChatPrompt, GenParams), ApiError> {
@@ -429,17 +442,27 @@ pub async fn completions(
     let ctx = RequestCtx::new(&state);
     let r = async {
         let body = read_body(&state, &req, payload, Endpoint::Completions).await?;
-        let parsed: CompletionRequest = parse(&body)?;
-        let (prompt, gen): (CompletionPrompt, GenParams) = validate::completion(&parsed, &state.cfg)?;
-        let span = ctx.span.clone();
-        let deadline = gen.deadline.map(|d| ctx.started + d);
-        let prepared =
-            within(deadline, prepare(&state, |reply| TokenizerCommand::PrepareCompletion { prompt, span, reply }))
-                .await?;
+        let (prepared, gen) = prepare_completion(&state, &body, &ctx).await?;
         respond(state.clone(), Kind::Completion, prepared, gen, &ctx).await
     }
     .await;
     counted(&state, r)
+}
+
+/// A completions body validated and tokenized (no template): `/v1/completions` and a raw Ollama
+/// `/api/generate`.
+pub(crate) async fn prepare_completion(
+    state: &Arc<AppState>,
+    body: &Value,
+    ctx: &RequestCtx,
+) -> Result<(PreparedPrompt, GenParams), ApiError> {
+    let parsed: CompletionRequest = parse(body)?;
+    let (prompt, gen): (CompletionPrompt, GenParams) = validate::completion(&parsed, &state.cfg)?;
+    let span = ctx.span.clone();
+    let deadline = gen.deadline.map(|d| ctx.started + d);
+    let prepared =
+        within(deadline, prepare(state, |reply| TokenizerCommand::PrepareCompletion { prompt, span, reply })).await?;
+    Ok((prepared, gen))
 }
 
 /// An endpoint that takes a generation request.
@@ -488,7 +511,7 @@ fn model_object(state: &AppState) -> Value {
     if state.cfg.vision {
         caps.extend(["vision", "video"]);
     }
-    let created_at = chrono_rfc3339(state.created);
+    let created_at = rfc3339(state.created);
     json!({
         "id": state.cfg.model_id, "object": "model", "created": state.created, "owned_by": "osprey",
         "type": "model", "display_name": state.cfg.model_id, "created_at": created_at,
@@ -496,8 +519,8 @@ fn model_object(state: &AppState) -> Value {
     })
 }
 
-/// `secs` since the epoch as RFC 3339 UTC (`1970-01-01T00:00:00Z`), for Anthropic's `created_at`.
-fn chrono_rfc3339(secs: u64) -> String {
+/// `secs` since the epoch as RFC 3339 UTC (`1970-01-01T00:00:00Z`), for Anthropic's and Ollama's times.
+pub(crate) fn rfc3339(secs: u64) -> String {
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
@@ -622,8 +645,8 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
 mod tests {
     #[test]
     fn rfc3339_dates() {
-        assert_eq!(super::chrono_rfc3339(0), "1970-01-01T00:00:00Z");
-        assert_eq!(super::chrono_rfc3339(951_782_400), "2000-02-29T00:00:00Z");
-        assert_eq!(super::chrono_rfc3339(1_796_396_796), "2026-12-04T15:06:36Z");
+        assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(super::rfc3339(1_796_396_796), "2026-12-04T15:06:36Z");
     }
 }

@@ -18,6 +18,7 @@ mod handlers;
 mod liveness;
 mod messages;
 mod metrics;
+mod ollama;
 mod peer;
 mod responses;
 mod store;
@@ -40,7 +41,7 @@ use osprey_protocol::ErrorCode;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::watch;
 
-pub use config::{Limits, ServerConfig};
+pub use config::{Limits, ModelAbout, ServerConfig};
 pub use error::ApiError;
 pub use handlers::{check_body, Endpoint};
 pub use metrics::Metrics;
@@ -148,6 +149,7 @@ impl AppState {
             max_bytes,
             timeout: std::time::Duration::from_secs_f64(self.cfg.body_timeout_secs.max(0.001)),
             json: body::JsonLimits::for_context(self.cfg.context_len),
+            any_type_without_origin: false,
         }
     }
 }
@@ -228,6 +230,12 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
             )
             .service(post("/v1/messages").route(web::post().to(messages::create)))
             .service(post("/v1/messages/count_tokens").route(web::post().to(messages::count_tokens)))
+            .service(post("/api/chat").route(web::post().to(ollama::chat)))
+            .service(post("/api/generate").route(web::post().to(ollama::generate)))
+            .service(post("/api/show").route(web::post().to(ollama::show)))
+            .service(get("/api/tags").route(web::get().to(ollama::tags)))
+            .service(get("/api/ps").route(web::get().to(ollama::ps)))
+            .service(get("/api/version").route(web::get().to(ollama::version)))
             .service(get("/v1/models").route(web::get().to(handlers::models)))
             .service(get("/v1/models/{id}").route(web::get().to(handlers::model)))
             .service(get("/health").route(web::get().to(handlers::health)))

@@ -54,6 +54,8 @@ pub struct Metrics {
     pub responses_requests: AtomicU64,
     /// Anthropic Messages requests (count_tokens included).
     pub messages_requests: AtomicU64,
+    /// `/api/chat` and `/api/generate` requests (the Ollama API).
+    pub ollama_requests: AtomicU64,
     /// Requests answered with an error.
     pub failed_requests: AtomicU64,
     /// Time to first token.
@@ -77,6 +79,7 @@ impl Default for Metrics {
             completion_requests: AtomicU64::new(0),
             responses_requests: AtomicU64::new(0),
             messages_requests: AtomicU64::new(0),
+            ollama_requests: AtomicU64::new(0),
             failed_requests: AtomicU64::new(0),
             ttft: Histogram::default(),
             itl: Histogram::default(),
@@ -119,6 +122,7 @@ impl Metrics {
         out.push_str(&format!("osprey_requests_total{{endpoint=\"completions\"}} {}\n", ld(&self.completion_requests)));
         out.push_str(&format!("osprey_requests_total{{endpoint=\"responses\"}} {}\n", ld(&self.responses_requests)));
         out.push_str(&format!("osprey_requests_total{{endpoint=\"messages\"}} {}\n", ld(&self.messages_requests)));
+        out.push_str(&format!("osprey_requests_total{{endpoint=\"ollama\"}} {}\n", ld(&self.ollama_requests)));
         gauge(
             &mut out,
             "osprey_requests_failed_total",

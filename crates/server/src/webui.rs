@@ -86,8 +86,11 @@ pub async fn stats(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpR
         })
     });
     let extra = state.engine.extra_metrics.as_ref().map(|h| (h.json)()).unwrap_or(Value::Null);
-    let requests =
-        ld(&m.chat_requests) + ld(&m.completion_requests) + ld(&m.responses_requests) + ld(&m.messages_requests);
+    let requests = ld(&m.chat_requests)
+        + ld(&m.completion_requests)
+        + ld(&m.responses_requests)
+        + ld(&m.messages_requests)
+        + ld(&m.ollama_requests);
     let now =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
     Ok(HttpResponse::Ok().json(json!({
