@@ -35,10 +35,32 @@ pub fn cache_dir() -> Option<PathBuf> {
         .or_else(|| var("HOME").map(|h| h.join(".cache/huggingface/hub")))
 }
 
-/// The model directory `spec` names: a directory that exists, or a Hugging Face id found in the cache.
+fn offline() -> bool {
+    std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "yes" | "on"))
+}
+
+/// The model directory `spec` names: a directory that exists, or a Hugging Face id found in the cache,
+/// else downloaded into it ([`crate::pull`]) unless `HF_HUB_OFFLINE` is set.
 pub fn resolve(spec: &Path) -> Result<PathBuf> {
-    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "yes" | "on"));
-    resolve_in(spec, cache_dir().as_deref(), offline)
+    let offline = offline();
+    let found = resolve_in(spec, cache_dir().as_deref(), offline);
+    match (&found, spec.to_str().and_then(parse_id)) {
+        (Err(_), Some((org, name, rev))) if !offline && !spec.exists() => {
+            crate::pull::pull(&crate::pull::Hub::from_env()?, &format!("{org}/{name}"), rev.unwrap_or("main"))
+        }
+        _ => found,
+    }
+}
+
+/// `osprey pull ID`: the snapshot of `id` (`org/name[@revision]`), downloaded unless the cache has it.
+pub fn pull_id(id: &str) -> Result<PathBuf> {
+    let Some((org, name, rev)) = parse_id(id) else {
+        bail!("{id} is not a Hugging Face id (org/name, optionally @revision)");
+    };
+    if offline() {
+        return resolve_in(Path::new(id), cache_dir().as_deref(), true);
+    }
+    crate::pull::pull(&crate::pull::Hub::from_env()?, &format!("{org}/{name}"), rev.unwrap_or("main"))
 }
 
 /// [`resolve`] with the cache and the offline switch given (tests).
@@ -73,11 +95,7 @@ fn missing(org: &str, name: &str, rev: &str, repo: &Path, offline: bool) -> anyh
     if offline {
         anyhow::anyhow!("{id} is not in the Hugging Face cache ({}) and HF_HUB_OFFLINE is set", repo.display())
     } else {
-        anyhow::anyhow!(
-            "{id} is not in the Hugging Face cache ({}); osprey does not download yet: \
-             `huggingface-cli download {org}/{name} --revision {rev}` puts it there",
-            repo.display()
-        )
+        anyhow::anyhow!("{id} is not in the Hugging Face cache ({}); `osprey pull {id}` downloads it", repo.display())
     }
 }
 
@@ -124,7 +142,7 @@ mod tests {
         let e = resolve_in(Path::new("Org/tiny-model@dev"), Some(&cache), true).expect_err("no such ref");
         assert!(e.to_string().contains("HF_HUB_OFFLINE"), "{e}");
         let e = resolve_in(Path::new("Other/model"), Some(&cache), false).expect_err("not cached");
-        assert!(e.to_string().contains("huggingface-cli download Other/model"), "{e}");
+        assert!(e.to_string().contains("osprey pull Other/model"), "{e}");
         // A snapshot without config.json (an interrupted download) is not a model.
         let bare = cache_with("bare", &[("tokenizer.json", b"{}")], COMMIT, &["main"]);
         assert!(resolve_in(Path::new("Org/tiny-model"), Some(&bare), false).is_err());

@@ -5,6 +5,7 @@
 pub mod about;
 pub mod default_model;
 pub mod hub;
+pub mod pull;
 pub mod settings;
 
 use std::path::{Path, PathBuf};

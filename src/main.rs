@@ -244,6 +244,12 @@ enum Command {
         #[arg(long)]
         lm_head: bool,
     },
+    /// Download a model by Hugging Face id (`org/name[@revision]`) into the Hugging Face cache without
+    /// serving it: only the files a model needs, resumable; `HF_TOKEN` for gated repositories.
+    Pull {
+        /// The model's id.
+        id: String,
+    },
     /// Measure the runtime.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -448,6 +454,11 @@ fn main() -> Result<()> {
             let mut progress = osprey::Progress::new("quantizing");
             osprey_models::quantize_dir(&osprey::hub::resolve(&model)?, &out, opts, &mut |d, n| progress.update(d, n))?;
             tracing::info!(out = %out.display(), "wrote the NVFP4 checkpoint");
+            Ok(())
+        }
+        Command::Pull { id } => {
+            let dir = osprey::hub::pull_id(&id)?;
+            println!("{}", dir.display());
             Ok(())
         }
         Command::Run(mut a) => {
