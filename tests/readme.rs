@@ -1,9 +1,9 @@
-//! The README's requests and answers, checked against the binary (issue 37: the README had drifted from
-//! what the retrained default model says). Every `sh` block of README.md that sends a `curl` request is
-//! sent, as written (its `$IMG` is the file its `IMG=$(base64 -w0 FILE)` line names), to the embedded
-//! model served with `osprey serve`'s defaults, and the `json` block after it is the answer: the chat
-//! message (`choices[0].message`) or the Messages content. Greedy decoding is deterministic, so the
-//! comparison is exact.
+//! The README's and docs/api.md's requests and answers, checked against the binary (issue 37: the README
+//! had drifted from what the retrained default model says). Every `sh` block of either that sends a
+//! `curl` request is sent, as written (its `$IMG` is the file its `IMG=$(base64 -w0 FILE)` line names), to
+//! the embedded model served with `osprey serve`'s defaults, and the `json` block after it is the answer:
+//! the chat message (`choices[0].message`), the Messages content, or the Ollama message or response.
+//! Greedy decoding is deterministic, so the comparison is exact.
 
 mod harness;
 
@@ -69,17 +69,26 @@ fn examples(readme: &str) -> Vec<Example> {
 }
 
 #[test]
-fn every_request_in_the_readme_gets_the_answer_the_readme_shows() {
-    let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
-    let examples = examples(&readme);
-    assert!(examples.len() >= 3, "the README's examples were not found ({} of at least 3)", examples.len());
+fn every_request_in_the_readme_and_the_api_doc_gets_the_answer_they_show() {
     // `osprey serve` with no flags: the embedded model, the default settings.
     let dir = osprey::model_dir(&Settings::default()).expect("the embedded model");
     let addr = harness::start(Settings::default(), dir);
-    for e in examples {
-        let (status, v) = harness::post(addr, &e.path, &e.body.to_string(), None);
-        assert_eq!(status, 200, "{}: {v}", e.path);
-        let got = if e.path == "/v1/messages" { &v["content"] } else { &v["choices"][0]["message"] };
-        assert_eq!(got, &e.answer, "{}: README.md shows {}, the binary answers {got}", e.path, e.answer);
+    for (doc, least) in [("README.md", 3), ("docs/api.md", 2)] {
+        let text = std::fs::read_to_string(root().join(doc)).expect(doc);
+        let examples = examples(&text);
+        assert!(examples.len() >= least, "{doc}'s examples were not found ({} of at least {least})", examples.len());
+        for e in examples {
+            let (status, v) = harness::post(addr, &e.path, &e.body.to_string(), None);
+            assert_eq!(status, 200, "{doc} {}: {v}", e.path);
+            // The part of the answer a document shows: the message, the Messages content, the Ollama message
+            // or response (its timings change from run to run).
+            let got = match e.path.as_str() {
+                "/v1/messages" => &v["content"],
+                "/api/chat" => &v["message"],
+                "/api/generate" => &v["response"],
+                _ => &v["choices"][0]["message"],
+            };
+            assert_eq!(got, &e.answer, "{doc} {}: the document shows {}, the binary answers {got}", e.path, e.answer);
+        }
     }
 }
