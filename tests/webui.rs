@@ -224,8 +224,133 @@ fn the_page_is_small_self_contained_and_can_be_turned_off() {
             "{path} loads from elsewhere"
         );
     }
+    // `HEAD /` is answered, and the icon a browser asks for exists (it was the page's one console error).
+    assert_eq!(ureq::head(&format!("http://{addr}/")).call().expect("HEAD /").status(), 200);
+    let icon = ureq::get(&format!("http://{addr}/favicon.ico")).call().expect("favicon");
+    assert_eq!(icon.header("content-type"), Some("image/svg+xml"));
     let off = server(Settings { no_webui: Some(true), ..Settings::default() });
     assert_eq!(harness::get(off, "/").0, 404);
     assert_eq!(harness::get(off, "/dashboard").0, 404);
     assert_eq!(harness::get(off, "/health").0, 200);
+}
+
+/// Issue 37, item 4, on a phone (390×844): the conversations and settings slide over from a menu button,
+/// Send is on the screen, a long word wraps; a stream paints only its own conversation (switching chats
+/// mid-answer once painted B's text into A); invalid "More request fields" keep the typed text and the
+/// attachment and save nothing; line breaks stay; an edit can be cancelled; the Markdown an answer can
+/// hold renders; the box has the focus and Attach is a button; a stopped answer has its numbers too.
+#[test]
+fn the_chat_on_a_phone_keeps_what_the_user_typed_and_each_stream_in_its_chat() {
+    use headless_chrome::protocol::cdp::Emulation::SetDeviceMetricsOverride;
+    let addr = server(Settings::default());
+    let b = browser();
+    let tab = b.new_tab().expect("tab");
+    tab.call_method(SetDeviceMetricsOverride {
+        width: 390,
+        height: 844,
+        device_scale_factor: 3.0,
+        mobile: true,
+        scale: None,
+        screen_width: None,
+        screen_height: None,
+        position_x: None,
+        position_y: None,
+        dont_set_visible_size: None,
+        screen_orientation: None,
+        viewport: None,
+        display_feature: None,
+        device_posture: None,
+    })
+    .expect("a phone's screen");
+    tab.navigate_to(&format!("http://{addr}/")).expect("open the chat").wait_until_navigated().expect("loaded");
+    wait_until(&tab, "the model name", "document.getElementById('model').textContent === 'osprey-default'");
+    assert_eq!(js(&tab, "document.activeElement.id"), "input", "the message box has the focus");
+    assert_eq!(js(&tab, "document.getElementById('attach').tagName"), "BUTTON", "Attach is reachable by keyboard");
+    assert!(
+        js(&tab, "document.querySelector('.empty').innerText").contains("images"),
+        "the empty chat says what the model reads"
+    );
+
+    // 1. The layout: the side panel is off-screen until the menu opens it; Send fits.
+    let rect =
+        |sel: &str| js(&tab, &format!("JSON.stringify(document.querySelector('{sel}').getBoundingClientRect())"));
+    let right = |sel: &str| {
+        serde_json::from_str::<serde_json::Value>(&rect(sel)).expect("rect")["right"].as_f64().expect("right")
+    };
+    assert_eq!(js(&tab, "getComputedStyle(document.getElementById('side')).display"), "none");
+    assert!(right("#send") <= 390.0 && right("#send") > 300.0, "Send at {}", rect("#send"));
+    assert!(right("main") >= 389.0, "the chat takes the width: {}", rect("main"));
+    tab.wait_for_element("#menu").expect("menu").click().expect("open the menu");
+    assert_eq!(js(&tab, "getComputedStyle(document.getElementById('side')).display"), "flex");
+    tab.wait_for_element("#menu").expect("menu").click().expect("close the menu");
+
+    // 2. Line breaks stay, a long word wraps inside the page, and the answer's numbers.
+    js(&tab, "document.getElementById('temperature').value = '0'; document.getElementById('input').value = 'line one\\nline two ' + 'x'.repeat(300); document.getElementById('composer').requestSubmit()");
+    wait_until(&tab, "the answer", "document.querySelector('.msg.assistant .stats')");
+    assert_eq!(js(&tab, "document.querySelector('.msg.user .content').innerText.split('\\n').length"), "2");
+    assert!(
+        js(&tab, "document.documentElement.scrollWidth").parse::<f64>().expect("width") <= 390.0,
+        "nothing runs off-screen"
+    );
+
+    // 3. Invalid extra fields: nothing is sent or saved; the text and the attachment stay.
+    let saved = || js(&tab, "JSON.parse(localStorage.getItem('osprey.conversations'))[0].messages.length");
+    let before = saved();
+    js(&tab, "document.getElementById('extra').value = '{\"top_k\": 2'");
+    let file = tab.wait_for_element("#file").expect("file input");
+    file.set_input_files(&[media("red_circle_img0.png").to_str().expect("path")]).expect("pick the image");
+    wait_until(&tab, "the attachment chip", "document.querySelector('#attachments .chip')");
+    js(&tab, "document.getElementById('input').value = 'keep me'; document.getElementById('composer').requestSubmit()");
+    wait_until(&tab, "the notice", "!document.getElementById('notice').hidden");
+    assert!(js(&tab, "document.getElementById('notice').innerText").contains("More request fields"));
+    assert_eq!(js(&tab, "document.getElementById('input').value"), "keep me");
+    assert_eq!(js(&tab, "document.querySelectorAll('#attachments .chip').length"), "1");
+    assert_eq!(saved(), before, "nothing saved");
+    js(&tab, "document.getElementById('extra').value = ''; document.getElementById('input').value = ''");
+    js(&tab, "document.querySelector('#attachments .chip .del').click()");
+
+    // 4. Edit, then cancel: the conversation is as it was.
+    let count = js(&tab, "document.querySelectorAll('.msg').length");
+    js(&tab, "document.querySelector('.msg.user .edit').click()");
+    let editing = js(&tab, "document.getElementById('input').value");
+    assert!(editing.starts_with("line one\nline two"), "{editing:?}");
+    js(&tab, "document.getElementById('cancel-edit').click()");
+    assert_eq!(js(&tab, "document.querySelectorAll('.msg').length"), count);
+    assert_eq!(js(&tab, "document.getElementById('input').value"), "");
+
+    // 5. A long answer in chat A; chat B opened mid-stream stays empty; back in A the answer goes on; stopped.
+    js(&tab, "document.getElementById('max_tokens').value = '2000'; document.getElementById('extra').value = '{\"ignore_eos\": true}'");
+    js(&tab, "document.getElementById('input').value = 'Tell me a long story.'; document.getElementById('composer').requestSubmit()");
+    wait_until(
+        &tab,
+        "the answer to stream",
+        "[...document.querySelectorAll('.msg.assistant .content')].pop().innerText.length > 20",
+    );
+    let chat_a = js(&tab, "document.querySelector('#conversations li.current a').innerText");
+    js(&tab, "document.getElementById('new-chat').click()");
+    let painted = js(&tab, "new Promise(ok => setTimeout(() => ok(document.querySelectorAll('.msg').length), 400))");
+    assert_eq!(painted, "0", "chat B shows nothing of A's stream");
+    js(
+        &tab,
+        &format!("[...document.querySelectorAll('#conversations li a')].find(a => a.innerText === {chat_a:?}).click()"),
+    );
+    let len = js(&tab, "[...document.querySelectorAll('.msg.assistant .content')].pop().innerText.length")
+        .parse::<usize>()
+        .expect("length");
+    wait_until(
+        &tab,
+        "A's answer to go on",
+        &format!("[...document.querySelectorAll('.msg.assistant .content')].pop().innerText.length > {len}"),
+    );
+    js(&tab, "document.getElementById('stop').click()");
+    wait_until(
+        &tab,
+        "the stopped answer's numbers",
+        "[...document.querySelectorAll('.msg.assistant .stats')].pop()?.innerText.startsWith('stopped after')",
+    );
+
+    // 6. The Markdown an answer may hold.
+    let md = "| a | b |\\n|---|---|\\n| 1 | 2 |\\n\\n> quoted\\n\\n3. three\\n   - nested\\n4. four\\n\\nsee https://example.com/x.\\n\\n```\\ncode\\n```";
+    let shape = js(&tab, &format!("(() => {{ const d = document.createElement('div'); renderMarkdown(\"{md}\", d); return [d.querySelectorAll('table td').length, d.querySelector('blockquote').innerText, d.querySelector('ol').start, d.querySelectorAll('ol > li > ul > li').length, d.querySelector('a').href, d.querySelector('pre button.copy') !== null].join(' '); }})()"));
+    assert_eq!(shape, "2 quoted 3 1 https://example.com/x true");
 }

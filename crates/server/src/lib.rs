@@ -243,7 +243,8 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
             .service(get("/v1/engine/stats").route(web::get().to(webui::stats)))
             .configure(|c| {
                 if webui_on {
-                    c.service(get("/").route(web::get().to(webui::chat)))
+                    c.service(get("/").route(web::get().to(webui::chat)).route(web::head().to(webui::chat)))
+                        .service(get("/favicon.ico").route(web::get().to(webui::favicon)))
                         .service(get("/dashboard").route(web::get().to(webui::dashboard)))
                         .service(get("/webui/{file}").route(web::get().to(webui::asset)));
                 }

@@ -23,6 +23,7 @@ const ASSETS: &[(&str, &str, &str)] = &[
     ("markdown.js", "text/javascript; charset=utf-8", include_str!("../webui/markdown.js")),
     ("chat.js", "text/javascript; charset=utf-8", include_str!("../webui/chat.js")),
     ("dashboard.js", "text/javascript; charset=utf-8", include_str!("../webui/dashboard.js")),
+    ("favicon.svg", "image/svg+xml", include_str!("../webui/favicon.svg")),
 ];
 
 fn serve(name: &str) -> HttpResponse {
@@ -41,6 +42,11 @@ fn serve(name: &str) -> HttpResponse {
 /// `GET /`: the chat.
 pub async fn chat() -> HttpResponse {
     serve("index.html")
+}
+
+/// `GET /favicon.ico`, which browsers ask for whatever the page links: the page's icon.
+pub async fn favicon() -> HttpResponse {
+    serve("favicon.svg")
 }
 
 /// `GET /dashboard`: the engine view.

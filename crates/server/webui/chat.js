@@ -11,6 +11,8 @@ let conversations = load(STORE, []);
 let current = conversations[0] ? conversations[0].id : null;
 let attachments = []; // [{kind: "image"|"video", urls: [data URLs], name}]
 let running = null; // AbortController of the answer being streamed
+let editing = null; // {cid, i}: the user message being edited (replaced when the edit is sent)
+let capabilities = []; // from /v1/models: what the empty chat says the model can do
 
 function load(key, fallback) {
   try {
@@ -53,15 +55,32 @@ const settingIds = ["system", "temperature", "top_p", "max_tokens", "thinking", 
 function loadSettings() {
   const s = load(SETTINGS, {});
   for (const id of settingIds) {
-    if (s[id] === undefined) continue;
-    if ($(id).type === "checkbox") $(id).checked = s[id];
-    else $(id).value = s[id];
+    if (typeof s[id] === "string") $(id).value = s[id];
   }
 }
 function saveSettings() {
   const s = {};
-  for (const id of settingIds) s[id] = $(id).type === "checkbox" ? $(id).checked : $(id).value;
+  for (const id of settingIds) s[id] = $(id).value;
   localStorage.setItem(SETTINGS, JSON.stringify(s));
+}
+
+// "More request fields": the JSON object the request is merged with, or an error (nothing is sent then,
+// and the typed message and its attachments stay).
+function extraFields() {
+  const text = $("extra").value.trim();
+  if (!text) return { fields: {} };
+  try {
+    const v = JSON.parse(text);
+    if (v === null || typeof v !== "object" || Array.isArray(v)) return { error: "More request fields: not a JSON object" };
+    return { fields: v };
+  } catch (e) {
+    return { error: `More request fields: ${e.message}` };
+  }
+}
+
+function notice(text) {
+  $("notice").textContent = text || "";
+  $("notice").hidden = !text;
 }
 
 // ---- rendering ----
@@ -74,6 +93,7 @@ function render() {
     open.onclick = (e) => {
       e.preventDefault();
       current = c.id;
+      toggleSide(false);
       render();
     };
     const del = el("button", { class: "del", title: "Delete", text: "×" });
@@ -89,9 +109,25 @@ function render() {
   const box = $("messages");
   box.textContent = "";
   const c = conv();
-  if (!c) return;
+  if (!c || !c.messages.length) {
+    box.append(el("div", { class: "empty", text: emptyText() }));
+    return;
+  }
   c.messages.forEach((m, i) => box.append(messageView(m, i, c)));
   box.scrollTop = box.scrollHeight;
+}
+
+// What an empty chat says: what this model takes, and how to give it.
+function emptyText() {
+  const media = [["vision", "images"], ["video", "videos"]].filter(([k]) => capabilities.includes(k)).map(([, v]) => v);
+  const takes = media.length ? `text, ${media.join(" and ")}` : "text";
+  const how = media.length ? " Attach, paste or drop a picture and ask what it shows." : "";
+  return `${$("model").textContent || "The model"} reads ${takes}.${how} Settings (☰ on a phone) set the system prompt and sampling; answers stream here and stay in this browser.`;
+}
+
+function toggleSide(open) {
+  $("side").classList.toggle("open", open);
+  $("menu").setAttribute("aria-expanded", String(open));
 }
 
 function messageView(m, i, c) {
@@ -103,15 +139,18 @@ function messageView(m, i, c) {
       else media.append(el("span", { class: "dropped", text: `[${a.kind} ${a.name}]` }));
     }
     div.append(media, el("div", { class: "content", text: m.content }));
+    if (editing && editing.cid === c.id && editing.i === i) div.classList.add("editing");
     const edit = el("button", { class: "small edit", text: "Edit" });
+    // The message and what follows it are replaced only when the edit is sent; Cancel edit keeps them.
     edit.onclick = () => {
       if (running) return;
+      editing = { cid: c.id, i };
       $("input").value = m.content;
       attachments = (m.media || []).filter((a) => a.urls.length);
-      c.messages = c.messages.slice(0, i);
-      save();
+      $("cancel-edit").hidden = false;
       render();
       showAttachments();
+      $("input").focus();
     };
     div.append(edit);
     return div;
@@ -131,9 +170,11 @@ function messageView(m, i, c) {
   if (i === c.messages.length - 1 && !running) {
     const again = el("button", { class: "small regenerate", text: "Regenerate" });
     again.onclick = () => {
+      const extra = extraFields();
+      if (extra.error) return notice(extra.error);
       c.messages.pop();
       save();
-      send(null);
+      send(null, extra.fields);
     };
     div.append(again);
   }
@@ -199,7 +240,7 @@ async function addFiles(files) {
       if (f.type.startsWith("video/")) attachments.push({ kind: "video", name: f.name, urls: await videoFrames(f) });
       else if (f.type.startsWith("image/")) images.push({ kind: "image", name: f.name, urls: [await readDataUrl(f)] });
     } catch (e) {
-      alert(`${f.name}: ${e.message}`);
+      notice(`${f.name}: ${e.message}`);
     }
   }
   if ($("as-video").checked && images.length > 1) {
@@ -231,47 +272,51 @@ function apiMessages(c) {
   return out;
 }
 
-async function send(text) {
+function cancelEdit() {
+  editing = null;
+  $("cancel-edit").hidden = true;
+  $("input").value = "";
+  attachments = [];
+  showAttachments();
+  render();
+}
+
+async function send(text, extra) {
   if (running) return;
+  notice("");
   if (!conv()) newConversation();
   const c = conv();
   if (text !== null) {
+    if (editing && editing.cid === c.id) c.messages = c.messages.slice(0, editing.i);
+    editing = null;
+    $("cancel-edit").hidden = true;
     c.messages.push({ role: "user", content: text, media: attachments });
     if (c.title === "New chat") c.title = text.slice(0, 40) || "Media";
     attachments = [];
     showAttachments();
   }
   const answer = { role: "assistant", content: "", reasoning: "", tool_calls: [] };
-  const body = {
-    messages: apiMessages(c),
-    stream: true,
-    stream_options: { include_usage: true },
-    temperature: Number($("temperature").value),
-    top_p: Number($("top_p").value),
-    max_tokens: Number($("max_tokens").value),
-    chat_template_kwargs: { enable_thinking: $("thinking").checked },
-  };
+  // A setting left empty is not sent: the API's own default applies (temperature 1, top-p 1, as many
+  // tokens as the context and the KV pool leave, the template's thinking default).
+  const body = { messages: apiMessages(c), stream: true, stream_options: { include_usage: true } };
+  for (const k of ["temperature", "top_p", "max_tokens"]) if ($(k).value !== "") body[k] = Number($(k).value);
+  if ($("thinking").value) body.chat_template_kwargs = { enable_thinking: $("thinking").value === "on" };
   // Fields the settings do not have (top_k, seed, ignore_eos, ...), as the API takes them.
-  const extra = $("extra").value.trim();
-  if (extra) {
-    try {
-      Object.assign(body, JSON.parse(extra));
-    } catch (e) {
-      alert(`More request fields: ${e.message}`);
-      return;
-    }
-  }
+  Object.assign(body, extra || {});
   c.messages.push(answer);
   save();
   running = new AbortController();
   $("stop").hidden = false;
   $("send").disabled = true;
   render();
-  const view = () => $("messages").lastElementChild;
+  // The answer is painted only while its conversation is shown; switching away and back shows where
+  // it stands (the message object is the one being filled).
+  const view = () => (current === c.id ? $("messages").lastElementChild : null);
   const t0 = performance.now();
   let first = null;
   let usage = null;
   let finish = null;
+  let chunks = 0;
   try {
     const r = await api("/v1/chat/completions", {
       method: "POST",
@@ -298,7 +343,10 @@ async function send(text) {
         const ch = ev.choices && ev.choices[0];
         if (!ch) continue;
         const d = ch.delta || {};
-        if ((d.content || d.reasoning_content || d.tool_calls) && first === null) first = performance.now();
+        if (d.content || d.reasoning_content || d.tool_calls) {
+          if (first === null) first = performance.now();
+          chunks++;
+        }
         if (d.content) answer.content += d.content;
         if (d.reasoning_content) answer.reasoning += d.reasoning_content;
         for (const tc of d.tool_calls || []) {
@@ -314,21 +362,25 @@ async function send(text) {
   } catch (e) {
     answer.error = e.name === "AbortError" ? "stopped" : e.message;
   }
-  const end = performance.now();
-  if (usage) {
-    const gen = usage.completion_tokens;
-    const cached = (usage.prompt_tokens_details && usage.prompt_tokens_details.cached_tokens) || 0;
-    const ttft = first === null ? null : (first - t0) / 1000;
-    const tps = first !== null && gen > 1 ? (gen - 1) / ((end - first) / 1000) : null;
-    answer.stats = `prompt ${usage.prompt_tokens} · cached ${cached} · generated ${gen}` +
-      (ttft !== null ? ` · TTFT ${ttft.toFixed(2)} s` : "") + (tps !== null ? ` · ${tps.toFixed(1)} tok/s` : "") +
-      (finish ? ` · ${finish}` : "");
-  }
+  answer.stats = stats(usage, t0, first, performance.now(), chunks, finish, answer.error);
   running = null;
   $("stop").hidden = true;
   $("send").disabled = false;
   save();
   render();
+}
+
+// The answer's line of numbers. A rate needs enough tokens over enough time to mean something (five
+// tokens that arrive in one read once showed "5000 tok/s"); a stopped answer has no usage, so it shows
+// what the page saw.
+function stats(usage, t0, first, end, chunks, finish, error) {
+  const ttft = first === null ? "" : ` · TTFT ${((first - t0) / 1000).toFixed(2)} s`;
+  if (!usage) return chunks ? `stopped after ${((end - t0) / 1000).toFixed(1)} s · ${chunks} chunks received${ttft}` : "";
+  const gen = usage.completion_tokens;
+  const cached = (usage.prompt_tokens_details && usage.prompt_tokens_details.cached_tokens) || 0;
+  const span = first === null ? 0 : (end - first) / 1000;
+  const rate = gen >= 8 && span >= 0.25 ? ` · ${((gen - 1) / span).toFixed(1)} tok/s` : "";
+  return `prompt ${usage.prompt_tokens} · cached ${cached} · generated ${gen}${ttft}${rate}` + (finish ? ` · ${finish}` : "");
 }
 
 function updateAnswer(div, m) {
@@ -350,10 +402,14 @@ function updateAnswer(div, m) {
 // ---- wiring ----
 $("composer").onsubmit = (e) => {
   e.preventDefault();
-  const text = $("input").value.trim();
-  if (!text && !attachments.length) return;
+  if (running) return;
+  // Line breaks inside the message are kept; only its ends are trimmed.
+  const text = $("input").value.replace(/^\s*\n|\s+$/g, "");
+  if (!text.trim() && !attachments.length) return;
+  const extra = extraFields();
+  if (extra.error) return notice(extra.error); // the text and the attachments stay
   $("input").value = "";
-  send(text);
+  send(text, extra.fields);
 };
 $("input").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) {
@@ -362,6 +418,10 @@ $("input").addEventListener("keydown", (e) => {
   }
 });
 $("stop").onclick = () => running && running.abort();
+$("cancel-edit").onclick = cancelEdit;
+$("attach").onclick = () => $("file").click();
+$("menu").onclick = () => toggleSide(!$("side").classList.contains("open"));
+$("extra").addEventListener("input", () => notice(""));
 $("new-chat").onclick = newConversation;
 $("file").onchange = (e) => addFiles([...e.target.files]).then(() => (e.target.value = ""));
 document.addEventListener("paste", (e) => {
@@ -378,6 +438,12 @@ $("forget-key").onclick = () => localStorage.removeItem(KEY);
 
 loadSettings();
 render();
+$("input").focus();
 api("/v1/models").then(async (r) => {
-  $("model").textContent = r.ok ? (await r.json()).data[0].id : await errorText(r);
+  if (r.ok) {
+    const m = (await r.json()).data[0];
+    capabilities = m.capabilities || [];
+    $("model").textContent = m.id;
+  } else $("model").textContent = await errorText(r);
+  render();
 });
