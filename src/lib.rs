@@ -370,7 +370,10 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         template_kwargs,
         limits,
         webui: !settings.no_webui.unwrap_or(false),
-        about: about::model_about(model_dir, &cfg.model_type, cfg.quantized),
+        about: osprey_server::ModelAbout {
+            decoder_layers: info.num_layers,
+            ..about::model_about(model_dir, &cfg.model_type, cfg.quantized)
+        },
     };
     let engine = Engine {
         tokenizer: tokenizer.sender(),

@@ -165,6 +165,19 @@ fn chat_attach_stream_stop_and_the_engine_view() {
     assert!(residency.ends_with('%') && !residency.contains("mapped"), "{residency}");
     let cells = js(&tab, "document.querySelectorAll('table.heat td.res').length");
     assert!(cells.parse::<usize>().expect("count") > 0, "the heat map shows resident experts");
+    // Every row is named: decoder layers by index, a draft head's experts as the draft head.
+    let (_, stats) = harness::get(addr, "/v1/engine/stats");
+    let stats: serde_json::Value = serde_json::from_str(&stats).expect("stats");
+    let layers = stats["experts"]["decoder_layers"].as_u64().expect("decoder layers");
+    let names = js(&tab, "JSON.stringify([...document.querySelectorAll('table.heat th')].map(t => t.innerText))");
+    let names: Vec<String> = serde_json::from_str(&names).expect("names");
+    assert!(!names.is_empty());
+    for n in &names {
+        let ok = n.starts_with("draft head")
+            || n.strip_prefix("layer ").and_then(|i| i.parse::<u64>().ok()).is_some_and(|i| i < layers);
+        assert!(ok, "heat map row {n:?} ({layers} decoder layers)");
+    }
+    assert!(js(&tab, "document.getElementById('t-preemptions').innerText").contains('('), "preemptions shown");
     wait_until(
         &tab,
         "a second poll",
@@ -353,4 +366,40 @@ fn the_chat_on_a_phone_keeps_what_the_user_typed_and_each_stream_in_its_chat() {
     let md = "| a | b |\\n|---|---|\\n| 1 | 2 |\\n\\n> quoted\\n\\n3. three\\n   - nested\\n4. four\\n\\nsee https://example.com/x.\\n\\n```\\ncode\\n```";
     let shape = js(&tab, &format!("(() => {{ const d = document.createElement('div'); renderMarkdown(\"{md}\", d); return [d.querySelectorAll('table td').length, d.querySelector('blockquote').innerText, d.querySelector('ol').start, d.querySelectorAll('ol > li > ul > li').length, d.querySelector('a').href, d.querySelector('pre button.copy') !== null].join(' '); }})()"));
     assert_eq!(shape, "2 quoted 3 1 https://example.com/x true");
+}
+
+/// The engine view without an expert budget hides the expert sections; every chart's scale has its unit;
+/// the KV tile splits running sequences from the prefix cache; and a counter that goes down (a server
+/// restart between two polls) gives no rate rather than a negative one.
+#[test]
+fn the_engine_view_hides_what_does_not_apply_and_never_shows_a_negative_rate() {
+    let addr = server(Settings::default());
+    let body = serde_json::json!({"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40});
+    let _ = harness::post(addr, "/v1/chat/completions", &body.to_string(), None);
+    let b = browser();
+    let tab = b.new_tab().expect("tab");
+    tab.navigate_to(&format!("http://{addr}/dashboard")).expect("dashboard").wait_until_navigated().expect("loaded");
+    wait_until(&tab, "two polls", "series.running.length >= 2");
+    assert_eq!(js(&tab, "document.getElementById('experts-section').hidden"), "true");
+    assert_eq!(js(&tab, "document.getElementById('disk-figure').hidden"), "true");
+    assert_eq!(js(&tab, "document.getElementById('t-residency') === null"), "true");
+    let axes = js(
+        &tab,
+        "JSON.stringify([...document.querySelectorAll('figure:not([hidden]) svg text')].map(t => t.textContent))",
+    );
+    let axes: Vec<String> = serde_json::from_str(&axes).expect("axes");
+    assert_eq!(axes.len(), 5, "{axes:?}");
+    for (a, unit) in axes.iter().zip(["tok/s", " s", "requests", "pages", "%"]) {
+        assert!(a.ends_with(unit), "{a:?} lacks its unit {unit:?}");
+    }
+    let kv = js(&tab, "document.getElementById('t-kv').innerText");
+    assert!(kv.contains(" · ") && kv.contains(" of "), "{kv}");
+    // The server "restarts": the last poll's counters are above the next ones.
+    js(&tab, "last.tokens.generated_total += 1e9; last.prefix_cache.lookups += 1e9");
+    let n = js(&tab, "series.tps.length").parse::<usize>().expect("n");
+    wait_until(&tab, "the next poll", &format!("series.tps.length > {n}"));
+    assert_eq!(
+        js(&tab, "series.tps[series.tps.length - 1] === null && series.tps.every(v => v === null || v >= 0)"),
+        "true"
+    );
 }

@@ -41,7 +41,11 @@ pub fn spawn(page_size: usize, budget_bytes: usize) -> mpsc::UnboundedSender<Pre
                         let out = matches
                             .into_iter()
                             .map(|m| {
-                                let h = tree.match_prefix(&m.cache_ids, m.cap);
+                                let h = if m.resumed {
+                                    tree.rematch_prefix(&m.cache_ids, m.cap)
+                                } else {
+                                    tree.match_prefix(&m.cache_ids, m.cap)
+                                };
                                 PrefixMatch {
                                     seq: m.seq,
                                     cached_tokens: h.tokens,
@@ -60,6 +64,7 @@ pub fn spawn(page_size: usize, budget_bytes: usize) -> mpsc::UnboundedSender<Pre
                             hits: s.hits,
                             cached_tokens: s.cached_tokens,
                             evictions: s.evictions,
+                            resumed: s.resumed,
                             bytes: tree.used() as u64,
                             device_bytes: tree.device_bytes() as u64,
                             host_bytes: tree.host_bytes() as u64,

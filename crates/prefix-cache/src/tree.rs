@@ -60,6 +60,9 @@ pub struct TreeStats {
     pub cached_tokens: u64,
     /// Nodes evicted.
     pub evictions: u64,
+    /// Matches of preempted sequences coming back (their hit recomputes what they had: not reuse, so
+    /// not in `lookups`, `hits` or `cached_tokens`).
+    pub resumed: u64,
 }
 
 /// The tree.
@@ -119,8 +122,24 @@ impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
 
     /// Longest cached prefix of `ids` usable up to `cap` tokens, ending at a snapshot; pins it.
     pub fn match_prefix(&mut self, ids: &[u64], cap: usize) -> Hit<P, S> {
-        self.tick += 1;
         self.stats.lookups += 1;
+        let h = self.lookup(ids, cap);
+        if h.tokens > 0 {
+            self.stats.hits += 1;
+            self.stats.cached_tokens += h.tokens as u64;
+        }
+        h
+    }
+
+    /// [`RadixTree::match_prefix`] for a preempted sequence coming back: counted as `resumed`, not as
+    /// reuse.
+    pub fn rematch_prefix(&mut self, ids: &[u64], cap: usize) -> Hit<P, S> {
+        self.stats.resumed += 1;
+        self.lookup(ids, cap)
+    }
+
+    fn lookup(&mut self, ids: &[u64], cap: usize) -> Hit<P, S> {
+        self.tick += 1;
         let mut path = Vec::new();
         let mut cur = 0;
         let mut d = 0;
@@ -155,8 +174,6 @@ impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
         let pages = path.iter().map(|&n| self.node(n).page.clone().expect("non-root page")).collect();
         let snapshot = self.node(*path.last().expect("non-empty")).snapshot.clone();
         self.leases.insert(lease, path.clone());
-        self.stats.hits += 1;
-        self.stats.cached_tokens += (path.len() * self.page) as u64;
         Hit { tokens: path.len() * self.page, pages, snapshot, lease: Some(lease) }
     }
 
@@ -445,5 +462,20 @@ mod tests {
         }
         t.check();
         assert!(t.used() <= t.budget());
+    }
+
+    #[test]
+    fn a_preempted_sequence_coming_back_is_not_counted_as_reuse() {
+        let mut t: RadixTree<Blob, Blob> = RadixTree::new(2, 1000);
+        let ids = [1, 2, 3, 4];
+        t.insert(&ids, &pages(&ids, 2), Arc::new(Blob(5, 4)));
+        let h = t.rematch_prefix(&[1, 2, 3, 4, 5], 4);
+        assert_eq!(h.tokens, 4, "the pages come back all the same");
+        let s = t.stats();
+        assert_eq!((s.lookups, s.hits, s.cached_tokens, s.resumed), (0, 0, 0, 1));
+        let h2 = t.match_prefix(&[1, 2, 3, 4, 5], 4);
+        assert_eq!(h2.tokens, 4);
+        let s = t.stats();
+        assert_eq!((s.lookups, s.hits, s.cached_tokens, s.resumed), (1, 1, 4, 1));
     }
 }

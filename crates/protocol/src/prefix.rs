@@ -52,6 +52,8 @@ pub struct MatchRequest {
     pub cache_ids: Arc<Vec<u64>>,
     /// Longest usable hit (prompt length − 1: the last prompt token must be computed for its logits).
     pub cap: usize,
+    /// A preempted sequence coming back: its hit recomputes what it had, and is not counted as reuse.
+    pub resumed: bool,
 }
 
 /// The answer to a [`MatchRequest`] (opaque pages, never tree nodes).
@@ -91,6 +93,8 @@ pub struct PrefixStats {
     pub cached_tokens: u64,
     /// Nodes evicted.
     pub evictions: u64,
+    /// Matches of preempted sequences coming back (not in `lookups`, `hits` or `cached_tokens`).
+    pub resumed: u64,
     /// Bytes held (pages + snapshots).
     pub bytes: u64,
     /// Of `bytes`, the KV pages (the KV pool's memory, on the compute device).

@@ -177,6 +177,8 @@ pub struct KvPages {
     pub free: usize,
     /// Pages of running sequences that another holder (the prefix cache, another sequence) also holds.
     pub shared: usize,
+    /// Distinct pages running sequences hold (the rest of the pages in use are the prefix cache's alone).
+    pub running: usize,
 }
 
 /// Commands of the runner actor.

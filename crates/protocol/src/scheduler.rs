@@ -119,6 +119,9 @@ pub struct SchedulerStats {
     pub kv_pages_free: usize,
     /// KV pages of running sequences shared with another holder (as of the last step).
     pub kv_pages_shared: usize,
+    /// Distinct KV pages running sequences hold (as of the last step); the other pages in use are held by
+    /// the prefix cache alone.
+    pub kv_pages_running: usize,
     /// Expert slot counters (as of the last step).
     pub expert_slots: crate::runner::ExpertSlots,
     /// PLE row-cache counters (as of the last step; `None` without PLE layers).

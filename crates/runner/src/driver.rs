@@ -293,16 +293,16 @@ impl Driver {
     /// prefix cache or another sequence) also references.
     pub fn kv_pages(&mut self) -> KvPages {
         let st = self.pool.stats();
-        let mut shared: Vec<u32> = self
+        let mut held: Vec<(u32, bool)> = self
             .seqs
             .values()
             .flat_map(|r| r.state.pages().pages().iter())
-            .filter(|p| std::sync::Arc::strong_count(p) > 1)
-            .map(|p| p.id())
+            .map(|p| (p.id(), std::sync::Arc::strong_count(p) > 1))
             .collect();
-        shared.sort_unstable();
-        shared.dedup();
-        KvPages { total: st.total, free: st.free, shared: shared.len() }
+        held.sort_unstable();
+        held.dedup_by_key(|(id, _)| *id);
+        let shared = held.iter().filter(|(_, s)| *s).count();
+        KvPages { total: st.total, free: st.free, shared, running: held.len() }
     }
 
     /// The model.

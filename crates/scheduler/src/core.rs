@@ -143,7 +143,7 @@ impl Scheduler {
             release: Vec::new(),
             stats,
             inserts: Vec::new(),
-            kv: KvPages { total: pages, free: pages, shared: 0 },
+            kv: KvPages { total: pages, free: pages, shared: 0, running: 0 },
             reclaim: 0,
             preempt: Vec::new(),
         }
@@ -243,6 +243,7 @@ impl Scheduler {
             kv_pages_total: self.kv.total,
             kv_pages_free: self.kv.free,
             kv_pages_shared: self.kv.shared,
+            kv_pages_running: self.kv.running,
             ..self.stats
         }
     }
@@ -368,7 +369,12 @@ impl Scheduler {
         let matches: Vec<MatchRequest> = if self.cfg.prefix_cache {
             self.running[first_new..]
                 .iter()
-                .map(|s| MatchRequest { seq: s.req.id, cache_ids: Arc::new(s.cache_ids.clone()), cap: s.total() - 1 })
+                .map(|s| MatchRequest {
+                    seq: s.req.id,
+                    cache_ids: Arc::new(s.cache_ids.clone()),
+                    cap: s.total() - 1,
+                    resumed: s.preempted,
+                })
                 .collect()
         } else {
             Vec::new()
@@ -378,12 +384,13 @@ impl Scheduler {
         if !(matches.is_empty() && inserts.is_empty() && reclaim == 0) {
             for m in prefix.step(matches, inserts, reclaim) {
                 if let Some(s) = self.running.iter_mut().find(|s| s.req.id == m.seq) {
+                    // A preempted sequence's hit gives back what it had computed: not reuse, not counted.
                     if !s.preempted {
                         s.cached = m.cached_tokens;
+                        self.stats.cached_tokens_total += m.cached_tokens as u64;
                     }
                     s.computed = m.cached_tokens;
                     s.req.span.in_scope(|| tracing::debug!(cached_tokens = m.cached_tokens, "prefix matched"));
-                    self.stats.cached_tokens_total += m.cached_tokens as u64;
                     s.hit = Some(m);
                 }
             }

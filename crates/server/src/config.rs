@@ -61,6 +61,8 @@ pub struct ModelAbout {
     pub modified: u64,
     /// A 64-hex-digit digest that names this checkpoint (Ollama lists a blob's sha256 there).
     pub digest: String,
+    /// Decoder layers: expert layers past them are the draft head's (the engine view labels them).
+    pub decoder_layers: usize,
 }
 
 /// Everything the HTTP layer needs to know.

@@ -1,10 +1,11 @@
 // The engine view: polls /v1/engine/stats every 1.5 s and draws what it says (docs/webui.md explains
-// each chart). Rates are differences between two polls of the server's own counters.
+// each chart). Rates are differences between two polls of the server's own counters; a counter that went
+// down means the server restarted, and that interval has no rate (never a negative one).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const HISTORY = 120; // points kept per chart (3 minutes)
-const series = { tps: [], ttft: [], running: [], queued: [], kv: [], hit: [], disk: [] };
+const series = { tps: [], ttft: [], running: [], queued: [], kv: [], kvcache: [], hit: [], disk: [] };
 let last = null;
 
 function push(name, v) {
@@ -22,8 +23,8 @@ function fmtBytes(n) {
   return `${n.toFixed(i ? 1 : 0)} ${u[i]}`;
 }
 
-// A line chart of one or two series in an SVG of 300 × 90.
-function chart(svg, lines) {
+// A line chart of one or two series in an SVG of 300 × 90, its scale labelled in `unit`.
+function chart(svg, lines, unit) {
   svg.textContent = "";
   const all = lines.flatMap((l) => l.data).filter((v) => v !== null && isFinite(v));
   const top = Math.max(0, ...all);
@@ -43,7 +44,8 @@ function chart(svg, lines) {
   t.setAttribute("x", "2");
   t.setAttribute("y", "10");
   t.setAttribute("class", "axis");
-  t.textContent = `max ${top >= 100 ? top.toFixed(0) : +top.toPrecision(3)}`;
+  const shown = unit === "B" ? fmtBytes(top) : `${top >= 100 ? top.toFixed(0) : +top.toPrecision(3)} ${unit}`;
+  t.textContent = `max ${shown}`;
   svg.append(t);
 }
 
@@ -54,22 +56,23 @@ function tile(name, value, id) {
 function heatmap(experts) {
   const box = $("heatmap");
   box.textContent = "";
-  if (!experts) {
-    $("experts-note").textContent = "every expert is mapped from the checkpoint (no --expert-ram budget): all in RAM";
-    return;
-  }
+  // Without an expert budget every expert is mapped from the checkpoint: nothing to show.
+  $("experts-section").hidden = !experts;
+  $("disk-figure").hidden = !experts;
+  if (!experts) return;
   $("experts-note").textContent =
     `${experts.resident_experts} experts in RAM (${fmtBytes(experts.resident_bytes)}), ${experts.evictions} evictions, ` +
     `${experts.stall_secs.toFixed(2)} s stalled, reader ${experts.reader}`;
   const table = el("table", { class: "heat" });
   experts.layers.forEach((l, li) => {
     if (!l.experts) return;
-    const tr = el("tr", {}, el("th", { text: `layer ${li}` }));
+    const name = li < experts.decoder_layers ? `layer ${li}` : `draft head (MTP)${li > experts.decoder_layers ? " " + (li - experts.decoder_layers) : ""}`;
+    const tr = el("tr", {}, el("th", { text: name }));
     const resident = new Set(l.resident);
     for (let e = 0; e < l.experts; e++) {
       const hits = l.expert_hits[e] || 0;
       const misses = l.expert_misses[e] || 0;
-      const td = el("td", { class: resident.has(e) ? "res" : "out", title: `layer ${li} expert ${e}: ${hits} hits, ${misses} misses` });
+      const td = el("td", { class: resident.has(e) ? "res" : "out", title: `${name} expert ${e}: ${hits} hits, ${misses} misses` });
       tr.append(td);
     }
     tr.append(el("td", { class: "sum", text: `${l.hits} hits · ${l.misses} misses` }));
@@ -94,20 +97,27 @@ async function poll() {
   $("status").textContent = s.healthy ? "" : "engine stopped";
   $("model").textContent = s.model;
   const kvUsed = s.kv.pages_total - s.kv.pages_free;
+  const kvRunning = Math.min(kvUsed, s.kv.pages_running);
   const pc = s.prefix_cache;
   const hitRate = pc.lookups ? pc.hits / pc.lookups : 0;
-  if (last) {
+  // A counter that went down: the server restarted between the polls.
+  const restarted = last && (s.tokens.generated_total < last.tokens.generated_total || pc.lookups < last.prefix_cache.lookups
+    || (s.experts && last.experts && s.experts.bytes_read < last.experts.bytes_read));
+  if (last && !restarted) {
     const dt = Math.max(1e-3, s.time - last.time);
     const gen = s.tokens.generated_total - last.tokens.generated_total;
     push("tps", gen / dt);
     const lookups = pc.lookups - last.prefix_cache.lookups;
-    push("hit", lookups ? (pc.hits - last.prefix_cache.hits) / lookups : null);
-    const read = s.experts ? s.experts.bytes_read - last.experts.bytes_read : 0;
+    push("hit", lookups ? (100 * (pc.hits - last.prefix_cache.hits)) / lookups : null);
+    const read = s.experts && last.experts ? s.experts.bytes_read - last.experts.bytes_read : 0;
     push("disk", gen ? read / gen : null);
+  } else if (restarted) {
+    for (const k of ["tps", "hit", "disk"]) push(k, null);
   }
   push("running", s.requests.running);
   push("queued", s.requests.waiting);
-  push("kv", kvUsed);
+  push("kv", kvRunning);
+  push("kvcache", kvUsed - kvRunning);
   series.ttft = s.ttft_recent.map((x) => x[1]).slice(-HISTORY);
   last = s;
 
@@ -116,20 +126,21 @@ async function poll() {
   tiles.append(
     tile("running", s.requests.running, "t-running"),
     tile("queued", s.requests.waiting, "t-queued"),
-    tile("decode tok/s", series.tps.length ? series.tps[series.tps.length - 1].toFixed(1) : "–", "t-tps"),
-    tile("KV pages in use", `${kvUsed} / ${s.kv.pages_total}`, "t-kv"),
-    tile("prefix cache hits", `${pc.hits} of ${pc.lookups} (${(hitRate * 100).toFixed(0)} %)`, "t-prefix-hits"),
+    tile("decode tok/s", series.tps.length && series.tps[series.tps.length - 1] !== null ? series.tps[series.tps.length - 1].toFixed(1) : "–", "t-tps"),
+    tile("KV pages: running · prefix cache · free", `${kvRunning} · ${kvUsed - kvRunning} · ${s.kv.pages_free} of ${s.kv.pages_total}`, "t-kv"),
+    tile("prefix cache hits (new requests)", `${pc.hits} of ${pc.lookups} (${(hitRate * 100).toFixed(0)} %)`, "t-prefix-hits"),
     tile("cached tokens served", pc.cached_tokens, "t-cached"),
     tile("prefix cache size", `${fmtBytes(pc.bytes)} / ${fmtBytes(pc.budget)}`, "t-prefix-size"),
-    tile("expert residency", s.experts ? `${(s.experts.residency * 100).toFixed(0)} %` : "100 % (mapped)", "t-residency"),
-    tile("requests", `${s.requests.total} (${s.requests.failed} failed)`, "t-requests"),
+    tile("preemptions (resumed)", `${s.requests.preemptions} (${pc.resumed || 0})`, "t-preemptions"),
+    tile("requests", `${s.requests.total} (${s.requests.failed} failed, ${s.requests.cancelled} cancelled)`, "t-requests"),
   );
-  chart($("c-tps"), [{ data: series.tps }]);
-  chart($("c-ttft"), [{ data: series.ttft }]);
-  chart($("c-load"), [{ data: series.running }, { data: series.queued }]);
-  chart($("c-kv"), [{ data: series.kv }]);
-  chart($("c-hit"), [{ data: series.hit }]);
-  chart($("c-disk"), [{ data: series.disk }]);
+  if (s.experts) tiles.append(tile("expert residency", `${(s.experts.residency * 100).toFixed(0)} %`, "t-residency"));
+  chart($("c-tps"), [{ data: series.tps }], "tok/s");
+  chart($("c-ttft"), [{ data: series.ttft }], "s");
+  chart($("c-load"), [{ data: series.running }, { data: series.queued }], "requests");
+  chart($("c-kv"), [{ data: series.kv }, { data: series.kvcache }], "pages");
+  chart($("c-hit"), [{ data: series.hit }], "%");
+  chart($("c-disk"), [{ data: series.disk }], "B");
   heatmap(s.experts);
   if (s.ple) {
     $("ple-section").hidden = false;

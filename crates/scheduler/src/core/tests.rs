@@ -187,7 +187,7 @@ impl Pool {
         let used: usize = self.held.values().sum();
         assert!(used <= self.total, "the plan overcommits the pool: {used} of {} pages", self.total);
         let mut r = sample_all(plan, token);
-        r.kv = KvPages { total: self.total, free: self.total - used, shared: 0 };
+        r.kv = KvPages { total: self.total, free: self.total - used, shared: 0, running: used };
         r
     }
 }
@@ -207,7 +207,13 @@ fn admission_counts_pages_not_prompt_plus_max_tokens() {
 #[test]
 fn when_pages_run_out_the_newest_sequence_is_preempted_and_recomputed_with_its_tokens() {
     // 12 KV tokens of 2-token pages; two requests of 3 + 8 tokens cannot both finish side by side.
-    let c = SchedulerConfig { kv_capacity_tokens: 12, context_len: 30, max_running_requests: 2, ..cfg() };
+    let c = SchedulerConfig {
+        kv_capacity_tokens: 12,
+        context_len: 30,
+        max_running_requests: 2,
+        prefix_cache: true,
+        ..cfg()
+    };
     let mut s = Scheduler::new(c);
     let mut pool = Pool { page: 2, total: 6, held: Default::default() };
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -215,8 +221,9 @@ fn when_pages_run_out_the_newest_sequence_is_preempted_and_recomputed_with_its_t
     s.submit(req(2, 3, 8), tx.clone()).expect("fits");
     let mut preempted_at = None;
     let mut readmitted = None;
+    let mut port = Resumes::default();
     for step in 0..60 {
-        let Some(p) = s.schedule(&mut NoPrefixCache) else { break };
+        let Some(p) = s.schedule(&mut port) else { break };
         if p.preempt.contains(&2) {
             preempted_at.get_or_insert(step);
         }
@@ -230,6 +237,8 @@ fn when_pages_run_out_the_newest_sequence_is_preempted_and_recomputed_with_its_t
     let generated = readmitted.expect("sequence 2 was admitted again");
     assert!(!generated.is_empty() && generated.iter().all(|&t| t == 5), "with the tokens it had: {generated:?}");
     assert_eq!(s.stats().preemptions_total, 1);
+    // Its match on coming back is marked resumed (the cache does not count it as reuse); the first ones not.
+    assert_eq!(port.0, vec![(1, false), (2, false), (2, true)]);
     let done: Vec<usize> = std::iter::from_fn(|| rx.try_recv().ok())
         .filter_map(|e| match e {
             EngineEvent::Finished { completion_tokens, .. } => Some(completion_tokens),
@@ -237,6 +246,21 @@ fn when_pages_run_out_the_newest_sequence_is_preempted_and_recomputed_with_its_t
         })
         .collect();
     assert_eq!(done, vec![8, 8], "both requests finish with all their tokens");
+}
+
+/// A port that misses every match and records which were a preempted sequence coming back.
+#[derive(Default)]
+struct Resumes(Vec<(SeqId, bool)>);
+
+impl PrefixPort for Resumes {
+    fn step(&mut self, m: Vec<MatchRequest>, _: Vec<InsertRequest>, _: usize) -> Vec<PrefixMatch> {
+        m.into_iter()
+            .map(|m| {
+                self.0.push((m.seq, m.resumed));
+                PrefixMatch { seq: m.seq, cached_tokens: 0, pages: Vec::new(), snapshot: None, lease: None }
+            })
+            .collect()
+    }
 }
 
 /// Seeded random load on a tiny pool: many requests of random sizes arriving over time. Invariants:
@@ -365,7 +389,7 @@ fn pages_held_by_the_cache_are_reclaimed_and_the_waiting_request_runs() {
     // The runner's last report: every page is held (by the cache).
     s.update(
         &BatchPlan::default(),
-        StepResult { kv: KvPages { total: 10, free: 0, shared: 0 }, ..StepResult::default() },
+        StepResult { kv: KvPages { total: 10, free: 0, shared: 0, running: 10 }, ..StepResult::default() },
     );
     let (tx, mut rx) = mpsc::unbounded_channel();
     s.submit(req(1, 5, 3), tx).expect("fits");
