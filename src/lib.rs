@@ -265,13 +265,22 @@ fn extra_stats() -> serde_json::Value {
     serde_json::json!({"grammar": {"masks": masks, "mask_seconds": nanos as f64 * 1e-9}})
 }
 
-/// [`start`] with the expert reader wrapped by `wrap_reader`.
-pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<ReaderLayer>) -> Result<Bound> {
-    let t0 = Instant::now();
+/// A model loaded for serving: its config, weights on the backend, vision tower, and the expert
+/// residency manager when experts stream from disk.
+struct Loaded {
+    cfg: ModelConfig,
+    model: osprey_models::Model,
+    tower: Option<osprey_models::vision::VisionTower>,
+    media: Option<osprey_models::MediaSupport>,
+    experts: Option<osprey_experts::ResidentSet>,
+}
+
+/// Loads the model of `model_dir` as the settings say (device, memory, expert and PLE budgets, the draft
+/// head), with a progress bar.
+fn load_for_serving(settings: &Settings, model_dir: &Path, wrap_reader: Option<ReaderLayer>) -> Result<Loaded> {
     let cfg = ModelConfig::from_dir(model_dir).with_context(|| format!("reading {}", model_dir.display()))?;
     let ck = Checkpoint::open(model_dir)?;
     let memory = settings.device_memory_mb.map(|mb| (mb.max(0.0) * 1048576.0) as usize);
-    let kv_dtype = kv_cache_dtype(settings.kv_cache_dtype.as_deref())?;
     let backend = open_backend_with(settings.device.as_deref(), settings.activations.as_deref(), memory)?;
     let experts = expert_source(settings, (&cfg, &ck), wrap_reader, backend.as_ref())?;
     let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
@@ -288,6 +297,56 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         Some((t, media)) => (Some(t), Some(media)),
         None => (None, None),
     };
+    Ok(Loaded { cfg, model, tower, media, experts })
+}
+
+/// The request limits: the settings' values over the defaults.
+fn limits(settings: &Settings) -> Limits {
+    let defaults = Limits::default();
+    Limits {
+        max_media_per_request: settings.max_media_per_request.unwrap_or(defaults.max_media_per_request),
+        max_media_bytes: settings.max_media_bytes.unwrap_or(defaults.max_media_bytes),
+        max_image_pixels: settings.max_image_pixels.unwrap_or(defaults.max_image_pixels),
+        max_video_frames: settings.max_video_frames.unwrap_or(defaults.max_video_frames),
+        max_request_pixels: settings.max_request_pixels.unwrap_or(defaults.max_request_pixels),
+        allowed_media_domains: settings.allowed_media_domains.clone().unwrap_or_default(),
+        allowed_local_media_path: settings.allowed_local_media_path.clone(),
+        max_body_bytes: defaults.max_body_bytes,
+        max_stored_responses: settings.max_stored_responses.unwrap_or(defaults.max_stored_responses),
+        max_stored_response_bytes: settings
+            .max_stored_response_mb
+            .map_or(defaults.max_stored_response_bytes, |mb| (mb.max(0.0) * 1048576.0) as usize),
+    }
+}
+
+/// The scheduler's configuration from the settings, for a context of `context_len` tokens and a KV pool
+/// of `kv_capacity_tokens` in pages of `page_size`.
+fn scheduler_config(
+    settings: &Settings,
+    context_len: usize,
+    kv_capacity_tokens: usize,
+    page_size: usize,
+) -> SchedulerConfig {
+    SchedulerConfig {
+        max_batch_tokens: settings.max_batch_tokens.unwrap_or(2048),
+        max_prefill_tokens: settings.max_prefill_tokens.unwrap_or(512),
+        max_running_requests: settings.max_running_requests.unwrap_or(16),
+        kv_capacity_tokens,
+        context_len,
+        page_size,
+        // Snapshots on a grid of whole pages.
+        snapshot_interval: settings.snapshot_interval.unwrap_or(64).max(page_size) / page_size * page_size,
+        prefix_cache: !settings.disable_prefix_cache.unwrap_or(false),
+        max_queued_requests: settings.max_queued_requests.unwrap_or(256),
+        max_queue_wait: settings.max_queue_wait_secs.filter(|s| *s > 0.0).map(std::time::Duration::from_secs_f64),
+    }
+}
+
+/// [`start`] with the expert reader wrapped by `wrap_reader`.
+pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<ReaderLayer>) -> Result<Bound> {
+    let t0 = Instant::now();
+    let kv_dtype = kv_cache_dtype(settings.kv_cache_dtype.as_deref())?;
+    let Loaded { cfg, model, tower, media, experts } = load_for_serving(settings, model_dir, wrap_reader)?;
     let info = model.info().clone();
     let context_len = settings.context_len.unwrap_or(info.max_position_embeddings.max(1));
     let vocab = info.vocab_size;
@@ -303,7 +362,6 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let vision = tower.map(|t| osprey_vision::spawn(t, settings.vision_cache_mb.unwrap_or(512) << 20));
     let has_vision = vision.is_some();
     let page_size = settings.page_size.unwrap_or(16).max(1);
-    let grid = settings.snapshot_interval.unwrap_or(64).max(page_size) / page_size * page_size;
     let kv_capacity_tokens = settings.kv_capacity_tokens.unwrap_or(4 * context_len);
     let kv_pages = kv_capacity_tokens.div_ceil(page_size);
     let runner =
@@ -311,43 +369,17 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
             .with_speculative(settings.speculative_tokens.unwrap_or(0))
             .map_err(anyhow::Error::msg)?;
     let runner = osprey_runner::spawn(runner);
-    let prefix_on = !settings.disable_prefix_cache.unwrap_or(false);
+    let sched_cfg = scheduler_config(settings, context_len, kv_capacity_tokens, page_size);
+    let prefix_on = sched_cfg.prefix_cache;
     let prefix = prefix_on.then(|| {
         osprey_prefix_cache::spawn(
             page_size,
             (settings.prefix_cache_mb.unwrap_or(1024.0).max(0.0) * 1048576.0) as usize,
         )
     });
-    let sched_cfg = SchedulerConfig {
-        max_batch_tokens: settings.max_batch_tokens.unwrap_or(2048),
-        max_prefill_tokens: settings.max_prefill_tokens.unwrap_or(512),
-        max_running_requests: settings.max_running_requests.unwrap_or(16),
-        kv_capacity_tokens,
-        context_len,
-        page_size,
-        snapshot_interval: grid,
-        prefix_cache: prefix_on,
-        max_queued_requests: settings.max_queued_requests.unwrap_or(256),
-        max_queue_wait: settings.max_queue_wait_secs.filter(|s| *s > 0.0).map(std::time::Duration::from_secs_f64),
-    };
     let scheduler = osprey_scheduler::spawn(sched_cfg, runner, prefix.clone());
     let tok = tok.with_grammar_vocab(vocab, eos.clone());
     let tokenizer = osprey_tokenizer::spawn_pool(tok, settings.tokenizer_workers.unwrap_or(2));
-    let defaults = Limits::default();
-    let limits = Limits {
-        max_media_per_request: settings.max_media_per_request.unwrap_or(defaults.max_media_per_request),
-        max_media_bytes: settings.max_media_bytes.unwrap_or(defaults.max_media_bytes),
-        max_image_pixels: settings.max_image_pixels.unwrap_or(defaults.max_image_pixels),
-        max_video_frames: settings.max_video_frames.unwrap_or(defaults.max_video_frames),
-        max_request_pixels: settings.max_request_pixels.unwrap_or(defaults.max_request_pixels),
-        allowed_media_domains: settings.allowed_media_domains.clone().unwrap_or_default(),
-        allowed_local_media_path: settings.allowed_local_media_path.clone(),
-        max_body_bytes: defaults.max_body_bytes,
-        max_stored_responses: settings.max_stored_responses.unwrap_or(defaults.max_stored_responses),
-        max_stored_response_bytes: settings
-            .max_stored_response_mb
-            .map_or(defaults.max_stored_response_bytes, |mb| (mb.max(0.0) * 1048576.0) as usize),
-    };
     let model_id = settings.served_model_name.clone().unwrap_or_else(|| {
         model_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "osprey".into())
     });
@@ -368,7 +400,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         idle_timeout_secs: settings.idle_timeout_secs.unwrap_or(5.0),
         eos_token_ids: eos,
         template_kwargs,
-        limits,
+        limits: limits(settings),
         webui: !settings.no_webui.unwrap_or(false),
         about: osprey_server::ModelAbout {
             decoder_layers: info.num_layers,

@@ -344,129 +344,144 @@ impl ToolParser {
     pub fn feed(&mut self, text: &str) -> Vec<ToolEvent> {
         self.buf.push_str(text);
         let mut out = Vec::new();
-        loop {
-            match self.phase {
-                Phase::Text => {
-                    if self.single && !self.calls.is_empty() {
-                        // One call was asked for: the rest of the answer is dropped, as a client expects
-                        // nothing after the call.
-                        self.buf.clear();
-                        return out;
-                    }
-                    if let Some(i) = self.buf.find(OPEN) {
-                        let before: String = self.buf.drain(..i).collect();
-                        if !before.is_empty() {
-                            out.push(ToolEvent::Text(before));
-                        }
-                        self.consume(OPEN.len());
-                        self.phase = Phase::Function;
-                        continue;
-                    }
-                    let held = held_suffix(&self.buf, &[OPEN]);
-                    let emit: String = self.buf.drain(..self.buf.len() - held).collect();
-                    if !emit.is_empty() {
-                        out.push(ToolEvent::Text(emit));
-                    }
-                    return out;
-                }
-                Phase::Function => {
-                    let rest = skip_ws(&self.buf);
-                    let ws = self.buf.len() - rest.len();
-                    if rest.is_empty() || could_be(rest, FUNC) {
-                        return out;
-                    }
-                    if !rest.starts_with(FUNC) {
-                        self.malformed(&mut out);
-                        continue;
-                    }
-                    // A name is one line of at most NAME_MAX bytes, decided the same way whether its
-                    // `>` has arrived or not (streamed and whole answers parse alike).
-                    let Some(end) = rest.find('>') else {
-                        if rest.contains('\n') || rest.len() > FUNC.len() + NAME_MAX {
-                            self.malformed(&mut out);
-                            continue;
-                        }
-                        return out;
-                    };
-                    let raw_name = &rest[FUNC.len()..end];
-                    let name = raw_name.trim().to_string();
-                    if name.is_empty() || raw_name.contains(['<', '\n']) || end > FUNC.len() + NAME_MAX {
-                        self.malformed(&mut out);
-                        continue;
-                    }
-                    self.consume(ws + end + 1);
-                    let index = self.calls.len();
-                    self.started = true;
-                    self.params = 0;
-                    self.args = String::from("{");
-                    out.push(ToolEvent::Start { index, id: format!("{}{index}", self.id_prefix), name: name.clone() });
-                    self.calls.push(Call { id: format!("{}{index}", self.id_prefix), name, arguments: String::new() });
-                    self.phase = Phase::Params;
-                }
-                Phase::Params => {
-                    let rest = skip_ws(&self.buf);
-                    let ws = self.buf.len() - rest.len();
-                    if rest.is_empty() || could_be(rest, PARAM) || could_be(rest, FUNC_END) {
-                        return out;
-                    }
-                    if rest.starts_with(FUNC_END) {
-                        self.consume(ws + FUNC_END.len());
-                        self.phase = Phase::End;
-                        continue;
-                    }
-                    if !rest.starts_with(PARAM) {
-                        self.malformed(&mut out);
-                        continue;
-                    }
-                    let Some(gt) = rest.find('>') else { return out };
-                    let Some(close) = rest.find(PARAM_END) else { return out };
-                    if close < gt {
-                        self.malformed(&mut out);
-                        continue;
-                    }
-                    let pname = rest[PARAM.len()..gt].trim().to_string();
-                    let mut value = &rest[gt + 1..close];
-                    value = value.strip_prefix('\n').unwrap_or(value);
-                    value = value.strip_suffix('\n').unwrap_or(value);
-                    let name = self.calls.last().map(|c| c.name.clone()).unwrap_or_default();
-                    let v = self.value_json(&name, &pname, value);
-                    // Compact JSON, as OpenAI writes arguments.
-                    let sep = if self.params == 0 { "" } else { "," };
-                    let fragment = format!("{sep}{}:{}", Value::String(pname), v);
-                    self.params += 1;
-                    self.args.push_str(&fragment);
-                    let index = self.calls.len() - 1;
-                    // The first fragment carries the opening brace.
-                    let fragment = if self.params == 1 { format!("{{{fragment}") } else { fragment };
-                    out.push(ToolEvent::Args { index, fragment });
-                    self.consume(ws + close + PARAM_END.len());
-                }
-                Phase::End => {
-                    let rest = skip_ws(&self.buf);
-                    let ws = self.buf.len() - rest.len();
-                    if rest.is_empty() || could_be(rest, CLOSE) {
-                        return out;
-                    }
-                    if !rest.starts_with(CLOSE) {
-                        self.malformed(&mut out);
-                        continue;
-                    }
-                    self.consume(ws + CLOSE.len());
-                    let index = self.calls.len() - 1;
-                    let fragment = if self.params == 0 { "{}".to_string() } else { "}".to_string() };
-                    self.args.push('}');
-                    if let Some(c) = self.calls.last_mut() {
-                        c.arguments = if self.params == 0 { "{}".into() } else { std::mem::take(&mut self.args) };
-                    }
-                    out.push(ToolEvent::Args { index, fragment });
-                    out.push(ToolEvent::End { index });
-                    self.raw.clear();
-                    self.args.clear();
-                    self.started = false;
-                    self.phase = Phase::Text;
-                }
-            }
+        // Each phase reads what it can and says whether to go on (false: it waits for more text).
+        while match self.phase {
+            Phase::Text => self.text(&mut out),
+            Phase::Function => self.function(&mut out),
+            Phase::Params => self.param(&mut out),
+            Phase::End => self.end(&mut out),
+        } {}
+        out
+    }
+
+    /// Answer text up to a call's opening tag.
+    fn text(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        if self.single && !self.calls.is_empty() {
+            // One call was asked for: the rest of the answer is dropped, as a client expects
+            // nothing after the call.
+            self.buf.clear();
+            return false;
         }
+        if let Some(i) = self.buf.find(OPEN) {
+            let before: String = self.buf.drain(..i).collect();
+            if !before.is_empty() {
+                out.push(ToolEvent::Text(before));
+            }
+            self.consume(OPEN.len());
+            self.phase = Phase::Function;
+            return true;
+        }
+        let held = held_suffix(&self.buf, &[OPEN]);
+        let emit: String = self.buf.drain(..self.buf.len() - held).collect();
+        if !emit.is_empty() {
+            out.push(ToolEvent::Text(emit));
+        }
+        false
+    }
+
+    /// `<function=name>`.
+    fn function(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        let rest = skip_ws(&self.buf);
+        let ws = self.buf.len() - rest.len();
+        if rest.is_empty() || could_be(rest, FUNC) {
+            return false;
+        }
+        if !rest.starts_with(FUNC) {
+            self.malformed(out);
+            return true;
+        }
+        // A name is one line of at most NAME_MAX bytes, decided the same way whether its
+        // `>` has arrived or not (streamed and whole answers parse alike).
+        let Some(end) = rest.find('>') else {
+            if rest.contains('\n') || rest.len() > FUNC.len() + NAME_MAX {
+                self.malformed(out);
+                return true;
+            }
+            return false;
+        };
+        let raw_name = &rest[FUNC.len()..end];
+        let name = raw_name.trim().to_string();
+        if name.is_empty() || raw_name.contains(['<', '\n']) || end > FUNC.len() + NAME_MAX {
+            self.malformed(out);
+            return true;
+        }
+        self.consume(ws + end + 1);
+        let index = self.calls.len();
+        self.started = true;
+        self.params = 0;
+        self.args = String::from("{");
+        out.push(ToolEvent::Start { index, id: format!("{}{index}", self.id_prefix), name: name.clone() });
+        self.calls.push(Call { id: format!("{}{index}", self.id_prefix), name, arguments: String::new() });
+        self.phase = Phase::Params;
+        true
+    }
+
+    /// One `<parameter=name>value</parameter>`, or the call's `</function>`.
+    fn param(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        let rest = skip_ws(&self.buf);
+        let ws = self.buf.len() - rest.len();
+        if rest.is_empty() || could_be(rest, PARAM) || could_be(rest, FUNC_END) {
+            return false;
+        }
+        if rest.starts_with(FUNC_END) {
+            self.consume(ws + FUNC_END.len());
+            self.phase = Phase::End;
+            return true;
+        }
+        if !rest.starts_with(PARAM) {
+            self.malformed(out);
+            return true;
+        }
+        let Some(gt) = rest.find('>') else { return false };
+        let Some(close) = rest.find(PARAM_END) else { return false };
+        if close < gt {
+            self.malformed(out);
+            return true;
+        }
+        let pname = rest[PARAM.len()..gt].trim().to_string();
+        let mut value = &rest[gt + 1..close];
+        value = value.strip_prefix('\n').unwrap_or(value);
+        value = value.strip_suffix('\n').unwrap_or(value);
+        let name = self.calls.last().map(|c| c.name.clone()).unwrap_or_default();
+        let v = self.value_json(&name, &pname, value);
+        // Compact JSON, as OpenAI writes arguments.
+        let sep = if self.params == 0 { "" } else { "," };
+        let fragment = format!("{sep}{}:{}", Value::String(pname), v);
+        self.params += 1;
+        self.args.push_str(&fragment);
+        let index = self.calls.len() - 1;
+        // The first fragment carries the opening brace.
+        let fragment = if self.params == 1 { format!("{{{fragment}") } else { fragment };
+        out.push(ToolEvent::Args { index, fragment });
+        self.consume(ws + close + PARAM_END.len());
+        true
+    }
+
+    /// `</tool_call>`: the call is complete.
+    fn end(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        let rest = skip_ws(&self.buf);
+        let ws = self.buf.len() - rest.len();
+        if rest.is_empty() || could_be(rest, CLOSE) {
+            return false;
+        }
+        if !rest.starts_with(CLOSE) {
+            self.malformed(out);
+            return true;
+        }
+        self.consume(ws + CLOSE.len());
+        let index = self.calls.len() - 1;
+        let fragment = if self.params == 0 { "{}".to_string() } else { "}".to_string() };
+        self.args.push('}');
+        if let Some(c) = self.calls.last_mut() {
+            c.arguments = if self.params == 0 { "{}".into() } else { std::mem::take(&mut self.args) };
+        }
+        out.push(ToolEvent::Args { index, fragment });
+        out.push(ToolEvent::End { index });
+        self.raw.clear();
+        self.args.clear();
+        self.started = false;
+        self.phase = Phase::Text;
+        true
     }
 
     /// The answer ended: a call still open is malformed (answered as text), held text is released.
