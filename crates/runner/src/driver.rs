@@ -375,11 +375,45 @@ impl Driver {
 
     /// Runs one batched forward over `work` (each sequence at most once) and samples. With speculation,
     /// a decode item drafts tokens with the head and is verified in the same forward, so it may emit
-    /// several tokens ([`crate::speculative`]). A sequence whose item fails is released.
+    /// several tokens ([`crate::speculative`]). A sequence whose item fails is released. Three parts, as
+    /// vLLM v1 splits its step: prepare (records, pages, media rows, drafts), one forward, finish each item
+    /// (accept or sample, snapshot).
     pub fn step(&mut self, work: &[Work], rows: &mut dyn RowSource) -> Vec<(SeqId, Result<Done, RequestError>)> {
         let mut out = Vec::with_capacity(work.len());
-        // 1. Take every scheduled record out of the map (disjoint &mut borrows) and fetch its rows.
-        let mut ok: Vec<(Work, SeqRec)> = Vec::new();
+        let mut ok = self.take(work, rows, &mut out);
+        if ok.is_empty() {
+            return out;
+        }
+        let verify_tokens = self.drafts(&mut ok, &mut out);
+        let ends: Vec<usize> =
+            ok.iter().zip(&verify_tokens).map(|((w, _), v)| v.as_ref().map_or(w.end, |v| w.start + v.len())).collect();
+        let (logits, hidden) = match self.forward(&mut ok, &verify_tokens, &ends) {
+            Ok(o) => (o.logits, o.last_hidden),
+            Err(e) => {
+                let e = model_error(e);
+                out.extend(ok.into_iter().map(|(w, _)| (w.seq, Err(e.clone()))));
+                return out;
+            }
+        };
+        let mut row0 = 0;
+        for (((w, rec), logits), (v, end)) in ok.into_iter().zip(logits).zip(verify_tokens.into_iter().zip(ends)) {
+            let rows_of_item = row0;
+            row0 += end - w.start;
+            let seq = w.seq;
+            out.push((seq, self.finish(w, rec, &logits, v, hidden.as_ref().map(|h| (h, rows_of_item)))));
+        }
+        out
+    }
+
+    /// Prepare, 1: takes every scheduled record out of the map (disjoint `&mut` borrows), reserves the
+    /// pages its chunk needs and fetches its media rows; what fails goes to `out`.
+    fn take(
+        &mut self,
+        work: &[Work],
+        rows: &mut dyn RowSource,
+        out: &mut Vec<(SeqId, Result<Done, RequestError>)>,
+    ) -> Vec<(Work, SeqRec)> {
+        let mut ok = Vec::new();
         for w in work {
             let Some(mut rec) = self.seqs.remove(&w.seq) else {
                 out.push((w.seq, Err(engine_error("unknown sequence: this is a bug"))));
@@ -403,11 +437,17 @@ impl Driver {
                 Err(e) => out.push((w.seq, Err(e))),
             }
         }
-        if ok.is_empty() {
-            return out;
-        }
-        // 2. Drafts for the decode items, each with the pages its verification needs when the pool has
-        //    them to spare (after every item's own pages: the scheduler planned those).
+        ok
+    }
+
+    /// Prepare, 2: drafts for the decode items, each with the pages its verification needs when the pool
+    /// has them to spare (after every item's own pages: the scheduler planned those). Per item, the tokens
+    /// to verify (`None`: no draft). A failed draft fails its items (moved to `out`).
+    fn drafts(
+        &mut self,
+        ok: &mut Vec<(Work, SeqRec)>,
+        out: &mut Vec<(SeqId, Result<Done, RequestError>)>,
+    ) -> Vec<Option<Vec<u32>>> {
         let ks: Vec<usize> = ok
             .iter_mut()
             .map(|(w, rec)| {
@@ -419,135 +459,109 @@ impl Driver {
             })
             .collect();
         let mut verify_tokens: Vec<Option<Vec<u32>>> = vec![None; ok.len()];
-        if ks.iter().any(|&k| k > 0) {
-            let mut recs: Vec<&mut SeqRec> =
-                ok.iter_mut().zip(&ks).filter(|(_, &k)| k > 0).map(|((_, r), _)| r).collect();
-            let spec_ks: Vec<usize> = ks.iter().copied().filter(|&k| k > 0).collect();
-            match speculative::draft(&self.model, &mut recs, &spec_ks, self.draft_override.as_mut()) {
-                Ok(drafted) => {
-                    let mut drafted = drafted.into_iter();
-                    for (slot, _) in verify_tokens.iter_mut().zip(&ks).filter(|(_, &k)| k > 0) {
-                        *slot = drafted.next();
-                    }
+        if ks.iter().all(|&k| k == 0) {
+            return verify_tokens;
+        }
+        let mut recs: Vec<&mut SeqRec> = ok.iter_mut().zip(&ks).filter(|(_, &k)| k > 0).map(|((_, r), _)| r).collect();
+        let spec_ks: Vec<usize> = ks.iter().copied().filter(|&k| k > 0).collect();
+        match speculative::draft(&self.model, &mut recs, &spec_ks, self.draft_override.as_mut()) {
+            Ok(drafted) => {
+                let mut drafted = drafted.into_iter();
+                for (slot, _) in verify_tokens.iter_mut().zip(&ks).filter(|(_, &k)| k > 0) {
+                    *slot = drafted.next();
                 }
-                Err(e) => {
-                    let (failed, kept): (Vec<_>, Vec<_>) = ok.into_iter().zip(ks).partition(|(_, k)| *k > 0);
-                    out.extend(failed.into_iter().map(|((w, _), _)| (w.seq, Err(e.clone()))));
-                    ok = kept.into_iter().map(|(x, _)| x).collect();
-                    verify_tokens = vec![None; ok.len()];
-                }
+                verify_tokens
+            }
+            Err(e) => {
+                let (failed, kept): (Vec<_>, Vec<_>) =
+                    std::mem::take(ok).into_iter().zip(ks).partition(|(_, k)| *k > 0);
+                out.extend(failed.into_iter().map(|((w, _), _)| (w.seq, Err(e.clone()))));
+                *ok = kept.into_iter().map(|(x, _)| x).collect();
+                vec![None; ok.len()]
             }
         }
-        // 3. One batched forward. Rows and prompts are shared (`Arc`), so the spans can borrow copies while
-        //    states are borrowed mutably.
+    }
+
+    /// The one batched forward: each item's tokens (its chunk, or its verified drafts up to `ends`) with
+    /// its media rows and positions. Rows and prompts are shared (`Arc`), so the spans can borrow copies
+    /// while states are borrowed mutably.
+    fn forward(
+        &mut self,
+        ok: &mut [(Work, SeqRec)],
+        verify_tokens: &[Option<Vec<u32>>],
+        ends: &[usize],
+    ) -> osprey_models::Result<osprey_models::ForwardOutput> {
         let hidden = self.model.info().hidden_size;
         let held: Vec<(Arc<PreparedPrompt>, MediaRows)> =
             ok.iter().map(|(_, rec)| (rec.prompt.clone(), rec.rows.clone())).collect();
         let spans: Vec<Vec<MediaSpan<'_>>> = held.iter().map(|(p, r)| media_spans(p, r, hidden)).collect();
-        let ends: Vec<usize> =
-            ok.iter().zip(&verify_tokens).map(|((w, _), v)| v.as_ref().map_or(w.end, |v| w.start + v.len())).collect();
         let injected: Vec<_> =
-            ok.iter().zip(&spans).zip(&ends).map(|(((w, _), sp), &e)| rows_in_chunk(sp, w.start, e, hidden)).collect();
+            ok.iter().zip(&spans).zip(ends).map(|(((w, _), sp), &e)| rows_in_chunk(sp, w.start, e, hidden)).collect();
         let positions: Vec<Option<Vec<[i64; 3]>>> =
-            ok.iter().zip(&ends).map(|((w, rec), &e)| chunk_positions(&rec.prompt, w.start, e)).collect();
+            ok.iter().zip(ends).map(|((w, rec), &e)| chunk_positions(&rec.prompt, w.start, e)).collect();
         let verify: Vec<bool> = verify_tokens.iter().map(Option::is_some).collect();
-        let outcome = {
-            let mut steps: Vec<SeqStep<'_, '_>> = Vec::with_capacity(ok.len());
-            for ((((w, rec), inj), pos), v) in ok.iter_mut().zip(&injected).zip(&positions).zip(&verify_tokens) {
-                let positions = pos.as_deref().map_or(Positions::Text, Positions::Explicit);
-                let (tokens, logits) = match v {
-                    Some(v) => (&v[..], LogitsWanted::All),
-                    None if w.sample => (&rec.tokens[w.start..w.end], LogitsWanted::Last),
-                    None => (&rec.tokens[w.start..w.end], LogitsWanted::None),
-                };
-                steps.push(SeqStep {
-                    state: &mut rec.state,
-                    input: SeqInput { tokens, positions, injected: inj, logits },
-                });
-            }
-            let opts = ForwardOptions { keep_hidden: self.spec > 0, verify: &verify, ..ForwardOptions::default() };
-            self.model.forward_with(&mut steps, &opts)
-        };
-        drop(injected);
-        drop(spans);
-        // 4. Accept the verified drafts, or feed the draft head and sample; snapshot, put the sequences back.
-        let (logits, hidden) = match outcome {
-            Ok(o) => (o.logits, o.last_hidden),
-            Err(e) => {
-                let e = model_error(e);
-                out.extend(ok.into_iter().map(|(w, _)| (w.seq, Err(e.clone()))));
-                return out;
-            }
-        };
-        let mut row0 = 0;
-        for (((w, mut rec), logits), (v, end)) in ok.into_iter().zip(logits).zip(verify_tokens.into_iter().zip(ends)) {
-            let mut done = Done::default();
-            let rows_of_item = row0;
-            row0 += end - w.start;
-            if let (Some(v), Some(h)) = (v, &hidden) {
-                let accepted = speculative::accept(
-                    &self.model,
-                    &mut rec,
-                    (&logits, &v),
-                    (h, rows_of_item),
-                    &mut self.spec_counters,
-                );
-                match accepted {
-                    Ok(emitted) => done.sampled = emitted,
-                    Err(e) => {
-                        out.push((w.seq, Err(e)));
-                        continue;
-                    }
-                }
-                rec.rows.iter_mut().for_each(|r| *r = None);
-                self.seqs.insert(w.seq, rec);
-                out.push((w.seq, Ok(done)));
-                continue;
-            }
-            if let Some(h) = &hidden {
-                if let Err(e) = feed_head(&self.model, &mut rec, (w.start, w.end), h, rows_of_item) {
-                    out.push((w.seq, Err(e)));
-                    continue;
-                }
-            }
-            let p = self.page_size;
-            if w.snapshot && w.end.is_multiple_of(p) {
-                // A host snapshot that cannot be taken (no room to download) only costs the cache an entry.
-                match rec.state.snapshot(self.model.backend().as_ref()) {
-                    Ok(state) => {
-                        let pages = (rec.pages_reported..w.end / p).map(|i| (i, rec.state.full_page(i))).collect();
-                        rec.pages_reported = w.end / p;
-                        done.snapshot = Some(Taken { tokens: w.end, pages, state });
-                    }
-                    Err(e) => tracing::warn!(seq = ?w.seq, error = %e, "prefix snapshot skipped"),
-                }
-            }
-            if w.sample {
-                let plen = rec.prompt.input_ids.len();
-                let allowed = match grammar_mask(&mut rec) {
-                    Ok(a) => a,
-                    Err(e) => {
-                        out.push((w.seq, Err(e)));
-                        continue;
-                    }
-                };
-                let (prompt, output) = rec.tokens.split_at(plen);
-                let (token, logprobs) =
-                    sample(&logits, &rec.sampling, prompt, output, &mut rec.rng, allowed.then_some(&rec.allowed[..]));
-                if let Some(m) = rec.matcher.as_mut() {
-                    if let Err(e) = m.commit(token) {
-                        out.push((w.seq, Err(grammar_error(&e))));
-                        continue;
-                    }
-                }
-                rec.tokens.push(token);
-                rec.rows.iter_mut().for_each(|r| *r = None);
-                done.sampled = vec![(token, logprobs)];
-            }
-            self.seqs.insert(w.seq, rec);
-            out.push((w.seq, Ok(done)));
+        let mut steps: Vec<SeqStep<'_, '_>> = Vec::with_capacity(ok.len());
+        for ((((w, rec), inj), pos), v) in ok.iter_mut().zip(&injected).zip(&positions).zip(verify_tokens) {
+            let positions = pos.as_deref().map_or(Positions::Text, Positions::Explicit);
+            let (tokens, logits) = match v {
+                Some(v) => (&v[..], LogitsWanted::All),
+                None if w.sample => (&rec.tokens[w.start..w.end], LogitsWanted::Last),
+                None => (&rec.tokens[w.start..w.end], LogitsWanted::None),
+            };
+            steps.push(SeqStep { state: &mut rec.state, input: SeqInput { tokens, positions, injected: inj, logits } });
         }
-        out
+        let opts = ForwardOptions { keep_hidden: self.spec > 0, verify: &verify, ..ForwardOptions::default() };
+        self.model.forward_with(&mut steps, &opts)
+    }
+
+    /// Finish one item: accept its verified drafts, or feed the draft head, snapshot and sample; the
+    /// sequence goes back into the map unless it failed. `hidden`: the batch's final hidden rows and the
+    /// first of this item's.
+    fn finish(
+        &mut self,
+        w: Work,
+        mut rec: SeqRec,
+        logits: &[f32],
+        verify: Option<Vec<u32>>,
+        hidden: Option<(&osprey_models::backend::Tensor, usize)>,
+    ) -> Result<Done, RequestError> {
+        let mut done = Done::default();
+        if let (Some(v), Some((h, row))) = (verify.as_deref(), hidden) {
+            done.sampled = speculative::accept(&self.model, &mut rec, (logits, v), (h, row), &mut self.spec_counters)?;
+            rec.rows.iter_mut().for_each(|r| *r = None);
+            self.seqs.insert(w.seq, rec);
+            return Ok(done);
+        }
+        if let Some((h, row)) = hidden {
+            feed_head(&self.model, &mut rec, (w.start, w.end), h, row)?;
+        }
+        let p = self.page_size;
+        if w.snapshot && w.end.is_multiple_of(p) {
+            // A host snapshot that cannot be taken (no room to download) only costs the cache an entry.
+            match rec.state.snapshot(self.model.backend().as_ref()) {
+                Ok(state) => {
+                    let pages = (rec.pages_reported..w.end / p).map(|i| (i, rec.state.full_page(i))).collect();
+                    rec.pages_reported = w.end / p;
+                    done.snapshot = Some(Taken { tokens: w.end, pages, state });
+                }
+                Err(e) => tracing::warn!(seq = ?w.seq, error = %e, "prefix snapshot skipped"),
+            }
+        }
+        if w.sample {
+            let plen = rec.prompt.input_ids.len();
+            let allowed = grammar_mask(&mut rec)?;
+            let (prompt, output) = rec.tokens.split_at(plen);
+            let (token, logprobs) =
+                sample(logits, &rec.sampling, prompt, output, &mut rec.rng, allowed.then_some(&rec.allowed[..]));
+            if let Some(m) = rec.matcher.as_mut() {
+                m.commit(token).map_err(|e| grammar_error(&e))?;
+            }
+            rec.tokens.push(token);
+            rec.rows.iter_mut().for_each(|r| *r = None);
+            done.sampled = vec![(token, logprobs)];
+        }
+        self.seqs.insert(w.seq, rec);
+        Ok(done)
     }
 
     /// One sequence from prompt to its last token: prefill in chunks of `opts.chunk`, then decode until a
