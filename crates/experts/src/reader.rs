@@ -244,6 +244,37 @@ struct Fixed {
     size: usize,
 }
 
+/// Submits what is queued and waits for at least one completion: the completions as (request index,
+/// result), `inflight` counted down. On a ring failure every pending result gets the error and what is in
+/// flight is waited for, so no destination is released under the kernel: `None`, and the batch ends.
+fn reap(
+    ring: &mut io_uring::IoUring,
+    inflight: &mut usize,
+    results: &mut [Option<std::io::Result<usize>>],
+) -> Option<Vec<(usize, i32)>> {
+    if let Err(e) = ring.submit_and_wait(1) {
+        for r in results.iter_mut().filter(|r| r.is_none()) {
+            *r = Some(Err(std::io::Error::new(e.kind(), e.to_string())));
+        }
+        while *inflight > 0 && ring.submit_and_wait(1).is_ok() {
+            *inflight -= ring.completion().count();
+        }
+        return None;
+    }
+    let done: Vec<(usize, i32)> = ring.completion().map(|c| (c.user_data() as usize, c.result())).collect();
+    *inflight -= done.len();
+    Some(done)
+}
+
+/// A completion's result: bytes read, or the errno it carries.
+fn completed(res: i32) -> std::io::Result<usize> {
+    if res < 0 {
+        Err(std::io::Error::from_raw_os_error(-res))
+    } else {
+        Ok(res as usize)
+    }
+}
+
 /// io_uring: all reads of a batch submitted together, then reaped.
 pub struct UringReader {
     files: Vec<Opened>,
@@ -367,22 +398,9 @@ impl Reader for UringReader {
                 }
                 break;
             }
-            if let Err(e) = self.ring.submit_and_wait(1) {
-                for r in results.iter_mut().filter(|r| r.is_none()) {
-                    *r = Some(Err(std::io::Error::new(e.kind(), e.to_string())));
-                }
-                // Wait for what is in flight so no destination is released under the kernel.
-                while inflight > 0 && self.ring.submit_and_wait(1).is_ok() {
-                    inflight -= self.ring.completion().count();
-                }
-                break;
-            }
-            let done: Vec<(usize, i32)> =
-                self.ring.completion().map(|c| (c.user_data() as usize, c.result())).collect();
+            let Some(done) = reap(&mut self.ring, &mut inflight, &mut results) else { break };
             for (i, res) in done {
-                inflight -= 1;
-                results[i] =
-                    Some(if res < 0 { Err(std::io::Error::from_raw_os_error(-res)) } else { Ok(res as usize) });
+                results[i] = Some(completed(res));
             }
         }
         results
@@ -442,20 +460,8 @@ impl Reader for UringReader {
                 next += 1;
                 inflight += 1;
             }
-            if let Err(e) = self.ring.submit_and_wait(1) {
-                for r in results.iter_mut().filter(|r| r.is_none()) {
-                    *r = Some(Err(std::io::Error::new(e.kind(), e.to_string())));
-                }
-                // Wait for what is in flight so no buffer is freed under the kernel.
-                while inflight > 0 && self.ring.submit_and_wait(1).is_ok() {
-                    inflight -= self.ring.completion().count();
-                }
-                break;
-            }
-            let done: Vec<(usize, i32)> =
-                self.ring.completion().map(|c| (c.user_data() as usize, c.result())).collect();
+            let Some(done) = reap(&mut self.ring, &mut inflight, &mut results) else { break };
             for (i, res) in done {
-                inflight -= 1;
                 if let (Some(slot), Some(f)) = (slot_of[i], self.fixed.as_ref()) {
                     if res > 0 {
                         let n = res as usize;
@@ -463,8 +469,7 @@ impl Reader for UringReader {
                     }
                     free.push(slot);
                 }
-                results[i] =
-                    Some(if res < 0 { Err(std::io::Error::from_raw_os_error(-res)) } else { Ok(res as usize) });
+                results[i] = Some(completed(res));
             }
         }
         bufs.into_iter()
