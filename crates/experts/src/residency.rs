@@ -304,7 +304,7 @@ impl ExpertSource for ResidentSet {
             .is_ok();
         let (tx, stall) = (self.tx.clone(), self.stall_nanos.clone());
         let experts = experts.to_vec();
-        let gone = || osprey_models::Error::InvalidInput("the expert residency manager is gone".into());
+        let gone = || osprey_models::Error::Engine("the expert residency manager is gone".into());
         // A dropped reply: the manager panicked; `/health` must see it before this failure travels on.
         let died = {
             let tx = self.tx.clone();
@@ -325,7 +325,7 @@ impl ExpertSource for ResidentSet {
             let have = resident_rx
                 .blocking_recv()
                 .map_err(|_| died())?
-                .map_err(|e| osprey_models::Error::InvalidInput(e.message))?;
+                .map_err(|e| osprey_models::Error::Engine(e.message))?;
             stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
             let missing: Vec<usize> = experts.iter().zip(&have).filter(|(_, w)| w.is_none()).map(|(&e, _)| e).collect();
             let have = have.into_iter().zip(&experts).map(|(w, &e)| w.map(|w| lease(from_handle(&w), e))).collect();
@@ -334,10 +334,7 @@ impl ExpertSource for ResidentSet {
                 let got = rx.blocking_recv().map_err(|_| died())?;
                 stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
                 let weights = got.map_err(|e| {
-                    osprey_models::Error::InvalidInput(format!(
-                        "reading experts of layer {layer} failed: {}",
-                        e.message
-                    ))
+                    osprey_models::Error::Engine(format!("reading experts of layer {layer} failed: {}", e.message))
                 })?;
                 Ok(weights.into_iter().zip(missing).map(|(w, e)| lease(from_handle(&w), e)).collect())
             });

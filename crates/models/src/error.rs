@@ -64,6 +64,10 @@ pub enum Error {
     /// A request is inconsistent with the model (e.g. a token id beyond the vocabulary).
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    /// A part of the engine failed (the expert residency manager gone, an expert read that failed, an
+    /// expert source that broke its contract): not the request's fault.
+    #[error("engine failure: {0}")]
+    Engine(String),
     /// Media over a configured limit (declared pixels, frames).
     #[error("{0}")]
     MediaLimit(String),

@@ -131,9 +131,9 @@ impl ExpertTicket {
         let mut rest = pending.wait()?.into_iter();
         have.iter_mut()
             .map(|h| {
-                h.take().or_else(|| rest.next()).ok_or_else(|| {
-                    crate::error::Error::InvalidInput("an expert source returned too few experts".into())
-                })
+                h.take()
+                    .or_else(|| rest.next())
+                    .ok_or_else(|| crate::error::Error::Engine("an expert source returned too few experts".into()))
             })
             .collect()
     }
@@ -360,7 +360,7 @@ impl SparseMoe {
             if ready.is_empty() {
                 ready = pending.take().map(PendingExperts::wait).transpose()?.unwrap_or_default();
                 if ready.is_empty() {
-                    return Err(Error::InvalidInput("an expert source returned too few experts".into()));
+                    return Err(Error::Engine("an expert source returned too few experts".into()));
                 }
             }
             let wave_handles: Vec<ExpertHandle> = ready.drain(..ready.len().min(table.slots())).collect();
