@@ -1,11 +1,16 @@
-//! # osprey-server — the OpenAI-compatible HTTP endpoint
+//! # osprey-server — the HTTP endpoint (OpenAI, Anthropic and Ollama APIs, and the web page)
 //!
-//! Brief overview: actix-web routes `POST /v1/chat/completions`, `POST /v1/completions`,
-//! `GET /v1/models`, `GET /health`, `GET /metrics`. Handlers parse and validate the OpenAI body into
-//! protocol messages, ask the tokenizer actor to prepare the prompt, submit it to the scheduler actor and
-//! stream its token events back (SSE or one JSON body). The server owns only its HTTP metrics; it talks to
-//! the engine through `osprey-protocol` senders. Errors become OpenAI error envelopes in one place
-//! ([`ApiError`]).
+//! Brief overview: actix-web routes the OpenAI API (`POST /v1/chat/completions`, `/v1/completions`,
+//! `/v1/responses` with `GET`/`DELETE /v1/responses/{id}`, `GET /v1/models` and `/v1/models/{id}`), the
+//! Anthropic Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`), the Ollama API
+//! (`POST /api/chat`, `/api/generate`, `/api/show`, `GET /api/tags`, `/api/ps`, `/api/version`), the
+//! engine's state (`GET /health`, `/metrics`, `/v1/engine/stats`) and the web page (`/`, `/dashboard`,
+//! `/webui/{file}`, `/favicon.ico`). Every front end translates its body into one chat request
+//! (`handlers::prepare_chat`): validated, rendered and tokenized by the tokenizer actor, run by the
+//! scheduler actor, its token events streamed back (SSE, NDJSON or one JSON body) through one answer
+//! (`answer.rs`: reasoning, text and tool calls). The server owns only its HTTP metrics; it talks to the
+//! engine through `osprey-protocol` senders. Errors become OpenAI error envelopes in one place
+//! ([`ApiError`]); the Anthropic and Ollama front ends rewrap them in their own shapes.
 
 mod answer;
 mod body;

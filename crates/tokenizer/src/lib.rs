@@ -1,10 +1,13 @@
 //! # osprey-tokenizer — text ⇄ token ids
 //!
 //! Brief overview: owns the checkpoint's `tokenizer.json` (a `tokenizers` pipeline: NFC, the Qwen3.5
-//! split regex, byte-level BPE, added special tokens) and its chat template. Today it is the synchronous
-//! core: [`TextTokenizer`] encodes and decodes, [`ChatTemplate`] renders messages like transformers, and
-//! [`expand_media_placeholders`] expands image/video placeholders to their soft-token counts. The actor
-//! shell (`cache_ids`, streaming detokenizer) is added with the serving issue on top of this core.
+//! split regex, byte-level BPE, added special tokens) and its chat template. [`TextTokenizer`] encodes
+//! and decodes, [`ChatTemplate`] renders messages like transformers, [`expand_media_placeholders`]
+//! expands image/video placeholders to their soft-token counts and [`prepare_prompt`] builds a prompt's
+//! ids, mRoPE positions and media spans. The actor ([`spawn_pool`]) prepares prompts with their
+//! [`cache_ids`] (media keyed by content hash), detokenizes streams ([`Detokenizer`]) and compiles the
+//! grammars of constrained decoding ([`GrammarCompiler`], llguidance), whose matchers wrap an answer up
+//! inside its token budget (`wrapup.rs`).
 
 mod actor;
 mod chat;
