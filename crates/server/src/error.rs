@@ -91,3 +91,16 @@ impl ResponseError for ApiError {
 pub(crate) fn shown(v: Option<&str>) -> String {
     v.map_or_else(|| "none".to_string(), |s| format!("`{s}`"))
 }
+
+/// `e`'s response (its status and headers, `Retry-After` included) with `body` in another API's shape
+/// (Anthropic's envelope, Ollama's `{"error"}`).
+pub(crate) fn rewrapped(e: &ApiError, body: &serde_json::Value) -> actix_web::HttpResponse {
+    let mut r = e.error_response();
+    let mut b = HttpResponse::build(r.status());
+    for (k, v) in r.headers_mut().iter() {
+        if k != actix_web::http::header::CONTENT_LENGTH && k != actix_web::http::header::CONTENT_TYPE {
+            b.insert_header((k.clone(), v.clone()));
+        }
+    }
+    b.json(body)
+}

@@ -74,14 +74,7 @@ impl ResponseError for AnthropicError {
     }
 
     fn error_response(&self) -> HttpResponse {
-        let mut r = self.0.error_response();
-        let mut b = HttpResponse::build(r.status());
-        for (k, v) in r.headers_mut().iter() {
-            if k != actix_web::http::header::CONTENT_LENGTH && k != actix_web::http::header::CONTENT_TYPE {
-                b.insert_header((k.clone(), v.clone()));
-            }
-        }
-        b.json(envelope(&self.0))
+        crate::error::rewrapped(&self.0, &envelope(&self.0))
     }
 }
 

@@ -62,14 +62,7 @@ impl ResponseError for OllamaError {
     }
 
     fn error_response(&self) -> HttpResponse {
-        let mut r = self.0.error_response();
-        let mut b = HttpResponse::build(r.status());
-        for (k, v) in r.headers_mut().iter() {
-            if k != actix_web::http::header::CONTENT_LENGTH && k != actix_web::http::header::CONTENT_TYPE {
-                b.insert_header((k.clone(), v.clone()));
-            }
-        }
-        b.json(body(&self.0))
+        crate::error::rewrapped(&self.0, &body(&self.0))
     }
 }
 
@@ -265,16 +258,25 @@ async fn run(
     Ok(HttpResponse::Ok().json(v))
 }
 
+async fn counted(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    payload: web::Payload,
+    api: Api,
+) -> Result<HttpResponse, OllamaError> {
+    let state = state.into_inner();
+    state.metrics.ollama_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let r = run(state.clone(), req, payload, api).await;
+    Ok(handlers::counted(&state, r)?)
+}
+
 /// `POST /api/chat`.
 pub async fn chat(
     state: web::Data<AppState>,
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, OllamaError> {
-    let state = state.into_inner();
-    state.metrics.ollama_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let r = run(state.clone(), req, payload, Api::Chat).await;
-    Ok(handlers::counted(&state, r)?)
+    counted(state, req, payload, Api::Chat).await
 }
 
 /// `POST /api/generate`.
@@ -283,10 +285,7 @@ pub async fn generate(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, OllamaError> {
-    let state = state.into_inner();
-    state.metrics.ollama_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let r = run(state.clone(), req, payload, Api::Generate).await;
-    Ok(handlers::counted(&state, r)?)
+    counted(state, req, payload, Api::Generate).await
 }
 
 /// The model's `details`, as `/api/tags`, `/api/show` and `/api/ps` give them.
