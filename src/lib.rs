@@ -96,7 +96,8 @@ fn expert_source(
         .map(|l| (0..index.experts[l].len()).map(|e| index.expert_bytes(l, e)).sum::<usize>())
         .sum();
     tracing::info!(?budget, ?policy, reader = ?reader.kind(), expert_bytes = total, "streaming experts from disk");
-    Ok(Some(osprey_experts::spawn(index, reader, budget, policy, backend)))
+    let warmup = settings.expert_warmup.unwrap_or(false);
+    Ok(Some(osprey_experts::spawn(index, reader, (budget, policy), warmup, backend)))
 }
 
 /// Wraps the expert reader the server opens (instrumentation, or fault injection in tests); applies only

@@ -53,6 +53,8 @@ pub struct Settings {
     pub expert_reader: Option<String>,
     /// Expert eviction policy: "lru" (default) or "lfu".
     pub expert_policy: Option<String>,
+    /// Fill the expert budget after startup, while the manager has nothing else to do (requests first).
+    pub expert_warmup: Option<bool>,
     /// Images + videos per request (default 8).
     pub max_media_per_request: Option<usize>,
     /// Bytes per media item (default 16 MiB).

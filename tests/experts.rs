@@ -164,3 +164,25 @@ fn serve_returns_an_error_when_an_actor_dies() {
     let err = served.expect_err("serve must fail when the engine dies");
     assert!(err.contains("expert residency manager"), "{err}");
 }
+
+/// Issue 36, item 3: `--expert-warmup` fills the budget after startup with no request (two experts in
+/// each of the tiny model's four layers, nothing evicted), and the answers stay the fully resident ones.
+#[test]
+fn expert_warmup_fills_the_budget_in_the_background() {
+    let dir = nvfp4_dir();
+    let full = start(Settings::default(), dir.clone());
+    let warm = start(Settings { expert_ram_experts: Some(2), expert_warmup: Some(true), ..Settings::default() }, dir);
+    let t0 = std::time::Instant::now();
+    while metric(warm, "osprey_expert_resident") < 8.0 {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "{} experts warmed",
+            metric(warm, "osprey_expert_resident")
+        );
+        std::thread::yield_now();
+    }
+    assert_eq!(metric(warm, "osprey_expert_resident"), 8.0, "2 per layer, no more");
+    assert_eq!(metric(warm, "osprey_expert_evictions_total"), 0.0);
+    let body = json!({"messages": [{"role": "user", "content": "Tell me about experts."}], "max_tokens": 12, "temperature": 0});
+    assert_eq!(ask(warm, &body)["choices"][0]["message"], ask(full, &body)["choices"][0]["message"]);
+}

@@ -82,6 +82,9 @@ pub struct ServeArgs {
     /// Expert eviction policy: lru or lfu.
     #[arg(long)]
     expert_policy: Option<String>,
+    /// Fill the expert budget after startup, in the background (requests are served first).
+    #[arg(long)]
+    expert_warmup: bool,
     /// Images + videos per request.
     #[arg(long)]
     max_media_per_request: Option<usize>,
@@ -175,6 +178,7 @@ impl ServeArgs {
             expert_reader: self.expert_reader.clone(),
             ple_ram_gb: self.ple_ram_gb,
             expert_policy: self.expert_policy.clone(),
+            expert_warmup: self.expert_warmup.then_some(true),
             max_media_per_request: self.max_media_per_request,
             max_media_bytes: self.max_media_bytes,
             max_image_pixels: self.max_image_pixels,

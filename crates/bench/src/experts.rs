@@ -244,7 +244,7 @@ pub fn bench_experts_traced(
     let reader = open_reader(&index.files, None)
         .map_err(|source| osprey_models::Error::Io { path: dir.to_path_buf(), source })?;
     let reader_kind = format!("{:?}", reader.kind());
-    let set = spawn(index, reader, Budget::Bytes(budget_bytes), Policy::Lru, backend.as_ref());
+    let set = spawn(index, reader, (Budget::Bytes(budget_bytes), Policy::Lru), false, backend.as_ref());
     let tx = set.sender();
     let trace = Arc::new(Mutex::new(Vec::new()));
     let source = Arc::new(Recording { inner: Arc::new(set), trace: trace.clone(), wait_all });

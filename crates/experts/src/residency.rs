@@ -213,6 +213,28 @@ impl ResidencyTable {
         weights
     }
 
+    /// The experts of `layer` (of `count`) a warm-up may read without evicting anything: the lowest ids
+    /// not resident, as many as the budget has room for (`bytes(e)` each), at most `most`.
+    pub fn room_for(&self, layer: usize, count: usize, bytes: &dyn Fn(usize) -> usize, most: usize) -> Vec<usize> {
+        let (mut used, mut in_layer) = (self.used, self.per_layer[layer]);
+        let mut out = Vec::new();
+        for e in (0..count).filter(|&e| !self.slots.contains(&(layer, e))) {
+            if out.len() >= most {
+                break;
+            }
+            let b = bytes(e);
+            let fits = match self.budget {
+                Budget::Bytes(total) => used + b <= total,
+                Budget::PerLayer(n) => in_layer < n,
+            };
+            if fits {
+                (used, in_layer) = (used + b, in_layer + 1);
+                out.push(e);
+            }
+        }
+        out
+    }
+
     /// Drops one lease.
     pub fn release(&mut self, layer: usize, expert: usize) {
         // A release is not a use: `peek_mut` leaves the recency order alone.
@@ -347,11 +369,13 @@ impl ExpertSource for ResidentSet {
 /// `backend` allocates (the budget's worth of slots, registered with the reader where it can be); reads
 /// past it (leased experts over the budget) land in buffers of their own, as do all of them when the
 /// arena cannot be allocated.
+/// With `warmup`, the manager fills its budget after startup while it has nothing else to do
+/// ([`warm_step`]): a command that arrives is served before the next warm-up read.
 pub fn spawn(
     index: ExpertIndex,
     reader: Box<dyn Reader>,
-    budget: Budget,
-    policy: Policy,
+    (budget, policy): (Budget, Policy),
+    warmup: bool,
     backend: &dyn osprey_models::backend::Backend,
 ) -> ResidentSet {
     let (tx, mut rx) = mpsc::unbounded_channel::<ResidencyCommand>();
@@ -367,7 +391,31 @@ pub fn spawn(
             let tier = tier;
             let mut reader = reader;
             let mut table = ResidencyTable::new(index.experts.len(), budget, policy);
-            while let Some(cmd) = rx.blocking_recv() {
+            let mut warm = warmup.then(|| Warmup { next_layer: 0, started: Instant::now() });
+            loop {
+                let cmd = match warm.as_mut() {
+                    // Commands first; a warm-up read only when the inbox is empty.
+                    Some(w) => match rx.try_recv() {
+                        Ok(cmd) => cmd,
+                        Err(mpsc::error::TryRecvError::Empty) => {
+                            if !warm_step(&index, (reader.as_mut(), tier.as_ref()), &mut table, w) {
+                                tracing::info!(
+                                    experts = table.len(),
+                                    bytes = table.used(),
+                                    secs = w.started.elapsed().as_secs_f64(),
+                                    "experts warmed up"
+                                );
+                                warm = None;
+                            }
+                            continue;
+                        }
+                        Err(mpsc::error::TryRecvError::Disconnected) => break,
+                    },
+                    None => match rx.blocking_recv() {
+                        Some(cmd) => cmd,
+                        None => break,
+                    },
+                };
                 match cmd {
                     ResidencyCommand::Need { layer, experts, span, resident, reply } => {
                         let _in = span.enter();
@@ -394,6 +442,47 @@ pub fn spawn(
         })
         .expect("spawn expert residency thread");
     ResidentSet { tx, stall_nanos, slots }
+}
+
+/// Where a warm-up stands.
+#[derive(Debug)]
+struct Warmup {
+    /// The layer the next warm-up read is for (layers take turns, so a byte budget fills evenly).
+    next_layer: usize,
+    started: Instant,
+}
+
+/// One warm-up read: the next layer with room gets experts it does not hold (all that fit, with a
+/// per-layer budget; one, with a byte budget, so every layer gets its share), read in one batch and
+/// left unleased in the table. Never evicts: false once nothing more fits, or a read failed (the
+/// warm-up ends; requests read what they need as before).
+fn warm_step(
+    index: &ExpertIndex,
+    (reader, tier): (&mut dyn Reader, Option<&HostTier>),
+    table: &mut ResidencyTable,
+    w: &mut Warmup,
+) -> bool {
+    let layers = index.experts.len();
+    for _ in 0..layers {
+        let layer = w.next_layer;
+        w.next_layer = (layer + 1) % layers;
+        let most = if matches!(table.budget, Budget::Bytes(_)) { 1 } else { usize::MAX };
+        let experts = table.room_for(layer, index.experts[layer].len(), &|e| index.expert_footprint(layer, e), most);
+        if experts.is_empty() {
+            continue;
+        }
+        return match read_missing(index, (reader, tier), table, layer, &experts) {
+            Ok(_) => {
+                experts.iter().for_each(|&e| table.release(layer, e));
+                true
+            }
+            Err(e) => {
+                tracing::warn!(layer, error = %e.message, "expert warm-up stopped");
+                false
+            }
+        };
+    }
+    false
 }
 
 /// The RAM tier's arena: slots of the largest expert's read footprint, as many as the budget holds

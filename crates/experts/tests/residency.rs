@@ -87,12 +87,14 @@ fn logits_are_bit_identical_whatever_the_budget_and_the_reader() {
             // All 8 experts per layer; only top_k = 2 per layer; a byte budget of about 3 experts in total.
             let one = idx.expert_bytes(0, 0);
             for budget in [Budget::PerLayer(8), Budget::PerLayer(2), Budget::Bytes(3 * one)] {
-                let reader = open_reader(&idx.files, Some(kind)).expect("reader");
-                let set =
-                    spawn(idx.clone(), reader, budget, Policy::Lru, osprey_backend_cpu::CpuBackend::shared().as_ref());
-                let m = model_with(&dir, Some(Arc::new(set.clone())));
-                let got = run(&m, &prompt()).expect("streamed");
-                assert!(got == reference, "{}: {kind:?} {budget:?} changed the logits", dir.display());
+                for warmup in [false, true] {
+                    let reader = open_reader(&idx.files, Some(kind)).expect("reader");
+                    let backend = osprey_backend_cpu::CpuBackend::shared();
+                    let set = spawn(idx.clone(), reader, (budget, Policy::Lru), warmup, backend.as_ref());
+                    let m = model_with(&dir, Some(Arc::new(set.clone())));
+                    let got = run(&m, &prompt()).expect("streamed");
+                    assert!(got == reference, "{}: {kind:?} {budget:?} {warmup} changed the logits", dir.display());
+                }
             }
             drop(reader);
         }
@@ -131,12 +133,61 @@ fn an_injected_read_fault_fails_one_forward_and_the_next_succeeds() {
     let set = spawn(
         idx,
         Box::new(faulty),
-        Budget::PerLayer(2),
-        Policy::Lru,
+        (Budget::PerLayer(2), Policy::Lru),
+        false,
         osprey_backend_cpu::CpuBackend::shared().as_ref(),
     );
     let m = model_with(&dir, Some(Arc::new(set)));
     let e = run(&m, &prompt()).expect_err("the injected fault surfaces as an error");
     assert!(e.to_string().contains("injected I/O error"), "{e}");
     assert!(run(&m, &prompt()).expect("the next forward succeeds") == reference);
+}
+
+fn stats(set: &osprey_experts::ResidentSet) -> osprey_experts::ResidencyStats {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    set.sender().send(osprey_experts::ResidencyCommand::Stats { reply: tx }).expect("manager alive");
+    rx.blocking_recv().expect("stats")
+}
+
+/// Issue 36, item 3: with `warmup`, the manager fills its budget before any request (every layer its
+/// share, nothing evicted, no access counted), the first forward then finds experts in RAM, and the
+/// logits are the mapped model's.
+#[test]
+fn a_warm_up_fills_the_budget_without_evicting_and_the_answer_stays_the_same() {
+    let dir = nvfp4_dir();
+    let idx = index(&dir);
+    let reference = run(&model_with(&dir, None), &prompt()).expect("mapped");
+    let layers = idx.experts.iter().filter(|l| !l.is_empty()).count() as u64;
+    let footprint = idx.expert_footprint(0, 0);
+    for (budget, want) in [(Budget::PerLayer(2), 2 * layers), (Budget::Bytes(3 * footprint), 3)] {
+        let reader = open_reader(&idx.files, None).expect("reader");
+        let set =
+            spawn(idx.clone(), reader, (budget, Policy::Lru), true, osprey_backend_cpu::CpuBackend::shared().as_ref());
+        // Each answer to Stats comes after the warm-up reads the manager did before it: poll until full.
+        let t0 = std::time::Instant::now();
+        let warm = loop {
+            let s = stats(&set);
+            if s.resident_experts >= want {
+                break s;
+            }
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(60),
+                "{budget:?}: {} of {want} warmed",
+                s.resident_experts
+            );
+            std::thread::yield_now();
+        };
+        assert_eq!((warm.resident_experts, warm.evictions), (want, 0), "{budget:?}");
+        assert!(warm.layers.iter().all(|l| l.hits == 0 && l.misses == 0), "a warm-up is not an access");
+        if let Budget::PerLayer(n) = budget {
+            assert!(
+                warm.experts.iter().filter(|m| m.count > 0).all(|m| m.resident.len() == n),
+                "every layer its share"
+            );
+        }
+        let m = model_with(&dir, Some(Arc::new(set.clone())));
+        assert!(run(&m, &prompt()).expect("streamed") == reference, "{budget:?}: the warm-up changed the logits");
+        let after = stats(&set);
+        assert!(after.layers.iter().map(|l| l.hits).sum::<u64>() > 0, "{budget:?}: the forward found warmed experts");
+    }
 }
