@@ -140,6 +140,9 @@ pub struct ExpertsArgs {
     /// experts with the reads).
     #[arg(long)]
     pub wait_all: bool,
+    /// Warm the budget up before the prompt (`--expert-warmup`); the report gives the warm-up's seconds.
+    #[arg(long)]
+    pub warmup: bool,
     /// PLE row budget as a fraction of the tables' rows (models with PLE, qwen4_exp).
     #[arg(long, default_value_t = 1.0)]
     pub ple_budget: f64,
@@ -272,6 +275,9 @@ fn experts_sweep(a: ExpertsArgs, g: &Global) -> Result<()> {
         if a.wait_all {
             cmd.arg("--wait-all");
         }
+        if a.warmup {
+            cmd.arg("--warmup");
+        }
         let o = cmd.stderr(std::process::Stdio::null()).output().context("running a budget")?;
         anyhow::ensure!(o.status.success(), "the run at budget {b} failed");
         let line = String::from_utf8_lossy(&o.stdout).trim().to_string();
@@ -293,6 +299,7 @@ fn experts(a: ExpertsArgs, g: &Global) -> Result<()> {
         prompt_len: a.prompt_len,
         decode_tokens: a.decode_tokens,
         wait_all: a.wait_all,
+        warmup: a.warmup,
     };
     let (report, trace) = osprey_bench::bench_experts_traced(&a.model, run, backend)?;
     if let Some(path) = a.trace_out {
