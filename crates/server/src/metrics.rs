@@ -111,9 +111,19 @@ impl Metrics {
         self.recent.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect()
     }
 
-    /// Prometheus exposition text.
+    /// Prometheus exposition text: the HTTP layer's metrics, then the engine's (scheduler, PLE and
+    /// speculation when the model has them, counters, caches), in this order.
     pub fn render(&self, s: &SchedulerStats, v: &VisionStats, p: &PrefixStats) -> String {
         let mut out = String::new();
+        self.render_http(&mut out);
+        render_scheduler(s, &mut out);
+        render_ple_and_spec(s, &mut out);
+        self.render_counters(s, &mut out);
+        render_caches(s, v, p, &mut out);
+        out
+    }
+
+    fn render_http(&self, out: &mut String) {
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
         out.push_str(
             "# HELP osprey_requests_total Requests received, by endpoint.\n# TYPE osprey_requests_total counter\n",
@@ -124,158 +134,56 @@ impl Metrics {
         out.push_str(&format!("osprey_requests_total{{endpoint=\"messages\"}} {}\n", ld(&self.messages_requests)));
         out.push_str(&format!("osprey_requests_total{{endpoint=\"ollama\"}} {}\n", ld(&self.ollama_requests)));
         gauge(
-            &mut out,
+            out,
             "osprey_requests_failed_total",
             "Requests answered with an error.",
             "counter",
             ld(&self.failed_requests),
         );
-        self.ttft.render(
-            "osprey_time_to_first_token_seconds",
-            "Time from request arrival to the first token.",
-            &mut out,
-        );
-        self.itl.render(
-            "osprey_inter_token_latency_seconds",
-            "Time between consecutive tokens of a request.",
-            &mut out,
-        );
+        self.ttft.render("osprey_time_to_first_token_seconds", "Time from request arrival to the first token.", out);
+        self.itl.render("osprey_inter_token_latency_seconds", "Time between consecutive tokens of a request.", out);
         gauge(
-            &mut out,
+            out,
             "osprey_deadline_exceeded_total",
             "Generations ended because their deadline passed.",
             "counter",
             ld(&self.deadlines),
         );
-        gauge(&mut out, "osprey_queue_length", "Requests waiting for admission.", "gauge", s.waiting as f64);
-        gauge(&mut out, "osprey_running_sequences", "Sequences being computed.", "gauge", s.running as f64);
-        gauge(&mut out, "osprey_kv_tokens", "Tokens held in KV by running sequences.", "gauge", s.kv_tokens as f64);
-        gauge(&mut out, "osprey_kv_capacity_tokens", "KV capacity in tokens.", "gauge", s.kv_capacity as f64);
-        let used = s.kv_pages_total.saturating_sub(s.kv_pages_free);
-        gauge(&mut out, "osprey_kv_pages_total", "Pages in the KV pool.", "gauge", s.kv_pages_total as f64);
+    }
+
+    /// The engine's counters and the generation rate since the previous scrape.
+    fn render_counters(&self, s: &SchedulerStats, out: &mut String) {
         gauge(
-            &mut out,
-            "osprey_kv_pages_used",
-            "KV pages held by sequences or the prefix cache.",
-            "gauge",
-            used as f64,
-        );
-        gauge(&mut out, "osprey_kv_pages_free", "KV pages nobody holds.", "gauge", s.kv_pages_free as f64);
-        let slots = s.expert_slots;
-        gauge(
-            &mut out,
-            "osprey_expert_slot_hits_total",
-            "Routed experts a step found in a compute-backend slot (no transfer).",
-            "counter",
-            slots.hits as f64,
-        );
-        gauge(
-            &mut out,
-            "osprey_expert_slot_misses_total",
-            "Routed experts uploaded into a compute-backend slot.",
-            "counter",
-            slots.misses as f64,
-        );
-        gauge(
-            &mut out,
-            "osprey_expert_slot_waves_total",
-            "Expert waves run (one routed-experts op each).",
-            "counter",
-            slots.waves as f64,
-        );
-        if let Some(p) = s.ple {
-            let residency = if p.hits + p.misses == 0 { 1.0 } else { p.hits as f64 / (p.hits + p.misses) as f64 };
-            for (name, help, kind, v) in [
-                ("osprey_ple_hits_total", "PLE rows served from the RAM cache.", "counter", p.hits as f64),
-                ("osprey_ple_misses_total", "PLE rows read from the table on disk.", "counter", p.misses as f64),
-                (
-                    "osprey_ple_bytes_read_total",
-                    "Bytes of PLE rows read from the table.",
-                    "counter",
-                    p.bytes_read as f64,
-                ),
-                ("osprey_ple_resident_bytes", "Bytes of PLE rows held in RAM.", "gauge", p.resident_bytes as f64),
-                ("osprey_ple_table_bytes", "Bytes of the PLE tables on disk.", "gauge", p.table_bytes as f64),
-                ("osprey_ple_residency", "Fraction of PLE row lookups served from RAM.", "gauge", residency),
-            ] {
-                gauge(&mut out, name, help, kind, v);
-            }
-        }
-        if let Some(c) = s.spec {
-            for (name, help, kind, v) in [
-                ("osprey_spec_drafted_total", "Tokens drafted by the MTP head.", "counter", c.drafted as f64),
-                ("osprey_spec_accepted_total", "Drafted tokens the main model accepted.", "counter", c.accepted as f64),
-                (
-                    "osprey_spec_verifications_total",
-                    "Speculative steps of a sequence (its drafts verified in one main forward).",
-                    "counter",
-                    c.forwards as f64,
-                ),
-                (
-                    "osprey_spec_emitted_tokens_total",
-                    "Tokens the speculative steps emitted.",
-                    "counter",
-                    c.emitted as f64,
-                ),
-                (
-                    "osprey_spec_tokens_per_forward",
-                    "Tokens per speculative step of a sequence (per pass over the main weights).",
-                    "gauge",
-                    c.tokens_per_forward(),
-                ),
-            ] {
-                gauge(&mut out, name, help, kind, v);
-            }
-            out.push_str("# HELP osprey_spec_acceptance_rate Accepted over drafted tokens, per draft position.\n");
-            out.push_str("# TYPE osprey_spec_acceptance_rate gauge\n");
-            for (i, (&d, &a)) in c.drafted_at.iter().zip(&c.accepted_at).enumerate() {
-                let rate = if d == 0 { 0.0 } else { a as f64 / d as f64 };
-                out.push_str(&format!("osprey_spec_acceptance_rate{{position=\"{i}\"}} {rate}\n"));
-            }
-        }
-        gauge(
-            &mut out,
+            out,
             "osprey_kv_pages_shared",
             "KV pages of running sequences shared with the prefix cache or another sequence.",
             "gauge",
             s.kv_pages_shared as f64,
         );
         gauge(
-            &mut out,
+            out,
             "osprey_overloaded_total",
             "Requests refused with 503 overloaded (queue full, or waited too long).",
             "counter",
             s.overloaded_total as f64,
         );
         gauge(
-            &mut out,
+            out,
             "osprey_preemptions_total",
             "Sequences preempted (and later recomputed) because KV pages ran out.",
             "counter",
             s.preemptions_total as f64,
         );
+        gauge(out, "osprey_prompt_tokens_total", "Prompt tokens computed.", "counter", s.prompt_tokens_total as f64);
+        gauge(out, "osprey_generated_tokens_total", "Tokens generated.", "counter", s.generated_tokens_total as f64);
         gauge(
-            &mut out,
-            "osprey_prompt_tokens_total",
-            "Prompt tokens computed.",
-            "counter",
-            s.prompt_tokens_total as f64,
-        );
-        gauge(
-            &mut out,
-            "osprey_generated_tokens_total",
-            "Tokens generated.",
-            "counter",
-            s.generated_tokens_total as f64,
-        );
-        gauge(
-            &mut out,
+            out,
             "osprey_cancelled_total",
             "Sequences cancelled because the client left or a stop string matched.",
             "counter",
             s.cancelled_total as f64,
         );
-        gauge(&mut out, "osprey_steps_total", "Engine steps executed.", "counter", s.steps_total as f64);
+        gauge(out, "osprey_steps_total", "Engine steps executed.", "counter", s.steps_total as f64);
         let now = Instant::now();
         let rate = {
             let mut last = self.last_scrape.lock().unwrap_or_else(|p| p.into_inner());
@@ -289,85 +197,154 @@ impl Metrics {
             r
         };
         gauge(
-            &mut out,
+            out,
             "osprey_generation_tokens_per_second",
             "Tokens generated per second since the previous scrape.",
             "gauge",
             rate,
         );
-        let prefix_rate = if s.prompt_tokens_total + s.cached_tokens_total > 0 {
-            s.cached_tokens_total as f64 / (s.prompt_tokens_total + s.cached_tokens_total) as f64
-        } else {
-            0.0
-        };
-        gauge(
-            &mut out,
-            "osprey_prefix_cache_hit_rate",
-            "Fraction of prompt tokens served from the prefix cache.",
-            "gauge",
-            prefix_rate,
-        );
-        gauge(
-            &mut out,
-            "osprey_prefix_cache_cached_tokens_total",
-            "Prompt tokens served from the prefix cache.",
-            "counter",
-            s.cached_tokens_total as f64,
-        );
-        gauge(&mut out, "osprey_prefix_cache_lookups_total", "Prefix-cache lookups.", "counter", p.lookups as f64);
-        gauge(
-            &mut out,
-            "osprey_prefix_cache_hits_total",
-            "Prefix-cache lookups that reused at least one page.",
-            "counter",
-            p.hits as f64,
-        );
-        gauge(
-            &mut out,
-            "osprey_prefix_cache_evictions_total",
-            "Prefix-cache nodes evicted.",
-            "counter",
-            p.evictions as f64,
-        );
-        gauge(
-            &mut out,
-            "osprey_prefix_cache_bytes",
-            "Bytes held by the prefix cache (KV pages + snapshots).",
-            "gauge",
-            p.bytes as f64,
-        );
-        gauge(
-            &mut out,
-            "osprey_prefix_cache_device_bytes",
-            "Of the prefix cache's bytes, KV pages (the compute device's memory).",
-            "gauge",
-            p.device_bytes as f64,
-        );
-        gauge(
-            &mut out,
-            "osprey_prefix_cache_host_bytes",
-            "Of the prefix cache's bytes, recurrent-state snapshots (host memory).",
-            "gauge",
-            p.host_bytes as f64,
-        );
-        gauge(&mut out, "osprey_prefix_cache_nodes", "Pages in the prefix tree.", "gauge", p.nodes as f64);
-        let vt = v.hits + v.misses;
-        gauge(
-            &mut out,
-            "osprey_vision_cache_hit_rate",
-            "Fraction of media encodes served from the encoder cache.",
-            "gauge",
-            if vt > 0 { v.hits as f64 / vt as f64 } else { 0.0 },
-        );
-        gauge(
-            &mut out,
-            "osprey_vision_cache_bytes",
-            "Bytes held by the encoder cache.",
-            "gauge",
-            v.cached_bytes as f64,
-        );
-        out
     }
+}
+
+/// Queue, running sequences, KV and expert slots.
+fn render_scheduler(s: &SchedulerStats, out: &mut String) {
+    gauge(out, "osprey_queue_length", "Requests waiting for admission.", "gauge", s.waiting as f64);
+    gauge(out, "osprey_running_sequences", "Sequences being computed.", "gauge", s.running as f64);
+    gauge(out, "osprey_kv_tokens", "Tokens held in KV by running sequences.", "gauge", s.kv_tokens as f64);
+    gauge(out, "osprey_kv_capacity_tokens", "KV capacity in tokens.", "gauge", s.kv_capacity as f64);
+    let used = s.kv_pages_total.saturating_sub(s.kv_pages_free);
+    gauge(out, "osprey_kv_pages_total", "Pages in the KV pool.", "gauge", s.kv_pages_total as f64);
+    gauge(out, "osprey_kv_pages_used", "KV pages held by sequences or the prefix cache.", "gauge", used as f64);
+    gauge(out, "osprey_kv_pages_free", "KV pages nobody holds.", "gauge", s.kv_pages_free as f64);
+    let slots = s.expert_slots;
+    gauge(
+        out,
+        "osprey_expert_slot_hits_total",
+        "Routed experts a step found in a compute-backend slot (no transfer).",
+        "counter",
+        slots.hits as f64,
+    );
+    gauge(
+        out,
+        "osprey_expert_slot_misses_total",
+        "Routed experts uploaded into a compute-backend slot.",
+        "counter",
+        slots.misses as f64,
+    );
+    gauge(
+        out,
+        "osprey_expert_slot_waves_total",
+        "Expert waves run (one routed-experts op each).",
+        "counter",
+        slots.waves as f64,
+    );
+}
+
+/// PLE row caches and speculative decoding, for the models that have them.
+fn render_ple_and_spec(s: &SchedulerStats, out: &mut String) {
+    if let Some(p) = s.ple {
+        let residency = if p.hits + p.misses == 0 { 1.0 } else { p.hits as f64 / (p.hits + p.misses) as f64 };
+        for (name, help, kind, v) in [
+            ("osprey_ple_hits_total", "PLE rows served from the RAM cache.", "counter", p.hits as f64),
+            ("osprey_ple_misses_total", "PLE rows read from the table on disk.", "counter", p.misses as f64),
+            ("osprey_ple_bytes_read_total", "Bytes of PLE rows read from the table.", "counter", p.bytes_read as f64),
+            ("osprey_ple_resident_bytes", "Bytes of PLE rows held in RAM.", "gauge", p.resident_bytes as f64),
+            ("osprey_ple_table_bytes", "Bytes of the PLE tables on disk.", "gauge", p.table_bytes as f64),
+            ("osprey_ple_residency", "Fraction of PLE row lookups served from RAM.", "gauge", residency),
+        ] {
+            gauge(out, name, help, kind, v);
+        }
+    }
+    if let Some(c) = s.spec {
+        for (name, help, kind, v) in [
+            ("osprey_spec_drafted_total", "Tokens drafted by the MTP head.", "counter", c.drafted as f64),
+            ("osprey_spec_accepted_total", "Drafted tokens the main model accepted.", "counter", c.accepted as f64),
+            (
+                "osprey_spec_verifications_total",
+                "Speculative steps of a sequence (its drafts verified in one main forward).",
+                "counter",
+                c.forwards as f64,
+            ),
+            ("osprey_spec_emitted_tokens_total", "Tokens the speculative steps emitted.", "counter", c.emitted as f64),
+            (
+                "osprey_spec_tokens_per_forward",
+                "Tokens per speculative step of a sequence (per pass over the main weights).",
+                "gauge",
+                c.tokens_per_forward(),
+            ),
+        ] {
+            gauge(out, name, help, kind, v);
+        }
+        out.push_str("# HELP osprey_spec_acceptance_rate Accepted over drafted tokens, per draft position.\n");
+        out.push_str("# TYPE osprey_spec_acceptance_rate gauge\n");
+        for (i, (&d, &a)) in c.drafted_at.iter().zip(&c.accepted_at).enumerate() {
+            let rate = if d == 0 { 0.0 } else { a as f64 / d as f64 };
+            out.push_str(&format!("osprey_spec_acceptance_rate{{position=\"{i}\"}} {rate}\n"));
+        }
+    }
+}
+
+/// Prefix and vision caches.
+fn render_caches(s: &SchedulerStats, v: &VisionStats, p: &PrefixStats, out: &mut String) {
+    let prefix_rate = if s.prompt_tokens_total + s.cached_tokens_total > 0 {
+        s.cached_tokens_total as f64 / (s.prompt_tokens_total + s.cached_tokens_total) as f64
+    } else {
+        0.0
+    };
+    gauge(
+        out,
+        "osprey_prefix_cache_hit_rate",
+        "Fraction of prompt tokens served from the prefix cache.",
+        "gauge",
+        prefix_rate,
+    );
+    gauge(
+        out,
+        "osprey_prefix_cache_cached_tokens_total",
+        "Prompt tokens served from the prefix cache.",
+        "counter",
+        s.cached_tokens_total as f64,
+    );
+    gauge(out, "osprey_prefix_cache_lookups_total", "Prefix-cache lookups.", "counter", p.lookups as f64);
+    gauge(
+        out,
+        "osprey_prefix_cache_hits_total",
+        "Prefix-cache lookups that reused at least one page.",
+        "counter",
+        p.hits as f64,
+    );
+    gauge(out, "osprey_prefix_cache_evictions_total", "Prefix-cache nodes evicted.", "counter", p.evictions as f64);
+    gauge(
+        out,
+        "osprey_prefix_cache_bytes",
+        "Bytes held by the prefix cache (KV pages + snapshots).",
+        "gauge",
+        p.bytes as f64,
+    );
+    gauge(
+        out,
+        "osprey_prefix_cache_device_bytes",
+        "Of the prefix cache's bytes, KV pages (the compute device's memory).",
+        "gauge",
+        p.device_bytes as f64,
+    );
+    gauge(
+        out,
+        "osprey_prefix_cache_host_bytes",
+        "Of the prefix cache's bytes, recurrent-state snapshots (host memory).",
+        "gauge",
+        p.host_bytes as f64,
+    );
+    gauge(out, "osprey_prefix_cache_nodes", "Pages in the prefix tree.", "gauge", p.nodes as f64);
+    let vt = v.hits + v.misses;
+    gauge(
+        out,
+        "osprey_vision_cache_hit_rate",
+        "Fraction of media encodes served from the encoder cache.",
+        "gauge",
+        if vt > 0 { v.hits as f64 / vt as f64 } else { 0.0 },
+    );
+    gauge(out, "osprey_vision_cache_bytes", "Bytes held by the encoder cache.", "gauge", v.cached_bytes as f64);
 }
 
 /// Expert residency metrics: per layer and total hits, misses, bytes read, read time, stall, residency.
