@@ -226,6 +226,17 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
     if let Some(s) = o.get("stop_sequences") {
         chat.insert("stop".into(), s.clone());
     }
+    tools(o, &mut chat)?;
+    output_format(o, &mut chat)?;
+    // Thinking only when asked for, as Anthropic's API does.
+    let thinking = o.get("thinking").and_then(|t| t.get("type")).and_then(Value::as_str) == Some("enabled");
+    chat.insert("chat_template_kwargs".into(), json!({"enable_thinking": thinking}));
+    let stream = o.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    Ok((Value::Object(chat), stream))
+}
+
+/// `tools` and `tool_choice` as chat's (client tools only: name, description, input_schema).
+fn tools(o: &Map<String, Value>, chat: &mut Map<String, Value>) -> Result<(), ApiError> {
     if let Some(Value::Array(tools)) = o.get("tools") {
         let mut conv = Vec::with_capacity(tools.len());
         for (i, t) in tools.iter().enumerate() {
@@ -264,6 +275,11 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
             chat.insert("parallel_tool_calls".into(), false.into());
         }
     }
+    Ok(())
+}
+
+/// Structured outputs (`output_config.format`, the older `output_format`) as chat's `response_format`.
+fn output_format(o: &Map<String, Value>, chat: &mut Map<String, Value>) -> Result<(), ApiError> {
     // Structured outputs: `output_config.format` (and the older top-level `output_format`) constrain the
     // answer with the same grammar engine as chat's `response_format`; Anthropic's are always strict. One
     // of the two: given both, which applies would be a guess.
@@ -305,11 +321,7 @@ fn translate(body: &Value, count_only: bool) -> Result<(Value, bool), ApiError> 
             None => return Err(invalid("the output format needs a `type` (json_schema)", param)),
         }
     }
-    // Thinking only when asked for, as Anthropic's API does.
-    let thinking = o.get("thinking").and_then(|t| t.get("type")).and_then(Value::as_str) == Some("enabled");
-    chat.insert("chat_template_kwargs".into(), json!({"enable_thinking": thinking}));
-    let stream = o.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    Ok((Value::Object(chat), stream))
+    Ok(())
 }
 
 /// A Messages body as the chat completions body it runs as (for checks without a server).

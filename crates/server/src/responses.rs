@@ -125,22 +125,7 @@ fn translate(body: &Value, store: &ResponseStore) -> Result<Translated, ApiError
             return Err(ApiError::new(ErrorCode::UnsupportedParameter, format!("`{k}` is not supported")).param(k));
         }
     }
-    let mut conversation = match o.get("previous_response_id") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(id)) => {
-            store
-                .get(id)
-                .ok_or_else(|| {
-                    ApiError::new(
-                        ErrorCode::ResponseNotFound,
-                        format!("no stored response `{}` (it expired, or was created with store: false)", shown_id(id)),
-                    )
-                    .param("previous_response_id")
-                })?
-                .messages
-        }
-        Some(_) => return Err(invalid("previous_response_id must be a string", "previous_response_id")),
-    };
+    let mut conversation = previous(o, store)?;
     check_metadata(o.get("metadata"))?;
     let store_it = match o.get("store") {
         None | Some(Value::Null) => true,
@@ -175,30 +160,7 @@ fn translate(body: &Value, store: &ResponseStore) -> Result<Translated, ApiError
     if let Some(v) = o.get("max_output_tokens") {
         chat.insert("max_tokens".into(), v.clone());
     }
-    if let Some(Value::Array(tools)) = o.get("tools") {
-        let mut conv = Vec::with_capacity(tools.len());
-        for (i, t) in tools.iter().enumerate() {
-            if t.get("type").and_then(Value::as_str) != Some("function") {
-                return Err(ApiError::new(ErrorCode::UnsupportedParameter, "only function tools are supported")
-                    .param(format!("tools[{i}]")));
-            }
-            let mut f = Map::new();
-            for k in ["name", "description", "parameters"] {
-                if let Some(v) = t.get(k) {
-                    f.insert(k.into(), v.clone());
-                }
-            }
-            conv.push(json!({"type": "function", "function": f}));
-        }
-        chat.insert("tools".into(), Value::Array(conv));
-    }
-    if let Some(tc) = o.get("tool_choice") {
-        let tc = match tc.get("name") {
-            Some(n) => json!({"type": "function", "function": {"name": n}}),
-            None => tc.clone(),
-        };
-        chat.insert("tool_choice".into(), tc);
-    }
+    tools(o, &mut chat)?;
     if let Some(fmt) = o.get("text").and_then(|t| t.get("format")) {
         // The gate here, so that a refusal names the Responses parameter, not chat's.
         if let Some(schema) = fmt.get("schema") {
@@ -234,6 +196,56 @@ fn translate(body: &Value, store: &ResponseStore) -> Result<Translated, ApiError
         store: store_it,
         echo,
     })
+}
+
+/// The conversation a `previous_response_id` continues (empty without one).
+fn previous(o: &Map<String, Value>, store: &ResponseStore) -> Result<Vec<Value>, ApiError> {
+    let conversation = match o.get("previous_response_id") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(id)) => {
+            store
+                .get(id)
+                .ok_or_else(|| {
+                    ApiError::new(
+                        ErrorCode::ResponseNotFound,
+                        format!("no stored response `{}` (it expired, or was created with store: false)", shown_id(id)),
+                    )
+                    .param("previous_response_id")
+                })?
+                .messages
+        }
+        Some(_) => return Err(invalid("previous_response_id must be a string", "previous_response_id")),
+    };
+    Ok(conversation)
+}
+
+/// Function tools and `tool_choice` as chat's.
+fn tools(o: &Map<String, Value>, chat: &mut Map<String, Value>) -> Result<(), ApiError> {
+    if let Some(Value::Array(tools)) = o.get("tools") {
+        let mut conv = Vec::with_capacity(tools.len());
+        for (i, t) in tools.iter().enumerate() {
+            if t.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(ApiError::new(ErrorCode::UnsupportedParameter, "only function tools are supported")
+                    .param(format!("tools[{i}]")));
+            }
+            let mut f = Map::new();
+            for k in ["name", "description", "parameters"] {
+                if let Some(v) = t.get(k) {
+                    f.insert(k.into(), v.clone());
+                }
+            }
+            conv.push(json!({"type": "function", "function": f}));
+        }
+        chat.insert("tools".into(), Value::Array(conv));
+    }
+    if let Some(tc) = o.get("tool_choice") {
+        let tc = match tc.get("name") {
+            Some(n) => json!({"type": "function", "function": {"name": n}}),
+            None => tc.clone(),
+        };
+        chat.insert("tool_choice".into(), tc);
+    }
+    Ok(())
 }
 
 /// An id as an error message shows it: at most 64 characters (a client can send a megabyte of id).
