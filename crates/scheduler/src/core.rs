@@ -330,6 +330,40 @@ impl Scheduler {
         self.waiting.push_front(s);
     }
 
+    /// One exchange with the prefix cache: the newly admitted sequences' matches (a preempted one's marked
+    /// resumed), the step's inserts and the pages to reclaim.
+    fn exchange(&mut self, prefix: &mut dyn PrefixPort, first_new: usize) {
+        let matches: Vec<MatchRequest> = if self.cfg.prefix_cache {
+            self.running[first_new..]
+                .iter()
+                .map(|s| MatchRequest {
+                    seq: s.req.id,
+                    cache_ids: Arc::new(s.cache_ids.clone()),
+                    cap: s.total() - 1,
+                    resumed: s.preempted,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let inserts = std::mem::take(&mut self.inserts);
+        let reclaim = if self.cfg.prefix_cache { std::mem::take(&mut self.reclaim) } else { 0 };
+        if !(matches.is_empty() && inserts.is_empty() && reclaim == 0) {
+            for m in prefix.step(matches, inserts, reclaim) {
+                if let Some(s) = self.running.iter_mut().find(|s| s.req.id == m.seq) {
+                    // A preempted sequence's hit gives back what it had computed: not reuse, not counted.
+                    if !s.preempted {
+                        s.cached = m.cached_tokens;
+                        self.stats.cached_tokens_total += m.cached_tokens as u64;
+                    }
+                    s.computed = m.cached_tokens;
+                    s.req.span.in_scope(|| tracing::debug!(cached_tokens = m.cached_tokens, "prefix matched"));
+                    s.hit = Some(m);
+                }
+            }
+        }
+    }
+
     /// The next step, or `None` when idle. New sequences are matched against the prefix cache (one
     /// batched call per step, together with the step's inserts and page reclaim).
     pub fn schedule(&mut self, prefix: &mut dyn PrefixPort) -> Option<BatchPlan> {
@@ -366,35 +400,7 @@ impl Scheduler {
             self.running.push(seq);
         }
         // 3. One exchange with the prefix cache.
-        let matches: Vec<MatchRequest> = if self.cfg.prefix_cache {
-            self.running[first_new..]
-                .iter()
-                .map(|s| MatchRequest {
-                    seq: s.req.id,
-                    cache_ids: Arc::new(s.cache_ids.clone()),
-                    cap: s.total() - 1,
-                    resumed: s.preempted,
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let inserts = std::mem::take(&mut self.inserts);
-        let reclaim = if self.cfg.prefix_cache { std::mem::take(&mut self.reclaim) } else { 0 };
-        if !(matches.is_empty() && inserts.is_empty() && reclaim == 0) {
-            for m in prefix.step(matches, inserts, reclaim) {
-                if let Some(s) = self.running.iter_mut().find(|s| s.req.id == m.seq) {
-                    // A preempted sequence's hit gives back what it had computed: not reuse, not counted.
-                    if !s.preempted {
-                        s.cached = m.cached_tokens;
-                        self.stats.cached_tokens_total += m.cached_tokens as u64;
-                    }
-                    s.computed = m.cached_tokens;
-                    s.req.span.in_scope(|| tracing::debug!(cached_tokens = m.cached_tokens, "prefix matched"));
-                    s.hit = Some(m);
-                }
-            }
-        }
+        self.exchange(prefix, first_new);
         // 4. Chunks under the token budget and the free pages (a chunk is cut short to the pages left).
         let mut budget = self.cfg.max_batch_tokens;
         let mut pages_left = free;

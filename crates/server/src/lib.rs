@@ -191,12 +191,6 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
     });
     let server = HttpServer::new(move || {
         let edge = edge.clone();
-        let post = |path: &'static str| {
-            web::resource(path).default_service(web::to(|| async { edge::method_not_allowed("POST") }))
-        };
-        let get = |path: &'static str| {
-            web::resource(path).default_service(web::to(|| async { edge::method_not_allowed("GET") }))
-        };
         App::new()
             .app_data(state.clone())
             .wrap_fn(move |req, srv| {
@@ -224,36 +218,7 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
                     Ok(res.map_into_left_body())
                 })
             })
-            .service(post("/v1/chat/completions").route(web::post().to(handlers::chat)))
-            .service(post("/v1/completions").route(web::post().to(handlers::completions)))
-            .service(post("/v1/responses").route(web::post().to(responses::create)))
-            .service(
-                web::resource("/v1/responses/{id}")
-                    .route(web::get().to(responses::get))
-                    .route(web::delete().to(responses::delete))
-                    .default_service(web::to(|| async { edge::method_not_allowed("GET, DELETE") })),
-            )
-            .service(post("/v1/messages").route(web::post().to(messages::create)))
-            .service(post("/v1/messages/count_tokens").route(web::post().to(messages::count_tokens)))
-            .service(post("/api/chat").route(web::post().to(ollama::chat)))
-            .service(post("/api/generate").route(web::post().to(ollama::generate)))
-            .service(post("/api/show").route(web::post().to(ollama::show)))
-            .service(get("/api/tags").route(web::get().to(ollama::tags)))
-            .service(get("/api/ps").route(web::get().to(ollama::ps)))
-            .service(get("/api/version").route(web::get().to(ollama::version)))
-            .service(get("/v1/models").route(web::get().to(handlers::models)))
-            .service(get("/v1/models/{id}").route(web::get().to(handlers::model)))
-            .service(get("/health").route(web::get().to(handlers::health)))
-            .service(get("/metrics").route(web::get().to(handlers::metrics)))
-            .service(get("/v1/engine/stats").route(web::get().to(webui::stats)))
-            .configure(|c| {
-                if webui_on {
-                    c.service(get("/").route(web::get().to(webui::chat)).route(web::head().to(webui::chat)))
-                        .service(get("/favicon.ico").route(web::get().to(webui::favicon)))
-                        .service(get("/dashboard").route(web::get().to(webui::dashboard)))
-                        .service(get("/webui/{file}").route(web::get().to(webui::asset)));
-                }
-            })
+            .configure(|c| routes(c, webui_on))
             .default_service(web::to(|| async {
                 ApiError::new(ErrorCode::NotFound, "no such endpoint").param("path").error_response_owned()
             }))
@@ -269,6 +234,46 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
     .bind(addr)?;
     let bound = server.addrs().first().copied().ok_or_else(|| std::io::Error::other("no address bound"))?;
     Ok(Bound { server: server.run(), addr: bound, phase: phase_tx, engine })
+}
+
+/// Every route: the OpenAI, Anthropic and Ollama APIs, the engine's state and, unless turned off, the web
+/// page. A known path asked with another method is 405 naming the allowed ones.
+fn routes(cfg: &mut web::ServiceConfig, webui_on: bool) {
+    let post = |path: &'static str| {
+        web::resource(path).default_service(web::to(|| async { edge::method_not_allowed("POST") }))
+    };
+    let get =
+        |path: &'static str| web::resource(path).default_service(web::to(|| async { edge::method_not_allowed("GET") }));
+    cfg.service(post("/v1/chat/completions").route(web::post().to(handlers::chat)))
+        .service(post("/v1/completions").route(web::post().to(handlers::completions)))
+        .service(post("/v1/responses").route(web::post().to(responses::create)))
+        .service(
+            web::resource("/v1/responses/{id}")
+                .route(web::get().to(responses::get))
+                .route(web::delete().to(responses::delete))
+                .default_service(web::to(|| async { edge::method_not_allowed("GET, DELETE") })),
+        )
+        .service(post("/v1/messages").route(web::post().to(messages::create)))
+        .service(post("/v1/messages/count_tokens").route(web::post().to(messages::count_tokens)))
+        .service(post("/api/chat").route(web::post().to(ollama::chat)))
+        .service(post("/api/generate").route(web::post().to(ollama::generate)))
+        .service(post("/api/show").route(web::post().to(ollama::show)))
+        .service(get("/api/tags").route(web::get().to(ollama::tags)))
+        .service(get("/api/ps").route(web::get().to(ollama::ps)))
+        .service(get("/api/version").route(web::get().to(ollama::version)))
+        .service(get("/v1/models").route(web::get().to(handlers::models)))
+        .service(get("/v1/models/{id}").route(web::get().to(handlers::model)))
+        .service(get("/health").route(web::get().to(handlers::health)))
+        .service(get("/metrics").route(web::get().to(handlers::metrics)))
+        .service(get("/v1/engine/stats").route(web::get().to(webui::stats)))
+        .configure(|c| {
+            if webui_on {
+                c.service(get("/").route(web::get().to(webui::chat)).route(web::head().to(webui::chat)))
+                    .service(get("/favicon.ico").route(web::get().to(webui::favicon)))
+                    .service(get("/dashboard").route(web::get().to(webui::dashboard)))
+                    .service(get("/webui/{file}").route(web::get().to(webui::asset)));
+            }
+        });
 }
 
 impl ApiError {
