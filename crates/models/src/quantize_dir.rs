@@ -18,6 +18,7 @@ use serde_json::json;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::quant::quantize_nvfp4;
+use crate::registry::QuantRules;
 
 /// What to quantise.
 #[derive(Clone, Copy, Debug, Default)]
@@ -112,6 +113,12 @@ pub fn quantize_dir(
         }
     }
     write_shards(dst, &out)?;
+    write_metadata(src, dst, opts, rules, quantized.len())
+}
+
+/// The quantised checkpoint's metadata: `config.json` with its `quantization_config`,
+/// `hf_quant_config.json`, and the tokenizer, template and processor files copied.
+fn write_metadata(src: &Path, dst: &Path, opts: QuantizeOptions, rules: &QuantRules, quantized: usize) -> Result<()> {
     // Metadata: config.json with quantization_config, hf_quant_config.json, and the other files.
     let cfg_path = src.join("config.json");
     let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?)
@@ -128,7 +135,7 @@ pub fn quantize_dir(
         &dst.join("hf_quant_config.json"),
         &json!({"producer": {"name": "osprey", "version": env!("CARGO_PKG_VERSION")},
                 "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": exclude,
-                                 "quantized_tensors": quantized.len()}}),
+                                 "quantized_tensors": quantized}}),
     )?;
     for f in [
         "tokenizer.json",
