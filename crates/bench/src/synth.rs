@@ -292,34 +292,7 @@ pub fn synth(dir: &Path, g: Geometry, layers: usize, seed: u64) -> std::io::Resu
                 }
             }
         }
-        if *kind == "linear_attention" {
-            let (kd, vd) = (g.linear_k_heads * g.linear_dim, g.linear_v_heads * g.linear_dim);
-            let conv = 2 * kd + vd;
-            let a = format!("{p}.linear_attn");
-            dense(&mut t, &mut rng, format!("{a}.in_proj_qkv.weight"), conv, h);
-            dense(&mut t, &mut rng, format!("{a}.in_proj_z.weight"), vd, h);
-            dense(&mut t, &mut rng, format!("{a}.in_proj_a.weight"), g.linear_v_heads, h);
-            dense(&mut t, &mut rng, format!("{a}.in_proj_b.weight"), g.linear_v_heads, h);
-            dense(&mut t, &mut rng, format!("{a}.out_proj.weight"), h, vd);
-            t.push((format!("{a}.conv1d.weight"), Dtype::BF16, vec![conv, 1, 4], bf16(&mut rng, &[conv, 4], 0.5, 0.0)));
-            vector(&mut t, &mut rng, format!("{a}.A_log"), g.linear_v_heads, 1.0);
-            vector(&mut t, &mut rng, format!("{a}.dt_bias"), g.linear_v_heads, 1.0);
-            vector(&mut t, &mut rng, format!("{a}.norm.weight"), g.linear_dim, 1.0);
-        } else {
-            let a = format!("{p}.self_attn");
-            dense(&mut t, &mut rng, format!("{a}.q_proj.weight"), 2 * g.heads * g.head_dim, h);
-            dense(&mut t, &mut rng, format!("{a}.k_proj.weight"), g.kv_heads * g.head_dim, h);
-            dense(&mut t, &mut rng, format!("{a}.v_proj.weight"), g.kv_heads * g.head_dim, h);
-            dense(&mut t, &mut rng, format!("{a}.o_proj.weight"), h, g.heads * g.head_dim);
-            vector(&mut t, &mut rng, format!("{a}.q_norm.weight"), g.head_dim, 0.0);
-            vector(&mut t, &mut rng, format!("{a}.k_norm.weight"), g.head_dim, 0.0);
-            if let Some(f) = g.flash {
-                let ix = format!("{a}.indexer");
-                dense(&mut t, &mut rng, format!("{ix}.index_qk_proj.weight"), (f.indexer_heads + 1) * f.indexer_dim, h);
-                vector(&mut t, &mut rng, format!("{ix}.q_layernorm.weight"), f.indexer_dim, 0.0);
-                vector(&mut t, &mut rng, format!("{ix}.k_layernorm.weight"), f.indexer_dim, 0.0);
-            }
-        }
+        attention(&mut t, &mut rng, &p, kind, &g);
         let m = format!("{p}.mlp");
         dense(&mut t, &mut rng, format!("{m}.gate.weight"), g.experts, h);
         dense(&mut t, &mut rng, format!("{m}.shared_expert_gate.weight"), 1, h);
@@ -348,6 +321,51 @@ pub fn synth(dir: &Path, g: Geometry, layers: usize, seed: u64) -> std::io::Resu
     }
     dense(&mut t, &mut rng, "lm_head.weight".into(), g.vocab, h);
     total += write(dir, "model-embed.safetensors", &t, &mut index)?;
+    let cfg = config(&g, layers, &types);
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
+    let idx = json!({"metadata": {"total_size": total}, "weight_map": index});
+    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&idx)?)?;
+    Ok(SynthReport { geometry: g, layers, expert_bytes, total_bytes: total, secs: t0.elapsed().as_secs_f64() })
+}
+
+/// A layer's attention: Gated DeltaNet (`linear_attention`) or gated full attention (with the flash
+/// geometry's indexer).
+fn attention(t: &mut Tensors, rng: &mut Rng, p: &str, kind: &str, g: &Geometry) {
+    let h = g.hidden;
+    if kind == "linear_attention" {
+        let (kd, vd) = (g.linear_k_heads * g.linear_dim, g.linear_v_heads * g.linear_dim);
+        let conv = 2 * kd + vd;
+        let a = format!("{p}.linear_attn");
+        dense(t, rng, format!("{a}.in_proj_qkv.weight"), conv, h);
+        dense(t, rng, format!("{a}.in_proj_z.weight"), vd, h);
+        dense(t, rng, format!("{a}.in_proj_a.weight"), g.linear_v_heads, h);
+        dense(t, rng, format!("{a}.in_proj_b.weight"), g.linear_v_heads, h);
+        dense(t, rng, format!("{a}.out_proj.weight"), h, vd);
+        t.push((format!("{a}.conv1d.weight"), Dtype::BF16, vec![conv, 1, 4], bf16(rng, &[conv, 4], 0.5, 0.0)));
+        vector(t, rng, format!("{a}.A_log"), g.linear_v_heads, 1.0);
+        vector(t, rng, format!("{a}.dt_bias"), g.linear_v_heads, 1.0);
+        vector(t, rng, format!("{a}.norm.weight"), g.linear_dim, 1.0);
+    } else {
+        let a = format!("{p}.self_attn");
+        dense(t, rng, format!("{a}.q_proj.weight"), 2 * g.heads * g.head_dim, h);
+        dense(t, rng, format!("{a}.k_proj.weight"), g.kv_heads * g.head_dim, h);
+        dense(t, rng, format!("{a}.v_proj.weight"), g.kv_heads * g.head_dim, h);
+        dense(t, rng, format!("{a}.o_proj.weight"), h, g.heads * g.head_dim);
+        vector(t, rng, format!("{a}.q_norm.weight"), g.head_dim, 0.0);
+        vector(t, rng, format!("{a}.k_norm.weight"), g.head_dim, 0.0);
+        if let Some(f) = g.flash {
+            let ix = format!("{a}.indexer");
+            dense(t, rng, format!("{ix}.index_qk_proj.weight"), (f.indexer_heads + 1) * f.indexer_dim, h);
+            vector(t, rng, format!("{ix}.q_layernorm.weight"), f.indexer_dim, 0.0);
+            vector(t, rng, format!("{ix}.k_layernorm.weight"), f.indexer_dim, 0.0);
+        }
+    }
+}
+
+/// The checkpoint's `config.json`: the model's shapes, its layer types and the NVFP4 quantization of
+/// its experts (the `qwen4_exp` fields with the flash geometry).
+fn config(g: &Geometry, layers: usize, types: &[&str]) -> serde_json::Value {
+    let h = g.hidden;
     let mut exclude =
         vec!["lm_head", "*embed_tokens*", "*self_attn*", "*linear_attn*", "*shared_expert*", "*.mlp.gate"];
     if g.flash.is_some() {
@@ -384,8 +402,5 @@ pub fn synth(dir: &Path, g: Geometry, layers: usize, seed: u64) -> std::io::Resu
             c.extend(e.clone());
         }
     }
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
-    let idx = json!({"metadata": {"total_size": total}, "weight_map": index});
-    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&idx)?)?;
-    Ok(SynthReport { geometry: g, layers, expert_bytes, total_bytes: total, secs: t0.elapsed().as_secs_f64() })
+    cfg
 }
