@@ -8,6 +8,8 @@ use crate::family::{ForwardOptions, ForwardOutput, SeqStep};
 use crate::kv::PageTable;
 use crate::layers::batch;
 use crate::layers::gdn::LinearState;
+use crate::layers::Segment;
+use osprey_backend::{RopeTable, Tensor};
 
 impl Qwen4Exp {
     fn check(&self, steps: &[SeqStep<'_, '_>]) -> Result<()> {
@@ -57,21 +59,7 @@ impl Qwen4Exp {
             .collect();
         // 2. The n-gram rows of every PLE layer (from each sequence's token history), and the position
         //    histories the indexers rope their blocks with.
-        let mut ple_rows: Vec<Vec<u32>> = vec![Vec::new(); self.layers.len()];
-        for (li, layer) in self.layers.iter().enumerate() {
-            if let Some(ple) = &layer.ple {
-                for ((_, f), seg) in parts.iter().zip(&segs) {
-                    ple_rows[li].extend(ple.hasher.row_ids(&f.history, &ids[seg.row..seg.row + seg.len]));
-                }
-            }
-        }
-        for ((_, f), seg) in parts.iter_mut().zip(&segs) {
-            f.positions.extend_from_slice(&positions[seg.row..seg.row + seg.len]);
-            let ctx = f.history.len();
-            f.history.extend_from_slice(&ids[seg.row..seg.row + seg.len]);
-            let drop = f.history.len() - ctx;
-            f.history.drain(..drop);
-        }
+        let ple_rows = self.ple_rows(&mut parts, &segs, &ids, &positions);
         // 3. Layers: PLE into the streams; then attention / Gated DeltaNet and the MoE, each entered and
         //    injected through its hyper-connection.
         for (li, layer) in self.layers.iter().enumerate() {
@@ -82,46 +70,7 @@ impl Qwen4Exp {
                 b.add(&mut x, &add);
             }
             let (input, inj) = layer.attn_hc.enter(b, &x)?;
-            let mixed = match &layer.mixer {
-                Mixer::Linear(g) => {
-                    let mut st: Vec<&mut LinearState> = parts
-                        .iter_mut()
-                        .map(|(_, f)| match &mut f.layers[li].mix {
-                            Mix::Linear(l) => l,
-                            Mix::Indexed { .. } => unreachable!("state built for another layer stack: a bug"),
-                        })
-                        .collect();
-                    g.forward(b, &input, &segs, &mut st, &[])?
-                }
-                Mixer::Indexed(attn, indexer) => {
-                    let kv_layer = match parts.first().map(|(_, f)| &f.layers[li].mix) {
-                        Some(Mix::Indexed { kv_layer, .. }) => *kv_layer,
-                        _ => unreachable!("state built for another layer stack: a bug"),
-                    };
-                    let selected = {
-                        let (hist, mut st): (Vec<&[[i64; 3]]>, Vec<_>) = parts
-                            .iter_mut()
-                            .map(|(_, f)| {
-                                let f = &mut **f;
-                                match &mut f.layers[li].mix {
-                                    Mix::Indexed { indexer, .. } => (&f.positions[..], indexer),
-                                    Mix::Linear(_) => unreachable!("state built for another layer stack: a bug"),
-                                }
-                            })
-                            .unzip();
-                        indexer.select(b, &input, &segs, &rope, &hist, &mut st)?
-                    };
-                    let mut tables: Vec<&mut PageTable> = parts.iter_mut().map(|(t, _)| &mut **t).collect();
-                    attn.forward_selected(
-                        b,
-                        &input,
-                        &segs,
-                        (&mut tables, kv_layer),
-                        (&rope, &self.rope),
-                        Some((&selected, indexer.ratio())),
-                    )?
-                }
-            };
+            let mixed = self.mix(li, &layer.mixer, &input, (&segs, &rope), &mut parts)?;
             b.hc_inject(&mut x, &mixed, inj.as_ref().expect("a layer's hyper-connection injects"), hc);
             let (input, inj) = layer.mlp_hc.enter(b, &x)?;
             let ffn = layer.moe.forward(b, &input, self.experts.as_ref())?;
@@ -140,5 +89,84 @@ impl Qwen4Exp {
             Ok(b.download_f32(&b.linear(&b.gather_rows(&out, rows)?, &self.lm_head)?)?)
         })?;
         Ok(ForwardOutput { logits, hidden, last_hidden: None })
+    }
+    /// A layer's token mixer on `input`: Gated DeltaNet, or the indexer's block selection then attention
+    /// over the selected blocks.
+    fn mix(
+        &self,
+        li: usize,
+        mixer: &Mixer,
+        input: &Tensor,
+        (segs, rope): (&[Segment], &RopeTable),
+        parts: &mut [(&mut PageTable, &mut Qwen4State)],
+    ) -> Result<Tensor> {
+        let b = self.backend.as_ref();
+        Ok(match mixer {
+            Mixer::Linear(g) => {
+                let mut st: Vec<&mut LinearState> = parts
+                    .iter_mut()
+                    .map(|(_, f)| match &mut f.layers[li].mix {
+                        Mix::Linear(l) => l,
+                        Mix::Indexed { .. } => unreachable!("state built for another layer stack: a bug"),
+                    })
+                    .collect();
+                g.forward(b, input, segs, &mut st, &[])?
+            }
+            Mixer::Indexed(attn, indexer) => {
+                let kv_layer = match parts.first().map(|(_, f)| &f.layers[li].mix) {
+                    Some(Mix::Indexed { kv_layer, .. }) => *kv_layer,
+                    _ => unreachable!("state built for another layer stack: a bug"),
+                };
+                let selected = {
+                    let (hist, mut st): (Vec<&[[i64; 3]]>, Vec<_>) = parts
+                        .iter_mut()
+                        .map(|(_, f)| {
+                            let f = &mut **f;
+                            match &mut f.layers[li].mix {
+                                Mix::Indexed { indexer, .. } => (&f.positions[..], indexer),
+                                Mix::Linear(_) => unreachable!("state built for another layer stack: a bug"),
+                            }
+                        })
+                        .unzip();
+                    indexer.select(b, input, segs, rope, &hist, &mut st)?
+                };
+                let mut tables: Vec<&mut PageTable> = parts.iter_mut().map(|(t, _)| &mut **t).collect();
+                attn.forward_selected(
+                    b,
+                    input,
+                    segs,
+                    (&mut tables, kv_layer),
+                    (rope, &self.rope),
+                    Some((&selected, indexer.ratio())),
+                )?
+            }
+        })
+    }
+
+    /// The n-gram rows of every PLE layer (from each sequence's token history, before this step's tokens
+    /// join it), then each sequence's position and token histories advanced.
+    fn ple_rows(
+        &self,
+        parts: &mut [(&mut PageTable, &mut Qwen4State)],
+        segs: &[Segment],
+        ids: &[u32],
+        positions: &[[i64; 3]],
+    ) -> Vec<Vec<u32>> {
+        let mut ple_rows: Vec<Vec<u32>> = vec![Vec::new(); self.layers.len()];
+        for (li, layer) in self.layers.iter().enumerate() {
+            if let Some(ple) = &layer.ple {
+                for ((_, f), seg) in parts.iter().zip(segs) {
+                    ple_rows[li].extend(ple.hasher.row_ids(&f.history, &ids[seg.row..seg.row + seg.len]));
+                }
+            }
+        }
+        for ((_, f), seg) in parts.iter_mut().zip(segs) {
+            f.positions.extend_from_slice(&positions[seg.row..seg.row + seg.len]);
+            let ctx = f.history.len();
+            f.history.extend_from_slice(&ids[seg.row..seg.row + seg.len]);
+            let drop = f.history.len() - ctx;
+            f.history.drain(..drop);
+        }
+        ple_rows
     }
 }
