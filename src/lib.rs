@@ -367,8 +367,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let kv_pages = kv_capacity_tokens.div_ceil(page_size);
     let runner =
         osprey_runner::Runner::with_kv(model, vision.as_ref().map(|v| v.sender()), (page_size, kv_pages), kv_dtype)
-            .with_speculative(settings.speculative_tokens.unwrap_or(0))
-            .map_err(anyhow::Error::msg)?;
+            .with_speculative(settings.speculative_tokens.unwrap_or(0))?;
     let runner = osprey_runner::spawn(runner);
     let sched_cfg = scheduler_config(settings, context_len, kv_capacity_tokens, page_size);
     let prefix_on = sched_cfg.prefix_cache;

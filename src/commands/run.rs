@@ -121,7 +121,7 @@ pub fn run(a: RunArgs, model: Model, backend: osprey_models::backend::BackendRef
         stop_token_ids: model.info().eos_token_ids.clone(),
     };
     let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
-    let mut driver = Driver::new(model, 16).with_speculative(a.speculative_tokens).map_err(anyhow::Error::msg)?;
+    let mut driver = Driver::new(model, 16).with_speculative(a.speculative_tokens)?;
     let out = driver.generate(Arc::new(prompt), greedy, &opts, &mut TowerRows(tower.as_ref()))?;
     println!("prompt tokens: {n_prompt}");
     println!("generated ids: {:?}", out.tokens);

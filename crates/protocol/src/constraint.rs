@@ -13,13 +13,19 @@ pub enum Grammar {
     Lark(String),
 }
 
+/// A grammar engine's failure while masking or advancing: its message (the first line is for the
+/// client; the engine may append its parser state after it).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct GrammarError(pub String);
+
 /// One sequence's position in a compiled grammar.
 pub trait TokenMatcher: Send + std::fmt::Debug {
     /// Sets bit `t % 32` of `allowed[t / 32]` for every token `t` that may come next (the vector is
     /// resized to cover the vocabulary). Stop tokens are allowed once the grammar is complete.
-    fn allowed(&mut self, allowed: &mut Vec<u32>) -> Result<(), String>;
+    fn allowed(&mut self, allowed: &mut Vec<u32>) -> Result<(), GrammarError>;
     /// Advances past the sampled token.
-    fn commit(&mut self, token: u32) -> Result<(), String>;
+    fn commit(&mut self, token: u32) -> Result<(), GrammarError>;
 }
 
 /// A compiled grammar: starts a matcher per sequence.

@@ -17,7 +17,7 @@ use osprey_models::{
     ForwardOptions, KvPool, LogitsWanted, Model, PageGeometry, PageRef, Positions, ReserveError, SeqInput, SeqState,
     SeqStep, StateSnapshot,
 };
-use osprey_protocol::constraint::TokenMatcher;
+use osprey_protocol::constraint::{GrammarError, TokenMatcher};
 use osprey_protocol::runner::{KvPages, TokenLogprobs};
 use osprey_protocol::scheduler::{FinishReason, SamplingParams};
 use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
@@ -242,12 +242,12 @@ impl Driver {
 
     /// Decodes with `k` draft tokens per step from the model's draft head (`--speculative-tokens`;
     /// 0: off). The model must have been loaded with its head.
-    pub fn with_speculative(mut self, k: usize) -> Result<Self, String> {
+    pub fn with_speculative(mut self, k: usize) -> Result<Self, SpeculativeError> {
         if k > MAX_SPECULATIVE_TOKENS {
-            return Err(format!("--speculative-tokens is at most {MAX_SPECULATIVE_TOKENS}, not {k}"));
+            return Err(SpeculativeError::TooManyDrafts { k, max: MAX_SPECULATIVE_TOKENS });
         }
         if k > 0 && !self.model.has_draft_head() {
-            return Err("speculative decoding needs a checkpoint with a draft head (mtp.*), loaded with it".into());
+            return Err(SpeculativeError::NoDraftHead);
         }
         self.spec = k;
         Ok(self)
@@ -645,11 +645,27 @@ impl Driver {
     }
 }
 
+/// Why speculative decoding cannot be turned on.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SpeculativeError {
+    /// More drafts per step than the runner takes.
+    #[error("--speculative-tokens is at most {max}, not {k}")]
+    TooManyDrafts {
+        /// Asked for.
+        k: usize,
+        /// The most.
+        max: usize,
+    },
+    /// The model has no draft head, or was loaded without it.
+    #[error("speculative decoding needs a checkpoint with a draft head (mtp.*), loaded with it")]
+    NoDraftHead,
+}
+
 /// A grammar engine's failure as the client sees it: its first line only (the engine appends its
 /// parser state, logged here at debug level instead).
-pub(crate) fn grammar_error(e: &str) -> RequestError {
-    tracing::debug!(error = e, "grammar failed");
-    let line: String = e.lines().next().unwrap_or("").chars().take(200).collect();
+pub(crate) fn grammar_error(e: &GrammarError) -> RequestError {
+    tracing::debug!(error = %e, "grammar failed");
+    let line: String = e.0.lines().next().unwrap_or("").chars().take(200).collect();
     engine_error(format!("grammar: {line}"))
 }
 

@@ -23,7 +23,8 @@ use osprey_protocol::{downcast, ErrorCode, Handle, Opaque, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
 pub use driver::{
-    Done, Driver, GenerateOptions, Generated, NoMedia, Resume, RowSource, Taken, Work, MASKS, MASK_NANOS,
+    Done, Driver, GenerateOptions, Generated, NoMedia, Resume, RowSource, SpeculativeError, Taken, Work, MASKS,
+    MASK_NANOS,
 };
 
 /// The vision actor's inbox (the runner asks it for rows; actor crates do not depend on each other).
@@ -99,7 +100,7 @@ impl Runner {
 
     /// Decodes with `k` draft tokens per step from the model's draft head (see
     /// [`Driver::with_speculative`]).
-    pub fn with_speculative(mut self, k: usize) -> Result<Self, String> {
+    pub fn with_speculative(mut self, k: usize) -> Result<Self, SpeculativeError> {
         self.driver = self.driver.with_speculative(k)?;
         Ok(self)
     }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
-use osprey_protocol::constraint::{CompiledGrammar, Constraint, Grammar, TokenMatcher};
+use osprey_protocol::constraint::{CompiledGrammar, Constraint, Grammar, GrammarError, TokenMatcher};
 use serde_json::Value;
 use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
@@ -324,7 +324,17 @@ impl Seq {
 }
 
 impl TokenMatcher for Seq {
-    fn allowed(&mut self, allowed: &mut Vec<u32>) -> Result<(), String> {
+    fn allowed(&mut self, allowed: &mut Vec<u32>) -> Result<(), GrammarError> {
+        self.mask(allowed).map_err(GrammarError)
+    }
+
+    fn commit(&mut self, token: u32) -> Result<(), GrammarError> {
+        self.advance(token).map_err(GrammarError)
+    }
+}
+
+impl Seq {
+    fn mask(&mut self, allowed: &mut Vec<u32>) -> Result<(), String> {
         self.check_wrap()?;
         let mask = self.m.compute_mask_or_eos().map_err(|e| e.to_string())?;
         allowed.clear();
@@ -344,7 +354,7 @@ impl TokenMatcher for Seq {
         Ok(())
     }
 
-    fn commit(&mut self, token: u32) -> Result<(), String> {
+    fn advance(&mut self, token: u32) -> Result<(), String> {
         self.committed += 1;
         self.lex.feed_token(token, self.tiers.word(token));
         if self.m.is_stopped() {
