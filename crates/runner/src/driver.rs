@@ -55,25 +55,9 @@ pub struct Resume<'a> {
     pub snapshot: &'a StateSnapshot,
 }
 
-/// One sequence's work in a step: feed tokens `[start, end)` (prompt, then generated tokens).
-#[derive(Clone, Debug)]
-pub struct Work {
-    /// The sequence.
-    pub seq: SeqId,
-    /// First token to feed.
-    pub start: usize,
-    /// End (exclusive).
-    pub end: usize,
-    /// Sample a token after this chunk.
-    pub sample: bool,
-    /// Snapshot the state after this chunk (its end is a page boundary) with the pages computed since the
-    /// sequence's previous snapshot.
-    pub snapshot: bool,
-    /// The most tokens the item may emit: a speculative step drafts at most `budget - 1`.
-    pub budget: usize,
-    /// The request's span (entered while this item's media rows are fetched).
-    pub span: tracing::Span,
-}
+/// One sequence's chunk in a step: the scheduler's plan item itself (the driver reads its tokens,
+/// sampling, snapshot, budget and span; `admit` is the runner's, done before the step, and `None` here).
+pub type Work = osprey_protocol::runner::PlanItem;
 
 /// A snapshot taken after a work item.
 #[derive(Debug)]
@@ -615,7 +599,7 @@ impl Driver {
             let end = if start < plen { (start + opts.chunk.max(1)).min(plen) } else { start + 1 };
             let span = tracing::Span::current();
             let budget = opts.max_tokens - tokens.len();
-            let work = Work { seq, start, end, sample: end >= plen, snapshot: false, budget, span };
+            let work = Work { seq, admit: None, start, end, sample: end >= plen, snapshot: false, budget, span };
             let (_, res) = self.step(&[work], rows).pop().expect("one result per work item");
             let sampled = res?.sampled;
             if sampled.is_empty() {

@@ -139,15 +139,8 @@ impl Runner {
                     continue;
                 }
             }
-            work.push(Work {
-                seq: item.seq,
-                start: item.start,
-                end: item.end,
-                sample: item.sample,
-                snapshot: item.snapshot,
-                budget: item.budget,
-                span: item.span.clone(),
-            });
+            // The admission is done: the driver takes the chunk.
+            work.push(Work { admit: None, ..item.clone() });
         }
         // 2. One batched forward (in a span naming its sequences, which the expert reads inherit), then the
         //    results in protocol form.
