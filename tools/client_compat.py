@@ -356,7 +356,7 @@ def main():
         expect(r.prompt_eval_count > bare.prompt_eval_count + 20, (bare.prompt_eval_count, r.prompt_eval_count))
         # The Ollama API cannot force a call (no tool_choice) and the embedded model was not taught tools,
         # so the call is the client's own Message type, as an agent loop sends it back with its result;
-        # forced calls in Ollama's shape are tested over HTTP in tests/apis.rs (osprey's tool_choice).
+        # forced calls in Ollama's shape are tested over HTTP in tests/osprey/apis.rs (osprey's tool_choice).
         call = ollama.Message(role="assistant", content="", tool_calls=[ollama.Message.ToolCall(
             function=ollama.Message.ToolCall.Function(name="get_weather", arguments={"city": "Paris"}))])
         msgs += [call, {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"}]

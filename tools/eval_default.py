@@ -9,7 +9,7 @@ osprey's through its HTTP API, compared prompt by prompt.
         and accuracy per task (and, with --same-as, how many answers equal an earlier run's); writes
         /tmp/heldout/osprey-NAME.json
     python tools/eval_default.py fixtures --model fixtures/models/osprey-default --out fixtures/media/default
-        writes the fixed test media of the end-to-end tests (tests/default_model.rs) and cases.json with
+        writes the fixed test media of the end-to-end tests (tests/osprey/default_model.rs) and cases.json with
         the expected answers; refuses to write a case transformers answers wrongly
 
 Pinned stack (tools/requirements.txt), CPU torch. The held-out seed (20,000) differs from the trainer's

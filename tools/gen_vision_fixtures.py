@@ -81,7 +81,7 @@ def codes(pixels):
 def one_frame(codes_rows, temporal=2):
     """An image's patch rows keep one frame: the processor tiles an image over the temporal patch, so each row
     is (channel, frame, 16x16) with every frame equal (checked). [n, C*T*P*P] -> [n, C, P*P]; the test
-    rebuilds the rows (crates/models/tests/vision.rs, `hf_pixels`)."""
+    rebuilds the rows (crates/models/tests/models/vision.rs, `hf_pixels`)."""
     n = codes_rows.shape[0]
     x = codes_rows.view(n, 3, temporal, -1)
     assert all(torch.equal(x[:, :, 0], x[:, :, f]) for f in range(1, temporal)), "image frames differ"

@@ -52,10 +52,10 @@ RULES = [
     (QWEN4, r"hc0\..*", "drop"),  # the first hyper-connection's parts: checked through the streams
     (r"qwen4_exp-tiny-sigmoid", r"ple_ids\.\d+", "drop"),  # n-gram ids: the config's, read on the silu model
     # image_video: the stream test covers image, two images and video; this case is read for its ids,
-    # positions, decode logits and greedy ids (tests/multimodal.rs).
+    # positions, decode logits and greedy ids (tests/osprey/multimodal.rs).
     (QWEN4 + r"/image_video", r"all_logits|hidden_states\.\d+", "drop"),
     (QWEN4, r"all_logits", "rows"),
-    (QWEN4, r"hidden_states\.\d+", "rows"),  # compared free-running (crates/models/tests/qwen4_exp.rs)
+    (QWEN4, r"hidden_states\.\d+", "rows"),  # compared free-running (crates/models/tests/models/qwen4_exp.rs)
     (MTP, r"main_logits", "drop"),
     (MTP, r"mtp\.(fc|layer|out|logits)", "rows"),
 ]

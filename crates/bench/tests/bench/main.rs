@@ -1,0 +1,4 @@
+//! The bench crate's integration tests in one binary (issue 34): the report and the synthetic checkpoints.
+
+mod report;
+mod synth;

@@ -1,0 +1,428 @@
+//! The compute-backend seam seen from outside: a model is built on whatever backend it is given, every
+//! weight is placed by that backend at load, and a forward crosses to the host only where the seam says
+//! it may (token ids and positions in, one router top-k per MoE layer, the sampled rows' logits out) —
+//! never once per layer. A counting backend wraps the CPU one to check it, and the answers must be the
+//! CPU backend's to the bit.
+
+use crate::common;
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use osprey_backend::{
+    AttnShape, Backend, DType, Device, ExpertPool, ExpertShape, Fence, GdnShape, HostData, HostExpert, HostMatrix,
+    HostVec, MRope, Op, PagedView, Result, RopeTable, Routing, Tensor,
+};
+use osprey_backend_cpu::testing::HostOps;
+use osprey_backend_cpu::CpuBackend;
+use osprey_models::{CausalLm, LogitsWanted, Positions, SeqInput, SeqStep};
+
+/// The CPU backend with its host crossings counted.
+#[derive(Debug, Default)]
+struct Counting {
+    cpu: CpuBackend,
+    placed: AtomicUsize,
+    /// f32 uploads (token embeddings of injected rows, rope tables).
+    uploads: AtomicUsize,
+    /// f32 downloads (logits).
+    downloads: AtomicUsize,
+    /// i32 downloads: routed expert ids (the routing sync).
+    routing: AtomicUsize,
+    /// i32 uploads: slot ids of a wave.
+    slot_ids: AtomicUsize,
+    /// Experts copied into slots.
+    expert_uploads: AtomicUsize,
+    /// Whether it runs `qwen4_exp`'s ops (the CPU's, in place).
+    qwen4: bool,
+}
+
+fn bump(c: &AtomicUsize) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl Backend for Counting {
+    fn device(&self) -> Device {
+        self.cpu.device()
+    }
+    fn describe(&self) -> String {
+        format!("counting {}", self.cpu.describe())
+    }
+    /// Like a device backend still without them, it has none of the ops only `qwen4_exp` runs, unless
+    /// built with them (`qwen4`).
+    fn supports(&self, op: Op) -> bool {
+        self.qwen4 || !matches!(op, Op::GroupedNorms | Op::HyperConnections | Op::Ple | Op::AttentionSelected)
+    }
+    fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Result<Tensor> {
+        bump(&self.placed);
+        self.cpu.place_weight(w)
+    }
+    fn upload(&self, data: HostData<'_>, shape: &[usize]) -> Result<Tensor> {
+        bump(if matches!(data, HostData::I32(_)) { &self.slot_ids } else { &self.uploads });
+        self.cpu.upload(data, shape)
+    }
+    fn download(&self, t: &Tensor) -> Result<HostVec> {
+        bump(if t.dtype() == DType::I32 { &self.routing } else { &self.downloads });
+        self.cpu.download(t)
+    }
+    fn zeros(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        self.cpu.zeros(dtype, shape)
+    }
+    fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>) {
+        self.cpu.write_rows(dst, at, src, rows)
+    }
+    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor> {
+        self.cpu.gather_rows(x, rows)
+    }
+    fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor) {
+        self.cpu.scatter_add_rows(out, rows, weights, y)
+    }
+    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Result<Vec<Tensor>> {
+        self.cpu.split_cols(x, heads, parts)
+    }
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        self.cpu.linear(x, w)
+    }
+    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.cpu.linear_pair(x, w1, w2)
+    }
+    fn embed(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+        self.cpu.embed(table, ids)
+    }
+    fn add(&self, x: &mut Tensor, y: &Tensor) {
+        self.cpu.add(x, y)
+    }
+    fn add_bias(&self, x: &mut Tensor, bias: &Tensor) {
+        self.cpu.add_bias(x, bias)
+    }
+    fn scale(&self, x: &mut Tensor, s: f32) {
+        self.cpu.scale(x, s)
+    }
+    fn silu_mul(&self, gate: &mut Tensor, up: &Tensor) {
+        self.cpu.silu_mul(gate, up)
+    }
+    fn sigmoid_mul(&self, x: &mut Tensor, gate: &Tensor) {
+        self.cpu.sigmoid_mul(x, gate)
+    }
+    fn add_sigmoid_gated(&self, out: &mut Tensor, y: &Tensor, gate: &Tensor) {
+        self.cpu.add_sigmoid_gated(out, y, gate)
+    }
+    fn gelu(&self, x: &mut Tensor, tanh: bool) {
+        self.cpu.gelu(x, tanh)
+    }
+    fn rms_norm(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool) {
+        self.cpu.rms_norm(x, w, eps, one_plus)
+    }
+    fn rms_norm_gated(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
+        self.cpu.rms_norm_gated(x, z, w, eps)
+    }
+    fn l2_norm(&self, x: &mut Tensor, group: usize, eps: f32) {
+        self.cpu.l2_norm(x, group, eps)
+    }
+    fn layer_norm(&self, x: &mut Tensor, w: &Tensor, b: &Tensor, eps: f32) {
+        self.cpu.layer_norm(x, w, b, eps)
+    }
+    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable> {
+        // Tables are computed where the positions are (the host) and sent once per forward.
+        bump(&self.uploads);
+        self.cpu.rope_table(rope, positions)
+    }
+    fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable) {
+        self.cpu.rope(x, rope, table)
+    }
+    fn rotate_half(&self, x: &mut Tensor, head_dim: usize, cos: &Tensor, sin: &Tensor) {
+        self.cpu.rotate_half(x, head_dim, cos, sin)
+    }
+    fn attention_paged(
+        &self,
+        q: &Tensor,
+        rows: Range<usize>,
+        kv: PagedView<'_>,
+        past: usize,
+        shape: AttnShape,
+        scale: f32,
+        out: &mut Tensor,
+    ) {
+        self.cpu.attention_paged(q, rows, kv, past, shape, scale, out)
+    }
+    fn attention_bidirectional(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rows: Range<usize>,
+        shape: AttnShape,
+        scale: f32,
+        out: &mut Tensor,
+    ) {
+        self.cpu.attention_bidirectional(q, k, v, rows, shape, scale, out)
+    }
+    fn causal_conv_silu(
+        &self,
+        x: &Tensor,
+        rows: Range<usize>,
+        w: &Tensor,
+        kernel: usize,
+        state: &mut Tensor,
+    ) -> Result<Tensor> {
+        self.cpu.causal_conv_silu(x, rows, w, kernel, state)
+    }
+    fn delta_gates(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        rows: Range<usize>,
+        neg_a: &Tensor,
+        dt_bias: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        self.cpu.delta_gates(a, b, rows, neg_a, dt_bias)
+    }
+    fn gated_delta(
+        &self,
+        shape: GdnShape,
+        recurrent: bool,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        state: &mut Tensor,
+    ) -> Result<Tensor> {
+        self.cpu.gated_delta(shape, recurrent, q, k, v, g, beta, state)
+    }
+    fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing> {
+        self.cpu.route(logits, k, renorm)
+    }
+    fn alloc_host_arena(&self, bytes: usize) -> Result<osprey_backend::HostArena> {
+        self.cpu.alloc_host_arena(bytes)
+    }
+    fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {
+        self.cpu.alloc_expert_pool(layer, slots, shape)
+    }
+    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
+        bump(&self.expert_uploads);
+        self.cpu.upload_expert(pool, slot, expert)
+    }
+    fn moe_routed(&self, x: &Tensor, slots: &Tensor, w: &Tensor, pool: &ExpertPool, out: &mut Tensor) -> Result<()> {
+        self.cpu.moe_routed(x, slots, w, pool, out)
+    }
+    fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {
+        self.cpu.moe_combine(partials, k)
+    }
+    osprey_backend_cpu::forward_fences!(cpu);
+    fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32) {
+        self.cpu.rms_norm_grouped(x, w, group, eps)
+    }
+    fn silu(&self, x: &mut Tensor) {
+        self.cpu.silu(x)
+    }
+    fn sigmoid(&self, x: &mut Tensor) {
+        self.cpu.sigmoid(x)
+    }
+    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Result<Tensor> {
+        self.cpu.hc_combine(m, xn, hc)
+    }
+    fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize) {
+        self.cpu.hc_inject(x, out, inj, hc)
+    }
+    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Result<Tensor> {
+        self.cpu.ple_gate(k, q, v, hc)
+    }
+    fn causal_conv_dilated_silu(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        k: usize,
+        dil: usize,
+        st: &mut Tensor,
+    ) -> Result<Tensor> {
+        self.cpu.causal_conv_dilated_silu(x, w, k, dil, st)
+    }
+    fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
+        self.cpu.rms_norm_gated_sigmoid(x, z, w, eps)
+    }
+    fn mean_rows(&self, x: &Tensor, rows: Range<usize>) -> Result<Tensor> {
+        self.cpu.mean_rows(x, rows)
+    }
+    fn qsa_select(
+        &self,
+        q: &Tensor,
+        rows: Range<usize>,
+        keys: &Tensor,
+        past: usize,
+        ratio: usize,
+        top: usize,
+        heads: usize,
+        scale: f32,
+    ) -> Result<Tensor> {
+        self.cpu.qsa_select(q, rows, keys, past, ratio, top, heads, scale)
+    }
+    fn attention_selected(
+        &self,
+        q: &Tensor,
+        rows: Range<usize>,
+        kv: PagedView<'_>,
+        blocks: &Tensor,
+        at: (usize, usize),
+        shape: AttnShape,
+        scale: f32,
+        out: &mut Tensor,
+    ) {
+        self.cpu.attention_selected(q, rows, kv, blocks, at, shape, scale, out)
+    }
+}
+
+/// `[placed, f32 uploads, f32 downloads, routing syncs, slot-id uploads, expert uploads]` since the last call.
+fn counts(c: &Counting) -> [usize; 6] {
+    [&c.placed, &c.uploads, &c.downloads, &c.routing, &c.slot_ids, &c.expert_uploads]
+        .map(|a| a.swap(0, Ordering::Relaxed))
+}
+
+fn run(m: &dyn CausalLm, st: &mut osprey_models::SeqState, ids: &[u32], logits: LogitsWanted) -> Vec<f32> {
+    let input = SeqInput { tokens: ids, positions: Positions::Text, injected: &[], logits };
+    m.forward(&mut [SeqStep { state: st, input }], false).expect("forward").logits.remove(0)
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).expect("logits")
+}
+
+#[test]
+fn weights_are_placed_at_load_and_a_forward_crosses_to_the_host_only_for_routing_and_logits() {
+    let dir = common::fixtures().join("models/qwen3_5_moe-tiny");
+    let counting = Arc::new(Counting::default());
+    let model = osprey_models::load_on(&dir, counting.clone()).expect("load on the counting backend");
+    let reference = osprey_models::load_on(&dir, CpuBackend::shared()).expect("load on the CPU backend");
+    let info = model.info().clone();
+    let [placed, ..] = counts(&counting);
+    // Every linear of every layer, the router, the shared expert and the embedding went through the
+    // backend (the routed experts go into slots when a step needs them, not here).
+    assert!(placed >= 4 * info.num_layers, "{placed} weights placed for {} layers", info.num_layers);
+
+    let prompt: Vec<u32> = (1..=12).collect();
+    let (mut st, mut want) = (model.new_state(), reference.new_state());
+    // A prefill chunk that wants no logits downloads only the routed ids, once per MoE layer.
+    assert!(run(&model, &mut st, &prompt[..8], LogitsWanted::None).is_empty());
+    run(&reference, &mut want, &prompt[..8], LogitsWanted::None);
+    let [_, uploads, downloads, routing, _, expert_uploads] = counts(&counting);
+    assert_eq!((downloads, uploads), (0, 1), "only the rope table goes up; no activation comes down");
+    assert_eq!(routing, info.moe_layers, "one routing sync per MoE layer");
+    assert_eq!(expert_uploads as u64, model.slot_stats().misses, "an upload per slot miss");
+    // The rest of the prompt, then decode steps: one logits download each.
+    let mut got = run(&model, &mut st, &prompt[8..], LogitsWanted::Last);
+    let mut reference_logits = run(&reference, &mut want, &prompt[8..], LogitsWanted::Last);
+    for step in 0..4 {
+        assert_eq!(got, reference_logits, "step {step}: the counting backend computes the CPU backend's answer");
+        let [_, _, downloads, routing, ..] = counts(&counting);
+        assert_eq!(downloads, 1, "step {step}: one download per forward, not per layer");
+        assert_eq!(routing, info.moe_layers);
+        let next = argmax(&got);
+        got = run(&model, &mut st, &[next], LogitsWanted::Last);
+        reference_logits = run(&reference, &mut want, &[next], LogitsWanted::Last);
+    }
+}
+
+/// Every expert resident in a slot: a decode step uploads no expert, syncs once per MoE layer and
+/// downloads the logits once. With one slot per layer every miss is an upload, in waves, and the logits
+/// are the same bits.
+#[test]
+fn resident_experts_cost_no_upload_and_one_slot_per_layer_gives_the_same_bits() {
+    let dir = common::fixtures().join("models/qwen3_5_moe-tiny");
+    let cfg = osprey_models::ModelConfig::from_dir(&dir).expect("config");
+    let ck = osprey_models::Checkpoint::open(&dir).expect("checkpoint");
+    let load = |slots: Option<usize>, b: Arc<Counting>| {
+        let opts = osprey_models::LoadOptions { expert_slots: slots, ..Default::default() };
+        osprey_models::load_with_options(&cfg, &ck, opts, b, &mut |_, _| {}).expect("load")
+    };
+    let (all, one) = (Arc::new(Counting::default()), Arc::new(Counting::default()));
+    let (wide, narrow) = (load(None, all.clone()), load(Some(1), one.clone()));
+    let info = wide.info().clone();
+    let experts = info.moe_layers * 8;
+    let (mut s_all, mut s_one) = (wide.new_state(), narrow.new_state());
+    // Warm every expert of every layer into the wide model's slots.
+    let (mut uploaded, mut one_uploads) = (0, 0);
+    for chunk in 0..32u32 {
+        let ids: Vec<u32> = (0..16).map(|i| (chunk * 131 + i * 37 + 3) % 1000).collect();
+        assert_eq!(
+            run(&wide, &mut s_all, &ids, LogitsWanted::Last),
+            run(&narrow, &mut s_one, &ids, LogitsWanted::Last),
+            "chunk {chunk}: one slot per layer, in waves, gives the same bits"
+        );
+        uploaded += counts(&all)[5];
+        one_uploads += counts(&one)[5];
+        if uploaded == experts {
+            break;
+        }
+    }
+    assert_eq!(uploaded, experts, "each expert uploaded once while the pool holds them all");
+    let mut next = 7;
+    for step in 0..6 {
+        let a = run(&wide, &mut s_all, &[next], LogitsWanted::Last);
+        assert_eq!(a, run(&narrow, &mut s_one, &[next], LogitsWanted::Last), "step {step}");
+        let [_, _, downloads, routing, _, expert_uploads] = counts(&all);
+        assert_eq!((expert_uploads, routing, downloads), (0, info.moe_layers, 1), "step {step}: all resident");
+        let [.., expert_uploads] = counts(&one);
+        assert!(expert_uploads >= info.moe_layers, "step {step}: with one slot, every layer uploads");
+        one_uploads += expert_uploads;
+        next = argmax(&a);
+    }
+    let narrow_stats = narrow.slot_stats();
+    assert_eq!(one_uploads as u64, narrow_stats.misses, "with one slot per layer, uploads equal misses");
+    assert!(narrow_stats.waves >= narrow_stats.misses, "each miss runs in a wave of its own");
+    assert_eq!(wide.slot_stats().misses as usize, experts);
+}
+
+/// The seam has no silent host fallbacks: a backend that lacks `qwen4_exp`'s ops is refused at load,
+/// naming them; wrapped in the explicit host-ops test wrapper it runs the family, and the wrapper's
+/// download-compute-upload versions give the CPU backend's in-place logits to the bit.
+#[test]
+fn a_backend_without_qwen4_exp_ops_is_refused_and_the_host_wrapper_equals_the_cpu() {
+    let dir = common::fixtures().join("models/qwen4_exp-tiny");
+    let counting = Arc::new(Counting::default());
+    let Err(e) = osprey_models::load_on(&dir, counting.clone()) else { panic!("a backend without the ops loaded") };
+    let e = e.to_string();
+    for op in ["GroupedNorms", "HyperConnections", "Ple", "AttentionSelected"] {
+        assert!(e.contains(op), "{e}");
+    }
+    let qwen35 = common::fixtures().join("models/qwen3_5_moe-tiny");
+    assert!(osprey_models::load_on(&qwen35, counting.clone()).is_ok(), "Qwen3.5 needs none of them");
+    let model = osprey_models::load_on(&dir, HostOps::wrap(counting.clone())).expect("load on the wrapper");
+    let reference = osprey_models::load_on(&dir, CpuBackend::shared()).expect("load on the CPU backend");
+    let prompt: Vec<u32> = (1..=40).map(|i| (i * 37) % 1000).collect();
+    let (mut st, mut want) = (model.new_state(), reference.new_state());
+    let run = |m: &dyn CausalLm, st: &mut osprey_models::SeqState, ids: &[u32]| {
+        let input = SeqInput { tokens: ids, positions: Positions::Text, injected: &[], logits: LogitsWanted::All };
+        m.forward(&mut [SeqStep { state: st, input }], false).expect("forward").logits.remove(0)
+    };
+    counts(&counting);
+    for chunk in [&prompt[..23], &prompt[23..], &[7u32][..]] {
+        assert_eq!(run(&model, &mut st, chunk), run(&reference, &mut want, chunk));
+    }
+    assert!(counts(&counting)[2] > 3, "the wrapper downloaded their inputs");
+}
+
+/// `qwen4_exp` on a backend that runs all of its ops: the QSA indexer's keys, scores and selected blocks
+/// stay on the backend, so a decode step with every expert in a slot downloads the routing ids once per
+/// MoE layer and the logits once (no index download), uploads no expert, and gives the CPU's bits.
+#[test]
+fn qwen4_exp_decode_downloads_only_routing_and_logits() {
+    let dir = common::fixtures().join("models/qwen4_exp-tiny");
+    let counting = Arc::new(Counting { qwen4: true, ..Counting::default() });
+    let model = osprey_models::load_on(&dir, counting.clone()).expect("load with the qwen4_exp ops");
+    let reference = osprey_models::load_on(&dir, CpuBackend::shared()).expect("load on the CPU backend");
+    let info = model.info().clone();
+    let (mut st, mut want) = (model.new_state(), reference.new_state());
+    // Warm every expert into its slot (8 per layer; the prompt routes to all of them).
+    let prompt: Vec<u32> = (1..=96).map(|i| (i * 37) % 1000).collect();
+    let mut got = run(&model, &mut st, &prompt, LogitsWanted::Last);
+    assert_eq!(got, run(&reference, &mut want, &prompt, LogitsWanted::Last));
+    let warm = counts(&counting);
+    assert_eq!(warm[5], info.moe_layers * 8, "the prompt put every expert in a slot");
+    for step in 0..4 {
+        let next = argmax(&got);
+        got = run(&model, &mut st, &[next], LogitsWanted::Last);
+        assert_eq!(got, run(&reference, &mut want, &[next], LogitsWanted::Last), "step {step}");
+        let [_, _, downloads, routing, _, expert_uploads] = counts(&counting);
+        assert_eq!((downloads, routing, expert_uploads), (1, info.moe_layers, 0), "step {step}");
+    }
+}

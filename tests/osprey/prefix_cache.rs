@@ -1,0 +1,200 @@
+//! The prefix cache through the real server: a hit never changes an answer, never serves the wrong image,
+//! ends only at recurrent snapshots, and survives eviction. Each request is compared with the same request
+//! on a server started with `--disable-prefix-cache`.
+//!
+//! Tolerance: a hit changes only how the prompt is chunked (cached pages + the rest), so logprobs agree to
+//! the parity bound 1e-4 (crates/models/tests/models/parity.rs) and greedy text is equal — on the exact path,
+//! which every server here runs (`--activations f32`): at the fast default, attention and the delta
+//! rule sum in a chunk-dependent order and the next matmul's bf16 rounding can turn that into a flipped
+//! near-tie on this random-weight model (docs/reliability.md). The cache's own logic is what is tested.
+
+use crate::common;
+use crate::harness;
+
+use std::net::SocketAddr;
+
+use common::fixtures;
+use harness::{data_url, metric};
+use osprey::Settings;
+use serde_json::{json, Value};
+
+fn start(settings: Settings) -> SocketAddr {
+    let settings = Settings { activations: Some("f32".into()), ..settings };
+    harness::start(settings, fixtures().join("models/qwen3_5_moe-tiny"))
+}
+
+/// Small chunks on a 16-token grid, so snapshots exist inside images too.
+fn cached(extra: Settings) -> SocketAddr {
+    start(Settings { max_prefill_tokens: Some(16), page_size: Some(16), snapshot_interval: Some(16), ..extra })
+}
+
+fn uncached() -> SocketAddr {
+    start(Settings { disable_prefix_cache: Some(true), ..Settings::default() })
+}
+
+fn image(name: &str) -> Value {
+    json!({"type": "image_url", "image_url": {"url": data_url(&fixtures().join("media").join(format!("{name}.png")))}})
+}
+
+struct Answer {
+    text: String,
+    logprobs: Vec<f32>,
+    prompt: u64,
+    cached: u64,
+}
+
+fn ask(addr: SocketAddr, messages: &Value) -> Answer {
+    let body = json!({"messages": messages, "max_tokens": 6, "temperature": 0, "logprobs": true});
+    let (text, v) = harness::answer(addr, &body);
+    Answer {
+        text,
+        logprobs: v["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .expect("lps")
+            .iter()
+            .map(|e| e["logprob"].as_f64().expect("lp") as f32)
+            .collect(),
+        prompt: v["usage"]["prompt_tokens"].as_u64().expect("usage"),
+        cached: v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached"),
+    }
+}
+
+fn assert_same(what: &str, a: &Answer, b: &Answer) {
+    assert_eq!(a.text, b.text, "{what}: text");
+    assert_eq!(a.logprobs.len(), b.logprobs.len());
+    for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+        assert!((x - y).abs() < 1e-4, "{what}: logprob {x} vs {y}");
+    }
+}
+
+fn user(parts: Vec<Value>) -> Value {
+    json!([{"role": "user", "content": parts}])
+}
+
+#[test]
+fn image_a_then_b_then_a_answers_a_twice_and_b_differently() {
+    let (c, u) = (cached(Settings::default()), uncached());
+    let q = json!({"type": "text", "text": "What is in the image?"});
+    let a = user(vec![image("img_224x160"), q.clone()]);
+    let b = user(vec![image("img_256x256"), q]);
+    let first = ask(c, &a);
+    let second = ask(c, &b);
+    let third = ask(c, &a);
+    assert_eq!(first.cached, 0);
+    assert!(third.cached > 0, "the third request hits the first one's pages");
+    assert_eq!(
+        (third.text.clone(), third.logprobs.clone()),
+        (first.text.clone(), first.logprobs.clone()),
+        "A, B, A: the third answer is the first"
+    );
+    assert_ne!(second.text, first.text, "B is answered about B");
+    assert_same("B vs uncached", &second, &ask(u, &b));
+    // Same text, different image: nothing past the text before the image matches.
+    let image_start = 5;
+    assert!(second.cached <= image_start, "B reused {} tokens, past its first placeholder", second.cached);
+}
+
+#[test]
+fn hits_ending_before_inside_and_past_an_image_give_the_uncached_answer() {
+    let (c, u) = (cached(Settings::default()), uncached());
+    let intro = json!({"type": "text", "text": "Here is a picture for you to study closely please."});
+    let tail = |t: &str| json!({"type": "text", "text": t});
+    // Seed the cache: intro, image (70 placeholders), a long question.
+    let seed = user(vec![
+        intro.clone(),
+        image("img_224x160"),
+        tail("Describe the colours, then the shapes, then the background in detail."),
+    ]);
+    let s = ask(c, &seed);
+    assert_same("seed", &s, &ask(u, &seed));
+    // Before: same intro, another image → the hit stops before the image.
+    let before = user(vec![intro.clone(), image("img_256x256"), tail("Describe the colours.")]);
+    // Inside: same intro and image, another question → the hit ends at a snapshot inside the image.
+    let inside = user(vec![intro.clone(), image("img_224x160"), tail("Why?")]);
+    // Past: same intro, image and the start of the question → the hit ends after the image.
+    let past =
+        user(vec![intro, image("img_224x160"), tail("Describe the colours, then the shapes, then something else.")]);
+    let placeholder_span = |m: &Value| -> (u64, u64) {
+        // Template: "<|im_start|>user\n" + intro + "<|vision_start|>" then the placeholders.
+        let tok = osprey_tokenizer::TextTokenizer::from_dir(&fixtures().join("models/qwen3_5_moe-tiny")).expect("tok");
+        let t = osprey_tokenizer::ChatTemplate::from_dir(&fixtures().join("models/qwen3_5_moe-tiny")).expect("tmpl");
+        let text = t.render(m, true, &serde_json::Map::new()).expect("render");
+        let head = &text[..text.find("<|image_pad|>").expect("pad")];
+        let start = tok.encode(head).expect("encode").len() as u64;
+        (start, start + 70)
+    };
+    for (name, m) in [("before", &before), ("inside", &inside), ("past", &past)] {
+        let got = ask(c, m);
+        assert_same(name, &got, &ask(u, m));
+        let (s0, s1) = placeholder_span(m);
+        let ok = match name {
+            "before" => got.cached > 0 && got.cached <= s0,
+            "inside" => got.cached > s0 && got.cached < s1,
+            _ => got.cached >= s1,
+        };
+        assert!(ok, "{name}: cached {} with the image at [{s0}, {s1})", got.cached);
+    }
+}
+
+#[test]
+fn a_multi_turn_image_conversation_hits_its_history_on_turn_two() {
+    let (c, u) = (
+        cached(Settings { snapshot_interval: Some(64), max_prefill_tokens: Some(512), ..Settings::default() }),
+        uncached(),
+    );
+    let turn1 = user(vec![image("img_256x256"), json!({"type": "text", "text": "What is in the image?"})]);
+    let a1 = ask(c, &turn1);
+    let reply = a1.text.split('|').nth(1).unwrap_or("").to_string();
+    let turn2 = json!([
+        {"role": "user", "content": [image("img_256x256"), {"type": "text", "text": "What is in the image?"}]},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And what colour dominates?"}
+    ]);
+    let a2 = ask(c, &turn2);
+    assert!(
+        a2.cached >= a1.prompt / 16 * 16 - 16,
+        "turn 2 reused {} of turn 1's {} prompt tokens",
+        a2.cached,
+        a1.prompt
+    );
+    assert!(a2.cached < a2.prompt);
+    assert_same("turn 2", &a2, &ask(u, &turn2));
+}
+
+#[test]
+fn eviction_under_a_tiny_budget_keeps_answers_exact() {
+    // ~0.1 MB holds a few pages and snapshots of the tiny model; eight different images churn it.
+    let c = cached(Settings { prefix_cache_mb: Some(0.1), ..Settings::default() });
+    let u = uncached();
+    let names = ["img_224x160", "img_256x256", "img_rgba_64x64", "img_640x480"];
+    for round in 0..2 {
+        for n in names {
+            let m = user(vec![image(n), json!({"type": "text", "text": format!("Round {round}: what is this?")})]);
+            assert_same(n, &ask(c, &m), &ask(u, &m));
+        }
+    }
+    assert!(metric(c, "osprey_prefix_cache_evictions_total") > 0.0, "the budget forced evictions");
+    assert!(metric(c, "osprey_prefix_cache_bytes") <= 0.1 * 1048576.0);
+    // Snapshots are host memory, pages device memory, counted apart (the hybrid model snapshots).
+    let m = harness::metrics(
+        c,
+        &["osprey_prefix_cache_host_bytes", "osprey_prefix_cache_device_bytes", "osprey_prefix_cache_bytes"],
+    );
+    assert!(m[0] > 0.0 && m[1] > 0.0, "host {} device {}", m[0], m[1]);
+    assert_eq!(m[0] + m[1], m[2]);
+}
+
+#[test]
+fn disable_prefix_cache_flag_turns_it_off() {
+    let u = uncached();
+    let m = user(vec![json!({"type": "text", "text": "Repeat after me: the same prompt twice."})]);
+    ask(u, &m);
+    assert_eq!(ask(u, &m).cached, 0);
+    let c = start(Settings::default());
+    let long = user(vec![
+        json!({"type": "text", "text": "A prompt long enough to fill a few pages of sixteen tokens. ".repeat(4)}),
+    ]);
+    ask(c, &long);
+    assert!(ask(c, &long).cached > 0, "on by default");
+    assert!(metric(c, "osprey_prefix_cache_hit_rate") > 0.0);
+}
