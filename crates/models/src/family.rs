@@ -9,6 +9,7 @@ use std::fmt::Debug;
 use osprey_backend::{BackendRef, Tensor};
 
 use crate::error::Result;
+pub use crate::kv::KvLayout;
 use crate::kv::{PageGeometry, PageTable};
 use crate::state::SeqState;
 
@@ -152,24 +153,6 @@ pub struct LmInfo {
     pub eos_token_ids: Vec<u32>,
     /// Longest context the config declares.
     pub max_position_embeddings: usize,
-}
-
-/// Full-attention KV geometry of a family, for sizing and paging its KV.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KvLayout {
-    /// Layers that keep KV (full attention; linear-attention layers keep a fixed-size state instead).
-    pub layers: usize,
-    /// KV heads per layer.
-    pub kv_heads: usize,
-    /// Head dimension.
-    pub head_dim: usize,
-}
-
-impl KvLayout {
-    /// Bytes of K and V one token occupies over all KV layers (f32 today).
-    pub fn bytes_per_token(&self) -> usize {
-        2 * self.layers * self.kv_heads * self.head_dim * std::mem::size_of::<f32>()
-    }
 }
 
 /// A loaded causal-LM family, as the runtime drives it.

@@ -21,7 +21,23 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use osprey_backend::{Backend, BackendError, BackendRef, DType, HostData, PagedView, Tensor};
 
-use crate::family::KvLayout;
+/// Full-attention KV geometry of a family, for sizing and paging its KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Layers that keep KV (full attention; linear-attention layers keep a fixed-size state instead).
+    pub layers: usize,
+    /// KV heads per layer.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// Bytes of K and V one token occupies over all KV layers (f32 today).
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.layers * self.kv_heads * self.head_dim * std::mem::size_of::<f32>()
+    }
+}
 
 /// Page geometry: slots per page, the KV rows of one slot, and the element type the rows are kept in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
