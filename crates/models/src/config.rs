@@ -407,7 +407,7 @@ impl ModelConfig {
             .map(|a| a.iter().filter_map(|s| s.as_str().map(String::from)).collect())
             .unwrap_or_default();
         // Refuse what no family serves before parsing family fields (the error names what is served).
-        crate::registry::family_of(&model_type, &architectures)?;
+        crate::served::served(&model_type, &architectures)?;
         let text_v = v.get("text_config").cloned().unwrap_or_else(|| v.clone());
         let mut text: TextConfig = serde_json::from_value(text_v).map_err(json_err)?;
         if text.model_type.is_empty() {

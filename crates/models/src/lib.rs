@@ -30,6 +30,7 @@ mod qwen3_5;
 mod qwen4_exp;
 mod qwen_layout;
 pub mod registry;
+mod served;
 mod state;
 pub mod vision;
 

@@ -120,17 +120,7 @@ pub static FAMILIES: &[&Family] = &[&crate::qwen3_5::FAMILY, &crate::qwen4_exp::
 
 /// The family of a config, by `model_type`, then by `architectures`; a clear error naming what is served.
 pub fn family_of(model_type: &str, architectures: &[String]) -> Result<&'static Family> {
-    if let Some(f) = FAMILIES.iter().find(|f| f.model_types.contains(&model_type)) {
-        return Ok(f);
-    }
-    if let Some(f) = FAMILIES.iter().find(|f| architectures.iter().any(|a| f.architectures.contains(&a.as_str()))) {
-        return Ok(f);
-    }
-    let served: Vec<&str> = FAMILIES.iter().flat_map(|f| f.model_types.iter().copied()).collect();
-    Err(Error::Unsupported(format!(
-        "model_type {model_type:?} (architectures {architectures:?}) is not served by osprey; supported model_types: {}",
-        served.join(", ")
-    )))
+    Ok(FAMILIES[crate::served::served(model_type, architectures)?])
 }
 
 /// Loads a Hugging Face model directory with its weights placed on `backend`.
@@ -207,6 +197,15 @@ pub fn family_for(cfg: &ModelConfig) -> Result<&'static Family> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `family_of` indexes FAMILIES by the served-names table: the two must list the families in one order.
+    #[test]
+    fn the_served_names_are_the_families_in_their_order() {
+        assert_eq!(FAMILIES.len(), crate::served::ALL.len());
+        for (f, n) in FAMILIES.iter().zip(crate::served::ALL) {
+            assert_eq!((f.model_types, f.architectures), (n.model_types, n.architectures), "{}", f.name);
+        }
+    }
 
     #[test]
     fn configs_map_to_families_and_unknown_ones_are_refused_by_name() {

@@ -33,13 +33,8 @@ use state::{HybridState, LayerState};
 /// The registry entry of Qwen3.5 / Qwen3.6, dense and MoE, multimodal wrapper or text-only.
 pub(crate) static FAMILY: Family = Family {
     name: "qwen3_5",
-    model_types: &["qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"],
-    architectures: &[
-        "Qwen3_5ForConditionalGeneration",
-        "Qwen3_5MoeForConditionalGeneration",
-        "Qwen3_5ForCausalLM",
-        "Qwen3_5MoeForCausalLM",
-    ],
+    model_types: crate::served::QWEN3_5.model_types,
+    architectures: crate::served::QWEN3_5.architectures,
     load: |cfg, ck, opts, backend, progress| {
         Ok(Box::new(Qwen35::from_checkpoint_with_progress(cfg, ck, opts, backend, progress)?) as Model)
     },

@@ -64,8 +64,8 @@ const QWEN4_OPS: [osprey_backend::Op; 13] = {
 /// The registry entry of `qwen4_exp`, multimodal wrapper or text-only.
 pub(crate) static FAMILY: Family = Family {
     name: "qwen4_exp",
-    model_types: &["qwen4_exp", "qwen4_exp_text"],
-    architectures: &["Qwen4ExpForConditionalGeneration", "Qwen4ExpForCausalLM"],
+    model_types: crate::served::QWEN4_EXP.model_types,
+    architectures: crate::served::QWEN4_EXP.architectures,
     load: |cfg, ck, opts, backend, progress| Ok(Box::new(Qwen4Exp::load(cfg, ck, opts, backend, progress)?) as Model),
     experts: expert_layout,
     // The tower is Qwen3.5-MoE's (`Qwen4ExpVisionModel = Qwen3_5MoeVisionModel`).
