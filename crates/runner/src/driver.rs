@@ -277,16 +277,20 @@ impl Driver {
     /// prefix cache or another sequence) also references.
     pub fn kv_pages(&mut self) -> KvPages {
         let st = self.pool.stats();
-        let mut held: Vec<(u32, bool)> = self
+        // Only a shared page can be held by two sequences: the pages held, less the repeats among those.
+        let held: usize = self.seqs.values().map(|r| r.state.pages().pages().len()).sum();
+        let mut shared: Vec<u32> = self
             .seqs
             .values()
             .flat_map(|r| r.state.pages().pages().iter())
-            .map(|p| (p.id(), std::sync::Arc::strong_count(p) > 1))
+            .filter(|p| std::sync::Arc::strong_count(p) > 1)
+            .map(|p| p.id())
             .collect();
-        held.sort_unstable();
-        held.dedup_by_key(|(id, _)| *id);
-        let shared = held.iter().filter(|(_, s)| *s).count();
-        KvPages { total: st.total, free: st.free, shared, running: held.len() }
+        let repeats = shared.len();
+        shared.sort_unstable();
+        shared.dedup();
+        let running = held - (repeats - shared.len());
+        KvPages { total: st.total, free: st.free, shared: shared.len(), running }
     }
 
     /// The model.
