@@ -45,11 +45,14 @@ pub fn resolve(spec: &Path) -> Result<PathBuf> {
     let offline = offline();
     let found = resolve_in(spec, cache_dir().as_deref(), offline);
     match (&found, spec.to_str().and_then(parse_id)) {
-        (Err(_), Some((org, name, rev))) if !offline && !spec.exists() => {
-            crate::pull::pull(&crate::pull::Hub::from_env()?, &format!("{org}/{name}"), rev.unwrap_or("main"))
-        }
+        (Err(_), Some((org, name, rev))) if !offline && !spec.exists() => download(org, name, rev),
         _ => found,
     }
+}
+
+/// `org/name` at `rev` (default `main`) downloaded into the cache ([`crate::pull`]).
+fn download(org: &str, name: &str, rev: Option<&str>) -> Result<PathBuf> {
+    crate::pull::pull(&crate::pull::Hub::from_env()?, &format!("{org}/{name}"), rev.unwrap_or("main"))
 }
 
 /// `osprey pull ID`: the snapshot of `id` (`org/name[@revision]`), downloaded unless the cache has it.
@@ -60,7 +63,7 @@ pub fn pull_id(id: &str) -> Result<PathBuf> {
     if offline() {
         return resolve_in(Path::new(id), cache_dir().as_deref(), true);
     }
-    crate::pull::pull(&crate::pull::Hub::from_env()?, &format!("{org}/{name}"), rev.unwrap_or("main"))
+    download(org, name, rev)
 }
 
 /// [`resolve`] with the cache and the offline switch given (tests).

@@ -230,10 +230,15 @@ pub(crate) fn sse_event(kind: &str, v: &Value) -> Bytes {
 
 /// An SSE response fed by `rx`.
 pub(crate) fn sse_response(rx: mpsc::Receiver<Bytes>) -> HttpResponse {
+    streamed(rx, "text/event-stream")
+}
+
+/// A streamed response of `content_type` whose body is what `rx` delivers (SSE, Ollama's NDJSON).
+pub(crate) fn streamed(rx: mpsc::Receiver<Bytes>, content_type: &str) -> HttpResponse {
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, actix_web::Error>(b), rx))
     });
-    HttpResponse::Ok().content_type("text/event-stream").insert_header(("Cache-Control", "no-cache")).streaming(body)
+    HttpResponse::Ok().content_type(content_type).insert_header(("Cache-Control", "no-cache")).streaming(body)
 }
 
 async fn respond(
@@ -356,9 +361,18 @@ pub(crate) async fn read_body(
     payload: web::Payload,
     endpoint: Endpoint,
 ) -> Result<Value, ApiError> {
+    read_body_within(state, req, payload, state.body_limits(endpoint)).await
+}
+
+async fn read_body_within(
+    state: &AppState,
+    req: &HttpRequest,
+    payload: web::Payload,
+    lim: crate::body::BodyLimits,
+) -> Result<Value, ApiError> {
     check_key(state, req)?;
     check_serving(state)?;
-    crate::body::read_json(req, payload, state.body_limits(endpoint)).await
+    crate::body::read_json(req, payload, lim).await
 }
 
 /// An Ollama request's JSON body: as [`read_body`], but of any `Content-Type` when no browser sent it
@@ -368,10 +382,8 @@ pub(crate) async fn read_ollama_body(
     req: &HttpRequest,
     payload: web::Payload,
 ) -> Result<Value, ApiError> {
-    check_key(state, req)?;
-    check_serving(state)?;
     let lim = crate::body::BodyLimits { any_type_without_origin: true, ..state.body_limits(Endpoint::Chat) };
-    crate::body::read_json(req, payload, lim).await
+    read_body_within(state, req, payload, lim).await
 }
 
 /// A chat completions body (sent by a client, or built by the Responses or Messages front end)

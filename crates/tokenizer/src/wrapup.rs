@@ -92,7 +92,6 @@ pub(crate) struct Tiers {
     /// One-byte tokens that close something, by byte: `"`, `}`, `]`, `,` and a line break (what the
     /// walk's lookahead tries after a candidate).
     closers: Vec<(u8, u32)>,
-    eos_ids: Vec<u32>,
 }
 
 /// Most allowed tokens at which a choice is a fork in fixed text (a tag name, an enum value, a number's
@@ -169,7 +168,6 @@ impl Tiers {
                 .iter()
                 .filter_map(|&b| words.iter().position(|w| w.as_slice() == [b]).map(|t| (b, t as u32)))
                 .collect(),
-            eos_ids: eos.to_vec(),
         }
     }
 
@@ -268,7 +266,7 @@ impl Tiers {
         if closer.into_iter().any(|&(_, c)| m.validate_tokens(&[t, c]).is_ok_and(|n| n == 2)) {
             return true;
         }
-        if self.eos_ids.is_empty() || m.consume_token(t).is_err() {
+        if m.consume_token(t).is_err() {
             return false;
         }
         let accepting = m.is_accepting().unwrap_or(false);

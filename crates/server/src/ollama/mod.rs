@@ -246,10 +246,7 @@ async fn run(
     if asked.stream {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
         actix_web::rt::spawn(stream_task(state.clone(), api, clock, a, tx));
-        let body = futures_util::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|b| (Ok::<_, actix_web::Error>(b), rx))
-        });
-        return Ok(HttpResponse::Ok().content_type("application/x-ndjson").streaming(body));
+        return Ok(handlers::streamed(rx, "application/x-ndjson"));
     }
     let v = tokio::select! {
         r = whole(&state, api, clock, a) => r?,
