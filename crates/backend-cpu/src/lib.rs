@@ -7,20 +7,10 @@
 //! [`testing::HostOps`] is the explicit host-fallback wrapper the seam's tests use.
 
 mod cpu;
-mod experts;
 pub mod host;
 pub mod testing;
 
 pub use cpu::{host, host_mut, route, CpuBackend, CpuStorage, Meta};
-
-/// Paths the [`forward_core_ops`] macro names, so a crate that uses it needs no `osprey-backend` import.
-#[doc(hidden)]
-pub mod reexport {
-    pub use osprey_backend::{
-        AttnShape, DType, Device, ExpertPool, ExpertShape, Fence, GdnShape, HostArena, HostData, HostExpert,
-        HostMatrix, HostVec, MRope, PagedView, Result, RopeTable, Routing, Tensor,
-    };
-}
 
 /// The CPU backend at `precision` (the process-wide instance).
 pub fn open(precision: osprey_backend::Precision) -> osprey_backend::BackendRef {

@@ -6,10 +6,14 @@
 //! gather, RMSNorm variants, rope / mRoPE, attention over paged KV and bidirectional attention, causal
 //! conv and the gated delta rule, activations, router top-k, expert gather / scatter, residual and
 //! element-wise ops, and the `qwen4_exp` ops. Weights are placed by the backend at load
-//! ([`Backend::place_weight`]), activations and per-sequence state (KV pages, recurrent states) are the
-//! backend's tensors, and host data crosses only through [`Backend::upload`] / [`Backend::download`], so
+//! ([`MemoryOps::place_weight`]), activations and per-sequence state (KV pages, recurrent states) are the
+//! backend's tensors, and host data crosses only through [`MemoryOps::upload`] / [`MemoryOps::download`], so
 //! a device backend keeps a whole forward on its device: the host sees token ids going in, routed expert
 //! ids (the one sync a MoE layer needs) and the logits of the rows it samples.
+//!
+//! The op set is one table (`ops.rs`) of group traits — [`MemoryOps`], [`CoreOps`], [`AttentionOps`],
+//! [`RecurrentOps`], [`ExpertOps`], [`Qwen4Ops`] — from which `table.rs` generates the traits, [`Op`]
+//! and [`Wrapper`] (a backend around another, forwarding what it does not override).
 //!
 //! This crate is the seam only: the trait, its tensors and its vocabulary ([`DType`], [`WeightView`],
 //! [`Precision`], [`AttnShape`], [`GdnShape`], [`MRope`]). It depends on no kernel crate, so a device
@@ -19,13 +23,18 @@
 
 mod device;
 pub mod experts;
+#[macro_use]
+mod table;
 mod ops;
 mod tensor;
 pub mod types;
 
 pub use device::Device;
 pub use experts::{ExpertKey, ExpertPool, ExpertShape, Fence, HostArena, HostExpert, Routing};
-pub use ops::{Backend, BackendRef, Op, PagedView, RopeTable};
+pub use ops::{
+    AttentionOps, Backend, BackendRef, CoreOps, ExpertOps, MemoryOps, Op, PagedView, Qwen4Ops, RecurrentOps, RopeTable,
+    Wrapper,
+};
 
 /// What a backend op returns.
 pub type Result<T> = std::result::Result<T, BackendError>;

@@ -7,7 +7,6 @@
 //! [`BackendError::OutOfMemory`], which fails the request that asked (503) instead of the runner
 //! thread. Ops that write into tensors they are given allocate nothing and cannot fail that way.
 
-use std::fmt::Debug;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -48,399 +47,339 @@ impl PagedView<'_> {
     }
 }
 
-/// A compute backend: device memory and the operations model families are written in.
-///
-/// Execution contract. Ops run in the order a thread issues them (a device backend gives each calling
-/// thread its own queue; the CPU runs each op before it returns). Results reach the host only through
-/// [`Backend::download`], which waits for the work before it. A [`Fence`] from [`Backend::record_fence`]
-/// covers the work the calling thread issued before it; a slot may be overwritten only once its last
-/// reader's fence is complete, and a host buffer handed to [`Backend::upload_expert`] is kept (with its
-/// lease) until the copy's fence is. One backend is shared by the runner thread and the vision encoder
-/// thread: each uses only the tensors it created (the vision tower's output reaches the runner as host
-/// rows, which the runner uploads), so the two queues never order against each other.
-pub trait Backend: Send + Sync + Debug {
-    /// Its device.
-    fn device(&self) -> Device;
+seam! {
+    /// A compute backend: device memory and the operations model families are written in, declared as
+    /// the groups below (one table: `ops.rs`). A backend implements each group trait and these three
+    /// methods; a wrapper around another backend implements [`Wrapper`] instead.
+    ///
+    /// Execution contract. Ops run in the order a thread issues them (a device backend gives each
+    /// calling thread its own queue; the CPU runs each op before it returns). Results reach the host only
+    /// through [`MemoryOps::download`], which waits for the work before it. A [`Fence`] from
+    /// [`MemoryOps::record_fence`] covers the work the calling thread issued before it; a slot may be
+    /// overwritten only once its last reader's fence is complete, and a host buffer handed to
+    /// [`ExpertOps::upload_expert`] is kept (with its lease) until the copy's fence is. One backend is
+    /// shared by the runner thread and the vision encoder thread: each uses only the tensors it created
+    /// (the vision tower's output reaches the runner as host rows, which the runner uploads), so the two
+    /// queues never order against each other.
+    backend;
 
-    /// One line for the startup log (device, kernels chosen).
-    fn describe(&self) -> String;
+    /// Memory and fences: placing weights, moving tensors between host and device, row copies, the
+    /// pinned host arena, and the fences that order copies against compute.
+    trait MemoryOps {
+        /// Weights, uploads, downloads (typed and host snapshots), row copies, gathers and scatters,
+        /// column splits, the host arena.
+        op Memory {
+            /// Places a weight on the device (at load; routed experts when they arrive).
+            fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Result<Tensor>;
 
-    /// Whether this backend runs `op` on its device (model families check theirs at load).
-    fn supports(&self, op: Op) -> bool;
+            /// A tensor of `shape` from typed host data (its element type is the data's).
+            fn upload(&self, data: HostData<'_>, shape: &[usize]) -> Result<Tensor>;
 
-    // --- memory ---------------------------------------------------------------------------------------
+            /// A tensor's elements on the host, typed (waits for the device).
+            fn download(&self, t: &Tensor) -> Result<HostVec>;
 
-    /// Places a weight on the device (at load; routed experts when they arrive).
-    fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Result<Tensor>;
+            /// A tensor of `dtype` zeros (f32, bf16, f16, u8 or i32).
+            fn zeros(&self, dtype: DType, shape: &[usize]) -> Result<Tensor>;
 
-    /// A tensor of `shape` from typed host data (its element type is the data's).
-    fn upload(&self, data: HostData<'_>, shape: &[usize]) -> Result<Tensor>;
+            /// [`MemoryOps::upload`] of f32 data (the activations' type).
+            fn upload_f32(&self, data: &[f32], shape: &[usize]) -> Result<Tensor> = @derived {
+                self.upload(HostData::F32(data), shape)
+            };
 
-    /// A tensor's elements on the host, typed (waits for the device).
-    fn download(&self, t: &Tensor) -> Result<HostVec>;
+            /// [`MemoryOps::download`] of an f32 tensor.
+            fn download_f32(&self, t: &Tensor) -> Result<Vec<f32>> = @derived {
+                match self.download(t)? {
+                    HostVec::F32(v) => Ok(v),
+                    _ => Err(BackendError::DType { expected: DType::F32, got: t.dtype() }),
+                }
+            };
 
-    /// A tensor of `dtype` zeros (f32, bf16, f16, u8 or i32).
-    fn zeros(&self, dtype: DType, shape: &[usize]) -> Result<Tensor>;
+            /// [`MemoryOps::zeros`] of f32.
+            fn zeros_f32(&self, shape: &[usize]) -> Result<Tensor> = @derived {
+                self.zeros(DType::F32, shape)
+            };
 
-    /// [`Backend::upload`] of f32 data (the activations' type).
-    fn upload_f32(&self, data: &[f32], shape: &[usize]) -> Result<Tensor> {
-        self.upload(HostData::F32(data), shape)
-    }
+            /// A tensor's shape and elements on the host (a host snapshot of device state). A device may
+            /// copy asynchronously into pinned host memory: the returned copy may be read (uploaded,
+            /// hashed, written out) only once a fence recorded after this call has completed. On the CPU
+            /// it is complete at once.
+            fn download_host(&self, t: &Tensor) -> Result<HostTensor> = {
+                Ok(HostTensor { shape: t.shape().to_vec(), data: self.download(t)? })
+            };
 
-    /// [`Backend::download`] of an f32 tensor.
-    fn download_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
-        match self.download(t)? {
-            HostVec::F32(v) => Ok(v),
-            _ => Err(BackendError::DType { expected: DType::F32, got: t.dtype() }),
+            /// A tensor from a host copy ([`MemoryOps::download_host`]); the caller has waited for the
+            /// copy's fence.
+            fn upload_host(&self, h: &HostTensor) -> Result<Tensor> = {
+                self.upload(h.data.as_data(), &h.shape)
+            };
+
+            /// Copies `src` rows `rows` into `dst` starting at element `at` (KV page writes, injected
+            /// rows). `dst` may be f32 or bf16 (a bf16 KV pool: f32 rows are rounded to nearest even);
+            /// `src` is f32 or of `dst`'s type.
+            fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>);
+
+            /// Rows `rows` of `x`, gathered in that order, in `x`'s type (expert inputs, rows whose
+            /// logits are wanted, a KV page copied).
+            fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor>;
+
+            /// `out[rows[j]] += weights[j] · y[j]` in order of `j` (expert outputs back to their tokens).
+            fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor);
+
+            /// Splits each row of `x`, viewed as `heads` groups of `parts.iter().sum()` columns, into one
+            /// tensor per part (`[rows, heads·part]` each): `[q_h | gate_h]` per head, or `q | k | v`
+            /// with one group.
+            fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Result<Vec<Tensor>>;
+
+            /// Host memory for the expert RAM tier, `bytes` long, zeroed, 4 KiB-aligned: page-locked on
+            /// a device (uploads from it are asynchronous copies), plain memory on the CPU. Allocated
+            /// once at start.
+            fn alloc_host_arena(&self, bytes: usize) -> Result<HostArena>;
+        }
+
+        /// `record_fence`, `fence_complete`, `wait_fence`.
+        op Fences {
+            /// A fence after every op queued so far on this backend (a slot's last reader, a copy).
+            fn record_fence(&self) -> Fence;
+
+            /// Whether the work before `fence` has run.
+            fn fence_complete(&self, fence: Fence) -> bool;
+
+            /// Blocks until the work before `fence` has run.
+            fn wait_fence(&self, fence: Fence) -> Result<()>;
         }
     }
 
-    /// [`Backend::zeros`] of f32.
-    fn zeros_f32(&self, shape: &[usize]) -> Result<Tensor> {
-        self.zeros(DType::F32, shape)
+    /// Core tensor ops: matmuls, embeddings, element-wise ops, norms and rotary positions.
+    trait CoreOps {
+        /// `linear` (and `linear_pair`) over f32 / bf16 / f16 weights.
+        op LinearDense {
+            /// `x [m, k] · wᵀ → [m, n]` for a placed weight `[n, k]` of any dtype.
+            fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor>;
+
+            /// `(x·w1ᵀ, x·w2ᵀ)` for two placed weights of one shape (an MLP's gate and up). A backend
+            /// may fuse them into one pass over the activations; by default it is two
+            /// [`CoreOps::linear`]s.
+            fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> = {
+                Ok((self.linear(x, w1)?, self.linear(x, w2)?))
+            };
+        }
+
+        /// `linear` over NVFP4 weights.
+        op LinearNvfp4 {}
+
+        /// `embed`.
+        op Embed {
+            /// Rows `ids` of a placed embedding table, widened to f32.
+            fn embed(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor>;
+        }
+
+        /// Element-wise ops.
+        op Elementwise {
+            /// `x += y`.
+            fn add(&self, x: &mut Tensor, y: &Tensor);
+
+            /// `x[i] += bias` for every row `i` (`bias [cols]`).
+            fn add_bias(&self, x: &mut Tensor, bias: &Tensor);
+
+            /// `x *= s`.
+            fn scale(&self, x: &mut Tensor, s: f32);
+
+            /// `gate = silu(gate) · up` (SwiGLU).
+            fn silu_mul(&self, gate: &mut Tensor, up: &Tensor);
+
+            /// `x *= sigmoid(gate)`, same shapes (the attention output gate).
+            fn sigmoid_mul(&self, x: &mut Tensor, gate: &Tensor);
+
+            /// `out[i] += sigmoid(gate[i]) · y[i]` with one gate per row (`gate [T, 1]`: the shared
+            /// expert).
+            fn add_sigmoid_gated(&self, out: &mut Tensor, y: &Tensor, gate: &Tensor);
+
+            /// GELU in place: the tanh approximation or the exact erf form.
+            fn gelu(&self, x: &mut Tensor, tanh: bool);
+        }
+
+        /// Norms.
+        op Norms {
+            /// RMSNorm over groups of `w.len()` elements (a whole row, or each head when `w` is one head
+            /// long): `x̂ · (1 + w)` when `one_plus` (Qwen3.5's zero-centred weights), else `x̂ · w`.
+            fn rms_norm(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool);
+
+            /// Gated RMSNorm per group of `w.len()`: `x̂ · w · silu(z)`.
+            fn rms_norm_gated(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32);
+
+            /// L2 normalisation of each group of `group` elements.
+            fn l2_norm(&self, x: &mut Tensor, group: usize, eps: f32);
+
+            /// LayerNorm over rows with weight and bias.
+            fn layer_norm(&self, x: &mut Tensor, w: &Tensor, b: &Tensor, eps: f32);
+        }
+
+        /// Rotary positions.
+        op Rotary {
+            /// Rotary tables for positions `[T][t, h, w]` (text positions repeat one value three times).
+            fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable>;
+
+            /// Partial (m)RoPE on every head of each row `i` of `x`, with row `i` of `table`.
+            fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable);
+
+            /// NeoX rotary on every `head_dim` head of each row with per-row `cos`/`sin`
+            /// `[T, head_dim/2]` (the vision tower's 2-D rotary).
+            fn rotate_half(&self, x: &mut Tensor, head_dim: usize, cos: &Tensor, sin: &Tensor);
+        }
     }
 
-    /// A tensor's shape and elements on the host (a host snapshot of device state). A device may copy
-    /// asynchronously into pinned host memory: the returned copy may be read (uploaded, hashed, written
-    /// out) only once a fence recorded after this call has completed. On the CPU it is complete at once.
-    fn download_host(&self, t: &Tensor) -> Result<HostTensor> {
-        Ok(HostTensor { shape: t.shape().to_vec(), data: self.download(t)? })
+    /// Attention over the paged KV cache, and the vision towers' bidirectional attention.
+    trait AttentionOps {
+        /// `attention_paged`.
+        op AttentionPaged {
+            /// Causal attention of `q` rows `rows` (tokens `past..past + n` of one sequence) over its
+            /// paged K/V, written into the same rows of `out`.
+            #[allow(clippy::too_many_arguments)]
+            fn attention_paged(&self, q: &Tensor, rows: Range<usize>, kv: PagedView<'_>, past: usize, shape: AttnShape, scale: f32, out: &mut Tensor);
+        }
+
+        /// `attention_bidirectional` (vision towers).
+        op AttentionBidirectional {
+            /// Bidirectional attention over rows `rows` of `q`, `k`, `v` (one image or frame group),
+            /// into the same rows of `out`.
+            #[allow(clippy::too_many_arguments)]
+            fn attention_bidirectional(&self, q: &Tensor, k: &Tensor, v: &Tensor, rows: Range<usize>, shape: AttnShape, scale: f32, out: &mut Tensor);
+        }
     }
 
-    /// A tensor from a host copy ([`Backend::download_host`]); the caller has waited for the copy's fence.
-    fn upload_host(&self, h: &HostTensor) -> Result<Tensor> {
-        self.upload(h.data.as_data(), &h.shape)
+    /// Recurrent state: Gated DeltaNet's conv and delta rule, advancing per-sequence state tensors.
+    trait RecurrentOps {
+        /// `causal_conv_silu`, `delta_gates`, `gated_delta`.
+        op GatedDeltaNet {
+            /// Depthwise causal conv (`w [channels, kernel]`) then silu over rows `rows` of `x`,
+            /// continuing from and advancing `state` (the last `kernel − 1` inputs).
+            fn causal_conv_silu(&self, x: &Tensor, rows: Range<usize>, w: &Tensor, kernel: usize, state: &mut Tensor) -> Result<Tensor>;
+
+            /// The gates of rows `rows`: `β = sigmoid(b)`, `g = neg_a · softplus(a + dt_bias)`
+            /// (`[n, heads]`).
+            fn delta_gates(&self, a: &Tensor, b: &Tensor, rows: Range<usize>, neg_a: &Tensor, dt_bias: &Tensor) -> Result<(Tensor, Tensor)>;
+
+            /// The gated delta rule over `n` tokens of one sequence, advancing `state [nv, dk, dv]`: the
+            /// recurrent form token by token (decode) or the chunked form (prefill) → `[n, nv·dv]`.
+            #[allow(clippy::too_many_arguments)]
+            fn gated_delta(&self, shape: GdnShape, recurrent: bool, q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor, state: &mut Tensor) -> Result<Tensor>;
+        }
     }
 
-    /// Copies `src` rows `rows` into `dst` starting at element `at` (KV page writes, injected rows). `dst`
-    /// may be f32 or bf16 (a bf16 KV pool: f32 rows are rounded to nearest even); `src` is f32 or of
-    /// `dst`'s type.
-    fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>);
+    /// Mixture of experts: the router, and routed experts computed from fixed-stride slots.
+    trait ExpertOps {
+        /// `route`.
+        op Router {
+            /// Softmax over each row of router logits, the `k` most probable experts (ties to the lower
+            /// id) and their weights, renormalised over the kept `k` when `renorm` (`norm_topk_prob`);
+            /// each row's experts in ascending id order. The ids stay a tensor: downloading them is the
+            /// layer's one routing sync, which the caller makes explicitly.
+            fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing>;
+        }
 
-    /// Rows `rows` of `x`, gathered in that order, in `x`'s type (expert inputs, rows whose logits are
-    /// wanted, a KV page copied).
-    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor>;
+        /// `alloc_expert_pool`, `upload_expert`, `moe_routed`, `moe_combine` (routed experts in slots).
+        op ExpertSlots {
+            /// A pool of `slots` fixed-stride expert slots for `layer` (device memory for `slots`
+            /// experts).
+            fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool>;
 
-    /// `out[rows[j]] += weights[j] · y[j]` in order of `j` (expert outputs back to their tokens).
-    fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor);
+            /// Copies `expert` into `slot` of `pool` (replacing what it held, whose last reader's fence
+            /// the caller has waited for) and records its key. The returned fence completes when the copy
+            /// has; the backend keeps `expert` (and its lease) until then, or, where the slot is the host
+            /// memory itself (the CPU), until the slot is reused.
+            fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence>;
 
-    /// Splits each row of `x`, viewed as `heads` groups of `parts.iter().sum()` columns, into one tensor
-    /// per part (`[rows, heads·part]` each): `[q_h | gate_h]` per head, or `q | k | v` with one group.
-    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Result<Vec<Tensor>>;
+            /// Routed experts on resident slots: for every token `t` and entry `j` with `slots[t, j] ≥
+            /// 0`, `partials[t·k + j] = weights[t, j] · down(silu(gate(x_t)) · up(x_t))` of the expert in
+            /// that slot; entries with a negative slot (not in this wave) are left as they are. `slots`
+            /// is `[T, k]` i32, `weights` `[T, k]` f32, `partials` `[T·k, hidden]`. An expert runs on all
+            /// of its wave's tokens at once.
+            fn moe_routed(&self, x: &Tensor, slots: &Tensor, weights: &Tensor, pool: &ExpertPool, partials: &mut Tensor) -> Result<()>;
 
-    // --- dense ----------------------------------------------------------------------------------------
-
-    /// `x [m, k] · wᵀ → [m, n]` for a placed weight `[n, k]` of any dtype.
-    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor>;
-
-    /// `(x·w1ᵀ, x·w2ᵀ)` for two placed weights of one shape (an MLP's gate and up). A backend may fuse
-    /// them into one pass over the activations; by default it is two [`Backend::linear`]s.
-    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
-        Ok((self.linear(x, w1)?, self.linear(x, w2)?))
+            /// `out[t] = 0 + partials[t·k] + partials[t·k + 1] + …` in that order (ascending expert id)
+            /// → `[T, hidden]`.
+            fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor>;
+        }
     }
 
-    /// Rows `ids` of a placed embedding table, widened to f32.
-    fn embed(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor>;
+    /// `qwen4_exp`'s own ops: grouped norms, hyper-connections, PLE and QSA (a family's custom ops,
+    /// as candle's `CustomOp`s are: a backend without them refuses that family alone).
+    trait Qwen4Ops {
+        /// `rms_norm_grouped`, `rms_norm_gated_sigmoid`, `silu`, `sigmoid`.
+        op GroupedNorms {
+            /// Zero-centred RMSNorm `x̂·(1+w)` per group of `group` columns, `w` over the whole row.
+            fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32);
 
-    // --- element-wise ---------------------------------------------------------------------------------
+            /// `x = silu(x)` element-wise.
+            fn silu(&self, x: &mut Tensor);
 
-    /// `x += y`.
-    fn add(&self, x: &mut Tensor, y: &Tensor);
+            /// `x = sigmoid(x)` element-wise.
+            fn sigmoid(&self, x: &mut Tensor);
 
-    /// `x[i] += bias` for every row `i` (`bias [cols]`).
-    fn add_bias(&self, x: &mut Tensor, bias: &Tensor);
+            /// Gated RMSNorm per group of `w.len()` with a sigmoid gate: `x̂ · w · sigmoid(z)`.
+            fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32);
+        }
 
-    /// `x *= s`.
-    fn scale(&self, x: &mut Tensor, s: f32);
+        /// `hc_combine`, `hc_inject` (hyper-connections).
+        op HyperConnections {
+            /// Hyper-connection input: `mean_s(m_s ⊙ xn_s)`, `m`, `xn` `[n, hc·h]` → `[n, h]`.
+            fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Result<Tensor>;
 
-    /// `gate = silu(gate) · up` (SwiGLU).
-    fn silu_mul(&self, gate: &mut Tensor, up: &Tensor);
+            /// Hyper-connection output: `x_s += inj_s · out` for each of the `hc` streams of
+            /// `x [n, hc·h]`.
+            fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize);
+        }
 
-    /// `x *= sigmoid(gate)`, same shapes (the attention output gate).
-    fn sigmoid_mul(&self, x: &mut Tensor, gate: &Tensor);
+        /// `ple_gate`, `causal_conv_dilated_silu` (PLE).
+        op Ple {
+            /// PLE's gated value per stream: `sigmoid(signed_sqrt(Σ k·q / √h)) · v`, `[n, hc·h]`.
+            fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Result<Tensor>;
 
-    /// `out[i] += sigmoid(gate[i]) · y[i]` with one gate per row (`gate [T, 1]`: the shared expert).
-    fn add_sigmoid_gated(&self, out: &mut Tensor, y: &Tensor, gate: &Tensor);
+            /// Causal depthwise conv (no bias) with `dilation`, then silu, from and advancing `state`
+            /// `[(kernel−1)·dilation, c]`: `x [n, c]`, `w [c, kernel]`.
+            fn causal_conv_dilated_silu(&self, x: &Tensor, w: &Tensor, kernel: usize, dilation: usize, state: &mut Tensor) -> Result<Tensor>;
+        }
 
-    /// GELU in place: the tanh approximation or the exact erf form.
-    fn gelu(&self, x: &mut Tensor, tanh: bool);
+        /// `mean_rows`, `qsa_select`, `attention_selected` (QSA).
+        op AttentionSelected {
+            /// Mean of rows `rows` of `x` → `[1, cols]` (summed in row order, then divided by the
+            /// count): QSA's pooled block key.
+            fn mean_rows(&self, x: &Tensor, rows: Range<usize>) -> Result<Tensor>;
 
-    // --- norms ----------------------------------------------------------------------------------------
+            /// QSA block selection for rows `rows` of `q` (`[·, heads·d]`, normalised and roped), token
+            /// indices `past..`: row `j` sees the first `(past + j + 1) / ratio` rows of `keys` (`[≥
+            /// blocks, d]`, the complete blocks' keys), scores each `scale · Σ_h max(0, q_h · k)`, and
+            /// keeps the `top` best (ties to the lower block), ascending, padded with −1 →
+            /// `[rows.len(), top]` i32. The indices stay on the device: [`Qwen4Ops::attention_selected`]
+            /// reads them.
+            #[allow(clippy::too_many_arguments)]
+            fn qsa_select(&self, q: &Tensor, rows: Range<usize>, keys: &Tensor, past: usize, ratio: usize, top: usize, heads: usize, scale: f32) -> Result<Tensor>;
 
-    /// RMSNorm over groups of `w.len()` elements (a whole row, or each head when `w` is one head long):
-    /// `x̂ · (1 + w)` when `one_plus` (Qwen3.5's zero-centred weights), else `x̂ · w`.
-    fn rms_norm(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool);
-
-    /// Gated RMSNorm per group of `w.len()`: `x̂ · w · silu(z)`.
-    fn rms_norm_gated(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32);
-
-    /// L2 normalisation of each group of `group` elements.
-    fn l2_norm(&self, x: &mut Tensor, group: usize, eps: f32);
-
-    /// LayerNorm over rows with weight and bias.
-    fn layer_norm(&self, x: &mut Tensor, w: &Tensor, b: &Tensor, eps: f32);
-
-    // --- positions ------------------------------------------------------------------------------------
-
-    /// Rotary tables for positions `[T][t, h, w]` (text positions repeat one value three times).
-    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable>;
-
-    /// Partial (m)RoPE on every head of each row `i` of `x`, with row `i` of `table`.
-    fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable);
-
-    /// NeoX rotary on every `head_dim` head of each row with per-row `cos`/`sin` `[T, head_dim/2]`
-    /// (the vision tower's 2-D rotary).
-    fn rotate_half(&self, x: &mut Tensor, head_dim: usize, cos: &Tensor, sin: &Tensor);
-
-    // --- attention ------------------------------------------------------------------------------------
-
-    /// Causal attention of `q` rows `rows` (tokens `past..past + n` of one sequence) over its paged K/V,
-    /// written into the same rows of `out`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_paged(
-        &self,
-        q: &Tensor,
-        rows: Range<usize>,
-        kv: PagedView<'_>,
-        past: usize,
-        shape: AttnShape,
-        scale: f32,
-        out: &mut Tensor,
-    );
-
-    /// Bidirectional attention over rows `rows` of `q`, `k`, `v` (one image or frame group), into the
-    /// same rows of `out`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_bidirectional(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        rows: Range<usize>,
-        shape: AttnShape,
-        scale: f32,
-        out: &mut Tensor,
-    );
-
-    // --- Gated DeltaNet -------------------------------------------------------------------------------
-
-    /// Depthwise causal conv (`w [channels, kernel]`) then silu over rows `rows` of `x`, continuing from
-    /// and advancing `state` (the last `kernel − 1` inputs).
-    fn causal_conv_silu(
-        &self,
-        x: &Tensor,
-        rows: Range<usize>,
-        w: &Tensor,
-        kernel: usize,
-        state: &mut Tensor,
-    ) -> Result<Tensor>;
-
-    /// The gates of rows `rows`: `β = sigmoid(b)`, `g = neg_a · softplus(a + dt_bias)` (`[n, heads]`).
-    fn delta_gates(
-        &self,
-        a: &Tensor,
-        b: &Tensor,
-        rows: Range<usize>,
-        neg_a: &Tensor,
-        dt_bias: &Tensor,
-    ) -> Result<(Tensor, Tensor)>;
-
-    /// The gated delta rule over `n` tokens of one sequence, advancing `state [nv, dk, dv]`: the
-    /// recurrent form token by token (decode) or the chunked form (prefill) → `[n, nv·dv]`.
-    #[allow(clippy::too_many_arguments)]
-    fn gated_delta(
-        &self,
-        shape: GdnShape,
-        recurrent: bool,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-        beta: &Tensor,
-        state: &mut Tensor,
-    ) -> Result<Tensor>;
-
-    // --- MoE ------------------------------------------------------------------------------------------
-
-    /// Softmax over each row of router logits, the `k` most probable experts (ties to the lower id) and
-    /// their weights, renormalised over the kept `k` when `renorm` (`norm_topk_prob`); each row's
-    /// experts in ascending id order. The ids stay a tensor: downloading them is the layer's one
-    /// routing sync, which the caller makes explicitly.
-    fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing>;
-
-    /// Host memory for the expert RAM tier, `bytes` long, zeroed, 4 KiB-aligned: page-locked on a device
-    /// (uploads from it are asynchronous copies), plain memory on the CPU. Allocated once at start.
-    fn alloc_host_arena(&self, bytes: usize) -> Result<HostArena>;
-
-    /// A pool of `slots` fixed-stride expert slots for `layer` (device memory for `slots` experts).
-    fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool>;
-
-    /// Copies `expert` into `slot` of `pool` (replacing what it held, whose last reader's fence the
-    /// caller has waited for) and records its key. The returned fence completes when the copy has; the
-    /// backend keeps `expert` (and its lease) until then, or, where the slot is the host memory itself
-    /// (the CPU), until the slot is reused.
-    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence>;
-
-    /// Routed experts on resident slots: for every token `t` and entry `j` with `slots[t, j] ≥ 0`,
-    /// `partials[t·k + j] = weights[t, j] · down(silu(gate(x_t)) · up(x_t))` of the expert in that slot;
-    /// entries with a negative slot (not in this wave) are left as they are. `slots` is `[T, k]` i32,
-    /// `weights` `[T, k]` f32, `partials` `[T·k, hidden]`. An expert runs on all of its wave's tokens at
-    /// once.
-    fn moe_routed(
-        &self,
-        x: &Tensor,
-        slots: &Tensor,
-        weights: &Tensor,
-        pool: &ExpertPool,
-        partials: &mut Tensor,
-    ) -> Result<()>;
-
-    /// `out[t] = 0 + partials[t·k] + partials[t·k + 1] + …` in that order (ascending expert id) → `[T,
-    /// hidden]`.
-    fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor>;
-
-    // --- execution ------------------------------------------------------------------------------------
-
-    /// A fence after every op queued so far on this backend (a slot's last reader, a copy).
-    fn record_fence(&self) -> Fence;
-
-    /// Whether the work before `fence` has run.
-    fn fence_complete(&self, fence: Fence) -> bool;
-
-    /// Blocks until the work before `fence` has run.
-    fn wait_fence(&self, fence: Fence) -> Result<()>;
-
-    // --- qwen4_exp: hyper-connections, PLE, QSA --------------------------------------------------------
-
-    /// Zero-centred RMSNorm `x̂·(1+w)` per group of `group` columns, `w` over the whole row.
-    fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32);
-
-    /// `x = silu(x)` element-wise.
-    fn silu(&self, x: &mut Tensor);
-
-    /// `x = sigmoid(x)` element-wise.
-    fn sigmoid(&self, x: &mut Tensor);
-
-    /// Hyper-connection input: `mean_s(m_s ⊙ xn_s)`, `m`, `xn` `[n, hc·h]` → `[n, h]`.
-    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Result<Tensor>;
-
-    /// Hyper-connection output: `x_s += inj_s · out` for each of the `hc` streams of `x [n, hc·h]`.
-    fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize);
-
-    /// PLE's gated value per stream: `sigmoid(signed_sqrt(Σ k·q / √h)) · v`, `[n, hc·h]`.
-    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Result<Tensor>;
-
-    /// Causal depthwise conv (no bias) with `dilation`, then silu, from and advancing `state`
-    /// `[(kernel−1)·dilation, c]`: `x [n, c]`, `w [c, kernel]`.
-    fn causal_conv_dilated_silu(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        kernel: usize,
-        dilation: usize,
-        state: &mut Tensor,
-    ) -> Result<Tensor>;
-
-    /// Gated RMSNorm per group of `w.len()` with a sigmoid gate: `x̂ · w · sigmoid(z)`.
-    fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32);
-
-    /// Mean of rows `rows` of `x` → `[1, cols]` (summed in row order, then divided by the count): QSA's
-    /// pooled block key.
-    fn mean_rows(&self, x: &Tensor, rows: Range<usize>) -> Result<Tensor>;
-
-    /// QSA block selection for rows `rows` of `q` (`[·, heads·d]`, normalised and roped), token indices
-    /// `past..`: row `j` sees the first `(past + j + 1) / ratio` rows of `keys` (`[≥ blocks, d]`, the
-    /// complete blocks' keys), scores each `scale · Σ_h max(0, q_h · k)`, and keeps the `top` best (ties
-    /// to the lower block), ascending, padded with −1 → `[rows.len(), top]` i32. The indices stay on the
-    /// device: [`Backend::attention_selected`] reads them.
-    #[allow(clippy::too_many_arguments)]
-    fn qsa_select(
-        &self,
-        q: &Tensor,
-        rows: Range<usize>,
-        keys: &Tensor,
-        past: usize,
-        ratio: usize,
-        top: usize,
-        heads: usize,
-        scale: f32,
-    ) -> Result<Tensor>;
-
-    /// Attention of rows `rows` of `q` (token indices `past..`, `at = (past, ratio)`) over the positions of each row's
-    /// selected blocks (`blocks` `[rows.len(), top]` i32 from [`Backend::qsa_select`], −1 unused; block
-    /// `b` is positions `b·ratio..(b+1)·ratio`) and of its own incomplete block (`⌊(p+1)/ratio⌋·ratio ..=
-    /// p`), into the same rows of `out`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_selected(
-        &self,
-        q: &Tensor,
-        rows: Range<usize>,
-        kv: PagedView<'_>,
-        blocks: &Tensor,
-        at: (usize, usize),
-        shape: AttnShape,
-        scale: f32,
-        out: &mut Tensor,
-    );
+            /// Attention of rows `rows` of `q` (token indices `past..`, `at = (past, ratio)`) over the
+            /// positions of each row's selected blocks (`blocks` `[rows.len(), top]` i32 from
+            /// [`Qwen4Ops::qsa_select`], −1 unused; block `b` is positions `b·ratio..(b+1)·ratio`) and of
+            /// its own incomplete block (`⌊(p+1)/ratio⌋·ratio ..= p`), into the same rows of `out`.
+            #[allow(clippy::too_many_arguments)]
+            fn attention_selected(&self, q: &Tensor, rows: Range<usize>, kv: PagedView<'_>, blocks: &Tensor, at: (usize, usize), shape: AttnShape, scale: f32, out: &mut Tensor);
+        }
+    }
 }
 
-/// An op of the set, for [`Backend::supports`]: a backend in progress (a device backend gaining its
-/// kernels one by one) answers which it runs, and a model family lists the ops it needs, so loading
-/// refuses a backend that lacks one with a clear error instead of running a host fallback slowly.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Op {
-    /// Weights, uploads, downloads, row copies, gathers and scatters, column splits.
-    Memory,
-    /// `linear` (and `linear_pair`) over f32 / bf16 / f16 weights.
-    LinearDense,
-    /// `linear` over NVFP4 weights.
-    LinearNvfp4,
-    /// `embed`.
-    Embed,
-    /// `add`, `add_bias`, `scale`, `silu_mul`, `sigmoid_mul`, `add_sigmoid_gated`, `gelu`.
-    Elementwise,
-    /// `rms_norm`, `rms_norm_gated`, `l2_norm`, `layer_norm`.
-    Norms,
-    /// `rope_table`, `rope`, `rotate_half`.
-    Rotary,
-    /// `attention_paged`.
-    AttentionPaged,
-    /// `attention_bidirectional` (vision towers).
-    AttentionBidirectional,
-    /// `causal_conv_silu`, `delta_gates`, `gated_delta`.
-    GatedDeltaNet,
-    /// `route`.
-    Router,
-    /// `alloc_expert_pool`, `upload_expert`, `moe_routed`, `moe_combine` (routed experts in slots).
-    ExpertSlots,
-    /// `rms_norm_grouped`, `rms_norm_gated_sigmoid`, `silu`, `sigmoid` (`qwen4_exp`).
-    GroupedNorms,
-    /// `hc_combine`, `hc_inject` (hyper-connections).
-    HyperConnections,
-    /// `ple_gate`, `causal_conv_dilated_silu` (PLE).
-    Ple,
-    /// `mean_rows`, `qsa_select`, `attention_selected` (QSA).
-    AttentionSelected,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-impl Op {
-    /// Every op.
-    pub const ALL: [Op; 16] = [
-        Op::Memory,
-        Op::LinearDense,
-        Op::LinearNvfp4,
-        Op::Embed,
-        Op::Elementwise,
-        Op::Norms,
-        Op::Rotary,
-        Op::AttentionPaged,
-        Op::AttentionBidirectional,
-        Op::GatedDeltaNet,
-        Op::Router,
-        Op::ExpertSlots,
-        Op::GroupedNorms,
-        Op::HyperConnections,
-        Op::Ple,
-        Op::AttentionSelected,
-    ];
+    /// The table names each method under one op only, so `supports` and the refusal errors are exact.
+    #[test]
+    fn every_method_belongs_to_one_op() {
+        let mut seen = std::collections::HashMap::new();
+        for &op in Op::ALL {
+            for m in op.methods() {
+                assert_eq!(seen.insert(*m, op), None, "{m} is listed twice");
+            }
+        }
+        assert_eq!(seen.len(), 55, "the table's methods");
+        assert_eq!(Op::LinearNvfp4.group(), "CoreOps");
+        assert_eq!(Op::Fences.methods(), &["record_fence", "fence_complete", "wait_fence"]);
+    }
 }

@@ -102,6 +102,7 @@ pub struct Family {
 /// The ops every decoder of today's families runs.
 pub const DECODER_OPS: &[Op] = &[
     Op::Memory,
+    Op::Fences,
     Op::LinearDense,
     Op::Embed,
     Op::Elementwise,

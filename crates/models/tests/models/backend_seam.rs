@@ -6,13 +6,12 @@
 
 use crate::common;
 
-use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use osprey_backend::{
-    AttnShape, Backend, DType, Device, ExpertPool, ExpertShape, Fence, GdnShape, HostData, HostExpert, HostMatrix,
-    HostVec, MRope, Op, PagedView, Result, RopeTable, Routing, Tensor,
+    Backend, CoreOps, DType, ExpertOps, ExpertPool, Fence, HostData, HostExpert, HostMatrix, HostVec, MRope, MemoryOps,
+    Op, Result, RopeTable, Tensor, Wrapper,
 };
 use osprey_backend_cpu::testing::HostOps;
 use osprey_backend_cpu::CpuBackend;
@@ -41,9 +40,9 @@ fn bump(c: &AtomicUsize) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
-impl Backend for Counting {
-    fn device(&self) -> Device {
-        self.cpu.device()
+impl Wrapper for Counting {
+    fn inner(&self) -> &dyn Backend {
+        &self.cpu
     }
     fn describe(&self) -> String {
         format!("counting {}", self.cpu.describe())
@@ -65,210 +64,14 @@ impl Backend for Counting {
         bump(if t.dtype() == DType::I32 { &self.routing } else { &self.downloads });
         self.cpu.download(t)
     }
-    fn zeros(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
-        self.cpu.zeros(dtype, shape)
-    }
-    fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>) {
-        self.cpu.write_rows(dst, at, src, rows)
-    }
-    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor> {
-        self.cpu.gather_rows(x, rows)
-    }
-    fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor) {
-        self.cpu.scatter_add_rows(out, rows, weights, y)
-    }
-    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Result<Vec<Tensor>> {
-        self.cpu.split_cols(x, heads, parts)
-    }
-    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        self.cpu.linear(x, w)
-    }
-    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
-        self.cpu.linear_pair(x, w1, w2)
-    }
-    fn embed(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
-        self.cpu.embed(table, ids)
-    }
-    fn add(&self, x: &mut Tensor, y: &Tensor) {
-        self.cpu.add(x, y)
-    }
-    fn add_bias(&self, x: &mut Tensor, bias: &Tensor) {
-        self.cpu.add_bias(x, bias)
-    }
-    fn scale(&self, x: &mut Tensor, s: f32) {
-        self.cpu.scale(x, s)
-    }
-    fn silu_mul(&self, gate: &mut Tensor, up: &Tensor) {
-        self.cpu.silu_mul(gate, up)
-    }
-    fn sigmoid_mul(&self, x: &mut Tensor, gate: &Tensor) {
-        self.cpu.sigmoid_mul(x, gate)
-    }
-    fn add_sigmoid_gated(&self, out: &mut Tensor, y: &Tensor, gate: &Tensor) {
-        self.cpu.add_sigmoid_gated(out, y, gate)
-    }
-    fn gelu(&self, x: &mut Tensor, tanh: bool) {
-        self.cpu.gelu(x, tanh)
-    }
-    fn rms_norm(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool) {
-        self.cpu.rms_norm(x, w, eps, one_plus)
-    }
-    fn rms_norm_gated(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
-        self.cpu.rms_norm_gated(x, z, w, eps)
-    }
-    fn l2_norm(&self, x: &mut Tensor, group: usize, eps: f32) {
-        self.cpu.l2_norm(x, group, eps)
-    }
-    fn layer_norm(&self, x: &mut Tensor, w: &Tensor, b: &Tensor, eps: f32) {
-        self.cpu.layer_norm(x, w, b, eps)
-    }
     fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable> {
         // Tables are computed where the positions are (the host) and sent once per forward.
         bump(&self.uploads);
         self.cpu.rope_table(rope, positions)
     }
-    fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable) {
-        self.cpu.rope(x, rope, table)
-    }
-    fn rotate_half(&self, x: &mut Tensor, head_dim: usize, cos: &Tensor, sin: &Tensor) {
-        self.cpu.rotate_half(x, head_dim, cos, sin)
-    }
-    fn attention_paged(
-        &self,
-        q: &Tensor,
-        rows: Range<usize>,
-        kv: PagedView<'_>,
-        past: usize,
-        shape: AttnShape,
-        scale: f32,
-        out: &mut Tensor,
-    ) {
-        self.cpu.attention_paged(q, rows, kv, past, shape, scale, out)
-    }
-    fn attention_bidirectional(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        rows: Range<usize>,
-        shape: AttnShape,
-        scale: f32,
-        out: &mut Tensor,
-    ) {
-        self.cpu.attention_bidirectional(q, k, v, rows, shape, scale, out)
-    }
-    fn causal_conv_silu(
-        &self,
-        x: &Tensor,
-        rows: Range<usize>,
-        w: &Tensor,
-        kernel: usize,
-        state: &mut Tensor,
-    ) -> Result<Tensor> {
-        self.cpu.causal_conv_silu(x, rows, w, kernel, state)
-    }
-    fn delta_gates(
-        &self,
-        a: &Tensor,
-        b: &Tensor,
-        rows: Range<usize>,
-        neg_a: &Tensor,
-        dt_bias: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
-        self.cpu.delta_gates(a, b, rows, neg_a, dt_bias)
-    }
-    fn gated_delta(
-        &self,
-        shape: GdnShape,
-        recurrent: bool,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-        beta: &Tensor,
-        state: &mut Tensor,
-    ) -> Result<Tensor> {
-        self.cpu.gated_delta(shape, recurrent, q, k, v, g, beta, state)
-    }
-    fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing> {
-        self.cpu.route(logits, k, renorm)
-    }
-    fn alloc_host_arena(&self, bytes: usize) -> Result<osprey_backend::HostArena> {
-        self.cpu.alloc_host_arena(bytes)
-    }
-    fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {
-        self.cpu.alloc_expert_pool(layer, slots, shape)
-    }
     fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
         bump(&self.expert_uploads);
         self.cpu.upload_expert(pool, slot, expert)
-    }
-    fn moe_routed(&self, x: &Tensor, slots: &Tensor, w: &Tensor, pool: &ExpertPool, out: &mut Tensor) -> Result<()> {
-        self.cpu.moe_routed(x, slots, w, pool, out)
-    }
-    fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {
-        self.cpu.moe_combine(partials, k)
-    }
-    osprey_backend_cpu::forward_fences!(cpu);
-    fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32) {
-        self.cpu.rms_norm_grouped(x, w, group, eps)
-    }
-    fn silu(&self, x: &mut Tensor) {
-        self.cpu.silu(x)
-    }
-    fn sigmoid(&self, x: &mut Tensor) {
-        self.cpu.sigmoid(x)
-    }
-    fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Result<Tensor> {
-        self.cpu.hc_combine(m, xn, hc)
-    }
-    fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize) {
-        self.cpu.hc_inject(x, out, inj, hc)
-    }
-    fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Result<Tensor> {
-        self.cpu.ple_gate(k, q, v, hc)
-    }
-    fn causal_conv_dilated_silu(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        k: usize,
-        dil: usize,
-        st: &mut Tensor,
-    ) -> Result<Tensor> {
-        self.cpu.causal_conv_dilated_silu(x, w, k, dil, st)
-    }
-    fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
-        self.cpu.rms_norm_gated_sigmoid(x, z, w, eps)
-    }
-    fn mean_rows(&self, x: &Tensor, rows: Range<usize>) -> Result<Tensor> {
-        self.cpu.mean_rows(x, rows)
-    }
-    fn qsa_select(
-        &self,
-        q: &Tensor,
-        rows: Range<usize>,
-        keys: &Tensor,
-        past: usize,
-        ratio: usize,
-        top: usize,
-        heads: usize,
-        scale: f32,
-    ) -> Result<Tensor> {
-        self.cpu.qsa_select(q, rows, keys, past, ratio, top, heads, scale)
-    }
-    fn attention_selected(
-        &self,
-        q: &Tensor,
-        rows: Range<usize>,
-        kv: PagedView<'_>,
-        blocks: &Tensor,
-        at: (usize, usize),
-        shape: AttnShape,
-        scale: f32,
-        out: &mut Tensor,
-    ) {
-        self.cpu.attention_selected(q, rows, kv, blocks, at, shape, scale, out)
     }
 }
 

@@ -13,9 +13,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use osprey_backend::{
-    Backend, BackendRef, ExpertPool, ExpertShape, Fence, HostData, HostExpert, HostTensor, HostVec, Result, Tensor,
+    Backend, BackendRef, ExpertPool, Fence, HostData, HostExpert, HostTensor, HostVec, Result, Tensor, Wrapper,
 };
-use osprey_backend_cpu::{forward_core_ops, forward_model_ops, CpuBackend};
+use osprey_backend_cpu::CpuBackend;
 use osprey_models::{CausalLm, LoadOptions, LogitsWanted, Positions, SeqInput, SeqStep};
 
 /// The CPU backend with deferred fences and a slot-reuse check.
@@ -98,17 +98,12 @@ fn address(h: &HostTensor) -> usize {
     }
 }
 
-impl Backend for Deferred {
-    forward_core_ops!(inner);
-    forward_model_ops!(inner);
+impl Wrapper for Deferred {
+    fn inner(&self) -> &dyn Backend {
+        self.inner.as_ref()
+    }
     fn describe(&self) -> String {
         format!("deferred-fence {}", self.inner.describe())
-    }
-    fn supports(&self, op: osprey_backend::Op) -> bool {
-        self.inner.supports(op)
-    }
-    fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {
-        self.inner.alloc_expert_pool(layer, slots, shape)
     }
     fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, mut expert: HostExpert) -> Result<Fence> {
         let last = self.readers.lock().expect("lock").get(&(pool.layer, slot)).copied().unwrap_or(0);

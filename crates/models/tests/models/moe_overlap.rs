@@ -7,8 +7,7 @@ use std::fmt::Debug;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use osprey_backend::{Backend, BackendRef, ExpertPool, ExpertShape, Fence, HostExpert, Result, Tensor};
-use osprey_backend_cpu::{forward_core_ops, forward_fences, forward_model_ops};
+use osprey_backend::{Backend, BackendRef, ExpertPool, Result, Tensor, Wrapper};
 use osprey_models::{
     CausalLm, Checkpoint, ExpertHandle, ExpertSource, ExpertTicket, ModelConfig, PendingExperts, ResidentExperts,
     SeqInput, SeqStep,
@@ -21,28 +20,13 @@ struct Waves {
     waves: Arc<AtomicUsize>,
 }
 
-impl Backend for Waves {
-    forward_core_ops!(inner);
-    forward_fences!(inner);
-    forward_model_ops!(inner);
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn supports(&self, op: osprey_backend::Op) -> bool {
-        self.inner.supports(op)
-    }
-    fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {
-        self.inner.alloc_expert_pool(layer, slots, shape)
-    }
-    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
-        self.inner.upload_expert(pool, slot, expert)
+impl Wrapper for Waves {
+    fn inner(&self) -> &dyn Backend {
+        self.inner.as_ref()
     }
     fn moe_routed(&self, x: &Tensor, slots: &Tensor, w: &Tensor, pool: &ExpertPool, out: &mut Tensor) -> Result<()> {
         self.waves.fetch_add(1, Ordering::SeqCst);
         self.inner.moe_routed(x, slots, w, pool, out)
-    }
-    fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {
-        self.inner.moe_combine(partials, k)
     }
 }
 

@@ -6,9 +6,9 @@
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 
-use osprey_backend::{Backend, BackendError, ExpertPool, HostArena, HostExpert, HostVec, Result, Tensor};
+use osprey_backend::{ExpertPool, HostExpert};
 
-use crate::cpu::{host, host_mut, CpuBackend, CpuStorage};
+use super::*;
 
 /// The CPU backend's storage of an [`ExpertPool`]: per slot, the host expert it aliases.
 #[derive(Debug, Default)]
@@ -115,4 +115,43 @@ pub(crate) fn arena(bytes: usize) -> Result<HostArena> {
     }
     // SAFETY: `ptr` is valid for `len` bytes, aligned, and owned by the `Aligned` that frees it.
     Ok(unsafe { HostArena::new(ptr, len, Box::new(Aligned { ptr, layout })) })
+}
+
+impl ExpertOps for CpuBackend {
+    fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing> {
+        let (ids, weights) = fb::route_sorted(host(logits), logits.cols(), k, renorm);
+        let t = logits.rows();
+        Ok(Routing { ids: self.typed(&[t, k], HostVec::I32(ids))?, weights: self.tensor(&[t, k], weights)? })
+    }
+
+    fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {
+        // Slots alias host experts: the pool itself holds no expert memory.
+        let storage = CpuPool((0..slots).map(|_| None).collect());
+        Ok(ExpertPool::new(layer, shape, slots, Box::new(storage)))
+    }
+
+    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
+        let key = expert.key;
+        let cpu =
+            pool.storage_mut::<CpuPool>().ok_or_else(|| BackendError::Slot("a pool of another backend".into()))?;
+        let at = cpu.0.get_mut(slot).ok_or_else(|| BackendError::Slot(format!("slot {slot} out of the pool")))?;
+        *at = Some(expert); // the previous expert's lease ends here
+        pool.set_key(slot, key);
+        Ok(Fence::DONE)
+    }
+
+    fn moe_routed(
+        &self,
+        x: &Tensor,
+        slots: &Tensor,
+        weights: &Tensor,
+        pool: &ExpertPool,
+        partials: &mut Tensor,
+    ) -> Result<()> {
+        self.routed(x, slots, weights, pool, partials)
+    }
+
+    fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {
+        self.combine(partials, k)
+    }
 }
