@@ -238,9 +238,9 @@ pub fn open_backend_with(
             Some(bytes) => osprey_backend_cpu::CpuBackend::with_memory_cap(precision, bytes),
             None => osprey_backend_cpu::open(precision),
         },
-        osprey_backend::Device::Cuda(n) => anyhow::bail!(osprey_backend::BackendError::Unavailable(format!(
-            "--device cuda:{n}: this build has no CUDA backend yet; use --device cpu"
-        ))),
+        osprey_backend::Device::Cuda(n) => osprey_backend_cuda::open(n)?,
+        // The CUDA kernels on the CPU: a test device, with the memory cap as its device memory.
+        osprey_backend::Device::CudaEmu => osprey_backend_cuda::open_emulated(memory.unwrap_or(24 << 30)),
     };
     tracing::info!(device = %device, backend = backend.describe(), "compute backend");
     Ok(backend)
@@ -444,9 +444,21 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
 mod tests {
     #[test]
     fn a_device_this_build_cannot_drive_is_refused_by_name() {
-        let e = super::open_backend(Some("cuda:1"), None).expect_err("no CUDA backend yet").to_string();
+        // No driver here (and without the `cuda` feature, no driver layer): a clear error either way.
+        let e = super::open_backend(Some("cuda:1"), None).expect_err("no CUDA device here").to_string();
         assert!(e.contains("cuda:1") && e.contains("--device cpu"), "{e}");
         let cpu = super::open_backend(Some("cpu"), Some("f32")).expect("cpu");
         assert_eq!(cpu.device(), osprey_backend::Device::Cpu);
+    }
+
+    /// The emulated CUDA device opens, and a model whose ops it lacks yet is refused with their names
+    /// instead of running (docs/cuda.md lists what runs).
+    #[test]
+    fn the_emulated_cuda_device_refuses_a_model_it_cannot_run_yet_naming_the_ops() {
+        let emu = super::open_backend(Some("cuda-emu"), None).expect("cuda-emu");
+        assert_eq!(emu.device(), osprey_backend::Device::CudaEmu);
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/models/qwen3_5_moe-tiny");
+        let e = osprey_models::load_on(&dir, emu).map(|_| ()).expect_err("no attention kernel yet").to_string();
+        assert!(e.contains("AttentionPaged") && e.contains("GatedDeltaNet") && e.contains("cuda-emu"), "{e}");
     }
 }

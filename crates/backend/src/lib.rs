@@ -66,6 +66,9 @@ pub enum BackendError {
     /// An expert pool or slot used out of its bounds, or a pool of another backend (a bug in the caller).
     #[error("{0}: this is a bug")]
     Slot(String),
+    /// The device failed an operation (a kernel fault, a lost device, a driver error).
+    #[error("device error: {0}")]
+    Device(String),
     /// The backend lacks ops a model needs.
     #[error("the {backend} backend lacks {ops:?}, which this model needs")]
     Unsupported {

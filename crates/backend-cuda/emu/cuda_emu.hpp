@@ -1,0 +1,136 @@
+// The CUDA execution model for the host compiler: the same kernel bodies NVRTC compiles for a GPU run
+// here on the CPU, so every CI run checks what they compute. Each thread of a block is a fiber
+// (ucontext) on one OS thread; `__syncthreads` and `__syncwarp` suspend a fiber until every live thread
+// of its block (or warp) has arrived, and shuffles exchange values through a per-warp array between two
+// warp barriers. Blocks run one after another, so `__shared__` memory is a thread-local static: one
+// block's at a time. A barrier some threads never reach (divergence) and a shuffle from a lane that does
+// not exist fail the launch with a message instead of hanging or reading garbage.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+struct uint3 {
+    unsigned x, y, z;
+};
+
+struct dim3 {
+    unsigned x, y, z;
+};
+
+namespace emu {
+
+// Grid and block sizes of one launch (the C side of the Rust `LaunchConfig`).
+struct Launch {
+    unsigned grid[3];
+    unsigned block[3];
+};
+
+extern thread_local uint3 thread_idx;
+extern thread_local uint3 block_idx;
+extern thread_local dim3 block_dim;
+extern thread_local dim3 grid_dim;
+
+void syncthreads();
+void syncwarp();
+// The 8-byte value of lane `src` of the calling warp, after every live lane has deposited its own.
+uint64_t exchange(uint64_t mine, unsigned src);
+unsigned lane_id();
+// Fails the running launch with `msg` (the fiber does not resume).
+[[noreturn]] void fault(const char* msg);
+
+// Runs `body(arg)` as every thread of the grid; 0, or a nonzero code with `last_error()` set.
+int run(const Launch* l, void (*body)(void*), void* arg);
+const char* last_error();
+
+template <typename T>
+T shuffle(T v, unsigned src) {
+    static_assert(sizeof(T) <= 8, "a shuffled value fits 8 bytes");
+    uint64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    uint64_t got = exchange(bits, src);
+    T out;
+    std::memcpy(&out, &got, sizeof(T));
+    return out;
+}
+
+template <typename... A, std::size_t... I>
+void call(void (*k)(A...), void** p, std::index_sequence<I...>) {
+    k(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(p[I])...);
+}
+
+// A launch of kernel `k` with `cuLaunchKernel`'s parameter array: `p[i]` points at argument `i`.
+template <typename... A>
+int launch(void (*k)(A...), const Launch* l, void** p) {
+    struct Ctx {
+        void (*k)(A...);
+        void** p;
+    } c{k, p};
+    return run(
+        l, [](void* a) {
+            auto* c = static_cast<Ctx*>(a);
+            call(c->k, c->p, std::index_sequence_for<A...>{});
+        },
+        &c);
+}
+
+}  // namespace emu
+
+#define threadIdx emu::thread_idx
+#define blockIdx emu::block_idx
+#define blockDim emu::block_dim
+#define gridDim emu::grid_dim
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __shared__ static thread_local
+#define __syncthreads() emu::syncthreads()
+#define __syncwarp(...) emu::syncwarp()
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
+    (void)width;
+    return emu::shuffle(v, emu::lane_id() ^ static_cast<unsigned>(lane_mask));
+}
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src, int width = 32) {
+    (void)width;
+    return emu::shuffle(v, static_cast<unsigned>(src));
+}
+inline float __int_as_float(int v) {
+    float f;
+    std::memcpy(&f, &v, 4);
+    return f;
+}
+inline int __float_as_int(float f) {
+    int v;
+    std::memcpy(&v, &f, 4);
+    return v;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned v;
+    std::memcpy(&v, &f, 4);
+    return v;
+}
+inline float __uint_as_float(unsigned v) {
+    float f;
+    std::memcpy(&f, &v, 4);
+    return f;
+}
+inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+template <typename T>
+inline T __ldg(const T* p) { return *p; }
+// Blocks run one at a time and a block's fibers never interleave inside an expression: a plain add is
+// atomic here.
+inline float atomicAdd(float* p, float v) {
+    float old = *p;
+    *p = old + v;
+    return old;
+}
+#include <math.h>  // expf, sqrtf, tanhf, erff … at global scope, as a GPU kernel names them

@@ -1,0 +1,190 @@
+// The fiber scheduler behind cuda_emu.hpp (see its header comment).
+#include "cuda_emu.hpp"
+
+#include <ucontext.h>
+
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+namespace emu {
+
+thread_local uint3 thread_idx;
+thread_local uint3 block_idx;
+thread_local dim3 block_dim;
+thread_local dim3 grid_dim;
+
+namespace {
+
+enum class Wait { None, Block, Warp, Done };
+
+// 64 KiB of stack per CUDA thread: kernels keep a few registers' worth of locals.
+constexpr std::size_t kStack = 64 * 1024;
+
+struct Fiber {
+    ucontext_t ctx;
+    uint3 tid;
+    Wait wait;
+    unsigned gen;  // shuffles done: picks one of two exchange buffers
+};
+
+struct Sched {
+    ucontext_t main;
+    std::vector<Fiber> fibers;
+    std::vector<std::unique_ptr<char[]>> stacks;
+    std::vector<uint64_t> xchg;  // [warps][2][32]
+    std::size_t cur = 0;
+    void (*body)(void*) = nullptr;
+    void* arg = nullptr;
+    char error[256] = {0};
+    bool failed = false;
+};
+
+thread_local Sched* S = nullptr;
+thread_local char last[256];
+
+void yield_to_main() { swapcontext(&S->fibers[S->cur].ctx, &S->main); }
+
+void trampoline() {
+    S->body(S->arg);
+    S->fibers[S->cur].wait = Wait::Done;
+    // returning resumes uc_link: the scheduler
+}
+
+void fail(const char* msg) {
+    S->failed = true;
+    std::snprintf(S->error, sizeof S->error, "%s", msg);
+}
+
+// Releases what can be released after every runnable fiber has run: whole warps waiting at a warp
+// barrier, else the block at `__syncthreads` once every live thread waits there. False: nothing could
+// move (a deadlock: divergent barriers).
+bool release(unsigned n) {
+    bool any = false;
+    for (unsigned w = 0; w * 32 < n; ++w) {
+        unsigned end = (w + 1) * 32 < n ? (w + 1) * 32 : n;
+        bool all = true, some = false;
+        for (unsigned i = w * 32; i < end; ++i) {
+            Wait s = S->fibers[i].wait;
+            if (s == Wait::Warp) some = true;
+            else if (s != Wait::Done) all = false;
+        }
+        if (some && all) {
+            for (unsigned i = w * 32; i < end; ++i)
+                if (S->fibers[i].wait == Wait::Warp) S->fibers[i].wait = Wait::None;
+            any = true;
+        }
+    }
+    if (any) return true;
+    bool all = true, some = false;
+    for (unsigned i = 0; i < n; ++i) {
+        Wait s = S->fibers[i].wait;
+        if (s == Wait::Block) some = true;
+        else if (s != Wait::Done) all = false;
+    }
+    if (some && all) {
+        for (unsigned i = 0; i < n; ++i)
+            if (S->fibers[i].wait == Wait::Block) S->fibers[i].wait = Wait::None;
+        return true;
+    }
+    return false;
+}
+
+bool run_block(unsigned n) {
+    const unsigned bx = block_dim.x, by = block_dim.y;
+    while (S->stacks.size() < n) S->stacks.emplace_back(new char[kStack]);
+    S->fibers.assign(n, Fiber{});
+    S->xchg.assign(((n + 31) / 32) * 64, 0);
+    for (unsigned i = 0; i < n; ++i) {
+        Fiber& f = S->fibers[i];
+        f.tid = uint3{i % bx, (i / bx) % by, i / (bx * by)};
+        f.wait = Wait::None;
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = S->stacks[i].get();
+        f.ctx.uc_stack.ss_size = kStack;
+        f.ctx.uc_link = &S->main;
+        makecontext(&f.ctx, trampoline, 0);
+    }
+    for (;;) {
+        bool ran = false, live = false;
+        for (unsigned i = 0; i < n; ++i) {
+            if (S->fibers[i].wait != Wait::None) continue;
+            ran = true;
+            S->cur = i;
+            thread_idx = S->fibers[i].tid;
+            swapcontext(&S->main, &S->fibers[i].ctx);
+            if (S->failed) return false;
+        }
+        for (unsigned i = 0; i < n; ++i) live |= S->fibers[i].wait != Wait::Done;
+        if (!live) return true;
+        if (!release(n) && !ran) {
+            fail("deadlock: threads wait at barriers that the others never reach (divergent __syncthreads/__syncwarp)");
+            return false;
+        }
+    }
+}
+
+}  // namespace
+
+void syncthreads() {
+    S->fibers[S->cur].wait = Wait::Block;
+    yield_to_main();
+}
+
+void syncwarp() {
+    S->fibers[S->cur].wait = Wait::Warp;
+    yield_to_main();
+}
+
+unsigned lane_id() { return static_cast<unsigned>(S->cur % 32); }
+
+[[noreturn]] void fault(const char* msg) {
+    fail(msg);
+    S->fibers[S->cur].wait = Wait::Done;
+    yield_to_main();
+    __builtin_unreachable();  // the scheduler never resumes a faulted fiber
+}
+
+uint64_t exchange(uint64_t mine, unsigned src) {
+    Fiber& me = S->fibers[S->cur];
+    const std::size_t warp = S->cur / 32, lane = S->cur % 32;
+    const std::size_t n = S->fibers.size();
+    const std::size_t lanes = (warp + 1) * 32 <= n ? 32 : n - warp * 32;
+    if (src >= lanes) fault("a shuffle read a lane that does not exist in its warp");
+    const std::size_t buf = (warp * 2 + (me.gen++ & 1)) * 32;
+    S->xchg[buf + lane] = mine;
+    syncwarp();  // every lane has deposited
+    return S->xchg[buf + src];
+}
+
+int run(const Launch* l, void (*body)(void*), void* arg) {
+    thread_local Sched sched;
+    Sched* outer = S;
+    S = &sched;
+    S->body = body;
+    S->arg = arg;
+    S->failed = false;
+    grid_dim = dim3{l->grid[0], l->grid[1], l->grid[2]};
+    block_dim = dim3{l->block[0], l->block[1], l->block[2]};
+    const unsigned n = l->block[0] * l->block[1] * l->block[2];
+    int rc = 0;
+    if (n == 0 || n > 1024) {
+        fail("a block has 1 to 1024 threads");
+        rc = 1;
+    }
+    for (unsigned z = 0; rc == 0 && z < l->grid[2]; ++z)
+        for (unsigned y = 0; rc == 0 && y < l->grid[1]; ++y)
+            for (unsigned x = 0; rc == 0 && x < l->grid[0]; ++x) {
+                block_idx = uint3{x, y, z};
+                if (!run_block(n)) rc = 1;
+            }
+    if (rc) std::snprintf(last, sizeof last, "%s", S->error);
+    S = outer;
+    return rc;
+}
+
+const char* last_error() { return last; }
+
+}  // namespace emu
+
+extern "C" const char* osprey_emu_last_error() { return emu::last_error(); }

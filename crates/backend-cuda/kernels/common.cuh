@@ -1,0 +1,66 @@
+// Helpers every kernel may use, compiled by NVRTC (after prelude_gpu.cuh) and by the host compiler
+// (after emu/cuda_emu.hpp). Conversions are bit operations so that both agree to the bit.
+
+// bf16 bits → f32 (exact).
+__device__ __forceinline__ float bf16_to_f32(uint16_t b) { return __uint_as_float(((uint32_t)b) << 16); }
+
+// f32 → bf16 bits, rounded to nearest even (NaN stays a quiet NaN), as the CPU backend rounds.
+__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+// f16 bits → f32 (exact, subnormals included).
+__device__ __forceinline__ float f16_to_f32(uint16_t h) {
+    uint32_t sign = ((uint32_t)(h & 0x8000u)) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0) {
+        float v = (float)man * 5.9604644775390625e-8f;  // man · 2^-24
+        return sign ? -v : v;
+    }
+    if (exp == 31) return __uint_as_float(sign | 0x7f800000u | (man << 13));
+    return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+// e4m3 (FN: no infinities, 0x7f/0xff NaN) → f32.
+__device__ __forceinline__ float e4m3_to_f32(uint8_t b) {
+    uint32_t sign = b & 0x80u, exp = (b >> 3) & 0xfu, man = b & 0x7u;
+    float v;
+    if (exp == 0) v = (float)man * 0.001953125f;  // man/8 · 2^-6
+    else if (exp == 15 && man == 7) v = __uint_as_float(0x7fc00000u);
+    else v = __uint_as_float(((exp + 120u) << 23) | (man << 20));
+    return sign ? -v : v;
+}
+
+// e2m1 code (low 4 bits) → f32: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+__device__ __forceinline__ float e2m1_to_f32(uint32_t c) {
+    const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    float v = mag[c & 7u];
+    return (c & 8u) ? -v : v;
+}
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Sum over the 32 lanes of a warp (every lane gets it).
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over a block of `blockDim.x` threads (a multiple of 32, at most 1024); every thread gets it.
+// `scratch` is 32 floats of shared memory; the trailing barrier lets the caller reuse it.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    v = warp_sum(v);
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : 0.0f;
+    t = warp_sum(t);
+    __syncthreads();
+    return t;
+}
+
+#define INFINITY_F __uint_as_float(0x7f800000u)

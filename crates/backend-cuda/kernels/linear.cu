@@ -1,0 +1,38 @@
+// `out [m, n] = x [m, k] · wᵀ` for a weight `[n, k]` stored as f32 (`wtype` 0), bf16 (1), f16 (2) or
+// NVFP4 (3: `w` two e2m1 codes per byte, even column low; `scales` one e4m3 per 16; `global`), f32
+// activations and accumulation. First version, for parity: 16×16 output tiles, k in steps of 16
+// through shared memory (the later fast paths — warp-per-row GEMV with dp4a, mma.sync tiles, cuBLAS
+// for bf16 — must agree with this one).
+
+#define TILE 16
+
+__device__ __forceinline__ float weight_at(const void* w, const uint8_t* scales, float global, int wtype, size_t row,
+                                           unsigned k, unsigned col) {
+    const size_t i = row * k + col;
+    if (wtype == 0) return ((const float*)w)[i];
+    if (wtype == 1) return bf16_to_f32(((const uint16_t*)w)[i]);
+    if (wtype == 2) return f16_to_f32(((const uint16_t*)w)[i]);
+    const uint8_t byte = ((const uint8_t*)w)[i / 2];
+    const uint32_t code = (col % 2 == 0) ? (byte & 0xfu) : (byte >> 4);
+    return e2m1_to_f32(code) * (e4m3_to_f32(scales[i / 16]) * global);
+}
+
+// budget: 64 registers
+extern "C" __global__ void linear_tiled(const float* __restrict__ x, const void* __restrict__ w, const uint8_t* __restrict__ scales,
+                                        float global, int wtype, float* __restrict__ out, unsigned m, unsigned n, unsigned k) {
+    __shared__ float xs[TILE][TILE + 1];
+    __shared__ float ws[TILE][TILE + 1];
+    const unsigned tx = threadIdx.x, ty = threadIdx.y;
+    const unsigned row = blockIdx.y * TILE + ty;  // of x and out
+    const unsigned col = blockIdx.x * TILE + tx;  // of out: a row of w
+    const unsigned wrow = blockIdx.x * TILE + ty;  // the w row this thread loads
+    float acc = 0.0f;
+    for (unsigned k0 = 0; k0 < k; k0 += TILE) {
+        xs[ty][tx] = (row < m && k0 + tx < k) ? x[(size_t)row * k + k0 + tx] : 0.0f;
+        ws[ty][tx] = (wrow < n && k0 + tx < k) ? weight_at(w, scales, global, wtype, wrow, k, k0 + tx) : 0.0f;
+        __syncthreads();
+        for (unsigned j = 0; j < TILE; ++j) acc += xs[ty][j] * ws[tx][j];
+        __syncthreads();
+    }
+    if (row < m && col < n) out[(size_t)row * n + col] = acc;
+}

@@ -1,0 +1,53 @@
+// Row moves: gathers, scatters, column splits, typed copies.
+
+// `out[r] = x[ids[r]]` for rows of `cols` elements of `esize` bytes (4, 2 or 1).
+// budget: 32 registers
+extern "C" __global__ void gather_rows(const uint8_t* __restrict__ x, const int32_t* __restrict__ ids, uint8_t* __restrict__ out,
+                                       unsigned rows, unsigned cols, unsigned esize) {
+    const size_t row_bytes = (size_t)cols * esize;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < rows * row_bytes; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / row_bytes, c = i % row_bytes;
+        out[i] = x[(size_t)ids[r] * row_bytes + c];
+    }
+}
+
+// `out[rows[j]] += weights[j] · y[j]`, in order of `j` (one thread per column walks every `j`, so
+// repeated rows add in the CPU's order).
+// budget: 40 registers
+extern "C" __global__ void scatter_add_rows_f32(float* __restrict__ out, const int32_t* __restrict__ rows,
+                                                const float* __restrict__ weights, const float* __restrict__ y,
+                                                unsigned n, unsigned cols) {
+    for (unsigned c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x)
+        for (unsigned j = 0; j < n; ++j) out[(size_t)rows[j] * cols + c] += weights[j] * y[(size_t)j * cols + c];
+}
+
+// Part `[off, off + width)` of each of `heads` groups of `gw` columns of every row of `x` → `out`
+// (`[rows, heads · width]`).
+// budget: 32 registers
+extern "C" __global__ void split_cols_f32(const float* __restrict__ x, float* __restrict__ out, unsigned rows, unsigned heads,
+                                          unsigned gw, unsigned off, unsigned width) {
+    const unsigned oc = heads * width;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)rows * oc; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / oc;
+        const unsigned c = (unsigned)(i % oc), h = c / width, j = c % width;
+        out[i] = x[r * heads * gw + h * gw + off + j];
+    }
+}
+
+// f32 → bf16 bits, rounded to nearest even (a bf16 KV pool's row writes).
+// budget: 32 registers
+extern "C" __global__ void f32_to_bf16_rows(const float* __restrict__ src, uint16_t* __restrict__ dst, unsigned n) {
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = f32_to_bf16(src[i]);
+}
+
+// Rows `ids` of an embedding table (f32 `dtype` 0, bf16 1, f16 2), widened to f32.
+// budget: 32 registers
+extern "C" __global__ void embed_rows(const void* __restrict__ table, int dtype, const int32_t* __restrict__ ids,
+                                      float* __restrict__ out, unsigned n, unsigned cols) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)n * cols; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t src = (size_t)ids[i / cols] * cols + i % cols;
+        if (dtype == 0) out[i] = ((const float*)table)[src];
+        else if (dtype == 1) out[i] = bf16_to_f32(((const uint16_t*)table)[src]);
+        else out[i] = f16_to_f32(((const uint16_t*)table)[src]);
+    }
+}

@@ -1,0 +1,173 @@
+//! Core tensor ops on the device: `kernels/linear.cu` for every weight type, `elementwise.cu`,
+//! `norm.cu`, `rope.cu`, and `memory.cu`'s embedding gather. Rotary tables are computed where the
+//! positions are (the host) and uploaded once per forward, as on the CPU.
+
+use osprey_backend::{BackendError, CoreOps, DType, HostData, MRope, MemoryOps, Result, RopeTable, Tensor};
+
+use super::{arg, u32_of, CudaBackend, CudaStorage};
+use crate::device::{Arg, LaunchConfig};
+
+/// Threads for a block reducing `group` values: a multiple of 32 from 32 to 256.
+fn threads_for(group: usize) -> u32 {
+    (group.div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+/// Which RMSNorm: `x̂·w`, `x̂·(1+w)`, or gated by `silu(z)` or `sigmoid(z)`.
+#[derive(Clone, Copy)]
+pub(super) enum Form<'a> {
+    Plain,
+    OnePlus,
+    Silu(&'a Tensor),
+    Sigmoid(&'a Tensor),
+}
+
+impl CudaBackend {
+    /// RMSNorm of `x` in groups of `group`, weight `w` indexed by column modulo its length.
+    pub(super) fn rms(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32, form: Form<'_>) {
+        let groups = x.numel() / group;
+        let (zp, one_plus, gate) = match form {
+            Form::Plain => (arg(x), false, 0),
+            Form::OnePlus => (arg(x), true, 0),
+            Form::Silu(z) => (arg(z), false, 1),
+            Form::Sigmoid(z) => (arg(z), false, 2),
+        };
+        let args = [
+            arg(x),
+            arg(w),
+            zp,
+            u32_of(x.cols()),
+            u32_of(group),
+            u32_of(w.numel()),
+            Arg::F32(eps),
+            Arg::I32(i32::from(one_plus)),
+            Arg::I32(gate),
+        ];
+        self.run("rms_norm_f32", LaunchConfig::per_group(groups, threads_for(group)), &args);
+    }
+
+    /// Runs a grid-stride element-wise kernel over `x` (in place) with `rest` after `x`'s pointer.
+    pub(super) fn each(&self, name: &str, x: &Tensor, rest: &[Arg]) {
+        let mut args = vec![arg(x)];
+        args.extend_from_slice(rest);
+        self.run(name, LaunchConfig::elements(x.numel()), &args);
+    }
+}
+
+impl CoreOps for CudaBackend {
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let Some(CudaStorage::Weight(placed)) = w.storage::<CudaStorage>() else {
+            panic!("linear over a tensor that is not a placed weight: this is a bug");
+        };
+        let (m, n, k) = (x.rows(), w.shape()[0], w.cols());
+        let wtype = match w.dtype() {
+            DType::F32 => 0,
+            DType::BF16 => 1,
+            DType::F16 => 2,
+            DType::Nvfp4 => 3,
+            other => panic!("a {other:?} weight: this is a bug"),
+        };
+        let out = self.empty(DType::F32, &[m, n])?;
+        let scales = placed.scales.as_ref().map_or(placed.data.ptr, |s| s.ptr);
+        let args = [
+            arg(x),
+            Arg::Ptr(placed.data.ptr),
+            Arg::Ptr(scales),
+            Arg::F32(placed.global),
+            Arg::I32(wtype),
+            arg(&out),
+            u32_of(m),
+            u32_of(n),
+            u32_of(k),
+        ];
+        let cfg = LaunchConfig { grid: [n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1], block: [16, 16, 1] };
+        self.try_run("linear_tiled", cfg, &args)?;
+        Ok(out)
+    }
+
+    fn embed(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+        let dtype = match table.dtype() {
+            DType::F32 => 0,
+            DType::BF16 => 1,
+            DType::F16 => 2,
+            other => return Err(BackendError::Device(format!("a {other:?} embedding table has no CUDA gather yet"))),
+        };
+        let cols = table.cols();
+        let out = self.empty(DType::F32, &[ids.len(), cols])?;
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let v: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        let idt = self.upload(HostData::I32(&v), &[v.len()])?;
+        let args = [arg(table), Arg::I32(dtype), arg(&idt), arg(&out), u32_of(ids.len()), u32_of(cols)];
+        self.try_run("embed_rows", LaunchConfig::elements(ids.len() * cols), &args)?;
+        Ok(out)
+    }
+
+    fn add(&self, x: &mut Tensor, y: &Tensor) {
+        self.each("add_f32", x, &[arg(y), u32_of(x.numel())]);
+    }
+
+    fn add_bias(&self, x: &mut Tensor, bias: &Tensor) {
+        self.each("add_bias_f32", x, &[arg(bias), u32_of(x.numel()), u32_of(bias.numel())]);
+    }
+
+    fn scale(&self, x: &mut Tensor, s: f32) {
+        self.each("scale_f32", x, &[Arg::F32(s), u32_of(x.numel())]);
+    }
+
+    fn silu_mul(&self, gate: &mut Tensor, up: &Tensor) {
+        self.each("silu_mul_f32", gate, &[arg(up), u32_of(gate.numel())]);
+    }
+
+    fn sigmoid_mul(&self, x: &mut Tensor, gate: &Tensor) {
+        self.each("sigmoid_mul_f32", x, &[arg(gate), u32_of(x.numel())]);
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut Tensor, y: &Tensor, gate: &Tensor) {
+        self.each("add_sigmoid_gated_f32", out, &[arg(y), arg(gate), u32_of(out.numel()), u32_of(out.cols())]);
+    }
+
+    fn gelu(&self, x: &mut Tensor, tanh: bool) {
+        self.each("gelu_f32", x, &[u32_of(x.numel()), Arg::I32(i32::from(tanh))]);
+    }
+
+    fn rms_norm(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool) {
+        self.rms(x, w, w.numel(), eps, if one_plus { Form::OnePlus } else { Form::Plain });
+    }
+
+    fn rms_norm_gated(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
+        self.rms(x, w, w.numel(), eps, Form::Silu(z));
+    }
+
+    fn l2_norm(&self, x: &mut Tensor, group: usize, eps: f32) {
+        let cfg = LaunchConfig::per_group(x.numel() / group, threads_for(group));
+        self.run("l2_norm_f32", cfg, &[arg(x), u32_of(group), Arg::F32(eps)]);
+    }
+
+    fn layer_norm(&self, x: &mut Tensor, w: &Tensor, b: &Tensor, eps: f32) {
+        let cols = w.numel();
+        let cfg = LaunchConfig::per_group(x.numel() / cols, threads_for(cols));
+        self.run("layer_norm_f32", cfg, &[arg(x), arg(w), arg(b), u32_of(cols), Arg::F32(eps)]);
+    }
+
+    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable> {
+        let half = rope.rot_dim() / 2;
+        let mut cos = vec![0f32; positions.len() * half];
+        let mut sin = vec![0f32; positions.len() * half];
+        for (i, p) in positions.iter().enumerate() {
+            rope.cos_sin(*p, &mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
+        }
+        let shape = [positions.len(), half];
+        Ok(RopeTable { cos: self.upload_f32(&cos, &shape)?, sin: self.upload_f32(&sin, &shape)? })
+    }
+
+    fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable) {
+        self.rotate_half(x, rope.head_dim(), &table.cos, &table.sin);
+    }
+
+    fn rotate_half(&self, x: &mut Tensor, head_dim: usize, cos: &Tensor, sin: &Tensor) {
+        let (rows, cols, half) = (x.rows(), x.cols(), cos.cols());
+        let args = [arg(x), arg(cos), arg(sin), u32_of(rows), u32_of(cols), u32_of(head_dim), u32_of(half)];
+        self.run("rotate_half_f32", LaunchConfig::elements(rows * (cols / head_dim) * half), &args);
+    }
+}

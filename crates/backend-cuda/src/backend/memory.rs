@@ -1,0 +1,190 @@
+//! Memory and fences on the device: uploads and downloads are copies through the device layer, row
+//! moves are kernels (`kernels/memory.cu`), fences are events.
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::ops::Range;
+use std::sync::Arc;
+
+use osprey_backend::{
+    BackendError, DType, Fence, HostArena, HostData, HostMatrix, HostVec, MemoryOps, Result, Tensor, WeightView,
+};
+
+use super::{arg, ptr, u32_of, Buf, CudaBackend, CudaStorage, Placed};
+use crate::device::{Arg, LaunchConfig};
+
+/// The bytes of typed host data.
+fn bytes_of(data: HostData<'_>) -> (DType, Vec<u8>) {
+    match data {
+        HostData::F32(v) => (DType::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        HostData::Bf16(v) => (DType::BF16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        HostData::F16(v) => (DType::F16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        HostData::U8(v) => (DType::U8, v.to_vec()),
+        HostData::I32(v) => (DType::I32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+    }
+}
+
+/// Typed elements from little-endian bytes.
+fn typed(dtype: DType, b: &[u8]) -> HostVec {
+    let u16s = || b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+    let words = |f: fn([u8; 4]) -> u32| b.chunks_exact(4).map(move |c| f([c[0], c[1], c[2], c[3]]));
+    match dtype {
+        DType::F32 => HostVec::F32(words(u32::from_le_bytes).map(f32::from_bits).collect()),
+        DType::BF16 => HostVec::Bf16(u16s()),
+        DType::F16 => HostVec::F16(u16s()),
+        DType::U8 => HostVec::U8(b.to_vec()),
+        DType::I32 => HostVec::I32(words(u32::from_le_bytes).map(|w| w as i32).collect()),
+        DType::Nvfp4 => panic!("NVFP4 tensors are placed weights, never downloaded: this is a bug"),
+    }
+}
+
+/// A 4 KiB-aligned zeroed host allocation (the emulated device's stand-in for pinned memory).
+struct Aligned {
+    ptr: *mut u8,
+    layout: Layout,
+}
+
+// SAFETY: uniquely owned heap memory, freed only on drop.
+unsafe impl Send for Aligned {}
+unsafe impl Sync for Aligned {}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated with this layout in `alloc_host_arena`.
+        unsafe { dealloc(self.ptr, self.layout) }
+    }
+}
+
+impl CudaBackend {
+    fn upload_bytes(&self, b: &[u8]) -> Result<Buf> {
+        let buf = self.buf(b.len())?;
+        self.dev.upload(buf.ptr, b).map_err(super::seam_error)?;
+        Ok(buf)
+    }
+
+    /// Uploads `ids` as an i32 device array (row lists of gathers and scatters).
+    fn ids(&self, ids: &[usize]) -> Result<Tensor> {
+        let v: Vec<i32> = ids.iter().map(|&i| i32::try_from(i).expect("a row id over 2^31: this is a bug")).collect();
+        self.upload(HostData::I32(&v), &[v.len()])
+    }
+}
+
+impl MemoryOps for CudaBackend {
+    fn place_weight(&self, w: Arc<dyn HostMatrix>) -> Result<Tensor> {
+        let placed = match w.view() {
+            WeightView::F32(v) => {
+                Placed { data: self.upload_bytes(&bytes_of(HostData::F32(v)).1)?, scales: None, global: 1.0 }
+            }
+            WeightView::Bf16(v) => {
+                Placed { data: self.upload_bytes(&bytes_of(HostData::Bf16(v)).1)?, scales: None, global: 1.0 }
+            }
+            WeightView::F16(v) => {
+                Placed { data: self.upload_bytes(&bytes_of(HostData::F16(v)).1)?, scales: None, global: 1.0 }
+            }
+            WeightView::Nvfp4 { packed, scales, global } => {
+                Placed { data: self.upload_bytes(packed)?, scales: Some(self.upload_bytes(scales)?), global }
+            }
+        };
+        let storage = CudaStorage::Weight(Arc::new(placed));
+        Ok(Tensor::new(vec![w.rows(), w.cols()], w.dtype(), self.device, Box::new(storage)))
+    }
+
+    fn upload(&self, data: HostData<'_>, shape: &[usize]) -> Result<Tensor> {
+        let (dtype, b) = bytes_of(data);
+        assert_eq!(b.len(), shape.iter().product::<usize>() * dtype.size(), "upload shape: this is a bug");
+        let buf = self.upload_bytes(&b)?;
+        Ok(Tensor::new(shape.to_vec(), dtype, self.device, Box::new(CudaStorage::Data(buf))))
+    }
+
+    fn download(&self, t: &Tensor) -> Result<HostVec> {
+        let mut b = vec![0u8; t.numel() * t.dtype().size()];
+        self.dev.download(ptr(t), &mut b).map_err(super::seam_error)?;
+        Ok(typed(t.dtype(), &b))
+    }
+
+    fn zeros(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        assert!(dtype != DType::Nvfp4, "NVFP4 tensors are placed weights, not zeros: this is a bug");
+        let t = self.empty(dtype, shape)?;
+        self.dev.zero(ptr(&t), t.bytes()).map_err(super::seam_error)?;
+        Ok(t)
+    }
+
+    fn write_rows(&self, dst: &mut Tensor, at: usize, src: &Tensor, rows: Range<usize>) {
+        let c = src.cols();
+        let n = rows.len() * c;
+        let from = ptr(src).offset(rows.start * c * src.dtype().size());
+        let to = ptr(dst).offset(at * dst.dtype().size());
+        match (dst.dtype(), src.dtype()) {
+            (DType::F32, DType::F32) | (DType::BF16, DType::BF16) => {
+                self.dev.copy(to, from, n * src.dtype().size()).unwrap_or_else(|e| panic!("{e}: this is a bug"))
+            }
+            (DType::BF16, DType::F32) => {
+                self.run("f32_to_bf16_rows", LaunchConfig::elements(n), &[Arg::Ptr(from), Arg::Ptr(to), u32_of(n)])
+            }
+            (d, s) => panic!("write_rows of {s:?} into {d:?}: this is a bug"),
+        }
+    }
+
+    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor> {
+        let c = x.cols();
+        let out = self.empty(x.dtype(), &[rows.len(), c])?;
+        if rows.is_empty() {
+            return Ok(out);
+        }
+        let ids = self.ids(rows)?;
+        let esize = x.dtype().size();
+        let args = [arg(x), arg(&ids), arg(&out), u32_of(rows.len()), u32_of(c), u32_of(esize)];
+        self.try_run("gather_rows", LaunchConfig::elements(rows.len() * c * esize), &args)?;
+        Ok(out)
+    }
+
+    fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor) {
+        if rows.is_empty() {
+            return;
+        }
+        let ids = self.ids(rows).unwrap_or_else(|e| panic!("{e}: row ids of a scatter"));
+        let w = self.upload_f32(weights, &[weights.len()]).unwrap_or_else(|e| panic!("{e}: weights of a scatter"));
+        let c = out.cols();
+        let args = [arg(out), arg(&ids), arg(&w), arg(y), u32_of(rows.len()), u32_of(c)];
+        self.run("scatter_add_rows_f32", LaunchConfig::elements(c), &args);
+    }
+
+    fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Result<Vec<Tensor>> {
+        let gw: usize = parts.iter().sum();
+        let rows = x.rows();
+        let mut off = 0;
+        let mut outs = Vec::with_capacity(parts.len());
+        for &p in parts {
+            let out = self.empty(DType::F32, &[rows, heads * p])?;
+            let args = [arg(x), arg(&out), u32_of(rows), u32_of(heads), u32_of(gw), u32_of(off), u32_of(p)];
+            self.try_run("split_cols_f32", LaunchConfig::elements(rows * heads * p), &args)?;
+            outs.push(out);
+            off += p;
+        }
+        Ok(outs)
+    }
+
+    fn alloc_host_arena(&self, bytes: usize) -> Result<HostArena> {
+        // A real device registers this memory as page-locked (uploads from it are asynchronous);
+        // the emulated device copies from plain memory.
+        let layout = Layout::from_size_align(bytes.max(1), 4096).map_err(|e| BackendError::Device(e.to_string()))?;
+        // SAFETY: the layout has a nonzero size.
+        let p = unsafe { alloc_zeroed(layout) };
+        if p.is_null() {
+            return Err(BackendError::OutOfMemory { requested: bytes, available: 0 });
+        }
+        // SAFETY: `p` is valid for `bytes` bytes, 4 KiB-aligned, and freed only when the owner drops.
+        Ok(unsafe { HostArena::new(p, bytes, Box::new(Aligned { ptr: p, layout })) })
+    }
+
+    fn record_fence(&self) -> Fence {
+        Fence(self.dev.record().0)
+    }
+
+    fn fence_complete(&self, fence: Fence) -> bool {
+        self.dev.is_complete(crate::device::Event(fence.0))
+    }
+
+    fn wait_fence(&self, fence: Fence) -> Result<()> {
+        self.dev.synchronize(crate::device::Event(fence.0)).map_err(super::seam_error)
+    }
+}

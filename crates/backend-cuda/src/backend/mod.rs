@@ -1,0 +1,177 @@
+//! The CUDA backend over a [`DeviceLayer`]: tensors are device allocations, placed weights are uploaded
+//! once (NVFP4 as its packed codes, scales and global scale), and every op launches kernels from
+//! `kernels/`. One code path for the real device and the emulated one. One file per group of the seam's
+//! table, as in the CPU backend.
+//!
+//! In progress: the ops a group lists but no kernel runs yet answer `supports` false, so a model that
+//! needs them refuses this backend at load with the list (the seam's contract for a backend gaining its
+//! kernels one by one); their methods are never reached and say so if they are.
+
+mod core;
+mod memory;
+mod missing;
+
+use std::sync::Arc;
+
+use osprey_backend::{Backend, BackendError, DType, Device, Op, Result, Storage, Tensor};
+
+use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, LaunchConfig};
+
+/// Device memory a tensor owns; given back when dropped.
+#[derive(Debug)]
+pub struct Buf {
+    ptr: DevPtr,
+    bytes: usize,
+    dev: Arc<dyn DeviceLayer>,
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        self.dev.free(self.ptr);
+    }
+}
+
+/// A weight on the device: its elements (f32, bf16, f16, or NVFP4 codes with their e4m3 scales and
+/// global scale).
+#[derive(Debug)]
+pub struct Placed {
+    data: Buf,
+    scales: Option<Buf>,
+    global: f32,
+}
+
+/// What a CUDA tensor holds.
+#[derive(Debug)]
+pub enum CudaStorage {
+    /// Activations, states, ids: owned memory (a clone is a device-to-device copy).
+    Data(Buf),
+    /// A placed weight, shared by its clones (weights are never written).
+    Weight(Arc<Placed>),
+}
+
+impl Storage for CudaStorage {
+    fn bytes(&self) -> usize {
+        match self {
+            CudaStorage::Data(b) => b.bytes,
+            CudaStorage::Weight(w) => w.data.bytes + w.scales.as_ref().map_or(0, |s| s.bytes),
+        }
+    }
+
+    fn clone_storage(&self) -> Box<dyn Storage> {
+        match self {
+            CudaStorage::Data(b) => {
+                let ptr = b.dev.alloc(b.bytes).expect("device memory for a tensor copy: out of memory");
+                b.dev.copy(ptr, b.ptr, b.bytes).expect("a device-to-device copy: this is a bug");
+                Box::new(CudaStorage::Data(Buf { ptr, bytes: b.bytes, dev: b.dev.clone() }))
+            }
+            CudaStorage::Weight(w) => Box::new(CudaStorage::Weight(w.clone())),
+        }
+    }
+}
+
+/// The CUDA backend (see the module docs).
+#[derive(Debug)]
+pub struct CudaBackend {
+    dev: Arc<dyn DeviceLayer>,
+    device: Device,
+    info: DeviceInfo,
+}
+
+/// The ops this backend runs today.
+const SUPPORTED: &[Op] = &[
+    Op::Memory,
+    Op::Fences,
+    Op::LinearDense,
+    Op::LinearNvfp4,
+    Op::Embed,
+    Op::Elementwise,
+    Op::Norms,
+    Op::Rotary,
+    Op::Router,
+    Op::GroupedNorms,
+];
+
+/// A device error as the seam reports it.
+pub(crate) fn seam_error(e: DeviceError) -> BackendError {
+    match e {
+        DeviceError::OutOfMemory { requested, available } => BackendError::OutOfMemory { requested, available },
+        DeviceError::Unavailable(m) => BackendError::Unavailable(m),
+        other => BackendError::Device(other.to_string()),
+    }
+}
+
+impl CudaBackend {
+    /// The backend over `dev`, whose tensors are on `device`.
+    pub fn new(dev: Arc<dyn DeviceLayer>, device: Device) -> Self {
+        let info = dev.info();
+        CudaBackend { dev, device, info }
+    }
+
+    /// The device layer (tests drive it directly).
+    pub fn device_layer(&self) -> &Arc<dyn DeviceLayer> {
+        &self.dev
+    }
+
+    fn buf(&self, bytes: usize) -> Result<Buf> {
+        let ptr = self.dev.alloc(bytes).map_err(seam_error)?;
+        Ok(Buf { ptr, bytes, dev: self.dev.clone() })
+    }
+
+    /// An uninitialised tensor.
+    fn empty(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let buf = self.buf(n * dtype.size())?;
+        Ok(Tensor::new(shape.to_vec(), dtype, self.device, Box::new(CudaStorage::Data(buf))))
+    }
+
+    /// Runs kernel `name`; a fault in an op that cannot report errors is a bug.
+    fn run(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
+        if let Err(e) = self.dev.launch(name, cfg, args) {
+            panic!("{e}: this is a bug");
+        }
+    }
+
+    /// Runs kernel `name`, reporting a fault.
+    fn try_run(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        self.dev.launch(name, cfg, args).map_err(seam_error)
+    }
+}
+
+/// The device address of a tensor's elements.
+pub(crate) fn ptr(t: &Tensor) -> DevPtr {
+    match t.storage::<CudaStorage>() {
+        Some(CudaStorage::Data(b)) => b.ptr,
+        Some(CudaStorage::Weight(w)) => w.data.ptr,
+        None => panic!("a tensor of another backend on the CUDA backend: this is a bug"),
+    }
+}
+
+/// A tensor's elements as a kernel pointer argument.
+pub(crate) fn arg(t: &Tensor) -> Arg {
+    Arg::Ptr(ptr(t))
+}
+
+/// A count or size as a kernel's `unsigned`.
+pub(crate) fn u32_of(n: usize) -> Arg {
+    Arg::U32(u32::try_from(n).expect("a size over 2^32 on the CUDA backend: this is a bug"))
+}
+
+impl Backend for CudaBackend {
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    fn describe(&self) -> String {
+        let (major, minor) = self.info.capability;
+        format!(
+            "{} ({}, sm_{major}{minor}, {:.1} GiB)",
+            self.device,
+            self.info.name,
+            self.info.total_memory as f64 / (1u64 << 30) as f64
+        )
+    }
+
+    fn supports(&self, op: Op) -> bool {
+        SUPPORTED.contains(&op)
+    }
+}

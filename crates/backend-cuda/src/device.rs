@@ -1,0 +1,127 @@
+//! The thin device layer under the CUDA backend: device memory by address, copies, kernel launches by
+//! name with `cuLaunchKernel`'s argument convention, and events. Two implementations: the emulated device
+//! ([`crate::emu::EmuDevice`], host memory and the host-compiled kernels: every CI run) and the real one
+//! (`crate::driver`, cudarc, behind the `cuda` feature). Everything above this layer — the backend's
+//! ops, weights, slots, page tables — is one code path for both.
+//!
+//! Ordering: operations run in the order they are issued (one queue per device layer); an [`Event`]
+//! recorded after an operation completes when it has, and [`DeviceLayer::download`] waits for the
+//! work before it.
+
+use std::fmt::Debug;
+
+/// A device address (a `CUdeviceptr`; on the emulated device, a host address).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DevPtr(pub u64);
+
+impl DevPtr {
+    /// `bytes` further on.
+    pub fn offset(self, bytes: usize) -> DevPtr {
+        DevPtr(self.0 + bytes as u64)
+    }
+}
+
+/// A launch's grid and block dimensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Blocks in x, y, z.
+    pub grid: [u32; 3],
+    /// Threads per block in x, y, z.
+    pub block: [u32; 3],
+}
+
+impl LaunchConfig {
+    /// `n` independent elements in a grid-stride loop: 256 threads a block, at most 1,024 blocks.
+    pub fn elements(n: usize) -> Self {
+        let blocks = n.div_ceil(256).clamp(1, 1024) as u32;
+        LaunchConfig { grid: [blocks, 1, 1], block: [256, 1, 1] }
+    }
+
+    /// One block of `threads` per group (a norm's row or head).
+    pub fn per_group(groups: usize, threads: u32) -> Self {
+        LaunchConfig { grid: [groups as u32, 1, 1], block: [threads, 1, 1] }
+    }
+}
+
+/// One kernel argument, by value (a pointer is a device address).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg {
+    /// A device pointer (`T*`).
+    Ptr(DevPtr),
+    /// `unsigned`.
+    U32(u32),
+    /// `int`.
+    I32(i32),
+    /// `float`.
+    F32(f32),
+}
+
+/// A point in a device's queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Event(pub u64);
+
+/// What the device says of itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Its name (`NVIDIA GeForce RTX 4090`, `emulated`).
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub capability: (u32, u32),
+    /// Bytes of device memory.
+    pub total_memory: usize,
+}
+
+/// Why a device operation failed.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// No room for an allocation.
+    #[error("out of device memory: {requested} bytes asked, {available} available")]
+    OutOfMemory {
+        /// Bytes asked.
+        requested: usize,
+        /// Bytes free.
+        available: usize,
+    },
+    /// The driver, a library or the device is missing.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A kernel faulted or could not launch (an emulated barrier deadlock, a bad shuffle, a driver error).
+    #[error("kernel {kernel}: {message}")]
+    Kernel {
+        /// The kernel's name.
+        kernel: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// A copy outside the allocation it names (a bug in the caller).
+    #[error("{0}: this is a bug")]
+    Bounds(String),
+}
+
+/// The device under the CUDA backend (see the module docs).
+pub trait DeviceLayer: Send + Sync + Debug {
+    /// Name, capability, memory.
+    fn info(&self) -> DeviceInfo;
+    /// Bytes of device memory not allocated.
+    fn free_memory(&self) -> usize;
+    /// `bytes` of device memory (contents undefined).
+    fn alloc(&self, bytes: usize) -> Result<DevPtr, DeviceError>;
+    /// Gives an allocation back, once the work issued before has run.
+    fn free(&self, p: DevPtr);
+    /// Host → device, ordered after the work before it.
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError>;
+    /// Device → host, after the work before it (waits).
+    fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), DeviceError>;
+    /// Device → device.
+    fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), DeviceError>;
+    /// Zeroes `bytes` at `dst`.
+    fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError>;
+    /// Launches kernel `name` (of the sources in `kernels/`).
+    fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<(), DeviceError>;
+    /// An event after everything issued so far.
+    fn record(&self) -> Event;
+    /// Whether the work before `e` has run.
+    fn is_complete(&self, e: Event) -> bool;
+    /// Waits for the work before `e`.
+    fn synchronize(&self, e: Event) -> Result<(), DeviceError>;
+}

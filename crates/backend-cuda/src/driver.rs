@@ -1,0 +1,227 @@
+//! The real device layer (feature `cuda`): cudarc over the driver API, libraries loaded at run time.
+//! At open it probes `libcuda` and `libnvrtc` (cudarc panics on a missing library; a probe turns that
+//! into a clear error), creates the device's primary context and one stream, and compiles every kernel
+//! source with NVRTC for the device's architecture — cached on disk by (source hash, architecture,
+//! NVRTC version), so later starts load cubins — falling back to PTX for `compute_80` when this NVRTC
+//! does not know the card. Operations are issued on the stream in order; events are CUDA events.
+//!
+//! Not yet run on a GPU: no GPU was lent while it was written (docs/cuda.md says what has run where).
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+
+use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, LaunchConfig};
+use crate::{kernels, nvrtc};
+
+/// A CUDA device through cudarc (see the module docs).
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: HashMap<&'static str, CudaFunction>,
+    info: DeviceInfo,
+    events: Mutex<BTreeMap<u64, CudaEvent>>,
+    recorded: AtomicU64,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaDevice({:?})", self.info)
+    }
+}
+
+fn driver(what: &str, e: impl std::fmt::Debug) -> DeviceError {
+    DeviceError::Unavailable(format!("{what}: {e:?}"))
+}
+
+/// Where compiled kernels are kept between starts.
+fn cache_dir() -> PathBuf {
+    std::env::var_os("OSPREY_KERNEL_CACHE").map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+        home.join(".cache/osprey/kernels")
+    })
+}
+
+/// The cubin (or PTX) of source `stem` for `arch`, from the disk cache or NVRTC.
+fn image(stem: &str, arch: &str) -> Result<Vec<u8>, DeviceError> {
+    let (major, minor) = nvrtc::version().map_err(|e| DeviceError::Unavailable(e.to_string()))?;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    kernels::gpu_source(stem).hash(&mut h);
+    let path = cache_dir().join(format!("{stem}-{:016x}-{arch}-nvrtc{major}.{minor}.bin", h.finish()));
+    if let Ok(bytes) = std::fs::read(&path) {
+        return Ok(bytes);
+    }
+    let compiled = nvrtc::compile(stem, arch).map_err(|e| DeviceError::Unavailable(e.to_string()))?;
+    // A cache that cannot be written only costs a compile at the next start.
+    let _ = std::fs::create_dir_all(cache_dir()).and_then(|()| std::fs::write(&path, &compiled.image));
+    Ok(compiled.image)
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`: a clear error without a driver, a device or NVRTC.
+    pub fn open(ordinal: usize) -> Result<Self, DeviceError> {
+        // SAFETY: only tries to open the library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(DeviceError::Unavailable(
+                "no CUDA driver: libcuda was not found (install the NVIDIA driver, or use --device cpu)".into(),
+            ));
+        }
+        if !nvrtc::available() {
+            return Err(DeviceError::Unavailable(nvrtc::NvrtcError::Missing.to_string()));
+        }
+        let count = CudaContext::device_count().map_err(|e| driver("counting CUDA devices", e))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(DeviceError::Unavailable(format!("cuda:{ordinal}: this machine has {count} CUDA device(s)")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver("creating a context", e))?;
+        let (major, minor) = ctx.compute_capability().map_err(|e| driver("compute capability", e))?;
+        let info = DeviceInfo {
+            name: ctx.name().map_err(|e| driver("device name", e))?,
+            capability: (major as u32, minor as u32),
+            total_memory: ctx.total_mem().map_err(|e| driver("device memory", e))?,
+        };
+        let stream = ctx.default_stream();
+        let arch = format!("sm_{major}{minor}");
+        let mut functions = HashMap::new();
+        for stem in kernels::sources() {
+            let bytes = image(stem, &arch).or_else(|_| image(stem, "compute_80"))?;
+            let ptx = if bytes.starts_with(b"\x7fELF") {
+                Ptx::from_binary(bytes)
+            } else {
+                Ptx::from_src(String::from_utf8_lossy(&bytes).into_owned())
+            };
+            let module = ctx.load_module(ptx).map_err(|e| driver(&format!("loading {stem}"), e))?;
+            for k in kernels::all().filter(|k| k.source == stem) {
+                functions.insert(k.name, module.load_function(k.name).map_err(|e| driver(k.name, e))?);
+            }
+        }
+        Ok(CudaDevice {
+            ctx,
+            stream,
+            functions,
+            info,
+            events: Mutex::new(BTreeMap::new()),
+            recorded: AtomicU64::new(0),
+        })
+    }
+
+    fn bind(&self) -> Result<(), DeviceError> {
+        self.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))
+    }
+}
+
+impl DeviceLayer for CudaDevice {
+    fn info(&self) -> DeviceInfo {
+        self.info.clone()
+    }
+
+    fn free_memory(&self) -> usize {
+        self.ctx.mem_get_info().map(|(free, _)| free).unwrap_or(0)
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DevPtr, DeviceError> {
+        self.bind()?;
+        // SAFETY: the context is bound; a zero-size request is rounded up.
+        match unsafe { result::malloc_sync(bytes.max(1)) } {
+            Ok(p) => Ok(DevPtr(p)),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                Err(DeviceError::OutOfMemory { requested: bytes, available: self.free_memory() })
+            }
+            Err(e) => Err(driver("allocating", e)),
+        }
+    }
+
+    fn free(&self, p: DevPtr) {
+        if self.bind().is_ok() {
+            // The stream's work that reads `p` must finish first: freeing is ordered by a sync.
+            let _ = self.stream.synchronize();
+            // SAFETY: `p` came from `alloc` and is freed once (its `Buf` owns it).
+            let _ = unsafe { result::free_sync(p.0) };
+        }
+    }
+
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
+        self.bind()?;
+        // SAFETY: `dst` holds `src.len()` bytes (the backend sized it); a copy from pageable memory
+        // returns once `src` has been staged, so `src` may be dropped after.
+        unsafe { result::memcpy_htod_async(dst.0, src, self.stream.cu_stream()) }.map_err(|e| driver("upload", e))
+    }
+
+    fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.bind()?;
+        // SAFETY: `src` holds `dst.len()` bytes; the sync below completes the copy before `dst` is read.
+        unsafe { result::memcpy_dtoh_async(dst, src.0, self.stream.cu_stream()) }.map_err(|e| driver("download", e))?;
+        self.stream.synchronize().map_err(|e| driver("download", e))
+    }
+
+    fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), DeviceError> {
+        self.bind()?;
+        // SAFETY: both ranges are inside allocations of at least `bytes` (the backend sized them).
+        unsafe { result::memcpy_dtod_async(dst.0, src.0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver("copy", e))
+    }
+
+    fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
+        self.bind()?;
+        // SAFETY: as in `copy`.
+        unsafe { result::memset_d8_async(dst.0, 0, bytes, self.stream.cu_stream()) }.map_err(|e| driver("memset", e))
+    }
+
+    fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<(), DeviceError> {
+        let fault = |message: String| DeviceError::Kernel { kernel: name.into(), message };
+        let f = self.functions.get(name).ok_or_else(|| fault("no such kernel in kernels/".into()))?;
+        let info = kernels::find(name).ok_or_else(|| fault("no such kernel in kernels/".into()))?;
+        if args.len() != info.arity {
+            return Err(fault(format!("{} arguments for {} parameters: this is a bug", args.len(), info.arity)));
+        }
+        // Each value in the low bytes of 8: the driver reads each parameter's own size from there.
+        let values: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) => p.0,
+                Arg::U32(v) => u64::from(v),
+                Arg::I32(v) => u64::from(v as u32),
+                Arg::F32(v) => u64::from(v.to_bits()),
+            })
+            .collect();
+        let mut b = self.stream.launch_builder(f);
+        for v in &values {
+            b.arg(v);
+        }
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (cfg.grid[0], cfg.grid[1], cfg.grid[2]),
+            block_dim: (cfg.block[0], cfg.block[1], cfg.block[2]),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the argument count matches the kernel's (checked above) and each pointer argument is a
+        // live allocation of the size the kernel reads (the backend's contract with its kernels).
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| fault(format!("{e:?}")))
+    }
+
+    fn record(&self) -> Event {
+        let n = self.recorded.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Ok(ev) = self.stream.record_event(None) {
+            let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+            events.retain(|_, e| !e.is_complete());
+            events.insert(n, ev);
+        }
+        Event(n)
+    }
+
+    fn is_complete(&self, e: Event) -> bool {
+        self.events.lock().unwrap_or_else(|e| e.into_inner()).get(&e.0).is_none_or(|ev| ev.is_complete())
+    }
+
+    fn synchronize(&self, e: Event) -> Result<(), DeviceError> {
+        let ev = self.events.lock().unwrap_or_else(|e| e.into_inner()).remove(&e.0);
+        match ev {
+            Some(ev) => ev.synchronize().map_err(|e| driver("waiting for an event", e)),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! The emulated device: device memory is host memory, a launch runs the kernel's host-compiled body
+//! (`build.rs`, `emu/`) thread by thread on fibers, and every operation runs as it is issued, so every
+//! event is complete. A test device (`--device cuda-emu`), never chosen by default: it is how the
+//! kernels and the backend above them are checked on machines without a GPU. Allocations are tracked,
+//! so a copy outside one is refused rather than corrupting the process, and the memory cap makes the
+//! out-of-memory path testable.
+
+use std::collections::BTreeMap;
+use std::ffi::{c_void, CStr};
+
+use crate::kernels::{emu_entry, Launch};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, LaunchConfig};
+
+unsafe extern "C" {
+    fn osprey_emu_last_error() -> *const std::ffi::c_char;
+}
+
+/// The emulated device (see the module docs).
+#[derive(Debug)]
+pub struct EmuDevice {
+    /// Live allocations: address → the memory (8-byte aligned).
+    allocs: Mutex<BTreeMap<u64, Box<[u64]>>>,
+    /// Bytes allocated, and the cap.
+    used: AtomicU64,
+    capacity: usize,
+    /// Operations issued (an event is the count when recorded).
+    issued: AtomicU64,
+}
+
+impl EmuDevice {
+    /// A device with `capacity` bytes of memory.
+    pub fn new(capacity: usize) -> Self {
+        EmuDevice { allocs: Mutex::new(BTreeMap::new()), used: AtomicU64::new(0), capacity, issued: AtomicU64::new(0) }
+    }
+
+    fn issue(&self) {
+        self.issued.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Checks that `[p, p + bytes)` lies inside one live allocation.
+    fn check(&self, p: DevPtr, bytes: usize, what: &str) -> Result<(), DeviceError> {
+        let allocs = self.allocs.lock().unwrap_or_else(|e| e.into_inner());
+        let inside = allocs
+            .range(..=p.0)
+            .next_back()
+            .is_some_and(|(&base, mem)| p.0 + bytes as u64 <= base + (mem.len() * 8) as u64);
+        if inside || bytes == 0 {
+            Ok(())
+        } else {
+            Err(DeviceError::Bounds(format!("{what} of {bytes} bytes at {:#x} is outside every allocation", p.0)))
+        }
+    }
+}
+
+impl DeviceLayer for EmuDevice {
+    fn info(&self) -> DeviceInfo {
+        // Reports sm_80, the oldest architecture the kernels target.
+        DeviceInfo { name: "emulated CUDA device".into(), capability: (8, 0), total_memory: self.capacity }
+    }
+
+    fn free_memory(&self) -> usize {
+        self.capacity.saturating_sub(self.used.load(Ordering::Relaxed) as usize)
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DevPtr, DeviceError> {
+        let rounded = bytes.div_ceil(8).max(1) * 8;
+        let available = self.free_memory();
+        if rounded > available {
+            return Err(DeviceError::OutOfMemory { requested: bytes, available });
+        }
+        let mem = vec![0u64; rounded / 8].into_boxed_slice();
+        let at = mem.as_ptr() as u64;
+        self.used.fetch_add(rounded as u64, Ordering::Relaxed);
+        self.allocs.lock().unwrap_or_else(|e| e.into_inner()).insert(at, mem);
+        Ok(DevPtr(at))
+    }
+
+    fn free(&self, p: DevPtr) {
+        if let Some(mem) = self.allocs.lock().unwrap_or_else(|e| e.into_inner()).remove(&p.0) {
+            self.used.fetch_sub((mem.len() * 8) as u64, Ordering::Relaxed);
+        }
+    }
+
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
+        self.check(dst, src.len(), "an upload")?;
+        self.issue();
+        // SAFETY: the range lies inside a live allocation (checked above), which `src` cannot alias.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.0 as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.check(src, dst.len(), "a download")?;
+        self.issue();
+        // SAFETY: as in `upload`.
+        unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), DeviceError> {
+        self.check(dst, bytes, "a copy's destination")?;
+        self.check(src, bytes, "a copy's source")?;
+        self.issue();
+        // SAFETY: both ranges lie inside live allocations; `copy` allows overlap.
+        unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) };
+        Ok(())
+    }
+
+    fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
+        self.check(dst, bytes, "a memset")?;
+        self.issue();
+        // SAFETY: the range lies inside a live allocation.
+        unsafe { std::ptr::write_bytes(dst.0 as *mut u8, 0, bytes) };
+        Ok(())
+    }
+
+    fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<(), DeviceError> {
+        let fault = |message: String| DeviceError::Kernel { kernel: name.into(), message };
+        let (info, entry) = emu_entry(name).ok_or_else(|| fault("no such kernel in kernels/".into()))?;
+        if args.len() != info.arity {
+            return Err(fault(format!("{} arguments for {} parameters: this is a bug", args.len(), info.arity)));
+        }
+        // Each argument as its C value, 8 bytes of room each; `params[i]` points at argument `i`.
+        let mut values: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) => p.0,
+                Arg::U32(v) => u64::from(v),
+                Arg::I32(v) => u64::from(v as u32),
+                Arg::F32(v) => u64::from(v.to_bits()),
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+        let launch = Launch { grid: cfg.grid, block: cfg.block };
+        self.issue();
+        // SAFETY: the entry point unpacks exactly the kernel's parameters from `params` (its signature
+        // fixes their number and types; the backend passes them in that order), each pointing at a live
+        // 8-byte value in little-endian order, which is where a 4-byte value sits.
+        let rc = unsafe { entry(&launch, params.as_mut_ptr()) };
+        if rc == 0 {
+            return Ok(());
+        }
+        // SAFETY: the runtime keeps a NUL-terminated message per thread after a failed launch.
+        let message = unsafe { CStr::from_ptr(osprey_emu_last_error()) }.to_string_lossy().into_owned();
+        Err(fault(message))
+    }
+
+    fn record(&self) -> Event {
+        Event(self.issued.load(Ordering::Relaxed))
+    }
+
+    fn is_complete(&self, _e: Event) -> bool {
+        true // every operation has run when it returns
+    }
+
+    fn synchronize(&self, _e: Event) -> Result<(), DeviceError> {
+        Ok(())
+    }
+}

@@ -1,0 +1,58 @@
+//! # osprey-backend-cuda — the CUDA compute backend, proven without a GPU
+//!
+//! Brief overview: [`CudaBackend`] implements `osprey-backend`'s op set by launching kernels written as
+//! header-free `.cu` sources (`kernels/`), over a thin [`DeviceLayer`]: the real device through cudarc
+//! (feature `cuda`: NVRTC compiles the sources at startup for the card's architecture) or the emulated
+//! device ([`EmuDevice`]: the same sources compiled for the host by `build.rs` and run thread by thread
+//! on fibers, with `__syncthreads`, warp shuffles and shared memory as CUDA defines them). The emulated
+//! device is a test device (`--device cuda-emu`): it is how every CI run checks, on machines without a
+//! GPU, that each kernel computes what the CPU backend computes and that the backend around the kernels
+//! serves the models. [`kernels`] lists every kernel with its register budget, which the NVRTC check
+//! (`nvrtc`, feature `cuda`) enforces for every target architecture.
+//!
+//! Status: memory, fences, linears (f32, bf16, f16, NVFP4), embeddings, element-wise ops, norms,
+//! rotary, the router and `qwen4_exp`'s grouped norms run; attention, Gated DeltaNet, expert slots and
+//! the rest of `qwen4_exp` do not yet, and `supports` says so (docs/cuda.md).
+
+mod backend;
+pub mod device;
+#[cfg(feature = "cuda")]
+pub mod driver;
+pub mod emu;
+pub mod kernels;
+#[cfg(feature = "cuda")]
+pub mod nvrtc;
+
+use std::sync::Arc;
+
+pub use backend::{CudaBackend, CudaStorage};
+pub use device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, LaunchConfig};
+pub use emu::EmuDevice;
+
+/// The CUDA backend on device `ordinal`: a clear error without the `cuda` feature, a driver, a device
+/// or NVRTC.
+pub fn open(ordinal: usize) -> osprey_backend::Result<osprey_backend::BackendRef> {
+    #[cfg(feature = "cuda")]
+    {
+        let dev = driver::CudaDevice::open(ordinal)
+            .map_err(|e| osprey_backend::BackendError::Unavailable(format!("--device cuda:{ordinal}: {e}")))?;
+        Ok(Arc::new(CudaBackend::new(Arc::new(dev), osprey_backend::Device::Cuda(ordinal))))
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(osprey_backend::BackendError::Unavailable(format!(
+        "--device cuda:{ordinal}: this build has no CUDA driver layer (build with --features cuda); \
+         use --device cpu, or --device cuda-emu to test the CUDA kernels on the CPU"
+    )))
+}
+
+/// Whether the CUDA driver library (`libcuda`) loads on this machine.
+#[cfg(feature = "cuda")]
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the library.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// The CUDA backend on the emulated device with `memory` bytes of device memory.
+pub fn open_emulated(memory: usize) -> osprey_backend::BackendRef {
+    Arc::new(CudaBackend::new(Arc::new(EmuDevice::new(memory)), osprey_backend::Device::CudaEmu))
+}

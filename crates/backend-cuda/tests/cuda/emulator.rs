@@ -1,0 +1,94 @@
+//! The emulated device behaves as a GPU does where kernels depend on it: shared memory is one block's,
+//! `__syncthreads` orders its writes and reads, shuffles exchange lanes, and the bugs a GPU punishes —
+//! a missing barrier, a lane past the warp, a barrier half the block never reaches — show here too.
+
+use osprey_backend_cuda::{Arg, DeviceLayer, EmuDevice, LaunchConfig};
+
+use crate::common::data;
+
+fn upload(dev: &EmuDevice, v: &[f32]) -> osprey_backend_cuda::DevPtr {
+    let p = dev.alloc(v.len() * 4).expect("alloc");
+    let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    dev.upload(p, &b).expect("upload");
+    p
+}
+
+fn download(dev: &EmuDevice, p: osprey_backend_cuda::DevPtr, n: usize) -> Vec<f32> {
+    let mut b = vec![0u8; n * 4];
+    dev.download(p, &mut b).expect("download");
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+#[test]
+fn a_barrier_orders_shared_memory_and_its_absence_is_caught() {
+    let dev = EmuDevice::new(1 << 20);
+    let x = data(1, 256);
+    let (xp, out) = (upload(&dev, &x), upload(&dev, &[0.0; 256]));
+    let cfg = LaunchConfig { grid: [4, 1, 1], block: [64, 1, 1] };
+    dev.launch("selftest_reverse", cfg, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::I32(1)]).expect("launch");
+    let want: Vec<f32> = x.chunks(64).flat_map(|c| c.iter().rev().copied()).collect();
+    assert_eq!(download(&dev, out, 256), want);
+    // Without the barrier, thread t reads s[63 − t] before thread 63 − t has written it (for t < 32):
+    // the emulator runs threads in order between barriers, so the read sees the previous block's value.
+    dev.launch("selftest_reverse", cfg, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::I32(0)]).expect("launch");
+    assert_ne!(download(&dev, out, 256), want, "a missing __syncthreads must change the answer");
+}
+
+#[test]
+fn shuffles_exchange_lanes_and_a_lane_past_the_warp_fails_the_launch() {
+    let dev = EmuDevice::new(1 << 20);
+    let x = data(2, 64);
+    let (xp, out) = (upload(&dev, &x), upload(&dev, &[0.0; 64]));
+    let cfg = LaunchConfig { grid: [1, 1, 1], block: [64, 1, 1] };
+    dev.launch("selftest_warp", cfg, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::I32(-1)]).expect("launch");
+    let got = download(&dev, out, 64);
+    for w in 0..2 {
+        let sum: f32 = x[w * 32..(w + 1) * 32].iter().sum();
+        for lane in 0..32 {
+            assert!((got[w * 32 + lane] - sum).abs() < 1e-5, "warp {w} lane {lane}: {} vs {sum}", got[w * 32 + lane]);
+        }
+    }
+    dev.launch("selftest_warp", cfg, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::I32(5)]).expect("launch");
+    let got = download(&dev, out, 64);
+    assert!((0..64).all(|i| got[i] == x[(i / 32) * 32 + 5]), "every lane reads lane 5 of its own warp");
+    let e = dev.launch("selftest_warp", cfg, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::I32(40)]).expect_err("lane 40");
+    assert!(e.to_string().contains("lane"), "{e}");
+}
+
+#[test]
+fn a_barrier_half_the_block_never_reaches_is_a_deadlock_not_a_hang() {
+    let dev = EmuDevice::new(1 << 20);
+    let out = upload(&dev, &[0.0; 64]);
+    let cfg = LaunchConfig { grid: [1, 1, 1], block: [32, 1, 1] };
+    // Threads 16..32 exit; CUDA counts exited threads as arrived, so this one completes.
+    dev.launch("selftest_diverge", cfg, &[Arg::Ptr(out), Arg::I32(0)]).expect("exited threads count as arrived");
+    // A block barrier against a warp barrier: neither can complete. A GPU hangs; the emulator says so.
+    let e = dev.launch("selftest_diverge", cfg, &[Arg::Ptr(out), Arg::I32(1)]).expect_err("a deadlock");
+    assert!(e.to_string().contains("deadlock"), "{e}");
+    // The device still runs the next launch.
+    dev.launch("selftest_diverge", cfg, &[Arg::Ptr(out), Arg::I32(0)]).expect("a launch after a fault");
+}
+
+#[test]
+fn launches_check_their_arguments_and_copies_their_bounds() {
+    let dev = EmuDevice::new(1 << 20);
+    let p = upload(&dev, &[0.0; 4]);
+    let cfg = LaunchConfig::elements(4);
+    let e = dev.launch("add_f32", cfg, &[Arg::Ptr(p)]).expect_err("too few arguments");
+    assert!(e.to_string().contains("3 parameters"), "{e}");
+    assert!(dev.launch("no_such_kernel", cfg, &[]).is_err());
+    assert!(dev.upload(p.offset(8), &[0u8; 16]).is_err(), "a copy past its allocation is refused");
+    let e = dev.alloc(2 << 20).expect_err("over the cap");
+    assert!(matches!(e, osprey_backend_cuda::DeviceError::OutOfMemory { .. }), "{e}");
+}
+
+#[test]
+fn every_kernel_has_a_budget_and_its_source() {
+    let names: Vec<_> = osprey_backend_cuda::kernels::all().collect();
+    assert!(names.len() >= 20, "{} kernels", names.len());
+    for k in &names {
+        assert!(k.registers >= 16 && k.registers <= 255, "{}: budget {}", k.name, k.registers);
+        let src = osprey_backend_cuda::kernels::gpu_source(k.source).expect("its source");
+        assert!(src.contains(&format!("void {}(", k.name)) && src.contains("typedef unsigned int uint32_t"));
+    }
+}

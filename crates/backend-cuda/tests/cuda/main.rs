@@ -1,0 +1,8 @@
+//! The CUDA backend's tests, one binary: the emulation itself, every op on the emulated device against
+//! the CPU backend, and (feature `cuda`) every kernel through NVRTC for every target architecture.
+
+mod common;
+mod emulator;
+#[cfg(feature = "cuda")]
+mod nvrtc;
+mod ops;

@@ -1,0 +1,231 @@
+//! Every op the CUDA backend runs, on the emulated device, against the exact CPU backend on the
+//! models' shapes (Qwen3.5-35B-A3B: hidden 2048, 16 heads × 256 with a 64-wide rotary, 256 experts top
+//! 8; the vision tower's 1152) and the edge cases (one token, lengths that are not multiples of a tile
+//! or of 32). Tolerances are the forward-error bounds of the computation, stated where they are used:
+//! element-wise ops with the same formula must agree to a few units of roundoff (the transcendental
+//! functions of two libms), reductions within γ_n = n·u of the magnitudes summed, since the two
+//! backends add in different orders.
+
+use std::sync::Arc;
+
+use osprey_backend::{BackendRef, DType, HostData, MRope, Tensor};
+
+use crate::common::{backends, data, row, weight, within, U};
+
+fn both(cpu: &BackendRef, gpu: &BackendRef, v: &[f32], shape: &[usize]) -> (Tensor, Tensor) {
+    (cpu.upload_f32(v, shape).expect("cpu"), gpu.upload_f32(v, shape).expect("gpu"))
+}
+
+fn host(b: &BackendRef, t: &Tensor) -> Vec<f32> {
+    b.download_f32(t).expect("download")
+}
+
+/// A few units of roundoff, relative, for transcendental functions computed by two libms.
+fn ulps(want: &[f32], n: f32) -> impl Fn(usize) -> f32 + '_ {
+    move |i| n * U * want[i].abs().max(f32::MIN_POSITIVE)
+}
+
+#[test]
+fn element_wise_ops_agree_to_a_few_ulps() {
+    let (cpu, gpu) = backends();
+    for (rows, cols) in [(1, 2048), (7, 2048), (3, 1000)] {
+        let (x, y, g) = (data(1, rows * cols), data(2, rows * cols), data(3, rows));
+        type Op = fn(&BackendRef, &mut Tensor, &Tensor, &Tensor);
+        let ops: [(&str, Op); 10] = [
+            ("add", |b, x, y, _| b.add(x, y)),
+            ("scale", |b, x, _, _| b.scale(x, 0.37)),
+            ("silu_mul", |b, x, y, _| b.silu_mul(x, y)),
+            ("sigmoid_mul", |b, x, y, _| b.sigmoid_mul(x, y)),
+            ("add_sigmoid_gated", |b, x, y, g| b.add_sigmoid_gated(x, y, g)),
+            ("gelu_tanh", |b, x, _, _| b.gelu(x, true)),
+            ("gelu_erf", |b, x, _, _| b.gelu(x, false)),
+            ("silu", |b, x, _, _| b.silu(x)),
+            ("sigmoid", |b, x, _, _| b.sigmoid(x)),
+            ("add_bias", |b, x, _, _| {
+                let bias = b.upload_f32(&data(4, x.cols()), &[x.cols()]).expect("bias");
+                b.add_bias(x, &bias)
+            }),
+        ];
+        for (name, op) in ops {
+            let (mut xc, mut xg) = both(&cpu, &gpu, &x, &[rows, cols]);
+            let (yc, yg) = both(&cpu, &gpu, &y, &[rows, cols]);
+            let (gc, gg) = both(&cpu, &gpu, &g, &[rows, 1]);
+            op(&cpu, &mut xc, &yc, &gc);
+            op(&gpu, &mut xg, &yg, &gg);
+            let want = host(&cpu, &xc);
+            within(&format!("{name} [{rows}, {cols}]"), &host(&gpu, &xg), &want, ulps(&want, 8.0));
+        }
+    }
+}
+
+/// The bound of a normalised value after a sum of `n` squares in another order: γ_n of the sum moves
+/// the scale by half that, plus a few roundings of the final products.
+fn norm_bound(want: &[f32], n: usize) -> impl Fn(usize) -> f32 + '_ {
+    move |i| (n as f32 * U + 8.0 * U) * want[i].abs() + 1e-7
+}
+
+#[test]
+fn norms_agree_within_the_sum_bound() {
+    let (cpu, gpu) = backends();
+    // Whole rows of 2048 (the decoder), heads of 256 and 128 (q/k norms, GDN), the vision tower's 1152.
+    for (rows, cols, group) in
+        [(1, 2048, 2048), (5, 2048, 2048), (3, 16 * 256, 256), (2, 32 * 128, 128), (4, 1000, 1000)]
+    {
+        let x = data(10 + rows as u64, rows * cols);
+        let w = data(20, group);
+        let z = data(30, rows * cols);
+        for form in ["plain", "one_plus", "gated", "gated_sigmoid", "l2"] {
+            let (mut xc, mut xg) = both(&cpu, &gpu, &x, &[rows, cols]);
+            let (wc, wg) = both(&cpu, &gpu, &w, &[group]);
+            let (zc, zg) = both(&cpu, &gpu, &z, &[rows, cols]);
+            for (b, x, w, z) in [(&cpu, &mut xc, &wc, &zc), (&gpu, &mut xg, &wg, &zg)] {
+                match form {
+                    "plain" => b.rms_norm(x, w, 1e-6, false),
+                    "one_plus" => b.rms_norm(x, w, 1e-6, true),
+                    "gated" => b.rms_norm_gated(x, z, w, 1e-6),
+                    "gated_sigmoid" => b.rms_norm_gated_sigmoid(x, z, w, 1e-6),
+                    _ => b.l2_norm(x, group, 1e-6),
+                }
+            }
+            let want = host(&cpu, &xc);
+            within(&format!("{form} [{rows}, {cols}] / {group}"), &host(&gpu, &xg), &want, norm_bound(&want, group));
+        }
+    }
+    // qwen4_exp's grouped norm: groups of 128 with one weight over the whole row; LayerNorm of 1152.
+    let (rows, cols) = (3, 1024);
+    let (x, w) = (data(40, rows * cols), data(41, cols));
+    let (mut xc, mut xg) = both(&cpu, &gpu, &x, &[rows, cols]);
+    let (wc, wg) = both(&cpu, &gpu, &w, &[cols]);
+    cpu.rms_norm_grouped(&mut xc, &wc, 128, 1e-6);
+    gpu.rms_norm_grouped(&mut xg, &wg, 128, 1e-6);
+    let want = host(&cpu, &xc);
+    within("rms_norm_grouped", &host(&gpu, &xg), &want, norm_bound(&want, 128));
+    let (rows, cols) = (9, 1152);
+    let (x, w, bias) = (data(50, rows * cols), data(51, cols), data(52, cols));
+    let (mut xc, mut xg) = both(&cpu, &gpu, &x, &[rows, cols]);
+    let (wc, wg) = both(&cpu, &gpu, &w, &[cols]);
+    let (bc, bg) = both(&cpu, &gpu, &bias, &[cols]);
+    cpu.layer_norm(&mut xc, &wc, &bc, 1e-6);
+    gpu.layer_norm(&mut xg, &wg, &bg, 1e-6);
+    let want = host(&cpu, &xc);
+    // LayerNorm sums twice (mean, then variance): twice the bound, plus the bias's magnitude.
+    within("layer_norm", &host(&gpu, &xg), &want, |i| {
+        2.0 * norm_bound(&want, cols)(i) + 2.0 * U * bias[i % cols].abs()
+    });
+}
+
+#[test]
+fn linears_agree_within_the_dot_product_bound_for_every_weight_type() {
+    let (cpu, gpu) = backends();
+    // (m, n, k): decode, a few rows, a prefill chunk not a multiple of 16; k of the hidden size, of an
+    // expert's intermediate size (512), and odd for the dense types.
+    let shapes = [(1, 512, 2048), (3, 256, 512), (17, 48, 2048), (5, 40, 100)];
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::Nvfp4] {
+        for (i, &(m, n, k)) in shapes.iter().enumerate() {
+            if dtype == DType::Nvfp4 && k % 16 != 0 {
+                continue; // NVFP4 rows are whole blocks of 16
+            }
+            let w = weight(dtype, n, k, 100 + i as u64);
+            let x = data(200 + i as u64, m * k);
+            let (xc, xg) = both(&cpu, &gpu, &x, &[m, k]);
+            let (wc, wg) = (cpu.place_weight(w.clone()).expect("cpu"), gpu.place_weight(w.clone()).expect("gpu"));
+            let want = host(&cpu, &cpu.linear(&xc, &wc).expect("cpu linear"));
+            let got = host(&gpu, &gpu.linear(&xg, &wg).expect("gpu linear"));
+            // |fl(x·w) − x·w| ≤ γ_k Σ|x_i w_i| for each of the two, so they differ by at most twice that.
+            let rows: Vec<Vec<f32>> = (0..n).map(|r| row(&w, r)).collect();
+            let bound = |o: usize| {
+                let (r, c) = (o / n, o % n);
+                let mag: f32 = (0..k).map(|j| (x[r * k + j] * rows[c][j]).abs()).sum();
+                2.0 * (k as f32 * U) * mag + 1e-7
+            };
+            within(&format!("linear {dtype:?} ({m}, {n}, {k})"), &got, &want, bound);
+        }
+    }
+}
+
+#[test]
+fn embeddings_memory_ops_rotary_and_the_router_match() {
+    let (cpu, gpu) = backends();
+    // Embedding rows of each table type: exact (a widening copy).
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let table = weight(dtype, 300, 2048, 7);
+        let ids = [0u32, 299, 5, 5, 17];
+        let (tc, tg) = (cpu.place_weight(table.clone()).expect("cpu"), gpu.place_weight(table).expect("gpu"));
+        assert_eq!(host(&gpu, &gpu.embed(&tg, &ids).expect("gpu")), host(&cpu, &cpu.embed(&tc, &ids).expect("cpu")));
+    }
+    // Gathers (f32 and bf16), scatters with a repeated row (added in order), column splits, row writes
+    // into f32 and bf16 pools: exact.
+    let x = data(60, 6 * 40);
+    let (xc, xg) = both(&cpu, &gpu, &x, &[6, 40]);
+    let rows = [5, 0, 5, 2];
+    assert_eq!(
+        host(&gpu, &gpu.gather_rows(&xg, &rows).expect("g")),
+        host(&cpu, &cpu.gather_rows(&xc, &rows).expect("c"))
+    );
+    let (mut oc, mut og) = both(&cpu, &gpu, &data(61, 6 * 40), &[6, 40]);
+    let y = data(62, 3 * 40);
+    let (yc, yg) = both(&cpu, &gpu, &y, &[3, 40]);
+    cpu.scatter_add_rows(&mut oc, &[4, 1, 4], &[0.5, -2.0, 0.25], &yc);
+    gpu.scatter_add_rows(&mut og, &[4, 1, 4], &[0.5, -2.0, 0.25], &yg);
+    assert_eq!(host(&gpu, &og), host(&cpu, &oc));
+    for (heads, parts) in [(2usize, vec![8usize, 12]), (1, vec![10, 10, 20])] {
+        let (pc, pg) = (cpu.split_cols(&xc, heads, &parts).expect("c"), gpu.split_cols(&xg, heads, &parts).expect("g"));
+        for (a, b) in pc.iter().zip(&pg) {
+            assert_eq!((b.shape(), host(&gpu, b)), (a.shape(), host(&cpu, a)));
+        }
+    }
+    for dtype in [DType::F32, DType::BF16] {
+        let (mut pc, mut pg) = (cpu.zeros(dtype, &[8, 40]).expect("c"), gpu.zeros(dtype, &[8, 40]).expect("g"));
+        cpu.write_rows(&mut pc, 2 * 40, &xc, 1..4);
+        gpu.write_rows(&mut pg, 2 * 40, &xg, 1..4);
+        assert_eq!(gpu.download(&pg).expect("g"), cpu.download(&pc).expect("c"), "{dtype:?} rows");
+    }
+    let ids = [3i32, -1, 7];
+    let t = gpu.upload(HostData::I32(&ids), &[3]).expect("ids");
+    assert_eq!(gpu.download(&t).expect("ids"), osprey_backend::HostVec::I32(ids.to_vec()));
+
+    // mRoPE on 16 heads of 256 with a 64-wide rotary and the vision tower's 2-D rotary: the same
+    // products, so a few roundings apart at most (the CPU's may fuse).
+    let rope = MRope::new(256, 64, 10_000_000.0, [11, 11, 10]);
+    let positions: Vec<[i64; 3]> = (0..5).map(|t| [t, t / 2, t % 3]).collect();
+    let x = data(70, 5 * 16 * 256);
+    let (mut xc, mut xg) = both(&cpu, &gpu, &x, &[5, 16 * 256]);
+    let (tc, tg) = (cpu.rope_table(&rope, &positions).expect("c"), gpu.rope_table(&rope, &positions).expect("g"));
+    cpu.rope(&mut xc, &rope, &tc);
+    gpu.rope(&mut xg, &rope, &tg);
+    let want = host(&cpu, &xc);
+    within("rope", &host(&gpu, &xg), &want, |i| 4.0 * U * (x[i].abs() + want[i].abs()) + 1e-7);
+
+    // The router over 256 experts, top 8, renormalised or not, on decode and prefill rows.
+    for (t, renorm) in [(1, true), (9, true), (4, false)] {
+        let l = data(80 + t as u64, t * 256).iter().map(|v| v * 4.0).collect::<Vec<_>>();
+        let (lc, lg) = both(&cpu, &gpu, &l, &[t, 256]);
+        let (rc, rg) = (cpu.route(&lc, 8, renorm).expect("c"), gpu.route(&lg, 8, renorm).expect("g"));
+        assert_eq!(gpu.download(&rg.ids).expect("g"), cpu.download(&rc.ids).expect("c"), "ids, {t} rows");
+        let want = host(&cpu, &rc.weights);
+        within("router weights", &host(&gpu, &rg.weights), &want, ulps(&want, 16.0));
+    }
+}
+
+#[test]
+fn the_backend_answers_supports_truthfully_and_reports_out_of_memory() {
+    let gpu = osprey_backend_cuda::open_emulated(1 << 20);
+    for op in osprey_backend::Op::ALL {
+        let runs = !matches!(
+            op,
+            osprey_backend::Op::AttentionPaged
+                | osprey_backend::Op::AttentionBidirectional
+                | osprey_backend::Op::GatedDeltaNet
+                | osprey_backend::Op::ExpertSlots
+                | osprey_backend::Op::HyperConnections
+                | osprey_backend::Op::Ple
+                | osprey_backend::Op::AttentionSelected
+        );
+        assert_eq!(gpu.supports(*op), runs, "{op:?}");
+    }
+    let e = gpu.zeros_f32(&[1024, 1024]).expect_err("4 MiB on a 1 MiB device");
+    assert!(matches!(e, osprey_backend::BackendError::OutOfMemory { .. }), "{e}");
+    let t = gpu.zeros_f32(&[16, 16]).expect("1 KiB fits");
+    assert_eq!(gpu.describe(), "cuda-emu (emulated CUDA device, sm_80, 0.0 GiB)");
+    drop(Arc::new(t));
+}
