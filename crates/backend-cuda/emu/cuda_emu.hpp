@@ -1,7 +1,7 @@
 // The CUDA execution model for the host compiler: the same kernel bodies NVRTC compiles for a GPU run
-// here on the CPU, so every CI run checks what they compute. Each thread of a block is a fiber
-// (ucontext) on one OS thread; `__syncthreads` and `__syncwarp` suspend a fiber until every live thread
-// of its block (or warp) has arrived, and shuffles exchange values through a per-warp array between two
+// here on the CPU, so every CI run checks what they compute. Each thread of a block is a fiber (its own
+// stack, switched by saving six registers) on one OS thread; `__syncthreads` and `__syncwarp` suspend a
+// fiber until every live thread of its block (or warp) has arrived, and shuffles exchange values through a per-warp array between two
 // warp barriers. Blocks run one after another, so `__shared__` memory is a thread-local static: one
 // block's at a time. A barrier some threads never reach (divergence) and a shuffle from a lane that does
 // not exist fail the launch with a message instead of hanging or reading garbage.

@@ -1,11 +1,42 @@
-// The fiber scheduler behind cuda_emu.hpp (see its header comment).
+// The fiber scheduler behind cuda_emu.hpp (see its header comment). A context switch is six
+// callee-saved registers and the stack pointer (x86-64 System V): glibc's swapcontext also saves and
+// restores the signal mask with a system call each time, which made the emulator spend most of its time
+// in the kernel.
 #include "cuda_emu.hpp"
-
-#include <ucontext.h>
 
 #include <cstdio>
 #include <memory>
 #include <vector>
+
+#if !defined(__x86_64__)
+#error "the emulated device's context switch is written for x86-64"
+#endif
+
+// Saves the callee-saved registers on the current stack, stores its pointer in *from, and resumes the
+// context whose stack pointer is `to` (one that `emu_switch` saved, or a fresh one from `fresh_stack`).
+extern "C" void emu_switch(void** from, void* to);
+asm(R"(
+    .text
+    .globl emu_switch
+    .type emu_switch, @function
+emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch, .-emu_switch
+)");
 
 namespace emu {
 
@@ -22,14 +53,14 @@ enum class Wait { None, Block, Warp, Done };
 constexpr std::size_t kStack = 64 * 1024;
 
 struct Fiber {
-    ucontext_t ctx;
+    void* sp;  // saved stack pointer while suspended
     uint3 tid;
     Wait wait;
     unsigned gen;  // shuffles done: picks one of two exchange buffers
 };
 
 struct Sched {
-    ucontext_t main;
+    void* main;  // the scheduler's saved stack pointer
     std::vector<Fiber> fibers;
     std::vector<std::unique_ptr<char[]>> stacks;
     std::vector<uint64_t> xchg;  // [warps][2][32]
@@ -43,12 +74,25 @@ struct Sched {
 thread_local Sched* S = nullptr;
 thread_local char last[256];
 
-void yield_to_main() { swapcontext(&S->fibers[S->cur].ctx, &S->main); }
+void yield_to_main() { emu_switch(&S->fibers[S->cur].sp, S->main); }
 
-void trampoline() {
+// Where a fiber starts: runs the kernel body, then gives control back for good.
+[[noreturn]] void fiber_entry() {
     S->body(S->arg);
     S->fibers[S->cur].wait = Wait::Done;
-    // returning resumes uc_link: the scheduler
+    yield_to_main();
+    __builtin_unreachable();  // a finished fiber is never resumed
+}
+
+// A stack pointer that `emu_switch` resumes into `fiber_entry`: six zeroed registers, then the entry as
+// the return address, with the stack aligned as at a call (rsp ≡ 8 mod 16 on entry).
+void* fresh_stack(char* base, std::size_t size) {
+    auto top = reinterpret_cast<std::uintptr_t>(base + size) & ~static_cast<std::uintptr_t>(15);
+    auto* sp = reinterpret_cast<void**>(top - 64);
+    for (int i = 0; i < 6; ++i) sp[i] = nullptr;
+    sp[6] = reinterpret_cast<void*>(&fiber_entry);
+    sp[7] = nullptr;
+    return sp;
 }
 
 void fail(const char* msg) {
@@ -99,11 +143,7 @@ bool run_block(unsigned n) {
         Fiber& f = S->fibers[i];
         f.tid = uint3{i % bx, (i / bx) % by, i / (bx * by)};
         f.wait = Wait::None;
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = S->stacks[i].get();
-        f.ctx.uc_stack.ss_size = kStack;
-        f.ctx.uc_link = &S->main;
-        makecontext(&f.ctx, trampoline, 0);
+        f.sp = fresh_stack(S->stacks[i].get(), kStack);
     }
     for (;;) {
         bool ran = false, live = false;
@@ -112,7 +152,7 @@ bool run_block(unsigned n) {
             ran = true;
             S->cur = i;
             thread_idx = S->fibers[i].tid;
-            swapcontext(&S->main, &S->fibers[i].ctx);
+            emu_switch(&S->main, S->fibers[i].sp);
             if (S->failed) return false;
         }
         for (unsigned i = 0; i < n; ++i) live |= S->fibers[i].wait != Wait::Done;

@@ -1,6 +1,8 @@
 // Helpers every kernel may use, compiled by NVRTC (after prelude_gpu.cuh) and by the host compiler
 // (after emu/cuda_emu.hpp). Conversions are bit operations so that both agree to the bit.
 
+#define INFINITY_F __uint_as_float(0x7f800000u)
+
 // bf16 bits → f32 (exact).
 __device__ __forceinline__ float bf16_to_f32(uint16_t b) { return __uint_as_float(((uint32_t)b) << 16); }
 
@@ -63,4 +65,37 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return t;
 }
 
-#define INFINITY_F __uint_as_float(0x7f800000u)
+
+// Maximum over a block of `blockDim.x` threads (a multiple of 32); every thread gets it.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : -INFINITY_F;
+    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
+    __syncthreads();
+    return t;
+}
+
+// Element `d` of KV head `kvh` of pool row `prow` (f32 or bf16 pool).
+__device__ __forceinline__ float pool_at(const void* pool, int bf16, size_t prow, unsigned kv_row, unsigned kvh,
+                                         unsigned head_dim, unsigned d) {
+    const size_t i = prow * kv_row + (size_t)kvh * head_dim + d;
+    return bf16 ? bf16_to_f32(((const uint16_t*)pool)[i]) : ((const float*)pool)[i];
+}
+
+// Softmax over the scores in `s[0..len)` (scaled already) in place; returns the sum of exponentials.
+__device__ __forceinline__ float softmax_row(float* s, unsigned len, float* red) {
+    float mx = -INFINITY_F;
+    for (unsigned j = threadIdx.x; j < len; j += blockDim.x) mx = fmaxf(mx, s[j]);
+    mx = block_max(mx, red);
+    float sum = 0.0f;
+    for (unsigned j = threadIdx.x; j < len; j += blockDim.x) {
+        const float e = expf(s[j] - mx);
+        s[j] = e;
+        sum += e;
+    }
+    sum = block_sum(sum, red);  // its barriers also publish every s[j]
+    return sum;
+}

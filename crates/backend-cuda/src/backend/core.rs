@@ -5,7 +5,7 @@
 use osprey_backend::{BackendError, CoreOps, DType, HostData, MRope, MemoryOps, Result, RopeTable, Tensor};
 
 use super::{arg, u32_of, CudaBackend, CudaStorage};
-use crate::device::{Arg, LaunchConfig};
+use crate::device::{Arg, DevPtr, LaunchConfig};
 
 /// Threads for a block reducing `group` values: a multiple of 32 from 32 to 256.
 fn threads_for(group: usize) -> u32 {
@@ -53,13 +53,21 @@ impl CudaBackend {
     }
 }
 
-impl CoreOps for CudaBackend {
-    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        let Some(CudaStorage::Weight(placed)) = w.storage::<CudaStorage>() else {
-            panic!("linear over a tensor that is not a placed weight: this is a bug");
-        };
-        let (m, n, k) = (x.rows(), w.shape()[0], w.cols());
-        let wtype = match w.dtype() {
+/// A weight's device memory as the linear kernel reads it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RawWeight {
+    pub(super) data: DevPtr,
+    /// NVFP4's e4m3 scales (any pointer for the other types).
+    pub(super) scales: DevPtr,
+    pub(super) global: f32,
+    pub(super) dtype: DType,
+}
+
+impl CudaBackend {
+    /// `x [m, k] · wᵀ → [m, n]` (a placed weight, or an expert's projection in a slot).
+    pub(super) fn matmul(&self, x: &Tensor, w: RawWeight, n: usize, k: usize) -> Result<Tensor> {
+        let m = x.rows();
+        let wtype = match w.dtype {
             DType::F32 => 0,
             DType::BF16 => 1,
             DType::F16 => 2,
@@ -67,21 +75,31 @@ impl CoreOps for CudaBackend {
             other => panic!("a {other:?} weight: this is a bug"),
         };
         let out = self.empty(DType::F32, &[m, n])?;
-        let scales = placed.scales.as_ref().map_or(placed.data.ptr, |s| s.ptr);
         let args = [
             arg(x),
-            Arg::Ptr(placed.data.ptr),
-            Arg::Ptr(scales),
-            Arg::F32(placed.global),
+            Arg::Ptr(w.data),
+            Arg::Ptr(w.scales),
+            Arg::F32(w.global),
             Arg::I32(wtype),
             arg(&out),
             u32_of(m),
             u32_of(n),
             u32_of(k),
         ];
-        let cfg = LaunchConfig { grid: [n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1], block: [16, 16, 1] };
+        let cfg = LaunchConfig { grid: [n.div_ceil(16) as u32, m.div_ceil(16).max(1) as u32, 1], block: [16, 16, 1] };
         self.try_run("linear_tiled", cfg, &args)?;
         Ok(out)
+    }
+}
+
+impl CoreOps for CudaBackend {
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let Some(CudaStorage::Weight(placed)) = w.storage::<CudaStorage>() else {
+            panic!("linear over a tensor that is not a placed weight: this is a bug");
+        };
+        let scales = placed.scales.as_ref().map_or(placed.data.ptr, |s| s.ptr);
+        let weight = RawWeight { data: placed.data.ptr, scales, global: placed.global, dtype: w.dtype() };
+        self.matmul(x, weight, w.shape()[0], w.cols())
     }
 
     fn embed(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {

@@ -6,3 +6,4 @@ mod emulator;
 #[cfg(feature = "cuda")]
 mod nvrtc;
 mod ops;
+mod sequence;

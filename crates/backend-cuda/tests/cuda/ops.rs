@@ -208,21 +208,9 @@ fn embeddings_memory_ops_rotary_and_the_router_match() {
 }
 
 #[test]
-fn the_backend_answers_supports_truthfully_and_reports_out_of_memory() {
+fn the_backend_runs_every_op_and_reports_out_of_memory() {
     let gpu = osprey_backend_cuda::open_emulated(1 << 20);
-    for op in osprey_backend::Op::ALL {
-        let runs = !matches!(
-            op,
-            osprey_backend::Op::AttentionPaged
-                | osprey_backend::Op::AttentionBidirectional
-                | osprey_backend::Op::GatedDeltaNet
-                | osprey_backend::Op::ExpertSlots
-                | osprey_backend::Op::HyperConnections
-                | osprey_backend::Op::Ple
-                | osprey_backend::Op::AttentionSelected
-        );
-        assert_eq!(gpu.supports(*op), runs, "{op:?}");
-    }
+    assert!(osprey_backend::Op::ALL.iter().all(|&op| gpu.supports(op)));
     let e = gpu.zeros_f32(&[1024, 1024]).expect_err("4 MiB on a 1 MiB device");
     assert!(matches!(e, osprey_backend::BackendError::OutOfMemory { .. }), "{e}");
     let t = gpu.zeros_f32(&[16, 16]).expect("1 KiB fits");

@@ -6,6 +6,7 @@
 mod common;
 
 mod backend_seam;
+mod cuda_emu;
 mod fences;
 mod kv_dtype;
 mod moe_overlap;

@@ -38,10 +38,18 @@ fn prefill(m: &dyn CausalLm, st: &mut SeqState, tokens: &[u32], logits: LogitsWa
     out.logits.remove(0)
 }
 
+/// A fixture model on some backend.
+pub type Loader = fn(&str) -> osprey_models::Model;
+
 #[test]
 fn hidden_states_and_logits_match_transformers() {
+    hidden_states_and_logits(model);
+}
+
+/// Layer-by-layer hidden states and all prompt logits against transformers, for models from `load`.
+pub fn hidden_states_and_logits(load: Loader) {
     for (dir, refset) in MODELS {
-        let m = model(dir);
+        let m = load(dir);
         for case in CASES {
             let r = Ref::load(refset, case);
             let ids = r.ids("input_ids");
@@ -65,8 +73,13 @@ fn hidden_states_and_logits_match_transformers() {
 
 #[test]
 fn teacher_forced_decode_matches_reference_steps() {
+    teacher_forced_decode(model);
+}
+
+/// Teacher-forced decode logits against transformers' steps, for models from `load`.
+pub fn teacher_forced_decode(load: Loader) {
     for (dir, refset) in MODELS {
-        let m = model(dir);
+        let m = load(dir);
         for case in CASES {
             let r = Ref::load(refset, case);
             let (ids, gen) = (r.ids("input_ids"), r.ids("generated_ids"));
@@ -85,8 +98,13 @@ fn teacher_forced_decode_matches_reference_steps() {
 
 #[test]
 fn chunked_prefill_matches_reference_and_one_shot() {
+    chunked_prefill(model);
+}
+
+/// Chunked prefill against transformers and against one shot, for models from `load`.
+pub fn chunked_prefill(load: Loader) {
     for (dir, refset) in MODELS {
-        let m = model(dir);
+        let m = load(dir);
         for case in CASES {
             let r = Ref::load(refset, case);
             let ids = r.ids("input_ids");
@@ -161,8 +179,13 @@ fn mixed_batch_gives_the_same_logits_as_each_sequence_alone() {
 
 #[test]
 fn snapshot_and_restore_continue_exactly() {
+    snapshot_and_restore(model);
+}
+
+/// A restored host snapshot continues bit for bit, for models from `load`.
+pub fn snapshot_and_restore(load: Loader) {
     for (dir, refset) in MODELS {
-        let m = model(dir);
+        let m = load(dir);
         let ids = Ref::load(refset, "long").ids("input_ids");
         let (prefix, x, y) = (&ids[..70], &ids[70..90], &ids[150..170]);
         let mut st = m.new_state();

@@ -23,8 +23,13 @@ fn prefill(m: &dyn CausalLm, st: &mut SeqState, tokens: &[u32], logits: LogitsWa
 
 #[test]
 fn hidden_streams_and_logits_match_transformers() {
+    hidden_streams_and_logits(model);
+}
+
+/// Free-running hidden streams and all prompt logits against transformers, for models from `load`.
+pub fn hidden_streams_and_logits(load: crate::parity::Loader) {
     for name in MODELS {
-        let m = model(name);
+        let m = load(name);
         for case in CASES {
             let r = Ref::load(name, case);
             let ids = r.ids("input_ids");
@@ -48,8 +53,13 @@ fn hidden_streams_and_logits_match_transformers() {
 
 #[test]
 fn teacher_forced_decode_matches_reference_steps() {
+    teacher_forced_decode(model);
+}
+
+/// Teacher-forced decode logits against transformers' steps, for models from `load`.
+pub fn teacher_forced_decode(load: crate::parity::Loader) {
     for name in MODELS {
-        let m = model(name);
+        let m = load(name);
         for case in CASES {
             let r = Ref::load(name, case);
             let (ids, gen, steps) = (r.ids("input_ids"), r.ids("generated_ids"), r.f32s("step_logits"));
@@ -66,8 +76,13 @@ fn teacher_forced_decode_matches_reference_steps() {
 
 #[test]
 fn chunked_prefill_matches_reference_and_one_shot() {
+    chunked_prefill(model);
+}
+
+/// Chunked prefill against transformers and one shot, for models from `load`.
+pub fn chunked_prefill(load: crate::parity::Loader) {
     for name in MODELS {
-        let m = model(name);
+        let m = load(name);
         for case in CASES {
             let r = Ref::load(name, case);
             let ids = r.ids("input_ids");

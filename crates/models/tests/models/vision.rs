@@ -121,8 +121,16 @@ fn tower_rows(tower: &VisionTower, case: &Ref) -> (Vec<f32>, Vec<f32>) {
 
 #[test]
 fn vision_tower_matches_transformers() {
+    vision_tower(common::tower);
+}
+
+/// A vision tower on some backend.
+pub type TowerLoader = fn(&str) -> VisionTower;
+
+/// Image and video embeddings against transformers, for towers from `load`.
+pub fn vision_tower(load: TowerLoader) {
     for m in MODELS {
-        let tower = common::tower(m);
+        let tower = load(m);
         for case in CASES {
             let r = Ref::load(m, case);
             let (img, vid) = tower_rows(&tower, &r);
@@ -200,9 +208,15 @@ fn feed(m: &dyn CausalLm, st: &mut SeqState, c: &Case, start: usize, end: usize,
 
 #[test]
 fn positions_and_multimodal_logits_match_transformers() {
+    positions_and_multimodal_logits(model, common::tower);
+}
+
+/// Positions, teacher-forced hidden states and logits with media against transformers, for models and
+/// towers from the loaders.
+pub fn positions_and_multimodal_logits(load: crate::parity::Loader, load_tower: TowerLoader) {
     for name in MODELS {
-        let m = model(name);
-        let tower = common::tower(name);
+        let m = load(name);
+        let tower = load_tower(name);
         let v = m.info().vocab_size;
         for case in CASES {
             let r = Ref::load(name, case);

@@ -1,0 +1,68 @@
+// Gated DeltaNet: the causal conv, the gates, and the delta rule. Each in the CPU's order of
+// operations per output element, so decode (the recurrent form) agrees with the CPU to the bit.
+
+// Depthwise causal conv (`w [c, kernel]`) then silu over `n` rows from `row0` of `x`, from and
+// advancing `state` (the last `kernel − 1` inputs, `[kernel − 1, c]`). One thread per channel.
+// budget: 40 registers
+extern "C" __global__ void causal_conv_silu(const float* __restrict__ x, unsigned row0, unsigned n, unsigned c,
+                                            const float* __restrict__ w, unsigned kernel, float* __restrict__ state,
+                                            float* __restrict__ out) {
+    const unsigned hist = kernel - 1;
+    for (unsigned ch = blockIdx.x * blockDim.x + threadIdx.x; ch < c; ch += gridDim.x * blockDim.x) {
+        // Row r of [state; x].
+#define PADDED(r) ((r) < hist ? state[(size_t)(r) * c + ch] : x[(size_t)(row0 + (r) - hist) * c + ch])
+        for (unsigned t = 0; t < n; ++t) {
+            float o = 0.0f;
+            for (unsigned j = 0; j < kernel; ++j) o += w[(size_t)ch * kernel + j] * PADDED(t + j);
+            out[(size_t)t * c + ch] = silu_f(o);
+        }
+        // The new state: the last `hist` rows of [state; x] (kernels up to 8 wide).
+        float next[8];
+        for (unsigned r = 0; r < hist && r < 8; ++r) next[r] = PADDED(n + r);
+        for (unsigned r = 0; r < hist && r < 8; ++r) state[(size_t)r * c + ch] = next[r];
+#undef PADDED
+    }
+}
+
+// β = sigmoid(b), g = neg_a · softplus(a + dt_bias) for `n` rows from `row0` of `[·, nv]` inputs.
+// budget: 32 registers
+extern "C" __global__ void delta_gates(const float* __restrict__ a, const float* __restrict__ b, unsigned row0, unsigned n,
+                                       unsigned nv, const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
+                                       float* __restrict__ beta, float* __restrict__ g) {
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n * nv; i += gridDim.x * blockDim.x) {
+        const unsigned h = i % nv;
+        const size_t src = (size_t)row0 * nv + i;
+        beta[i] = sigmoid_f(b[src]);
+        const float x = a[src] + dt_bias[h];
+        g[i] = neg_a[h] * (x > 20.0f ? x : log1pf(expf(x)));
+    }
+}
+
+// The gated delta rule token by token over `n` tokens, advancing `state [nv, dk, dv]`: one block per
+// value head, one thread per state column `j` (columns are independent), `out [n, nv, dv]`.
+// budget: 40 registers
+extern "C" __global__ void gated_delta_recurrent(const float* __restrict__ q, const float* __restrict__ k,
+                                                 const float* __restrict__ v, const float* __restrict__ g,
+                                                 const float* __restrict__ beta, float* __restrict__ state,
+                                                 float* __restrict__ out, unsigned n, unsigned nk, unsigned nv,
+                                                 unsigned dk, unsigned dv) {
+    const unsigned h = blockIdx.x, kh = h / (nv / nk);
+    float* st = state + (size_t)h * dk * dv;
+    for (unsigned j = threadIdx.x; j < dv; j += blockDim.x) {
+        for (unsigned t = 0; t < n; ++t) {
+            const float* qt = q + ((size_t)t * nk + kh) * dk;
+            const float* kt = k + ((size_t)t * nk + kh) * dk;
+            const float decay = expf(g[(size_t)t * nv + h]);
+            for (unsigned i = 0; i < dk; ++i) st[(size_t)i * dv + j] *= decay;
+            float delta = v[((size_t)t * nv + h) * dv + j];
+            for (unsigned i = 0; i < dk; ++i) delta -= st[(size_t)i * dv + j] * kt[i];
+            delta *= beta[(size_t)t * nv + h];
+            float o = 0.0f;
+            for (unsigned i = 0; i < dk; ++i) {
+                st[(size_t)i * dv + j] += kt[i] * delta;
+                o += st[(size_t)i * dv + j] * qt[i];
+            }
+            out[((size_t)t * nv + h) * dv + j] = o;
+        }
+    }
+}

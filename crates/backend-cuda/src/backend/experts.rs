@@ -1,0 +1,182 @@
+//! The router and routed experts on the device. A layer's pool is one device allocation of `slots`
+//! fixed-stride slots, each `[gate | up | down]` (NVFP4: each projection's codes, then its scales); an
+//! upload copies the host expert's bytes into its slot. `moe_routed` reads the wave's slot ids back (one
+//! small sync per wave: the first, host-driven version of GPU.md's plan), then runs each referenced slot
+//! on all of its tokens — gather, gate and up, SwiGLU, down — and writes the weighted rows into their
+//! entries of `partials`, slot by slot in ascending order as the CPU does.
+
+use std::collections::BTreeMap;
+
+use osprey_backend::{
+    BackendError, DType, ExpertOps, ExpertPool, ExpertShape, Fence, HostData, HostExpert, HostMatrix, HostVec,
+    MemoryOps, Result, Routing, Tensor, WeightView,
+};
+
+use super::core::RawWeight;
+use super::{arg, seam_error, u32_of, Buf, CudaBackend};
+use crate::device::{Arg, LaunchConfig};
+
+/// Where one projection sits in a slot.
+#[derive(Clone, Copy, Debug)]
+struct Part {
+    rows: usize,
+    cols: usize,
+    data: usize,
+    scales: usize,
+}
+
+/// A layer's slots on the device, and each slot's three global scales (NVFP4; 1 otherwise).
+#[derive(Debug)]
+struct CudaPool {
+    mem: Buf,
+    stride: usize,
+    parts: [Part; 3],
+    globals: Vec<[f32; 3]>,
+}
+
+/// Bytes of a `rows × cols` projection of `dtype`: (codes or elements, scales).
+fn sizes(dtype: DType, rows: usize, cols: usize) -> (usize, usize) {
+    match dtype {
+        DType::Nvfp4 => (rows * cols / 2, rows * cols / 16),
+        other => (rows * cols * other.size(), 0),
+    }
+}
+
+/// The slot layout of `shape`: gate and up `[inter, hidden]`, down `[hidden, inter]`.
+fn layout(shape: ExpertShape) -> ([Part; 3], usize) {
+    let mut at = 0;
+    let dims = [(shape.inter, shape.hidden), (shape.inter, shape.hidden), (shape.hidden, shape.inter)];
+    let parts = dims.map(|(rows, cols)| {
+        let (d, s) = sizes(shape.dtype, rows, cols);
+        let part = Part { rows, cols, data: at, scales: at + d };
+        at += (d + s).div_ceil(16) * 16; // 16-byte aligned projections
+        part
+    });
+    (parts, at)
+}
+
+/// A host projection's bytes: (elements or codes, scales, global scale).
+fn host_bytes(m: &dyn HostMatrix) -> (Vec<u8>, &[u8], f32) {
+    let le = |v: &[u16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    match m.view() {
+        WeightView::F32(v) => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), &[], 1.0),
+        WeightView::Bf16(v) | WeightView::F16(v) => (le(v), &[], 1.0),
+        WeightView::Nvfp4 { packed, scales, global } => (packed.to_vec(), scales, global),
+    }
+}
+
+impl CudaBackend {
+    /// One projection of slot `slot` as the linear kernel reads it.
+    fn part(&self, pool: &CudaPool, dtype: DType, slot: usize, which: usize, g: f32) -> RawWeight {
+        let base = pool.mem.ptr.offset(slot * pool.stride);
+        let p = pool.parts[which];
+        RawWeight { data: base.offset(p.data), scales: base.offset(p.scales), global: g, dtype }
+    }
+}
+
+impl ExpertOps for CudaBackend {
+    fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing> {
+        let (rows, experts) = (logits.rows(), logits.cols());
+        let ids = self.empty(DType::I32, &[rows, k])?;
+        let weights = self.empty(DType::F32, &[rows, k])?;
+        let args = [
+            arg(logits),
+            arg(&ids),
+            arg(&weights),
+            u32_of(rows),
+            u32_of(experts),
+            u32_of(k),
+            Arg::I32(i32::from(renorm)),
+        ];
+        let cfg = LaunchConfig { grid: [rows.div_ceil(64).max(1) as u32, 1, 1], block: [64, 1, 1] };
+        self.try_run("route_topk", cfg, &args)?;
+        Ok(Routing { ids, weights })
+    }
+
+    fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {
+        let (parts, stride) = layout(shape);
+        let mem = self.buf(stride * slots.max(1))?;
+        let pool = CudaPool { mem, stride, parts, globals: vec![[1.0; 3]; slots] };
+        Ok(ExpertPool::new(layer, shape, slots, Box::new(pool)))
+    }
+
+    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
+        let key = expert.key;
+        let dev = self.dev.clone();
+        let cuda =
+            pool.storage_mut::<CudaPool>().ok_or_else(|| BackendError::Slot("a pool of another backend".into()))?;
+        if slot >= cuda.globals.len() {
+            return Err(BackendError::Slot(format!("slot {slot} out of the pool")));
+        }
+        let base = cuda.mem.ptr.offset(slot * cuda.stride);
+        for (i, m) in [&expert.gate, &expert.up, &expert.down].into_iter().enumerate() {
+            let p = cuda.parts[i];
+            if (m.rows(), m.cols()) != (p.rows, p.cols) {
+                return Err(BackendError::Slot(format!(
+                    "an expert projection of {}×{} for a {}×{} slot",
+                    m.rows(),
+                    m.cols(),
+                    p.rows,
+                    p.cols
+                )));
+            }
+            let (data, scales, global) = host_bytes(m.as_ref());
+            dev.upload(base.offset(p.data), &data).map_err(seam_error)?;
+            if !scales.is_empty() {
+                dev.upload(base.offset(p.scales), scales).map_err(seam_error)?;
+            }
+            cuda.globals[slot][i] = global;
+        }
+        pool.set_key(slot, key);
+        // Copies from pageable host memory return once staged: the lease may end with this call.
+        drop(expert);
+        Ok(Fence(self.dev.record().0))
+    }
+
+    fn moe_routed(
+        &self,
+        x: &Tensor,
+        slots: &Tensor,
+        weights: &Tensor,
+        pool: &ExpertPool,
+        partials: &mut Tensor,
+    ) -> Result<()> {
+        let HostVec::I32(ids) = self.download(slots)? else {
+            return Err(BackendError::DType { expected: DType::I32, got: slots.dtype() });
+        };
+        let cuda = pool.storage::<CudaPool>().ok_or_else(|| BackendError::Slot("a pool of another backend".into()))?;
+        let (k, h, dtype) = (slots.cols(), x.cols(), pool.shape.dtype);
+        let mut by_slot: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for (entry, &s) in ids.iter().enumerate() {
+            if s >= 0 {
+                by_slot.entry(s as usize).or_default().push(entry);
+            }
+        }
+        for (slot, entries) in by_slot {
+            if pool.key(slot).is_none() {
+                return Err(BackendError::Slot(format!("slot {slot} of layer {}'s pool read while empty", pool.layer)));
+            }
+            let rows: Vec<usize> = entries.iter().map(|&en| en / k).collect();
+            let xs = self.gather_rows(x, &rows)?;
+            let [gg, gu, gd] = cuda.globals[slot];
+            let (inter, hidden) = (pool.shape.inter, pool.shape.hidden);
+            let mut gate = self.matmul(&xs, self.part(cuda, dtype, slot, 0, gg), inter, hidden)?;
+            let up = self.matmul(&xs, self.part(cuda, dtype, slot, 1, gu), inter, hidden)?;
+            osprey_backend::CoreOps::silu_mul(self, &mut gate, &up);
+            let d = self.matmul(&gate, self.part(cuda, dtype, slot, 2, gd), hidden, inter)?;
+            let en: Vec<i32> = entries.iter().map(|&e| e as i32).collect();
+            let en = self.upload(HostData::I32(&en), &[en.len()])?;
+            let args = [arg(partials), arg(&en), arg(weights), arg(&d), u32_of(entries.len()), u32_of(h)];
+            self.try_run("moe_scatter_rows", LaunchConfig::elements(entries.len() * h), &args)?;
+        }
+        Ok(())
+    }
+
+    fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {
+        let (h, t) = (partials.cols(), partials.rows() / k);
+        let out = self.empty(DType::F32, &[t, h])?;
+        let args = [arg(partials), arg(&out), u32_of(t), u32_of(k), u32_of(h)];
+        self.try_run("moe_combine", LaunchConfig::elements(t * h), &args)?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,78 @@
+//! Gated DeltaNet on the device (`kernels/recurrent.cu`). The delta rule runs token by token for prefill
+//! as for decode: the same answer as the CPU's chunked form within its own chunked-vs-recurrent bound,
+//! and the CPU's recurrent form to the bit. A chunked (UT/WY) kernel is the later, faster prefill.
+
+use std::ops::Range;
+
+use osprey_backend::{DType, GdnShape, RecurrentOps, Result, Tensor};
+
+use super::{arg, u32_of, CudaBackend};
+use crate::device::LaunchConfig;
+
+impl RecurrentOps for CudaBackend {
+    fn causal_conv_silu(
+        &self,
+        x: &Tensor,
+        rows: Range<usize>,
+        w: &Tensor,
+        kernel: usize,
+        state: &mut Tensor,
+    ) -> Result<Tensor> {
+        assert!((2..=9).contains(&kernel), "conv kernels of 2 to 9 taps: this is a bug");
+        let c = x.cols();
+        let out = self.empty(DType::F32, &[rows.len(), c])?;
+        let args =
+            [arg(x), u32_of(rows.start), u32_of(rows.len()), u32_of(c), arg(w), u32_of(kernel), arg(state), arg(&out)];
+        self.try_run("causal_conv_silu", LaunchConfig::elements(c), &args)?;
+        Ok(out)
+    }
+
+    fn delta_gates(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        rows: Range<usize>,
+        neg_a: &Tensor,
+        dt_bias: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (n, nv) = (rows.len(), a.cols());
+        let beta = self.empty(DType::F32, &[n, nv])?;
+        let g = self.empty(DType::F32, &[n, nv])?;
+        let args =
+            [arg(a), arg(b), u32_of(rows.start), u32_of(n), u32_of(nv), arg(neg_a), arg(dt_bias), arg(&beta), arg(&g)];
+        self.try_run("delta_gates", LaunchConfig::elements(n * nv), &args)?;
+        Ok((beta, g))
+    }
+
+    fn gated_delta(
+        &self,
+        shape: GdnShape,
+        _recurrent: bool,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        state: &mut Tensor,
+    ) -> Result<Tensor> {
+        let n = q.rows();
+        let out = self.empty(DType::F32, &[n, shape.nv * shape.dv])?;
+        let args = [
+            arg(q),
+            arg(k),
+            arg(v),
+            arg(g),
+            arg(beta),
+            arg(state),
+            arg(&out),
+            u32_of(n),
+            u32_of(shape.nk),
+            u32_of(shape.nv),
+            u32_of(shape.dk),
+            u32_of(shape.dv),
+        ];
+        let cfg = LaunchConfig::per_group(shape.nv, (shape.dv.div_ceil(32) * 32).min(1024) as u32);
+        self.try_run("gated_delta_recurrent", cfg, &args)?;
+        Ok(out)
+    }
+}

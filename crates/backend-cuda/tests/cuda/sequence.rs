@@ -1,0 +1,208 @@
+//! The ops that carry a sequence — paged attention, bidirectional attention, Gated DeltaNet, routed
+//! experts in slots — on the emulated device against the CPU backend, on Qwen3.5-35B-A3B's shapes (16
+//! query / 2 KV heads of 256, GDN 16 key / 32 value heads of 128, conv 4) and the edge cases: partial
+//! pages, a page table out of order, a bf16 pool, one token, a prefill that is not a multiple of the
+//! CPU's 64-token chunk, a wave with no expert, a slot reused.
+
+use std::sync::Arc;
+
+use osprey_backend::{
+    AttnShape, BackendRef, DType, ExpertKey, ExpertShape, GdnShape, HostData, HostExpert, PagedView, Tensor,
+};
+
+use crate::common::{backends, data, weight, within, U};
+
+fn both(cpu: &BackendRef, gpu: &BackendRef, v: &[f32], shape: &[usize]) -> (Tensor, Tensor) {
+    (cpu.upload_f32(v, shape).expect("cpu"), gpu.upload_f32(v, shape).expect("gpu"))
+}
+
+fn host(b: &BackendRef, t: &Tensor) -> Vec<f32> {
+    b.download_f32(t).expect("download")
+}
+
+/// Attention of `n` rows after `past` tokens over a pool of `pages` pages of 16 (pages used in the order
+/// `table`), with f32 or bf16 K/V.
+fn paged_case(n: usize, past: usize, dtype: DType) {
+    let (cpu, gpu) = backends();
+    let s = AttnShape { heads: 16, kv_heads: 2, head_dim: 256 };
+    let (ps, row) = (16, s.kv_heads * s.head_dim);
+    let pages = (past + n).div_ceil(ps);
+    let table: Vec<i32> = (0..pages as i32).rev().map(|p| p + 1).collect(); // out of order, page 0 unused
+    let pool_rows = (pages + 1) * 2 * ps;
+    let kv = data(300 + n as u64, pool_rows * row);
+    let q = data(301, n * s.heads * s.head_dim);
+    let mut outs = Vec::new();
+    for b in [&cpu, &gpu] {
+        let mut pool = b.zeros(dtype, &[pool_rows, row]).expect("pool");
+        let src = b.upload_f32(&kv, &[pool_rows, row]).expect("kv");
+        b.write_rows(&mut pool, 0, &src, 0..pool_rows);
+        let t = b.upload(HostData::I32(&table), &[pages]).expect("table");
+        let qt = b.upload_f32(&q, &[n, s.heads * s.head_dim]).expect("q");
+        let mut out = b.zeros_f32(&[n, s.heads * s.head_dim]).expect("out");
+        let view = PagedView { pool: &pool, table: &t, page_size: ps };
+        b.attention_paged(&qt, 0..n, view, past, s, 1.0 / 16.0, &mut out);
+        outs.push(host(b, &out));
+    }
+    // Each score is within γ_d·scale·Σ|q·k| ≤ 256·u·(1/16)·256 of the CPU's; softmax moves an output by at
+    // most twice the largest score error times max|v| (≤ 1), plus γ_T of the weighted sum.
+    let bound = 2.0 * (256.0 * U * 16.0) + (past + n) as f32 * U + 1e-6;
+    within(&format!("attention_paged n={n} past={past} {dtype:?}"), &outs[1], &outs[0], |_| bound);
+}
+
+#[test]
+fn paged_attention_matches_on_partial_pages_gqa_and_a_bf16_pool() {
+    paged_case(1, 0, DType::F32); // the first token
+    paged_case(1, 37, DType::F32); // decode into a partial third page
+    paged_case(70, 0, DType::F32); // a prefill longer than the CPU's GEMM threshold
+    paged_case(5, 21, DType::BF16); // a chunk after a prefix, half-size KV
+}
+
+#[test]
+fn bidirectional_attention_matches_the_vision_shapes() {
+    let (cpu, gpu) = backends();
+    let s = AttnShape { heads: 16, kv_heads: 16, head_dim: 72 }; // the vision tower: 1152 = 16 × 72
+    let (total, rows) = (40, 8..35);
+    let (q, k, v) = (data(310, total * 1152), data(311, total * 1152), data(312, total * 1152));
+    let mut outs = Vec::new();
+    for b in [&cpu, &gpu] {
+        let (qt, kt, vt) = (
+            b.upload_f32(&q, &[total, 1152]).expect("q"),
+            b.upload_f32(&k, &[total, 1152]).expect("k"),
+            b.upload_f32(&v, &[total, 1152]).expect("v"),
+        );
+        let mut out = b.zeros_f32(&[total, 1152]).expect("out");
+        b.attention_bidirectional(&qt, &kt, &vt, rows.clone(), s, 1.0 / 72f32.sqrt(), &mut out);
+        outs.push(host(b, &out));
+    }
+    let bound = 2.0 * (72.0 * U * 72.0 / 72f32.sqrt()) + 27.0 * U + 1e-6;
+    within("attention_bidirectional", &outs[1], &outs[0], |_| bound);
+}
+
+#[test]
+fn gated_deltanet_decodes_to_the_bit_and_prefills_within_the_chunked_bound() {
+    let (cpu, gpu) = backends();
+    let s = GdnShape { nk: 16, nv: 32, dk: 128, dv: 128 };
+    let (c, kernel) = (8192, 4);
+    for n in [1usize, 3, 70] {
+        // Conv over rows 2..2+n of a batch, from a carried state: exact (the same sums in the same order).
+        let x = data(400 + n as u64, (n + 2) * c);
+        let (w, st0) = (data(401, c * kernel), data(402, (kernel - 1) * c));
+        let (xc, xg) = both(&cpu, &gpu, &x, &[n + 2, c]);
+        let (wc, wg) = both(&cpu, &gpu, &w, &[c, kernel]);
+        let (mut sc, mut sg) = both(&cpu, &gpu, &st0, &[kernel - 1, c]);
+        let oc = cpu.causal_conv_silu(&xc, 2..2 + n, &wc, kernel, &mut sc).expect("cpu");
+        let og = gpu.causal_conv_silu(&xg, 2..2 + n, &wg, kernel, &mut sg).expect("gpu");
+        assert_eq!((host(&gpu, &og), host(&gpu, &sg)), (host(&cpu, &oc), host(&cpu, &sc)), "conv, n={n}");
+
+        // Gates: the same formulas (two libms' exp and log1p).
+        let (a, bb) = (data(410, (n + 1) * s.nv), data(411, (n + 1) * s.nv));
+        let (na, dt) = (data(412, s.nv), data(413, s.nv));
+        let t = |v: &[f32], sh: &[usize]| both(&cpu, &gpu, v, sh);
+        let ((ac, ag), (bc, bg), (nac, nag), (dtc, dtg)) =
+            (t(&a, &[n + 1, s.nv]), t(&bb, &[n + 1, s.nv]), t(&na, &[s.nv]), t(&dt, &[s.nv]));
+        let (betac, gc) = cpu.delta_gates(&ac, &bc, 1..1 + n, &nac, &dtc).expect("cpu");
+        let (betag, gg) = gpu.delta_gates(&ag, &bg, 1..1 + n, &nag, &dtg).expect("gpu");
+        for (what, g, c) in [("beta", &betag, &betac), ("g", &gg, &gc)] {
+            let want = host(&cpu, c);
+            within(what, &host(&gpu, g), &want, |i| 8.0 * U * want[i].abs() + 1e-30);
+        }
+
+        // The delta rule from a carried state, q and k L2-normalised as the layer does.
+        let unit = |seed: u64, heads: usize, d: usize| {
+            let mut v = data(seed, n * heads * d);
+            for h in v.chunks_mut(d) {
+                let r = 1.0 / h.iter().map(|x| x * x).sum::<f32>().sqrt();
+                h.iter_mut().for_each(|x| *x *= r);
+            }
+            v
+        };
+        let (q, k, v) = (unit(420, s.nk, s.dk), unit(421, s.nk, s.dk), data(422, n * s.nv * s.dv));
+        let g: Vec<f32> = data(423, n * s.nv).iter().map(|x| -0.5 * x.abs()).collect();
+        let beta: Vec<f32> = data(424, n * s.nv).iter().map(|x| 0.5 + 0.4 * x).collect();
+        let st = data(425, s.state_len()).iter().map(|x| 0.1 * x).collect::<Vec<_>>();
+        let run = |b: &BackendRef, recurrent: bool| {
+            let up = |v: &[f32], sh: &[usize]| b.upload_f32(v, sh).expect("upload");
+            let mut state = up(&st, &[s.state_len()]);
+            let o = b
+                .gated_delta(
+                    s,
+                    recurrent,
+                    &up(&q, &[n, s.nk * s.dk]),
+                    &up(&k, &[n, s.nk * s.dk]),
+                    &up(&v, &[n, s.nv * s.dv]),
+                    &up(&g, &[n, s.nv]),
+                    &up(&beta, &[n, s.nv]),
+                    &mut state,
+                )
+                .expect("delta rule");
+            (host(b, &o), host(b, &state))
+        };
+        // The recurrent form is the CPU's, operation for operation: bit-identical.
+        assert_eq!(run(&gpu, true), run(&cpu, true), "recurrent, n={n}");
+        // Prefill: the device runs the recurrent form; the CPU's chunked form agrees with its recurrent
+        // one within 2e-5 (its own test, crates/kernels/src/gdn.rs), so the device does too.
+        let ((og, sg), (oc, sc)) = (run(&gpu, false), run(&cpu, false));
+        within(&format!("delta rule out, n={n}"), &og, &oc, |_| 2e-5);
+        within(&format!("delta rule state, n={n}"), &sg, &sc, |_| 2e-5);
+    }
+}
+
+/// One wave: the (slot, expert) uploads before it, then its `[T, k]` slot ids.
+type Wave = (Vec<(usize, u32)>, Vec<i32>);
+
+fn expert(dtype: DType, e: u32, shape: ExpertShape) -> HostExpert {
+    let (h, i) = (shape.hidden, shape.inter);
+    HostExpert {
+        key: ExpertKey { layer: 0, expert: e },
+        gate: weight(dtype, i, h, 500 + u64::from(e)),
+        up: weight(dtype, i, h, 600 + u64::from(e)),
+        down: weight(dtype, h, i, 700 + u64::from(e)),
+        lease: None,
+    }
+}
+
+#[test]
+fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wave() {
+    let (cpu, gpu) = backends();
+    for dtype in [DType::BF16, DType::Nvfp4] {
+        let shape = ExpertShape { hidden: 256, inter: 64, dtype };
+        let (t, k) = (5, 3);
+        let x = data(800, t * shape.hidden);
+        let w = data(801, t * k).iter().map(|v| v.abs()).collect::<Vec<_>>();
+        // Two waves over two slots: slot 1 reused for another expert in the second; a third wave empty.
+        let waves: [Wave; 3] = [
+            (vec![(0, 3), (1, 9)], vec![0, 1, -1, -1, 0, -1, 1, -1, -1, 0, 1, -1, -1, -1, 0]),
+            (vec![(1, 4)], vec![-1, -1, 1, 1, -1, -1, -1, 1, -1, -1, -1, 1, 1, -1, -1]),
+            (vec![], vec![-1; 15]),
+        ];
+        let mut outs = Vec::new();
+        for b in [&cpu, &gpu] {
+            let mut pool = b.alloc_expert_pool(0, 2, shape).expect("pool");
+            let xt = b.upload_f32(&x, &[t, shape.hidden]).expect("x");
+            let wt = b.upload_f32(&w, &[t, k]).expect("w");
+            let mut partials = b.zeros_f32(&[t * k, shape.hidden]).expect("partials");
+            for (uploads, slots) in &waves {
+                for &(slot, e) in uploads {
+                    let f = b.upload_expert(&mut pool, slot, expert(dtype, e, shape)).expect("upload");
+                    b.wait_fence(f).expect("fence");
+                }
+                let st = b.upload(HostData::I32(slots), &[t, k]).expect("slots");
+                b.moe_routed(&xt, &st, &wt, &pool, &mut partials).expect("wave");
+            }
+            outs.push(host(b, &b.moe_combine(&partials, k).expect("combine")));
+        }
+        // A chain of dot products of lengths 256 (gate, up) and 64 (down): norm-wise, each output moves by
+        // at most γ_256 + γ_64 of the largest magnitude in play, for each of the two backends.
+        let max = outs[0].iter().fold(0f32, |m, v| m.max(v.abs()));
+        let bound = 2.0 * (256.0 + 64.0) * U * max;
+        within(&format!("moe {dtype:?}"), &outs[1], &outs[0], |_| bound);
+    }
+    // A slot read while empty is an error, not garbage.
+    let shape = ExpertShape { hidden: 32, inter: 16, dtype: DType::F32 };
+    let pool = gpu.alloc_expert_pool(0, 1, shape).expect("pool");
+    let x = gpu.zeros_f32(&[1, 32]).expect("x");
+    let (st, wt) = (gpu.upload(HostData::I32(&[0]), &[1, 1]).expect("s"), gpu.upload_f32(&[1.0], &[1, 1]).expect("w"));
+    let mut p = gpu.zeros_f32(&[1, 32]).expect("p");
+    assert!(gpu.moe_routed(&x, &st, &wt, &pool, &mut p).is_err());
+    drop(Arc::new(()));
+}

@@ -1,0 +1,63 @@
+//! The transformers parity fixtures of every family on the CUDA backend's emulated device (`--device
+//! cuda-emu`) — Qwen3.5 dense and MoE, `qwen4_exp`, the vision towers with images and video: the same
+//! tests, the same tolerance (`parity.rs`: `ATOL = 1e-4`, our kernels summing in other orders), the
+//! CUDA kernels compiled for the host instead of the CPU backend's. What a GPU would compute, minus the
+//! hardware: a model that passes here fails on a GPU only through the device layer or the hardware.
+
+use crate::common::fixtures;
+use crate::{parity, qwen4_exp, vision};
+
+/// A fixture model on the CUDA backend's emulated device (the CUDA kernels, compiled for the host).
+fn model_on_cuda_emu(name: &str) -> osprey_models::Model {
+    osprey_models::load_on(&fixtures().join("models").join(name), osprey_backend_cuda::open_emulated(4 << 30))
+        .expect("load model on cuda-emu")
+}
+
+/// The vision tower of fixture model `name` on the CUDA backend's emulated device.
+fn tower_on_cuda_emu(name: &str) -> osprey_models::vision::VisionTower {
+    let dir = fixtures().join("models").join(name);
+    osprey_models::vision::VisionTower::from_dir(&dir, osprey_backend_cuda::open_emulated(4 << 30))
+        .expect("load the tower on cuda-emu")
+        .expect("the model has a vision tower")
+}
+
+#[test]
+fn cuda_emu_hidden_states_and_logits_match_transformers() {
+    parity::hidden_states_and_logits(model_on_cuda_emu);
+}
+
+#[test]
+fn cuda_emu_teacher_forced_decode_matches_reference_steps() {
+    parity::teacher_forced_decode(model_on_cuda_emu);
+}
+
+#[test]
+fn cuda_emu_chunked_prefill_matches_reference_and_one_shot() {
+    parity::chunked_prefill(model_on_cuda_emu);
+}
+
+#[test]
+fn cuda_emu_snapshot_and_restore_continue_exactly() {
+    parity::snapshot_and_restore(model_on_cuda_emu);
+}
+
+#[test]
+fn cuda_emu_qwen4_exp_streams_and_logits_match_transformers() {
+    qwen4_exp::hidden_streams_and_logits(model_on_cuda_emu);
+    qwen4_exp::teacher_forced_decode(model_on_cuda_emu);
+}
+
+#[test]
+fn cuda_emu_qwen4_exp_chunked_prefill_matches_reference_and_one_shot() {
+    qwen4_exp::chunked_prefill(model_on_cuda_emu);
+}
+
+#[test]
+fn cuda_emu_vision_towers_match_transformers() {
+    vision::vision_tower(tower_on_cuda_emu);
+}
+
+#[test]
+fn cuda_emu_multimodal_logits_match_transformers() {
+    vision::positions_and_multimodal_logits(model_on_cuda_emu, tower_on_cuda_emu);
+}
