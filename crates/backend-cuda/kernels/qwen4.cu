@@ -2,7 +2,7 @@
 // most agree with it to the bit.
 
 // `out[i] = (Σ_s m_s ⊙ xn_s) / hc` over the `hc` streams of each row (`m`, `xn` `[n, hc·h]`).
-// budget: 32 registers
+// budget: 40 registers
 extern "C" __global__ void hc_combine(const float* __restrict__ m, const float* __restrict__ xn, float* __restrict__ out,
                                       unsigned n, unsigned hc, unsigned h) {
     for (size_t x = blockIdx.x * (size_t)blockDim.x + threadIdx.x; x < (size_t)n * h; x += (size_t)gridDim.x * blockDim.x) {
@@ -25,7 +25,7 @@ extern "C" __global__ void hc_inject(float* __restrict__ x, const float* __restr
 
 // PLE's gate per (row, stream): `g = Σ k·q / √h` (one thread, in order), `sign(g)·sqrt(max(|g|, 1e-6))`,
 // then `sigmoid(g) · v` into the stream. One block per (row, stream).
-// budget: 32 registers
+// budget: 40 registers
 extern "C" __global__ void ple_gate(const float* __restrict__ k, const float* __restrict__ q, const float* __restrict__ v,
                                     float* __restrict__ out, unsigned hc, unsigned h) {
     __shared__ float gate;
@@ -44,7 +44,7 @@ extern "C" __global__ void ple_gate(const float* __restrict__ k, const float* __
 
 // Causal depthwise conv with `dilation`, no bias, then silu, from and advancing `state` (the last
 // `(kernel − 1)·dilation` inputs, oldest first): `x [n, c]`, `w [c, kernel]`. One thread per channel.
-// budget: 32 registers
+// budget: 40 registers
 extern "C" __global__ void causal_conv_dilated_silu(const float* __restrict__ x, unsigned n, unsigned c, const float* __restrict__ w,
                                                     unsigned kernel, unsigned dilation, float* __restrict__ state,
                                                     float* __restrict__ out) {
@@ -63,7 +63,7 @@ extern "C" __global__ void causal_conv_dilated_silu(const float* __restrict__ x,
 }
 
 // Mean of `n` rows from `row0` of `x` per column (summed in row order, then divided).
-// budget: 32 registers
+// budget: 40 registers
 extern "C" __global__ void mean_rows(const float* __restrict__ x, unsigned row0, unsigned n, unsigned cols, float* __restrict__ out) {
     for (unsigned c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
         float acc = 0.0f;
