@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on this machine, everything a GPU run needs into one ignored folder, .gpu-kit/ (docs/gpu_kit.md):
-#   osprey.gz         the release binary, stripped and gzipped (with the `cuda` feature once it exists)
+#   osprey.gz         the release binary with the `cuda` feature, stripped and gzipped
 #   tests/*.gz        the GPU test binaries (`cargo test --release --no-run` of the targets in
-#                     tools/gpu/tests.txt), stripped and gzipped
+#                     tools/gpu/tests.txt), stripped and gzipped, each with its test filter (*.args)
 #   MANIFEST.json     commit, toolchain, features, and every file's size and sha256 (run.sh checks them)
 # and prints the kit's size beside the tracked tree's: what travels to the GPU machine must fit in 64 MiB.
 #
@@ -13,8 +13,8 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/osprey/target}"
 KIT=.gpu-kit
 LIMIT=$((64 * 1024 * 1024))
 
-features=""
-if grep -qE '^cuda *=' Cargo.toml; then features="--features cuda"; fi
+features="" test_features=""
+if grep -qE '^cuda *=' Cargo.toml; then features="--features cuda" test_features="--features osprey-backend-cuda/cuda"; fi
 
 echo "== cargo build --release $features"
 # shellcheck disable=SC2086
@@ -23,16 +23,17 @@ rm -rf "$KIT" && mkdir -p "$KIT/tests"
 strip -o "$KIT/osprey" "$CARGO_TARGET_DIR/release/osprey"
 gzip -9 "$KIT/osprey"
 
-# GPU test targets, one `<package> <test target>` a line (none until the CUDA backend lands).
+# GPU test targets, one `<package> <test target> [filter]` a line; the filter is kept beside the binary.
 tests=()
-while read -r pkg target; do
-  [ -n "${pkg:-}" ] && [ "${pkg#\#}" = "$pkg" ] && tests+=("$pkg $target")
+while read -r pkg target filter; do
+  [ -n "${pkg:-}" ] && [ "${pkg#\#}" = "$pkg" ] && tests+=("$pkg $target ${filter:-}")
 done < <(cat tools/gpu/tests.txt 2>/dev/null || true)
 for t in "${tests[@]}"; do
-  read -r pkg target <<<"$t"
-  echo "== cargo test --release -p $pkg --test $target --no-run $features"
+  read -r pkg target filter <<<"$t"
+  printf '%s\n' "${filter:-}" >"$KIT/tests/$target.args"
+  echo "== cargo test --release -p $pkg --test $target --no-run $test_features"
   # shellcheck disable=SC2086
-  exe=$(cargo test --release -p "$pkg" --test "$target" --no-run $features --message-format=json 2>/dev/null |
+  exe=$(cargo test --release -p "$pkg" --test "$target" --no-run $test_features --message-format=json 2>/dev/null |
     python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
   strip -o "$KIT/tests/$target" "$exe"
   gzip -9 "$KIT/tests/$target"

@@ -4,10 +4,11 @@
 #   1 device    nvidia-smi: the GPU, its driver and CUDA versions
 #   2 libs      where libcuda and libnvrtc are (ldconfig, the usual folders); sets LD_LIBRARY_PATH from it
 #   3 unpack    the kit's files, checked against MANIFEST.json
-#   4 tests     every GPU test binary of the kit
-#   5 serve     `osprey serve --device cuda:0` answering the README's image request (until the CUDA
-#               backend exists: the CPU binary's error for cuda:0, then the same request on the CPU, so that
-#               the step itself is proven)
+#   4 tests     every GPU test binary of the kit with OSPREY_CUDA_TEST_DEVICE=cuda:0 (the tests CI runs on
+#               the emulated device, on the card), then one under compute-sanitizer memcheck when present
+#               (without a driver: on the emulated device, so that the step itself is proven here)
+#   5 serve     `osprey serve --device cuda:0` answering the README's image request (when cuda:0 cannot be
+#               opened: its error, then the same request on the CPU, so that the step itself is proven)
 #   6 bench     `osprey bench membw`, and the forward benchmark on the device once there is one
 # Everything goes to $OUT (at most 8 files come back): steps.log (every step's output), serve.log,
 # answer.json and summary.json (each step's status, seconds and exit code; rewritten after every step,
@@ -121,18 +122,31 @@ EOF
 }
 
 tests() {
-  local n=0 failed=0
+  local n=0 failed=0 filter device=cuda-emu
+  compgen -G "/dev/nvidia*" >/dev/null && command -v nvidia-smi >/dev/null && device=cuda:0
+  export OSPREY_CUDA_TEST_DEVICE=$device OSPREY_FIXTURES="$PWD/fixtures"
   for t in "$BIN"/tests/*; do
-    [ -x "$t" ] || continue
+    [ -x "$t" ] && [ "${t%.args}" = "$t" ] || continue
     n=$((n + 1))
-    echo "--- $(basename "$t")"
-    "$t" || failed=$((failed + 1))
+    filter=$(cat "$KIT/tests/$(basename "$t").args" 2>/dev/null || true)
+    echo "--- $(basename "$t") ${filter:-(all)} on $device"
+    # shellcheck disable=SC2086
+    "$t" $filter || failed=$((failed + 1))
   done
   if [ "$n" = 0 ]; then
-    echo "NOTE: no GPU test binaries in the kit (tools/gpu/tests.txt lists none yet)"
+    echo "NOTE: no GPU test binaries in the kit (tools/gpu/tests.txt lists none)"
     return 3
   fi
-  echo "NOTE: $n binaries, $failed failed"
+  local sanitizer=""
+  if command -v compute-sanitizer >/dev/null && [ -x "$BIN/tests/cuda" ]; then
+    echo "--- compute-sanitizer memcheck: tests/cuda sequence"
+    if compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/tests/cuda" sequence; then
+      sanitizer=", memcheck clean"
+    else
+      failed=$((failed + 1)) sanitizer=", memcheck FAILED"
+    fi
+  fi
+  echo "NOTE: $n binaries on $device, $failed failed$sanitizer"
   [ "$failed" = 0 ]
 }
 
@@ -170,13 +184,11 @@ serve() {
     echo "NOTE: cuda:0 answered: $(grep -o '"content": *"[^"]*"' "$OUT/answer.json" | head -1)"
     return 0
   fi
-  if grep -q "no CUDA backend" "$OUT/serve.log"; then
-    echo "cuda:0: $(grep -o 'no CUDA backend[^"]*' "$OUT/serve.log" | head -1)"
-    mv "$OUT/serve.log" "$OUT/serve-cuda.log"
-    if ask cpu; then
-      echo "NOTE: this build has no CUDA backend (expected until it lands); the same request on the CPU answered 'a red circle'"
-      return 4
-    fi
+  mv "$OUT/serve.log" "$OUT/serve-cuda.log"
+  echo "cuda:0: $(grep -m1 -io 'error.*' "$OUT/serve-cuda.log" | cut -c1-300)"
+  if ask cpu; then
+    echo "NOTE: cuda:0 did not answer (serve-cuda.log); the same request on the CPU answered 'a red circle'"
+    return 4
   fi
   echo "NOTE: the image request failed (serve.log)"
   return 1

@@ -4,9 +4,25 @@ use std::sync::Arc;
 
 use osprey_backend::{BackendRef, DType, HostMatrix, WeightView};
 
-/// The exact CPU backend (f32 activations: the reference) and the CUDA backend on the emulated device.
+/// The exact CPU backend (f32 activations: the reference) and the CUDA backend on the emulated device,
+/// or on the real one named by `OSPREY_CUDA_TEST_DEVICE=cuda:N` (how the GPU kit runs these tests).
 pub fn backends() -> (BackendRef, BackendRef) {
-    (osprey_backend_cpu::CpuBackend::exact(), osprey_backend_cuda::open_emulated(4 << 30))
+    (osprey_backend_cpu::CpuBackend::exact(), cuda())
+}
+
+/// Whether the tests run on a real device (`OSPREY_CUDA_TEST_DEVICE`): its `expf` is not glibc's, so
+/// results the emulated device matches to the bit through a transcendental function are held to the
+/// function's error bound there instead.
+pub fn on_device() -> bool {
+    std::env::var("OSPREY_CUDA_TEST_DEVICE").is_ok_and(|d| d.starts_with("cuda:"))
+}
+
+/// The CUDA backend under test (see [`backends`]).
+pub fn cuda() -> BackendRef {
+    match std::env::var("OSPREY_CUDA_TEST_DEVICE").ok().and_then(|d| d.strip_prefix("cuda:")?.parse().ok()) {
+        Some(n) => osprey_backend_cuda::open(n).expect("the CUDA device named by OSPREY_CUDA_TEST_DEVICE"),
+        None => osprey_backend_cuda::open_emulated(4 << 30),
+    }
 }
 
 /// `n` values in [-1, 1) from a seeded generator.

@@ -7,6 +7,10 @@ use osprey_models::Model;
 use safetensors::SafeTensors;
 
 pub fn fixtures() -> PathBuf {
+    // `OSPREY_FIXTURES` where the binary runs away from its build tree (the GPU kit: tools/gpu/run.sh).
+    if let Some(dir) = std::env::var_os("OSPREY_FIXTURES") {
+        return PathBuf::from(dir);
+    }
     // The workspace root's fixtures/, from either the models crate or the root package.
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
     here.ancestors().map(|a| a.join("fixtures")).find(|f| f.is_dir()).expect("fixtures/ above the crate")

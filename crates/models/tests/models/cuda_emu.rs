@@ -9,14 +9,22 @@ use crate::{parity, qwen4_exp, vision};
 
 /// A fixture model on the CUDA backend's emulated device (the CUDA kernels, compiled for the host).
 fn model_on_cuda_emu(name: &str) -> osprey_models::Model {
-    osprey_models::load_on(&fixtures().join("models").join(name), osprey_backend_cuda::open_emulated(4 << 30))
-        .expect("load model on cuda-emu")
+    osprey_models::load_on(&fixtures().join("models").join(name), cuda_backend()).expect("load model on cuda-emu")
+}
+
+/// The emulated device, or the real one named by `OSPREY_CUDA_TEST_DEVICE=cuda:N` (the GPU kit runs
+/// these same tests on a GPU that way).
+fn cuda_backend() -> osprey_backend::BackendRef {
+    match std::env::var("OSPREY_CUDA_TEST_DEVICE").ok().and_then(|d| d.strip_prefix("cuda:")?.parse().ok()) {
+        Some(n) => osprey_backend_cuda::open(n).expect("the CUDA device named by OSPREY_CUDA_TEST_DEVICE"),
+        None => osprey_backend_cuda::open_emulated(4 << 30),
+    }
 }
 
 /// The vision tower of fixture model `name` on the CUDA backend's emulated device.
 fn tower_on_cuda_emu(name: &str) -> osprey_models::vision::VisionTower {
     let dir = fixtures().join("models").join(name);
-    osprey_models::vision::VisionTower::from_dir(&dir, osprey_backend_cuda::open_emulated(4 << 30))
+    osprey_models::vision::VisionTower::from_dir(&dir, cuda_backend())
         .expect("load the tower on cuda-emu")
         .expect("the model has a vision tower")
 }
