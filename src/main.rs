@@ -18,8 +18,8 @@ struct Cli {
     /// Compute threads (default: all cores).
     #[arg(long, global = true)]
     threads: Option<usize>,
-    /// Compute device: cpu (default); cuda:N once the CUDA backend lands. `serve` also reads it from
-    /// the settings file.
+    /// Compute device: cpu (default); cuda:N (a build with --features cuda); cuda-emu (the CUDA kernels
+    /// on the CPU, a test device). `serve` also reads it from the settings file.
     #[arg(long, global = true)]
     device: Option<String>,
     /// Activations of the matmuls: int8 (the fast default: int8 for NVFP4 decode, bf16 for bf16

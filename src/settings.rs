@@ -85,7 +85,8 @@ pub struct Settings {
     /// Seconds an idle keep-alive connection, or one that has not sent its request head, stays open
     /// (default 5).
     pub idle_timeout_secs: Option<f64>,
-    /// Compute device: `cpu` (default); `cuda:N` once the CUDA backend lands.
+    /// Compute device: `cpu` (default); `cuda:N` (a build with `--features cuda`); `cuda-emu` (the CUDA
+    /// kernels on the CPU, a test device: docs/cuda.md).
     pub device: Option<String>,
     /// Activations of NVFP4 decode matmuls: `int8` (default, fast) or `f32` (exact).
     pub activations: Option<String>,

@@ -248,3 +248,15 @@ fn the_trained_draft_head_drafts_what_the_model_accepts_and_changes_no_answer() 
     assert!(drafted >= 20.0, "{drafted} drafts");
     assert!(accepted / drafted > 0.85, "{accepted} of {drafted} drafts accepted");
 }
+
+/// The whole server on the CUDA backend's emulated device (`--device cuda-emu`: the CUDA kernels compiled
+/// for the host, docs/cuda.md): every task, images, two images, video and text, answered as on the CPU.
+#[test]
+fn every_task_is_answered_the_same_on_the_emulated_cuda_device() {
+    let settings = Settings { device: Some("cuda-emu".into()), ..Settings::default() };
+    let addr = start(settings, osprey::model_dir(&Settings::default()).expect("default model"));
+    for c in cases() {
+        let (_, text) = answer(addr, &c, c.thinking);
+        assert_eq!(text, c.expected, "{} ({}) on cuda-emu", c.name, c.kind);
+    }
+}
