@@ -5,6 +5,7 @@
 pub mod about;
 pub mod default_model;
 pub mod hub;
+pub mod memory_plan;
 pub mod pull;
 pub mod settings;
 
@@ -281,14 +282,28 @@ struct Loaded {
 fn load_for_serving(settings: &Settings, model_dir: &Path, wrap_reader: Option<ReaderLayer>) -> Result<Loaded> {
     let cfg = ModelConfig::from_dir(model_dir).with_context(|| format!("reading {}", model_dir.display()))?;
     let ck = Checkpoint::open(model_dir)?;
-    let memory = settings.device_memory_mb.map(|mb| (mb.max(0.0) * 1048576.0) as usize);
+    let planned = settings.gpu_memory_gb.map(|gb| (gb.max(0.0) * (1u64 << 30) as f64) as u64);
+    let memory = settings.device_memory_mb.map(|mb| (mb.max(0.0) * 1048576.0) as usize).or(planned.map(|b| b as usize));
     let backend = open_backend_with(settings.device.as_deref(), settings.activations.as_deref(), memory)?;
     let experts = expert_source(settings, (&cfg, &ck), wrap_reader, backend.as_ref())?;
     let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
     let ple = settings.ple_ram_gb.map_or(osprey_models::DEFAULT_PLE_RAM_BYTES, |gb| (gb.max(0.0) * 1e9) as u64);
+    // On a device, the memory plan sizes the expert slots; on the host, experts are read where they lie.
+    let expert_slots = match backend.stats().memory_total {
+        Some(device) => {
+            let total = planned.map_or(device, |p| p.min(device));
+            let context_len = settings.context_len.unwrap_or(cfg.text.max_position_embeddings.max(1));
+            let kv_tokens = settings.kv_capacity_tokens.unwrap_or(4 * context_len);
+            let kv_elem = kv_cache_dtype(settings.kv_cache_dtype.as_deref())?.size();
+            let plan = memory_plan::MemoryPlan::for_model(total, &cfg, &ck, kv_tokens, kv_elem)?;
+            tracing::info!("memory plan: {}", plan.describe());
+            (plan.slots_per_layer < plan.num_experts).then_some(plan.slots_per_layer)
+        }
+        None => None,
+    };
     let opts = osprey_models::LoadOptions {
         experts: source,
-        expert_slots: None,
+        expert_slots,
         ple_budget: osprey_models::PleBudget::new(ple),
         draft_head: settings.speculative_tokens.unwrap_or(0) > 0,
     };

@@ -94,6 +94,9 @@ pub struct Settings {
     /// the weights). Past it a step fails with 503 `out_of_memory` and the engine goes on. Default: no cap
     /// on CPU (the machine bounds it); a device's free memory on CUDA.
     pub device_memory_mb: Option<f64>,
+    /// GiB of device memory the CUDA backend plans with — dense weights, the KV pool, a reserve, expert
+    /// slots per layer from what is left (docs/cuda.md) — at most the device's; default: all of it.
+    pub gpu_memory_gb: Option<f64>,
     /// Element type of the KV cache: `f32` (default: the exact path) or `bf16` (half the KV memory, rows
     /// rounded to nearest even as they are written; answers may differ from f32's).
     pub kv_cache_dtype: Option<String>,

@@ -55,6 +55,9 @@ pub struct ServeArgs {
     /// gets 503 out_of_memory and the engine goes on.
     #[arg(long)]
     device_memory_mb: Option<f64>,
+    /// GiB of device memory the CUDA backend plans with (weights, KV, expert slots); default: all of it.
+    #[arg(long)]
+    gpu_memory_gb: Option<f64>,
     /// Element type of the KV cache: `f32` (default, exact) or `bf16` (half the KV memory).
     #[arg(long)]
     kv_cache_dtype: Option<String>,
@@ -169,6 +172,7 @@ impl ServeArgs {
             disable_prefix_cache: self.disable_prefix_cache.then_some(true),
             prefix_cache_mb: self.prefix_cache_mb,
             device_memory_mb: self.device_memory_mb,
+            gpu_memory_gb: self.gpu_memory_gb,
             kv_cache_dtype: self.kv_cache_dtype.clone(),
             speculative_tokens: self.speculative_tokens,
             page_size: self.page_size,

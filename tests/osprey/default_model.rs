@@ -259,4 +259,44 @@ fn every_task_is_answered_the_same_on_the_emulated_cuda_device() {
         let (_, text) = answer(addr, &c, c.thinking);
         assert_eq!(text, c.expected, "{} ({}) on cuda-emu", c.name, c.kind);
     }
+    // The device's memory and traffic on /metrics: 24 GiB (the emulated device's default), weights and
+    // inputs uploaded, logits downloaded; the CPU backend reports none of these.
+    assert_eq!(metric(addr, "osprey_device_memory_bytes"), (24u64 << 30) as f64);
+    let free = metric(addr, "osprey_device_memory_free_bytes");
+    assert!(free > 0.0 && free < (24u64 << 30) as f64, "{free}");
+    assert!(metric(addr, "osprey_device_upload_bytes_total") > 1e6, "the model's weights went up");
+    assert!(metric(addr, "osprey_device_download_bytes_total") > 0.0);
+    let (_, cpu) = harness::get(server(), "/metrics");
+    assert!(!cpu.contains("osprey_device_memory_bytes"), "the CPU reports no device memory");
+}
+
+/// `--gpu-memory-gb` sizes the expert slots from the device's memory (src/memory_plan.rs): on memory that
+/// leaves three of the default model's eight experts per layer, the server runs with 3 slots in each of
+/// its 4 MoE layers, uploads experts as steps need them, and answers exactly as with every expert resident.
+#[test]
+fn the_memory_plan_sizes_expert_slots_and_answers_do_not_change() {
+    let dir = osprey::model_dir(&Settings::default()).expect("default model");
+    let (cfg, ck) = (
+        osprey_models::ModelConfig::from_dir(&dir).expect("config"),
+        osprey_models::Checkpoint::open(&dir).expect("ck"),
+    );
+    let kv_tokens = 4 * cfg.text.max_position_embeddings;
+    let plan = |bytes: u64| osprey::memory_plan::MemoryPlan::for_model(bytes, &cfg, &ck, kv_tokens, 4).ok();
+    // The smallest memory (in steps of 1/64 MiB) whose plan has three slots per layer.
+    let bytes = (0..400_000u64)
+        .map(|i| (512 << 20) + i * (1 << 14))
+        .find(|&b| plan(b).is_some_and(|p| p.slots_per_layer == 3))
+        .expect("a memory with three slots per layer");
+    let settings = Settings {
+        device: Some("cuda-emu".into()),
+        gpu_memory_gb: Some(bytes as f64 / (1u64 << 30) as f64),
+        ..Settings::default()
+    };
+    let addr = start(settings, dir);
+    for name in ["red_circle", "red_circle+blue_triangle", "moving_up"] {
+        let c = case(name);
+        assert_eq!(answer(addr, &c, c.thinking).1, c.expected, "{name} with 3 slots per layer");
+    }
+    assert_eq!(metric(addr, "osprey_expert_slots"), 12.0, "3 slots in each of 4 MoE layers");
+    assert!(metric(addr, "osprey_expert_slot_misses_total") > 12.0, "experts came and went through the slots");
 }

@@ -17,6 +17,19 @@ use crate::{BackendError, Device, HostMatrix, Result, Tensor};
 /// A shared backend.
 pub type BackendRef = Arc<dyn Backend>;
 
+/// A device's memory and the bytes that crossed to and from it since start ([`Backend::stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// Bytes of device memory (`None`: the backend computes in host memory).
+    pub memory_total: Option<u64>,
+    /// Bytes of device memory not allocated.
+    pub memory_free: Option<u64>,
+    /// Bytes copied host → device (uploads, placed weights, expert slots).
+    pub bytes_to_device: u64,
+    /// Bytes copied device → host (downloads, snapshots).
+    pub bytes_from_device: u64,
+}
+
 /// Per-row rotary tables of one forward (shared by its attention layers).
 #[derive(Clone, Debug)]
 pub struct RopeTable {

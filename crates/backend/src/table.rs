@@ -76,6 +76,11 @@ macro_rules! seam {
 
             /// Whether this backend runs `op` on its device (model families check theirs at load).
             fn supports(&self, op: Op) -> bool;
+
+            /// Device memory and traffic since start, for `/metrics` (the CPU reports none).
+            fn stats(&self) -> DeviceStats {
+                DeviceStats::default()
+            }
         }
 
         /// An op group of the set, for [`Backend::supports`]: a backend in progress (a device backend
@@ -133,6 +138,11 @@ macro_rules! seam {
                 self.inner().supports(op)
             }
 
+            /// [`Backend::stats`].
+            fn stats(&self) -> DeviceStats {
+                self.inner().stats()
+            }
+
             $($($(
                 seam_unless_derived! { [$($($kind)?)?]
                     $(#[$fm])*
@@ -165,6 +175,9 @@ macro_rules! seam {
             }
             fn supports(&self, op: Op) -> bool {
                 <W as Wrapper>::supports(self, op)
+            }
+            fn stats(&self) -> DeviceStats {
+                <W as Wrapper>::stats(self)
             }
         }
     };

@@ -104,6 +104,8 @@ pub struct StepResult {
     pub kv: KvPages,
     /// Expert slot counters after the step.
     pub slots: ExpertSlots,
+    /// The device's memory and traffic after the step (`None`: a host backend).
+    pub device: Option<DeviceCounters>,
     /// PLE row-cache counters after the step (`None`: the model has no PLE layers).
     pub ple: Option<PleCounters>,
     /// Speculation counters after the step (`None`: no speculative decoding).
@@ -166,6 +168,23 @@ pub struct ExpertSlots {
     pub misses: u64,
     /// Expert waves run (`moe_routed` calls).
     pub waves: u64,
+    /// Slots over every MoE layer (0 before a layer's first step allocates its pool).
+    pub slots: u64,
+    /// Slots holding an expert.
+    pub filled: u64,
+}
+
+/// The compute device's memory and traffic since start (`None` on the CPU backend).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceCounters {
+    /// Bytes of device memory.
+    pub memory_total: u64,
+    /// Bytes of device memory not allocated.
+    pub memory_free: u64,
+    /// Bytes copied host → device.
+    pub bytes_to_device: u64,
+    /// Bytes copied device → host.
+    pub bytes_from_device: u64,
 }
 
 /// Page counts of the runner's KV pool.

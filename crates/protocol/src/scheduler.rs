@@ -124,6 +124,8 @@ pub struct SchedulerStats {
     pub kv_pages_running: usize,
     /// Expert slot counters (as of the last step).
     pub expert_slots: crate::runner::ExpertSlots,
+    /// The compute device's memory and traffic (as of the last step; `None` on the CPU).
+    pub device: Option<crate::runner::DeviceCounters>,
     /// PLE row-cache counters (as of the last step; `None` without PLE layers).
     pub ple: Option<crate::runner::PleCounters>,
     /// Speculation counters (as of the last step; `None` without speculative decoding).

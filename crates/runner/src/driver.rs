@@ -259,7 +259,24 @@ impl Driver {
     /// The model's expert slot counters.
     pub fn slot_stats(&self) -> osprey_protocol::runner::ExpertSlots {
         let s = self.model.slot_stats();
-        osprey_protocol::runner::ExpertSlots { hits: s.hits, misses: s.misses, waves: s.waves }
+        osprey_protocol::runner::ExpertSlots {
+            hits: s.hits,
+            misses: s.misses,
+            waves: s.waves,
+            slots: s.slots,
+            filled: s.filled,
+        }
+    }
+
+    /// The compute device's memory and traffic (`None` on a host backend).
+    pub fn device_counters(&self) -> Option<osprey_protocol::runner::DeviceCounters> {
+        let d = self.model.backend().stats();
+        Some(osprey_protocol::runner::DeviceCounters {
+            memory_total: d.memory_total?,
+            memory_free: d.memory_free.unwrap_or(0),
+            bytes_to_device: d.bytes_to_device,
+            bytes_from_device: d.bytes_from_device,
+        })
     }
 
     /// The model's PLE row-cache counters.

@@ -173,6 +173,7 @@ impl Runner {
         }
         result.kv = self.driver.kv_pages();
         result.slots = self.driver.slot_stats();
+        result.device = self.driver.device_counters();
         result.ple = self.driver.ple_counters();
         result.spec = (self.driver.speculative() > 0).then(|| self.driver.spec_counters());
         result

@@ -465,6 +465,7 @@ impl Scheduler {
             self.kv = result.kv;
         }
         self.stats.expert_slots = result.slots;
+        self.stats.device = result.device;
         self.stats.ple = result.ple;
         self.stats.spec = result.spec;
         for item in &plan.items {

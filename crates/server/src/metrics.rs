@@ -238,6 +238,29 @@ fn render_scheduler(s: &SchedulerStats, out: &mut String) {
         "counter",
         slots.waves as f64,
     );
+    gauge(
+        out,
+        "osprey_expert_slots",
+        "Compute-backend expert slots over every MoE layer.",
+        "gauge",
+        slots.slots as f64,
+    );
+    gauge(out, "osprey_expert_slots_filled", "Expert slots holding an expert.", "gauge", slots.filled as f64);
+    if let Some(d) = s.device {
+        for (name, help, kind, v) in [
+            ("osprey_device_memory_bytes", "Bytes of compute-device memory.", "gauge", d.memory_total),
+            (
+                "osprey_device_memory_free_bytes",
+                "Bytes of compute-device memory not allocated.",
+                "gauge",
+                d.memory_free,
+            ),
+            ("osprey_device_upload_bytes_total", "Bytes copied host to device.", "counter", d.bytes_to_device),
+            ("osprey_device_download_bytes_total", "Bytes copied device to host.", "counter", d.bytes_from_device),
+        ] {
+            gauge(out, name, help, kind, v as f64);
+        }
+    }
 }
 
 /// PLE row caches and speculative decoding, for the models that have them.

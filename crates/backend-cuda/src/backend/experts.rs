@@ -13,7 +13,7 @@ use osprey_backend::{
 };
 
 use super::core::RawWeight;
-use super::{arg, seam_error, u32_of, Buf, CudaBackend};
+use super::{arg, u32_of, Buf, CudaBackend};
 use crate::device::{Arg, LaunchConfig};
 
 /// Where one projection sits in a slot.
@@ -102,7 +102,6 @@ impl ExpertOps for CudaBackend {
 
     fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
         let key = expert.key;
-        let dev = self.dev.clone();
         let cuda =
             pool.storage_mut::<CudaPool>().ok_or_else(|| BackendError::Slot("a pool of another backend".into()))?;
         if slot >= cuda.globals.len() {
@@ -121,9 +120,9 @@ impl ExpertOps for CudaBackend {
                 )));
             }
             let (data, scales, global) = host_bytes(m.as_ref());
-            dev.upload(base.offset(p.data), &data).map_err(seam_error)?;
+            self.copy_to_device(base.offset(p.data), &data)?;
             if !scales.is_empty() {
-                dev.upload(base.offset(p.scales), scales).map_err(seam_error)?;
+                self.copy_to_device(base.offset(p.scales), scales)?;
             }
             cuda.globals[slot][i] = global;
         }

@@ -57,7 +57,7 @@ impl Drop for Aligned {
 impl CudaBackend {
     fn upload_bytes(&self, b: &[u8]) -> Result<Buf> {
         let buf = self.buf(b.len())?;
-        self.dev.upload(buf.ptr, b).map_err(super::seam_error)?;
+        self.copy_to_device(buf.ptr, b)?;
         Ok(buf)
     }
 
@@ -97,7 +97,7 @@ impl MemoryOps for CudaBackend {
 
     fn download(&self, t: &Tensor) -> Result<HostVec> {
         let mut b = vec![0u8; t.numel() * t.dtype().size()];
-        self.dev.download(ptr(t), &mut b).map_err(super::seam_error)?;
+        self.copy_to_host(ptr(t), &mut b)?;
         Ok(typed(t.dtype(), &b))
     }
 

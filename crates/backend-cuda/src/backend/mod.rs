@@ -13,9 +13,10 @@ mod memory;
 mod qwen4;
 mod recurrent;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use osprey_backend::{Backend, BackendError, DType, Device, Op, Result, Storage, Tensor};
+use osprey_backend::{Backend, BackendError, DType, Device, DeviceStats, Op, Result, Storage, Tensor};
 
 use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, LaunchConfig};
 
@@ -77,6 +78,9 @@ pub struct CudaBackend {
     dev: Arc<dyn DeviceLayer>,
     device: Device,
     info: DeviceInfo,
+    /// Bytes copied host → device and device → host since start.
+    to_device: AtomicU64,
+    from_device: AtomicU64,
 }
 
 /// A device error as the seam reports it.
@@ -92,7 +96,19 @@ impl CudaBackend {
     /// The backend over `dev`, whose tensors are on `device`.
     pub fn new(dev: Arc<dyn DeviceLayer>, device: Device) -> Self {
         let info = dev.info();
-        CudaBackend { dev, device, info }
+        CudaBackend { dev, device, info, to_device: AtomicU64::new(0), from_device: AtomicU64::new(0) }
+    }
+
+    /// Host → device, counted.
+    fn copy_to_device(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
+        self.to_device.fetch_add(src.len() as u64, Ordering::Relaxed);
+        self.dev.upload(dst, src).map_err(seam_error)
+    }
+
+    /// Device → host, counted.
+    fn copy_to_host(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
+        self.from_device.fetch_add(dst.len() as u64, Ordering::Relaxed);
+        self.dev.download(src, dst).map_err(seam_error)
     }
 
     /// The device layer (tests drive it directly).
@@ -157,6 +173,15 @@ impl Backend for CudaBackend {
             self.info.name,
             self.info.total_memory as f64 / (1u64 << 30) as f64
         )
+    }
+
+    fn stats(&self) -> DeviceStats {
+        DeviceStats {
+            memory_total: Some(self.info.total_memory as u64),
+            memory_free: Some(self.dev.free_memory() as u64),
+            bytes_to_device: self.to_device.load(Ordering::Relaxed),
+            bytes_from_device: self.from_device.load(Ordering::Relaxed),
+        }
     }
 
     fn supports(&self, _op: Op) -> bool {

@@ -388,6 +388,6 @@ impl SparseMoe {
     /// This layer's slot counters (zero before its first step).
     pub fn slot_stats(&self) -> SlotStats {
         let guard = self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        guard.table.as_ref().map(|t| t.stats).unwrap_or_default()
+        guard.table.as_ref().map(|t| t.counters()).unwrap_or_default()
     }
 }

@@ -21,12 +21,22 @@ pub struct SlotStats {
     pub misses: u64,
     /// `moe_routed` calls (waves); a step with hits and misses takes at least two.
     pub waves: u64,
+    /// Slots in the pool.
+    pub slots: u64,
+    /// Slots holding an expert.
+    pub filled: u64,
 }
 
 impl std::ops::Add for SlotStats {
     type Output = SlotStats;
     fn add(self, o: SlotStats) -> SlotStats {
-        SlotStats { hits: self.hits + o.hits, misses: self.misses + o.misses, waves: self.waves + o.waves }
+        SlotStats {
+            hits: self.hits + o.hits,
+            misses: self.misses + o.misses,
+            waves: self.waves + o.waves,
+            slots: self.slots + o.slots,
+            filled: self.filled + o.filled,
+        }
     }
 }
 
@@ -58,6 +68,12 @@ impl SlotTable {
     /// Slots.
     pub fn slots(&self) -> usize {
         self.holder.len()
+    }
+
+    /// The counters, with the pool's size and how many slots hold an expert.
+    pub fn counters(&self) -> SlotStats {
+        let filled = self.holder.iter().filter(|h| h.is_some()).count() as u64;
+        SlotStats { slots: self.slots() as u64, filled, ..self.stats }
     }
 
     /// The expert a slot holds.
