@@ -38,6 +38,13 @@ emu_switch:
     .size emu_switch, .-emu_switch
 )");
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define EMU_ASAN 1
+#else
+#define EMU_ASAN 0
+#endif
+
 namespace emu {
 
 thread_local uint3 thread_idx;
@@ -53,7 +60,8 @@ enum class Wait { None, Block, Warp, Done };
 constexpr std::size_t kStack = 64 * 1024;
 
 struct Fiber {
-    void* sp;  // saved stack pointer while suspended
+    void* sp;    // saved stack pointer while suspended
+    void* fake;  // AddressSanitizer's fake stack while suspended (ASan builds only)
     uint3 tid;
     Wait wait;
     unsigned gen;  // shuffles done: picks one of two exchange buffers
@@ -61,6 +69,11 @@ struct Fiber {
 
 struct Sched {
     void* main;  // the scheduler's saved stack pointer
+    // AddressSanitizer must be told of every stack switch (the ASan build of the emulated kernels):
+    // the scheduler's stack bounds and fake stack, learnt at the first switch.
+    const void* main_bottom = nullptr;
+    std::size_t main_size = 0;
+    void* main_fake = nullptr;
     std::vector<Fiber> fibers;
     std::vector<std::unique_ptr<char[]>> stacks;
     std::vector<uint64_t> xchg;  // [warps][2][32]
@@ -74,13 +87,41 @@ struct Sched {
 thread_local Sched* S = nullptr;
 thread_local char last[256];
 
-void yield_to_main() { emu_switch(&S->fibers[S->cur].sp, S->main); }
+// From the running fiber back to the scheduler (`dying`: the fiber will never resume).
+void yield_to_main(bool dying = false) {
+    Fiber& f = S->fibers[S->cur];
+#if EMU_ASAN
+    __sanitizer_start_switch_fiber(dying ? nullptr : &f.fake, S->main_bottom, S->main_size);
+#else
+    (void)dying;
+#endif
+    emu_switch(&f.sp, S->main);
+#if EMU_ASAN
+    __sanitizer_finish_switch_fiber(f.fake, &S->main_bottom, &S->main_size);
+#endif
+}
+
+// From the scheduler into fiber `i`.
+void resume(std::size_t i, char* stack) {
+#if EMU_ASAN
+    __sanitizer_start_switch_fiber(&S->main_fake, stack, kStack);
+#else
+    (void)stack;
+#endif
+    emu_switch(&S->main, S->fibers[i].sp);
+#if EMU_ASAN
+    __sanitizer_finish_switch_fiber(S->main_fake, nullptr, nullptr);
+#endif
+}
 
 // Where a fiber starts: runs the kernel body, then gives control back for good.
 [[noreturn]] void fiber_entry() {
+#if EMU_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &S->main_bottom, &S->main_size);
+#endif
     S->body(S->arg);
     S->fibers[S->cur].wait = Wait::Done;
-    yield_to_main();
+    yield_to_main(true);
     __builtin_unreachable();  // a finished fiber is never resumed
 }
 
@@ -152,7 +193,7 @@ bool run_block(unsigned n) {
             ran = true;
             S->cur = i;
             thread_idx = S->fibers[i].tid;
-            emu_switch(&S->main, S->fibers[i].sp);
+            resume(i, S->stacks[i].get());
             if (S->failed) return false;
         }
         for (unsigned i = 0; i < n; ++i) live |= S->fibers[i].wait != Wait::Done;
@@ -181,7 +222,7 @@ unsigned lane_id() { return static_cast<unsigned>(S->cur % 32); }
 [[noreturn]] void fault(const char* msg) {
     fail(msg);
     S->fibers[S->cur].wait = Wait::Done;
-    yield_to_main();
+    yield_to_main(true);
     __builtin_unreachable();  // the scheduler never resumes a faulted fiber
 }
 

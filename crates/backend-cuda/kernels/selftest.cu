@@ -29,3 +29,11 @@ extern "C" __global__ void selftest_diverge(float* __restrict__ out, int mode) {
     else if (mode == 1) __syncwarp();
     out[threadIdx.x] = 1.0f;
 }
+
+// Copies `n` values, or `n + 1` (`plant` 1: the off-by-one a bounds checker must catch). The ASan build
+// of the emulated kernels (tests/cuda/asan.rs) runs it on a buffer of exactly `n`.
+// budget: 32 registers
+extern "C" __global__ void selftest_copy(const float* __restrict__ x, float* __restrict__ out, unsigned n, int plant) {
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n + (plant ? 1u : 0u); i += gridDim.x * blockDim.x)
+        out[i % n] = x[i];
+}

@@ -1,6 +1,7 @@
 //! The CUDA backend's tests, one binary: the emulation itself, every op on the emulated device against
 //! the CPU backend, and (feature `cuda`) every kernel through NVRTC for every target architecture.
 
+mod asan;
 mod common;
 mod emulator;
 #[cfg(feature = "cuda")]

@@ -1,0 +1,162 @@
+// The emulated kernels under AddressSanitizer and UBSan (tests/cuda/asan.rs builds and runs this): every
+// kernel source in one translation unit, a launch of each family of kernels on buffers of exactly the
+// size the kernel may touch, on odd shapes. An out-of-bounds read or write, or undefined behaviour,
+// aborts with the sanitizer's report. `plant` runs a kernel with a planted off-by-one, which must abort.
+#include "cuda_emu.hpp"
+#include "common.cuh"
+
+#include "attention.cu"
+#include "elementwise.cu"
+#include "linear.cu"
+#include "memory.cu"
+#include "moe.cu"
+#include "norm.cu"
+#include "qwen4.cu"
+#include "recurrent.cu"
+#include "rope.cu"
+#include "route.cu"
+#include "selftest.cu"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+template <typename... A, std::size_t... I>
+void launch_tuple(void (*k)(A...), const emu::Launch& l, std::tuple<A...>& vals, std::index_sequence<I...>) {
+    void* p[sizeof...(A) + 1] = {static_cast<void*>(&std::get<I>(vals))...};
+    if (emu::launch(k, &l, p) != 0) {
+        std::fprintf(stderr, "launch failed: %s\n", emu::last_error());
+        std::exit(2);
+    }
+}
+
+// Launches `k` on `grid` blocks of `block` threads with `args` converted to its parameter types.
+template <typename... A, typename... B>
+void run(void (*k)(A...), dim3 grid, dim3 block, B... args) {
+    std::tuple<A...> vals(static_cast<A>(args)...);
+    emu::Launch l{{grid.x, grid.y, grid.z}, {block.x, block.y, block.z}};
+    launch_tuple(k, l, vals, std::index_sequence_for<A...>{});
+}
+
+std::vector<float> vals(std::size_t n, float scale = 1.0f) {
+    std::vector<float> v(n);
+    for (std::size_t i = 0; i < n; ++i) v[i] = scale * (static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f);
+    return v;
+}
+
+const dim3 one{1, 1, 1};
+dim3 d1(unsigned x) { return dim3{x, 1, 1}; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc > 1 && std::strcmp(argv[1], "plant") == 0) {
+        auto x = vals(37), out = vals(37);
+        run(selftest_copy, d1(1), d1(64), x.data(), out.data(), 37u, 1);
+        std::puts("the planted off-by-one went unnoticed");
+        return 0;
+    }
+    // Element-wise, norms, rotary on 3 rows of 100 (not a multiple of 32).
+    const unsigned rows = 3, cols = 100, n = rows * cols;
+    auto x = vals(n), y = vals(n, 0.5f), g = vals(rows), w = vals(cols), z = vals(n, 0.3f), b = vals(cols);
+    run(add_f32, d1(2), d1(256), x.data(), y.data(), n);
+    run(add_bias_f32, d1(2), d1(256), x.data(), b.data(), n, cols);
+    run(silu_mul_f32, d1(2), d1(256), x.data(), y.data(), n);
+    run(add_sigmoid_gated_f32, d1(2), d1(256), x.data(), y.data(), g.data(), n, cols);
+    run(gelu_f32, d1(2), d1(256), x.data(), n, 1);
+    run(rms_norm_f32, d1(rows), d1(128), x.data(), w.data(), z.data(), cols, cols, cols, 1e-6f, 1, 0);
+    run(rms_norm_f32, d1(rows * 4), d1(32), x.data(), w.data(), z.data(), cols, 25u, 25u, 1e-6f, 0, 1);
+    run(l2_norm_f32, d1(rows * 4), d1(32), x.data(), 25u, 1e-6f);
+    run(layer_norm_f32, d1(rows), d1(128), x.data(), w.data(), b.data(), cols, 1e-6f);
+    auto cs = vals(rows * 10), sn = vals(rows * 10);
+    run(rotate_half_f32, d1(1), d1(256), x.data(), cs.data(), sn.data(), rows, cols, 25u, 10u);
+
+    // Linear over every weight type: m = 3, n = 20, k = 48 (NVFP4: whole blocks of 16).
+    const unsigned m = 3, on = 20, k = 48;
+    auto xs = vals(m * k), out = vals(m * on);
+    auto wf = vals(on * k);
+    std::vector<uint16_t> wh(on * k, 0x3c00);
+    std::vector<uint8_t> codes(on * k / 2, 0x5a), scales(on * k / 16, 0x38);
+    run(linear_tiled, dim3{2, 1, 1}, dim3{16, 16, 1}, xs.data(), static_cast<const void*>(wf.data()), scales.data(), 1.0f, 0,
+        out.data(), m, on, k);
+    run(linear_tiled, dim3{2, 1, 1}, dim3{16, 16, 1}, xs.data(), static_cast<const void*>(wh.data()), scales.data(), 1.0f, 1,
+        out.data(), m, on, k);
+    run(linear_tiled, dim3{2, 1, 1}, dim3{16, 16, 1}, xs.data(), static_cast<const void*>(codes.data()), scales.data(), 0.5f, 3,
+        out.data(), m, on, k);
+
+    // Memory: gathers, scatters, splits, bf16 rows, embeddings.
+    std::vector<int32_t> ids = {2, 0, 2};
+    auto gathered = vals(3 * cols);
+    run(gather_rows, d1(4), d1(256), reinterpret_cast<const uint8_t*>(x.data()), ids.data(),
+        reinterpret_cast<uint8_t*>(gathered.data()), 3u, cols, 4u);
+    auto sw = vals(3);
+    run(scatter_add_rows_f32, d1(1), d1(128), x.data(), ids.data(), sw.data(), gathered.data(), 3u, cols);
+    auto part = vals(rows * 2 * 10);
+    run(split_cols_f32, d1(1), d1(256), x.data(), part.data(), rows, 2u, 50u, 40u, 10u);
+    std::vector<uint16_t> half(n);
+    run(f32_to_bf16_rows, d1(2), d1(256), x.data(), half.data(), n);
+    auto emb = vals(3 * cols);
+    run(embed_rows, d1(2), d1(256), static_cast<const void*>(half.data()), 1, ids.data(), emb.data(), 3u, cols);
+
+    // Attention: 2 rows after 19 tokens, pages of 8, 4 heads over 2 KV heads of 16, f32 and bf16 pools.
+    const unsigned past = 19, qn = 2, heads = 4, kvh = 2, hd = 16, ps = 8, pages = 3;
+    std::vector<int32_t> table = {2, 0, 1};
+    auto q = vals(qn * heads * hd), ao = vals(qn * heads * hd), pool = vals(pages * 2 * ps * kvh * hd);
+    std::vector<float> scratch(qn * heads * (past + qn));
+    run(attention_paged, d1(qn * heads), d1(128), q.data(), ao.data(), static_cast<const void*>(pool.data()), 0, table.data(),
+        ps, 0u, past, heads, kvh, hd, 0.25f, scratch.data(), past + qn);
+    std::vector<uint16_t> pool16(pool.size(), 0x3f80);
+    run(attention_paged, d1(qn * heads), d1(128), q.data(), ao.data(), static_cast<const void*>(pool16.data()), 1,
+        table.data(), ps, 0u, past, heads, kvh, hd, 0.25f, scratch.data(), past + qn);
+    auto kf = vals(5 * kvh * hd), vf = vals(5 * kvh * hd), fq = vals(5 * heads * hd), fo = vals(5 * heads * hd);
+    std::vector<float> fs(3 * heads * 3);
+    run(attention_full, d1(3 * heads), d1(128), fq.data(), kf.data(), vf.data(), fo.data(), 1u, 3u, heads, kvh, hd, 0.25f,
+        fs.data());
+
+    // Gated DeltaNet: conv from a state, gates, the delta rule.
+    const unsigned c = 40, kern = 4, t = 3;
+    auto cx = vals((t + 1) * c), cw = vals(c * kern), cst = vals((kern - 1) * c), co = vals(t * c);
+    run(causal_conv_silu, d1(1), d1(64), cx.data(), 1u, t, c, cw.data(), kern, cst.data(), co.data());
+    const unsigned nk = 2, nv = 4, dk = 8, dv = 8;
+    auto ga = vals((t + 1) * nv), gb = vals((t + 1) * nv), na = vals(nv), dt = vals(nv), beta = vals(t * nv), gg = vals(t * nv);
+    run(delta_gates, d1(1), d1(64), ga.data(), gb.data(), 1u, t, nv, na.data(), dt.data(), beta.data(), gg.data());
+    auto dq = vals(t * nk * dk), dkv = vals(t * nk * dk), dvv = vals(t * nv * dv), st = vals(nv * dk * dv), dout = vals(t * nv * dv);
+    run(gated_delta_recurrent, d1(nv), d1(32), dq.data(), dkv.data(), dvv.data(), gg.data(), beta.data(), st.data(),
+        dout.data(), t, nk, nv, dk, dv);
+
+    // Router and experts: 3 tokens over 10 experts, top 3; entries into partials; the combine.
+    auto logits = vals(3 * 10);
+    std::vector<int32_t> rid(3 * 3);
+    auto rw = vals(3 * 3);
+    run(route_topk, d1(1), d1(64), logits.data(), rid.data(), rw.data(), 3u, 10u, 3u, 1);
+    auto partials = vals(9 * 16), dd = vals(2 * 16), comb = vals(3 * 16);
+    std::vector<int32_t> entries = {8, 0};
+    run(moe_scatter_rows, d1(1), d1(64), partials.data(), entries.data(), rw.data(), dd.data(), 2u, 16u);
+    run(moe_combine, d1(1), d1(64), partials.data(), comb.data(), 3u, 3u, 16u);
+
+    // qwen4_exp: hyper-connections, PLE, the dilated conv, QSA over the paged pool above.
+    const unsigned hn = 2, hc = 4, hh = 12;
+    auto hm = vals(hn * hc * hh), hx = vals(hn * hc * hh), ho = vals(hn * hh), hi = vals(hn * hc), hcomb = vals(hn * hh);
+    run(hc_combine, d1(1), d1(64), hm.data(), hx.data(), hcomb.data(), hn, hc, hh);
+    run(hc_inject, d1(1), d1(128), hm.data(), ho.data(), hi.data(), hn, hc, hh);
+    auto ple = vals(hn * hc * hh);
+    run(ple_gate, d1(hn * hc), d1(32), hm.data(), hx.data(), ho.data(), ple.data(), hc, hh);
+    auto dx = vals(3 * c), dw = vals(c * 3), dst = vals(2 * 2 * c), dco = vals(3 * c);
+    run(causal_conv_dilated_silu, d1(1), d1(64), dx.data(), 3u, c, dw.data(), 3u, 2u, dst.data(), dco.data());
+    auto mean = vals(hd);
+    run(mean_rows, d1(1), d1(32), kf.data(), 1u, 3u, hd, mean.data());
+    const unsigned ratio = 4, top = 2;
+    auto keys = vals(((past + qn) / ratio) * hd);
+    std::vector<int32_t> blocks(qn * top);
+    run(qsa_select, d1(1), d1(64), q.data(), 0u, qn, keys.data(), past, ratio, top, heads, hd, 0.2f, blocks.data());
+    std::vector<float> ss(qn * heads * (top * ratio + ratio));
+    run(attention_selected, d1(qn * heads), d1(128), q.data(), ao.data(), static_cast<const void*>(pool.data()), 0,
+        table.data(), ps, blocks.data(), top, 0u, past, ratio, heads, kvh, hd, 0.2f, ss.data(), top * ratio + ratio);
+
+    std::puts("every kernel ran within its buffers");
+    return 0;
+}
