@@ -247,26 +247,6 @@ pub fn open_backend_with(
     Ok(backend)
 }
 
-/// Metrics kept by runner code outside the actors' stats: grammar masks.
-fn extra_metrics() -> String {
-    use std::sync::atomic::Ordering::Relaxed;
-    let (nanos, masks) = (osprey_runner::MASK_NANOS.load(Relaxed), osprey_runner::MASKS.load(Relaxed));
-    [
-        ("osprey_grammar_masks_total", "Token masks computed for constrained decoding.", masks as f64),
-        ("osprey_grammar_mask_seconds_total", "Seconds spent computing token masks.", nanos as f64 * 1e-9),
-    ]
-    .iter()
-    .map(|(name, help, v)| format!("# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"))
-    .collect()
-}
-
-/// [`extra_metrics`] as JSON for the engine view.
-fn extra_stats() -> serde_json::Value {
-    use std::sync::atomic::Ordering::Relaxed;
-    let (nanos, masks) = (osprey_runner::MASK_NANOS.load(Relaxed), osprey_runner::MASKS.load(Relaxed));
-    serde_json::json!({"grammar": {"masks": masks, "mask_seconds": nanos as f64 * 1e-9}})
-}
-
 /// A model loaded for serving: its config, weights on the backend, vision tower, and the expert
 /// residency manager when experts stream from disk.
 struct Loaded {
@@ -428,7 +408,6 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         vision: vision.map(|v| v.sender()),
         prefix,
         experts: experts.map(|e| e.sender()),
-        extra_metrics: Some(osprey_server::MetricsHook { text: Arc::new(extra_metrics), json: Arc::new(extra_stats) }),
     };
     let addr = format!("{}:{}", settings.host.as_deref().unwrap_or("127.0.0.1"), settings.port.unwrap_or(8080));
     let served = osprey_server::bind(server_cfg, engine, &addr, settings.http_workers.unwrap_or(2))?;

@@ -429,109 +429,120 @@ fn streams_of_responses_and_messages_add_up_to_the_whole() {
 /// Messages; with the random model (text around its calls) and the trained one, parallel calls on and off.
 #[test]
 fn streamed_tool_calls_equal_whole_answers_on_every_front_end() {
-    let stream = |addr, path: &str, body: &Value| -> Vec<Value> {
-        let mut s = body.clone();
-        s["stream"] = true.into();
-        sse(addr, path, &s).iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).expect("event")).collect()
-    };
     for (addr, parallel) in [(default_model(), true), (random_model(), true), (random_model(), false)] {
         let prompt = "What is the weather in Paris?";
-        // Chat.
-        let body = json!({"messages": [{"role": "user", "content": prompt}], "tools": [weather(), screenshot()],
-            "tool_choice": "required", "parallel_tool_calls": parallel, "max_tokens": 160, "temperature": 0});
-        let whole = ok(addr, "/v1/chat/completions", &body);
-        let (mut content, mut calls, mut finish) = (String::new(), Vec::<(String, String)>::new(), Value::Null);
-        for c in stream(addr, "/v1/chat/completions", &body) {
-            let ch = &c["choices"][0];
-            content.push_str(ch["delta"]["content"].as_str().unwrap_or_default());
-            for tc in ch["delta"]["tool_calls"].as_array().into_iter().flatten() {
-                let i = tc["index"].as_u64().expect("index") as usize;
-                if i == calls.len() {
-                    calls.push((tc["function"]["name"].as_str().expect("name").into(), String::new()));
-                }
-                calls[i].1.push_str(tc["function"]["arguments"].as_str().unwrap_or_default());
-            }
-            if !ch["finish_reason"].is_null() {
-                finish = ch["finish_reason"].clone();
-            }
-        }
-        let m = &whole["choices"][0]["message"];
-        assert_eq!(content, m["content"].as_str().unwrap_or_default(), "chat content: {whole}");
-        let whole_calls: Vec<(String, String)> = m["tool_calls"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|c| {
-                (
-                    c["function"]["name"].as_str().unwrap_or_default().into(),
-                    c["function"]["arguments"].as_str().unwrap_or_default().into(),
-                )
-            })
-            .collect();
-        assert_eq!(calls, whole_calls, "chat calls");
-        assert_eq!(finish, whole["choices"][0]["finish_reason"]);
-        // Responses: the completed event's output is the whole output.
-        let tools =
-            json!([{"type": "function", "name": "get_weather", "parameters": weather()["function"]["parameters"]}]);
-        let body = json!({"input": prompt, "tools": tools, "tool_choice": "required", "parallel_tool_calls": parallel,
-            "max_output_tokens": 160, "temperature": 0});
-        let whole = ok(addr, "/v1/responses", &body);
-        let events = stream(addr, "/v1/responses", &body);
-        let last = &events.last().expect("events")["response"];
-        assert_eq!(without_ids(&last["output"]), without_ids(&whole["output"]), "responses output");
-        let text: String = events
-            .iter()
-            .filter(|e| e["type"] == "response.output_text.delta")
-            .filter_map(|e| e["delta"].as_str())
-            .collect();
-        assert_eq!(text, output_text(&whole, "message"), "responses text");
-        // Messages: text and tool_use blocks rebuilt from the deltas.
-        let tool = json!({"name": "get_weather", "input_schema": weather()["function"]["parameters"]});
-        let body = json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 160, "temperature": 0,
-            "tools": [tool], "tool_choice": {"type": "any", "disable_parallel_tool_use": !parallel}});
-        let whole = ok(addr, "/v1/messages", &body);
-        let mut blocks: Vec<(String, String)> = Vec::new();
-        let mut stop = Value::Null;
-        for e in stream(addr, "/v1/messages", &body) {
-            match e["type"].as_str() {
-                Some("content_block_start") => {
-                    let b = &e["content_block"];
-                    let name = b["name"].as_str().unwrap_or_default();
-                    blocks.push((format!("{}{name}", b["type"].as_str().unwrap_or_default()), String::new()));
-                }
-                Some("content_block_delta") => {
-                    let d = &e["delta"];
-                    let piece = d["text"].as_str().or_else(|| d["partial_json"].as_str()).unwrap_or_default();
-                    blocks.last_mut().expect("a block").1.push_str(piece);
-                }
-                Some("message_delta") => stop = e["delta"]["stop_reason"].clone(),
-                _ => {}
-            }
-        }
-        let whole_blocks: Vec<(String, String)> = whole["content"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|b| match b["type"].as_str() {
-                Some("tool_use") => {
-                    (format!("tool_use{}", b["name"].as_str().unwrap_or_default()), b["input"].to_string())
-                }
-                _ => ("text".into(), b["text"].as_str().unwrap_or_default().into()),
-            })
-            .collect();
-        let streamed: Vec<(String, String)> = blocks
-            .into_iter()
-            .map(|(k, v)| {
-                if k.starts_with("tool_use") {
-                    (k, serde_json::from_str::<Value>(&v).map(|j| j.to_string()).unwrap_or(v))
-                } else {
-                    (k, v)
-                }
-            })
-            .collect();
-        assert_eq!(streamed, whole_blocks, "messages content: {whole}");
-        assert_eq!(stop, whole["stop_reason"]);
+        chat_stream_equals_whole(addr, prompt, parallel);
+        responses_stream_equals_whole(addr, prompt, parallel);
+        messages_stream_equals_whole(addr, prompt, parallel);
     }
+}
+
+/// `body` streamed on `path`: its events as JSON, `[DONE]` left out.
+fn stream_events(addr: SocketAddr, path: &str, body: &Value) -> Vec<Value> {
+    let mut s = body.clone();
+    s["stream"] = true.into();
+    sse(addr, path, &s).iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).expect("event")).collect()
+}
+
+/// Chat: the content, the calls rebuilt from their deltas and the finish reason equal the whole answer's.
+fn chat_stream_equals_whole(addr: SocketAddr, prompt: &str, parallel: bool) {
+    let body = json!({"messages": [{"role": "user", "content": prompt}], "tools": [weather(), screenshot()],
+        "tool_choice": "required", "parallel_tool_calls": parallel, "max_tokens": 160, "temperature": 0});
+    let whole = ok(addr, "/v1/chat/completions", &body);
+    let (mut content, mut calls, mut finish) = (String::new(), Vec::<(String, String)>::new(), Value::Null);
+    for c in stream_events(addr, "/v1/chat/completions", &body) {
+        let ch = &c["choices"][0];
+        content.push_str(ch["delta"]["content"].as_str().unwrap_or_default());
+        for tc in ch["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            let i = tc["index"].as_u64().expect("index") as usize;
+            if i == calls.len() {
+                calls.push((tc["function"]["name"].as_str().expect("name").into(), String::new()));
+            }
+            calls[i].1.push_str(tc["function"]["arguments"].as_str().unwrap_or_default());
+        }
+        if !ch["finish_reason"].is_null() {
+            finish = ch["finish_reason"].clone();
+        }
+    }
+    let m = &whole["choices"][0]["message"];
+    assert_eq!(content, m["content"].as_str().unwrap_or_default(), "chat content: {whole}");
+    let whole_calls: Vec<(String, String)> = m["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| {
+            (
+                c["function"]["name"].as_str().unwrap_or_default().into(),
+                c["function"]["arguments"].as_str().unwrap_or_default().into(),
+            )
+        })
+        .collect();
+    assert_eq!(calls, whole_calls, "chat calls");
+    assert_eq!(finish, whole["choices"][0]["finish_reason"]);
+}
+
+/// Responses: the completed event's output is the whole output, and the text deltas its text.
+fn responses_stream_equals_whole(addr: SocketAddr, prompt: &str, parallel: bool) {
+    let tools = json!([{"type": "function", "name": "get_weather", "parameters": weather()["function"]["parameters"]}]);
+    let body = json!({"input": prompt, "tools": tools, "tool_choice": "required", "parallel_tool_calls": parallel,
+        "max_output_tokens": 160, "temperature": 0});
+    let whole = ok(addr, "/v1/responses", &body);
+    let events = stream_events(addr, "/v1/responses", &body);
+    let last = &events.last().expect("events")["response"];
+    assert_eq!(without_ids(&last["output"]), without_ids(&whole["output"]), "responses output");
+    let text: String = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .filter_map(|e| e["delta"].as_str())
+        .collect();
+    assert_eq!(text, output_text(&whole, "message"), "responses text");
+}
+
+/// Messages: text and tool_use blocks rebuilt from the deltas equal the whole answer's, and the stop reason.
+fn messages_stream_equals_whole(addr: SocketAddr, prompt: &str, parallel: bool) {
+    let tool = json!({"name": "get_weather", "input_schema": weather()["function"]["parameters"]});
+    let body = json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 160, "temperature": 0,
+        "tools": [tool], "tool_choice": {"type": "any", "disable_parallel_tool_use": !parallel}});
+    let whole = ok(addr, "/v1/messages", &body);
+    let mut blocks: Vec<(String, String)> = Vec::new();
+    let mut stop = Value::Null;
+    for e in stream_events(addr, "/v1/messages", &body) {
+        match e["type"].as_str() {
+            Some("content_block_start") => {
+                let b = &e["content_block"];
+                let name = b["name"].as_str().unwrap_or_default();
+                blocks.push((format!("{}{name}", b["type"].as_str().unwrap_or_default()), String::new()));
+            }
+            Some("content_block_delta") => {
+                let d = &e["delta"];
+                let piece = d["text"].as_str().or_else(|| d["partial_json"].as_str()).unwrap_or_default();
+                blocks.last_mut().expect("a block").1.push_str(piece);
+            }
+            Some("message_delta") => stop = e["delta"]["stop_reason"].clone(),
+            _ => {}
+        }
+    }
+    let whole_blocks: Vec<(String, String)> = whole["content"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|b| match b["type"].as_str() {
+            Some("tool_use") => (format!("tool_use{}", b["name"].as_str().unwrap_or_default()), b["input"].to_string()),
+            _ => ("text".into(), b["text"].as_str().unwrap_or_default().into()),
+        })
+        .collect();
+    let streamed: Vec<(String, String)> = blocks
+        .into_iter()
+        .map(|(k, v)| {
+            if k.starts_with("tool_use") {
+                (k, serde_json::from_str::<Value>(&v).map(|j| j.to_string()).unwrap_or(v))
+            } else {
+                (k, v)
+            }
+        })
+        .collect();
+    assert_eq!(streamed, whole_blocks, "messages content: {whole}");
+    assert_eq!(stop, whole["stop_reason"]);
 }
 
 #[test]
@@ -624,6 +635,12 @@ fn previous_response_id_continues_and_store_false_is_honoured() {
 #[test]
 fn every_new_refusal_has_its_code() {
     let addr = default_model();
+    chat_refusals_have_their_codes(addr);
+    responses_and_messages_refusals_have_their_codes(addr);
+}
+
+/// Chat: unsupported tools and formats, bad schemas and arguments, oversized tools and schemas.
+fn chat_refusals_have_their_codes(addr: SocketAddr) {
     let user = json!([{"role": "user", "content": "hi"}]);
     let chat_cases = [
         (json!({"messages": user, "tools": [{"type": "retrieval"}]}), 400, "unsupported_parameter"),
@@ -684,6 +701,11 @@ fn every_new_refusal_has_its_code() {
             assert!(m.contains("bytes of text"), "refused by size before tokenization: {m}");
         }
     }
+}
+
+/// Responses (OpenAI's envelope) and Messages (Anthropic's envelope).
+fn responses_and_messages_refusals_have_their_codes(addr: SocketAddr) {
+    let user = json!([{"role": "user", "content": "hi"}]);
     let resp_cases = [
         (json!({"input": "hi", "previous_response_id": "resp_nope"}), 404, "response_not_found"),
         (json!({"input": [{"type": "web_search_call"}]}), 400, "unsupported_parameter"),

@@ -157,19 +157,25 @@ fn chat_attach_stream_stop_and_the_engine_view() {
     }
 
     // 4. The engine view: a prefix-cache hit and expert residency, read from the page.
+    engine_view_shows_a_hit_and_residency(&tab, addr);
+    screenshot(&tab, "webui-dashboard.png");
+}
+
+/// Step 4 of [`chat_attach_stream_stop_and_the_engine_view`]: the dashboard's tiles, heat map and charts.
+fn engine_view_shows_a_hit_and_residency(tab: &Tab, addr: SocketAddr) {
     tab.navigate_to(&format!("http://{addr}/dashboard")).expect("dashboard").wait_until_navigated().expect("loaded");
-    wait_until(&tab, "the tiles", "document.getElementById('t-prefix-hits')");
-    let hits = js(&tab, "document.getElementById('t-prefix-hits').innerText");
+    wait_until(tab, "the tiles", "document.getElementById('t-prefix-hits')");
+    let hits = js(tab, "document.getElementById('t-prefix-hits').innerText");
     assert!(!hits.starts_with("0 of"), "a prefix-cache hit shows: {hits}");
-    let residency = js(&tab, "document.getElementById('t-residency').innerText");
+    let residency = js(tab, "document.getElementById('t-residency').innerText");
     assert!(residency.ends_with('%') && !residency.contains("mapped"), "{residency}");
-    let cells = js(&tab, "document.querySelectorAll('table.heat td.res').length");
+    let cells = js(tab, "document.querySelectorAll('table.heat td.res').length");
     assert!(cells.parse::<usize>().expect("count") > 0, "the heat map shows resident experts");
     // Every row is named: decoder layers by index, a draft head's experts as the draft head.
     let (_, stats) = harness::get(addr, "/v1/engine/stats");
     let stats: serde_json::Value = serde_json::from_str(&stats).expect("stats");
     let layers = stats["experts"]["decoder_layers"].as_u64().expect("decoder layers");
-    let names = js(&tab, "JSON.stringify([...document.querySelectorAll('table.heat th')].map(t => t.innerText))");
+    let names = js(tab, "JSON.stringify([...document.querySelectorAll('table.heat th')].map(t => t.innerText))");
     let names: Vec<String> = serde_json::from_str(&names).expect("names");
     assert!(!names.is_empty());
     for n in &names {
@@ -177,9 +183,9 @@ fn chat_attach_stream_stop_and_the_engine_view() {
             || n.strip_prefix("layer ").and_then(|i| i.parse::<u64>().ok()).is_some_and(|i| i < layers);
         assert!(ok, "heat map row {n:?} ({layers} decoder layers)");
     }
-    assert!(js(&tab, "document.getElementById('t-preemptions').innerText").contains('('), "preemptions shown");
+    assert!(js(tab, "document.getElementById('t-preemptions').innerText").contains('('), "preemptions shown");
     wait_until(
-        &tab,
+        tab,
         "a second poll",
         "document.querySelectorAll('#c-tps polyline')[0].getAttribute('points').length > 0",
     );
@@ -199,7 +205,6 @@ fn chat_attach_stream_stop_and_the_engine_view() {
         load.into_iter().for_each(|h| h.join().expect("load"));
         std::thread::sleep(Duration::from_secs(2));
     }
-    screenshot(&tab, "webui-dashboard.png");
 }
 
 #[test]
@@ -332,40 +337,45 @@ fn the_chat_on_a_phone_keeps_what_the_user_typed_and_each_stream_in_its_chat() {
     assert_eq!(js(&tab, "document.getElementById('input').value"), "");
 
     // 5. A long answer in chat A; chat B opened mid-stream stays empty; back in A the answer goes on; stopped.
-    js(&tab, "document.getElementById('max_tokens').value = '2000'; document.getElementById('extra').value = '{\"ignore_eos\": true}'");
-    js(&tab, "document.getElementById('input').value = 'Tell me a long story.'; document.getElementById('composer').requestSubmit()");
-    wait_until(
-        &tab,
-        "the answer to stream",
-        "[...document.querySelectorAll('.msg.assistant .content')].pop().innerText.length > 20",
-    );
-    let chat_a = js(&tab, "document.querySelector('#conversations li.current a').innerText");
-    js(&tab, "document.getElementById('new-chat').click()");
-    let painted = js(&tab, "new Promise(ok => setTimeout(() => ok(document.querySelectorAll('.msg').length), 400))");
-    assert_eq!(painted, "0", "chat B shows nothing of A's stream");
-    js(
-        &tab,
-        &format!("[...document.querySelectorAll('#conversations li a')].find(a => a.innerText === {chat_a:?}).click()"),
-    );
-    let len = js(&tab, "[...document.querySelectorAll('.msg.assistant .content')].pop().innerText.length")
-        .parse::<usize>()
-        .expect("length");
-    wait_until(
-        &tab,
-        "A's answer to go on",
-        &format!("[...document.querySelectorAll('.msg.assistant .content')].pop().innerText.length > {len}"),
-    );
-    js(&tab, "document.getElementById('stop').click()");
-    wait_until(
-        &tab,
-        "the stopped answer's numbers",
-        "[...document.querySelectorAll('.msg.assistant .stats')].pop()?.innerText.startsWith('stopped after')",
-    );
+    a_stream_stays_in_its_chat(&tab);
 
     // 6. The Markdown an answer may hold.
     let md = "| a | b |\\n|---|---|\\n| 1 | 2 |\\n\\n> quoted\\n\\n3. three\\n   - nested\\n4. four\\n\\nsee https://example.com/x.\\n\\n```\\ncode\\n```";
     let shape = js(&tab, &format!("(() => {{ const d = document.createElement('div'); renderMarkdown(\"{md}\", d); return [d.querySelectorAll('table td').length, d.querySelector('blockquote').innerText, d.querySelector('ol').start, d.querySelectorAll('ol > li > ul > li').length, d.querySelector('a').href, d.querySelector('pre button.copy') !== null].join(' '); }})()"));
     assert_eq!(shape, "2 quoted 3 1 https://example.com/x true");
+}
+
+/// Step 5 of [`the_chat_on_a_phone_keeps_what_the_user_typed_and_each_stream_in_its_chat`].
+fn a_stream_stays_in_its_chat(tab: &Tab) {
+    js(tab, "document.getElementById('max_tokens').value = '2000'; document.getElementById('extra').value = '{\"ignore_eos\": true}'");
+    js(tab, "document.getElementById('input').value = 'Tell me a long story.'; document.getElementById('composer').requestSubmit()");
+    wait_until(
+        tab,
+        "the answer to stream",
+        "[...document.querySelectorAll('.msg.assistant .content')].pop().innerText.length > 20",
+    );
+    let chat_a = js(tab, "document.querySelector('#conversations li.current a').innerText");
+    js(tab, "document.getElementById('new-chat').click()");
+    let painted = js(tab, "new Promise(ok => setTimeout(() => ok(document.querySelectorAll('.msg').length), 400))");
+    assert_eq!(painted, "0", "chat B shows nothing of A's stream");
+    js(
+        tab,
+        &format!("[...document.querySelectorAll('#conversations li a')].find(a => a.innerText === {chat_a:?}).click()"),
+    );
+    let len = js(tab, "[...document.querySelectorAll('.msg.assistant .content')].pop().innerText.length")
+        .parse::<usize>()
+        .expect("length");
+    wait_until(
+        tab,
+        "A's answer to go on",
+        &format!("[...document.querySelectorAll('.msg.assistant .content')].pop().innerText.length > {len}"),
+    );
+    js(tab, "document.getElementById('stop').click()");
+    wait_until(
+        tab,
+        "the stopped answer's numbers",
+        "[...document.querySelectorAll('.msg.assistant .stats')].pop()?.innerText.startsWith('stopped after')",
+    );
 }
 
 /// The engine view without an expert budget hides the expert sections; every chart's scale has its unit;

@@ -138,8 +138,8 @@ pub struct ExpertsReport {
 }
 
 /// The model's PLE counters: (hits, misses, bytes read).
-fn ple_counts(stats: Option<&osprey_models::PleStats>) -> (u64, u64, u64) {
-    let s = stats.map(|s| s.counts()).unwrap_or_default();
+fn ple_counts(budget: &osprey_models::PleBudget) -> (u64, u64, u64) {
+    let s = budget.counts();
     (s.hits, s.misses, s.bytes_read)
 }
 
@@ -270,23 +270,22 @@ pub fn bench_experts_traced(
     };
     let model = osprey_models::load_with_options(&cfg, &ck, opts, backend, &mut |_, _| {})?;
     // The tables' size is known once they are open: the budget is a fraction of it.
-    let ple_rows = model.ple_counts().map_or(0, |c| c.table_row_bytes);
+    let ple_rows = ple_budget.counts().table_row_bytes;
     if ple_rows > 0 {
         ple_budget.set((ple_rows as f64 * ple_fraction) as u64);
     }
     let top_k = model.info().experts_per_token;
     let prompt = crate::text_prompt(crate::bench_prompt(prompt_len, model.info().vocab_size));
-    let ple = model.ple_stats();
     let mut driver = Driver::new(model, 16);
     // Counters are sampled at the first token, so they cover the decode only.
     let (mut before, mut ple_before) = (None, (0, 0, 0));
     let opts = GenerateOptions { chunk: prompt_len.max(1), max_tokens: decode_tokens + 1, stop_token_ids: Vec::new() };
     let g = driver.generate_observed(prompt, crate::greedy(), &opts, &mut NoMedia, &mut || {
         before = Some(stats(&tx));
-        ple_before = ple_counts(ple.as_deref());
+        ple_before = ple_counts(&ple_budget);
     })?;
     let before = before.unwrap_or_default();
-    let ple_after = ple_counts(ple.as_deref());
+    let ple_after = ple_counts(&ple_budget);
     let (ph, pm, pb) = (ple_after.0 - ple_before.0, ple_after.1 - ple_before.1, ple_after.2 - ple_before.2);
     let secs = g.decode_secs;
     let after = stats(&tx);

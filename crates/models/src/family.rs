@@ -207,15 +207,24 @@ pub trait CausalLm: Send + Sync + Debug {
         Err(crate::Error::Unsupported(format!("{} has no draft head loaded", self.info().family)))
     }
 
-    /// The PLE row caches' counters, live (`None` for a model without PLE layers).
-    fn ple_stats(&self) -> Option<std::sync::Arc<crate::PleStats>> {
-        None
+    /// The family's own counters and gauges for `/metrics` (`qwen4_exp`: its PLE row caches), read now.
+    /// The runtime passes them through by name, so a family's internals never reach the protocol.
+    fn family_stats(&self) -> Vec<FamilyStat> {
+        Vec::new()
     }
+}
 
-    /// [`CausalLm::ple_stats`] read now.
-    fn ple_counts(&self) -> Option<crate::PleCounts> {
-        self.ple_stats().map(|s| s.counts())
-    }
+/// One of a family's own metrics ([`CausalLm::family_stats`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FamilyStat {
+    /// Prometheus name (`osprey_…`, `_total` for counters).
+    pub name: &'static str,
+    /// Help text.
+    pub help: &'static str,
+    /// A counter (else a gauge).
+    pub counter: bool,
+    /// The value now.
+    pub value: f64,
 }
 
 /// A loaded model behind the seam.
@@ -244,8 +253,8 @@ impl<T: CausalLm + ?Sized> CausalLm for Box<T> {
     fn slot_stats(&self) -> crate::SlotStats {
         (**self).slot_stats()
     }
-    fn ple_stats(&self) -> Option<std::sync::Arc<crate::PleStats>> {
-        (**self).ple_stats()
+    fn family_stats(&self) -> Vec<FamilyStat> {
+        (**self).family_stats()
     }
     fn has_draft_head(&self) -> bool {
         (**self).has_draft_head()

@@ -38,8 +38,8 @@ pub use checkpoint::{ByteSource, Checkpoint, MappedTensor, TensorLocation, Weigh
 pub use config::{ModelConfig, TextConfig};
 pub use error::{Error, Result};
 pub use family::{
-    CausalLm, DraftOutput, DraftStep, ForwardOptions, ForwardOutput, InjectedRows, KvLayout, LmInfo, LogitsWanted,
-    Model, Positions, SeqInput, SeqStep, DEFAULT_PAGE_SIZE,
+    CausalLm, DraftOutput, DraftStep, FamilyStat, ForwardOptions, ForwardOutput, InjectedRows, KvLayout, LmInfo,
+    LogitsWanted, Model, Positions, SeqInput, SeqStep, DEFAULT_PAGE_SIZE,
 };
 pub use kv::{KvPool, PageGeometry, PageRef, PageTable, PoolStats, ReserveError};
 pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts, ResidentExperts};

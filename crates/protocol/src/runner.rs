@@ -106,8 +106,10 @@ pub struct StepResult {
     pub slots: ExpertSlots,
     /// The device's memory and traffic after the step (`None`: a host backend).
     pub device: Option<DeviceCounters>,
-    /// PLE row-cache counters after the step (`None`: the model has no PLE layers).
-    pub ple: Option<PleCounters>,
+    /// The model family's own metrics after the step (none for most families).
+    pub family: Vec<FamilyMetric>,
+    /// Token-mask counters after the step.
+    pub grammar: GrammarCounters,
     /// Speculation counters after the step (`None`: no speculative decoding).
     pub spec: Option<SpecCounters>,
 }
@@ -144,19 +146,26 @@ impl SpecCounters {
     }
 }
 
-/// PLE row-cache counters of the runner's model, summed over its PLE layers, since load.
+/// The cost of constrained decoding's token masks since start.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PleCounters {
-    /// Rows served from RAM.
-    pub hits: u64,
-    /// Rows read from the table.
-    pub misses: u64,
-    /// Bytes read from the tables.
-    pub bytes_read: u64,
-    /// Bytes of rows held in RAM.
-    pub resident_bytes: u64,
-    /// Bytes of the tables on disk.
-    pub table_bytes: u64,
+pub struct GrammarCounters {
+    /// Masks computed.
+    pub masks: u64,
+    /// Nanoseconds spent computing them.
+    pub nanos: u64,
+}
+
+/// One of the model family's own metrics (a family's caches, by name: the protocol knows none of them).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FamilyMetric {
+    /// Prometheus name.
+    pub name: String,
+    /// Help text.
+    pub help: String,
+    /// A counter (else a gauge).
+    pub counter: bool,
+    /// The value after the step.
+    pub value: f64,
 }
 
 /// Expert slot counters of the runner's model, summed over its MoE layers, since start.

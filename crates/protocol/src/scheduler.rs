@@ -103,7 +103,7 @@ pub enum EngineEvent {
 }
 
 /// Counters and gauges of the scheduler (for /metrics).
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct SchedulerStats {
     /// Requests waiting for admission.
     pub waiting: usize,
@@ -126,8 +126,10 @@ pub struct SchedulerStats {
     pub expert_slots: crate::runner::ExpertSlots,
     /// The compute device's memory and traffic (as of the last step; `None` on the CPU).
     pub device: Option<crate::runner::DeviceCounters>,
-    /// PLE row-cache counters (as of the last step; `None` without PLE layers).
-    pub ple: Option<crate::runner::PleCounters>,
+    /// The model family's own metrics (as of the last step).
+    pub family: Vec<crate::runner::FamilyMetric>,
+    /// Token-mask counters (as of the last step).
+    pub grammar: crate::runner::GrammarCounters,
     /// Speculation counters (as of the last step; `None` without speculative decoding).
     pub spec: Option<crate::runner::SpecCounters>,
     /// Sequences preempted (KV pages ran out) since start.

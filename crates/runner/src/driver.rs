@@ -7,7 +7,6 @@
 //! It sees the model only through the [`CausalLm`] seam and owns every sequence's state.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -18,7 +17,7 @@ use osprey_models::{
     SeqStep, StateSnapshot,
 };
 use osprey_protocol::constraint::{GrammarError, TokenMatcher};
-use osprey_protocol::runner::{KvPages, TokenLogprobs};
+use osprey_protocol::runner::{GrammarCounters, KvPages, TokenLogprobs};
 use osprey_protocol::scheduler::{FinishReason, SamplingParams};
 use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
 use osprey_protocol::{ErrorCode, RequestError, SeqId};
@@ -84,11 +83,6 @@ pub struct Done {
 #[derive(Debug)]
 struct Parked(Rng, Option<Box<dyn TokenMatcher>>);
 
-/// Process-wide cost of grammar masks: nanoseconds spent computing them and masks computed.
-pub static MASK_NANOS: AtomicU64 = AtomicU64::new(0);
-/// See [`MASK_NANOS`].
-pub static MASKS: AtomicU64 = AtomicU64::new(0);
-
 /// Vision rows of a prompt's media items (shared; `None` until fetched).
 type MediaRows = Vec<Option<Arc<Vec<f32>>>>;
 
@@ -110,6 +104,8 @@ pub(crate) struct SeqRec {
     pub(crate) pending: Option<Pending>,
     /// Pages `[0, pages_reported)` are in the prefix cache or were sent with an earlier snapshot.
     pages_reported: usize,
+    /// Masks computed for this sequence since the driver last collected them.
+    pub(crate) masks: GrammarCounters,
 }
 
 /// Settings of [`Driver::generate`].
@@ -191,6 +187,8 @@ pub struct Driver {
     /// Draft tokens per decode step (0: no speculation).
     spec: usize,
     pub(crate) spec_counters: SpecCounters,
+    /// Token masks computed since start (collected from the sequences after each step).
+    grammar: GrammarCounters,
     pub(crate) draft_override: Option<DraftOverride>,
 }
 
@@ -220,6 +218,7 @@ impl Driver {
             next_private: SeqId::MAX,
             spec: 0,
             spec_counters: SpecCounters::default(),
+            grammar: GrammarCounters::default(),
             draft_override: None,
         }
     }
@@ -279,15 +278,18 @@ impl Driver {
         })
     }
 
-    /// The model's PLE row-cache counters.
-    pub fn ple_counters(&self) -> Option<osprey_protocol::runner::PleCounters> {
-        self.model.ple_counts().map(|c| osprey_protocol::runner::PleCounters {
-            hits: c.hits,
-            misses: c.misses,
-            bytes_read: c.bytes_read,
-            resident_bytes: c.resident_bytes,
-            table_bytes: c.table_bytes,
-        })
+    /// The model family's own metrics, by name.
+    pub fn family_metrics(&self) -> Vec<osprey_protocol::runner::FamilyMetric> {
+        self.model
+            .family_stats()
+            .into_iter()
+            .map(|s| osprey_protocol::runner::FamilyMetric {
+                name: s.name.into(),
+                help: s.help.into(),
+                counter: s.counter,
+                value: s.value,
+            })
+            .collect()
     }
 
     /// Page counts of the pool; `shared` counts the running sequences' pages that another holder (the
@@ -347,8 +349,19 @@ impl Driver {
         let mut tokens = prompt.input_ids.clone();
         tokens.extend_from_slice(generated);
         let allowed = Vec::new();
-        let rec =
-            SeqRec { state, prompt, tokens, sampling, rng, matcher, allowed, rows, pending: None, pages_reported };
+        let rec = SeqRec {
+            state,
+            prompt,
+            tokens,
+            sampling,
+            rng,
+            matcher,
+            allowed,
+            rows,
+            pending: None,
+            pages_reported,
+            masks: GrammarCounters::default(),
+        };
         self.seqs.insert(seq, rec);
         Ok(())
     }
@@ -534,6 +547,7 @@ impl Driver {
         if let (Some(v), Some((h, row))) = (verify.as_deref(), hidden) {
             done.sampled = speculative::accept(&self.model, &mut rec, (logits, v), (h, row), &mut self.spec_counters)?;
             rec.rows.iter_mut().for_each(|r| *r = None);
+            self.collect_masks(&mut rec);
             self.seqs.insert(w.seq, rec);
             return Ok(done);
         }
@@ -565,8 +579,21 @@ impl Driver {
             rec.rows.iter_mut().for_each(|r| *r = None);
             done.sampled = vec![(token, logprobs)];
         }
+        self.collect_masks(&mut rec);
         self.seqs.insert(w.seq, rec);
         Ok(done)
+    }
+
+    /// Moves a sequence's mask counters into the driver's totals.
+    fn collect_masks(&mut self, rec: &mut SeqRec) {
+        let m = std::mem::take(&mut rec.masks);
+        self.grammar.masks += m.masks;
+        self.grammar.nanos += m.nanos;
+    }
+
+    /// Token masks computed since start, and their time.
+    pub fn grammar_counters(&self) -> GrammarCounters {
+        self.grammar
     }
 
     /// One sequence from prompt to its last token: prefill in chunks of `opts.chunk`, then decode until a
@@ -674,13 +701,13 @@ pub(crate) fn grammar_error(e: &GrammarError) -> RequestError {
     engine_error(format!("grammar: {line}"))
 }
 
-/// Fills `rec.allowed` from its grammar (timed into [`MASK_NANOS`]); `false` when unconstrained.
+/// Fills `rec.allowed` from its grammar (counted and timed in `rec.masks`); `false` when unconstrained.
 pub(crate) fn grammar_mask(rec: &mut SeqRec) -> Result<bool, RequestError> {
     let Some(m) = rec.matcher.as_mut() else { return Ok(false) };
     let t = Instant::now();
     m.allowed(&mut rec.allowed).map_err(|e| grammar_error(&e))?;
-    MASK_NANOS.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    MASKS.fetch_add(1, Ordering::Relaxed);
+    rec.masks.nanos += t.elapsed().as_nanos() as u64;
+    rec.masks.masks += 1;
     if rec.allowed.iter().all(|&w| w == 0) {
         return Err(engine_error("the output format allows no token here"));
     }

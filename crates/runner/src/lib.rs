@@ -22,10 +22,7 @@ use osprey_protocol::vision::VisionCommand;
 use osprey_protocol::{downcast, ErrorCode, Handle, Opaque, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
-pub use driver::{
-    Done, Driver, GenerateOptions, Generated, NoMedia, Resume, RowSource, SpeculativeError, Taken, Work, MASKS,
-    MASK_NANOS,
-};
+pub use driver::{Done, Driver, GenerateOptions, Generated, NoMedia, Resume, RowSource, SpeculativeError, Taken, Work};
 
 /// The vision actor's inbox (the runner asks it for rows; actor crates do not depend on each other).
 pub type VisionSender = mpsc::UnboundedSender<VisionCommand>;
@@ -174,7 +171,8 @@ impl Runner {
         result.kv = self.driver.kv_pages();
         result.slots = self.driver.slot_stats();
         result.device = self.driver.device_counters();
-        result.ple = self.driver.ple_counters();
+        result.family = self.driver.family_metrics();
+        result.grammar = self.driver.grammar_counters();
         result.spec = (self.driver.speculative() > 0).then(|| self.driver.spec_counters());
         result
     }

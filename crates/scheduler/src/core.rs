@@ -244,7 +244,7 @@ impl Scheduler {
             kv_pages_free: self.kv.free,
             kv_pages_shared: self.kv.shared,
             kv_pages_running: self.kv.running,
-            ..self.stats
+            ..self.stats.clone()
         }
     }
 
@@ -466,7 +466,8 @@ impl Scheduler {
         }
         self.stats.expert_slots = result.slots;
         self.stats.device = result.device;
-        self.stats.ple = result.ple;
+        self.stats.family = result.family;
+        self.stats.grammar = result.grammar;
         self.stats.spec = result.spec;
         for item in &plan.items {
             if let Some(s) = self.running.iter_mut().find(|s| s.req.id == item.seq) {

@@ -647,9 +647,6 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
     ] {
         body.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}\n"));
     }
-    if let Some(extra) = &state.engine.extra_metrics {
-        body.push_str(&(extra.text)());
-    }
     Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(body))
 }
 

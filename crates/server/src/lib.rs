@@ -105,24 +105,6 @@ pub struct Engine {
     pub prefix: Option<UnboundedSender<PrefixCommand>>,
     /// Expert residency manager inbox (stats only), when experts stream from disk.
     pub experts: Option<UnboundedSender<ResidencyCommand>>,
-    /// More Prometheus text for `/metrics`, from parts the server does not know (the PLE row caches).
-    pub extra_metrics: Option<MetricsHook>,
-}
-
-/// Engine figures the server does not own (PLE row caches, grammar masks): Prometheus text for
-/// `/metrics` and the same as JSON for `/v1/engine/stats`.
-#[derive(Clone)]
-pub struct MetricsHook {
-    /// Prometheus text.
-    pub text: std::sync::Arc<dyn Fn() -> String + Send + Sync>,
-    /// JSON (`{"ple": {...}, "grammar": {...}}`, keys absent when they do not apply).
-    pub json: std::sync::Arc<dyn Fn() -> serde_json::Value + Send + Sync>,
-}
-
-impl std::fmt::Debug for MetricsHook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("MetricsHook")
-    }
 }
 
 /// A bound server: await `server`; send [`Phase`]s on `phase` to drain it.

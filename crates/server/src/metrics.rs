@@ -117,7 +117,7 @@ impl Metrics {
         let mut out = String::new();
         self.render_http(&mut out);
         render_scheduler(s, &mut out);
-        render_ple_and_spec(s, &mut out);
+        render_family_and_spec(s, &mut out);
         self.render_counters(s, &mut out);
         render_caches(s, v, p, &mut out);
         out
@@ -263,21 +263,26 @@ fn render_scheduler(s: &SchedulerStats, out: &mut String) {
     }
 }
 
-/// PLE row caches and speculative decoding, for the models that have them.
-fn render_ple_and_spec(s: &SchedulerStats, out: &mut String) {
-    if let Some(p) = s.ple {
-        let residency = if p.hits + p.misses == 0 { 1.0 } else { p.hits as f64 / (p.hits + p.misses) as f64 };
-        for (name, help, kind, v) in [
-            ("osprey_ple_hits_total", "PLE rows served from the RAM cache.", "counter", p.hits as f64),
-            ("osprey_ple_misses_total", "PLE rows read from the table on disk.", "counter", p.misses as f64),
-            ("osprey_ple_bytes_read_total", "Bytes of PLE rows read from the table.", "counter", p.bytes_read as f64),
-            ("osprey_ple_resident_bytes", "Bytes of PLE rows held in RAM.", "gauge", p.resident_bytes as f64),
-            ("osprey_ple_table_bytes", "Bytes of the PLE tables on disk.", "gauge", p.table_bytes as f64),
-            ("osprey_ple_residency", "Fraction of PLE row lookups served from RAM.", "gauge", residency),
-        ] {
-            gauge(out, name, help, kind, v);
-        }
+/// The model family's own metrics (by name) and speculative decoding, for the models that have them.
+fn render_family_and_spec(s: &SchedulerStats, out: &mut String) {
+    for m in &s.family {
+        gauge(out, &m.name, &m.help, if m.counter { "counter" } else { "gauge" }, m.value);
     }
+    let g = s.grammar;
+    gauge(
+        out,
+        "osprey_grammar_masks_total",
+        "Token masks computed for constrained decoding.",
+        "counter",
+        g.masks as f64,
+    );
+    gauge(
+        out,
+        "osprey_grammar_mask_seconds_total",
+        "Seconds spent computing token masks.",
+        "counter",
+        g.nanos as f64 * 1e-9,
+    );
     if let Some(c) = s.spec {
         for (name, help, kind, v) in [
             ("osprey_spec_drafted_total", "Tokens drafted by the MTP head.", "counter", c.drafted as f64),

@@ -92,7 +92,6 @@ pub async fn stats(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpR
             })).collect::<Vec<Value>>(),
         })
     });
-    let extra = state.engine.extra_metrics.as_ref().map(|h| (h.json)()).unwrap_or(Value::Null);
     let requests = ld(&m.chat_requests)
         + ld(&m.completion_requests)
         + ld(&m.responses_requests)
@@ -116,9 +115,7 @@ pub async fn stats(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpR
             "budget": p.budget, "nodes": p.nodes, "evictions": p.evictions, "resumed": p.resumed},
         "vision_cache": {"hits": snap.vision.hits, "misses": snap.vision.misses, "bytes": snap.vision.cached_bytes},
         "experts": experts,
-        "ple": s.ple.map(|p| json!({"hits": p.hits, "misses": p.misses,
-            "residency": if p.hits + p.misses == 0 { 1.0 } else { p.hits as f64 / (p.hits + p.misses) as f64 },
-            "bytes_read": p.bytes_read, "resident_bytes": p.resident_bytes, "table_bytes": p.table_bytes})),
-        "grammar": extra.get("grammar").cloned().unwrap_or(Value::Null),
+        "family": s.family.iter().map(|m| (m.name.clone(), json!(m.value))).collect::<serde_json::Map<_, _>>(),
+        "grammar": {"masks": s.grammar.masks, "mask_seconds": s.grammar.nanos as f64 * 1e-9},
     })))
 }

@@ -142,11 +142,12 @@ async function poll() {
   chart($("c-hit"), [{ data: series.hit }], "%");
   chart($("c-disk"), [{ data: series.disk }], "B");
   heatmap(s.experts);
-  if (s.ple) {
+  const f = s.family || {};
+  if ("osprey_ple_hits_total" in f) {
     $("ple-section").hidden = false;
-    const p = s.ple;
-    $("ple").textContent = `${p.hits} hits, ${p.misses} misses (${(p.residency * 100).toFixed(0)} %), ` +
-      `${fmtBytes(p.resident_bytes)} in RAM of ${fmtBytes(p.table_bytes)}, ${fmtBytes(p.bytes_read)} read`;
+    $("ple").textContent = `${f.osprey_ple_hits_total} hits, ${f.osprey_ple_misses_total} misses ` +
+      `(${(f.osprey_ple_residency * 100).toFixed(0)} %), ${fmtBytes(f.osprey_ple_resident_bytes)} in RAM of ` +
+      `${fmtBytes(f.osprey_ple_table_bytes)}, ${fmtBytes(f.osprey_ple_bytes_read_total)} read`;
   }
 }
 

@@ -148,7 +148,7 @@ impl Qwen4Exp {
         let rope = MRope::new(c.head_dim(), c.rot_dim(), rope_p.rope_theta, [sec[0], sec[1], sec[2]]);
         let hc_dims = (h, p.hc, p.hc_lowrank);
         let mut layers = Vec::with_capacity(p.kinds.len());
-        let ple_stats = Arc::new(PleStats::default());
+        let ple_stats = opts.ple_budget.stats();
         for (i, kind) in p.kinds.iter().enumerate() {
             let lp = format!("{pre}layers.{i}");
             let mixer = match kind {
@@ -281,7 +281,20 @@ impl CausalLm for Qwen4Exp {
         self.layers.iter().fold(crate::SlotStats::default(), |a, l| a + l.moe.slot_stats())
     }
 
-    fn ple_stats(&self) -> Option<Arc<PleStats>> {
-        self.layers.iter().any(|l| l.ple.is_some()).then(|| self.ple_stats.clone())
+    fn family_stats(&self) -> Vec<crate::FamilyStat> {
+        if !self.layers.iter().any(|l| l.ple.is_some()) {
+            return Vec::new();
+        }
+        let p = self.ple_stats.counts();
+        let residency = if p.hits + p.misses == 0 { 1.0 } else { p.hits as f64 / (p.hits + p.misses) as f64 };
+        let stat = |name, help, counter, value| crate::FamilyStat { name, help, counter, value };
+        vec![
+            stat("osprey_ple_hits_total", "PLE rows served from the RAM cache.", true, p.hits as f64),
+            stat("osprey_ple_misses_total", "PLE rows read from the table on disk.", true, p.misses as f64),
+            stat("osprey_ple_bytes_read_total", "Bytes of PLE rows read from the table.", true, p.bytes_read as f64),
+            stat("osprey_ple_resident_bytes", "Bytes of PLE rows held in RAM.", false, p.resident_bytes as f64),
+            stat("osprey_ple_table_bytes", "Bytes of the PLE tables on disk.", false, p.table_bytes as f64),
+            stat("osprey_ple_residency", "Fraction of PLE row lookups served from RAM.", false, residency),
+        ]
     }
 }

@@ -73,26 +73,39 @@ impl PleStats {
 /// Default RAM budget for cached PLE rows, all layers together.
 pub const DEFAULT_PLE_RAM_BYTES: u64 = 1 << 30;
 
-/// The RAM budget of a model's PLE row caches, all its layers together (a load option). Clones share
-/// it: the model's tables follow a change at their next lookup (shrinking evicts their least recently
-/// used rows).
+/// The RAM budget of a model's PLE row caches, all its layers together (a load option), and what the
+/// caches did with it. Clones share both: the model's tables follow a change at their next lookup
+/// (shrinking evicts their least recently used rows), and the caller reads the counters live.
 #[derive(Clone, Debug)]
-pub struct PleBudget(Arc<AtomicU64>);
+pub struct PleBudget {
+    bytes: Arc<AtomicU64>,
+    stats: Arc<PleStats>,
+}
 
 impl PleBudget {
     /// A budget of `bytes`.
     pub fn new(bytes: u64) -> Self {
-        PleBudget(Arc::new(AtomicU64::new(bytes)))
+        PleBudget { bytes: Arc::new(AtomicU64::new(bytes)), stats: Arc::default() }
     }
 
     /// Changes it.
     pub fn set(&self, bytes: u64) {
-        self.0.store(bytes, Relaxed);
+        self.bytes.store(bytes, Relaxed);
     }
 
     /// Bytes.
     pub fn get(&self) -> u64 {
-        self.0.load(Relaxed)
+        self.bytes.load(Relaxed)
+    }
+
+    /// The caches' counters now (zero until a model with PLE layers loads with this budget).
+    pub fn counts(&self) -> PleCounts {
+        self.stats.counts()
+    }
+
+    /// The shared counters the model's tables add to.
+    pub(crate) fn stats(&self) -> Arc<PleStats> {
+        self.stats.clone()
     }
 }
 
