@@ -87,6 +87,10 @@ int main(int argc, char** argv) {
         out.data(), m, on, k);
     run(linear_tiled, dim3{2, 1, 1}, dim3{16, 16, 1}, xs.data(), static_cast<const void*>(codes.data()), scales.data(), 0.5f, 3,
         out.data(), m, on, k);
+    run(linear_gemv, d1(3), d1(256), xs.data(), static_cast<const void*>(wh.data()), scales.data(), 1.0f, 2, out.data(), m,
+        on, k);
+    run(linear_gemv, d1(3), d1(256), xs.data(), static_cast<const void*>(codes.data()), scales.data(), 0.5f, 3, out.data(), m,
+        on, k);
 
     // Memory: gathers, scatters, splits, bf16 rows, embeddings.
     std::vector<int32_t> ids = {2, 0, 2};

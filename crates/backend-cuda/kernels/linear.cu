@@ -36,3 +36,26 @@ extern "C" __global__ void linear_tiled(const float* __restrict__ x, const void*
     }
     if (row < m && col < n) out[(size_t)row * n + col] = acc;
 }
+
+// Decode-shaped products (`m` ≤ 8 rows): one warp per output column (a weight row), its lanes striding
+// over `k` so that neighbouring lanes read neighbouring weights, each row's sum reduced across the warp.
+// The weight is read once for all `m` rows. Same weight types as `linear_tiled`; `m` above 8 is a bug.
+// budget: 64 registers
+extern "C" __global__ void linear_gemv(const float* __restrict__ x, const void* __restrict__ w, const uint8_t* __restrict__ scales,
+                                       float global, int wtype, float* __restrict__ out, unsigned m, unsigned n, unsigned k) {
+    const unsigned col = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (col >= n) return;  // a whole warp leaves together: `col` is the warp's
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (unsigned j = lane; j < k; j += 32) {
+        const float wv = weight_at(w, scales, global, wtype, col, k, j);
+#pragma unroll
+        for (unsigned r = 0; r < 8; ++r)
+            if (r < m) acc[r] += x[(size_t)r * k + j] * wv;
+    }
+#pragma unroll
+    for (unsigned r = 0; r < 8; ++r) {
+        if (r >= m) break;
+        const float v = warp_sum(acc[r]);
+        if (lane == 0) out[(size_t)r * n + col] = v;
+    }
+}

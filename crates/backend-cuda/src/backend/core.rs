@@ -7,6 +7,9 @@ use osprey_backend::{BackendError, CoreOps, DType, HostData, MRope, MemoryOps, R
 use super::{arg, u32_of, CudaBackend, CudaStorage};
 use crate::device::{Arg, DevPtr, LaunchConfig};
 
+/// Rows up to which a linear runs as a GEMV (`linear_gemv` keeps one accumulator per row).
+const GEMV_ROWS: usize = 8;
+
 /// Threads for a block reducing `group` values: a multiple of 32 from 32 to 256.
 fn threads_for(group: usize) -> u32 {
     (group.div_ceil(32) * 32).clamp(32, 256) as u32
@@ -86,8 +89,15 @@ impl CudaBackend {
             u32_of(n),
             u32_of(k),
         ];
-        let cfg = LaunchConfig { grid: [n.div_ceil(16) as u32, m.div_ceil(16).max(1) as u32, 1], block: [16, 16, 1] };
-        self.try_run("linear_tiled", cfg, &args)?;
+        // Decode (a few rows): a warp per output column reads each weight once for every row; prefill:
+        // 16×16 tiles through shared memory.
+        if (1..=GEMV_ROWS).contains(&m) {
+            let cfg = LaunchConfig { grid: [n.div_ceil(8) as u32, 1, 1], block: [256, 1, 1] };
+            self.try_run("linear_gemv", cfg, &args)?;
+        } else {
+            let cfg = LaunchConfig { grid: [n.div_ceil(16) as u32, m.div_ceil(16).max(1) as u32, 1], block: [16, 16, 1] };
+            self.try_run("linear_tiled", cfg, &args)?;
+        }
         Ok(out)
     }
 }
