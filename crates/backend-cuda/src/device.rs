@@ -56,9 +56,19 @@ pub enum Arg {
     F32(f32),
 }
 
-/// A point in a device's queue.
+/// A point in a device's queue: the compute stream's, or (tagged with [`Event::COPY`]) the copy stream's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Event(pub u64);
+
+impl Event {
+    /// The tag of the copy stream's events.
+    pub const COPY: u64 = 1 << 63;
+
+    /// Whether it is a point in the copy stream.
+    pub fn is_copy(self) -> bool {
+        self.0 & Event::COPY != 0
+    }
+}
 
 /// What the device says of itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,6 +120,15 @@ pub trait DeviceLayer: Send + Sync + Debug {
     fn free(&self, p: DevPtr);
     /// Host → device, ordered after the work before it.
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError>;
+    /// Host → device on the copy stream, after the copies before it and concurrent with compute: the
+    /// compute stream reads `dst` only after [`DeviceLayer::wait_event`] on the returned event.
+    ///
+    /// # Safety
+    /// `src` must stay valid for reads of `len` bytes until the returned event completes
+    /// ([`DeviceLayer::is_complete`], [`DeviceLayer::synchronize`]).
+    unsafe fn upload_async(&self, dst: DevPtr, src: *const u8, len: usize) -> Result<Event, DeviceError>;
+    /// Makes the compute stream's later work wait for `e` (a copy's event) without blocking the host.
+    fn wait_event(&self, e: Event) -> Result<(), DeviceError>;
     /// Device → host, after the work before it (waits).
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), DeviceError>;
     /// Device → device.

@@ -23,6 +23,8 @@ use crate::{kernels, nvrtc};
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Uploads of experts into slots, concurrent with compute (from the pinned arena when registered).
+    copy: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
     info: DeviceInfo,
     events: Mutex<BTreeMap<u64, CudaEvent>>,
@@ -86,6 +88,7 @@ impl CudaDevice {
             total_memory: ctx.total_mem().map_err(|e| driver("device memory", e))?,
         };
         let stream = ctx.default_stream();
+        let copy = ctx.new_stream().map_err(|e| driver("creating the copy stream", e))?;
         let arch = format!("sm_{major}{minor}");
         let mut functions = HashMap::new();
         for stem in kernels::sources() {
@@ -103,6 +106,7 @@ impl CudaDevice {
         Ok(CudaDevice {
             ctx,
             stream,
+            copy,
             functions,
             info,
             events: Mutex::new(BTreeMap::new()),
@@ -150,6 +154,26 @@ impl DeviceLayer for CudaDevice {
         // SAFETY: `dst` holds `src.len()` bytes (the backend sized it); a copy from pageable memory
         // returns once `src` has been staged, so `src` may be dropped after.
         unsafe { result::memcpy_htod_async(dst.0, src, self.stream.cu_stream()) }.map_err(|e| driver("upload", e))
+    }
+
+    unsafe fn upload_async(&self, dst: DevPtr, src: *const u8, len: usize) -> Result<Event, DeviceError> {
+        self.bind()?;
+        // SAFETY: the caller keeps `src` valid for `len` bytes until the event recorded below completes;
+        // `dst` holds `len` bytes (the backend sized the slot).
+        let bytes = unsafe { std::slice::from_raw_parts(src, len) };
+        unsafe { result::memcpy_htod_async(dst.0, bytes, self.copy.cu_stream()) }.map_err(|e| driver("copy", e))?;
+        let n = self.recorded.fetch_add(1, Ordering::Relaxed) + 1;
+        let ev = self.copy.record_event(None).map_err(|e| driver("recording a copy", e))?;
+        self.events.lock().unwrap_or_else(|e| e.into_inner()).insert(Event::COPY | n, ev);
+        Ok(Event(Event::COPY | n))
+    }
+
+    fn wait_event(&self, e: Event) -> Result<(), DeviceError> {
+        let events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        match events.get(&e.0) {
+            Some(ev) => self.stream.wait(ev).map_err(|e| driver("ordering compute after a copy", e)),
+            None => Ok(()), // already complete and pruned
+        }
     }
 
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), DeviceError> {

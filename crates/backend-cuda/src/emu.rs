@@ -28,12 +28,33 @@ pub struct EmuDevice {
     capacity: usize,
     /// Operations issued (an event is the count when recorded).
     issued: AtomicU64,
+    /// The copy stream: copies not yet run, in order (id, destination, source address, bytes). A copy
+    /// runs only when something waits for it — the latest a device may run it — so a read of its
+    /// destination that did not wait sees the old bytes, as a GPU may let it.
+    copies: Mutex<Vec<(u64, DevPtr, usize, usize)>>,
 }
 
 impl EmuDevice {
     /// A device with `capacity` bytes of memory.
     pub fn new(capacity: usize) -> Self {
-        EmuDevice { allocs: Mutex::new(BTreeMap::new()), used: AtomicU64::new(0), capacity, issued: AtomicU64::new(0) }
+        EmuDevice {
+            allocs: Mutex::new(BTreeMap::new()),
+            used: AtomicU64::new(0),
+            capacity,
+            issued: AtomicU64::new(0),
+            copies: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Runs the copy stream's copies up to event `id`.
+    fn run_copies(&self, id: u64) {
+        let mut copies = self.copies.lock().unwrap_or_else(|e| e.into_inner());
+        let ready = copies.iter().take_while(|c| c.0 <= id).count();
+        for (_, dst, src, len) in copies.drain(..ready) {
+            // SAFETY: `upload_async`'s caller keeps `src` valid until this copy's event completes (now);
+            // the destination was checked inside an allocation when the copy was queued.
+            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.0 as *mut u8, len) };
+        }
     }
 
     fn issue(&self) {
@@ -90,6 +111,18 @@ impl DeviceLayer for EmuDevice {
         // SAFETY: the range lies inside a live allocation (checked above), which `src` cannot alias.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.0 as *mut u8, src.len()) };
         Ok(())
+    }
+
+    unsafe fn upload_async(&self, dst: DevPtr, src: *const u8, len: usize) -> Result<Event, DeviceError> {
+        self.check(dst, len, "an asynchronous upload")?;
+        let id = self.issued.fetch_add(1, Ordering::Relaxed) + 1;
+        self.copies.lock().unwrap_or_else(|e| e.into_inner()).push((id, dst, src as usize, len));
+        Ok(Event(Event::COPY | id))
+    }
+
+    fn wait_event(&self, e: Event) -> Result<(), DeviceError> {
+        // The compute stream runs each operation as it is issued: its wait is the copies running now.
+        self.synchronize(e)
     }
 
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), DeviceError> {
@@ -152,11 +185,16 @@ impl DeviceLayer for EmuDevice {
         Event(self.issued.load(Ordering::Relaxed))
     }
 
-    fn is_complete(&self, _e: Event) -> bool {
-        true // every operation has run when it returns
+    fn is_complete(&self, e: Event) -> bool {
+        // Compute has run when it returns; a copy, once something waited for it.
+        let id = e.0 & !Event::COPY;
+        !e.is_copy() || self.copies.lock().unwrap_or_else(|e| e.into_inner()).first().is_none_or(|c| c.0 > id)
     }
 
-    fn synchronize(&self, _e: Event) -> Result<(), DeviceError> {
+    fn synchronize(&self, e: Event) -> Result<(), DeviceError> {
+        if e.is_copy() {
+            self.run_copies(e.0 & !Event::COPY);
+        }
         Ok(())
     }
 }

@@ -95,7 +95,8 @@ impl CudaBackend {
             let cfg = LaunchConfig { grid: [n.div_ceil(8) as u32, 1, 1], block: [256, 1, 1] };
             self.try_run("linear_gemv", cfg, &args)?;
         } else {
-            let cfg = LaunchConfig { grid: [n.div_ceil(16) as u32, m.div_ceil(16).max(1) as u32, 1], block: [16, 16, 1] };
+            let cfg =
+                LaunchConfig { grid: [n.div_ceil(16) as u32, m.div_ceil(16).max(1) as u32, 1], block: [16, 16, 1] };
             self.try_run("linear_tiled", cfg, &args)?;
         }
         Ok(out)

@@ -13,7 +13,7 @@ use osprey_backend::{
 };
 
 use super::core::RawWeight;
-use super::{arg, u32_of, Buf, CudaBackend};
+use super::{arg, seam_error, u32_of, Buf, CudaBackend};
 use crate::device::{Arg, LaunchConfig};
 
 /// Where one projection sits in a slot.
@@ -55,13 +55,15 @@ fn layout(shape: ExpertShape) -> ([Part; 3], usize) {
     (parts, at)
 }
 
-/// A host projection's bytes: (elements or codes, scales, global scale).
-fn host_bytes(m: &dyn HostMatrix) -> (Vec<u8>, &[u8], f32) {
-    let le = |v: &[u16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+/// A host projection's memory as bytes, in place: (elements or codes, scales, global scale). The device
+/// is little-endian, as the host (x86-64) is, so typed elements are already its bytes.
+fn raw_bytes(m: &dyn HostMatrix) -> (&[u8], &[u8], f32) {
+    // SAFETY: plain numbers reinterpreted as the bytes they occupy, for as long as `m` lends them.
+    let bytes = |p: *const u8, n: usize| unsafe { std::slice::from_raw_parts(p, n) };
     match m.view() {
-        WeightView::F32(v) => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), &[], 1.0),
-        WeightView::Bf16(v) | WeightView::F16(v) => (le(v), &[], 1.0),
-        WeightView::Nvfp4 { packed, scales, global } => (packed.to_vec(), scales, global),
+        WeightView::F32(v) => (bytes(v.as_ptr().cast(), 4 * v.len()), &[], 1.0),
+        WeightView::Bf16(v) | WeightView::F16(v) => (bytes(v.as_ptr().cast(), 2 * v.len()), &[], 1.0),
+        WeightView::Nvfp4 { packed, scales, global } => (packed, scales, global),
     }
 }
 
@@ -108,6 +110,9 @@ impl ExpertOps for CudaBackend {
             return Err(BackendError::Slot(format!("slot {slot} out of the pool")));
         }
         let base = cuda.mem.ptr.offset(slot * cuda.stride);
+        // The three projections go up on the copy stream, straight from the host expert's memory (the
+        // pinned arena on a GPU); the compute stream waits for the last copy before it reads the slot.
+        let mut last = None;
         for (i, m) in [&expert.gate, &expert.up, &expert.down].into_iter().enumerate() {
             let p = cuda.parts[i];
             if (m.rows(), m.cols()) != (p.rows, p.cols) {
@@ -119,17 +124,23 @@ impl ExpertOps for CudaBackend {
                     p.cols
                 )));
             }
-            let (data, scales, global) = host_bytes(m.as_ref());
-            self.copy_to_device(base.offset(p.data), &data)?;
-            if !scales.is_empty() {
-                self.copy_to_device(base.offset(p.scales), scales)?;
+            let (data, scales, global) = raw_bytes(m.as_ref());
+            for (at, bytes) in [(p.data, data), (p.scales, scales)] {
+                if !bytes.is_empty() {
+                    // SAFETY: `expert` owns this memory and is kept in `uploading` until the copy's event
+                    // completes.
+                    last = Some(unsafe { self.upload_async(base.offset(at), bytes) }?);
+                }
             }
             cuda.globals[slot][i] = global;
         }
         pool.set_key(slot, key);
-        // Copies from pageable host memory return once staged: the lease may end with this call.
-        drop(expert);
-        Ok(Fence(self.dev.record().0))
+        let Some(last) = last else { return Ok(Fence(self.dev.record().0)) };
+        self.dev.wait_event(last).map_err(seam_error)?;
+        let mut uploading = self.uploading.lock().unwrap_or_else(|e| e.into_inner());
+        uploading.retain(|(e, _)| !self.dev.is_complete(*e)); // finished copies give their leases back
+        uploading.push((last, expert));
+        Ok(Fence(last.0))
     }
 
     fn moe_routed(

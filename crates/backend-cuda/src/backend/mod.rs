@@ -81,6 +81,20 @@ pub struct CudaBackend {
     /// Bytes copied host → device and device → host since start.
     to_device: AtomicU64,
     from_device: AtomicU64,
+    /// Experts being copied into slots on the copy stream, kept (with their leases) until their copy's
+    /// event completes: the execution contract's "the backend keeps `expert` until then".
+    uploading: std::sync::Mutex<Vec<(crate::device::Event, osprey_backend::HostExpert)>>,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // The copies must finish before their sources (the leases) go.
+        let pending = std::mem::take(self.uploading.get_mut().unwrap_or_else(|e| e.into_inner()));
+        for (e, expert) in pending {
+            let _ = self.dev.synchronize(e);
+            drop(expert);
+        }
+    }
 }
 
 /// A device error as the seam reports it.
@@ -96,13 +110,30 @@ impl CudaBackend {
     /// The backend over `dev`, whose tensors are on `device`.
     pub fn new(dev: Arc<dyn DeviceLayer>, device: Device) -> Self {
         let info = dev.info();
-        CudaBackend { dev, device, info, to_device: AtomicU64::new(0), from_device: AtomicU64::new(0) }
+        CudaBackend {
+            dev,
+            device,
+            info,
+            to_device: AtomicU64::new(0),
+            from_device: AtomicU64::new(0),
+            uploading: std::sync::Mutex::new(Vec::new()),
+        }
     }
 
     /// Host → device, counted.
     fn copy_to_device(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
         self.to_device.fetch_add(src.len() as u64, Ordering::Relaxed);
         self.dev.upload(dst, src).map_err(seam_error)
+    }
+
+    /// Host → device on the copy stream, counted.
+    ///
+    /// # Safety
+    /// `src` must stay valid until the returned event completes.
+    unsafe fn upload_async(&self, dst: DevPtr, src: &[u8]) -> Result<crate::device::Event> {
+        self.to_device.fetch_add(src.len() as u64, Ordering::Relaxed);
+        // SAFETY: per this function's contract.
+        unsafe { self.dev.upload_async(dst, src.as_ptr(), src.len()) }.map_err(seam_error)
     }
 
     /// Device → host, counted.

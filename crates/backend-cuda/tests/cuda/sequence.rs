@@ -194,15 +194,22 @@ fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wave() {
             let xt = b.upload_f32(&x, &[t, shape.hidden]).expect("x");
             let wt = b.upload_f32(&w, &[t, k]).expect("w");
             let mut partials = b.zeros_f32(&[t * k, shape.hidden]).expect("partials");
+            let mut fences = Vec::new();
             for (uploads, slots) in &waves {
+                // No wait on the uploads' fences: the backend orders its own reads after its copies (the
+                // MoE layer waits only before reusing a slot). The emulated device runs a copy only when
+                // something waits for it, so a backend that forgot would read stale slots here.
                 for &(slot, e) in uploads {
-                    let f = b.upload_expert(&mut pool, slot, expert(dtype, e, shape)).expect("upload");
-                    b.wait_fence(f).expect("fence");
+                    fences.push(b.upload_expert(&mut pool, slot, expert(dtype, e, shape)).expect("upload"));
                 }
                 let st = b.upload(HostData::I32(slots), &[t, k]).expect("slots");
                 b.moe_routed(&xt, &st, &wt, &pool, &mut partials).expect("wave");
             }
             outs.push(host(b, &b.moe_combine(&partials, k).expect("combine")));
+            for f in fences {
+                b.wait_fence(f).expect("an upload's fence");
+                assert!(b.fence_complete(f), "a waited fence is complete");
+            }
         }
         // A chain of dot products of lengths 256 (gate, up) and 64 (down): norm-wise, each output moves by
         // at most γ_256 + γ_64 of the largest magnitude in play, for each of the two backends.
