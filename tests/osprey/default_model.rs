@@ -300,3 +300,19 @@ fn the_memory_plan_sizes_expert_slots_and_answers_do_not_change() {
     assert_eq!(metric(addr, "osprey_expert_slots"), 12.0, "3 slots in each of 4 MoE layers");
     assert!(metric(addr, "osprey_expert_slot_misses_total") > 12.0, "experts came and went through the slots");
 }
+
+/// The whole expert path of the GPU tier on the emulated device: experts streamed from disk into the
+/// CUDA backend's host arena (two per layer in RAM), uploaded from there into device slots on the copy
+/// stream, answers unchanged.
+#[test]
+fn experts_stream_from_disk_through_the_host_arena_into_device_slots() {
+    let settings = Settings { device: Some("cuda-emu".into()), expert_ram_experts: Some(2), ..Settings::default() };
+    let addr = start(settings, osprey::model_dir(&Settings::default()).expect("default model"));
+    for name in ["red_circle", "moving_up", "hello"] {
+        let c = case(name);
+        assert_eq!(answer(addr, &c, c.thinking).1, c.expected, "{name}");
+    }
+    assert!(metric(addr, "osprey_expert_residency") < 1.0, "experts came from disk");
+    assert!(metric(addr, "osprey_expert_evictions_total") > 0.0, "two per layer: evicted and read again");
+    assert!(metric(addr, "osprey_expert_slot_misses_total") > 0.0, "and went up into slots");
+}

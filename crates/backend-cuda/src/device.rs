@@ -118,6 +118,9 @@ pub trait DeviceLayer: Send + Sync + Debug {
     fn alloc(&self, bytes: usize) -> Result<DevPtr, DeviceError>;
     /// Gives an allocation back, once the work issued before has run.
     fn free(&self, p: DevPtr);
+    /// Host memory for the expert RAM tier, zeroed and 4 KiB-aligned: page-locked on a GPU, so the copy
+    /// stream reads it directly; plain memory on the emulated device.
+    fn alloc_host(&self, bytes: usize) -> Result<osprey_backend::HostArena, DeviceError>;
     /// Host → device, ordered after the work before it.
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError>;
     /// Host → device on the copy stream, after the copies before it and concurrent with compute: the

@@ -140,6 +140,23 @@ impl DeviceLayer for CudaDevice {
         }
     }
 
+    fn alloc_host(&self, bytes: usize) -> Result<osprey_backend::HostArena, DeviceError> {
+        self.bind()?;
+        // SAFETY: the context is bound; the memory is zeroed below before anyone reads it.
+        let p = match unsafe { result::malloc_host(bytes.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) } {
+            Ok(p) => p.cast::<u8>(),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                return Err(DeviceError::OutOfMemory { requested: bytes, available: 0 })
+            }
+            Err(e) => return Err(driver("page-locked host memory", e)),
+        };
+        // SAFETY: `p` holds `bytes` bytes, page-aligned (4 KiB at least), until `Pinned` frees it.
+        unsafe {
+            std::ptr::write_bytes(p, 0, bytes);
+            Ok(osprey_backend::HostArena::new(p, bytes, Box::new(Pinned { ptr: p, ctx: self.ctx.clone() })))
+        }
+    }
+
     fn free(&self, p: DevPtr) {
         if self.bind().is_ok() {
             // The stream's work that reads `p` must finish first: freeing is ordered by a sync.
@@ -246,6 +263,25 @@ impl DeviceLayer for CudaDevice {
         match ev {
             Some(ev) => ev.synchronize().map_err(|e| driver("waiting for an event", e)),
             None => Ok(()),
+        }
+    }
+}
+
+/// Page-locked host memory from `cuMemHostAlloc`, freed with its context.
+struct Pinned {
+    ptr: *mut u8,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: uniquely owned page-locked memory, freed only on drop.
+unsafe impl Send for Pinned {}
+unsafe impl Sync for Pinned {}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by `malloc_host` and freed once, here.
+            let _ = unsafe { result::free_host(self.ptr.cast()) };
         }
     }
 }

@@ -1,13 +1,10 @@
 //! Memory and fences on the device: uploads and downloads are copies through the device layer, row
 //! moves are kernels (`kernels/memory.cu`), fences are events.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ops::Range;
 use std::sync::Arc;
 
-use osprey_backend::{
-    BackendError, DType, Fence, HostArena, HostData, HostMatrix, HostVec, MemoryOps, Result, Tensor, WeightView,
-};
+use osprey_backend::{DType, Fence, HostArena, HostData, HostMatrix, HostVec, MemoryOps, Result, Tensor, WeightView};
 
 use super::{arg, ptr, u32_of, Buf, CudaBackend, CudaStorage, Placed};
 use crate::device::{Arg, LaunchConfig};
@@ -34,23 +31,6 @@ fn typed(dtype: DType, b: &[u8]) -> HostVec {
         DType::U8 => HostVec::U8(b.to_vec()),
         DType::I32 => HostVec::I32(words(u32::from_le_bytes).map(|w| w as i32).collect()),
         DType::Nvfp4 => panic!("NVFP4 tensors are placed weights, never downloaded: this is a bug"),
-    }
-}
-
-/// A 4 KiB-aligned zeroed host allocation (the emulated device's stand-in for pinned memory).
-struct Aligned {
-    ptr: *mut u8,
-    layout: Layout,
-}
-
-// SAFETY: uniquely owned heap memory, freed only on drop.
-unsafe impl Send for Aligned {}
-unsafe impl Sync for Aligned {}
-
-impl Drop for Aligned {
-    fn drop(&mut self) {
-        // SAFETY: allocated with this layout in `alloc_host_arena`.
-        unsafe { dealloc(self.ptr, self.layout) }
     }
 }
 
@@ -164,16 +144,7 @@ impl MemoryOps for CudaBackend {
     }
 
     fn alloc_host_arena(&self, bytes: usize) -> Result<HostArena> {
-        // A real device registers this memory as page-locked (uploads from it are asynchronous);
-        // the emulated device copies from plain memory.
-        let layout = Layout::from_size_align(bytes.max(1), 4096).map_err(|e| BackendError::Device(e.to_string()))?;
-        // SAFETY: the layout has a nonzero size.
-        let p = unsafe { alloc_zeroed(layout) };
-        if p.is_null() {
-            return Err(BackendError::OutOfMemory { requested: bytes, available: 0 });
-        }
-        // SAFETY: `p` is valid for `bytes` bytes, 4 KiB-aligned, and freed only when the owner drops.
-        Ok(unsafe { HostArena::new(p, bytes, Box::new(Aligned { ptr: p, layout })) })
+        self.dev.alloc_host(bytes).map_err(super::seam_error)
     }
 
     fn record_fence(&self) -> Fence {
