@@ -239,9 +239,11 @@ pub fn open_backend_with(
             Some(bytes) => osprey_backend_cpu::CpuBackend::with_memory_cap(precision, bytes),
             None => osprey_backend_cpu::open(precision),
         },
-        osprey_backend::Device::Cuda(n) => osprey_backend_cuda::open(n)?,
+        osprey_backend::Device::Cuda(n) => osprey_backend_cuda::open(n, precision)?,
         // The CUDA kernels on the CPU: a test device, with the memory cap as its device memory.
-        osprey_backend::Device::CudaEmu => osprey_backend_cuda::open_emulated(memory.unwrap_or(24 << 30)),
+        osprey_backend::Device::CudaEmu => {
+            osprey_backend_cuda::open_emulated_with(memory.unwrap_or(24 << 30), precision)
+        }
     };
     tracing::info!(device = %device, backend = backend.describe(), "compute backend");
     Ok(backend)

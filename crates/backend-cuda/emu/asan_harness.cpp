@@ -104,6 +104,8 @@ int main(int argc, char** argv) {
     std::vector<uint16_t> half(n);
     run(f32_to_bf16_rows, d1(2), d1(256), x.data(), half.data(), n);
     auto emb = vals(3 * cols);
+    std::vector<uint16_t> widened(on * k);
+    run(nvfp4_to_bf16, d1(4), d1(256), codes.data(), scales.data(), 0.5f, widened.data(), on * k);
     run(embed_rows, d1(2), d1(256), static_cast<const void*>(half.data()), 1, ids.data(), emb.data(), 3u, cols);
 
     // Attention: 2 rows after 19 tokens, pages of 8, 4 heads over 2 KV heads of 16, f32 and bf16 pools.

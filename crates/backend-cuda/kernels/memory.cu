@@ -51,3 +51,15 @@ extern "C" __global__ void embed_rows(const void* __restrict__ table, int dtype,
         else out[i] = f16_to_f32(((const uint16_t*)table)[src]);
     }
 }
+
+// NVFP4 codes (two e2m1 per byte, even column low) with their e4m3 scales per 16 and global scale →
+// bf16 bits, rounded to nearest even (a weight widened for the bf16 GEMM of a prefill).
+// budget: 32 registers
+extern "C" __global__ void nvfp4_to_bf16(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales, float global,
+                                         uint16_t* __restrict__ out, unsigned n) {
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const uint8_t byte = codes[i / 2];
+        const float v = e2m1_to_f32(i % 2 == 0 ? (byte & 0xfu) : (byte >> 4)) * (e4m3_to_f32(scales[i / 16]) * global);
+        out[i] = f32_to_bf16(v);
+    }
+}

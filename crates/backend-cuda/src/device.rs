@@ -56,6 +56,32 @@ pub enum Arg {
     F32(f32),
 }
 
+/// One GEMM as cuBLAS defines it (column-major, `C = alpha·op(A)·op(B) + beta·C`, `op` a transpose when
+/// asked), with bf16 `A` and `B`, f32 `C` and f32 accumulation (`cublasGemmEx`, `CUBLAS_COMPUTE_32F`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmBf16 {
+    /// `op(A)` is `A` transposed.
+    pub transa: bool,
+    /// `op(B)` is `B` transposed.
+    pub transb: bool,
+    /// Rows of `op(A)` and `C`.
+    pub m: usize,
+    /// Columns of `op(B)` and `C`.
+    pub n: usize,
+    /// Columns of `op(A)`, rows of `op(B)`.
+    pub k: usize,
+    /// `A` and its leading dimension.
+    pub a: (DevPtr, usize),
+    /// `B` and its leading dimension.
+    pub b: (DevPtr, usize),
+    /// `C` and its leading dimension.
+    pub c: (DevPtr, usize),
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Scale of `C`'s old value.
+    pub beta: f32,
+}
+
 /// A point in a device's queue: the compute stream's, or (tagged with [`Event::COPY`]) the copy stream's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Event(pub u64);
@@ -138,6 +164,8 @@ pub trait DeviceLayer: Send + Sync + Debug {
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), DeviceError>;
     /// Zeroes `bytes` at `dst`.
     fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError>;
+    /// One bf16 GEMM with cuBLAS's semantics, on the compute stream.
+    fn gemm_bf16(&self, g: GemmBf16) -> Result<(), DeviceError>;
     /// Launches kernel `name` (of the sources in `kernels/`).
     fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<(), DeviceError>;
     /// An event after everything issued so far.

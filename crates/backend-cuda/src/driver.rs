@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
-use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, LaunchConfig};
+use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
 use crate::{kernels, nvrtc};
 
 /// A CUDA device through cudarc (see the module docs).
@@ -29,6 +29,37 @@ pub struct CudaDevice {
     info: DeviceInfo,
     events: Mutex<BTreeMap<u64, CudaEvent>>,
     recorded: AtomicU64,
+    /// cuBLAS on the compute stream (`None`: libcublas not found; the backend then keeps to its kernels).
+    blas: Option<Blas>,
+}
+
+/// A cuBLAS handle, used by one caller at a time.
+struct Blas(Mutex<cudarc::cublas::sys::cublasHandle_t>);
+
+// SAFETY: the handle is only used under its mutex, with the context bound.
+unsafe impl Send for Blas {}
+unsafe impl Sync for Blas {}
+
+impl Blas {
+    /// A handle on `stream`, when libcublas loads.
+    fn open(stream: &CudaStream) -> Option<Blas> {
+        // SAFETY: only tries to open the library.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return None;
+        }
+        let handle = cudarc::cublas::result::create_handle().ok()?;
+        // SAFETY: a fresh handle and a live stream of the bound context.
+        unsafe { cudarc::cublas::result::set_stream(handle, stream.cu_stream() as _) }.ok()?;
+        Some(Blas(Mutex::new(handle)))
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        let handle = *self.0.get_mut().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: created by `open`, destroyed once, here.
+        let _ = unsafe { cudarc::cublas::result::destroy_handle(handle) };
+    }
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -103,7 +134,9 @@ impl CudaDevice {
                 functions.insert(k.name, module.load_function(k.name).map_err(|e| driver(k.name, e))?);
             }
         }
+        let blas = Blas::open(&stream);
         Ok(CudaDevice {
+            blas,
             ctx,
             stream,
             copy,
@@ -211,6 +244,41 @@ impl DeviceLayer for CudaDevice {
         self.bind()?;
         // SAFETY: as in `copy`.
         unsafe { result::memset_d8_async(dst.0, 0, bytes, self.stream.cu_stream()) }.map_err(|e| driver("memset", e))
+    }
+
+    fn gemm_bf16(&self, g: GemmBf16) -> Result<(), DeviceError> {
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
+        let blas = self.blas.as_ref().ok_or_else(|| DeviceError::Unavailable("libcublas not found".into()))?;
+        self.bind()?;
+        let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
+        let dim = |v: usize| i32::try_from(v).map_err(|_| DeviceError::Bounds(format!("a GEMM dimension of {v}")));
+        let handle = blas.0.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the pointers are live allocations of the sizes the dimensions and leading dimensions
+        // span (the backend sized them); alpha and beta are host values read during the call.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *handle,
+                op(g.transa),
+                op(g.transb),
+                dim(g.m)?,
+                dim(g.n)?,
+                dim(g.k)?,
+                (&g.alpha as *const f32).cast(),
+                g.a.0 .0 as *const std::ffi::c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                dim(g.a.1)?,
+                g.b.0 .0 as *const std::ffi::c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                dim(g.b.1)?,
+                (&g.beta as *const f32).cast(),
+                g.c.0 .0 as *mut std::ffi::c_void,
+                cudaDataType_t::CUDA_R_32F,
+                dim(g.c.1)?,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .map_err(|e| DeviceError::Kernel { kernel: "cublasGemmEx".into(), message: format!("{e:?}") })
     }
 
     fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<(), DeviceError> {

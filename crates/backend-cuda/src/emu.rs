@@ -13,7 +13,7 @@ use crate::kernels::{emu_entry, Launch};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, LaunchConfig};
+use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
 
 unsafe extern "C" {
     fn osprey_emu_last_error() -> *const std::ffi::c_char;
@@ -160,6 +160,37 @@ impl DeviceLayer for EmuDevice {
         self.issue();
         // SAFETY: the range lies inside a live allocation.
         unsafe { std::ptr::write_bytes(dst.0 as *mut u8, 0, bytes) };
+        Ok(())
+    }
+
+    fn gemm_bf16(&self, g: GemmBf16) -> Result<(), DeviceError> {
+        // cuBLAS's semantics on the host: column-major, `op(X)[i, j]` is `X[i + j·ld]`, or `X[j + i·ld]`
+        // transposed; products of bf16 values are exact in f32, summed in `p` order.
+        let (rows_a, cols_a) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
+        let (rows_b, cols_b) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
+        let span = |rows: usize, cols: usize, ld: usize| if cols == 0 { 0 } else { (cols - 1) * ld + rows };
+        self.check(g.a.0, 2 * span(rows_a, cols_a, g.a.1), "a GEMM's A")?;
+        self.check(g.b.0, 2 * span(rows_b, cols_b, g.b.1), "a GEMM's B")?;
+        self.check(g.c.0, 4 * span(g.m, g.n, g.c.1), "a GEMM's C")?;
+        self.issue();
+        let bf = |p: DevPtr, i: usize| {
+            // SAFETY: inside the ranges checked above.
+            f32::from_bits(u32::from(unsafe { *(p.0 as *const u16).add(i) }) << 16)
+        };
+        let (ta, tb) = (g.transa, g.transb);
+        for j in 0..g.n {
+            for i in 0..g.m {
+                let mut acc = 0f32;
+                for p in 0..g.k {
+                    let a = bf(g.a.0, if ta { p + i * g.a.1 } else { i + p * g.a.1 });
+                    let b = bf(g.b.0, if tb { j + p * g.b.1 } else { p + j * g.b.1 });
+                    acc += a * b;
+                }
+                // SAFETY: inside C's checked range.
+                let c = unsafe { &mut *(g.c.0 .0 as *mut f32).add(i + j * g.c.1) };
+                *c = g.alpha * acc + if g.beta == 0.0 { 0.0 } else { g.beta * *c };
+            }
+        }
         Ok(())
     }
 

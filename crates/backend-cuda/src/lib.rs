@@ -26,18 +26,23 @@ pub mod nvrtc;
 use std::sync::Arc;
 
 pub use backend::{CudaBackend, CudaStorage};
-pub use device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, LaunchConfig};
+pub use device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
 pub use emu::EmuDevice;
 
-/// The CUDA backend on device `ordinal`: a clear error without the `cuda` feature, a driver, a device
-/// or NVRTC.
-pub fn open(ordinal: usize) -> osprey_backend::Result<osprey_backend::BackendRef> {
+/// The CUDA backend on device `ordinal` at `precision`: a clear error without the `cuda` feature, a
+/// driver, a device or NVRTC.
+pub fn open(
+    ordinal: usize,
+    precision: osprey_backend::Precision,
+) -> osprey_backend::Result<osprey_backend::BackendRef> {
     #[cfg(feature = "cuda")]
     {
         let dev = driver::CudaDevice::open(ordinal)
             .map_err(|e| osprey_backend::BackendError::Unavailable(format!("--device cuda:{ordinal}: {e}")))?;
-        Ok(Arc::new(CudaBackend::new(Arc::new(dev), osprey_backend::Device::Cuda(ordinal))))
+        Ok(Arc::new(CudaBackend::new(Arc::new(dev), osprey_backend::Device::Cuda(ordinal)).with_precision(precision)))
     }
+    #[cfg(not(feature = "cuda"))]
+    let _ = precision;
     #[cfg(not(feature = "cuda"))]
     Err(osprey_backend::BackendError::Unavailable(format!(
         "--device cuda:{ordinal}: this build has no CUDA driver layer (build with --features cuda); \
@@ -52,7 +57,13 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// The CUDA backend on the emulated device with `memory` bytes of device memory.
+/// The CUDA backend on the emulated device with `memory` bytes of device memory, exact (f32 linears).
 pub fn open_emulated(memory: usize) -> osprey_backend::BackendRef {
-    Arc::new(CudaBackend::new(Arc::new(EmuDevice::new(memory)), osprey_backend::Device::CudaEmu))
+    open_emulated_with(memory, osprey_backend::Precision::Exact)
+}
+
+/// [`open_emulated`] at `precision`.
+pub fn open_emulated_with(memory: usize, precision: osprey_backend::Precision) -> osprey_backend::BackendRef {
+    let dev = Arc::new(EmuDevice::new(memory));
+    Arc::new(CudaBackend::new(dev, osprey_backend::Device::CudaEmu).with_precision(precision))
 }

@@ -5,7 +5,7 @@
 use osprey_backend::{BackendError, CoreOps, DType, HostData, MRope, MemoryOps, Result, RopeTable, Tensor};
 
 use super::{arg, u32_of, CudaBackend, CudaStorage};
-use crate::device::{Arg, DevPtr, LaunchConfig};
+use crate::device::{Arg, DevPtr, DeviceError, GemmBf16, LaunchConfig};
 
 /// Rows up to which a linear runs as a GEMV (`linear_gemv` keeps one accumulator per row).
 const GEMV_ROWS: usize = 8;
@@ -67,9 +67,53 @@ pub(super) struct RawWeight {
 }
 
 impl CudaBackend {
+    /// `x [m, k] · wᵀ → [m, n]` as one bf16 GEMM (cuBLAS's `GemmEx` on a GPU): activations rounded to
+    /// bf16, an NVFP4 weight widened to bf16 first. `None` where the device has no BLAS.
+    fn gemm(&self, x: &Tensor, w: RawWeight, n: usize, k: usize) -> Result<Option<Tensor>> {
+        let m = x.rows();
+        let xb = self.empty(DType::BF16, &[m, k])?;
+        self.try_run("f32_to_bf16_rows", LaunchConfig::elements(m * k), &[arg(x), arg(&xb), u32_of(m * k)])?;
+        let widened;
+        let wb = match w.dtype {
+            DType::BF16 => w.data,
+            _ => {
+                widened = self.empty(DType::BF16, &[n, k])?;
+                let args = [Arg::Ptr(w.data), Arg::Ptr(w.scales), Arg::F32(w.global), arg(&widened), u32_of(n * k)];
+                self.try_run("nvfp4_to_bf16", LaunchConfig::elements(n * k), &args)?;
+                super::ptr(&widened)
+            }
+        };
+        let out = self.empty(DType::F32, &[m, n])?;
+        // Row-major `out [m, n] = x [m, k] · w [n, k]ᵀ` is column-major `outᵀ (n × m) = wᵀᵀ · xᵀ`: A = w
+        // (k × n column-major, transposed), B = x (k × m column-major).
+        let g = GemmBf16 {
+            transa: true,
+            transb: false,
+            m: n,
+            n: m,
+            k,
+            a: (wb, k),
+            b: (super::ptr(&xb), k),
+            c: (super::ptr(&out), n),
+            alpha: 1.0,
+            beta: 0.0,
+        };
+        match self.dev.gemm_bf16(g) {
+            Ok(()) => Ok(Some(out)),
+            Err(DeviceError::Unavailable(_)) => Ok(None),
+            Err(e) => Err(super::seam_error(e)),
+        }
+    }
+
     /// `x [m, k] · wᵀ → [m, n]` (a placed weight, or an expert's projection in a slot).
     pub(super) fn matmul(&self, x: &Tensor, w: RawWeight, n: usize, k: usize) -> Result<Tensor> {
         let m = x.rows();
+        let fast = self.precision == osprey_backend::Precision::Int8 && matches!(w.dtype, DType::BF16 | DType::Nvfp4);
+        if fast && m > GEMV_ROWS {
+            if let Some(out) = self.gemm(x, w, n, k)? {
+                return Ok(out);
+            }
+        }
         let wtype = match w.dtype {
             DType::F32 => 0,
             DType::BF16 => 1,

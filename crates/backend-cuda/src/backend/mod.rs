@@ -78,6 +78,9 @@ pub struct CudaBackend {
     dev: Arc<dyn DeviceLayer>,
     device: Device,
     info: DeviceInfo,
+    /// `Int8` (the fast default): prefill-shaped bf16 and NVFP4 linears run as bf16 GEMMs (cuBLAS) with
+    /// bf16 activations, as the CPU's fast path rounds them; `Exact`: every linear in f32 (parity tests).
+    precision: osprey_backend::Precision,
     /// Bytes copied host → device and device → host since start.
     to_device: AtomicU64,
     from_device: AtomicU64,
@@ -114,6 +117,7 @@ impl CudaBackend {
             dev,
             device,
             info,
+            precision: osprey_backend::Precision::Exact,
             to_device: AtomicU64::new(0),
             from_device: AtomicU64::new(0),
             uploading: std::sync::Mutex::new(Vec::new()),
@@ -140,6 +144,12 @@ impl CudaBackend {
     fn copy_to_host(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
         self.from_device.fetch_add(dst.len() as u64, Ordering::Relaxed);
         self.dev.download(src, dst).map_err(seam_error)
+    }
+
+    /// The backend at `precision` (see the field's docs).
+    pub fn with_precision(mut self, precision: osprey_backend::Precision) -> Self {
+        self.precision = precision;
+        self
     }
 
     /// The device layer (tests drive it directly).

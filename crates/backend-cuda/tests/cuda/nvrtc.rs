@@ -77,6 +77,7 @@ fn a_machine_without_a_driver_gets_a_clear_error() {
         eprintln!("skipped: this machine has a CUDA driver");
         return;
     }
-    let e = osprey_backend_cuda::open(0).map(|_| ()).expect_err("no driver").to_string();
+    let e =
+        osprey_backend_cuda::open(0, osprey_backend::Precision::Int8).map(|_| ()).expect_err("no driver").to_string();
     assert!(e.contains("cuda:0") && e.contains("libcuda") && e.contains("--device cpu"), "{e}");
 }

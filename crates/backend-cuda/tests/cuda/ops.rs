@@ -143,6 +143,37 @@ fn linears_agree_within_the_dot_product_bound_for_every_weight_type() {
     }
 }
 
+/// The fast path of prefill-shaped bf16 and NVFP4 linears: one bf16 GEMM with cuBLAS's semantics
+/// (activations rounded to bf16, NVFP4 widened to bf16), against the CPU's exact f32 linear. Rounding an
+/// activation or a widened weight to bf16 moves it by at most 2⁻⁹ of itself, so a product by at most
+/// 2⁻⁸ of |x·w|; the sums add at most γ_k for each backend.
+#[test]
+fn fast_linears_run_as_bf16_gemms_within_the_rounding_bound() {
+    let cpu = osprey_backend_cpu::CpuBackend::exact();
+    let gpu = osprey_backend_cuda::open_emulated_with(1 << 30, osprey_backend::Precision::Int8);
+    for dtype in [DType::BF16, DType::Nvfp4] {
+        for (i, &(m, n, k)) in [(9usize, 64usize, 256usize), (33, 40, 512)].iter().enumerate() {
+            let w = weight(dtype, n, k, 300 + i as u64);
+            let x = data(400 + i as u64, m * k);
+            let (xc, xg) = both(&cpu, &gpu, &x, &[m, k]);
+            let (wc, wg) = (cpu.place_weight(w.clone()).expect("cpu"), gpu.place_weight(w.clone()).expect("gpu"));
+            let want = host(&cpu, &cpu.linear(&xc, &wc).expect("cpu linear"));
+            let got = host(&gpu, &gpu.linear(&xg, &wg).expect("gpu linear"));
+            let rows: Vec<Vec<f32>> = (0..n).map(|r| row(&w, r)).collect();
+            let bound = |o: usize| {
+                let (r, c) = (o / n, o % n);
+                let mag: f32 = (0..k).map(|j| (x[r * k + j] * rows[c][j]).abs()).sum();
+                (2f32.powi(-8) + 2.0 * k as f32 * U) * mag + 1e-6
+            };
+            within(&format!("fast linear {dtype:?} ({m}, {n}, {k})"), &got, &want, bound);
+            // And it is the GEMM that ran: the exact path's f32 answer differs from the bf16 one.
+            let exact = osprey_backend_cuda::open_emulated(1 << 30);
+            let (xe, we) = (exact.upload_f32(&x, &[m, k]).expect("x"), exact.place_weight(w.clone()).expect("w"));
+            assert_ne!(host(&exact, &exact.linear(&xe, &we).expect("exact linear")), got, "the bf16 GEMM ran");
+        }
+    }
+}
+
 #[test]
 fn embeddings_memory_ops_rotary_and_the_router_match() {
     let (cpu, gpu) = backends();

@@ -16,7 +16,8 @@ fn model_on_cuda_emu(name: &str) -> osprey_models::Model {
 /// these same tests on a GPU that way).
 fn cuda_backend() -> osprey_backend::BackendRef {
     match std::env::var("OSPREY_CUDA_TEST_DEVICE").ok().and_then(|d| d.strip_prefix("cuda:")?.parse().ok()) {
-        Some(n) => osprey_backend_cuda::open(n).expect("the CUDA device named by OSPREY_CUDA_TEST_DEVICE"),
+        Some(n) => osprey_backend_cuda::open(n, osprey_backend::Precision::Exact)
+            .expect("the CUDA device named by OSPREY_CUDA_TEST_DEVICE"),
         None => osprey_backend_cuda::open_emulated(4 << 30),
     }
 }
