@@ -9,7 +9,8 @@
 #               (without a driver: on the emulated device, so that the step itself is proven here)
 #   5 serve     `osprey serve --device cuda:0` answering the README's image request (when cuda:0 cannot be
 #               opened: its error, then the same request on the CPU, so that the step itself is proven)
-#   6 bench     `osprey bench membw`, and the forward benchmark on the device once there is one
+#   6 bench     `osprey bench membw`; with a GPU, `bench forward` of the q35moe-L4 geometry on cuda:0 and on
+#               the CPU in the same run (decode tok/s of each in the note)
 # Everything goes to $OUT (at most 8 files come back): steps.log (every step's output), serve.log,
 # answer.json and summary.json (each step's status, seconds and exit code; rewritten after every step,
 # so a run stopped at its limit still says how far it got).
@@ -196,7 +197,21 @@ serve() {
 
 bench() {
   "$BIN/osprey" bench membw --mib 1024
-  echo "NOTE: host $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); membw $("$BIN/osprey" bench membw --mib 1024)"
+  local note="host $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); membw $("$BIN/osprey" bench membw --mib 1024)"
+  if compgen -G "/dev/nvidia*" >/dev/null; then
+    # The CUDA issue's benchmark: BENCHMARKS.md's q35moe-L4 geometry, one prefill of 512 and 32 decode
+    # steps, on the card and on this machine's CPU in the same run.
+    "$BIN/osprey" bench synth --geometry qwen3.5-35b-a3b --layers 4 --out /tmp/synth-l4 >/dev/null || return 1
+    local dev rate
+    for dev in cuda:0 cpu; do
+      echo "--- bench forward on $dev"
+      "$BIN/osprey" --device "$dev" bench forward --model /tmp/synth-l4 --prompt-len 512 --decode-tokens 32 \
+        --repeats 1 | tee "/tmp/forward-$dev.json" || return 1
+      rate=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r.get("decode_tok_s", r))' "/tmp/forward-$dev.json")
+      note="$note; q35moe-L4 decode on $dev: $rate tok/s"
+    done
+  fi
+  echo "NOTE: $note"
 }
 
 export -f device find_lib_dirs libs unpack tests ask serve bench
@@ -205,7 +220,7 @@ LD_LIBRARY_PATH="$(find_lib_dirs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 step device 20 device
 step libs 20 libs
 step unpack 30 unpack
-step tests 240 tests
+step tests 180 tests
 step serve 90 serve
-step bench 60 bench
+step bench 120 bench
 echo "== $(($(date +%s) - T0)) s; $OUT: $(ls "$OUT" | paste -sd' ')"
