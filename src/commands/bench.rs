@@ -353,6 +353,9 @@ fn replay(trace: &Path, budgets: &str) -> Result<()> {
     for (f, p) in osprey_bench::replay(&t, &fractions) {
         println!("{}", serde_json::json!({"budget_fraction": f, "policies": p}));
     }
+    for a in osprey_bench::predict::evaluate_all(&t) {
+        println!("{}", serde_json::json!({"predictor": a}));
+    }
     Ok(())
 }
 

@@ -10,6 +10,7 @@
 pub mod chart;
 mod compare;
 mod experts;
+pub mod predict;
 pub mod report;
 mod rng;
 pub mod serve;
