@@ -5,7 +5,6 @@
 //! so a copy outside one is refused rather than corrupting the process, and the memory cap makes the
 //! out-of-memory path testable.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::BTreeMap;
 use std::ffi::{c_void, CStr};
 
@@ -101,15 +100,7 @@ impl DeviceLayer for EmuDevice {
     }
 
     fn alloc_host(&self, bytes: usize) -> Result<osprey_backend::HostArena, DeviceError> {
-        let layout =
-            Layout::from_size_align(bytes.max(1), 4096).map_err(|e| DeviceError::Unavailable(e.to_string()))?;
-        // SAFETY: the layout has a nonzero size.
-        let p = unsafe { alloc_zeroed(layout) };
-        if p.is_null() {
-            return Err(DeviceError::OutOfMemory { requested: bytes, available: 0 });
-        }
-        // SAFETY: `p` is valid for `bytes` bytes, 4 KiB-aligned, and freed only when the owner drops.
-        Ok(unsafe { osprey_backend::HostArena::new(p, bytes, Box::new(Aligned { ptr: p, layout })) })
+        osprey_backend::HostArena::zeroed(bytes).ok_or(DeviceError::OutOfMemory { requested: bytes, available: 0 })
     }
 
     fn free(&self, p: DevPtr) {
@@ -240,22 +231,5 @@ impl DeviceLayer for EmuDevice {
             self.run_copies(e.0 & !Event::COPY);
         }
         Ok(())
-    }
-}
-
-/// A 4 KiB-aligned zeroed host allocation (the emulated device's stand-in for pinned memory).
-struct Aligned {
-    ptr: *mut u8,
-    layout: Layout,
-}
-
-// SAFETY: uniquely owned heap memory, freed only on drop.
-unsafe impl Send for Aligned {}
-unsafe impl Sync for Aligned {}
-
-impl Drop for Aligned {
-    fn drop(&mut self) {
-        // SAFETY: allocated with this layout in `alloc_host`.
-        unsafe { dealloc(self.ptr, self.layout) }
     }
 }

@@ -154,7 +154,42 @@ impl Debug for HostArena {
     }
 }
 
+/// Alignment of an arena (direct reads need 4 KiB).
+const ARENA_ALIGN: usize = 4096;
+
+/// A zeroed, 4 KiB-aligned heap allocation; the OS commits its pages as they are first written.
+struct Aligned {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: uniquely owned heap memory, only freed on drop.
+unsafe impl Send for Aligned {}
+unsafe impl Sync for Aligned {}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `HostArena::zeroed` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
 impl HostArena {
+    /// `bytes` (rounded up to 4 KiB) of plain zeroed host memory, 4 KiB-aligned: the host arena of a
+    /// backend whose device reads host memory as it is (the CPU, the emulated CUDA device). `None` when
+    /// the allocation fails.
+    pub fn zeroed(bytes: usize) -> Option<Self> {
+        let len = bytes.div_ceil(ARENA_ALIGN).max(1) * ARENA_ALIGN;
+        let layout = std::alloc::Layout::from_size_align(len, ARENA_ALIGN).ok()?;
+        // SAFETY: non-zero size, valid alignment.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return None;
+        }
+        // SAFETY: `ptr` is valid for `len` bytes, aligned, and owned by the `Aligned` that frees it.
+        Some(unsafe { HostArena::new(ptr, len, Box::new(Aligned { ptr, layout })) })
+    }
+
     /// Wraps `len` bytes at `ptr`, freed when `owner` drops.
     ///
     /// # Safety

@@ -163,7 +163,7 @@ seam! {
     }
 
     /// Core tensor ops: matmuls, embeddings, element-wise ops, norms and rotary positions.
-    trait CoreOps {
+    trait CoreOps: MemoryOps {
         /// `linear` (and `linear_pair`) over f32 / bf16 / f16 weights.
         op LinearDense {
             /// `x [m, k] · wᵀ → [m, n]` for a placed weight `[n, k]` of any dtype.
@@ -230,7 +230,17 @@ seam! {
         /// Rotary positions.
         op Rotary {
             /// Rotary tables for positions `[T][t, h, w]` (text positions repeat one value three times).
-            fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable>;
+            /// By default computed where the positions are (the host) and uploaded once per forward.
+            fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable> = {
+                let half = rope.rot_dim() / 2;
+                let mut cos = vec![0f32; positions.len() * half];
+                let mut sin = vec![0f32; positions.len() * half];
+                for (i, p) in positions.iter().enumerate() {
+                    rope.cos_sin(*p, &mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
+                }
+                let shape = [positions.len(), half];
+                Ok(RopeTable { cos: self.upload_f32(&cos, &shape)?, sin: self.upload_f32(&sin, &shape)? })
+            };
 
             /// Partial (m)RoPE on every head of each row `i` of `x`, with row `i` of `table`.
             fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable);

@@ -11,7 +11,8 @@
 //! backends that lack it); nothing else repeats a signature. This is ggml-backend's shape (a small
 //! interface, one op table) in Rust's terms: traits a backend author implements group by group.
 //!
-//! A table entry is `fn name(&self, arg: Type, …) -> Ret;`; for a method with a default body that a
+//! A group is `trait Name { … }`, or `trait Name: Other { … }` when its default bodies call another
+//! group's methods. A table entry is `fn name(&self, arg: Type, …) -> Ret;`; for a method with a default body that a
 //! backend may replace (a fused kernel, an asynchronous copy), `fn name(&self, …) -> Ret = { body };`,
 //! which a wrapper forwards like any other; for a convenience composed of other methods and never
 //! replaced, `fn name(&self, …) -> Ret = @derived { body };`, which a wrapper does not forward, so it
@@ -44,7 +45,7 @@ macro_rules! seam {
         backend;
         $(
             $(#[$tm:meta])*
-            trait $Trait:ident {
+            trait $Trait:ident $(: $Super:ident)? {
                 $(
                     $(#[$om:meta])*
                     op $Op:ident {
@@ -59,7 +60,7 @@ macro_rules! seam {
     ) => {
         $(
             $(#[$tm])*
-            pub trait $Trait {
+            pub trait $Trait $(: $Super)? {
                 $($(
                     seam_fn! { ($(#[$fm])* fn $name(&$self $(, $arg: $ty)*) $(-> $ret)?) ($($body)?) }
                 )*)*

@@ -96,17 +96,6 @@ impl CoreOps for CpuBackend {
         layer_norm(host_mut(x), host(w), host(b), eps);
     }
 
-    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable> {
-        let half = rope.rot_dim() / 2;
-        let mut cos = vec![0f32; positions.len() * half];
-        let mut sin = vec![0f32; positions.len() * half];
-        for (i, p) in positions.iter().enumerate() {
-            rope.cos_sin(*p, &mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
-        }
-        let shape = [positions.len(), half];
-        Ok(RopeTable { cos: self.tensor(&shape, cos)?, sin: self.tensor(&shape, sin)? })
-    }
-
     fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable) {
         let (half, c) = (table.cos.cols(), x.cols());
         let (cos, sin) = (host(&table.cos), host(&table.sin));

@@ -4,8 +4,6 @@
 //! order: each expert on all of its wave's tokens at once, weighted outputs summed per token from zero in
 //! ascending expert id, so answers are the same bits whatever was resident.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
-
 use osprey_backend::{ExpertPool, HostExpert};
 
 use super::*;
@@ -82,39 +80,9 @@ impl CpuBackend {
     }
 }
 
-/// Alignment of an arena (direct reads need 4 KiB).
-const ARENA_ALIGN: usize = 4096;
-
-/// A zeroed, 4 KiB-aligned heap allocation (the CPU's host arena); the OS commits its pages as they are
-/// first written.
-struct Aligned {
-    ptr: *mut u8,
-    layout: Layout,
-}
-
-// SAFETY: uniquely owned heap memory, only freed on drop.
-unsafe impl Send for Aligned {}
-unsafe impl Sync for Aligned {}
-
-impl Drop for Aligned {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `arena` with this layout.
-        unsafe { dealloc(self.ptr, self.layout) }
-    }
-}
-
-/// [`Backend::alloc_host_arena`] on the CPU.
+/// [`Backend::alloc_host_arena`] on the CPU: plain memory (the slots alias it).
 pub(crate) fn arena(bytes: usize) -> Result<HostArena> {
-    let len = bytes.div_ceil(ARENA_ALIGN).max(1) * ARENA_ALIGN;
-    let oom = || BackendError::OutOfMemory { requested: len, available: 0 };
-    let layout = Layout::from_size_align(len, ARENA_ALIGN).map_err(|_| oom())?;
-    // SAFETY: non-zero size, valid alignment.
-    let ptr = unsafe { alloc_zeroed(layout) };
-    if ptr.is_null() {
-        return Err(oom());
-    }
-    // SAFETY: `ptr` is valid for `len` bytes, aligned, and owned by the `Aligned` that frees it.
-    Ok(unsafe { HostArena::new(ptr, len, Box::new(Aligned { ptr, layout })) })
+    HostArena::zeroed(bytes).ok_or(BackendError::OutOfMemory { requested: bytes, available: 0 })
 }
 
 impl ExpertOps for CpuBackend {

@@ -223,17 +223,6 @@ impl CoreOps for CudaBackend {
         self.run("layer_norm_f32", cfg, &[arg(x), arg(w), arg(b), u32_of(cols), Arg::F32(eps)]);
     }
 
-    fn rope_table(&self, rope: &MRope, positions: &[[i64; 3]]) -> Result<RopeTable> {
-        let half = rope.rot_dim() / 2;
-        let mut cos = vec![0f32; positions.len() * half];
-        let mut sin = vec![0f32; positions.len() * half];
-        for (i, p) in positions.iter().enumerate() {
-            rope.cos_sin(*p, &mut cos[i * half..(i + 1) * half], &mut sin[i * half..(i + 1) * half]);
-        }
-        let shape = [positions.len(), half];
-        Ok(RopeTable { cos: self.upload_f32(&cos, &shape)?, sin: self.upload_f32(&sin, &shape)? })
-    }
-
     fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable) {
         self.rotate_half(x, rope.head_dim(), &table.cos, &table.sin);
     }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use osprey_backend::{BackendRef, DType, HostData, MRope, Tensor};
 
-use crate::common::{backends, data, row, weight, within, U};
+use crate::common::{backends, data, row, weight, within, Matrix, U};
 
 fn both(cpu: &BackendRef, gpu: &BackendRef, v: &[f32], shape: &[usize]) -> (Tensor, Tensor) {
     (cpu.upload_f32(v, shape).expect("cpu"), gpu.upload_f32(v, shape).expect("gpu"))
@@ -114,6 +114,14 @@ fn norms_agree_within_the_sum_bound() {
     });
 }
 
+/// `Σ_j |x[r, j]·w[c, j]|` for every output `(r, c)` of `x [m, k] · wᵀ`: what a dot product's rounding
+/// error is bounded by (times γ_k).
+fn magnitudes(x: &[f32], w: &Matrix, m: usize) -> Vec<f32> {
+    let (n, k) = (w.rows, w.cols);
+    let rows: Vec<Vec<f32>> = (0..n).map(|r| row(w, r)).collect();
+    (0..m * n).map(|o| (0..k).map(|j| (x[(o / n) * k + j] * rows[o % n][j]).abs()).sum()).collect()
+}
+
 #[test]
 fn linears_agree_within_the_dot_product_bound_for_every_weight_type() {
     let (cpu, gpu) = backends();
@@ -132,13 +140,8 @@ fn linears_agree_within_the_dot_product_bound_for_every_weight_type() {
             let want = host(&cpu, &cpu.linear(&xc, &wc).expect("cpu linear"));
             let got = host(&gpu, &gpu.linear(&xg, &wg).expect("gpu linear"));
             // |fl(x·w) − x·w| ≤ γ_k Σ|x_i w_i| for each of the two, so they differ by at most twice that.
-            let rows: Vec<Vec<f32>> = (0..n).map(|r| row(&w, r)).collect();
-            let bound = |o: usize| {
-                let (r, c) = (o / n, o % n);
-                let mag: f32 = (0..k).map(|j| (x[r * k + j] * rows[c][j]).abs()).sum();
-                2.0 * (k as f32 * U) * mag + 1e-7
-            };
-            within(&format!("linear {dtype:?} ({m}, {n}, {k})"), &got, &want, bound);
+            let mag = magnitudes(&x, &w, m);
+            within(&format!("linear {dtype:?} ({m}, {n}, {k})"), &got, &want, |o| 2.0 * (k as f32 * U) * mag[o] + 1e-7);
         }
     }
 }
@@ -159,13 +162,10 @@ fn fast_linears_run_as_bf16_gemms_within_the_rounding_bound() {
             let (wc, wg) = (cpu.place_weight(w.clone()).expect("cpu"), gpu.place_weight(w.clone()).expect("gpu"));
             let want = host(&cpu, &cpu.linear(&xc, &wc).expect("cpu linear"));
             let got = host(&gpu, &gpu.linear(&xg, &wg).expect("gpu linear"));
-            let rows: Vec<Vec<f32>> = (0..n).map(|r| row(&w, r)).collect();
-            let bound = |o: usize| {
-                let (r, c) = (o / n, o % n);
-                let mag: f32 = (0..k).map(|j| (x[r * k + j] * rows[c][j]).abs()).sum();
-                (2f32.powi(-8) + 2.0 * k as f32 * U) * mag + 1e-6
-            };
-            within(&format!("fast linear {dtype:?} ({m}, {n}, {k})"), &got, &want, bound);
+            let mag = magnitudes(&x, &w, m);
+            within(&format!("fast linear {dtype:?} ({m}, {n}, {k})"), &got, &want, |o| {
+                (2f32.powi(-8) + 2.0 * k as f32 * U) * mag[o] + 1e-6
+            });
             // And it is the GEMM that ran: the exact path's f32 answer differs from the bf16 one.
             let exact = osprey_backend_cuda::open_emulated(1 << 30);
             let (xe, we) = (exact.upload_f32(&x, &[m, k]).expect("x"), exact.place_weight(w.clone()).expect("w"));
