@@ -92,6 +92,15 @@ int main(int argc, char** argv) {
     run(linear_gemv, d1(3), d1(256), xs.data(), static_cast<const void*>(codes.data()), scales.data(), 0.5f, 3, out.data(), m,
         on, k);
 
+    // The grouped GEMM of an expert wave: two groups of 2 and 1 rows over two NVFP4 weights.
+    std::vector<uint8_t> codes2(on * k / 2, 0x35), scales2(on * k / 16, 0x40);
+    std::vector<uint64_t> wptrs = {reinterpret_cast<uint64_t>(codes.data()), reinterpret_cast<uint64_t>(codes2.data())};
+    std::vector<uint64_t> sptrs = {reinterpret_cast<uint64_t>(scales.data()), reinterpret_cast<uint64_t>(scales2.data())};
+    std::vector<float> globals = {0.5f, 0.25f};
+    std::vector<uint32_t> row0 = {0, 2}, counts = {2, 1};
+    run(linear_grouped, dim3{2, 1, 2}, dim3{16, 16, 1}, xs.data(), wptrs.data(), sptrs.data(), globals.data(), row0.data(),
+        counts.data(), 3, out.data(), on, k);
+
     // Memory: gathers, scatters, splits, bf16 rows, embeddings.
     std::vector<int32_t> ids = {2, 0, 2};
     auto gathered = vals(3 * cols);

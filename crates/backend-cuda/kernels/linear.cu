@@ -59,3 +59,33 @@ extern "C" __global__ void linear_gemv(const float* __restrict__ x, const void* 
         if (lane == 0) out[(size_t)r * n + col] = v;
     }
 }
+
+// The routed experts of one wave in one launch (a grouped GEMM): group `g` (blockIdx.z) multiplies its
+// `rows[g]` rows of `x`, starting at row `row0[g]`, by its own weight (`w[g]`, `scales[g]`, `global[g]`;
+// one type for all) into the same rows of `out [·, n]` — tile for tile what `linear_tiled` computes.
+// budget: 64 registers
+extern "C" __global__ void linear_grouped(const float* __restrict__ x, const uint64_t* __restrict__ w, const uint64_t* __restrict__ scales,
+                                          const float* __restrict__ global, const uint32_t* __restrict__ row0,
+                                          const uint32_t* __restrict__ rows, int wtype, float* __restrict__ out, unsigned n,
+                                          unsigned k) {
+    __shared__ float xs[TILE][TILE + 1];
+    __shared__ float ws[TILE][TILE + 1];
+    const unsigned g = blockIdx.z, m = rows[g];
+    if (blockIdx.y * TILE >= m) return;  // the whole block: this group has fewer row tiles
+    const float* xg = x + (size_t)row0[g] * k;
+    float* og = out + (size_t)row0[g] * n;
+    const void* wg = (const void*)w[g];
+    const uint8_t* sg = (const uint8_t*)scales[g];
+    const float gg = global[g];
+    const unsigned tx = threadIdx.x, ty = threadIdx.y;
+    const unsigned row = blockIdx.y * TILE + ty, col = blockIdx.x * TILE + tx, wrow = blockIdx.x * TILE + ty;
+    float acc = 0.0f;
+    for (unsigned k0 = 0; k0 < k; k0 += TILE) {
+        xs[ty][tx] = (row < m && k0 + tx < k) ? xg[(size_t)row * k + k0 + tx] : 0.0f;
+        ws[ty][tx] = (wrow < n && k0 + tx < k) ? weight_at(wg, sg, gg, wtype, wrow, k, k0 + tx) : 0.0f;
+        __syncthreads();
+        for (unsigned j = 0; j < TILE; ++j) acc += xs[ty][j] * ws[tx][j];
+        __syncthreads();
+    }
+    if (row < m && col < n) og[(size_t)row * n + col] = acc;
+}

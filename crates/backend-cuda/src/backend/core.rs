@@ -7,6 +7,17 @@ use osprey_backend::{BackendError, CoreOps, DType, HostData, MRope, MemoryOps, R
 use super::{arg, u32_of, CudaBackend, CudaStorage};
 use crate::device::{Arg, DevPtr, DeviceError, GemmBf16, LaunchConfig};
 
+/// The linear kernels' code for a weight type.
+pub(super) fn wtype(dtype: DType) -> i32 {
+    match dtype {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+        DType::F16 => 2,
+        DType::Nvfp4 => 3,
+        other => panic!("a {other:?} weight: this is a bug"),
+    }
+}
+
 /// Rows up to which a linear runs as a GEMV (`linear_gemv` keeps one accumulator per row).
 const GEMV_ROWS: usize = 8;
 

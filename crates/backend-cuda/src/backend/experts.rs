@@ -76,6 +76,67 @@ impl CudaBackend {
     }
 }
 
+/// One wave as groups of rows: per slot its first row, its row count and its three projections; the
+/// token row and partials entry of every row, slot after slot.
+#[derive(Default)]
+struct Groups {
+    row0: Vec<i32>,
+    counts: Vec<i32>,
+    /// Per projection (gate, up, down): each group's weight, scales and global scale.
+    weights: [(Vec<u64>, Vec<u64>, Vec<f32>); 3],
+    rows: Vec<usize>,
+    entries: Vec<usize>,
+}
+
+impl Groups {
+    fn add(&mut self, b: &CudaBackend, pool: &CudaPool, dtype: DType, slot: usize, entries: &[usize], k: usize) {
+        self.row0.push(self.rows.len() as i32);
+        self.counts.push(entries.len() as i32);
+        for (which, (w, s, g)) in self.weights.iter_mut().enumerate() {
+            let part = b.part(pool, dtype, slot, which, pool.globals[slot][which]);
+            w.push(part.data.0);
+            s.push(part.scales.0);
+            g.push(part.global);
+        }
+        self.rows.extend(entries.iter().map(|&en| en / k));
+        self.entries.extend_from_slice(entries);
+    }
+}
+
+impl CudaBackend {
+    /// Projection `which` of every group over its rows of `x` → `[rows, n]` (`dims` = (n, k)).
+    fn grouped(&self, x: &Tensor, g: &Groups, which: usize, (n, k): (usize, usize), dtype: DType) -> Result<Tensor> {
+        let (w, s, glob) = &g.weights[which];
+        let bytes = |v: &[u64]| v.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<u8>>();
+        let wp = self.upload(HostData::U8(&bytes(w)), &[w.len() * 8])?;
+        let sp = self.upload(HostData::U8(&bytes(s)), &[s.len() * 8])?;
+        let gp = self.upload_f32(glob, &[glob.len()])?;
+        let r0 = self.upload(HostData::I32(&g.row0), &[g.row0.len()])?;
+        let rc = self.upload(HostData::I32(&g.counts), &[g.counts.len()])?;
+        let out = self.empty(DType::F32, &[g.rows.len(), n])?;
+        let wtype = super::core::wtype(dtype);
+        let args = [
+            arg(x),
+            arg(&wp),
+            arg(&sp),
+            arg(&gp),
+            arg(&r0),
+            arg(&rc),
+            Arg::I32(wtype),
+            arg(&out),
+            u32_of(n),
+            u32_of(k),
+        ];
+        let tall = g.counts.iter().copied().max().unwrap_or(0) as usize;
+        let cfg = LaunchConfig {
+            grid: [n.div_ceil(16) as u32, tall.div_ceil(16) as u32, w.len() as u32],
+            block: [16, 16, 1],
+        };
+        self.try_run("linear_grouped", cfg, &args)?;
+        Ok(out)
+    }
+}
+
 impl ExpertOps for CudaBackend {
     fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing> {
         let (rows, experts) = (logits.rows(), logits.cols());
@@ -162,24 +223,29 @@ impl ExpertOps for CudaBackend {
                 by_slot.entry(s as usize).or_default().push(entry);
             }
         }
-        for (slot, entries) in by_slot {
+        if by_slot.is_empty() {
+            return Ok(());
+        }
+        // The wave's tokens, slot after slot (ascending), as one batch of rows: one grouped GEMM per
+        // projection runs every slot on its own rows.
+        let mut groups = Groups::default();
+        for (&slot, entries) in &by_slot {
             if pool.key(slot).is_none() {
                 return Err(BackendError::Slot(format!("slot {slot} of layer {}'s pool read while empty", pool.layer)));
             }
-            let rows: Vec<usize> = entries.iter().map(|&en| en / k).collect();
-            let xs = self.gather_rows(x, &rows)?;
-            let [gg, gu, gd] = cuda.globals[slot];
-            let (inter, hidden) = (pool.shape.inter, pool.shape.hidden);
-            let mut gate = self.matmul(&xs, self.part(cuda, dtype, slot, 0, gg), inter, hidden)?;
-            let up = self.matmul(&xs, self.part(cuda, dtype, slot, 1, gu), inter, hidden)?;
-            osprey_backend::CoreOps::silu_mul(self, &mut gate, &up);
-            let d = self.matmul(&gate, self.part(cuda, dtype, slot, 2, gd), hidden, inter)?;
-            let en: Vec<i32> = entries.iter().map(|&e| e as i32).collect();
-            let en = self.upload(HostData::I32(&en), &[en.len()])?;
-            let args = [arg(partials), arg(&en), arg(weights), arg(&d), u32_of(entries.len()), u32_of(h)];
-            self.try_run("moe_scatter_rows", LaunchConfig::elements(entries.len() * h), &args)?;
+            groups.add(self, cuda, dtype, slot, entries, k);
         }
-        Ok(())
+        let (inter, hidden) = (pool.shape.inter, pool.shape.hidden);
+        let xs = self.gather_rows(x, &groups.rows)?;
+        let mut gate = self.grouped(&xs, &groups, 0, (inter, hidden), dtype)?;
+        let up = self.grouped(&xs, &groups, 1, (inter, hidden), dtype)?;
+        osprey_backend::CoreOps::silu_mul(self, &mut gate, &up);
+        let d = self.grouped(&gate, &groups, 2, (hidden, inter), dtype)?;
+        let en: Vec<i32> = groups.entries.iter().map(|&e| e as i32).collect();
+        let en = self.upload(HostData::I32(&en), &[en.len()])?;
+        let n = groups.entries.len();
+        let args = [arg(partials), arg(&en), arg(weights), arg(&d), u32_of(n), u32_of(h)];
+        self.try_run("moe_scatter_rows", LaunchConfig::elements(n * h), &args)
     }
 
     fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {
