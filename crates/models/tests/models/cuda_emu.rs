@@ -70,3 +70,34 @@ fn cuda_emu_vision_towers_match_transformers() {
 fn cuda_emu_multimodal_logits_match_transformers() {
     vision::positions_and_multimodal_logits(model_on_cuda_emu, tower_on_cuda_emu);
 }
+
+/// On the device, answers do not depend on the expert budget: one slot per layer (every step uploads in
+/// waves) and a slot per expert give the same logits to the bit, for prefill and decode.
+#[test]
+fn cuda_emu_answers_are_bit_identical_across_slot_budgets() {
+    use osprey_models::{LoadOptions, LogitsWanted, SeqInput, SeqStep};
+    for name in ["qwen3_5_moe-tiny", "qwen4_exp-tiny"] {
+        let dir = fixtures().join("models").join(name);
+        let (cfg, ck) = (
+            osprey_models::ModelConfig::from_dir(&dir).expect("config"),
+            osprey_models::Checkpoint::open(&dir).expect("checkpoint"),
+        );
+        let run = |slots: Option<usize>| {
+            let opts = LoadOptions { expert_slots: slots, ..LoadOptions::default() };
+            let m = osprey_models::load_with_options(&cfg, &ck, opts, cuda_backend(), &mut |_, _| {}).expect("load");
+            let mut st = m.new_state();
+            let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 1000).collect();
+            let mut out = Vec::new();
+            let mut next = prompt;
+            for _ in 0..4 {
+                let input = SeqInput { logits: LogitsWanted::Last, ..SeqInput::text(&next) };
+                let l = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("forward").logits.remove(0);
+                let t = l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).expect("logits");
+                out.push(l);
+                next = vec![t];
+            }
+            out
+        };
+        assert_eq!(run(Some(1)), run(None), "{name}: one slot per layer and every expert resident");
+    }
+}
