@@ -17,15 +17,12 @@ __device__ __forceinline__ float weight_at(const void* w, const uint8_t* scales,
     return e2m1_to_f32(code) * (e4m3_to_f32(scales[i / 16]) * global);
 }
 
-// budget: 64 registers
-extern "C" __global__ void linear_tiled(const float* __restrict__ x, const void* __restrict__ w, const uint8_t* __restrict__ scales,
-                                        float global, int wtype, float* __restrict__ out, unsigned m, unsigned n, unsigned k) {
-    __shared__ float xs[TILE][TILE + 1];
-    __shared__ float ws[TILE][TILE + 1];
+// One output of a 16×16 tile: row `row` of `x` against weight row `wrow`, `k` in steps of 16 through the
+// block's shared tiles `xs` and `ws` (the same arithmetic for `linear_tiled` and `linear_grouped`).
+__device__ __forceinline__ float tile_dot(const float* x, const void* w, const uint8_t* scales, float global, int wtype,
+                                          unsigned m, unsigned n, unsigned k, unsigned row, unsigned wrow,
+                                          float (*xs)[TILE + 1], float (*ws)[TILE + 1]) {
     const unsigned tx = threadIdx.x, ty = threadIdx.y;
-    const unsigned row = blockIdx.y * TILE + ty;  // of x and out
-    const unsigned col = blockIdx.x * TILE + tx;  // of out: a row of w
-    const unsigned wrow = blockIdx.x * TILE + ty;  // the w row this thread loads
     float acc = 0.0f;
     for (unsigned k0 = 0; k0 < k; k0 += TILE) {
         xs[ty][tx] = (row < m && k0 + tx < k) ? x[(size_t)row * k + k0 + tx] : 0.0f;
@@ -34,6 +31,18 @@ extern "C" __global__ void linear_tiled(const float* __restrict__ x, const void*
         for (unsigned j = 0; j < TILE; ++j) acc += xs[ty][j] * ws[tx][j];
         __syncthreads();
     }
+    return acc;
+}
+
+// budget: 64 registers
+extern "C" __global__ void linear_tiled(const float* __restrict__ x, const void* __restrict__ w, const uint8_t* __restrict__ scales,
+                                        float global, int wtype, float* __restrict__ out, unsigned m, unsigned n, unsigned k) {
+    __shared__ float xs[TILE][TILE + 1];
+    __shared__ float ws[TILE][TILE + 1];
+    const unsigned row = blockIdx.y * TILE + threadIdx.y;  // of x and out
+    const unsigned col = blockIdx.x * TILE + threadIdx.x;  // of out: a row of w
+    const unsigned wrow = blockIdx.x * TILE + threadIdx.y;  // the w row this thread loads
+    const float acc = tile_dot(x, w, scales, global, wtype, m, n, k, row, wrow, xs, ws);
     if (row < m && col < n) out[(size_t)row * n + col] = acc;
 }
 
@@ -74,18 +83,8 @@ extern "C" __global__ void linear_grouped(const float* __restrict__ x, const uin
     if (blockIdx.y * TILE >= m) return;  // the whole block: this group has fewer row tiles
     const float* xg = x + (size_t)row0[g] * k;
     float* og = out + (size_t)row0[g] * n;
-    const void* wg = (const void*)w[g];
-    const uint8_t* sg = (const uint8_t*)scales[g];
-    const float gg = global[g];
-    const unsigned tx = threadIdx.x, ty = threadIdx.y;
-    const unsigned row = blockIdx.y * TILE + ty, col = blockIdx.x * TILE + tx, wrow = blockIdx.x * TILE + ty;
-    float acc = 0.0f;
-    for (unsigned k0 = 0; k0 < k; k0 += TILE) {
-        xs[ty][tx] = (row < m && k0 + tx < k) ? xg[(size_t)row * k + k0 + tx] : 0.0f;
-        ws[ty][tx] = (wrow < n && k0 + tx < k) ? weight_at(wg, sg, gg, wtype, wrow, k, k0 + tx) : 0.0f;
-        __syncthreads();
-        for (unsigned j = 0; j < TILE; ++j) acc += xs[ty][j] * ws[tx][j];
-        __syncthreads();
-    }
+    const unsigned row = blockIdx.y * TILE + threadIdx.y, col = blockIdx.x * TILE + threadIdx.x;
+    const unsigned wrow = blockIdx.x * TILE + threadIdx.y;
+    const float acc = tile_dot(xg, (const void*)w[g], (const uint8_t*)scales[g], global[g], wtype, m, n, k, row, wrow, xs, ws);
     if (row < m && col < n) og[(size_t)row * n + col] = acc;
 }
