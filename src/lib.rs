@@ -274,8 +274,7 @@ fn load_for_serving(settings: &Settings, model_dir: &Path, wrap_reader: Option<R
     let expert_slots = match backend.stats().memory_total {
         Some(device) => {
             let total = planned.map_or(device, |p| p.min(device));
-            let context_len = settings.context_len.unwrap_or(cfg.text.max_position_embeddings.max(1));
-            let kv_tokens = settings.kv_capacity_tokens.unwrap_or(4 * context_len);
+            let (_, kv_tokens) = context_and_kv(settings, cfg.text.max_position_embeddings);
             let kv_elem = kv_cache_dtype(settings.kv_cache_dtype.as_deref())?.size();
             let plan = memory_plan::MemoryPlan::for_model(total, &cfg, &ck, kv_tokens, kv_elem)?;
             tracing::info!("memory plan: {}", plan.describe());
@@ -317,6 +316,13 @@ fn limits(settings: &Settings) -> Limits {
     }
 }
 
+/// The context length (`--context-len`, else the model's) and the KV pool's capacity in tokens
+/// (`--kv-capacity-tokens`, else four contexts): what the runner allocates and the memory plan reserves.
+fn context_and_kv(settings: &Settings, max_position_embeddings: usize) -> (usize, usize) {
+    let context_len = settings.context_len.unwrap_or(max_position_embeddings.max(1));
+    (context_len, settings.kv_capacity_tokens.unwrap_or(4 * context_len))
+}
+
 /// The scheduler's configuration from the settings, for a context of `context_len` tokens and a KV pool
 /// of `kv_capacity_tokens` in pages of `page_size`.
 fn scheduler_config(
@@ -346,7 +352,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let kv_dtype = kv_cache_dtype(settings.kv_cache_dtype.as_deref())?;
     let Loaded { cfg, model, tower, media, experts } = load_for_serving(settings, model_dir, wrap_reader)?;
     let info = model.info().clone();
-    let context_len = settings.context_len.unwrap_or(info.max_position_embeddings.max(1));
+    let (context_len, kv_capacity_tokens) = context_and_kv(settings, info.max_position_embeddings);
     let vocab = info.vocab_size;
     let mut eos = info.eos_token_ids.clone();
     let tok = TokenizerCore::from_dir(model_dir, tower.is_some())?;
@@ -360,7 +366,6 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let vision = tower.map(|t| osprey_vision::spawn(t, settings.vision_cache_mb.unwrap_or(512) << 20));
     let has_vision = vision.is_some();
     let page_size = settings.page_size.unwrap_or(16).max(1);
-    let kv_capacity_tokens = settings.kv_capacity_tokens.unwrap_or(4 * context_len);
     let kv_pages = kv_capacity_tokens.div_ceil(page_size);
     let runner =
         osprey_runner::Runner::with_kv(model, vision.as_ref().map(|v| v.sender()), (page_size, kv_pages), kv_dtype)

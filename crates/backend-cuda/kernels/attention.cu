@@ -3,8 +3,7 @@
 // GQA: head h reads KV head h / (heads / kv_heads). The flash-style tiled versions come later.
 
 // Causal attention of `n` query rows starting at `row0` (tokens `past..past + n` of one sequence) over
-// its paged K/V: page `p` keeps its K rows at pool rows `p·2·page_size ..`, its V rows `page_size`
-// further. `scratch` holds `n · heads · stride` floats.
+// its paged K/V (`paged_row`). `scratch` holds `n · heads · stride` floats.
 // budget: 48 registers
 extern "C" __global__ void attention_paged(const float* __restrict__ q, float* __restrict__ out, const void* __restrict__ pool,
                                            int pool_bf16, const int32_t* __restrict__ table, unsigned page_size,
@@ -16,19 +15,14 @@ extern "C" __global__ void attention_paged(const float* __restrict__ q, float* _
     const unsigned len = past + i + 1;
     const float* qv = q + (size_t)(row0 + i) * qcols + (size_t)h * head_dim;
     float* s = scratch + (size_t)blockIdx.x * stride;
-    for (unsigned j = threadIdx.x; j < len; j += blockDim.x) {
-        const size_t krow = (size_t)table[j / page_size] * 2 * page_size + j % page_size;
-        float dot = 0.0f;
-        for (unsigned d = 0; d < head_dim; ++d) dot += qv[d] * pool_at(pool, pool_bf16, krow, kv_row, kvh, head_dim, d);
-        s[j] = dot * scale;
-    }
+    for (unsigned j = threadIdx.x; j < len; j += blockDim.x)
+        s[j] = paged_dot(qv, pool, pool_bf16, table, page_size, j, kv_row, kvh, head_dim) * scale;
     const float sum = softmax_row(s, len, red);
     float* o = out + (size_t)(row0 + i) * qcols + (size_t)h * head_dim;
     for (unsigned d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.0f;
         for (unsigned j = 0; j < len; ++j) {
-            const size_t vrow = (size_t)table[j / page_size] * 2 * page_size + page_size + j % page_size;
-            acc += s[j] * pool_at(pool, pool_bf16, vrow, kv_row, kvh, head_dim, d);
+            acc += s[j] * pool_at(pool, pool_bf16, paged_row(table, page_size, j, true), kv_row, kvh, head_dim, d);
         }
         o[d] = acc / sum;
     }

@@ -85,6 +85,22 @@ __device__ __forceinline__ float pool_at(const void* pool, int bf16, size_t prow
     return bf16 ? bf16_to_f32(((const uint16_t*)pool)[i]) : ((const float*)pool)[i];
 }
 
+// Pool row of position `pos`'s K row (`v` false) or V row (`v` true) in a sequence's paged KV: page `p`
+// keeps its K rows at `p·2·page_size ..`, its V rows `page_size` further.
+__device__ __forceinline__ size_t paged_row(const int32_t* table, unsigned page_size, unsigned pos, bool v) {
+    return (size_t)table[pos / page_size] * 2 * page_size + (v ? page_size : 0) + pos % page_size;
+}
+
+// `q · K[pos]` for one query head against KV head `kvh` of the paged pool.
+__device__ __forceinline__ float paged_dot(const float* qv, const void* pool, int bf16, const int32_t* table,
+                                           unsigned page_size, unsigned pos, unsigned kv_row, unsigned kvh,
+                                           unsigned head_dim) {
+    const size_t krow = paged_row(table, page_size, pos, false);
+    float dot = 0.0f;
+    for (unsigned d = 0; d < head_dim; ++d) dot += qv[d] * pool_at(pool, bf16, krow, kv_row, kvh, head_dim, d);
+    return dot;
+}
+
 // Softmax over the scores in `s[0..len)` (scaled already) in place; returns the sum of exponentials.
 __device__ __forceinline__ float softmax_row(float* s, unsigned len, float* red) {
     float mx = -INFINITY_F;

@@ -142,18 +142,14 @@ extern "C" __global__ void attention_selected(const float* __restrict__ q, float
     float* s = scratch + (size_t)blockIdx.x * stride;
     for (unsigned t = threadIdx.x; t < len; t += blockDim.x) {
         const unsigned pos = selected_pos(bl, nb, ratio, tail, t);
-        const size_t krow = (size_t)table[pos / page_size] * 2 * page_size + pos % page_size;
-        float dot = 0.0f;
-        for (unsigned d = 0; d < head_dim; ++d) dot += qv[d] * pool_at(pool, pool_bf16, krow, kv_row, kvh, head_dim, d);
-        s[t] = dot * scale;
+        s[t] = paged_dot(qv, pool, pool_bf16, table, page_size, pos, kv_row, kvh, head_dim) * scale;
     }
     const float sum = softmax_row(s, len, red);
     float* o = out + (size_t)(row0 + i) * qcols + (size_t)h * head_dim;
     for (unsigned d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.0f;
         for (unsigned t = 0; t < len; ++t) {
-            const unsigned pos = selected_pos(bl, nb, ratio, tail, t);
-            const size_t vrow = (size_t)table[pos / page_size] * 2 * page_size + page_size + pos % page_size;
+            const size_t vrow = paged_row(table, page_size, selected_pos(bl, nb, ratio, tail, t), true);
             acc += s[t] / sum * pool_at(pool, pool_bf16, vrow, kv_row, kvh, head_dim, d);
         }
         o[d] = acc;

@@ -67,3 +67,13 @@ pub fn open_emulated_with(memory: usize, precision: osprey_backend::Precision) -
     let dev = Arc::new(EmuDevice::new(memory));
     Arc::new(CudaBackend::new(dev, osprey_backend::Device::CudaEmu).with_precision(precision))
 }
+
+/// The CUDA backend tests run on (exact): the emulated device with `memory` bytes, or the card named by
+/// `OSPREY_CUDA_TEST_DEVICE=cuda:N` (how the GPU kit, `tools/gpu/run.sh`, runs the same tests on a GPU).
+pub fn open_test_device(memory: usize) -> osprey_backend::BackendRef {
+    let exact = osprey_backend::Precision::Exact;
+    match std::env::var("OSPREY_CUDA_TEST_DEVICE").ok().and_then(|d| d.strip_prefix("cuda:")?.parse().ok()) {
+        Some(n) => open(n, exact).unwrap_or_else(|e| panic!("OSPREY_CUDA_TEST_DEVICE=cuda:{n}: {e}")),
+        None => open_emulated(memory),
+    }
+}

@@ -17,6 +17,11 @@ impl CudaBackend {
     }
 }
 
+/// A sequence's paged KV as the attention kernels take it: pool, whether it is bf16, page table, page size.
+pub(super) fn paged(kv: PagedView<'_>) -> [Arg; 4] {
+    [arg(kv.pool), Arg::I32(i32::from(kv.pool.dtype() == DType::BF16)), arg(kv.table), u32_of(kv.page_size)]
+}
+
 /// 128 threads: a head's 128 or 256 dims in one or two passes, a context's scores in strides of 128.
 const THREADS: u32 = 128;
 
@@ -37,13 +42,14 @@ impl AttentionOps for CudaBackend {
         }
         let stride = past + n;
         let scratch = self.scores(n * shape.heads, stride);
+        let [pool, bf16, table, page_size] = paged(kv);
         let args = [
             arg(q),
             arg(out),
-            arg(kv.pool),
-            Arg::I32(i32::from(kv.pool.dtype() == DType::BF16)),
-            arg(kv.table),
-            u32_of(kv.page_size),
+            pool,
+            bf16,
+            table,
+            page_size,
             u32_of(rows.start),
             u32_of(past),
             u32_of(shape.heads),

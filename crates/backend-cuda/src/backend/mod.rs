@@ -152,11 +152,6 @@ impl CudaBackend {
         self
     }
 
-    /// The device layer (tests drive it directly).
-    pub fn device_layer(&self) -> &Arc<dyn DeviceLayer> {
-        &self.dev
-    }
-
     fn buf(&self, bytes: usize) -> Result<Buf> {
         let ptr = self.dev.alloc(bytes).map_err(seam_error)?;
         Ok(Buf { ptr, bytes, dev: self.dev.clone() })

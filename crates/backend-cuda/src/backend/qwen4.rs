@@ -119,13 +119,14 @@ impl Qwen4Ops for CudaBackend {
         let top = blocks.cols();
         let stride = top * ratio + ratio; // selected blocks plus at most one incomplete block
         let scratch = self.scores(n * shape.heads, stride);
+        let [pool, bf16, table, page_size] = super::attention::paged(kv);
         let args = [
             arg(q),
             arg(out),
-            arg(kv.pool),
-            Arg::I32(i32::from(kv.pool.dtype() == DType::BF16)),
-            arg(kv.table),
-            u32_of(kv.page_size),
+            pool,
+            bf16,
+            table,
+            page_size,
             arg(blocks),
             u32_of(top),
             u32_of(rows.start),

@@ -19,11 +19,7 @@ pub fn on_device() -> bool {
 
 /// The CUDA backend under test (see [`backends`]).
 pub fn cuda() -> BackendRef {
-    match std::env::var("OSPREY_CUDA_TEST_DEVICE").ok().and_then(|d| d.strip_prefix("cuda:")?.parse().ok()) {
-        Some(n) => osprey_backend_cuda::open(n, osprey_backend::Precision::Exact)
-            .expect("the CUDA device named by OSPREY_CUDA_TEST_DEVICE"),
-        None => osprey_backend_cuda::open_emulated(4 << 30),
-    }
+    osprey_backend_cuda::open_test_device(4 << 30)
 }
 
 /// `n` values in [-1, 1) from a seeded generator.

@@ -15,11 +15,7 @@ fn model_on_cuda_emu(name: &str) -> osprey_models::Model {
 /// The emulated device, or the real one named by `OSPREY_CUDA_TEST_DEVICE=cuda:N` (the GPU kit runs
 /// these same tests on a GPU that way).
 fn cuda_backend() -> osprey_backend::BackendRef {
-    match std::env::var("OSPREY_CUDA_TEST_DEVICE").ok().and_then(|d| d.strip_prefix("cuda:")?.parse().ok()) {
-        Some(n) => osprey_backend_cuda::open(n, osprey_backend::Precision::Exact)
-            .expect("the CUDA device named by OSPREY_CUDA_TEST_DEVICE"),
-        None => osprey_backend_cuda::open_emulated(4 << 30),
-    }
+    osprey_backend_cuda::open_test_device(4 << 30)
 }
 
 /// The vision tower of fixture model `name` on the CUDA backend's emulated device.
