@@ -18,6 +18,7 @@ mod http_edge;
 mod hub;
 mod kv_pages;
 mod multimodal;
+mod ollama;
 mod prefix_cache;
 mod qwen4_exp_serve;
 mod readme;
