@@ -232,7 +232,7 @@ impl Generation {
         let _ = self.state.engine.scheduler.send(SchedulerCommand::Cancel { id: self.id });
         self.rx.close();
         self.done = true;
-        self.state.metrics.deadlines.fetch_add(1, Ordering::Relaxed);
+        self.state.metrics.deadline();
         tracing::info!(id = self.id, tokens = self.usage.completion, "deadline passed");
         if self.usage.completion == 0 {
             let secs = self.gen.deadline.unwrap_or_default().as_secs_f64();
@@ -276,7 +276,7 @@ impl Generation {
                             self.state.metrics.observe_ttft((now - self.started).as_secs_f64());
                             self.usage.first_token_at = Some(now);
                         }
-                        Some(t) => self.state.metrics.itl.observe((now - t).as_secs_f64()),
+                        Some(t) => self.state.metrics.observe_itl((now - t).as_secs_f64()),
                     }
                     self.last_token = Some(now);
                     self.usage.completion += 1;

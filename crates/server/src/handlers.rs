@@ -331,7 +331,7 @@ async fn collect(kind: Kind, a: Answer, ids: Ids, want_logprobs: bool) -> Result
 
 pub(crate) fn counted(state: &AppState, r: Result<HttpResponse, ApiError>) -> Result<HttpResponse, ApiError> {
     if r.is_err() {
-        state.metrics.failed_requests.fetch_add(1, Ordering::Relaxed);
+        state.metrics.failed();
     }
     r
 }
@@ -343,7 +343,7 @@ pub async fn chat(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
-    state.metrics.chat_requests.fetch_add(1, Ordering::Relaxed);
+    state.metrics.request(crate::metrics::Api::Chat);
     let ctx = RequestCtx::new(&state);
     let r = async {
         let body = read_body(&state, &req, payload, Endpoint::Chat).await?;
@@ -450,7 +450,7 @@ pub async fn completions(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
-    state.metrics.completion_requests.fetch_add(1, Ordering::Relaxed);
+    state.metrics.request(crate::metrics::Api::Completions);
     let ctx = RequestCtx::new(&state);
     let r = async {
         let body = read_body(&state, &req, payload, Endpoint::Completions).await?;
@@ -593,14 +593,7 @@ pub async fn health(state: web::Data<AppState>) -> HttpResponse {
 }
 
 /// What the actors report, asked once each (`/metrics` and `/v1/engine/stats`).
-pub(crate) struct EngineSnapshot {
-    pub(crate) scheduler: osprey_protocol::scheduler::SchedulerStats,
-    pub(crate) vision: VisionStats,
-    pub(crate) prefix: PrefixStats,
-    pub(crate) experts: Option<osprey_protocol::experts::ResidencyStats>,
-}
-
-pub(crate) async fn engine_snapshot(state: &AppState) -> Result<EngineSnapshot, ApiError> {
+pub(crate) async fn engine_snapshot(state: &AppState) -> Result<crate::metrics::Engine, ApiError> {
     let (tx, rx) = oneshot::channel();
     if state.engine.scheduler.send(SchedulerCommand::Stats { reply: tx }).is_err() {
         return Err(ApiError::new(ErrorCode::Unavailable, "the scheduler is gone"));
@@ -630,24 +623,15 @@ pub(crate) async fn engine_snapshot(state: &AppState) -> Result<EngineSnapshot, 
         }
         None => None,
     };
-    Ok(EngineSnapshot { scheduler, vision, prefix, experts })
+    let (stored, stored_bytes) = state.responses.usage();
+    let responses = (stored as u64, stored_bytes as u64);
+    Ok(crate::metrics::Engine { scheduler, vision, prefix, experts, responses })
 }
 
 /// `GET /metrics` (Prometheus text).
 pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let snap = engine_snapshot(&state).await?;
-    let mut body = state.metrics.render(&snap.scheduler, &snap.vision, &snap.prefix);
-    if let Some(e) = &snap.experts {
-        body.push_str(&crate::metrics::render_experts(e));
-    }
-    let (stored, stored_bytes) = state.responses.usage();
-    for (name, help, v) in [
-        ("osprey_responses_stored", "Responses kept for previous_response_id.", stored),
-        ("osprey_responses_stored_bytes", "Bytes of the stored conversations.", stored_bytes),
-    ] {
-        body.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}\n"));
-    }
-    Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(body))
+    let body = state.metrics.render(engine_snapshot(&state).await?);
+    Ok(HttpResponse::Ok().content_type(crate::metrics::CONTENT_TYPE).body(body))
 }
 
 #[cfg(test)]

@@ -545,7 +545,7 @@ pub async fn create(
     payload: web::Payload,
 ) -> Result<HttpResponse, AnthropicError> {
     let state = state.into_inner();
-    state.metrics.messages_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    state.metrics.request(crate::metrics::Api::Messages);
     let r = run(state.clone(), req, payload).await;
     Ok(handlers::counted(&state, r)?)
 }
@@ -557,7 +557,7 @@ pub async fn count_tokens(
     payload: web::Payload,
 ) -> Result<HttpResponse, AnthropicError> {
     let state = state.into_inner();
-    state.metrics.messages_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    state.metrics.request(crate::metrics::Api::Messages);
     let ctx = RequestCtx::new(&state);
     let body = handlers::read_body(&state, &req, payload, handlers::Endpoint::Messages).await?;
     let (chat, _) = translate(&body, true)?;

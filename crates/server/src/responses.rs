@@ -548,7 +548,7 @@ pub async fn create(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
-    state.metrics.responses_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    state.metrics.request(crate::metrics::Api::Responses);
     let ctx = RequestCtx::new(&state);
     let r = async {
         let body = handlers::read_body(&state, &req, payload, handlers::Endpoint::Responses).await?;

@@ -70,7 +70,6 @@ pub async fn stats(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpR
     let snap = engine_snapshot(&state).await?;
     let (s, p) = (&snap.scheduler, &snap.prefix);
     let m = &state.metrics;
-    let ld = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
     let experts = snap.experts.as_ref().map(|e| {
         let (h, mi, bytes) =
             e.layers.iter().fold((0u64, 0u64, 0u64), |(h, m, b), l| (h + l.hits, m + l.misses, b + l.bytes_read));
@@ -92,18 +91,14 @@ pub async fn stats(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpR
             })).collect::<Vec<Value>>(),
         })
     });
-    let requests = ld(&m.chat_requests)
-        + ld(&m.completion_requests)
-        + ld(&m.responses_requests)
-        + ld(&m.messages_requests)
-        + ld(&m.ollama_requests);
+    let (requests, failed) = m.requests_and_failures();
     let now =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
     Ok(HttpResponse::Ok().json(json!({
         "time": now,
         "model": state.cfg.model_id,
         "healthy": state.engine.stopped_actor().is_none(),
-        "requests": {"running": s.running, "waiting": s.waiting, "total": requests, "failed": ld(&m.failed_requests),
+        "requests": {"running": s.running, "waiting": s.waiting, "total": requests, "failed": failed,
             "preemptions": s.preemptions_total, "cancelled": s.cancelled_total},
         "tokens": {"prompt_total": s.prompt_tokens_total, "generated_total": s.generated_tokens_total,
             "cached_total": s.cached_tokens_total},

@@ -262,7 +262,7 @@ async fn counted(
     api: Api,
 ) -> Result<HttpResponse, OllamaError> {
     let state = state.into_inner();
-    state.metrics.ollama_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    state.metrics.request(crate::metrics::Api::Ollama);
     let r = run(state.clone(), req, payload, api).await;
     Ok(handlers::counted(&state, r)?)
 }
