@@ -235,7 +235,7 @@ pub fn run(cmd: BenchCommand, g: &Global) -> Result<()> {
         }
         BenchCommand::Replay { trace, budgets } => replay(&trace, &budgets),
         BenchCommand::Chart { out, files } => {
-            for p in osprey_bench::chart::charts(&files, &out).map_err(anyhow::Error::msg)? {
+            for p in osprey_bench::chart::charts(&files, &out)? {
                 println!("{}", p.display());
             }
             Ok(())
@@ -333,7 +333,7 @@ fn serve(a: ServeBenchArgs) -> Result<()> {
         timeout_secs: a.timeout_secs,
         response_format,
     };
-    let report = osprey_bench::serve::run(&opts).map_err(anyhow::Error::msg)?;
+    let report = osprey_bench::serve::run(&opts)?;
     print!("{}", osprey_bench::serve::table(&report));
     if let Some(path) = a.out {
         write_run(&path, machine, disk, "report", serde_json::to_value(&report)?)?;
@@ -361,12 +361,12 @@ fn replay(trace: &Path, budgets: &str) -> Result<()> {
 
 /// `bench report`: the committed runs as the benchmarks document's block (printed, or spliced in).
 fn report(dir: &Path, update: Option<&Path>) -> Result<()> {
-    let block = osprey_bench::report::render(dir).map_err(anyhow::Error::msg)?;
+    let block = osprey_bench::report::render(dir)?;
     match update {
         None => print!("{block}"),
         Some(doc) => {
             let text = std::fs::read_to_string(doc).with_context(|| format!("reading {}", doc.display()))?;
-            let new = osprey_bench::report::splice(&text, &block).map_err(anyhow::Error::msg)?;
+            let new = osprey_bench::report::splice(&text, &block)?;
             std::fs::write(doc, new).with_context(|| format!("writing {}", doc.display()))?;
         }
     }

@@ -65,9 +65,9 @@ fn every_scenario_runs_against_osprey_and_reports_every_field() {
 
 #[test]
 fn a_refused_connection_or_a_server_that_only_errs_is_a_clear_error() {
-    let e = run(&opts("http://127.0.0.1:1".into(), Scenario::Text, 2)).expect_err("nothing listens");
+    let e = run(&opts("http://127.0.0.1:1".into(), Scenario::Text, 2)).expect_err("nothing listens").to_string();
     assert!(e.contains("127.0.0.1:1"), "{e}");
-    assert!(run(&opts("ftp://x".into(), Scenario::Text, 1)).expect_err("scheme").contains("http://"));
+    assert!(run(&opts("ftp://x".into(), Scenario::Text, 1)).expect_err("scheme").to_string().contains("http://"));
     // A stub: every request gets a 500 with an OpenAI error body.
     let addr = stub(|_, s| {
         let body = r#"{"error":{"message":"broken","type":"server_error","code":"engine_error"}}"#;
@@ -78,7 +78,7 @@ fn a_refused_connection_or_a_server_that_only_errs_is_a_clear_error() {
         );
     });
     let t = std::time::Instant::now();
-    let e = run(&opts(format!("http://{addr}"), Scenario::Text, 2)).expect_err("all fail");
+    let e = run(&opts(format!("http://{addr}"), Scenario::Text, 2)).expect_err("all fail").to_string();
     assert!(e.contains("every request failed") && e.contains("engine_error"), "{e}");
     assert!(t.elapsed().as_secs() < 30, "no hang");
 }

@@ -12,18 +12,20 @@ use std::path::{Path, PathBuf};
 use plotters::prelude::*;
 use serde_json::Value;
 
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
+use crate::{Error, Result};
+
+fn err(e: impl std::fmt::Display) -> Error {
+    Error::Chart(e.to_string())
 }
 
 /// Writes the charts of `files` into `out`; returns the paths written.
-pub fn charts(files: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>, String> {
-    std::fs::create_dir_all(out).map_err(err)?;
+pub fn charts(files: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(out).map_err(Error::io(out))?;
     let mut written = Vec::new();
     let mut experts: Vec<(f64, f64, f64)> = Vec::new();
     let mut turns: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     for f in files {
-        let text = std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
+        let text = std::fs::read_to_string(f).map_err(Error::io(f))?;
         let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
         // A serve report is one JSON document; experts reports are JSON lines.
         if let Ok(doc) = serde_json::from_str::<Value>(&text) {
@@ -44,7 +46,7 @@ pub fn charts(files: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>, String> {
             }
         }
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
-            let v: Value = serde_json::from_str(line).map_err(|e| format!("{}: {e}", f.display()))?;
+            let v: Value = serde_json::from_str(line).map_err(|e| Error::Input(format!("{}: {e}", f.display())))?;
             experts.extend(experts_point(&v));
         }
     }
@@ -56,14 +58,14 @@ pub fn charts(files: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>, String> {
         written.push(experts_chart(&experts, &out.join("experts.svg"))?);
     }
     if written.is_empty() {
-        return Err("no bench serve or bench experts results in the files given".into());
+        return Err(Error::Input("no bench serve or bench experts results in the files given".into()));
     }
     Ok(written)
 }
 
 /// TTFT per request (turn) of several serve runs in one chart, one line per run (its file name): e.g.
 /// one conversation with the prefix cache and without it.
-fn turns_chart(runs: &[(String, Vec<(f64, f64)>)], path: &Path) -> Result<PathBuf, String> {
+fn turns_chart(runs: &[(String, Vec<(f64, f64)>)], path: &Path) -> Result<PathBuf> {
     let n = runs.iter().flat_map(|r| r.1.iter().map(|p| p.0)).fold(1.0, f64::max);
     let top = runs.iter().flat_map(|r| r.1.iter().map(|p| p.1)).fold(1.0, f64::max) * 1.1;
     let root = SVGBackend::new(path, (720, 420)).into_drawing_area();
@@ -93,7 +95,7 @@ fn experts_point(v: &Value) -> Option<(f64, f64, f64)> {
     Some((v["budget_fraction"].as_f64()?, v["decode_tok_s"].as_f64()?, v["residency"].as_f64()?))
 }
 
-fn ttft_chart(samples: &[Value], path: &Path) -> Result<PathBuf, String> {
+fn ttft_chart(samples: &[Value], path: &Path) -> Result<PathBuf> {
     let pts: Vec<(f64, f64, f64)> = samples
         .iter()
         .filter_map(|s| {
@@ -122,7 +124,7 @@ fn cdf(mut v: Vec<f64>) -> Vec<(f64, f64)> {
     v.into_iter().enumerate().map(|(i, x)| (x, (i + 1) as f64 / n)).collect()
 }
 
-fn latency_chart(samples: &[Value], path: &Path) -> Result<PathBuf, String> {
+fn latency_chart(samples: &[Value], path: &Path) -> Result<PathBuf> {
     let ttft = cdf(samples.iter().filter_map(|s| s["ttft_s"].as_f64()).map(|x| x * 1e3).collect());
     let itl = cdf(samples
         .iter()
@@ -153,7 +155,7 @@ fn latency_chart(samples: &[Value], path: &Path) -> Result<PathBuf, String> {
     Ok(path.to_path_buf())
 }
 
-fn experts_chart(pts: &[(f64, f64, f64)], path: &Path) -> Result<PathBuf, String> {
+fn experts_chart(pts: &[(f64, f64, f64)], path: &Path) -> Result<PathBuf> {
     let axes = Axes {
         caption: "decode speed and expert residency vs expert RAM budget",
         x: ("budget (fraction of expert bytes)", 0.0..1.05),
@@ -179,7 +181,7 @@ struct Axes {
 
 /// Two lines over one x: `(x, left, right)` points, the left axis scaled to the data, the right one a
 /// fraction in 0..1.
-fn two_lines(path: &Path, a: &Axes, pts: &[(f64, f64, f64)]) -> Result<PathBuf, String> {
+fn two_lines(path: &Path, a: &Axes, pts: &[(f64, f64, f64)]) -> Result<PathBuf> {
     let top = pts.iter().map(|p| p.1).fold(1.0, f64::max) * 1.1;
     let root = SVGBackend::new(path, (720, 420)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;

@@ -87,6 +87,35 @@ pub enum Error {
     /// The generation driver refused or failed.
     #[error(transparent)]
     Engine(#[from] RequestError),
+    /// A results file or directory could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// What the system said.
+        source: std::io::Error,
+    },
+    /// A results file or document is not what the command reads (where, and why).
+    #[error("{0}")]
+    Input(String),
+    /// Drawing a chart failed.
+    #[error("chart: {0}")]
+    Chart(String),
+    /// The server under load could not be reached, or answered no request.
+    #[error("{url}: {reason}")]
+    Server {
+        /// The server's base URL.
+        url: String,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+impl Error {
+    /// An I/O failure on `path`.
+    pub(crate) fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+        move |source| Error::Io { path: path.to_path_buf(), source }
+    }
 }
 
 /// Result alias of this crate.

@@ -227,15 +227,21 @@ fn agent(o: &ServeOptions) -> ureq::Agent {
     ureq::AgentBuilder::new().timeout_connect(Duration::from_secs(5)).timeout(t).build()
 }
 
-fn get_json(a: &ureq::Agent, url: &str, key: Option<&str>) -> Result<String, String> {
+/// Why a GET gave no body: the server answered with an error status, or did not answer.
+enum Fetch {
+    Status,
+    Failed(String),
+}
+
+fn get_json(a: &ureq::Agent, url: &str, key: Option<&str>) -> std::result::Result<String, Fetch> {
     let mut req = a.get(url);
     if let Some(k) = key {
         req = req.set("Authorization", &format!("Bearer {k}"));
     }
     match req.call() {
-        Ok(r) => r.into_string().map_err(|e| e.to_string()),
-        Err(ureq::Error::Status(code, _)) => Err(format!("HTTP {code}")),
-        Err(e) => Err(e.to_string()),
+        Ok(r) => r.into_string().map_err(|e| Fetch::Failed(e.to_string())),
+        Err(ureq::Error::Status(..)) => Err(Fetch::Status),
+        Err(e) => Err(Fetch::Failed(e.to_string())),
     }
 }
 
@@ -362,16 +368,17 @@ fn osprey_counters(text: &str) -> BTreeMap<String, f64> {
 }
 
 /// Runs the load and returns the report; `Err` names why the run could not produce one.
-pub fn run(o: &ServeOptions) -> Result<ServeReport, String> {
+pub fn run(o: &ServeOptions) -> crate::Result<ServeReport> {
+    let server = |reason: String| crate::Error::Server { url: o.url.clone(), reason };
     if !(o.url.starts_with("http://") || o.url.starts_with("https://")) {
-        return Err(format!("--url {:?}: expected http://host:port", o.url));
+        return Err(server("expected http://host:port".into()));
     }
     let a = agent(o);
     let key = o.api_key.as_deref();
     let server_model = match get_json(&a, &format!("{}/v1/models", o.url), key) {
         Ok(t) => serde_json::from_str::<Value>(&t).ok().and_then(|v| v["data"][0]["id"].as_str().map(str::to_string)),
-        Err(e) if e.contains("HTTP") => None,
-        Err(e) => return Err(format!("{}: {e}", o.url)),
+        Err(Fetch::Status) => None,
+        Err(Fetch::Failed(e)) => return Err(server(e)),
     };
     let metrics_before = get_json(&a, &format!("{}/metrics", o.url), key).ok().map(|t| osprey_counters(&t));
     let osprey = metrics_before.as_ref().is_some_and(|m| !m.is_empty());
@@ -433,7 +440,11 @@ pub fn run(o: &ServeOptions) -> Result<ServeReport, String> {
     }
     if errors.values().sum::<usize>() == samples.len() {
         let first = samples.iter().find_map(|s| s.error.clone()).unwrap_or_default();
-        return Err(format!("every request failed ({} of {}); the first: {first}", samples.len(), samples.len()));
+        return Err(server(format!(
+            "every request failed ({} of {}); the first: {first}",
+            samples.len(),
+            samples.len()
+        )));
     }
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
     let out_tokens: u64 = ok.iter().filter_map(|s| s.output_tokens).sum();

@@ -30,7 +30,7 @@ pub struct TokenizerCore {
     /// The model's vocabulary size and end-of-answer tokens (for grammars).
     grammar_vocab: (usize, Vec<u32>),
     /// Built on the first constrained request (a trie of the whole vocabulary).
-    grammar: OnceLock<Result<GrammarCompiler, String>>,
+    grammar: OnceLock<Result<GrammarCompiler, crate::Error>>,
 }
 
 fn media_error(e: osprey_models::Error) -> RequestError {
@@ -194,8 +194,9 @@ impl TokenizerCore {
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Constraint, RequestError> {
         let compiler = self.grammar.get_or_init(|| {
-            let text = std::fs::read_to_string(&self.tokenizer_json).map_err(|e| e.to_string())?;
-            let tok = tokenizers::Tokenizer::from_bytes(text.as_bytes()).map_err(|e| e.to_string())?;
+            let load = |reason: String| crate::Error::Load { path: self.tokenizer_json.clone(), reason };
+            let text = std::fs::read_to_string(&self.tokenizer_json).map_err(|e| load(e.to_string()))?;
+            let tok = tokenizers::Tokenizer::from_bytes(text.as_bytes()).map_err(|e| load(e.to_string()))?;
             let (vocab, eos) = &self.grammar_vocab;
             let eos = if eos.is_empty() { self.tok.token_id("<|im_end|>").into_iter().collect() } else { eos.clone() };
             GrammarCompiler::new(&text, tok, (*vocab).max(self.tok.vocab_size()), &eos)

@@ -55,9 +55,15 @@ impl std::fmt::Debug for GrammarCompiler {
 impl GrammarCompiler {
     /// From `tokenizer.json`'s text and tokenizer, for a model whose logits have `vocab` entries; `eos`
     /// are the tokens that end an answer (allowed once the grammar is complete).
-    pub fn new(tokenizer_json: &str, tok: tokenizers::Tokenizer, vocab: usize, eos: &[u32]) -> Result<Self, String> {
-        let json: Value = serde_json::from_str(tokenizer_json).map_err(|e| e.to_string())?;
-        let mut words = llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| e.to_string())?;
+    pub fn new(
+        tokenizer_json: &str,
+        tok: tokenizers::Tokenizer,
+        vocab: usize,
+        eos: &[u32],
+    ) -> Result<Self, crate::Error> {
+        let setup = |e: &dyn std::fmt::Display| crate::Error::Grammar(e.to_string());
+        let json: Value = serde_json::from_str(tokenizer_json).map_err(|e| setup(&e))?;
+        let mut words = llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| setup(&e))?;
         let vocab = vocab.max(words.len());
         // Ids the model has but the tokenizer lacks (padding) are special tokens nobody can write.
         while words.len() < vocab {
@@ -65,24 +71,20 @@ impl GrammarCompiler {
             w[0] = TokTrie::SPECIAL_TOKEN_MARKER;
             words.push(w);
         }
-        let first = *eos.first().ok_or("the model declares no end-of-answer token")?;
+        let first = *eos.first().ok_or_else(|| setup(&"the model declares no end-of-answer token"))?;
         let info = TokRxInfo::new(vocab as u32, first);
         let trie = TokTrie::from(&info, &words).with_eos_tokens(eos);
         let tiers = Arc::new(Tiers::new(&words, eos));
         let env: TokEnv = Arc::new(Env { trie, tok });
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| setup(&e))?;
         factory.quiet();
         *factory.limits_mut() = limits();
         Ok(GrammarCompiler { factory: Arc::new(factory), tiers })
     }
 
-    /// Compiles `g`; a schema or grammar llguidance refuses gives its message.
-    pub fn compile(&self, g: &Grammar) -> Result<Constraint, String> {
-        self.compile_until(g, &[], &|| false).map_err(|e| match e {
-            CompileError::Refused(m) => m,
-            CompileError::Stopped => "stopped".into(),
-            CompileError::Prefill => "the prefill does not fit".into(),
-        })
+    /// Compiles `g`; a schema or grammar llguidance refuses is [`CompileError::Refused`] with its message.
+    pub fn compile(&self, g: &Grammar) -> Result<Constraint, CompileError> {
+        self.compile_until(g, &[], &|| false)
     }
 
     /// [`GrammarCompiler::compile`] that gives up as soon as `stop()` says so (the request was cancelled
@@ -129,7 +131,7 @@ impl GrammarCompiler {
         let until = std::time::Instant::now() + WALK_BUDGET;
         let enough = || stop() || std::time::Instant::now() >= until;
         let shortest = crate::wrapup::distance_until(&mut trial, &self.tiers, &Lex::default(), MAX_SHORTEST, &enough)
-            .map_err(CompileError::Refused)?;
+            .map_err(|e| CompileError::Refused(e.0))?;
         if stop() {
             return Err(CompileError::Stopped);
         }
@@ -139,13 +141,16 @@ impl GrammarCompiler {
 }
 
 /// Why a compile gave no grammar.
-#[derive(Debug, PartialEq)]
+#[derive(Debug, PartialEq, thiserror::Error)]
 pub enum CompileError {
     /// The schema or grammar is refused (its message; may hold the compiler's internal state).
+    #[error("{0}")]
     Refused(String),
     /// The caller's `stop()` said to give up.
+    #[error("stopped")]
     Stopped,
     /// The prefilled text is not the start of an answer the grammar allows.
+    #[error("the prefill does not fit")]
     Prefill,
 }
 
@@ -254,7 +259,7 @@ impl Seq {
     /// a whole structure (`, {` opens an array item with its required keys), so the path is measured at
     /// every token once the slack is under [`CHECK_EVERY_TOKEN`], and after a sixteenth of the slack
     /// before that.
-    fn check_wrap(&mut self) -> Result<(), String> {
+    fn check_wrap(&mut self) -> Result<(), GrammarError> {
         let Some(budget) = self.budget else { return Ok(()) };
         if self.wrapping || self.committed < self.next_check {
             return Ok(());
@@ -277,7 +282,7 @@ impl Seq {
     /// ([`crate::wrapup::structure`]); one representative per group is tried (consumed, measured, rolled
     /// back). Plain content is left alone where it is free (a string's text never lengthens the path),
     /// and guarded by its first byte where few tokens are allowed (a fork in fixed text).
-    fn guard(&mut self, allowed: &mut [u32]) -> Result<(), String> {
+    fn guard(&mut self, allowed: &mut [u32]) -> Result<(), GrammarError> {
         let Some(budget) = self.budget else { return Ok(()) };
         let left = budget.saturating_sub(self.committed);
         if self.wrapping || left > self.last_distance + GUARD_SLACK {
@@ -311,7 +316,7 @@ impl Seq {
             let mut lex = self.lex.clone();
             lex.feed_token(t, self.tiers.word(t));
             let d = crate::wrapup::distance(&mut self.m, &self.tiers, &lex, left);
-            self.m.rollback(1).map_err(|e| e.to_string())?;
+            self.m.rollback(1).map_err(engine)?;
             // After `t`, `left - 1` tokens remain for a path of `d`.
             if d? + 1 > left.saturating_sub(1) {
                 for m in members {
@@ -325,18 +330,18 @@ impl Seq {
 
 impl TokenMatcher for Seq {
     fn allowed(&mut self, allowed: &mut Vec<u32>) -> Result<(), GrammarError> {
-        self.mask(allowed).map_err(GrammarError)
+        self.mask(allowed)
     }
 
     fn commit(&mut self, token: u32) -> Result<(), GrammarError> {
-        self.advance(token).map_err(GrammarError)
+        self.advance(token)
     }
 }
 
 impl Seq {
-    fn mask(&mut self, allowed: &mut Vec<u32>) -> Result<(), String> {
+    fn mask(&mut self, allowed: &mut Vec<u32>) -> Result<(), GrammarError> {
         self.check_wrap()?;
-        let mask = self.m.compute_mask_or_eos().map_err(|e| e.to_string())?;
+        let mask = self.m.compute_mask_or_eos().map_err(engine)?;
         allowed.clear();
         allowed.extend_from_slice(mask.as_slice());
         if self.wrapping {
@@ -354,14 +359,19 @@ impl Seq {
         Ok(())
     }
 
-    fn advance(&mut self, token: u32) -> Result<(), String> {
+    fn advance(&mut self, token: u32) -> Result<(), GrammarError> {
         self.committed += 1;
         self.lex.feed_token(token, self.tiers.word(token));
         if self.m.is_stopped() {
             return Ok(()); // the end-of-answer token after a complete grammar
         }
-        self.m.consume_token(token).map_err(|e| e.to_string())
+        self.m.consume_token(token).map_err(engine)
     }
+}
+
+/// llguidance's failure as the protocol's grammar error (its message).
+pub(crate) fn engine(e: impl std::fmt::Display) -> GrammarError {
+    GrammarError(e.to_string())
 }
 
 #[cfg(test)]

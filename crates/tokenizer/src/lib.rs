@@ -43,6 +43,9 @@ pub enum Error {
     /// The chat template failed to compile or render (including its own `raise_exception`).
     #[error("chat template error: {0}")]
     Template(String),
+    /// The grammar compiler cannot be built for this tokenizer (constrained decoding is unavailable).
+    #[error("grammar compiler: {0}")]
+    Grammar(String),
     /// Media placeholders and media items disagree.
     #[error("{0}")]
     Media(String),

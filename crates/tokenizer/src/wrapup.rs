@@ -22,6 +22,7 @@
 //! token does ([`Tiers::wrap`]), so its answer is no longer than the walk.
 
 use llguidance::Matcher;
+use osprey_protocol::constraint::GrammarError;
 use toktrie::TokTrie;
 
 /// Where the answer's text stands, tracked over the bytes of its tokens: inside a JSON string (and
@@ -281,7 +282,7 @@ impl Tiers {
 /// Tokens the closing walk takes from `m`'s state to the end token included, at most `cap` (a walk
 /// that does not end by then, or fails, counts as `cap`). `m` is left as it was (the walk's tokens are
 /// rolled back).
-pub(crate) fn distance(m: &mut Matcher, tiers: &Tiers, lex: &Lex, cap: usize) -> Result<usize, String> {
+pub(crate) fn distance(m: &mut Matcher, tiers: &Tiers, lex: &Lex, cap: usize) -> Result<usize, GrammarError> {
     distance_until(m, tiers, lex, cap, &|| false)
 }
 
@@ -293,7 +294,7 @@ pub(crate) fn distance_until(
     lex: &Lex,
     cap: usize,
     enough: &dyn Fn() -> bool,
-) -> Result<usize, String> {
+) -> Result<usize, GrammarError> {
     let mut lex = lex.clone();
     let mut consumed = 0;
     let mut steps = 0;
@@ -317,7 +318,7 @@ pub(crate) fn distance_until(
         consumed += 1;
         lex.feed_token(t, tiers.word(t));
     };
-    m.rollback(consumed).map_err(|e| e.to_string())?;
+    m.rollback(consumed).map_err(crate::grammar::engine)?;
     Ok(result)
 }
 
