@@ -25,16 +25,6 @@ fn parse_id(spec: &str) -> Option<(&str, &str, Option<&str>)> {
     (word(org) && word(name) && rev_ok).then_some((org, name, rev))
 }
 
-/// The hub cache this process uses (the hub client's order of variables).
-pub fn cache_dir() -> Option<PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    var("HF_HUB_CACHE")
-        .or_else(|| var("HUGGINGFACE_HUB_CACHE"))
-        .or_else(|| var("HF_HOME").map(|h| h.join("hub")))
-        .or_else(|| var("XDG_CACHE_HOME").map(|c| c.join("huggingface/hub")))
-        .or_else(|| var("HOME").map(|h| h.join(".cache/huggingface/hub")))
-}
-
 fn offline() -> bool {
     std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "yes" | "on"))
 }
@@ -43,7 +33,7 @@ fn offline() -> bool {
 /// else downloaded into it ([`crate::pull`]) unless `HF_HUB_OFFLINE` is set.
 pub fn resolve(spec: &Path) -> Result<PathBuf> {
     let offline = offline();
-    let found = resolve_in(spec, cache_dir().as_deref(), offline);
+    let found = resolve_in(spec, crate::pull::cache_dir().as_deref(), offline);
     match (&found, spec.to_str().and_then(parse_id)) {
         (Err(_), Some((org, name, rev))) if !offline && !spec.exists() => download(org, name, rev),
         _ => found,
@@ -61,7 +51,7 @@ pub fn pull_id(id: &str) -> Result<PathBuf> {
         bail!("{id} is not a Hugging Face id (org/name, optionally @revision)");
     };
     if offline() {
-        return resolve_in(Path::new(id), cache_dir().as_deref(), true);
+        return resolve_in(Path::new(id), crate::pull::cache_dir().as_deref(), true);
     }
     download(org, name, rev)
 }

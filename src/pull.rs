@@ -47,14 +47,24 @@ pub struct Hub {
 }
 
 impl Hub {
-    /// From the environment: the cache [`crate::hub::cache_dir`] resolves, `HF_ENDPOINT`, `HF_TOKEN` (else
+    /// From the environment: the cache [`cache_dir`] resolves, `HF_ENDPOINT`, `HF_TOKEN` (else
     /// the token file next to the cache).
     pub fn from_env() -> Result<Self> {
-        let cache = crate::hub::cache_dir().context("no Hugging Face cache directory: set HF_HUB_CACHE or HF_HOME")?;
+        let cache = cache_dir().context("no Hugging Face cache directory: set HF_HUB_CACHE or HF_HOME")?;
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let token = var("HF_TOKEN").or_else(|| Cache::new(cache.clone()).token());
         Ok(Hub { cache, endpoint: var("HF_ENDPOINT").unwrap_or_else(|| "https://huggingface.co".into()), token })
     }
+}
+
+/// The hub cache this process uses (the hub client's order of variables).
+pub fn cache_dir() -> Option<PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    var("HF_HUB_CACHE")
+        .or_else(|| var("HUGGINGFACE_HUB_CACHE"))
+        .or_else(|| var("HF_HOME").map(|h| h.join("hub")))
+        .or_else(|| var("XDG_CACHE_HOME").map(|c| c.join("huggingface/hub")))
+        .or_else(|| var("HOME").map(|h| h.join(".cache/huggingface/hub")))
 }
 
 /// Downloads `org/name` at `revision` into the hub cache and returns its snapshot directory. Files

@@ -17,6 +17,7 @@ mod hardening;
 mod http_edge;
 mod hub;
 mod kv_pages;
+mod layout;
 mod multimodal;
 mod ollama;
 mod prefix_cache;

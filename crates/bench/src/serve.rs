@@ -367,29 +367,16 @@ fn osprey_counters(text: &str) -> BTreeMap<String, f64> {
     out
 }
 
-/// Runs the load and returns the report; `Err` names why the run could not produce one.
-pub fn run(o: &ServeOptions) -> crate::Result<ServeReport> {
-    let server = |reason: String| crate::Error::Server { url: o.url.clone(), reason };
-    if !(o.url.starts_with("http://") || o.url.starts_with("https://")) {
-        return Err(server("expected http://host:port".into()));
-    }
-    let a = agent(o);
-    let key = o.api_key.as_deref();
-    let server_model = match get_json(&a, &format!("{}/v1/models", o.url), key) {
-        Ok(t) => serde_json::from_str::<Value>(&t).ok().and_then(|v| v["data"][0]["id"].as_str().map(str::to_string)),
-        Err(Fetch::Status) => None,
-        Err(Fetch::Failed(e)) => return Err(server(e)),
-    };
-    let metrics_before = get_json(&a, &format!("{}/metrics", o.url), key).ok().map(|t| osprey_counters(&t));
-    let osprey = metrics_before.as_ref().is_some_and(|m| !m.is_empty());
+/// Sends the scenario's requests (a conversation turn by turn; otherwise all at once for a fixed
+/// concurrency, or as Poisson arrivals at `rate`) and returns their samples in request order.
+fn send_load(a: &ureq::Agent, o: &ServeOptions, t0: Instant) -> Vec<Sample> {
     let n = o.requests.max(1);
-    let t0 = Instant::now();
     let samples = Mutex::new(Vec::with_capacity(n));
     let progress = Progress::new(n);
     if o.scenario == Scenario::Conversation {
         let mut answers = Vec::new();
         for i in 0..n {
-            let (s, text) = one(&a, o, i, messages(o, i, &answers), t0);
+            let (s, text) = one(a, o, i, messages(o, i, &answers), t0);
             answers.push(text);
             samples.lock().unwrap_or_else(|e| e.into_inner()).push(s);
             progress.tick();
@@ -420,7 +407,7 @@ pub fn run(o: &ServeOptions) -> crate::Result<ServeReport> {
                     if wait > 0.0 {
                         std::thread::sleep(Duration::from_secs_f64(wait));
                     }
-                    let (s, _) = one(&a, o, i, messages(o, i, &[]), t0);
+                    let (s, _) = one(a, o, i, messages(o, i, &[]), t0);
                     samples.lock().unwrap_or_else(|e| e.into_inner()).push(s);
                     progress.tick();
                 });
@@ -428,9 +415,29 @@ pub fn run(o: &ServeOptions) -> crate::Result<ServeReport> {
         });
     }
     progress.done();
-    let duration_s = t0.elapsed().as_secs_f64();
     let mut samples = samples.into_inner().unwrap_or_else(|e| e.into_inner());
     samples.sort_by_key(|s| s.index);
+    samples
+}
+
+/// Runs the load and returns the report; `Err` names why the run could not produce one.
+pub fn run(o: &ServeOptions) -> crate::Result<ServeReport> {
+    let server = |reason: String| crate::Error::Server { url: o.url.clone(), reason };
+    if !(o.url.starts_with("http://") || o.url.starts_with("https://")) {
+        return Err(server("expected http://host:port".into()));
+    }
+    let a = agent(o);
+    let key = o.api_key.as_deref();
+    let server_model = match get_json(&a, &format!("{}/v1/models", o.url), key) {
+        Ok(t) => serde_json::from_str::<Value>(&t).ok().and_then(|v| v["data"][0]["id"].as_str().map(str::to_string)),
+        Err(Fetch::Status) => None,
+        Err(Fetch::Failed(e)) => return Err(server(e)),
+    };
+    let metrics_before = get_json(&a, &format!("{}/metrics", o.url), key).ok().map(|t| osprey_counters(&t));
+    let osprey = metrics_before.as_ref().is_some_and(|m| !m.is_empty());
+    let t0 = Instant::now();
+    let samples = send_load(&a, o, t0);
+    let duration_s = t0.elapsed().as_secs_f64();
     let mut errors = BTreeMap::new();
     for s in &samples {
         if let Some(e) = &s.error {

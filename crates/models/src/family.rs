@@ -191,8 +191,8 @@ pub trait CausalLm: Send + Sync + Debug {
     fn weight_bytes(&self) -> (usize, usize);
 
     /// Expert slot counters summed over the MoE layers (zero for a dense model).
-    fn slot_stats(&self) -> crate::SlotStats {
-        crate::SlotStats::default()
+    fn slot_stats(&self) -> SlotStats {
+        SlotStats::default()
     }
 
     /// Whether a draft head (`mtp.*`) was loaded ([`crate::LoadOptions::draft_head`]).
@@ -250,7 +250,7 @@ impl<T: CausalLm + ?Sized> CausalLm for Box<T> {
     fn weight_bytes(&self) -> (usize, usize) {
         (**self).weight_bytes()
     }
-    fn slot_stats(&self) -> crate::SlotStats {
+    fn slot_stats(&self) -> SlotStats {
         (**self).slot_stats()
     }
     fn family_stats(&self) -> Vec<FamilyStat> {
@@ -261,5 +261,33 @@ impl<T: CausalLm + ?Sized> CausalLm for Box<T> {
     }
     fn draft(&self, steps: &mut [DraftStep<'_, '_>], capture: bool) -> Result<DraftOutput> {
         (**self).draft(steps, capture)
+    }
+}
+
+/// Counters of expert slots on the backend (one layer's, or summed over the model's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SlotStats {
+    /// Touched experts found in a slot.
+    pub hits: u64,
+    /// Touched experts that had to be uploaded.
+    pub misses: u64,
+    /// `moe_routed` calls (waves); a step with hits and misses takes at least two.
+    pub waves: u64,
+    /// Slots in the pool.
+    pub slots: u64,
+    /// Slots holding an expert.
+    pub filled: u64,
+}
+
+impl std::ops::Add for SlotStats {
+    type Output = SlotStats;
+    fn add(self, o: SlotStats) -> SlotStats {
+        SlotStats {
+            hits: self.hits + o.hits,
+            misses: self.misses + o.misses,
+            waves: self.waves + o.waves,
+            slots: self.slots + o.slots,
+            filled: self.filled + o.filled,
+        }
     }
 }

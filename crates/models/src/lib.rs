@@ -19,10 +19,12 @@
 
 mod checkpoint;
 pub mod config;
+mod entry;
 mod error;
 mod family;
 pub mod kv;
 pub mod layers;
+mod ple_budget;
 pub mod positions;
 pub mod quant;
 mod quantize_dir;
@@ -39,11 +41,10 @@ pub use config::{ModelConfig, TextConfig};
 pub use error::{Error, Result};
 pub use family::{
     CausalLm, DraftOutput, DraftStep, FamilyStat, ForwardOptions, ForwardOutput, InjectedRows, KvLayout, LmInfo,
-    LogitsWanted, Model, Positions, SeqInput, SeqStep, DEFAULT_PAGE_SIZE,
+    LogitsWanted, Model, Positions, SeqInput, SeqStep, SlotStats, DEFAULT_PAGE_SIZE,
 };
 pub use kv::{KvPool, PageGeometry, PageRef, PageTable, PoolStats, ReserveError};
 pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts, ResidentExperts};
-pub use layers::slots::SlotStats;
 /// The compute-backend seam the families are written against (re-exported for callers that pick one).
 pub use osprey_backend as backend;
 pub use quantize_dir::{quantize_dir, QuantizeOptions};

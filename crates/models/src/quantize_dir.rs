@@ -16,9 +16,9 @@ use safetensors::Dtype;
 use serde_json::json;
 
 use crate::checkpoint::Checkpoint;
+use crate::entry::QuantRules;
 use crate::error::{Error, Result};
 use crate::quant::quantize_nvfp4;
-use crate::registry::QuantRules;
 
 /// What to quantise.
 #[derive(Clone, Copy, Debug, Default)]

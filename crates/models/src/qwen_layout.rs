@@ -3,8 +3,8 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
+use crate::entry::ExpertLayout;
 use crate::error::Result;
-use crate::registry::ExpertLayout;
 
 /// Where the decoder's tensors live: `model.language_model.` in the multimodal (and Hub) layout,
 /// `model.` in checkpoints saved from a text-only `*ForCausalLM`.

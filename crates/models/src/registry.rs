@@ -1,7 +1,8 @@
 //! The family registry: maps `config.json`'s `model_type` (or, failing that, its `architectures`) to a
 //! model family, and builds the family's decoder behind the [`CausalLm`] seam. An unknown model is refused
-//! here, at load, with the list of what is served. Adding a family adds a directory and one entry to
-//! [`FAMILIES`]; nothing else in the runtime changes.
+//! here, at load, with the list of what is served. Adding a family adds a directory, its entry
+//! ([`crate::entry::Family`], declared in the family's own module) and one line in [`FAMILIES`]; nothing
+//! else in the runtime changes. Families depend on `entry`, never on this module.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -10,111 +11,13 @@ use osprey_backend::{BackendRef, Op};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
+pub use crate::entry::{
+    ExpertLayout, ExpertsFn, Family, LoadFn, LoadOptions, MediaSupport, QuantRules, VisionFn, DECODER_OPS,
+};
 use crate::error::{Error, Result};
 use crate::family::Model;
 use crate::layers::moe::ExpertSource;
 use crate::vision::VisionTower;
-
-/// Where a model's routed experts live in its checkpoint (what the expert store indexes).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ExpertLayout {
-    /// Per layer, the tensor prefix of its MoE block (`…layers.{i}.mlp`).
-    pub prefixes: Vec<String>,
-    /// Routed experts per layer.
-    pub num_experts: usize,
-    /// Residual width.
-    pub hidden: usize,
-    /// Expert width.
-    pub intermediate: usize,
-}
-
-/// How a model is loaded, beyond its directory and backend.
-#[derive(Clone, Debug, Default)]
-pub struct LoadOptions {
-    /// Replaces the default source of routed experts (every expert mapped from the checkpoint), e.g.
-    /// with the residency manager.
-    pub experts: Option<Arc<dyn ExpertSource>>,
-    /// Expert slots per MoE layer on the backend (`None`: the source's
-    /// [`ExpertSource::slots_per_layer`], else one per expert).
-    pub expert_slots: Option<usize>,
-    /// RAM for cached PLE table rows, all layers together (`qwen4_exp`; default 1 GiB). The caller may
-    /// keep a clone and change it while the model runs.
-    pub ple_budget: crate::PleBudget,
-    /// Load the checkpoint's draft head (`mtp.*`, speculative decoding) when it has one: the head's
-    /// layer then keeps its own plane in the KV pages.
-    pub draft_head: bool,
-}
-
-/// Loads a family's decoder from a parsed config and an opened checkpoint, its weights placed on the
-/// backend; `progress` gets (layers done, layers).
-pub type LoadFn = fn(&ModelConfig, &Checkpoint, LoadOptions, BackendRef, &mut dyn FnMut(usize, usize)) -> Result<Model>;
-
-/// The routed-expert layout of a checkpoint of this family (`None` for a dense model).
-pub type ExpertsFn = fn(&ModelConfig, &Checkpoint) -> Result<Option<ExpertLayout>>;
-
-/// How `osprey quantize` picks a family's tensors (tensor names are the family's business).
-#[derive(Debug)]
-pub struct QuantRules {
-    /// A routed expert's projection in the per-expert (Hub) layout.
-    pub is_routed_expert: fn(&str) -> bool,
-    /// A decoder linear that `--all-linear` quantises (`name`, `shape`).
-    pub eligible_linear: fn(&str, &[usize]) -> bool,
-    /// Name suffixes of the fused expert tensors `[E, 2I, H]` (gate rows first) and `[E, H, I]`, which
-    /// are split into the Hub layout; the per-expert names are `{prefix}{e}.{gate,up,down}_proj.weight`.
-    pub fused_experts: (&'static str, &'static str),
-    /// `exclude_modules` written to `quantization_config` (experts only, or `--all-linear`).
-    pub exclude_modules: fn(bool) -> Vec<&'static str>,
-}
-
-/// The media a family's checkpoints accept (when they carry a vision tower).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MediaSupport {
-    /// Still images.
-    pub images: bool,
-    /// Videos (frame lists, animated files).
-    pub video: bool,
-}
-
-/// One registry entry.
-#[derive(Debug)]
-pub struct Family {
-    /// Registry name (also [`crate::LmInfo::family`]).
-    pub name: &'static str,
-    /// `model_type` values served (the wrapper's and the text config's).
-    pub model_types: &'static [&'static str],
-    /// `architectures` entries served, for configs without a known `model_type`.
-    pub architectures: &'static [&'static str],
-    /// Builds the decoder.
-    pub load: LoadFn,
-    /// Finds the routed experts.
-    pub experts: ExpertsFn,
-    /// Loads the vision tower of a multimodal checkpoint (`None`: text-only).
-    pub vision: VisionFn,
-    /// What media the vision tower takes.
-    pub media: MediaSupport,
-    /// Tensor selection for `osprey quantize`.
-    pub quant: QuantRules,
-    /// The backend ops its decoder runs (NVFP4 linears are asked for when the checkpoint is
-    /// quantized, bidirectional attention when the vision tower loads).
-    pub ops: &'static [Op],
-}
-
-/// The ops every decoder of today's families runs.
-pub const DECODER_OPS: &[Op] = &[
-    Op::Memory,
-    Op::Fences,
-    Op::LinearDense,
-    Op::Embed,
-    Op::Elementwise,
-    Op::Norms,
-    Op::Rotary,
-    Op::AttentionPaged,
-    Op::GatedDeltaNet,
-    Op::Router,
-];
-
-/// The vision tower of a checkpoint of this family (`None` for a text-only one).
-pub type VisionFn = fn(&ModelConfig, &Checkpoint, BackendRef) -> Result<Option<VisionTower>>;
 
 /// Every family osprey serves.
 pub static FAMILIES: &[&Family] = &[&crate::qwen3_5::FAMILY, &crate::qwen4_exp::FAMILY];

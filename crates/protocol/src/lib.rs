@@ -13,6 +13,7 @@ pub mod experts;
 pub mod inbox;
 pub mod prefix;
 pub mod runner;
+pub mod sampling;
 pub mod scheduler;
 pub mod tokenizer;
 pub mod vision;

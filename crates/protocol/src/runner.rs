@@ -5,7 +5,7 @@ use std::sync::Arc;
 use tokio::sync::oneshot;
 
 use crate::prefix::PrefixMatch;
-use crate::scheduler::SamplingParams;
+use crate::sampling::SamplingParams;
 use crate::tokenizer::PreparedPrompt;
 use crate::{Handle, RequestError, SeqId};
 

@@ -13,17 +13,18 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use osprey_models::backend::DType;
 use osprey_models::vision::{rows_in_chunk, MediaSpan};
 use osprey_models::{
-    ForwardOptions, KvPool, LogitsWanted, Model, PageGeometry, PageRef, Positions, ReserveError, SeqInput, SeqState,
-    SeqStep, StateSnapshot,
+    ForwardOptions, KvPool, LogitsWanted, Model, PageGeometry, PageRef, Positions, SeqInput, SeqStep, StateSnapshot,
 };
-use osprey_protocol::constraint::{GrammarError, TokenMatcher};
+use osprey_protocol::constraint::TokenMatcher;
 use osprey_protocol::runner::{GrammarCounters, KvPages, TokenLogprobs};
 use osprey_protocol::scheduler::{FinishReason, SamplingParams};
 use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
 use osprey_protocol::{ErrorCode, RequestError, SeqId};
 
+use crate::error::{engine_error, grammar_error, model_error, reserve_error};
 use crate::sampler::{sample, Rng};
-use crate::speculative::{self, feed_head, DraftOverride, Pending};
+use crate::seq::{chunk_positions, grammar_mask, MediaRows, SeqRec};
+use crate::speculative::{self, feed_head, DraftOverride};
 use osprey_protocol::runner::{SpecCounters, MAX_SPECULATIVE_TOKENS};
 
 /// Where a sequence's media rows come from: the vision actor in the server, the tower in-process for
@@ -83,31 +84,6 @@ pub struct Done {
 #[derive(Debug)]
 struct Parked(Rng, Option<Box<dyn TokenMatcher>>);
 
-/// Vision rows of a prompt's media items (shared; `None` until fetched).
-type MediaRows = Vec<Option<Arc<Vec<f32>>>>;
-
-#[derive(Debug)]
-pub(crate) struct SeqRec {
-    pub(crate) state: SeqState,
-    pub(crate) prompt: Arc<PreparedPrompt>,
-    /// Prompt tokens followed by generated ones.
-    pub(crate) tokens: Vec<u32>,
-    pub(crate) sampling: SamplingParams,
-    pub(crate) rng: Rng,
-    /// Where the sequence stands in its grammar (constrained requests).
-    pub(crate) matcher: Option<Box<dyn TokenMatcher>>,
-    /// The grammar's allowed-token bits (reused between steps).
-    pub(crate) allowed: Vec<u32>,
-    /// Vision rows per media item, fetched on first need, dropped when the prefill ends.
-    pub(crate) rows: MediaRows,
-    /// With speculation: hidden rows waiting for the draft head.
-    pub(crate) pending: Option<Pending>,
-    /// Pages `[0, pages_reported)` are in the prefix cache or were sent with an earlier snapshot.
-    pages_reported: usize,
-    /// Masks computed for this sequence since the driver last collected them.
-    pub(crate) masks: GrammarCounters,
-}
-
 /// Settings of [`Driver::generate`].
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {
@@ -135,41 +111,6 @@ pub struct Generated {
 fn clock_seed(seq: SeqId) -> u64 {
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     nanos ^ seq.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-}
-
-pub(crate) fn engine_error(e: impl std::fmt::Display) -> RequestError {
-    RequestError::new(ErrorCode::EngineError, e.to_string())
-}
-
-/// A model error as the request sees it: the device running out of memory is 503 `out_of_memory` (this
-/// request fails, the engine goes on), anything else an engine error.
-pub(crate) fn model_error(e: osprey_models::Error) -> RequestError {
-    if e.is_out_of_memory() {
-        RequestError::new(ErrorCode::OutOfMemory, e.to_string())
-    } else {
-        engine_error(e)
-    }
-}
-
-/// A KV page reservation that failed, as the request sees it.
-pub(crate) fn reserve_error(e: ReserveError) -> RequestError {
-    match e {
-        // The scheduler plans by the pool's free pages (and `generate`'s pool is unbounded), so this is
-        // never reached when it is right.
-        ReserveError::Full(st) => {
-            engine_error(format!("KV pool exhausted ({} of {} pages free): this is a bug", st.free, st.total))
-        }
-        ReserveError::Backend(e) => backend_error(e),
-    }
-}
-
-pub(crate) fn backend_error(e: osprey_models::backend::BackendError) -> RequestError {
-    match e {
-        osprey_models::backend::BackendError::OutOfMemory { .. } => {
-            RequestError::new(ErrorCode::OutOfMemory, e.to_string())
-        }
-        other => engine_error(other),
-    }
 }
 
 /// The driver: a model behind the seam, the KV page pool and the sequences it is running.
@@ -691,40 +632,6 @@ pub enum SpeculativeError {
     /// The model has no draft head, or was loaded without it.
     #[error("speculative decoding needs a checkpoint with a draft head (mtp.*), loaded with it")]
     NoDraftHead,
-}
-
-/// A grammar engine's failure as the client sees it: its first line only (the engine appends its
-/// parser state, logged here at debug level instead).
-pub(crate) fn grammar_error(e: &GrammarError) -> RequestError {
-    tracing::debug!(error = %e, "grammar failed");
-    let line: String = e.0.lines().next().unwrap_or("").chars().take(200).collect();
-    engine_error(format!("grammar: {line}"))
-}
-
-/// Fills `rec.allowed` from its grammar (counted and timed in `rec.masks`); `false` when unconstrained.
-pub(crate) fn grammar_mask(rec: &mut SeqRec) -> Result<bool, RequestError> {
-    let Some(m) = rec.matcher.as_mut() else { return Ok(false) };
-    let t = Instant::now();
-    m.allowed(&mut rec.allowed).map_err(|e| grammar_error(&e))?;
-    rec.masks.nanos += t.elapsed().as_nanos() as u64;
-    rec.masks.masks += 1;
-    if rec.allowed.iter().all(|&w| w == 0) {
-        return Err(engine_error("the output format allows no token here"));
-    }
-    Ok(true)
-}
-
-/// Explicit mRoPE positions of tokens `[start, end)` of a prompt with media, `None` for plain text ones.
-/// A preempted sequence is recomputed from its prompt and the tokens it had generated, so a chunk can
-/// cross the prompt's end: the generated tokens after it are text at `t + rope_delta` on all three axes,
-/// exactly as they were fed the first time, one decode step each.
-pub(crate) fn chunk_positions(prompt: &PreparedPrompt, start: usize, end: usize) -> Option<Vec<[i64; 3]>> {
-    let p = prompt.positions.as_ref()?;
-    if start >= p.len() {
-        return None;
-    }
-    let text = (p.len().max(start)..end).map(|t| [t as i64 + prompt.rope_delta; 3]);
-    Some(p[start..end.min(p.len())].iter().copied().chain(text).collect())
 }
 
 /// The rows of each placeholder run of a prompt's media items that have been fetched.

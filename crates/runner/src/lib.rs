@@ -7,7 +7,9 @@
 //! vision actor, keyed by media hash, and are held until the sequence's prefill ends).
 
 mod driver;
+mod error;
 mod sampler;
+mod seq;
 mod speculative;
 
 use std::sync::Arc;

@@ -27,16 +27,9 @@ use osprey_models::{CausalLm, DraftStep, Positions};
 use osprey_protocol::runner::{SpecCounters, TokenLogprobs};
 use osprey_protocol::RequestError;
 
-use crate::driver::{backend_error, chunk_positions, engine_error, grammar_error, grammar_mask, model_error, SeqRec};
+use crate::error::{backend_error, engine_error, grammar_error, model_error};
 use crate::sampler::{argmax, sample, verify};
-
-/// The main model's hidden rows for slots `[pos, pos + rows)` whose head entries wait for the token
-/// after each.
-#[derive(Debug)]
-pub(crate) struct Pending {
-    pos: usize,
-    rows: Tensor,
-}
+use crate::seq::{chunk_positions, grammar_mask, Pending, SeqRec};
 
 /// See [`crate::Driver::override_drafts`].
 pub(crate) struct DraftOverride(pub(crate) Box<DraftFn>);

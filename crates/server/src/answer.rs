@@ -5,34 +5,10 @@
 use std::collections::VecDeque;
 
 use crate::error::ApiError;
+pub use crate::generate::Finish;
 use crate::generate::{Generation, LogprobEntry, Piece, Usage};
 use crate::tools::{Call, ToolEvent, ToolParser};
 use crate::validate::ToolSetup;
-
-/// Why an answer ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Finish {
-    /// End token or stop string.
-    Stop,
-    /// `max_tokens` or the context.
-    Length,
-    /// It called tools.
-    ToolCalls,
-    /// The request's deadline.
-    Timeout,
-}
-
-impl Finish {
-    /// The OpenAI `finish_reason`.
-    pub fn openai(self) -> &'static str {
-        match self {
-            Finish::Stop => "stop",
-            Finish::Length => "length",
-            Finish::ToolCalls => "tool_calls",
-            Finish::Timeout => "timeout",
-        }
-    }
-}
 
 /// A step of the answer.
 #[derive(Debug)]

@@ -164,3 +164,16 @@ mod tests {
         assert_eq!(code(r#"{"s": "[[[[[,,,,,,,,,,,,\"[[[[["}"#), "ok");
     }
 }
+
+/// An endpoint that takes a generation request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/responses` (with an empty response store).
+    Responses,
+    /// `/v1/messages`.
+    Messages,
+}

@@ -104,3 +104,16 @@ pub(crate) fn rewrapped(e: &ApiError, body: &serde_json::Value) -> actix_web::Ht
     }
     b.json(body)
 }
+
+/// A refused request parameter: `code`, the message, and the parameter it names.
+pub(crate) fn bad(code: ErrorCode, msg: impl Into<String>, param: &str) -> ApiError {
+    ApiError::new(code, msg).param(param)
+}
+
+/// An id as an error message shows it: at most 64 characters (a client can send a megabyte of id).
+pub(crate) fn shown_id(id: &str) -> String {
+    match id.char_indices().nth(64) {
+        Some((i, _)) => format!("{}…", &id[..i]),
+        None => id.to_string(),
+    }
+}

@@ -14,11 +14,35 @@ use osprey_protocol::{ErrorCode, SeqId};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::answer::Finish;
 use crate::error::ApiError;
 use crate::text::{ReasoningSplit, TextState};
 use crate::validate::GenParams;
 use crate::AppState;
+
+/// Why an answer ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// End token or stop string.
+    Stop,
+    /// `max_tokens` or the context.
+    Length,
+    /// It called tools.
+    ToolCalls,
+    /// The request's deadline.
+    Timeout,
+}
+
+impl Finish {
+    /// The OpenAI `finish_reason`.
+    pub fn openai(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::ToolCalls => "tool_calls",
+            Finish::Timeout => "timeout",
+        }
+    }
+}
 
 /// Token counts of a finished request.
 #[derive(Clone, Copy, Debug, Default)]

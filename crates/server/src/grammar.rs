@@ -4,22 +4,8 @@
 
 use serde_json::{json, Map, Value};
 
+use crate::schema::json_layout;
 use crate::tools::ToolSpec;
-
-/// `schema` in osprey's JSON layout: `", "` and `": "` separators (Python's `json.dumps`) and no free
-/// whitespace, so a model, even a random one, cannot spend its tokens on blank space. `strict` keeps
-/// llguidance's refusal of keywords it cannot enforce (else they are ignored, as OpenAI does for
-/// non-strict schemas). `true` is the empty schema; `false` stays unsatisfiable.
-pub fn json_layout(schema: &Value, strict: bool) -> Value {
-    let mut s = match schema {
-        Value::Object(m) => Value::Object(m.clone()),
-        Value::Bool(false) => return Value::Bool(false),
-        _ => json!({}),
-    };
-    s["x-guidance"] =
-        json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": !strict});
-    s
-}
 
 /// A Lark grammar that forces calls in the template's syntax: one call (`parallel` false) or one or
 /// more, to `only` or to any of `tools`. Required parameters come in schema order, optional ones may be

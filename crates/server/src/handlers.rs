@@ -16,11 +16,12 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::answer::{Answer, Out};
+use crate::body::Endpoint;
 use crate::error::ApiError;
 use crate::generate::{Generation, LogprobEntry, RequestCtx};
 use crate::tools::Call;
 use crate::validate::{self, ChatRequest, CompletionRequest, GenParams};
-use crate::{AppState, Phase, ServerConfig};
+use crate::{AppState, Phase};
 
 pub(crate) fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
@@ -477,34 +478,6 @@ pub(crate) async fn prepare_completion(
     Ok((prepared, gen))
 }
 
-/// An endpoint that takes a generation request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Endpoint {
-    /// `/v1/chat/completions`.
-    Chat,
-    /// `/v1/completions`.
-    Completions,
-    /// `/v1/responses` (with an empty response store).
-    Responses,
-    /// `/v1/messages`.
-    Messages,
-}
-
-/// What an endpoint checks in a body before the tokenizer sees it: JSON, request shape (the Responses
-/// and Messages forms translated into a chat body), parameters and media URLs (data URLs decoded,
-/// remote ones only if allow-listed), ending in the prompt it would send to the tokenizer. The fuzz
-/// targets' entry (`crates/fuzz`).
-pub fn check_body(endpoint: Endpoint, body: &[u8], cfg: &ServerConfig) -> Result<(), ApiError> {
-    let body = crate::body::parse_json(body, crate::body::JsonLimits::for_context(cfg.context_len))?;
-    let chat = match endpoint {
-        Endpoint::Completions => return validate::completion(&parse::<CompletionRequest>(&body)?, cfg).map(drop),
-        Endpoint::Chat => body,
-        Endpoint::Responses => crate::responses::chat_body(&body, &crate::store::ResponseStore::new(0, 0))?,
-        Endpoint::Messages => crate::messages::chat_body(&body)?,
-    };
-    validate::chat(&parse::<ChatRequest>(&chat)?, cfg).map(drop)
-}
-
 /// `GET /v1/models`.
 pub async fn models(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpResponse, ApiError> {
     check_key(&state, &req)?;
@@ -556,7 +529,7 @@ pub async fn model(
 ) -> Result<HttpResponse, ApiError> {
     check_key(&state, &req)?;
     if id.as_str() != state.cfg.model_id {
-        let shown = crate::responses::shown_id(&id);
+        let shown = crate::error::shown_id(&id);
         return Err(ApiError::new(
             ErrorCode::ModelNotFound,
             format!("the model `{shown}` does not exist; this server serves `{}`", state.cfg.model_id),

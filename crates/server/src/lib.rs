@@ -14,6 +14,7 @@
 
 mod answer;
 mod body;
+mod check;
 pub mod config;
 mod edge;
 mod error;
@@ -26,6 +27,8 @@ mod metrics;
 mod ollama;
 mod peer;
 mod responses;
+mod schema;
+mod state;
 mod store;
 mod text;
 pub mod tools;
@@ -37,19 +40,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use actix_web::dev::Server;
 use actix_web::{web, App, HttpServer};
-use osprey_protocol::experts::ResidencyCommand;
-use osprey_protocol::prefix::PrefixCommand;
-use osprey_protocol::scheduler::SchedulerCommand;
-use osprey_protocol::tokenizer::TokenizerCommand;
-use osprey_protocol::vision::VisionCommand;
 use osprey_protocol::ErrorCode;
-use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::watch;
 
+pub use body::Endpoint;
+pub use check::check_body;
 pub use config::{Limits, ModelAbout, ServerConfig};
 pub use error::ApiError;
-pub use handlers::{check_body, Endpoint};
 pub use metrics::Metrics;
+pub use state::{AppState, Engine, Phase};
 pub use validate::schema_grammar;
 pub use webui::{total_bytes as webui_bytes, CSP as WEBUI_CSP};
 
@@ -65,48 +64,6 @@ pub fn tool_call_grammar(
     Ok(osprey_protocol::constraint::Grammar::Lark(grammar::call_grammar(&tools, None, parallel)))
 }
 
-/// Where a graceful shutdown stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Phase {
-    /// Serving normally.
-    Serving,
-    /// A signal came: no new connections or requests; running generations go on.
-    Draining,
-    /// The grace period is over: running generations end with an `unavailable` error (streams with an
-    /// error event and `[DONE]`).
-    Expired,
-}
-
-/// Shared state of the HTTP layer.
-#[derive(Debug)]
-pub struct AppState {
-    cfg: ServerConfig,
-    metrics: Metrics,
-    next_id: AtomicU64,
-    ready: AtomicBool,
-    created: u64,
-    phase: watch::Receiver<Phase>,
-    /// The actors' inboxes (and `/health` asks whether every one is still open).
-    engine: Engine,
-    /// Responses kept for `previous_response_id`.
-    responses: store::ResponseStore,
-}
-
-/// The actors the server talks to.
-#[derive(Debug, Clone)]
-pub struct Engine {
-    /// Tokenizer actor inbox.
-    pub tokenizer: UnboundedSender<TokenizerCommand>,
-    /// Scheduler actor inbox.
-    pub scheduler: UnboundedSender<SchedulerCommand>,
-    /// Vision actor inbox (stats only), when the model has a tower.
-    pub vision: Option<UnboundedSender<VisionCommand>>,
-    /// Prefix-cache actor inbox (stats only), when the cache is on.
-    pub prefix: Option<UnboundedSender<PrefixCommand>>,
-    /// Expert residency manager inbox (stats only), when experts stream from disk.
-    pub experts: Option<UnboundedSender<ResidencyCommand>>,
-}
-
 /// A bound server: await `server`; send [`Phase`]s on `phase` to drain it.
 pub struct Bound {
     /// The running server (to be awaited).
@@ -117,28 +74,6 @@ pub struct Bound {
     pub phase: watch::Sender<Phase>,
     /// The actors behind it: [`Engine::stopped`] resolves when one of them dies.
     pub engine: Engine,
-}
-
-impl AppState {
-    /// Limits of a request body read at `endpoint`: chat, Responses and Messages bodies may carry media
-    /// inline (`max_body_bytes`); a completion's is its prompt, at most twice what the context can hold
-    /// as text plus 1 MiB.
-    fn body_limits(&self, endpoint: handlers::Endpoint) -> body::BodyLimits {
-        let all = self.cfg.limits.max_body_bytes;
-        let max_bytes = match endpoint {
-            handlers::Endpoint::Completions => {
-                let text = self.cfg.context_len.saturating_mul(self.cfg.max_token_bytes.max(1));
-                all.min(text.saturating_mul(2).saturating_add(1 << 20))
-            }
-            _ => all,
-        };
-        body::BodyLimits {
-            max_bytes,
-            timeout: std::time::Duration::from_secs_f64(self.cfg.body_timeout_secs.max(0.001)),
-            json: body::JsonLimits::for_context(self.cfg.context_len),
-            any_type_without_origin: false,
-        }
-    }
 }
 
 impl std::fmt::Debug for Bound {

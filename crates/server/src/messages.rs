@@ -311,7 +311,7 @@ fn output_format(o: &Map<String, Value>, chat: &mut Map<String, Value>) -> Resul
                 let schema = f.get("schema").ok_or_else(|| invalid("a json_schema format needs `schema`", param))?;
                 // The gate here, so that a refusal names the field the client used: the error envelope maps
                 // chat's `response_format` to `output_config.format` only (`messages_param`).
-                crate::validate::schema::check_schema(schema, &format!("{param}.schema"))?;
+                crate::schema::check_schema(schema, &format!("{param}.schema"))?;
                 chat.insert(
                     "response_format".into(),
                     json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": true}}),
@@ -511,7 +511,7 @@ async fn stream_task(
 
 async fn run(state: Arc<AppState>, req: HttpRequest, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let ctx = RequestCtx::new(&state);
-    let body = handlers::read_body(&state, &req, payload, handlers::Endpoint::Messages).await?;
+    let body = handlers::read_body(&state, &req, payload, crate::body::Endpoint::Messages).await?;
     let (chat, stream) = translate(&body, false)?;
     let (prepared, gen) = handlers::prepare_chat(&state, &chat, &ctx).await?;
     let prompt_tokens = prepared.input_ids.len();
@@ -559,7 +559,7 @@ pub async fn count_tokens(
     let state = state.into_inner();
     state.metrics.request(crate::metrics::Api::Messages);
     let ctx = RequestCtx::new(&state);
-    let body = handlers::read_body(&state, &req, payload, handlers::Endpoint::Messages).await?;
+    let body = handlers::read_body(&state, &req, payload, crate::body::Endpoint::Messages).await?;
     let (chat, _) = translate(&body, true)?;
     // The same preparation as a generation (template, media placeholders), without the generation.
     let (prepared, _) = handlers::prepare_chat(&state, &chat, &ctx).await?;

@@ -12,7 +12,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::{mpsc, watch};
 
 use crate::answer::{Answer, Finish, Out};
-use crate::error::{invalid, ApiError};
+use crate::error::{invalid, shown_id, ApiError};
 use crate::generate::{RequestCtx, Usage};
 use crate::handlers::{self, check_key, expired, pump, shutting_down, sse_event, sse_response};
 use crate::store::{ResponseStore, Stored};
@@ -164,7 +164,7 @@ fn translate(body: &Value, store: &ResponseStore) -> Result<Translated, ApiError
     if let Some(fmt) = o.get("text").and_then(|t| t.get("format")) {
         // The gate here, so that a refusal names the Responses parameter, not chat's.
         if let Some(schema) = fmt.get("schema") {
-            crate::validate::schema::check_schema(schema, "text.format.schema")?;
+            crate::schema::check_schema(schema, "text.format.schema")?;
         }
         chat.insert("response_format".into(), fmt.clone());
     }
@@ -246,14 +246,6 @@ fn tools(o: &Map<String, Value>, chat: &mut Map<String, Value>) -> Result<(), Ap
         chat.insert("tool_choice".into(), tc);
     }
     Ok(())
-}
-
-/// An id as an error message shows it: at most 64 characters (a client can send a megabyte of id).
-pub(crate) fn shown_id(id: &str) -> String {
-    match id.char_indices().nth(64) {
-        Some((i, _)) => format!("{}…", &id[..i]),
-        None => id.to_string(),
-    }
 }
 
 /// `metadata` as OpenAI takes it: at most 16 pairs, keys up to 64 characters, values strings up to 512
@@ -551,7 +543,7 @@ pub async fn create(
     state.metrics.request(crate::metrics::Api::Responses);
     let ctx = RequestCtx::new(&state);
     let r = async {
-        let body = handlers::read_body(&state, &req, payload, handlers::Endpoint::Responses).await?;
+        let body = handlers::read_body(&state, &req, payload, crate::body::Endpoint::Responses).await?;
         let t = translate(&body, &state.responses)?;
         let (prepared, gen) = handlers::prepare_chat(&state, &t.chat, &ctx).await?;
         let a = handlers::start_answer(state.clone(), prepared, gen, &ctx, true).await?;

@@ -100,7 +100,7 @@ pub fn tool(
         Some(_) => return Err(invalid("a tool's parameters must be a JSON Schema object", param)),
     };
     // Forced calls compile these into the call grammar: the same bounds as `response_format`.
-    crate::validate::schema::check_schema(&parameters, &format!("{param}.parameters"))?;
+    crate::schema::check_schema(&parameters, &format!("{param}.parameters"))?;
     Ok(ToolSpec { name: name.to_string(), description: description.map(str::to_string), parameters })
 }
 

@@ -318,7 +318,7 @@ pub(crate) fn distance_until(
         consumed += 1;
         lex.feed_token(t, tiers.word(t));
     };
-    m.rollback(consumed).map_err(crate::grammar::engine)?;
+    m.rollback(consumed).map_err(|e| GrammarError(e.to_string()))?;
     Ok(result)
 }
 

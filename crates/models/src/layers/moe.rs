@@ -15,10 +15,11 @@ use osprey_backend::{
 
 use super::load_linear;
 use super::mlp::Mlp;
-use super::slots::{SlotStats, SlotTable};
+use super::slots::SlotTable;
 use crate::checkpoint::{Checkpoint, Weight};
 use crate::config::MoeConfig;
 use crate::error::{Error, Result};
+use crate::family::SlotStats;
 
 /// The three projections of one routed expert.
 #[derive(Clone, Debug)]

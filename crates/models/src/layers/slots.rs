@@ -9,36 +9,9 @@
 
 use std::collections::HashMap;
 
+use crate::family::SlotStats;
 use lru::LruCache;
 use osprey_backend::Fence;
-
-/// Counters of one layer's slots.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SlotStats {
-    /// Touched experts found in a slot.
-    pub hits: u64,
-    /// Touched experts that had to be uploaded.
-    pub misses: u64,
-    /// `moe_routed` calls (waves); a step with hits and misses takes at least two.
-    pub waves: u64,
-    /// Slots in the pool.
-    pub slots: u64,
-    /// Slots holding an expert.
-    pub filled: u64,
-}
-
-impl std::ops::Add for SlotStats {
-    type Output = SlotStats;
-    fn add(self, o: SlotStats) -> SlotStats {
-        SlotStats {
-            hits: self.hits + o.hits,
-            misses: self.misses + o.misses,
-            waves: self.waves + o.waves,
-            slots: self.slots + o.slots,
-            filled: self.filled + o.filled,
-        }
-    }
-}
 
 /// Slots of one layer.
 #[derive(Debug)]

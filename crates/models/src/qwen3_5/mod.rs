@@ -16,6 +16,7 @@ use osprey_backend::{BackendRef, MRope, Tensor};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::{LayerKind, ModelConfig, TextConfig};
+use crate::entry::{Family, MediaSupport, QuantRules};
 use crate::error::Result;
 use crate::family::{CausalLm, ForwardOptions, ForwardOutput, KvLayout, LmInfo, Model, SeqStep};
 use crate::kv::PageTable;
@@ -25,7 +26,6 @@ use crate::layers::mlp::Mlp;
 use crate::layers::moe::{expert_dtype, ExpertSource, ResidentExperts, SparseMoe};
 use crate::layers::{load_linear, load_vector, place};
 use crate::qwen_layout::{self, expert_layout, is_routed_expert, text_prefix};
-use crate::registry::{Family, MediaSupport, QuantRules};
 use crate::state::SeqState;
 use crate::vision::VisionTower;
 use state::{HybridState, LayerState};
@@ -41,7 +41,7 @@ pub(crate) static FAMILY: Family = Family {
     experts: expert_layout,
     vision: |cfg, ck, backend| cfg.vision.as_ref().map(|v| VisionTower::load(backend, ck, v)).transpose(),
     media: MediaSupport { images: true, video: true },
-    ops: crate::registry::DECODER_OPS,
+    ops: crate::entry::DECODER_OPS,
     quant: QuantRules {
         is_routed_expert,
         eligible_linear,
@@ -153,7 +153,7 @@ impl Qwen35 {
     fn from_checkpoint_with_progress(
         cfg: &ModelConfig,
         ck: &Checkpoint,
-        opts: crate::registry::LoadOptions,
+        opts: crate::entry::LoadOptions,
         backend: BackendRef,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {

@@ -24,6 +24,7 @@ use osprey_backend::{BackendRef, MRope, Tensor};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
+use crate::entry::{Family, MediaSupport, QuantRules};
 use crate::error::Result;
 use crate::family::{CausalLm, ForwardOptions, ForwardOutput, KvLayout, LmInfo, Model, SeqStep};
 use crate::kv::PageTable;
@@ -32,7 +33,6 @@ use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::moe::{expert_dtype, ExpertSource, ResidentExperts, SparseMoe};
 use crate::layers::{load_linear, place};
 use crate::qwen_layout::{self, expert_layout, is_routed_expert, text_prefix};
-use crate::registry::{Family, MediaSupport, QuantRules};
 use crate::state::SeqState;
 use crate::vision::VisionTower;
 use hc::HyperConnection;
@@ -131,7 +131,7 @@ impl Qwen4Exp {
     fn load(
         cfg: &ModelConfig,
         ck: &Checkpoint,
-        opts: crate::registry::LoadOptions,
+        opts: crate::entry::LoadOptions,
         backend: BackendRef,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {

@@ -334,7 +334,7 @@ pub async fn show(state: web::Data<AppState>, req: HttpRequest, body: web::Bytes
     if !is_ours(asked, &state.cfg.model_id) {
         return Err(ApiError::new(
             osprey_protocol::ErrorCode::ModelNotFound,
-            format!("model \"{}\" not found", crate::responses::shown_id(asked)),
+            format!("model \"{}\" not found", crate::error::shown_id(asked)),
         )
         .into());
     }

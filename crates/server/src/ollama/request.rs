@@ -96,7 +96,7 @@ pub fn is_ours(name: &str, id: &str) -> bool {
 fn check_model(o: &Map<String, Value>, id: &str) -> Result<(), ApiError> {
     let name = o.get("model").and_then(Value::as_str).ok_or_else(|| invalid("model is required", "model"))?;
     if !is_ours(name, id) {
-        let shown = crate::responses::shown_id(name);
+        let shown = crate::error::shown_id(name);
         return Err(ApiError::new(
             ErrorCode::ModelNotFound,
             format!("model \"{shown}\" not found (this server serves \"{id}\")"),

@@ -6,8 +6,8 @@
 use osprey_protocol::ErrorCode;
 use serde_json::{Map, Value};
 
-use super::bad;
 use crate::config::ServerConfig;
+use crate::error::bad;
 use crate::error::ApiError;
 
 /// The request's template arguments without `tools`, and the `tools` it carried.

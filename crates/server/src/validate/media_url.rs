@@ -19,8 +19,8 @@ use base64::Engine;
 use osprey_protocol::ErrorCode;
 use url::{Host, Url};
 
-use super::bad;
 use crate::config::Limits;
+use crate::error::bad;
 use crate::error::ApiError;
 
 /// Redirect hops followed for one remote media URL.

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::config::ServerConfig;
-use crate::error::ApiError;
+use crate::error::{bad, ApiError};
 use crate::grammar::call_grammar;
 use crate::tools::{self, ToolChoice, ToolSpec};
 
@@ -18,13 +18,12 @@ mod kwargs;
 mod media_url;
 mod messages;
 mod sampling;
-pub(crate) mod schema;
 
+use crate::schema::response_format;
+pub use crate::schema::schema_grammar;
 pub use media_url::resolve_url;
 use messages::{check_prompt_bytes, content_bytes};
 use sampling::common;
-use schema::response_format;
-pub use schema::schema_grammar;
 
 /// `stop`: one string or several.
 #[derive(Clone, Debug, Deserialize)]
@@ -171,10 +170,6 @@ pub struct ToolSetup {
     pub specs: Vec<ToolSpec>,
     /// More than one call allowed.
     pub parallel: bool,
-}
-
-fn bad(code: ErrorCode, msg: impl Into<String>, param: &str) -> ApiError {
-    ApiError::new(code, msg).param(param)
 }
 
 /// Validates a chat request into a template-ready prompt (media fetched and decoded from URLs, not yet

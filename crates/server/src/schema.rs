@@ -4,9 +4,22 @@ use osprey_protocol::constraint::Grammar;
 use osprey_protocol::ErrorCode;
 use serde_json::{json, Value};
 
-use super::bad;
-use crate::error::ApiError;
-use crate::grammar::json_layout;
+use crate::error::{bad, ApiError};
+
+/// `schema` in osprey's JSON layout: `", "` and `": "` separators (Python's `json.dumps`) and no free
+/// whitespace, so a model, even a random one, cannot spend its tokens on blank space. `strict` keeps
+/// llguidance's refusal of keywords it cannot enforce (else they are ignored, as OpenAI does for
+/// non-strict schemas). `true` is the empty schema; `false` stays unsatisfiable.
+pub fn json_layout(schema: &Value, strict: bool) -> Value {
+    let mut s = match schema {
+        Value::Object(m) => Value::Object(m.clone()),
+        Value::Bool(false) => return Value::Bool(false),
+        _ => json!({}),
+    };
+    s["x-guidance"] =
+        json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": !strict});
+    s
+}
 
 /// Largest schema, in bytes of JSON, on every path (real schemas are a few KB; llguidance's own
 /// limits bound the compile further).
