@@ -56,6 +56,19 @@ pub enum Arg {
     F32(f32),
 }
 
+impl Arg {
+    /// The argument as its C value in the low bytes of 8 (how both device layers pass it: the driver
+    /// reads each parameter's own size from there).
+    pub fn bits(self) -> u64 {
+        match self {
+            Arg::Ptr(p) => p.0,
+            Arg::U32(v) => u64::from(v),
+            Arg::I32(v) => u64::from(v as u32),
+            Arg::F32(v) => u64::from(v.to_bits()),
+        }
+    }
+}
+
 /// One GEMM as cuBLAS defines it (column-major, `C = alpha·op(A)·op(B) + beta·C`, `op` a transpose when
 /// asked), with bf16 `A` and `B`, f32 `C` and f32 accumulation (`cublasGemmEx`, `CUBLAS_COMPUTE_32F`).
 #[derive(Clone, Copy, Debug, PartialEq)]

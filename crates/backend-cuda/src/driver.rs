@@ -288,16 +288,7 @@ impl DeviceLayer for CudaDevice {
         if args.len() != info.arity {
             return Err(fault(format!("{} arguments for {} parameters: this is a bug", args.len(), info.arity)));
         }
-        // Each value in the low bytes of 8: the driver reads each parameter's own size from there.
-        let values: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                Arg::Ptr(p) => p.0,
-                Arg::U32(v) => u64::from(v),
-                Arg::I32(v) => u64::from(v as u32),
-                Arg::F32(v) => u64::from(v.to_bits()),
-            })
-            .collect();
+        let values: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let mut b = self.stream.launch_builder(f);
         for v in &values {
             b.arg(v);

@@ -192,15 +192,7 @@ impl DeviceLayer for EmuDevice {
             return Err(fault(format!("{} arguments for {} parameters: this is a bug", args.len(), info.arity)));
         }
         // Each argument as its C value, 8 bytes of room each; `params[i]` points at argument `i`.
-        let mut values: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                Arg::Ptr(p) => p.0,
-                Arg::U32(v) => u64::from(v),
-                Arg::I32(v) => u64::from(v as u32),
-                Arg::F32(v) => u64::from(v.to_bits()),
-            })
-            .collect();
+        let mut values: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
         let launch = Launch { grid: cfg.grid, block: cfg.block };
         self.issue();

@@ -247,7 +247,7 @@ impl PageTable {
     pub(crate) fn grow(&mut self, from: usize, tokens: usize, b: &dyn Backend) -> crate::Result<()> {
         while self.capacity() < tokens {
             if self.pooled {
-                return Err(crate::Error::InvalidInput(format!(
+                return Err(crate::Error::Engine(format!(
                     "KV pages for {tokens} tokens were not reserved ({} reserved): this is a bug",
                     self.capacity()
                 )));
@@ -288,7 +288,7 @@ impl PageTable {
         let store = self.pages[i].store.clone();
         let fresh = match store.alloc(b)? {
             Some(p) => p,
-            None => return Err(crate::Error::InvalidInput("no free KV page to copy a shared page into".into())),
+            None => return Err(crate::Error::Engine("no free KV page to copy a shared page into".into())),
         };
         let (from, to, n) = (self.pages[i].id as usize, fresh.id as usize, self.geo.rows_per_page());
         let mut l = store.layers();

@@ -3,15 +3,17 @@
 //! Brief overview: reads real Hugging Face model directories (`config.json`, safetensors single-file or
 //! sharded, memory-mapped; f32/bf16/f16/NVFP4; Hub or fused expert layout) and runs the Qwen3.5 / Qwen3.6
 //! decoders (`qwen3_5` dense, `qwen3_5_moe`) and `qwen4_exp` (Qwen3.8-Flash-Next), their vision towers and
-//! draft heads (MTP), on a compute backend (`osprey-backend`'s seam; the CPU backend today) with
-//! transformers-parity numerics.
+//! draft heads (MTP), on a compute backend (`osprey-backend`'s seam: the CPU backend, or the CUDA backend
+//! on a card or its emulated device) with transformers-parity numerics.
 //!
 //! - [`config`]: serde structs with the HF field names; unsupported values are rejected at load.
 //! - [`Checkpoint`]: tensor lookup with shape checks; errors name the tensor and both shapes.
 //! - [`CausalLm`]: the model-family seam the runtime drives; [`CausalLm::forward`] runs a batch of
 //!   sequences, each with any number of new tokens (prefill chunk or decode token), and advances their
-//!   [`SeqState`]s. [`registry`] maps `config.json` to a family and loads it ([`load`]); one directory per
-//!   family (`qwen3_5/`, `qwen4_exp/`).
+//!   [`SeqState`]s. [`registry`] maps `config.json` to a family and loads it ([`load_with_options`]);
+//!   one directory per family (`qwen3_5/`, `qwen4_exp/`), each with its [`registry::Family`] entry
+//!   (`entry.rs`, beside the seam). A family's own counters reach `/metrics` through
+//!   [`CausalLm::family_stats`].
 //! - [`SeqState`] / [`StateSnapshot`]: KV + Gated DeltaNet state per sequence, snapshot and restore.
 //! - [`layers`]: shared layers; routed experts sit behind [`ExpertSource`] so they can be streamed.
 //!

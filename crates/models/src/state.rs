@@ -130,13 +130,13 @@ impl SeqState {
     pub fn restore_prefix(&mut self, pages: &[&PageRef], snap: &StateSnapshot, b: &dyn Backend) -> Result<()> {
         let ps = self.kv.geometry().page_size;
         if self.len != 0 || pages.len() * ps != snap.len {
-            return Err(Error::InvalidInput(format!(
+            return Err(Error::Engine(format!(
                 "prefix of {} pages does not match a snapshot at {}",
                 pages.len(),
                 snap.len
             )));
         }
-        self.kv.share(pages).map_err(|e| Error::InvalidInput(format!("page from another model: {e}")))?;
+        self.kv.share(pages).map_err(|e| Error::Engine(format!("page from another model: {e}")))?;
         self.len = snap.len;
         self.restore(snap, b)
     }
@@ -153,7 +153,7 @@ impl SeqState {
     pub fn rewind(&mut self, len: usize, n: usize) -> Result<()> {
         let before = self.len.checked_sub(n).filter(|&b| b < len && len <= self.len);
         let Some(before) = before else {
-            return Err(Error::InvalidInput(format!("rewind to {len} of a verification ending at {}", self.len)));
+            return Err(Error::Engine(format!("rewind to {len} of a verification ending at {}", self.len)));
         };
         self.family.rewind(len - before)?;
         self.kv.truncate(len);
@@ -166,7 +166,7 @@ impl SeqState {
     /// snapshot's sequence (same prefix) and be at least as long.
     pub fn restore(&mut self, snap: &StateSnapshot, b: &dyn Backend) -> Result<()> {
         if snap.len > self.len {
-            return Err(Error::InvalidInput(format!(
+            return Err(Error::Engine(format!(
                 "snapshot at {} tokens is ahead of the state ({} tokens)",
                 snap.len, self.len
             )));

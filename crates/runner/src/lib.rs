@@ -5,6 +5,10 @@
 //! and replies with the sampled tokens (`StepResult`). All items of a plan run in one batched forward;
 //! a prompt chunk receives exactly the vision rows whose placeholders fall inside it (rows come from the
 //! vision actor, keyed by media hash, and are held until the sequence's prefill ends).
+//!
+//! Inside: `driver.rs` (the step: prepare, forward, finish), `seq.rs` (a sequence's record, its grammar
+//! mask and chunk positions), `speculative.rs` (drafts and their verification, called by the driver),
+//! `sampler.rs`, and `error.rs` (failures as the request sees them).
 
 mod driver;
 mod error;

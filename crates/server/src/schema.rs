@@ -37,7 +37,7 @@ const MAX_INTEGER_BOUND: f64 = 9_007_199_254_740_992.0;
 /// needs more digits than the grammar writes and once answered 0.
 const NUMBER_BOUNDS: (f64, f64) = (1e-9, 1e15);
 
-/// A client's JSON Schema as the grammar the tokenizer compiles, after [`check_schema`] (the path of
+/// A client's JSON Schema as the grammar the tokenizer compiles, after `check_schema` (the path of
 /// `response_format`; the `schema` fuzz target's entry).
 pub fn schema_grammar(schema: &Value, strict: bool) -> Result<Grammar, ApiError> {
     check_schema(schema, "schema")?;

@@ -13,7 +13,7 @@ impl Qwen35 {
         let h = self.cfg.hidden_size;
         for s in steps {
             if s.state.family::<HybridState>().map(|f| f.layers.len()) != Some(self.layers.len()) {
-                return Err(Error::InvalidInput("a sequence state of another model".into()));
+                return Err(Error::Engine("a sequence state of another model".into()));
             }
         }
         batch::check_inputs(steps, self.cfg.vocab_size, h)

@@ -64,10 +64,10 @@ impl FamilyState for HybridState {
         let any: &dyn Any = snap;
         let snap = any
             .downcast_ref::<HybridSnapshot>()
-            .ok_or_else(|| Error::InvalidInput("snapshot belongs to another model family".into()))?;
+            .ok_or_else(|| Error::Engine("snapshot belongs to another model family".into()))?;
         let n_linear = self.layers.iter().filter(|l| matches!(l, LayerState::Linear(_))).count();
         if n_linear != snap.linear.len() {
-            return Err(Error::InvalidInput("snapshot belongs to another model".into()));
+            return Err(Error::Engine("snapshot belongs to another model".into()));
         }
         let mut lin = snap.linear.iter();
         for l in &mut self.layers {

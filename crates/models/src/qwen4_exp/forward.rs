@@ -15,7 +15,7 @@ impl Qwen4Exp {
     fn check(&self, steps: &[SeqStep<'_, '_>]) -> Result<()> {
         for s in steps {
             if s.state.family::<Qwen4State>().map(|f| f.layers.len()) != Some(self.layers.len()) {
-                return Err(Error::InvalidInput("a sequence state of another model".into()));
+                return Err(Error::Engine("a sequence state of another model".into()));
             }
         }
         batch::check_inputs(steps, self.vocab, self.hidden)

@@ -101,15 +101,15 @@ impl FamilyState for Qwen4State {
         let any: &dyn Any = snap;
         let snap = any
             .downcast_ref::<Qwen4Snapshot>()
-            .ok_or_else(|| Error::InvalidInput("snapshot belongs to another model family".into()))?;
+            .ok_or_else(|| Error::Engine("snapshot belongs to another model family".into()))?;
         if snap.layers.len() != self.layers.len() {
-            return Err(Error::InvalidInput("snapshot belongs to another model".into()));
+            return Err(Error::Engine("snapshot belongs to another model".into()));
         }
         for (l, (mix, ple)) in self.layers.iter_mut().zip(&snap.layers) {
             match (&mut l.mix, mix) {
                 (Mix::Linear(s), HostMix::Linear(h)) => s.restore(h, b)?,
                 (Mix::Indexed { indexer, .. }, HostMix::Indexed(h)) => indexer.restore(h, b)?,
-                _ => return Err(Error::InvalidInput("snapshot belongs to another model".into())),
+                _ => return Err(Error::Engine("snapshot belongs to another model".into())),
             }
             l.ple = ple.as_ref().map(|h| b.upload_host(h)).transpose()?;
         }
