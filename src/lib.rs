@@ -97,8 +97,29 @@ fn expert_source(
         .map(|l| (0..index.experts[l].len()).map(|e| index.expert_bytes(l, e)).sum::<usize>())
         .sum();
     tracing::info!(?budget, ?policy, reader = ?reader.kind(), expert_bytes = total, "streaming experts from disk");
-    let warmup = settings.expert_warmup.unwrap_or(false);
-    Ok(Some(osprey_experts::spawn(index, reader, (budget, policy), warmup, backend)))
+    // Guesses may hold about two layers' reads unused: one layer's, and the one before not yet passed over.
+    let top_k = cfg.text.moe()?.map_or(0, |m| m.top_k);
+    let largest = (0..index.experts.len())
+        .flat_map(|l| (0..index.experts[l].len()).map(move |e| (l, e)))
+        .map(|(l, e)| index.expert_footprint(l, e))
+        .max()
+        .unwrap_or(0);
+    let opts = osprey_experts::Options {
+        warmup: settings.expert_warmup.unwrap_or(false),
+        prefetch_cap: if expert_predictor(settings)?.is_some() { 2 * (top_k + margin(settings)) * largest } else { 0 },
+        prefetch_yields: true,
+    };
+    Ok(Some(osprey_experts::spawn(index, reader, (budget, policy), opts, backend)))
+}
+
+fn margin(settings: &Settings) -> usize {
+    settings.expert_prefetch_margin.unwrap_or(2)
+}
+
+/// The read-ahead policy `--expert-prefetch` names (docs/experts.md, "Read-ahead").
+fn expert_predictor(settings: &Settings) -> Result<Option<Arc<dyn osprey_models::layers::predict::ExpertPredictor>>> {
+    let name = settings.expert_prefetch.as_deref().unwrap_or("off");
+    Ok(osprey_models::layers::predict::by_name(name, margin(settings))?)
 }
 
 /// Wraps the expert reader the server opens (instrumentation, or fault injection in tests); applies only
@@ -287,6 +308,8 @@ fn load_for_serving(settings: &Settings, model_dir: &Path, wrap_reader: Option<R
         expert_slots,
         ple_budget: osprey_models::PleBudget::new(ple),
         draft_head: settings.speculative_tokens.unwrap_or(0) > 0,
+        // Guesses only matter where experts stream from disk.
+        predictor: if experts.is_some() { expert_predictor(settings)? } else { None },
     };
     let mut progress = Progress::new("loading weights");
     let model = osprey_models::load_with_options(&cfg, &ck, opts, backend.clone(), &mut |d, n| progress.update(d, n))?;

@@ -146,9 +146,19 @@ pub struct ExpertsArgs {
     /// PLE row budget as a fraction of the tables' rows (models with PLE, qwen4_exp).
     #[arg(long, default_value_t = 1.0)]
     pub ple_budget: f64,
-    /// Write the routing trace the run recorded (JSON) for `bench replay`.
+    /// Write the routing trace the run recorded (JSON) for `bench replay` and `--prefetch oracle`.
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
+    /// Read experts ahead: off, router, previous, union (as `serve --expert-prefetch`), or oracle (the
+    /// next layer's true experts from `--trace-in`: the pipeline's ceiling).
+    #[arg(long, default_value = "off")]
+    pub prefetch: String,
+    /// Experts per token the router guess adds beyond top-k.
+    #[arg(long, default_value_t = 2)]
+    pub prefetch_margin: usize,
+    /// With `--prefetch oracle`: a trace of the same prompt (`--trace-out` of an earlier run).
+    #[arg(long)]
+    pub trace_in: Option<PathBuf>,
     /// A sweep instead of one budget: comma-separated fractions, each run in its own process (so
     /// each peak RSS is that budget's), after measuring the disk's read bandwidth; the runs go to
     /// stdout as JSON lines, and with `--out` into one JSON file with the machine.
@@ -278,6 +288,10 @@ fn experts_sweep(a: ExpertsArgs, g: &Global) -> Result<()> {
         if a.warmup {
             cmd.arg("--warmup");
         }
+        cmd.args(["--prefetch", &a.prefetch, "--prefetch-margin", &a.prefetch_margin.to_string()]);
+        if let Some(t) = &a.trace_in {
+            cmd.arg("--trace-in").arg(t);
+        }
         let o = cmd.stderr(std::process::Stdio::null()).output().context("running a budget")?;
         anyhow::ensure!(o.status.success(), "the run at budget {b} failed");
         let line = String::from_utf8_lossy(&o.stdout).trim().to_string();
@@ -300,6 +314,14 @@ fn experts(a: ExpertsArgs, g: &Global) -> Result<()> {
         decode_tokens: a.decode_tokens,
         wait_all: a.wait_all,
         warmup: a.warmup,
+        prefetch: match a.prefetch.as_str() {
+            "oracle" => {
+                let path = a.trace_in.as_ref().context("--prefetch oracle needs --trace-in (a --trace-out file)")?;
+                osprey_bench::Prefetch::Oracle(serde_json::from_value(read_json(path)?)?)
+            }
+            "off" => osprey_bench::Prefetch::Off,
+            name => osprey_bench::Prefetch::Policy(name.to_string(), a.prefetch_margin),
+        },
     };
     let (report, trace) = osprey_bench::bench_experts_traced(&a.model, run, backend)?;
     if let Some(path) = a.trace_out {

@@ -88,6 +88,12 @@ pub struct ServeArgs {
     /// Fill the expert budget after startup, in the background (requests are served first).
     #[arg(long)]
     expert_warmup: bool,
+    /// Read experts ahead, guessed one layer early: off, router, previous or union.
+    #[arg(long)]
+    expert_prefetch: Option<String>,
+    /// Experts per token the router guess adds beyond top-k.
+    #[arg(long)]
+    expert_prefetch_margin: Option<usize>,
     /// Images + videos per request.
     #[arg(long)]
     max_media_per_request: Option<usize>,
@@ -183,6 +189,8 @@ impl ServeArgs {
             ple_ram_gb: self.ple_ram_gb,
             expert_policy: self.expert_policy.clone(),
             expert_warmup: self.expert_warmup.then_some(true),
+            expert_prefetch: self.expert_prefetch.clone(),
+            expert_prefetch_margin: self.expert_prefetch_margin,
             max_media_per_request: self.max_media_per_request,
             max_media_bytes: self.max_media_bytes,
             max_image_pixels: self.max_image_pixels,

@@ -5,9 +5,11 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use osprey_experts::{
-    open_reader, spawn, Budget, ExpertIndex, Policy, ResidencyCommand, ResidencyStats, ResidencyTable,
+    open_reader, spawn, Budget, ExpertIndex, Options, Policy, PrefetchStats, ResidencyCommand, ResidencyStats,
+    ResidencyTable,
 };
 use osprey_models::backend::BackendRef;
+use osprey_models::layers::predict::ExpertPredictor;
 use osprey_models::{Checkpoint, ExpertSource, ExpertTicket, ExpertWeights, ModelConfig, PendingExperts, Weight};
 use osprey_runner::{Driver, GenerateOptions, NoMedia};
 use serde::Serialize;
@@ -28,6 +30,10 @@ struct Recording {
 impl ExpertSource for Recording {
     fn slots_per_layer(&self) -> Option<usize> {
         self.inner.slots_per_layer()
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[usize]) {
+        self.inner.prefetch(layer, experts);
     }
 
     /// A MoE step notes its slot hits first (possibly none), then requests its misses: the two make one
@@ -135,6 +141,37 @@ pub struct ExpertsReport {
     /// PLE table bytes read per decode token.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ple_bytes_read_per_token: Option<f64>,
+    /// Read-ahead during decode.
+    pub prefetch: PrefetchReport,
+}
+
+/// What reading ahead did during decode.
+#[derive(Clone, Debug, Serialize)]
+pub struct PrefetchReport {
+    /// The policy (`off`, `router (margin 2)`, `oracle`, …).
+    pub policy: String,
+    /// Guessed experts read per token.
+    pub issued_per_token: f64,
+    /// Of the guesses read, the fraction their layer used (precision of what was read).
+    pub used_fraction: f64,
+    /// Bytes read for guesses that were not used, per token.
+    pub wasted_bytes_per_token: f64,
+    /// Guesses not read (held already, over the cap, or a request waiting), per token.
+    pub skipped_per_token: f64,
+}
+
+impl PrefetchReport {
+    fn new(p: &Prefetch, before: &PrefetchStats, after: &PrefetchStats, tokens: usize) -> Self {
+        let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / tokens.max(1) as f64;
+        let issued = after.issued.saturating_sub(before.issued);
+        PrefetchReport {
+            policy: p.name(),
+            issued_per_token: per(after.issued, before.issued),
+            used_fraction: after.used.saturating_sub(before.used) as f64 / issued.max(1) as f64,
+            wasted_bytes_per_token: per(after.wasted_bytes, before.wasted_bytes),
+            skipped_per_token: per(after.skipped, before.skipped),
+        }
+    }
 }
 
 /// The model's PLE counters: (hits, misses, bytes read).
@@ -210,7 +247,7 @@ fn simulate(trace: &Trace, layers: usize, per_layer_experts: usize, capacity: us
 
 /// One `bench experts` run: expert and PLE budgets as fractions of their bytes, the prompt and decode
 /// lengths, and `wait_all` (the no-overlap baseline, see [`Recording`]).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ExpertsRun {
     /// Expert RAM budget, a fraction of every expert's bytes.
     pub fraction: f64,
@@ -225,6 +262,77 @@ pub struct ExpertsRun {
     /// Let the residency manager warm its budget up before the prompt (`--expert-warmup`), as a server
     /// that has been up a while has.
     pub warmup: bool,
+    /// What is read ahead.
+    pub prefetch: Prefetch,
+}
+
+/// What `bench experts` reads ahead (`--prefetch`).
+#[derive(Clone, Debug, Default)]
+pub enum Prefetch {
+    /// Nothing: each layer's misses are read when the layer asks.
+    #[default]
+    Off,
+    /// A policy by name (`router`, `previous`, `union`) and the router's margin (`--expert-prefetch`).
+    Policy(String, usize),
+    /// Exactly the next layer's experts, from a trace of the same prompt: the pipeline's own ceiling.
+    Oracle(TraceFile),
+}
+
+impl Prefetch {
+    /// Its name in reports.
+    pub fn name(&self) -> String {
+        match self {
+            Prefetch::Off => "off".into(),
+            Prefetch::Policy(n, m) => format!("{n} (margin {m})"),
+            Prefetch::Oracle(_) => "oracle".into(),
+        }
+    }
+
+    fn predictor(&self) -> crate::Result<Option<Arc<dyn ExpertPredictor>>> {
+        Ok(match self {
+            Prefetch::Off => None,
+            Prefetch::Policy(n, m) => osprey_models::layers::predict::by_name(n, *m)?,
+            Prefetch::Oracle(t) => Some(Arc::new(Oracle::new(t))),
+        })
+    }
+
+    fn margin(&self) -> usize {
+        match self {
+            Prefetch::Policy(_, m) => *m,
+            _ => 0,
+        }
+    }
+}
+
+/// The pipeline's ceiling for `bench experts --prefetch oracle`: guesses exactly the experts the next
+/// layer routes to, read from a trace recorded on the same prompt (greedy decoding routes the same at
+/// every budget). Each layer's routing report moves it one entry along the trace.
+#[derive(Debug)]
+pub struct Oracle {
+    trace: Vec<(usize, Vec<usize>)>,
+    /// The trace entry the next reported routing is.
+    at: std::sync::Mutex<usize>,
+}
+
+impl Oracle {
+    /// Over a recorded trace.
+    pub fn new(t: &TraceFile) -> Self {
+        Oracle { trace: t.trace.clone(), at: std::sync::Mutex::new(0) }
+    }
+}
+
+impl ExpertPredictor for Oracle {
+    fn observe(&self, _layer: usize, _touched: &[u32]) {
+        *self.at.lock().unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
+    }
+
+    fn predict(&self, a: &osprey_models::layers::predict::Ahead<'_>) -> osprey_models::Result<Vec<usize>> {
+        let at = *self.at.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        Ok(match self.trace.get(at) {
+            Some((layer, experts)) if *layer == a.next => experts.clone(),
+            _ => Vec::new(),
+        })
+    }
 }
 
 /// Prefills then decodes as `run` says with the model on `backend` and its experts streamed from disk.
@@ -238,7 +346,7 @@ pub fn bench_experts_traced(
     run: ExpertsRun,
     backend: BackendRef,
 ) -> crate::Result<(ExpertsReport, TraceFile)> {
-    let ExpertsRun { fraction, ple_fraction, prompt_len, decode_tokens, wait_all, warmup } = run;
+    let ExpertsRun { fraction, ple_fraction, prompt_len, decode_tokens, wait_all, warmup, prefetch } = run;
     let cfg = ModelConfig::from_dir(dir)?;
     let ck = Checkpoint::open(dir)?;
     let layout = osprey_models::expert_layout(&cfg, &ck)?
@@ -252,7 +360,12 @@ pub fn bench_experts_traced(
     let reader = open_reader(&index.files, None)
         .map_err(|source| osprey_models::Error::Io { path: dir.to_path_buf(), source })?;
     let reader_kind = format!("{:?}", reader.kind());
-    let set = spawn(index, reader, (Budget::Bytes(budget_bytes), Policy::Lru), warmup, backend.as_ref());
+    let predictor = prefetch.predictor()?;
+    let top_k = cfg.text.moe()?.map_or(0, |m| m.top_k);
+    // As `serve` sizes it: about two layers' reads of guesses.
+    let prefetch_cap = if predictor.is_some() { 2 * (top_k + prefetch.margin()) * per_expert } else { 0 };
+    let opts = Options { warmup, prefetch_cap, prefetch_yields: true };
+    let set = spawn(index, reader, (Budget::Bytes(budget_bytes), Policy::Lru), opts, backend.as_ref());
     let tx = set.sender();
     // The warm-up is done when no further expert fits (every expert takes one footprint).
     let t_warm = std::time::Instant::now();
@@ -266,6 +379,7 @@ pub fn bench_experts_traced(
     let opts = osprey_models::LoadOptions {
         experts: Some(source),
         ple_budget: ple_budget.clone(),
+        predictor,
         ..osprey_models::LoadOptions::default()
     };
     let model = osprey_models::load_with_options(&cfg, &ck, opts, backend, &mut |_, _| {})?;
@@ -274,7 +388,6 @@ pub fn bench_experts_traced(
     if ple_rows > 0 {
         ple_budget.set((ple_rows as f64 * ple_fraction) as u64);
     }
-    let top_k = model.info().experts_per_token;
     let prompt = crate::text_prompt(crate::bench_prompt(prompt_len, model.info().vocab_size));
     let mut driver = Driver::new(model, 16);
     // Counters are sampled at the first token, so they cover the decode only.
@@ -313,6 +426,7 @@ pub fn bench_experts_traced(
         ple_budget_fraction: (ple_rows > 0).then_some(ple_fraction),
         ple_residency: (ple_rows > 0).then(|| ph as f64 / (ph + pm).max(1) as f64),
         ple_bytes_read_per_token: (ple_rows > 0).then(|| pb as f64 / decode_tokens.max(1) as f64),
+        prefetch: PrefetchReport::new(&prefetch, &before.prefetch, &after.prefetch, decode_tokens),
     };
     Ok((report, file))
 }

@@ -24,7 +24,7 @@ use std::time::Instant;
 
 pub use experts::{
     bench_experts, bench_experts_traced, measure_disk_read, replay, ExpertsReport, ExpertsRun, PolicyHitRates,
-    TraceFile,
+    Prefetch, PrefetchReport, TraceFile,
 };
 
 use osprey_models::vision::{preprocess_image, ImageParams, RgbImage, VisionTower};

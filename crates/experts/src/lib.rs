@@ -19,5 +19,8 @@ mod store;
 pub use arena::{Arena, ArenaSlot};
 pub use buf::{AlignedBuf, ALIGN};
 pub use reader::{open_reader, Dest, PreadReader, ReadDone, ReadReq, Reader, ReaderKind, UringReader};
-pub use residency::{spawn, Budget, LayerStats, Policy, ResidencyCommand, ResidencyStats, ResidencyTable, ResidentSet};
+pub use residency::{
+    spawn, Budget, LayerStats, Options, Policy, PrefetchStats, ResidencyCommand, ResidencyStats, ResidencyTable,
+    ResidentSet,
+};
 pub use store::{ExpertIndex, LinearLoc, Range};

@@ -7,6 +7,7 @@
 //! ([`ResidentSet`], an `ExpertSource`) sends `Need` and returns a ticket, so the MoE block computes the
 //! shared expert while the reads are in flight; each handle carries a lease whose drop sends `Release`.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,7 +17,7 @@ use osprey_models::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, Pen
 use osprey_protocol::{ErrorCode, Handle, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
-pub use osprey_protocol::experts::{ExpertMap, LayerStats, ResidencyCommand, ResidencyStats};
+pub use osprey_protocol::experts::{ExpertMap, LayerStats, PrefetchStats, ResidencyCommand, ResidencyStats};
 
 use osprey_models::ByteSource;
 
@@ -53,6 +54,8 @@ struct Slot {
     leases: u32,
     last_use: u64,
     freq: f64,
+    /// Read because it was guessed, and not used since.
+    guess: bool,
 }
 
 /// The synchronous core.
@@ -72,6 +75,10 @@ pub struct ResidencyTable {
     per_expert: Vec<Vec<(u64, u64)>>,
     /// Experts evicted.
     pub evictions: u64,
+    /// Bytes of guessed experts not used yet.
+    guess_bytes: usize,
+    /// What guesses did.
+    pub prefetch: PrefetchStats,
 }
 
 impl ResidencyTable {
@@ -87,6 +94,8 @@ impl ResidencyTable {
             stats: vec![LayerStats::default(); layers],
             per_expert: vec![Vec::new(); layers],
             evictions: 0,
+            guess_bytes: 0,
+            prefetch: PrefetchStats::default(),
         }
     }
 
@@ -170,6 +179,7 @@ impl ResidencyTable {
         self.stats[layer].hits += 1;
         counts[expert].0 += 1;
         self.touch(key);
+        self.took_guess(key);
         let s = self.slots.peek_mut(&key).expect("present");
         s.leases += 1;
         Some(s.weights.clone())
@@ -189,6 +199,52 @@ impl ResidencyTable {
         }
         counts[expert].0 += 1;
         self.touch(key);
+        self.took_guess(key);
+    }
+
+    /// A guessed expert's first use: the guess was right.
+    fn took_guess(&mut self, key: (usize, usize)) {
+        if let Some(s) = self.slots.peek_mut(&key).filter(|s| s.guess) {
+            s.guess = false;
+            self.guess_bytes -= s.bytes;
+            self.prefetch.used += 1;
+        }
+    }
+
+    /// Marks a resident expert as read for a guess (after [`ResidencyTable::insert`] and its release).
+    pub fn guessed(&mut self, layer: usize, expert: usize) {
+        if let Some(s) = self.slots.peek_mut(&(layer, expert)).filter(|s| !s.guess) {
+            s.guess = true;
+            self.guess_bytes += s.bytes;
+            self.prefetch.issued += 1;
+            self.prefetch.bytes_read += s.bytes as u64;
+        }
+    }
+
+    /// Bytes of guessed experts not used yet.
+    pub fn guess_bytes(&self) -> usize {
+        self.guess_bytes
+    }
+
+    /// Whether `expert` of `layer` is held.
+    pub fn contains(&self, layer: usize, expert: usize) -> bool {
+        self.slots.contains(&(layer, expert))
+    }
+
+    /// `layer` has had its step: its guesses still unused were wrong. They are counted wasted and go to
+    /// the front of the eviction order (least recent, least frequent).
+    pub fn pass_over(&mut self, layer: usize) {
+        let wrong: Vec<(usize, usize)> =
+            self.slots.iter().filter(|(k, s)| k.0 == layer && s.guess).map(|(k, _)| *k).collect();
+        for k in wrong {
+            let s = self.slots.peek_mut(&k).expect("present");
+            (s.guess, s.freq, s.last_use) = (false, 0.0, 0);
+            let bytes = s.bytes;
+            self.guess_bytes -= bytes;
+            self.prefetch.wasted += 1;
+            self.prefetch.wasted_bytes += bytes as u64;
+            self.slots.demote(&k);
+        }
     }
 
     /// Inserts a freshly read expert, leased once, then evicts unleased experts over the budget.
@@ -205,7 +261,7 @@ impl ResidencyTable {
             s.leases += 1;
             return s.weights.clone();
         }
-        self.slots.put(key, Slot { weights: weights.clone(), bytes, leases: 1, last_use: 0, freq: 0.0 });
+        self.slots.put(key, Slot { weights: weights.clone(), bytes, leases: 1, last_use: 0, freq: 0.0, guess: false });
         self.used += bytes;
         self.per_layer[layer] += 1;
         self.touch(key);
@@ -267,6 +323,12 @@ impl ResidencyTable {
             self.used -= s.bytes;
             self.per_layer[k.0] -= 1;
             self.evictions += 1;
+            if s.guess {
+                // Evicted before its layer came: read for nothing.
+                self.guess_bytes -= s.bytes;
+                self.prefetch.wasted += 1;
+                self.prefetch.wasted_bytes += s.bytes as u64;
+            }
         }
     }
 }
@@ -309,6 +371,10 @@ impl ExpertSource for ResidentSet {
 
     fn slots_per_layer(&self) -> Option<usize> {
         Some(self.slots)
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[usize]) {
+        let _ = self.tx.send(ResidencyCommand::Prefetch { layer, experts: experts.to_vec() });
     }
 
     fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
@@ -365,83 +431,165 @@ impl ExpertSource for ResidentSet {
     }
 }
 
+/// How the manager works beside its budget.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    /// Fill the budget after startup while there is nothing else to do ([`warm_step`]).
+    pub warmup: bool,
+    /// Most bytes of guessed experts held unused at once (0: guesses are ignored). About two layers'
+    /// reads: one layer's guess, and the one before it not yet passed over.
+    pub prefetch_cap: usize,
+    /// Stop reading a guess as soon as a request waits (what `serve` does: a wrong guess then costs at
+    /// most one expert's read of waiting). Off, every guess is read before the next command: the order of
+    /// reads no longer depends on timing (tests).
+    pub prefetch_yields: bool,
+}
+
 /// Starts the manager thread over `index` with `reader`. Resident experts live in a host arena that
 /// `backend` allocates (the budget's worth of slots, registered with the reader where it can be); reads
 /// past it (leased experts over the budget) land in buffers of their own, as do all of them when the
 /// arena cannot be allocated.
-/// With `warmup`, the manager fills its budget after startup while it has nothing else to do
-/// ([`warm_step`]): a command that arrives is served before the next warm-up read.
+/// With `opts.warmup`, the manager fills its budget after startup while it has nothing else to do
+/// ([`warm_step`]): a command that arrives is served before the next warm-up read. Guesses
+/// ([`ResidencyCommand::Prefetch`]) are read one expert at a time ([`prefetch`]).
 pub fn spawn(
     index: ExpertIndex,
     reader: Box<dyn Reader>,
     (budget, policy): (Budget, Policy),
-    warmup: bool,
+    opts: Options,
     backend: &dyn osprey_models::backend::Backend,
 ) -> ResidentSet {
-    let (tx, mut rx) = mpsc::unbounded_channel::<ResidencyCommand>();
+    let (tx, rx) = mpsc::unbounded_channel::<ResidencyCommand>();
     let stall_nanos = Arc::new(AtomicU64::new(0));
-    let stall = stall_nanos.clone();
     let slots = slots_for(&index, budget);
     let mut reader = reader;
     let tier = host_tier(&index, budget, backend, reader.as_mut());
+    let table = ResidencyTable::new(index.experts.len(), budget, policy);
+    let warm = opts.warmup.then(|| Warmup { next_layer: 0, started: Instant::now() });
+    let stall = stall_nanos.clone();
+    let m = Manager { index, tier, reader, table, rx, backlog: VecDeque::new(), warm, passed: None, stall, opts };
     std::thread::Builder::new()
         .name("osprey-experts".into())
-        .spawn(move || {
-            // Declared before the reader so it drops after it: the ring unregisters the arena first.
-            let tier = tier;
-            let mut reader = reader;
-            let mut table = ResidencyTable::new(index.experts.len(), budget, policy);
-            let mut warm = warmup.then(|| Warmup { next_layer: 0, started: Instant::now() });
-            loop {
-                let cmd = match warm.as_mut() {
-                    // Commands first; a warm-up read only when the inbox is empty.
-                    Some(w) => match rx.try_recv() {
-                        Ok(cmd) => cmd,
-                        Err(mpsc::error::TryRecvError::Empty) => {
-                            if !warm_step(&index, (reader.as_mut(), tier.as_ref()), &mut table, w) {
-                                tracing::info!(
-                                    experts = table.len(),
-                                    bytes = table.used(),
-                                    secs = w.started.elapsed().as_secs_f64(),
-                                    "experts warmed up"
-                                );
-                                warm = None;
-                            }
-                            continue;
-                        }
-                        Err(mpsc::error::TryRecvError::Disconnected) => break,
-                    },
-                    None => match rx.blocking_recv() {
-                        Some(cmd) => cmd,
-                        None => break,
-                    },
-                };
-                match cmd {
-                    ResidencyCommand::Need { layer, experts, span, resident, reply } => {
-                        let _in = span.enter();
-                        need(&index, (reader.as_mut(), tier.as_ref()), &mut table, layer, &experts, resident, reply)
-                    }
-                    ResidencyCommand::Hits { layer, experts } => experts.iter().for_each(|&e| table.hit(layer, e)),
-                    ResidencyCommand::Release { layer, expert } => table.release(layer, expert),
-                    ResidencyCommand::Stats { reply } => {
-                        let _ = reply.send(ResidencyStats {
-                            layers: table.stats.clone(),
-                            resident_bytes: table.used() as u64,
-                            resident_experts: table.len() as u64,
-                            evictions: table.evictions,
-                            stall_secs: stall.load(Ordering::Relaxed) as f64 / 1e9,
-                            reader: format!("{:?}", reader.kind()),
-                            experts: table.expert_maps(&index.experts.iter().map(Vec::len).collect::<Vec<_>>()),
-                            arena_slots: tier.as_ref().map_or(0, |t| t.arena.slots() as u64),
-                            arena_used: tier.as_ref().map_or(0, |t| (t.arena.slots() - t.arena.free()) as u64),
-                            arena_registered: tier.as_ref().is_some_and(|t| t.registered),
-                        });
+        .spawn(move || m.run())
+        .expect("spawn expert residency thread");
+    ResidentSet { tx, stall_nanos, slots }
+}
+
+/// The manager thread's state.
+struct Manager {
+    index: ExpertIndex,
+    // Declared before the reader so it drops after it: the ring unregisters the arena first.
+    tier: Option<HostTier>,
+    reader: Box<dyn Reader>,
+    table: ResidencyTable,
+    rx: mpsc::UnboundedReceiver<ResidencyCommand>,
+    /// Commands taken from the inbox while a guess was being read (to see whether a `Need` waits).
+    backlog: VecDeque<ResidencyCommand>,
+    warm: Option<Warmup>,
+    /// The layer whose `Hits` came last: its step is over unless its `Need` comes next.
+    passed: Option<usize>,
+    stall: Arc<AtomicU64>,
+    opts: Options,
+}
+
+impl Manager {
+    fn run(mut self) {
+        while let Some(cmd) = self.next_command() {
+            // A layer's step is its `Hits` (when some routed experts sat in slots) and its `Need` (when
+            // some did not), sent back to back: once both are in, its unused guesses were wrong.
+            if let Some(l) = self.passed.take() {
+                if !matches!(&cmd, ResidencyCommand::Need { layer, .. } if *layer == l) {
+                    self.table.pass_over(l);
+                }
+            }
+            self.handle(cmd);
+        }
+    }
+
+    /// The next command: the backlog's, else the inbox's; while warming up, a warm-up read whenever
+    /// nothing waits. `None` once every sender is gone.
+    fn next_command(&mut self) -> Option<ResidencyCommand> {
+        loop {
+            if let Some(cmd) = self.backlog.pop_front() {
+                return Some(cmd);
+            }
+            let Some(w) = self.warm.as_mut() else { return self.rx.blocking_recv() };
+            match self.rx.try_recv() {
+                Ok(cmd) => return Some(cmd),
+                Err(mpsc::error::TryRecvError::Disconnected) => return None,
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    if !warm_step(&self.index, (self.reader.as_mut(), self.tier.as_ref()), &mut self.table, w) {
+                        let secs = w.started.elapsed().as_secs_f64();
+                        tracing::info!(
+                            experts = self.table.len(),
+                            bytes = self.table.used(),
+                            secs,
+                            "experts warmed up"
+                        );
+                        self.warm = None;
                     }
                 }
             }
-        })
-        .expect("spawn expert residency thread");
-    ResidentSet { tx, stall_nanos, slots }
+        }
+    }
+
+    fn handle(&mut self, cmd: ResidencyCommand) {
+        match cmd {
+            ResidencyCommand::Need { layer, experts, span, resident, reply } => {
+                let _in = span.enter();
+                let (index, table) = (&self.index, &mut self.table);
+                need(index, (self.reader.as_mut(), self.tier.as_ref()), table, layer, &experts, resident, reply);
+                // The layer had its step: its guesses not taken were wrong.
+                self.table.pass_over(layer);
+            }
+            ResidencyCommand::Prefetch { layer, experts } => {
+                let (rx, backlog, yields) = (&mut self.rx, &mut self.backlog, self.opts.prefetch_yields);
+                let mut waiting = || yields && need_waiting(rx, backlog);
+                let (index, table, cap) = (&self.index, &mut self.table, self.opts.prefetch_cap);
+                prefetch(
+                    index,
+                    (self.reader.as_mut(), self.tier.as_ref()),
+                    table,
+                    (layer, &experts),
+                    cap,
+                    &mut waiting,
+                );
+            }
+            ResidencyCommand::Hits { layer, experts } => {
+                experts.iter().for_each(|&e| self.table.hit(layer, e));
+                self.passed = Some(layer);
+            }
+            ResidencyCommand::Release { layer, expert } => self.table.release(layer, expert),
+            ResidencyCommand::Stats { reply } => {
+                let _ = reply.send(self.stats());
+            }
+        }
+    }
+
+    fn stats(&self) -> ResidencyStats {
+        let (t, tier) = (&self.table, self.tier.as_ref());
+        ResidencyStats {
+            layers: t.stats.clone(),
+            resident_bytes: t.used() as u64,
+            resident_experts: t.len() as u64,
+            evictions: t.evictions,
+            stall_secs: self.stall.load(Ordering::Relaxed) as f64 / 1e9,
+            reader: format!("{:?}", self.reader.kind()),
+            experts: t.expert_maps(&self.index.experts.iter().map(Vec::len).collect::<Vec<_>>()),
+            arena_slots: tier.map_or(0, |t| t.arena.slots() as u64),
+            arena_used: tier.map_or(0, |t| (t.arena.slots() - t.arena.free()) as u64),
+            arena_registered: tier.is_some_and(|t| t.registered),
+            prefetch: t.prefetch,
+        }
+    }
+}
+
+/// Moves what the inbox holds into the backlog; whether a `Need` is among it (a request waits).
+fn need_waiting(rx: &mut mpsc::UnboundedReceiver<ResidencyCommand>, backlog: &mut VecDeque<ResidencyCommand>) -> bool {
+    while let Ok(cmd) = rx.try_recv() {
+        backlog.push_back(cmd);
+    }
+    backlog.iter().any(|c| matches!(c, ResidencyCommand::Need { .. }))
 }
 
 /// Where a warm-up stands.
@@ -483,6 +631,44 @@ fn warm_step(
         };
     }
     false
+}
+
+/// Reads the guessed `experts` of `layer` it does not hold, one expert per read batch, in the order given,
+/// while the unused guesses stay within `cap` bytes and no request waits (`waiting()`: a request then
+/// waits at most for one expert's read). Each lands unleased and marked as a guess; the rest are
+/// counted skipped. A read error ends the guess (requests read what they need as before).
+fn prefetch(
+    index: &ExpertIndex,
+    (reader, tier): (&mut dyn Reader, Option<&HostTier>),
+    table: &mut ResidencyTable,
+    (layer, experts): (usize, &[usize]),
+    cap: usize,
+    waiting: &mut dyn FnMut() -> bool,
+) {
+    let valid = layer < index.experts.len();
+    let todo: Vec<usize> = experts
+        .iter()
+        .copied()
+        .filter(|&e| valid && e < index.experts[layer].len() && !table.contains(layer, e))
+        .collect();
+    for (i, &e) in todo.iter().enumerate() {
+        if waiting() || table.guess_bytes() + index.expert_footprint(layer, e) > cap {
+            table.prefetch.skipped += (todo.len() - i) as u64;
+            return;
+        }
+        match read_missing(index, (&mut *reader, tier), table, layer, &[e]) {
+            Ok(_) => {
+                // Marked before its lease goes, so an expert the budget evicts at once counts wasted.
+                table.guessed(layer, e);
+                table.release(layer, e);
+            }
+            Err(err) => {
+                tracing::debug!(layer, expert = e, error = %err.message, "guessed expert not read");
+                table.prefetch.skipped += (todo.len() - i) as u64;
+                return;
+            }
+        }
+    }
 }
 
 /// The RAM tier's arena: slots of the largest expert's read footprint, as many as the budget holds

@@ -1,13 +1,14 @@
 //! Streaming experts from disk never changes an answer: logits are bit-identical to the fully mapped
-//! model whatever the RAM budget and whichever reader, for dense and NVFP4 checkpoints; a read fault fails
-//! one forward and the next succeeds.
+//! model whatever the RAM budget, whichever reader and whatever is read ahead, for dense and NVFP4
+//! checkpoints; a read fault fails one forward and the next succeeds.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use osprey_experts::{open_reader, spawn, Budget, ExpertIndex, Policy, ReadDone, ReadReq, Reader, ReaderKind};
-use osprey_models::{CausalLm, Checkpoint, ExpertSource, Model, ModelConfig, SeqInput, SeqStep};
+use osprey_experts::{open_reader, spawn, Budget, ExpertIndex, Options, Policy, ReadDone, ReadReq, Reader, ReaderKind};
+use osprey_models::layers::predict::{self, Ahead, ExpertPredictor};
+use osprey_models::{CausalLm, Checkpoint, ExpertSource, LoadOptions, Model, ModelConfig, SeqInput, SeqStep};
 
 /// A scratch directory for this test binary, emptied first: under cargo's per-target tmp dir and
 /// named after the test crate and `tag`, so reruns reuse one directory instead of leaving one per
@@ -49,9 +50,27 @@ fn index(dir: &Path) -> ExpertIndex {
 }
 
 fn model_with(dir: &Path, source: Option<Arc<dyn ExpertSource>>) -> Model {
+    model_guessing(dir, source, None)
+}
+
+fn model_guessing(
+    dir: &Path,
+    experts: Option<Arc<dyn ExpertSource>>,
+    predictor: Option<Arc<dyn ExpertPredictor>>,
+) -> Model {
     let cfg = ModelConfig::from_dir(dir).expect("config");
     let ck = Checkpoint::open(dir).expect("open");
-    osprey_models::load_checkpoint(&cfg, &ck, source, osprey_backend_cpu::CpuBackend::shared()).expect("model")
+    let opts = LoadOptions { experts, predictor, ..LoadOptions::default() };
+    let backend = osprey_backend_cpu::CpuBackend::shared();
+    osprey_models::load_with_options(&cfg, &ck, opts, backend, &mut |_, _| {}).expect("model")
+}
+
+/// The manager as `serve` starts it; guesses may hold two layers of `top_k + 2` experts.
+fn manager(idx: &ExpertIndex, kind: Option<ReaderKind>, budget: Budget, warmup: bool) -> osprey_experts::ResidentSet {
+    let reader = open_reader(&idx.files, kind).expect("reader");
+    // Guesses read before the next command, whatever the timing.
+    let opts = Options { warmup, prefetch_cap: 2 * (2 + 2) * idx.expert_footprint(0, 0), prefetch_yields: false };
+    spawn(idx.clone(), reader, (budget, Policy::Lru), opts, osprey_backend_cpu::CpuBackend::shared().as_ref())
 }
 
 fn run(m: &dyn CausalLm, ids: &[u32]) -> osprey_models::Result<Vec<f32>> {
@@ -87,13 +106,16 @@ fn logits_are_bit_identical_whatever_the_budget_and_the_reader() {
             // All 8 experts per layer; only top_k = 2 per layer; a byte budget of about 3 experts in total.
             let one = idx.expert_bytes(0, 0);
             for budget in [Budget::PerLayer(8), Budget::PerLayer(2), Budget::Bytes(3 * one)] {
-                for warmup in [false, true] {
-                    let reader = open_reader(&idx.files, Some(kind)).expect("reader");
-                    let backend = osprey_backend_cpu::CpuBackend::shared();
-                    let set = spawn(idx.clone(), reader, (budget, Policy::Lru), warmup, backend.as_ref());
-                    let m = model_with(&dir, Some(Arc::new(set.clone())));
+                // Read-ahead only moves experts between tiers: every policy, and none.
+                for (warmup, guess) in
+                    [(false, "off"), (true, "off"), (false, "router"), (false, "previous"), (true, "union")]
+                {
+                    let set = manager(&idx, Some(kind), budget, warmup);
+                    let predictor = predict::by_name(guess, 2).expect("policy");
+                    let m = model_guessing(&dir, Some(Arc::new(set.clone())), predictor);
                     let got = run(&m, &prompt()).expect("streamed");
-                    assert!(got == reference, "{}: {kind:?} {budget:?} {warmup} changed the logits", dir.display());
+                    let what = format!("{}: {kind:?} {budget:?} warm-up {warmup}, guesses {guess}", dir.display());
+                    assert!(got == reference, "{what} changed the logits");
                 }
             }
             drop(reader);
@@ -134,7 +156,7 @@ fn an_injected_read_fault_fails_one_forward_and_the_next_succeeds() {
         idx,
         Box::new(faulty),
         (Budget::PerLayer(2), Policy::Lru),
-        false,
+        Options::default(),
         osprey_backend_cpu::CpuBackend::shared().as_ref(),
     );
     let m = model_with(&dir, Some(Arc::new(set)));
@@ -160,9 +182,7 @@ fn a_warm_up_fills_the_budget_without_evicting_and_the_answer_stays_the_same() {
     let layers = idx.experts.iter().filter(|l| !l.is_empty()).count() as u64;
     let footprint = idx.expert_footprint(0, 0);
     for (budget, want) in [(Budget::PerLayer(2), 2 * layers), (Budget::Bytes(3 * footprint), 3)] {
-        let reader = open_reader(&idx.files, None).expect("reader");
-        let set =
-            spawn(idx.clone(), reader, (budget, Policy::Lru), true, osprey_backend_cpu::CpuBackend::shared().as_ref());
+        let set = manager(&idx, None, budget, true);
         // Each answer to Stats comes after the warm-up reads the manager did before it: poll until full.
         let t0 = std::time::Instant::now();
         let warm = loop {
@@ -190,4 +210,86 @@ fn a_warm_up_fills_the_budget_without_evicting_and_the_answer_stays_the_same() {
         let after = stats(&set);
         assert!(after.layers.iter().map(|l| l.hits).sum::<u64>() > 0, "{budget:?}: the forward found warmed experts");
     }
+}
+
+/// Every routing the model reports, in order: (layer, experts).
+#[derive(Debug, Default)]
+struct Recorder(std::sync::Mutex<Vec<(usize, Vec<usize>)>>);
+
+impl ExpertPredictor for Recorder {
+    fn observe(&self, layer: usize, touched: &[u32]) {
+        let mut t = self.0.lock().expect("trace");
+        t.push((layer, touched.iter().map(|&e| e as usize).collect()));
+    }
+
+    fn predict(&self, _: &Ahead<'_>) -> osprey_models::Result<Vec<usize>> {
+        Ok(Vec::new())
+    }
+}
+
+/// Guesses exactly what the next layer routes to, from a recorded run of the same prompt.
+#[derive(Debug)]
+struct Oracle {
+    trace: Vec<(usize, Vec<usize>)>,
+    at: AtomicUsize,
+}
+
+impl ExpertPredictor for Oracle {
+    fn observe(&self, _: usize, _: &[u32]) {
+        self.at.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn predict(&self, a: &Ahead<'_>) -> osprey_models::Result<Vec<usize>> {
+        Ok(match self.trace.get(self.at.load(Ordering::Relaxed)) {
+            Some((layer, experts)) if *layer == a.next => experts.clone(),
+            _ => Vec::new(),
+        })
+    }
+}
+
+/// Issue 36: perfect guesses are read before their layer asks, every one is used, none is wasted, and
+/// only the first layer (which nothing guesses for) misses; the logits stay the mapped model's.
+#[test]
+fn perfect_guesses_are_read_ahead_and_all_used() {
+    let dir = nvfp4_dir();
+    let idx = index(&dir);
+    let reference = run(&model_with(&dir, None), &prompt()).expect("mapped");
+    let recorder = Arc::new(Recorder::default());
+    let recorded = model_guessing(&dir, None, Some(recorder.clone()));
+    assert!(run(&recorded, &prompt()).expect("recorded") == reference, "observing changes nothing");
+    let trace = recorder.0.lock().expect("trace").clone();
+    let oracle = Arc::new(Oracle { trace, at: AtomicUsize::new(0) });
+    let set = manager(&idx, None, Budget::PerLayer(8), false);
+    let m = model_guessing(&dir, Some(Arc::new(set.clone())), Some(oracle));
+    assert!(run(&m, &prompt()).expect("streamed") == reference, "guesses changed the logits");
+    let s = stats(&set);
+    let p = s.prefetch;
+    assert!(p.issued > 0, "guesses were read: {p:?}");
+    assert_eq!((p.used, p.wasted, p.wasted_bytes), (p.issued, 0, 0), "every guess used: {p:?}");
+    let missed: Vec<u64> = s.layers.iter().map(|l| l.misses).collect();
+    assert!(missed[0] > 0 && missed[1..].iter().all(|&m| m == 0), "only layer 0 misses: {missed:?}");
+}
+
+/// Issue 36: a wrong guess costs its read, never an answer: every guess is of experts no layer routes to,
+/// all are counted wasted, and the logits stay the mapped model's.
+#[test]
+fn wrong_guesses_are_counted_wasted_and_change_nothing() {
+    let dir = nvfp4_dir();
+    let idx = index(&dir);
+    let reference = run(&model_with(&dir, None), &prompt()).expect("mapped");
+    let recorder = Arc::new(Recorder::default());
+    run(&model_guessing(&dir, None, Some(recorder.clone())), &prompt()).expect("recorded");
+    let trace = recorder.0.lock().expect("trace").clone();
+    // Per step and layer, the experts it does not route to.
+    let experts = idx.experts[0].len();
+    let wrong: Vec<(usize, Vec<usize>)> =
+        trace.iter().map(|(l, e)| (*l, (0..experts).filter(|x| !e.contains(x)).take(2).collect())).collect();
+    assert!(wrong.iter().any(|(_, w)| !w.is_empty()), "decode steps leave experts out");
+    let oracle = Arc::new(Oracle { trace: wrong, at: AtomicUsize::new(0) });
+    let set = manager(&idx, None, Budget::PerLayer(4), false);
+    let m = model_guessing(&dir, Some(Arc::new(set.clone())), Some(oracle));
+    assert!(run(&m, &prompt()).expect("streamed") == reference, "wrong guesses changed the logits");
+    let p = stats(&set).prefetch;
+    assert!(p.issued > 0 && p.used == 0, "guesses read, none used: {p:?}");
+    assert!(p.wasted > 0 && p.wasted <= p.issued && p.wasted_bytes > 0, "counted wasted: {p:?}");
 }

@@ -39,6 +39,9 @@ pub struct LoadOptions {
     /// RAM for cached PLE table rows, all layers together (`qwen4_exp`; default 1 GiB). The caller may
     /// keep a clone and change it while the model runs.
     pub ple_budget: crate::ple_budget::PleBudget,
+    /// Guesses each MoE layer's experts while the layer before computes, so a disk-backed expert source
+    /// reads them ahead (`None`: no read-ahead; answers are the same either way).
+    pub predictor: Option<Arc<dyn crate::layers::predict::ExpertPredictor>>,
     /// Load the checkpoint's draft head (`mtp.*`, speculative decoding) when it has one: the head's
     /// layer then keeps its own plane in the KV pages.
     pub draft_head: bool,

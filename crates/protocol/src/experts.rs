@@ -44,6 +44,14 @@ pub enum ResidencyCommand {
         /// Experts.
         experts: Vec<usize>,
     },
+    /// A guess: these experts of a layer will probably be needed soon (most wanted first). The manager
+    /// reads the ones it does not hold, up to its cap, when nothing else waits; nothing is leased.
+    Prefetch {
+        /// Layer.
+        layer: usize,
+        /// Experts.
+        experts: Vec<usize>,
+    },
     /// A lease was dropped.
     Release {
         /// Layer.
@@ -81,6 +89,25 @@ pub struct ResidencyStats {
     pub arena_used: u64,
     /// Whether the reader registered the arena (io_uring fixed buffers).
     pub arena_registered: bool,
+    /// Read-ahead of guessed experts.
+    pub prefetch: PrefetchStats,
+}
+
+/// What reading guessed experts ahead did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefetchStats {
+    /// Experts read because they were guessed.
+    pub issued: u64,
+    /// Of those, asked for (or found in a slot) by their layer before they were evicted.
+    pub used: u64,
+    /// Of those, passed over by their layer's next step (their bytes were read for nothing).
+    pub wasted: u64,
+    /// Bytes read for guesses.
+    pub bytes_read: u64,
+    /// Bytes of the guesses that were wasted.
+    pub wasted_bytes: u64,
+    /// Guesses dropped: already held, over the cap, or given up because a request was waiting.
+    pub skipped: u64,
 }
 
 /// The experts of one layer as the residency manager sees them.

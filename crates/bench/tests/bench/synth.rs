@@ -74,5 +74,13 @@ fn cpu() -> osprey_models::backend::BackendRef {
 }
 
 fn run(fraction: f64, ple_fraction: f64, decode_tokens: usize) -> osprey_bench::ExpertsRun {
-    osprey_bench::ExpertsRun { fraction, ple_fraction, prompt_len: 8, decode_tokens, wait_all: false, warmup: false }
+    osprey_bench::ExpertsRun {
+        fraction,
+        ple_fraction,
+        prompt_len: 8,
+        decode_tokens,
+        wait_all: false,
+        warmup: false,
+        prefetch: osprey_bench::Prefetch::Off,
+    }
 }

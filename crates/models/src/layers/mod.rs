@@ -7,6 +7,7 @@ pub(crate) mod batch;
 pub mod gdn;
 pub mod mlp;
 pub mod moe;
+pub mod predict;
 pub mod slots;
 
 use std::sync::Arc;

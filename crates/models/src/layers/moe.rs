@@ -15,6 +15,7 @@ use osprey_backend::{
 
 use super::load_linear;
 use super::mlp::Mlp;
+use super::predict::{Ahead, ExpertPredictor};
 use super::slots::SlotTable;
 use crate::checkpoint::{Checkpoint, Weight};
 use crate::config::MoeConfig;
@@ -162,6 +163,10 @@ pub trait ExpertSource: Debug + Send + Sync {
     fn slots_per_layer(&self) -> Option<usize> {
         None
     }
+
+    /// A guess: `experts` of `layer` (most wanted first) will probably be asked for soon. A source with a
+    /// slower tier may start reading them; it must never change what [`ExpertSource::request`] returns.
+    fn prefetch(&self, _layer: usize, _experts: &[usize]) {}
 }
 
 /// Every expert mapped from the checkpoint (the page cache decides what is in RAM).
@@ -252,11 +257,19 @@ struct Slots {
     table: Option<SlotTable>,
 }
 
+/// Reading the next MoE layer's experts ahead (see [`crate::layers::predict`]): the policy, and the next
+/// block's layer and router (`None` for the last block, which only reports its routing).
+#[derive(Debug)]
+struct ReadAhead {
+    predictor: Arc<dyn ExpertPredictor>,
+    next: Option<(usize, Arc<Tensor>)>,
+}
+
 /// One MoE block.
 #[derive(Debug)]
 pub struct SparseMoe {
     layer: usize,
-    router: Tensor,
+    router: Arc<Tensor>,
     shared: Mlp,
     shared_gate: Tensor,
     cfg: MoeConfig,
@@ -264,6 +277,7 @@ pub struct SparseMoe {
     /// Slots per layer (`None`: the expert source's, else one per expert).
     slots_per_layer: Option<usize>,
     slots: Mutex<Slots>,
+    ahead: Option<ReadAhead>,
 }
 
 impl SparseMoe {
@@ -283,14 +297,25 @@ impl SparseMoe {
     ) -> Result<Self> {
         Ok(SparseMoe {
             layer,
-            router: load_linear(b, ck, &format!("{prefix}.gate"), cfg.num_experts, hidden)?,
+            router: Arc::new(load_linear(b, ck, &format!("{prefix}.gate"), cfg.num_experts, hidden)?),
             shared: Mlp::load(b, ck, &format!("{prefix}.shared_expert"), hidden, cfg.shared_intermediate)?,
             shared_gate: load_linear(b, ck, &format!("{prefix}.shared_expert_gate"), 1, hidden)?,
             cfg,
             shape: ExpertShape { hidden, inter: cfg.intermediate, dtype },
             slots_per_layer: slots,
             slots: Mutex::new(Slots::default()),
+            ahead: None,
         })
+    }
+
+    /// Has each block report its routing to `predictor` and, but the last, guess the next block's experts
+    /// with it (`None`: no read-ahead).
+    pub fn read_ahead(blocks: &mut [&mut SparseMoe], predictor: Option<Arc<dyn ExpertPredictor>>) {
+        let Some(predictor) = predictor else { return };
+        for i in 0..blocks.len() {
+            let next = blocks.get(i + 1).map(|n| (n.layer, n.router.clone()));
+            blocks[i].ahead = Some(ReadAhead { predictor: predictor.clone(), next });
+        }
     }
 
     /// `x [T, hidden]` (already normed) → `[T, hidden]`.
@@ -312,6 +337,9 @@ impl SparseMoe {
         let mut touched: Vec<u32> = ids.iter().map(|&e| e as u32).collect();
         touched.sort_unstable();
         touched.dedup();
+        if let Some(a) = &self.ahead {
+            a.predictor.observe(self.layer, &touched);
+        }
 
         let mut guard = self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let Slots { pool, table } = &mut *guard;
@@ -334,6 +362,13 @@ impl SparseMoe {
         } else {
             experts.request(self.layer, &miss_ids).resident()?
         };
+        // The guess goes out after this layer's own request, so its reads queue behind the misses.
+        if let Some(ReadAhead { predictor, next: Some((next, router)) }) = &self.ahead {
+            let guess = predictor.predict(&Ahead::new(b, (self.layer, *next), k, x, router))?;
+            if !guess.is_empty() {
+                experts.prefetch(*next, &guess);
+            }
+        }
 
         let shared = self.shared.forward(b, x)?;
         let sgate = b.linear(x, &self.shared_gate)?;

@@ -168,6 +168,14 @@ impl Qwen35 {
             layers.push(DecoderLayer::load(b, ck, &format!("{p}layers.{i}"), *kind, i, &c, opts.expert_slots)?);
             progress(i + 1, kinds.len());
         }
+        let mut moes: Vec<&mut SparseMoe> = layers
+            .iter_mut()
+            .filter_map(|l| match &mut l.ffn {
+                Ffn::Moe(m) => Some(&mut **m),
+                Ffn::Dense(_) => None,
+            })
+            .collect();
+        SparseMoe::read_ahead(&mut moes, opts.predictor.clone());
         // The draft head's layer takes the next expert-layer index and the next KV plane.
         let kv_planes = kinds.iter().filter(|k| matches!(k, LayerKind::Full)).count();
         let draft = if opts.draft_head { mtp::MtpHead::load(b, ck, &c, opts.expert_slots, kv_planes)? } else { None };

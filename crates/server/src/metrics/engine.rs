@@ -251,6 +251,18 @@ const ENGINE: &[Decl] = &[
         "1 when the host arena is registered with io_uring (reads into fixed buffers).",
         |s| experts(s, |e| N::U(u64::from(e.arena_registered))),
     ),
+    counter("osprey_expert_prefetch_issued", "Guessed experts read ahead of their layer.", |s| {
+        experts(s, |e| N::U(e.prefetch.issued))
+    }),
+    counter("osprey_expert_prefetch_used", "Guessed experts their layer then used.", |s| {
+        experts(s, |e| N::U(e.prefetch.used))
+    }),
+    counter("osprey_expert_prefetch_wasted_bytes", "Bytes read for guesses their layer did not use.", |s| {
+        experts(s, |e| N::U(e.prefetch.wasted_bytes))
+    }),
+    gauge("osprey_expert_prefetch_accuracy", "Fraction of the guessed experts read that their layer used.", |s| {
+        experts(s, |e| N::F(ratio(e.prefetch.used, e.prefetch.issued)))
+    }),
     gauge("osprey_responses_stored", "Responses kept for previous_response_id.", |s| u(s.engine.responses.0)),
     gauge("osprey_responses_stored_bytes", "Bytes of the stored conversations.", |s| u(s.engine.responses.1)),
 ];

@@ -1,0 +1,164 @@
+//! Guessing the next MoE layer's experts while this one computes, so a disk-backed expert source can read
+//! them before they are asked for (issue 36). A guess only moves experts between tiers: the layer's own
+//! router decides what is computed, so answers never depend on it.
+//!
+//! Policies behind [`ExpertPredictor`]: [`NextRouter`] applies the next layer's router to this layer's
+//! (normed) input — the residual stream changes little from one layer to the next — and takes each
+//! token's top `k + margin`; [`PreviousStep`] takes the experts the next layer routed to at the previous
+//! step; [`Union`] both. `osprey bench experts --prefetch oracle` adds one that reads a recorded trace.
+
+use std::fmt::Debug;
+use std::sync::{Arc, Mutex};
+
+use osprey_backend::{Backend, DType, HostVec, Tensor};
+
+use crate::error::{Error, Result};
+
+/// What a predictor may look at while layer `layer` computes, to guess layer `next`'s experts.
+#[derive(Debug)]
+pub struct Ahead<'a> {
+    /// The layer computing now.
+    pub layer: usize,
+    /// The MoE layer after it (the one to guess for).
+    pub next: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    b: &'a dyn Backend,
+    /// This layer's MoE input `[T, hidden]` (normed).
+    x: &'a Tensor,
+    /// The next layer's router `[experts, hidden]`.
+    router: &'a Tensor,
+}
+
+impl<'a> Ahead<'a> {
+    /// What layer `layer` shows of itself for a guess at `next`.
+    pub fn new(
+        b: &'a dyn Backend,
+        (layer, next): (usize, usize),
+        top_k: usize,
+        x: &'a Tensor,
+        router: &'a Tensor,
+    ) -> Self {
+        Ahead { layer, next, top_k, b, x, router }
+    }
+
+    /// The next layer's router applied to this layer's input: each token's top `n` experts, all tokens
+    /// together, ascending (one small product and one download of `[T, n]` ids).
+    pub fn router_top(&self, n: usize) -> Result<Vec<usize>> {
+        let experts = self.router.rows();
+        let logits = self.b.linear(self.x, self.router)?;
+        let routing = self.b.route(&logits, n.clamp(1, experts), false)?;
+        let ids = match self.b.download(&routing.ids)? {
+            HostVec::I32(v) => v,
+            _ => {
+                return Err(Error::Backend(osprey_backend::BackendError::DType {
+                    expected: DType::I32,
+                    got: routing.ids.dtype(),
+                }))
+            }
+        };
+        let mut out: Vec<usize> = ids.into_iter().filter_map(|e| usize::try_from(e).ok()).collect();
+        out.sort_unstable();
+        out.dedup();
+        Ok(out)
+    }
+}
+
+/// A read-ahead policy.
+pub trait ExpertPredictor: Debug + Send + Sync {
+    /// Layer `layer`'s routing this step: every expert a token routes to, ascending (called before
+    /// [`ExpertPredictor::predict`] for the same layer).
+    fn observe(&self, _layer: usize, _touched: &[u32]) {}
+
+    /// Experts of `a.next` to read ahead, most wanted first (the source may read only a prefix).
+    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>>;
+}
+
+/// The next layer's router on this layer's input: each token's top `k + margin`.
+#[derive(Debug, Clone, Copy)]
+pub struct NextRouter {
+    /// Experts per token beyond `k`.
+    pub margin: usize,
+}
+
+impl ExpertPredictor for NextRouter {
+    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>> {
+        a.router_top(a.top_k + self.margin)
+    }
+}
+
+/// The experts the next layer routed to at the previous step.
+#[derive(Debug, Default)]
+pub struct PreviousStep {
+    last: Mutex<Vec<Vec<u32>>>,
+}
+
+impl PreviousStep {
+    fn last(&self, layer: usize) -> Vec<usize> {
+        let last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        last.get(layer).map(|v| v.iter().map(|&e| e as usize).collect()).unwrap_or_default()
+    }
+}
+
+impl ExpertPredictor for PreviousStep {
+    fn observe(&self, layer: usize, touched: &[u32]) {
+        let mut last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.len() <= layer {
+            last.resize(layer + 1, Vec::new());
+        }
+        last[layer] = touched.to_vec();
+    }
+
+    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>> {
+        Ok(self.last(a.next))
+    }
+}
+
+/// [`NextRouter`]'s guess first, then [`PreviousStep`]'s that it lacks.
+#[derive(Debug, Default)]
+pub struct Union {
+    router: Option<NextRouter>,
+    previous: PreviousStep,
+}
+
+impl Union {
+    /// With the router's `margin`.
+    pub fn new(margin: usize) -> Self {
+        Union { router: Some(NextRouter { margin }), previous: PreviousStep::default() }
+    }
+}
+
+impl ExpertPredictor for Union {
+    fn observe(&self, layer: usize, touched: &[u32]) {
+        self.previous.observe(layer, touched);
+    }
+
+    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>> {
+        let mut out = match &self.router {
+            Some(r) => r.predict(a)?,
+            None => Vec::new(),
+        };
+        for e in self.previous.predict(a)? {
+            if !out.contains(&e) {
+                out.push(e);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A read-ahead policy by name, as `--expert-prefetch` takes it: `router`, `previous`, `union` (`off`
+/// and `none` are no policy).
+pub fn by_name(name: &str, margin: usize) -> Result<Option<Arc<dyn ExpertPredictor>>> {
+    Ok(match name {
+        "off" | "none" => None,
+        "router" => Some(Arc::new(NextRouter { margin })),
+        "previous" => Some(Arc::new(PreviousStep::default())),
+        "union" => Some(Arc::new(Union::new(margin))),
+        other => {
+            return Err(Error::Unsupported(format!(
+                "unknown expert prefetch policy {other:?} (off, router, previous, union)"
+            )))
+        }
+    })
+}
