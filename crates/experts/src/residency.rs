@@ -75,8 +75,11 @@ pub struct ResidencyTable {
     per_expert: Vec<Vec<(u64, u64)>>,
     /// Experts evicted.
     pub evictions: u64,
-    /// Bytes of guessed experts not used yet.
+    /// Bytes of guessed experts not used yet, and their count per layer: held beside the budget (bounded
+    /// by the manager's cap instead), so a guess never evicts an expert and the budget never evicts a
+    /// guess before its layer's step.
     guess_bytes: usize,
+    guesses: Vec<usize>,
     /// What guesses did.
     pub prefetch: PrefetchStats,
 }
@@ -95,6 +98,7 @@ impl ResidencyTable {
             per_expert: vec![Vec::new(); layers],
             evictions: 0,
             guess_bytes: 0,
+            guesses: vec![0; layers],
             prefetch: PrefetchStats::default(),
         }
     }
@@ -207,6 +211,7 @@ impl ResidencyTable {
         if let Some(s) = self.slots.peek_mut(&key).filter(|s| s.guess) {
             s.guess = false;
             self.guess_bytes -= s.bytes;
+            self.guesses[key.0] -= 1;
             self.prefetch.used += 1;
         }
     }
@@ -216,6 +221,7 @@ impl ResidencyTable {
         if let Some(s) = self.slots.peek_mut(&(layer, expert)).filter(|s| !s.guess) {
             s.guess = true;
             self.guess_bytes += s.bytes;
+            self.guesses[layer] += 1;
             self.prefetch.issued += 1;
             self.prefetch.bytes_read += s.bytes as u64;
         }
@@ -241,10 +247,13 @@ impl ResidencyTable {
             (s.guess, s.freq, s.last_use) = (false, 0.0, 0);
             let bytes = s.bytes;
             self.guess_bytes -= bytes;
+            self.guesses[layer] -= 1;
             self.prefetch.wasted += 1;
             self.prefetch.wasted_bytes += bytes as u64;
             self.slots.demote(&k);
         }
+        // Back inside the budget, the wrong guesses go first.
+        self.evict(layer);
     }
 
     /// Inserts a freshly read expert, leased once, then evicts unleased experts over the budget.
@@ -302,15 +311,15 @@ impl ResidencyTable {
 
     fn over(&self, layer: usize) -> bool {
         match self.budget {
-            Budget::Bytes(b) => self.used > b,
-            Budget::PerLayer(n) => self.per_layer[layer] > n,
+            Budget::Bytes(b) => self.used - self.guess_bytes > b,
+            Budget::PerLayer(n) => self.per_layer[layer] - self.guesses[layer] > n,
         }
     }
 
     fn evict(&mut self, layer: usize) {
         while self.over(layer) {
             let scope = |k: &(usize, usize)| matches!(self.budget, Budget::Bytes(_)) || k.0 == layer;
-            let candidates = self.slots.iter().rev().filter(|(k, s)| s.leases == 0 && scope(k));
+            let candidates = self.slots.iter().rev().filter(|(k, s)| s.leases == 0 && !s.guess && scope(k));
             let victim = match self.policy {
                 // Least recent first: the first unleased expert in scope from the old end.
                 Policy::Lru => candidates.map(|(k, _)| *k).next(),
@@ -323,12 +332,6 @@ impl ResidencyTable {
             self.used -= s.bytes;
             self.per_layer[k.0] -= 1;
             self.evictions += 1;
-            if s.guess {
-                // Evicted before its layer came: read for nothing.
-                self.guess_bytes -= s.bytes;
-                self.prefetch.wasted += 1;
-                self.prefetch.wasted_bytes += s.bytes as u64;
-            }
         }
     }
 }

@@ -248,7 +248,9 @@ impl ExpertPredictor for Oracle {
 }
 
 /// Issue 36: perfect guesses are read before their layer asks, every one is used, none is wasted, and
-/// only the first layer (which nothing guesses for) misses; the logits stay the mapped model's.
+/// only the first layer (which nothing guesses for) misses; the logits stay the mapped model's. With a
+/// budget that the backend's slots fill (a byte budget of 3 experts), guesses are held beside it, not
+/// evicted by it before their layer comes.
 #[test]
 fn perfect_guesses_are_read_ahead_and_all_used() {
     let dir = nvfp4_dir();
@@ -258,16 +260,18 @@ fn perfect_guesses_are_read_ahead_and_all_used() {
     let recorded = model_guessing(&dir, None, Some(recorder.clone()));
     assert!(run(&recorded, &prompt()).expect("recorded") == reference, "observing changes nothing");
     let trace = recorder.0.lock().expect("trace").clone();
-    let oracle = Arc::new(Oracle { trace, at: AtomicUsize::new(0) });
-    let set = manager(&idx, None, Budget::PerLayer(8), false);
-    let m = model_guessing(&dir, Some(Arc::new(set.clone())), Some(oracle));
-    assert!(run(&m, &prompt()).expect("streamed") == reference, "guesses changed the logits");
-    let s = stats(&set);
-    let p = s.prefetch;
-    assert!(p.issued > 0, "guesses were read: {p:?}");
-    assert_eq!((p.used, p.wasted, p.wasted_bytes), (p.issued, 0, 0), "every guess used: {p:?}");
-    let missed: Vec<u64> = s.layers.iter().map(|l| l.misses).collect();
-    assert!(missed[0] > 0 && missed[1..].iter().all(|&m| m == 0), "only layer 0 misses: {missed:?}");
+    for budget in [Budget::PerLayer(8), Budget::Bytes(3 * idx.expert_footprint(0, 0))] {
+        let oracle = Arc::new(Oracle { trace: trace.clone(), at: AtomicUsize::new(0) });
+        let set = manager(&idx, None, budget, false);
+        let m = model_guessing(&dir, Some(Arc::new(set.clone())), Some(oracle));
+        assert!(run(&m, &prompt()).expect("streamed") == reference, "{budget:?}: guesses changed the logits");
+        let s = stats(&set);
+        let p = s.prefetch;
+        assert!(p.issued > 0, "{budget:?}: guesses were read: {p:?}");
+        assert_eq!((p.used, p.wasted, p.wasted_bytes), (p.issued, 0, 0), "{budget:?}: every guess used: {p:?}");
+        let missed: Vec<u64> = s.layers.iter().map(|l| l.misses).collect();
+        assert!(missed[0] > 0 && missed[1..].iter().all(|&m| m == 0), "{budget:?}: only layer 0 misses: {missed:?}");
+    }
 }
 
 /// Issue 36: a wrong guess costs its read, never an answer: every guess is of experts no layer routes to,
