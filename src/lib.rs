@@ -107,7 +107,6 @@ fn expert_source(
     let opts = osprey_experts::Options {
         warmup: settings.expert_warmup.unwrap_or(false),
         prefetch_cap: if expert_predictor(settings)?.is_some() { 2 * (top_k + margin(settings)) * largest } else { 0 },
-        prefetch_yields: true,
     };
     Ok(Some(osprey_experts::spawn(index, reader, (budget, policy), opts, backend)))
 }

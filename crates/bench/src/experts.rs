@@ -364,7 +364,7 @@ pub fn bench_experts_traced(
     let top_k = cfg.text.moe()?.map_or(0, |m| m.top_k);
     // As `serve` sizes it: about two layers' reads of guesses.
     let prefetch_cap = if predictor.is_some() { 2 * (top_k + prefetch.margin()) * per_expert } else { 0 };
-    let opts = Options { warmup, prefetch_cap, prefetch_yields: true };
+    let opts = Options { warmup, prefetch_cap };
     let set = spawn(index, reader, (Budget::Bytes(budget_bytes), Policy::Lru), opts, backend.as_ref());
     let tx = set.sender();
     // The warm-up is done when no further expert fits (every expert takes one footprint).

@@ -7,7 +7,6 @@
 //! ([`ResidentSet`], an `ExpertSource`) sends `Need` and returns a ticket, so the MoE block computes the
 //! shared expert while the reads are in flight; each handle carries a lease whose drop sends `Release`.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,7 +22,7 @@ use osprey_models::ByteSource;
 
 use crate::arena::{Arena, ArenaSlot};
 use crate::buf::AlignedBuf;
-use crate::reader::{window, Dest, Reader};
+use crate::reader::{open_reader, window, Dest, Reader};
 use crate::store::ExpertIndex;
 
 /// How much RAM experts may hold.
@@ -80,6 +79,8 @@ pub struct ResidencyTable {
     /// guess before its layer's step.
     guess_bytes: usize,
     guesses: Vec<usize>,
+    /// Per layer, the steps passed over so far ([`ResidencyTable::pass_over`]).
+    steps: Vec<u64>,
     /// What guesses did.
     pub prefetch: PrefetchStats,
 }
@@ -99,6 +100,7 @@ impl ResidencyTable {
             evictions: 0,
             guess_bytes: 0,
             guesses: vec![0; layers],
+            steps: vec![0; layers],
             prefetch: PrefetchStats::default(),
         }
     }
@@ -240,19 +242,34 @@ impl ResidencyTable {
     /// `layer` has had its step: its guesses still unused were wrong. They are counted wasted and go to
     /// the front of the eviction order (least recent, least frequent).
     pub fn pass_over(&mut self, layer: usize) {
+        self.steps[layer] += 1;
         let wrong: Vec<(usize, usize)> =
             self.slots.iter().filter(|(k, s)| k.0 == layer && s.guess).map(|(k, _)| *k).collect();
-        for k in wrong {
-            let s = self.slots.peek_mut(&k).expect("present");
-            (s.guess, s.freq, s.last_use) = (false, 0.0, 0);
-            let bytes = s.bytes;
-            self.guess_bytes -= bytes;
-            self.guesses[layer] -= 1;
-            self.prefetch.wasted += 1;
-            self.prefetch.wasted_bytes += bytes as u64;
-            self.slots.demote(&k);
-        }
+        wrong.into_iter().for_each(|k| self.waste(k));
         // Back inside the budget, the wrong guesses go first.
+        self.evict(layer);
+    }
+
+    /// Steps `layer` has had (guesses asked for at an earlier count came too late).
+    pub fn steps(&self, layer: usize) -> u64 {
+        self.steps[layer]
+    }
+
+    /// A guess that was wrong: counted wasted, moved inside the budget, first in line for eviction.
+    fn waste(&mut self, k: (usize, usize)) {
+        let Some(s) = self.slots.peek_mut(&k).filter(|s| s.guess) else { return };
+        (s.guess, s.freq, s.last_use) = (false, 0.0, 0);
+        let bytes = s.bytes;
+        self.guess_bytes -= bytes;
+        self.guesses[k.0] -= 1;
+        self.prefetch.wasted += 1;
+        self.prefetch.wasted_bytes += bytes as u64;
+        self.slots.demote(&k);
+    }
+
+    /// A guess that landed after its layer's step: wasted at once.
+    pub fn late_guess(&mut self, layer: usize, expert: usize) {
+        self.waste((layer, expert));
         self.evict(layer);
     }
 
@@ -439,13 +456,10 @@ impl ExpertSource for ResidentSet {
 pub struct Options {
     /// Fill the budget after startup while there is nothing else to do ([`warm_step`]).
     pub warmup: bool,
-    /// Most bytes of guessed experts held unused at once (0: guesses are ignored). About two layers'
-    /// reads: one layer's guess, and the one before it not yet passed over.
+    /// Most bytes of guessed experts read or being read and not used yet (0: guesses are ignored, and no
+    /// read-ahead thread starts). About two layers' reads: one layer's guess, and the one before it not
+    /// yet passed over.
     pub prefetch_cap: usize,
-    /// Stop reading a guess as soon as a request waits (what `serve` does: a wrong guess then costs at
-    /// most one expert's read of waiting). Off, every guess is read before the next command: the order of
-    /// reads no longer depends on timing (tests).
-    pub prefetch_yields: bool,
 }
 
 /// Starts the manager thread over `index` with `reader`. Resident experts live in a host arena that
@@ -454,7 +468,8 @@ pub struct Options {
 /// arena cannot be allocated.
 /// With `opts.warmup`, the manager fills its budget after startup while it has nothing else to do
 /// ([`warm_step`]): a command that arrives is served before the next warm-up read. Guesses
-/// ([`ResidencyCommand::Prefetch`]) are read one expert at a time ([`prefetch`]).
+/// ([`ResidencyCommand::Prefetch`]) go to a read-ahead thread with a reader of its own
+/// ([`start_guesser`]), so their reads run while the manager serves requests.
 pub fn spawn(
     index: ExpertIndex,
     reader: Box<dyn Reader>,
@@ -470,7 +485,17 @@ pub fn spawn(
     let table = ResidencyTable::new(index.experts.len(), budget, policy);
     let warm = opts.warmup.then(|| Warmup { next_layer: 0, started: Instant::now() });
     let stall = stall_nanos.clone();
-    let m = Manager { index, tier, reader, table, rx, backlog: VecDeque::new(), warm, passed: None, stall, opts };
+    let guesser = match opts.prefetch_cap {
+        0 => None,
+        _ => match open_reader(&index.files, Some(reader.kind())) {
+            Ok(r) => Some(start_guesser(index.clone(), r)),
+            Err(e) => {
+                tracing::warn!(error = %e, "no reader for guesses; they are ignored");
+                None
+            }
+        },
+    };
+    let m = Manager { index, tier, reader, table, rx, guesser, warm, passed: None, stall, opts };
     std::thread::Builder::new()
         .name("osprey-experts".into())
         .spawn(move || m.run())
@@ -486,8 +511,8 @@ struct Manager {
     reader: Box<dyn Reader>,
     table: ResidencyTable,
     rx: mpsc::UnboundedReceiver<ResidencyCommand>,
-    /// Commands taken from the inbox while a guess was being read (to see whether a `Need` waits).
-    backlog: VecDeque<ResidencyCommand>,
+    /// The read-ahead thread (with `opts.prefetch_cap` > 0).
+    guesser: Option<Guesser>,
     warm: Option<Warmup>,
     /// The layer whose `Hits` came last: its step is over unless its `Need` comes next.
     passed: Option<usize>,
@@ -498,6 +523,7 @@ struct Manager {
 impl Manager {
     fn run(mut self) {
         while let Some(cmd) = self.next_command() {
+            self.land_guesses(false);
             // A layer's step is its `Hits` (when some routed experts sat in slots) and its `Need` (when
             // some did not), sent back to back: once both are in, its unused guesses were wrong.
             if let Some(l) = self.passed.take() {
@@ -509,13 +535,10 @@ impl Manager {
         }
     }
 
-    /// The next command: the backlog's, else the inbox's; while warming up, a warm-up read whenever
-    /// nothing waits. `None` once every sender is gone.
+    /// The next command; while warming up, a warm-up read whenever nothing waits. `None` once every sender
+    /// is gone.
     fn next_command(&mut self) -> Option<ResidencyCommand> {
         loop {
-            if let Some(cmd) = self.backlog.pop_front() {
-                return Some(cmd);
-            }
             let Some(w) = self.warm.as_mut() else { return self.rx.blocking_recv() };
             match self.rx.try_recv() {
                 Ok(cmd) => return Some(cmd),
@@ -540,24 +563,13 @@ impl Manager {
         match cmd {
             ResidencyCommand::Need { layer, experts, span, resident, reply } => {
                 let _in = span.enter();
+                self.await_guesses(layer, &experts);
                 let (index, table) = (&self.index, &mut self.table);
                 need(index, (self.reader.as_mut(), self.tier.as_ref()), table, layer, &experts, resident, reply);
                 // The layer had its step: its guesses not taken were wrong.
                 self.table.pass_over(layer);
             }
-            ResidencyCommand::Prefetch { layer, experts } => {
-                let (rx, backlog, yields) = (&mut self.rx, &mut self.backlog, self.opts.prefetch_yields);
-                let mut waiting = || yields && need_waiting(rx, backlog);
-                let (index, table, cap) = (&self.index, &mut self.table, self.opts.prefetch_cap);
-                prefetch(
-                    index,
-                    (self.reader.as_mut(), self.tier.as_ref()),
-                    table,
-                    (layer, &experts),
-                    cap,
-                    &mut waiting,
-                );
-            }
+            ResidencyCommand::Prefetch { layer, experts } => self.ask(layer, &experts),
             ResidencyCommand::Hits { layer, experts } => {
                 experts.iter().for_each(|&e| self.table.hit(layer, e));
                 self.passed = Some(layer);
@@ -566,6 +578,78 @@ impl Manager {
             ResidencyCommand::Stats { reply } => {
                 let _ = reply.send(self.stats());
             }
+        }
+    }
+
+    /// Hands the guessed `experts` of `layer` that are neither held nor being read to the read-ahead
+    /// thread, in order, while what guesses hold or read stays within the cap; counts the rest skipped.
+    fn ask(&mut self, layer: usize, experts: &[usize]) {
+        let Some(g) = self.guesser.as_mut() else { return };
+        let (index, table) = (&self.index, &mut self.table);
+        let valid = |e: usize| layer < index.experts.len() && e < index.experts[layer].len();
+        for &e in experts {
+            if !valid(e) || table.contains(layer, e) || g.inflight.contains_key(&(layer, e)) {
+                continue;
+            }
+            let fp = index.expert_footprint(layer, e);
+            let reading: usize = g.inflight.values().sum();
+            if table.guess_bytes() + reading + fp > self.opts.prefetch_cap
+                || g.jobs.send((layer, e, table.steps(layer))).is_err()
+            {
+                table.prefetch.skipped += 1;
+                continue;
+            }
+            g.inflight.insert((layer, e), fp);
+        }
+    }
+
+    /// Takes in the guesses that have landed (`wait`: blocks for one first).
+    fn land_guesses(&mut self, wait: bool) {
+        let Some(g) = self.guesser.as_mut() else { return };
+        let first = match wait.then(|| g.landed.recv()) {
+            Some(Ok(l)) => Some(l),
+            Some(Err(_)) => {
+                // The read-ahead thread is gone: what it was reading will not come.
+                self.table.prefetch.skipped += g.inflight.len() as u64;
+                g.inflight.clear();
+                None
+            }
+            None => None,
+        };
+        let landed: Vec<Landed> = first.into_iter().chain(g.landed.try_iter()).collect();
+        for l in landed {
+            g.inflight.remove(&(l.layer, l.expert));
+            let (table, key) = (&mut self.table, (l.layer, l.expert));
+            match l.read {
+                Ok((w, need)) if !table.contains(key.0, key.1) => {
+                    let st = &mut table.stats[key.0];
+                    (st.bytes_read, st.read_secs, st.batches) =
+                        (st.bytes_read + need as u64, st.read_secs + l.secs, st.batches + 1);
+                    table.insert(key.0, key.1, Arc::new(w), need);
+                    // Marked before its lease goes, so the budget cannot evict it before its layer comes.
+                    table.guessed(key.0, key.1);
+                    table.release(key.0, key.1);
+                    if table.steps(key.0) != l.step {
+                        table.late_guess(key.0, key.1);
+                    }
+                }
+                Ok(_) => table.prefetch.skipped += 1,
+                Err(e) => {
+                    tracing::debug!(layer = key.0, expert = key.1, error = %e, "guessed expert not read");
+                    table.prefetch.skipped += 1;
+                }
+            }
+        }
+    }
+
+    /// Before a request of `layer` is served: waits for the guesses of its experts still being read (they
+    /// are the quickest way to them), so none is read twice.
+    fn await_guesses(&mut self, layer: usize, experts: &[usize]) {
+        while let Some(g) = self.guesser.as_ref() {
+            if !experts.iter().any(|&e| g.inflight.contains_key(&(layer, e))) {
+                return;
+            }
+            self.land_guesses(true);
         }
     }
 
@@ -585,14 +669,6 @@ impl Manager {
             prefetch: t.prefetch,
         }
     }
-}
-
-/// Moves what the inbox holds into the backlog; whether a `Need` is among it (a request waits).
-fn need_waiting(rx: &mut mpsc::UnboundedReceiver<ResidencyCommand>, backlog: &mut VecDeque<ResidencyCommand>) -> bool {
-    while let Ok(cmd) = rx.try_recv() {
-        backlog.push_back(cmd);
-    }
-    backlog.iter().any(|c| matches!(c, ResidencyCommand::Need { .. }))
 }
 
 /// Where a warm-up stands.
@@ -634,44 +710,6 @@ fn warm_step(
         };
     }
     false
-}
-
-/// Reads the guessed `experts` of `layer` it does not hold, one expert per read batch, in the order given,
-/// while the unused guesses stay within `cap` bytes and no request waits (`waiting()`: a request then
-/// waits at most for one expert's read). Each lands unleased and marked as a guess; the rest are
-/// counted skipped. A read error ends the guess (requests read what they need as before).
-fn prefetch(
-    index: &ExpertIndex,
-    (reader, tier): (&mut dyn Reader, Option<&HostTier>),
-    table: &mut ResidencyTable,
-    (layer, experts): (usize, &[usize]),
-    cap: usize,
-    waiting: &mut dyn FnMut() -> bool,
-) {
-    let valid = layer < index.experts.len();
-    let todo: Vec<usize> = experts
-        .iter()
-        .copied()
-        .filter(|&e| valid && e < index.experts[layer].len() && !table.contains(layer, e))
-        .collect();
-    for (i, &e) in todo.iter().enumerate() {
-        if waiting() || table.guess_bytes() + index.expert_footprint(layer, e) > cap {
-            table.prefetch.skipped += (todo.len() - i) as u64;
-            return;
-        }
-        match read_missing(index, (&mut *reader, tier), table, layer, &[e]) {
-            Ok(_) => {
-                // Marked before its lease goes, so an expert the budget evicts at once counts wasted.
-                table.guessed(layer, e);
-                table.release(layer, e);
-            }
-            Err(err) => {
-                tracing::debug!(layer, expert = e, error = %err.message, "guessed expert not read");
-                table.prefetch.skipped += (todo.len() - i) as u64;
-                return;
-            }
-        }
-    }
 }
 
 /// The RAM tier's arena: slots of the largest expert's read footprint, as many as the budget holds
@@ -813,8 +851,41 @@ fn read_missing(
     layer: usize,
     experts: &[usize],
 ) -> Result<Vec<Arc<ExpertWeights>>, RequestError> {
+    let items: Vec<(usize, usize)> = experts.iter().map(|&e| (layer, e)).collect();
+    let (read, secs) = read_experts(index, reader, tier, &items);
+    let st = &mut table.stats[layer];
+    st.read_secs += secs;
+    st.batches += 1;
+    let mut out = Vec::with_capacity(experts.len());
+    let mut first_err = None;
+    for (&e, r) in experts.iter().zip(read) {
+        match r {
+            Ok((w, need)) => {
+                table.stats[layer].bytes_read += need as u64;
+                out.push((e, table.insert(layer, e, Arc::new(w), need)));
+            }
+            Err(err) => first_err = first_err.or(Some(err)),
+        }
+    }
+    if let Some(err) = first_err {
+        out.iter().for_each(|&(e, _)| table.release(layer, e));
+        return Err(engine_error(err));
+    }
+    Ok(out.into_iter().map(|(_, w)| w).collect())
+}
+
+/// Reads the experts `items` names ((layer, expert) pairs) in one batch, into arena slots where `tier`
+/// has free ones, else buffers of their own: per item its weights and the bytes it takes, or why not;
+/// and the batch's seconds.
+#[allow(clippy::type_complexity)]
+fn read_experts(
+    index: &ExpertIndex,
+    reader: &mut dyn Reader,
+    tier: Option<&HostTier>,
+    items: &[(usize, usize)],
+) -> (Vec<Result<(ExpertWeights, usize), String>>, f64) {
     let (mut reqs, mut dests, mut landings, mut counts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for &e in experts {
+    for &(layer, e) in items {
         let r = index.reads(layer, e);
         let windows: Vec<usize> = r.iter().map(|q| window(q.offset, q.len).2).collect();
         let need: usize = windows.iter().sum();
@@ -846,15 +917,12 @@ fn read_missing(
     // SAFETY: every destination is a slot or buffer owned by `landings`, each window inside its own,
     // untouched by anyone else until the reads complete.
     let results = unsafe { reader.read_into(&reqs, &dests) };
-    let st = &mut table.stats[layer];
-    st.read_secs += t0.elapsed().as_secs_f64();
-    st.batches += 1;
+    let secs = t0.elapsed().as_secs_f64();
     let mut results = results.into_iter();
-    let mut out = Vec::with_capacity(experts.len());
-    let mut first_err = None;
-    for ((&e, (n, need)), landing) in experts.iter().zip(counts).zip(landings) {
+    let mut out = Vec::with_capacity(items.len());
+    for ((&(layer, e), (n, need)), landing) in items.iter().zip(counts).zip(landings) {
         let ats: Result<Vec<usize>, _> = (&mut results).take(n).collect();
-        match ats {
+        out.push(match ats {
             Ok(ats) => {
                 let parts: Vec<(Arc<dyn ByteSource>, usize)> = match landing {
                     Landing::Slot(slot, offsets) => {
@@ -865,18 +933,57 @@ fn read_missing(
                         bufs.into_iter().zip(ats).map(|(b, at)| (Arc::new(b) as Arc<dyn ByteSource>, at)).collect()
                     }
                 };
-                let w = index.assemble_parts(layer, e, parts);
-                table.stats[layer].bytes_read += need as u64;
-                out.push((e, table.insert(layer, e, Arc::new(w), need)));
+                Ok((index.assemble_parts(layer, e, parts), need))
             }
-            Err(err) => first_err = first_err.or(Some(err.to_string())),
+            Err(err) => Err(err.to_string()),
+        });
+    }
+    (out, secs)
+}
+
+/// A guessed expert read by the read-ahead thread.
+struct Landed {
+    layer: usize,
+    expert: usize,
+    /// The layer's step count when the guess was asked for (a guess landing after its layer's step is
+    /// wasted at once).
+    step: u64,
+    read: Result<(ExpertWeights, usize), String>,
+    secs: f64,
+}
+
+/// The read-ahead thread's two ends, as the manager holds them.
+struct Guesser {
+    jobs: std::sync::mpsc::Sender<(usize, usize, u64)>,
+    landed: std::sync::mpsc::Receiver<Landed>,
+    /// Guesses asked for and not landed: their bytes.
+    inflight: std::collections::HashMap<(usize, usize), usize>,
+}
+
+/// Starts the read-ahead thread: it reads the guesses the manager hands it with a reader of its own,
+/// every guess queued so far in one batch (one io_uring submission), into buffers of its own, and sends
+/// each back. The manager never waits for it except where a request needs an expert it is reading.
+fn start_guesser(index: ExpertIndex, mut reader: Box<dyn Reader>) -> Guesser {
+    let (jobs, job_rx) = std::sync::mpsc::channel::<(usize, usize, u64)>();
+    let (landed_tx, landed) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new().name("osprey-guesses".into()).spawn(move || {
+        while let Ok(first) = job_rx.recv() {
+            let mut batch = vec![first];
+            batch.extend(job_rx.try_iter());
+            let items: Vec<(usize, usize)> = batch.iter().map(|&(l, e, _)| (l, e)).collect();
+            let (read, secs) = read_experts(&index, reader.as_mut(), None, &items);
+            let each = secs / batch.len() as f64;
+            for ((layer, expert, step), read) in batch.into_iter().zip(read) {
+                if landed_tx.send(Landed { layer, expert, step, read, secs: each }).is_err() {
+                    return;
+                }
+            }
         }
+    });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "no read-ahead thread; guesses are ignored");
     }
-    if let Some(err) = first_err {
-        out.iter().for_each(|&(e, _)| table.release(layer, e));
-        return Err(engine_error(err));
-    }
-    Ok(out.into_iter().map(|(_, w)| w).collect())
+    Guesser { jobs, landed, inflight: std::collections::HashMap::new() }
 }
 
 #[cfg(test)]

@@ -68,8 +68,7 @@ fn model_guessing(
 /// The manager as `serve` starts it; guesses may hold two layers of `top_k + 2` experts.
 fn manager(idx: &ExpertIndex, kind: Option<ReaderKind>, budget: Budget, warmup: bool) -> osprey_experts::ResidentSet {
     let reader = open_reader(&idx.files, kind).expect("reader");
-    // Guesses read before the next command, whatever the timing.
-    let opts = Options { warmup, prefetch_cap: 2 * (2 + 2) * idx.expert_footprint(0, 0), prefetch_yields: false };
+    let opts = Options { warmup, prefetch_cap: 2 * (2 + 2) * idx.expert_footprint(0, 0) };
     spawn(idx.clone(), reader, (budget, Policy::Lru), opts, osprey_backend_cpu::CpuBackend::shared().as_ref())
 }
 
