@@ -481,14 +481,14 @@ pub fn spawn(
     let stall_nanos = Arc::new(AtomicU64::new(0));
     let slots = slots_for(&index, budget);
     let mut reader = reader;
-    let tier = host_tier(&index, budget, backend, reader.as_mut());
+    let tier = host_tier(&index, (budget, opts.prefetch_cap), backend, reader.as_mut());
     let table = ResidencyTable::new(index.experts.len(), budget, policy);
     let warm = opts.warmup.then(|| Warmup { next_layer: 0, started: Instant::now() });
     let stall = stall_nanos.clone();
     let guesser = match opts.prefetch_cap {
         0 => None,
         _ => match open_reader(&index.files, Some(reader.kind())) {
-            Ok(r) => Some(start_guesser(index.clone(), r)),
+            Ok(r) => Some(start_guesser(index.clone(), r, tier.as_ref().map(|t| t.arena.clone()))),
             Err(e) => {
                 tracing::warn!(error = %e, "no reader for guesses; they are ignored");
                 None
@@ -712,11 +712,12 @@ fn warm_step(
     false
 }
 
-/// The RAM tier's arena: slots of the largest expert's read footprint, as many as the budget holds
-/// (never more than there are experts), registered with `reader` when it can be.
+/// The RAM tier's arena: slots of the largest expert's read footprint, as many as the budget holds plus
+/// `extra` bytes' worth (the guesses' cap: guesses land in the arena too, in memory faulted in once),
+/// never more than there are experts, registered with `reader` when it can be.
 fn host_tier(
     index: &ExpertIndex,
-    budget: Budget,
+    (budget, extra): (Budget, usize),
     backend: &dyn osprey_models::backend::Backend,
     reader: &mut dyn Reader,
 ) -> Option<HostTier> {
@@ -727,8 +728,8 @@ fn host_tier(
     let slots = match budget {
         Budget::PerLayer(n) => n.max(1) * layers,
         Budget::Bytes(b) => (b / stride).max(1),
-    }
-    .min(all.len());
+    };
+    let slots = (slots + extra.div_ceil(stride)).min(all.len());
     let mem = match backend.alloc_host_arena(slots * stride) {
         Ok(m) => m,
         Err(e) => {
@@ -961,9 +962,10 @@ struct Guesser {
 }
 
 /// Starts the read-ahead thread: it reads the guesses the manager hands it with a reader of its own,
-/// every guess queued so far in one batch (one io_uring submission), into buffers of its own, and sends
-/// each back. The manager never waits for it except where a request needs an expert it is reading.
-fn start_guesser(index: ExpertIndex, mut reader: Box<dyn Reader>) -> Guesser {
+/// every guess queued so far in one batch (one io_uring submission), into free slots of the manager's
+/// arena (`arena`; buffers of their own past it), and sends each back. The manager never waits for it
+/// except where a request needs an expert it is reading.
+fn start_guesser(index: ExpertIndex, mut reader: Box<dyn Reader>, arena: Option<Arc<Arena>>) -> Guesser {
     let (jobs, job_rx) = std::sync::mpsc::channel::<(usize, usize, u64)>();
     let (landed_tx, landed) = std::sync::mpsc::channel();
     let spawned = std::thread::Builder::new().name("osprey-guesses".into()).spawn(move || {
@@ -971,7 +973,9 @@ fn start_guesser(index: ExpertIndex, mut reader: Box<dyn Reader>) -> Guesser {
             let mut batch = vec![first];
             batch.extend(job_rx.try_iter());
             let items: Vec<(usize, usize)> = batch.iter().map(|&(l, e, _)| (l, e)).collect();
-            let (read, secs) = read_experts(&index, reader.as_mut(), None, &items);
+            // Its own ring did not register the arena: plain reads into the slots.
+            let tier = arena.as_ref().map(|a| HostTier { arena: a.clone(), registered: false });
+            let (read, secs) = read_experts(&index, reader.as_mut(), tier.as_ref(), &items);
             let each = secs / batch.len() as f64;
             for ((layer, expert, step), read) in batch.into_iter().zip(read) {
                 if landed_tx.send(Landed { layer, expert, step, read, secs: each }).is_err() {

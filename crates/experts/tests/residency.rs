@@ -247,7 +247,8 @@ impl ExpertPredictor for Oracle {
 }
 
 /// Issue 36: perfect guesses are read before their layer asks, every one is used, none is wasted, and
-/// only the first layer (which nothing guesses for) misses; the logits stay the mapped model's. With a
+/// only the first layer misses (at the first forward, which nothing guesses for; later ones are guessed
+/// by the last layer of the forward before); the logits stay the mapped model's. With a
 /// budget that the backend's slots fill (a byte budget of 3 experts), guesses are held beside it, not
 /// evicted by it before their layer comes.
 #[test]

@@ -258,7 +258,7 @@ struct Slots {
 }
 
 /// Reading the next MoE layer's experts ahead (see [`crate::layers::predict`]): the policy, and the next
-/// block's layer and router (`None` for the last block, which only reports its routing).
+/// block's layer and router (the first block's, for the last; `None` for a model with one block).
 #[derive(Debug)]
 struct ReadAhead {
     predictor: Arc<dyn ExpertPredictor>,
@@ -308,12 +308,14 @@ impl SparseMoe {
         })
     }
 
-    /// Has each block report its routing to `predictor` and, but the last, guess the next block's experts
-    /// with it (`None`: no read-ahead).
+    /// Has each block report its routing to `predictor` and guess the next block's experts with it; the
+    /// last block guesses the first block's at the next step (so the first layer's reads overlap too).
+    /// `None`: no read-ahead.
     pub fn read_ahead(blocks: &mut [&mut SparseMoe], predictor: Option<Arc<dyn ExpertPredictor>>) {
         let Some(predictor) = predictor else { return };
-        for i in 0..blocks.len() {
-            let next = blocks.get(i + 1).map(|n| (n.layer, n.router.clone()));
+        let n = blocks.len();
+        for i in 0..n {
+            let next = (n > 1).then(|| (blocks[(i + 1) % n].layer, blocks[(i + 1) % n].router.clone()));
             blocks[i].ahead = Some(ReadAhead { predictor: predictor.clone(), next });
         }
     }

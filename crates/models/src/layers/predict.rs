@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 pub struct Ahead<'a> {
     /// The layer computing now.
     pub layer: usize,
-    /// The MoE layer after it (the one to guess for).
+    /// The MoE layer after it (the one to guess for; the first, at the next step, after the last).
     pub next: usize,
     /// Experts per token.
     pub top_k: usize,
