@@ -156,12 +156,83 @@ pub struct PrefetchReport {
     pub used_fraction: f64,
     /// Bytes read for guesses that were not used, per token.
     pub wasted_bytes_per_token: f64,
-    /// Guesses not read (held already, over the cap, or a request waiting), per token.
+    /// Guesses not read (held already, or over the cap), per token.
     pub skipped_per_token: f64,
+    /// Per MoE layer, the policy's guesses against what the layer then routed to, every step of the run
+    /// (prefill included; whether or not a guess was read).
+    pub per_layer: Vec<GuessAccuracy>,
+}
+
+/// A policy's guesses for one layer against its routing.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct GuessAccuracy {
+    /// Guessed experts the layer routed to, over the experts guessed.
+    pub precision: f64,
+    /// Routed experts that were guessed, over the experts routed to.
+    pub recall: f64,
+    /// Steps scored.
+    pub steps: u64,
+}
+
+/// Per layer: (true positives, guessed, routed, steps).
+type Tally = Vec<(u64, u64, u64, u64)>;
+
+/// Wraps a policy and scores each guess when its layer reports its routing.
+#[derive(Debug)]
+struct Scored {
+    inner: Arc<dyn ExpertPredictor>,
+    /// Per layer: the pending guess; and the tally.
+    state: Mutex<(Vec<Option<Vec<usize>>>, Tally)>,
+}
+
+impl Scored {
+    fn new(inner: Arc<dyn ExpertPredictor>, layers: usize) -> Self {
+        Scored { inner, state: Mutex::new((vec![None; layers], vec![(0, 0, 0, 0); layers])) }
+    }
+
+    fn accuracy(&self) -> Vec<GuessAccuracy> {
+        let st = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        st.1.iter()
+            .map(|&(tp, guessed, routed, steps)| GuessAccuracy {
+                precision: tp as f64 / guessed.max(1) as f64,
+                recall: tp as f64 / routed.max(1) as f64,
+                steps,
+            })
+            .collect()
+    }
+}
+
+impl ExpertPredictor for Scored {
+    fn observe(&self, layer: usize, touched: &[u32]) {
+        {
+            let mut st = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let (pending, score) = &mut *st;
+            if let Some(guess) = pending.get_mut(layer).and_then(Option::take) {
+                let tp = guess.iter().filter(|&&e| touched.contains(&(e as u32))).count() as u64;
+                let s = &mut score[layer];
+                *s = (s.0 + tp, s.1 + guess.len() as u64, s.2 + touched.len() as u64, s.3 + 1);
+            }
+        }
+        self.inner.observe(layer, touched);
+    }
+
+    fn predict(&self, a: &osprey_models::layers::predict::Ahead<'_>) -> osprey_models::Result<Vec<usize>> {
+        let guess = self.inner.predict(a)?;
+        let mut st = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(p) = st.0.get_mut(a.next) {
+            *p = Some(guess.clone());
+        }
+        Ok(guess)
+    }
 }
 
 impl PrefetchReport {
-    fn new(p: &Prefetch, before: &PrefetchStats, after: &PrefetchStats, tokens: usize) -> Self {
+    fn new(
+        p: &Prefetch,
+        (before, after): (&PrefetchStats, &PrefetchStats),
+        tokens: usize,
+        scored: Option<&Scored>,
+    ) -> Self {
         let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / tokens.max(1) as f64;
         let issued = after.issued.saturating_sub(before.issued);
         PrefetchReport {
@@ -170,6 +241,7 @@ impl PrefetchReport {
             used_fraction: after.used.saturating_sub(before.used) as f64 / issued.max(1) as f64,
             wasted_bytes_per_token: per(after.wasted_bytes, before.wasted_bytes),
             skipped_per_token: per(after.skipped, before.skipped),
+            per_layer: scored.map(Scored::accuracy).unwrap_or_default(),
         }
     }
 }
@@ -360,7 +432,8 @@ pub fn bench_experts_traced(
     let reader = open_reader(&index.files, None)
         .map_err(|source| osprey_models::Error::Io { path: dir.to_path_buf(), source })?;
     let reader_kind = format!("{:?}", reader.kind());
-    let predictor = prefetch.predictor()?;
+    let scored = prefetch.predictor()?.map(|p| Arc::new(Scored::new(p, prefixes.len())));
+    let predictor = scored.clone().map(|s| s as Arc<dyn ExpertPredictor>);
     let top_k = cfg.text.moe()?.map_or(0, |m| m.top_k);
     // As `serve` sizes it: about two layers' reads of guesses.
     let prefetch_cap = if predictor.is_some() { 2 * (top_k + prefetch.margin()) * per_expert } else { 0 };
@@ -426,7 +499,7 @@ pub fn bench_experts_traced(
         ple_budget_fraction: (ple_rows > 0).then_some(ple_fraction),
         ple_residency: (ple_rows > 0).then(|| ph as f64 / (ph + pm).max(1) as f64),
         ple_bytes_read_per_token: (ple_rows > 0).then(|| pb as f64 / decode_tokens.max(1) as f64),
-        prefetch: PrefetchReport::new(&prefetch, &before.prefetch, &after.prefetch, decode_tokens),
+        prefetch: PrefetchReport::new(&prefetch, (&before.prefetch, &after.prefetch), decode_tokens, scored.as_deref()),
     };
     Ok((report, file))
 }

@@ -23,8 +23,8 @@ pub use verify::{bench_verify, VerifyBench, VerifyReport, VerifyRow};
 use std::time::Instant;
 
 pub use experts::{
-    bench_experts, bench_experts_traced, measure_disk_read, replay, ExpertsReport, ExpertsRun, PolicyHitRates,
-    Prefetch, PrefetchReport, TraceFile,
+    bench_experts, bench_experts_traced, measure_disk_read, replay, ExpertsReport, ExpertsRun, GuessAccuracy,
+    PolicyHitRates, Prefetch, PrefetchReport, TraceFile,
 };
 
 use osprey_models::vision::{preprocess_image, ImageParams, RgbImage, VisionTower};
