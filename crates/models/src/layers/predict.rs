@@ -21,6 +21,8 @@ pub struct Ahead<'a> {
     pub layer: usize,
     /// The MoE layer after it (the one to guess for; the first, at the next step, after the last).
     pub next: usize,
+    /// `next` is the first layer at the next step: the next token's input, which this step has not seen.
+    pub wraps: bool,
     /// Experts per token.
     pub top_k: usize,
     b: &'a dyn Backend,
@@ -39,7 +41,7 @@ impl<'a> Ahead<'a> {
         x: &'a Tensor,
         router: &'a Tensor,
     ) -> Self {
-        Ahead { layer, next, top_k, b, x, router }
+        Ahead { layer, next, wraps: next <= layer, top_k, b, x, router }
     }
 
     /// The next layer's router applied to this layer's input: each token's top `n` experts, all tokens
@@ -74,7 +76,8 @@ pub trait ExpertPredictor: Debug + Send + Sync {
     fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>>;
 }
 
-/// The next layer's router on this layer's input: each token's top `k + margin`.
+/// The next layer's router on this layer's input: each token's top `k + margin` (no guess for the first
+/// layer of the next step).
 #[derive(Debug, Clone, Copy)]
 pub struct NextRouter {
     /// Experts per token beyond `k`.
@@ -83,6 +86,11 @@ pub struct NextRouter {
 
 impl ExpertPredictor for NextRouter {
     fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>> {
+        if a.wraps {
+            // The next token's first layer sees a new embedding: this input says nothing of it (measured
+            // at chance, docs/benchmarks.md).
+            return Ok(Vec::new());
+        }
         a.router_top(a.top_k + self.margin)
     }
 }
