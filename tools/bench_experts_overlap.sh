@@ -4,10 +4,8 @@
 # Usage: tools/bench_experts_overlap.sh NVFP4_MODEL_DIR [REPS] [DECODE_TOKENS]
 set -euo pipefail
 model=$1; reps=${2:-3}; dec=${3:-32}
-here=$(cd "$(dirname "$0")" && pwd)
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/osprey/target}
-cargo build --release --quiet --manifest-path "$here/../Cargo.toml"
-bin="$CARGO_TARGET_DIR/release/osprey"
+. "$(dirname "$0")/bench_lib.sh"
+build_release
 for b in 1.0 0.5 0.25 0.1; do
   for r in $(seq "$reps"); do
     for mode in "" --wait-all; do

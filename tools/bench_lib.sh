@@ -2,6 +2,14 @@
 bench_here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 bench_venv=${VENV:-$HOME/.cache/osprey/venv}
 
+# Builds the release binary of this checkout (reusing $CARGO_TARGET_DIR, default ~/.cache/osprey/target)
+# and sets $bin to it.
+build_release() {
+  export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/osprey/target}
+  cargo build --release --quiet --manifest-path "$bench_here/../Cargo.toml"
+  bin="$CARGO_TARGET_DIR/release/osprey"
+}
+
 # The machine, as every recorded run names it: date, cores, CPU model and the SIMD flags that matter.
 machine_header() {
   echo "# $(date -u '+%F %H:%M') $(nproc) cores; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"

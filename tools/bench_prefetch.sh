@@ -6,12 +6,10 @@
 # Usage: tools/bench_prefetch.sh NVFP4_MODEL_DIR [REPS] [DECODE_TOKENS]
 set -euo pipefail
 model=$1; reps=${2:-3}; dec=${3:-32}
-here=$(cd "$(dirname "$0")" && pwd)
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/osprey/target}
-cargo build --release --quiet --manifest-path "$here/../Cargo.toml"
-bin="$CARGO_TARGET_DIR/release/osprey"
+. "$(dirname "$0")/bench_lib.sh"
+build_release
 trace=$(mktemp --suffix .json)
-echo "# $(date -u +%F) $(nproc) cores; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+machine_header
 "$bin" --threads 2 bench experts --model "$model" --budget 1.0 --warmup --decode-tokens "$dec" \
   --trace-out "$trace" 2>/dev/null | sed 's/^/{"budget_run": "resident", "r": /; s/$/}/'
 for rep in $(seq "$reps"); do
