@@ -12,4 +12,4 @@ for b in 1.0 0.5 0.25 0.1; do
       "$bin" --threads 2 bench experts --model "$model" --budget "$b" --decode-tokens "$dec" $mode 2>/dev/null
     done
   done
-done | python3 "$here/overlap_table.py"
+done | python3 "$bench_here/overlap_table.py"
