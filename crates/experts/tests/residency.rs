@@ -297,3 +297,22 @@ fn wrong_guesses_are_counted_wasted_and_change_nothing() {
     assert!(p.issued > 0 && p.used == 0, "guesses read, none used: {p:?}");
     assert!(p.wasted > 0 && p.wasted <= p.issued && p.wasted_bytes > 0, "counted wasted: {p:?}");
 }
+
+/// Issue 36: the cap bounds what guesses hold: with room for one guessed expert, the rest of each guess
+/// is skipped, and what the manager holds stays within the budget plus that one.
+#[test]
+fn the_cap_bounds_what_guesses_hold() {
+    let dir = nvfp4_dir();
+    let idx = index(&dir);
+    let reference = run(&model_with(&dir, None), &prompt()).expect("mapped");
+    let reader = open_reader(&idx.files, None).expect("reader");
+    let opts = Options { warmup: false, prefetch_cap: idx.expert_footprint(0, 0) };
+    let backend = osprey_backend_cpu::CpuBackend::shared();
+    let set = spawn(idx.clone(), reader, (Budget::PerLayer(2), Policy::Lru), opts, backend.as_ref());
+    let m = model_guessing(&dir, Some(Arc::new(set.clone())), predict::by_name("router", 2).expect("policy"));
+    assert!(run(&m, &prompt()).expect("streamed") == reference, "a capped guess changed the logits");
+    let s = stats(&set);
+    assert!(s.prefetch.issued > 0 && s.prefetch.skipped > 0, "some read, the rest skipped: {:?}", s.prefetch);
+    let layers = idx.experts.iter().filter(|l| !l.is_empty()).count() as u64;
+    assert!(s.resident_experts <= 2 * layers + 1, "{} experts held over {layers} layers", s.resident_experts);
+}
