@@ -63,7 +63,7 @@ impl Progress {
 /// The residency manager when the settings ask for a RAM budget and the model has routed experts.
 fn expert_source(
     settings: &Settings,
-    (cfg, ck): (&ModelConfig, &Checkpoint),
+    (cfg, ck, guessing): (&ModelConfig, &Checkpoint, bool),
     wrap_reader: Option<ReaderLayer>,
     backend: &dyn osprey_backend::Backend,
 ) -> Result<Option<osprey_experts::ResidentSet>> {
@@ -97,16 +97,14 @@ fn expert_source(
         .map(|l| (0..index.experts[l].len()).map(|e| index.expert_bytes(l, e)).sum::<usize>())
         .sum();
     tracing::info!(?budget, ?policy, reader = ?reader.kind(), expert_bytes = total, "streaming experts from disk");
-    // Guesses may hold about two layers' reads unused: one layer's, and the one before not yet passed over.
     let top_k = cfg.text.moe()?.map_or(0, |m| m.top_k);
-    let largest = (0..index.experts.len())
-        .flat_map(|l| (0..index.experts[l].len()).map(move |e| (l, e)))
-        .map(|(l, e)| index.expert_footprint(l, e))
-        .max()
-        .unwrap_or(0);
     let opts = osprey_experts::Options {
         warmup: settings.expert_warmup.unwrap_or(false),
-        prefetch_cap: if expert_predictor(settings)?.is_some() { 2 * (top_k + margin(settings)) * largest } else { 0 },
+        prefetch_cap: if guessing {
+            osprey_experts::Options::prefetch_cap_for(&index, top_k, margin(settings))
+        } else {
+            0
+        },
     };
     Ok(Some(osprey_experts::spawn(index, reader, (budget, policy), opts, backend)))
 }
@@ -115,7 +113,7 @@ fn margin(settings: &Settings) -> usize {
     settings.expert_prefetch_margin.unwrap_or(2)
 }
 
-/// The read-ahead policy `--expert-prefetch` names (docs/experts.md, "Read-ahead").
+/// The read-ahead policy `--expert-prefetch` names (docs/architecture.md, "Read-ahead").
 fn expert_predictor(settings: &Settings) -> Result<Option<Arc<dyn osprey_models::layers::predict::ExpertPredictor>>> {
     let name = settings.expert_prefetch.as_deref().unwrap_or("off");
     Ok(osprey_models::layers::predict::by_name(name, margin(settings))?)
@@ -287,7 +285,8 @@ fn load_for_serving(settings: &Settings, model_dir: &Path, wrap_reader: Option<R
     let planned = settings.gpu_memory_gb.map(|gb| (gb.max(0.0) * (1u64 << 30) as f64) as u64);
     let memory = settings.device_memory_mb.map(|mb| (mb.max(0.0) * 1048576.0) as usize).or(planned.map(|b| b as usize));
     let backend = open_backend_with(settings.device.as_deref(), settings.activations.as_deref(), memory)?;
-    let experts = expert_source(settings, (&cfg, &ck), wrap_reader, backend.as_ref())?;
+    let predictor = expert_predictor(settings)?;
+    let experts = expert_source(settings, (&cfg, &ck, predictor.is_some()), wrap_reader, backend.as_ref())?;
     let source = experts.as_ref().map(|s| Arc::new(s.clone()) as Arc<dyn osprey_models::ExpertSource>);
     let ple = settings.ple_ram_gb.map_or(osprey_models::DEFAULT_PLE_RAM_BYTES, |gb| (gb.max(0.0) * 1e9) as u64);
     // On a device, the memory plan sizes the expert slots; on the host, experts are read where they lie.
@@ -308,7 +307,7 @@ fn load_for_serving(settings: &Settings, model_dir: &Path, wrap_reader: Option<R
         ple_budget: osprey_models::PleBudget::new(ple),
         draft_head: settings.speculative_tokens.unwrap_or(0) > 0,
         // Guesses only matter where experts stream from disk.
-        predictor: if experts.is_some() { expert_predictor(settings)? } else { None },
+        predictor: if experts.is_some() { predictor } else { None },
     };
     let mut progress = Progress::new("loading weights");
     let model = osprey_models::load_with_options(&cfg, &ck, opts, backend.clone(), &mut |d, n| progress.update(d, n))?;

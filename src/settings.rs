@@ -57,7 +57,7 @@ pub struct Settings {
     pub expert_warmup: Option<bool>,
     /// Read each MoE layer's experts ahead, guessed while the layer before computes: "off", "router"
     /// (the next layer's router on this layer's input), "previous" (the next layer's experts at the
-    /// previous step) or "union" (docs/experts.md, "Read-ahead").
+    /// previous step) or "union" (docs/architecture.md, "Read-ahead").
     pub expert_prefetch: Option<String>,
     /// Experts per token the router guess adds beyond the model's top-k (default 2).
     pub expert_prefetch_margin: Option<usize>,

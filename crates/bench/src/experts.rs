@@ -435,8 +435,10 @@ pub fn bench_experts_traced(
     let scored = prefetch.predictor()?.map(|p| Arc::new(Scored::new(p, prefixes.len())));
     let predictor = scored.clone().map(|s| s as Arc<dyn ExpertPredictor>);
     let top_k = cfg.text.moe()?.map_or(0, |m| m.top_k);
-    // As `serve` sizes it: about two layers' reads of guesses.
-    let prefetch_cap = if predictor.is_some() { 2 * (top_k + prefetch.margin()) * per_expert } else { 0 };
+    let prefetch_cap = match predictor {
+        Some(_) => Options::prefetch_cap_for(&index, top_k, prefetch.margin()),
+        None => 0,
+    };
     let opts = Options { warmup, prefetch_cap };
     let set = spawn(index, reader, (Budget::Bytes(budget_bytes), Policy::Lru), opts, backend.as_ref());
     let tx = set.sender();

@@ -142,6 +142,13 @@ impl ExpertIndex {
             .sum()
     }
 
+    /// The largest [`ExpertIndex::expert_footprint`] of any expert (`None`: no experts): the stride of
+    /// the host arena's slots.
+    pub fn largest_footprint(&self) -> Option<usize> {
+        let all = (0..self.experts.len()).flat_map(|l| (0..self.experts[l].len()).map(move |e| (l, e)));
+        all.map(|(l, e)| self.expert_footprint(l, e)).max()
+    }
+
     /// Bytes of one expert's tensors.
     pub fn expert_bytes(&self, layer: usize, expert: usize) -> usize {
         self.experts[layer][expert].iter().flat_map(LinearLoc::ranges).map(|r| r.len).sum()

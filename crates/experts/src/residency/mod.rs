@@ -1,0 +1,477 @@
+//! The residency table (synchronous core) and the residency-manager actor.
+//!
+//! The table holds experts read from disk under a RAM budget (total bytes, or experts per layer). An
+//! expert in use is leased and never evicted; eviction picks among unleased experts by policy (LRU, or
+//! LFU with exponential decay). The actor thread owns the table and the reader: a `Need` for a layer
+//! serves hits at once and reads all of that layer's misses in one batch. The runner's side
+//! ([`ResidentSet`], an `ExpertSource`) sends `Need` and returns a ticket, so the MoE block computes the
+//! shared expert while the reads are in flight; each handle carries a lease whose drop sends `Release`.
+//!
+//! Inside: `table.rs` (the synchronous core), `read.rs` (the arena and batch reads), `guesser.rs` (the
+//! read-ahead thread); the actor and the runner's side here.
+
+mod guesser;
+mod read;
+mod table;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use osprey_models::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts};
+use osprey_protocol::{ErrorCode, Handle, RequestError};
+use tokio::sync::{mpsc, oneshot};
+
+pub use osprey_protocol::experts::{ExpertMap, LayerStats, PrefetchStats, ResidencyCommand, ResidencyStats};
+pub use table::{Budget, Policy, ResidencyTable};
+
+use crate::reader::{open_reader, Reader};
+use crate::store::ExpertIndex;
+use guesser::{start_guesser, Guesser, Landed};
+use read::{host_tier, read_missing, HostTier};
+
+#[derive(Debug)]
+struct Lease {
+    tx: mpsc::UnboundedSender<ResidencyCommand>,
+    layer: usize,
+    expert: usize,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let _ = self.tx.send(ResidencyCommand::Release { layer: self.layer, expert: self.expert });
+    }
+}
+
+/// The runner's `ExpertSource`: asks the manager thread, returns tickets.
+#[derive(Debug, Clone)]
+pub struct ResidentSet {
+    tx: mpsc::UnboundedSender<ResidencyCommand>,
+    stall_nanos: Arc<AtomicU64>,
+    /// Backend slots per layer the budget allows (slots hold leases, so they count against it).
+    slots: usize,
+}
+
+impl ResidentSet {
+    /// The manager's inbox (stats).
+    pub fn sender(&self) -> mpsc::UnboundedSender<ResidencyCommand> {
+        self.tx.clone()
+    }
+}
+
+impl ExpertSource for ResidentSet {
+    fn note_hits(&self, layer: usize, experts: &[usize]) {
+        if !experts.is_empty() {
+            let _ = self.tx.send(ResidencyCommand::Hits { layer, experts: experts.to_vec() });
+        }
+    }
+
+    fn slots_per_layer(&self) -> Option<usize> {
+        Some(self.slots)
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[usize]) {
+        let _ = self.tx.send(ResidencyCommand::Prefetch { layer, experts: experts.to_vec() });
+    }
+
+    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
+        let (resident_tx, resident_rx) = oneshot::channel();
+        let (reply, rx) = oneshot::channel();
+        let sent = self
+            .tx
+            .send(ResidencyCommand::Need {
+                layer,
+                experts: experts.to_vec(),
+                span: tracing::Span::current(),
+                resident: resident_tx,
+                reply,
+            })
+            .is_ok();
+        let (tx, stall) = (self.tx.clone(), self.stall_nanos.clone());
+        let experts = experts.to_vec();
+        let gone = || osprey_models::Error::Engine("the expert residency manager is gone".into());
+        // A dropped reply: the manager panicked; `/health` must see it before this failure travels on.
+        let died = {
+            let tx = self.tx.clone();
+            move || {
+                osprey_protocol::inbox::wait_closed(&tx);
+                gone()
+            }
+        };
+        ExpertTicket::new(move || {
+            if !sent {
+                return Err(gone());
+            }
+            let lease = move |w, expert| {
+                let key = osprey_models::layers::moe::key(layer, expert);
+                ExpertHandle::new(key, w, Some(Box::new(Lease { tx: tx.clone(), layer, expert })))
+            };
+            let t0 = Instant::now();
+            let have = resident_rx
+                .blocking_recv()
+                .map_err(|_| died())?
+                .map_err(|e| osprey_models::Error::Engine(e.message))?;
+            stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            let missing: Vec<usize> = experts.iter().zip(&have).filter(|(_, w)| w.is_none()).map(|(&e, _)| e).collect();
+            let have = have.into_iter().zip(&experts).map(|(w, &e)| w.map(|w| lease(from_handle(&w), e))).collect();
+            let pending = PendingExperts::new(move || {
+                let t0 = Instant::now();
+                let got = rx.blocking_recv().map_err(|_| died())?;
+                stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                let weights = got.map_err(|e| {
+                    osprey_models::Error::Engine(format!("reading experts of layer {layer} failed: {}", e.message))
+                })?;
+                Ok(weights.into_iter().zip(missing).map(|(w, e)| lease(from_handle(&w), e)).collect())
+            });
+            Ok((have, pending))
+        })
+    }
+}
+
+/// How the manager works beside its budget.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    /// Fill the budget after startup while there is nothing else to do ([`warm_step`]).
+    pub warmup: bool,
+    /// Most bytes of guessed experts read or being read and not used yet (0: guesses are ignored, and no
+    /// read-ahead thread starts). About two layers' reads: one layer's guess, and the one before it not
+    /// yet passed over.
+    pub prefetch_cap: usize,
+}
+
+impl Options {
+    /// The guesses' cap for a model of `top_k` experts per token guessed with `margin` more: two layers'
+    /// guesses of the largest expert (one layer's, and the one before it not yet passed over).
+    pub fn prefetch_cap_for(index: &ExpertIndex, top_k: usize, margin: usize) -> usize {
+        2 * (top_k + margin) * index.largest_footprint().unwrap_or(0)
+    }
+}
+
+/// Starts the manager thread over `index` with `reader`. Resident experts live in a host arena that
+/// `backend` allocates (the budget's worth of slots, registered with the reader where it can be); reads
+/// past it (leased experts over the budget) land in buffers of their own, as do all of them when the
+/// arena cannot be allocated.
+/// With `opts.warmup`, the manager fills its budget after startup while it has nothing else to do
+/// ([`warm_step`]): a command that arrives is served before the next warm-up read. Guesses
+/// ([`ResidencyCommand::Prefetch`]) go to a read-ahead thread with a reader of its own
+/// ([`start_guesser`]), so their reads run while the manager serves requests.
+pub fn spawn(
+    index: ExpertIndex,
+    reader: Box<dyn Reader>,
+    (budget, policy): (Budget, Policy),
+    opts: Options,
+    backend: &dyn osprey_models::backend::Backend,
+) -> ResidentSet {
+    let (tx, rx) = mpsc::unbounded_channel::<ResidencyCommand>();
+    let stall_nanos = Arc::new(AtomicU64::new(0));
+    let slots = slots_for(&index, budget);
+    let mut reader = reader;
+    let tier = host_tier(&index, (budget, opts.prefetch_cap), backend, reader.as_mut());
+    let table = ResidencyTable::new(index.experts.len(), budget, policy);
+    let warm = opts.warmup.then(|| Warmup { next_layer: 0, started: Instant::now() });
+    let stall = stall_nanos.clone();
+    let guesser = match opts.prefetch_cap {
+        0 => None,
+        _ => match open_reader(&index.files, Some(reader.kind())) {
+            Ok(r) => Some(start_guesser(index.clone(), r, tier.as_ref().map(|t| t.arena.clone()))),
+            Err(e) => {
+                tracing::warn!(error = %e, "no reader for guesses; they are ignored");
+                None
+            }
+        },
+    };
+    let m = Manager { index, tier, reader, table, rx, guesser, warm, passed: None, stall, opts };
+    std::thread::Builder::new()
+        .name("osprey-experts".into())
+        .spawn(move || m.run())
+        .expect("spawn expert residency thread");
+    ResidentSet { tx, stall_nanos, slots }
+}
+
+/// The manager thread's state.
+struct Manager {
+    index: ExpertIndex,
+    // Declared before the reader so it drops after it: the ring unregisters the arena first.
+    tier: Option<HostTier>,
+    reader: Box<dyn Reader>,
+    table: ResidencyTable,
+    rx: mpsc::UnboundedReceiver<ResidencyCommand>,
+    /// The read-ahead thread (with `opts.prefetch_cap` > 0).
+    guesser: Option<Guesser>,
+    warm: Option<Warmup>,
+    /// The layer whose `Hits` came last: its step is over unless its `Need` comes next.
+    passed: Option<usize>,
+    stall: Arc<AtomicU64>,
+    opts: Options,
+}
+
+impl Manager {
+    fn run(mut self) {
+        while let Some(cmd) = self.next_command() {
+            self.land_guesses(false);
+            // A layer's step is its `Hits` (when some routed experts sat in slots) and its `Need` (when
+            // some did not), sent back to back: once both are in, its unused guesses were wrong.
+            if let Some(l) = self.passed.take() {
+                if !matches!(&cmd, ResidencyCommand::Need { layer, .. } if *layer == l) {
+                    self.table.pass_over(l);
+                }
+            }
+            self.handle(cmd);
+        }
+    }
+
+    /// The next command; while warming up, a warm-up read whenever nothing waits. `None` once every sender
+    /// is gone.
+    fn next_command(&mut self) -> Option<ResidencyCommand> {
+        loop {
+            let Some(w) = self.warm.as_mut() else { return self.rx.blocking_recv() };
+            match self.rx.try_recv() {
+                Ok(cmd) => return Some(cmd),
+                Err(mpsc::error::TryRecvError::Disconnected) => return None,
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    if !warm_step(&self.index, (self.reader.as_mut(), self.tier.as_ref()), &mut self.table, w) {
+                        let secs = w.started.elapsed().as_secs_f64();
+                        tracing::info!(
+                            experts = self.table.len(),
+                            bytes = self.table.used(),
+                            secs,
+                            "experts warmed up"
+                        );
+                        self.warm = None;
+                    }
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, cmd: ResidencyCommand) {
+        match cmd {
+            ResidencyCommand::Need { layer, experts, span, resident, reply } => {
+                let _in = span.enter();
+                self.await_guesses(layer, &experts);
+                let (index, table) = (&self.index, &mut self.table);
+                need(index, (self.reader.as_mut(), self.tier.as_ref()), table, layer, &experts, resident, reply);
+                // The layer had its step: its guesses not taken were wrong.
+                self.table.pass_over(layer);
+            }
+            ResidencyCommand::Prefetch { layer, experts } => self.ask(layer, &experts),
+            ResidencyCommand::Hits { layer, experts } => {
+                experts.iter().for_each(|&e| self.table.hit(layer, e));
+                self.passed = Some(layer);
+            }
+            ResidencyCommand::Release { layer, expert } => self.table.release(layer, expert),
+            ResidencyCommand::Stats { reply } => {
+                let _ = reply.send(self.stats());
+            }
+        }
+    }
+
+    /// Hands the guessed `experts` of `layer` that are neither held nor being read to the read-ahead
+    /// thread, in order, while what guesses hold or read stays within the cap; counts the rest skipped.
+    fn ask(&mut self, layer: usize, experts: &[usize]) {
+        let Some(g) = self.guesser.as_mut() else { return };
+        let (index, table) = (&self.index, &mut self.table);
+        let valid = |e: usize| layer < index.experts.len() && e < index.experts[layer].len();
+        for &e in experts {
+            if !valid(e) || table.contains(layer, e) || g.inflight.contains_key(&(layer, e)) {
+                continue;
+            }
+            let fp = index.expert_footprint(layer, e);
+            let reading: usize = g.inflight.values().sum();
+            if table.guess_bytes() + reading + fp > self.opts.prefetch_cap
+                || g.jobs.send((layer, e, table.steps(layer))).is_err()
+            {
+                table.prefetch.skipped += 1;
+                continue;
+            }
+            g.inflight.insert((layer, e), fp);
+        }
+    }
+
+    /// Takes in the guesses that have landed (`wait`: blocks for one first).
+    fn land_guesses(&mut self, wait: bool) {
+        let Some(g) = self.guesser.as_mut() else { return };
+        let first = match wait.then(|| g.landed.recv()) {
+            Some(Ok(l)) => Some(l),
+            Some(Err(_)) => {
+                // The read-ahead thread is gone: what it was reading will not come.
+                self.table.prefetch.skipped += g.inflight.len() as u64;
+                g.inflight.clear();
+                None
+            }
+            None => None,
+        };
+        let landed: Vec<Landed> = first.into_iter().chain(g.landed.try_iter()).collect();
+        for l in landed {
+            g.inflight.remove(&(l.layer, l.expert));
+            let (table, key) = (&mut self.table, (l.layer, l.expert));
+            match l.read {
+                Ok((w, need)) if !table.contains(key.0, key.1) => {
+                    let st = &mut table.stats[key.0];
+                    (st.bytes_read, st.read_secs, st.batches) =
+                        (st.bytes_read + need as u64, st.read_secs + l.secs, st.batches + 1);
+                    table.insert(key.0, key.1, Arc::new(w), need);
+                    // Marked before its lease goes, so the budget cannot evict it before its layer comes.
+                    table.guessed(key.0, key.1);
+                    table.release(key.0, key.1);
+                    if table.steps(key.0) != l.step {
+                        table.late_guess(key.0, key.1);
+                    }
+                }
+                Ok(_) => table.prefetch.skipped += 1,
+                Err(e) => {
+                    tracing::debug!(layer = key.0, expert = key.1, error = %e, "guessed expert not read");
+                    table.prefetch.skipped += 1;
+                }
+            }
+        }
+    }
+
+    /// Before a request of `layer` is served: waits for the guesses of its experts still being read (they
+    /// are the quickest way to them), so none is read twice.
+    fn await_guesses(&mut self, layer: usize, experts: &[usize]) {
+        while let Some(g) = self.guesser.as_ref() {
+            if !experts.iter().any(|&e| g.inflight.contains_key(&(layer, e))) {
+                return;
+            }
+            self.land_guesses(true);
+        }
+    }
+
+    fn stats(&self) -> ResidencyStats {
+        let (t, tier) = (&self.table, self.tier.as_ref());
+        ResidencyStats {
+            layers: t.stats.clone(),
+            resident_bytes: t.used() as u64,
+            resident_experts: t.len() as u64,
+            evictions: t.evictions,
+            stall_secs: self.stall.load(Ordering::Relaxed) as f64 / 1e9,
+            reader: format!("{:?}", self.reader.kind()),
+            experts: t.expert_maps(&self.index.experts.iter().map(Vec::len).collect::<Vec<_>>()),
+            arena_slots: tier.map_or(0, |t| t.arena.slots() as u64),
+            arena_used: tier.map_or(0, |t| (t.arena.slots() - t.arena.free()) as u64),
+            arena_registered: tier.is_some_and(|t| t.registered),
+            prefetch: t.prefetch,
+        }
+    }
+}
+
+/// Where a warm-up stands.
+#[derive(Debug)]
+struct Warmup {
+    /// The layer the next warm-up read is for (layers take turns, so a byte budget fills evenly).
+    next_layer: usize,
+    started: Instant,
+}
+
+/// One warm-up read: the next layer with room gets experts it does not hold (all that fit, with a
+/// per-layer budget; one, with a byte budget, so every layer gets its share), read in one batch and
+/// left unleased in the table. Never evicts: false once nothing more fits, or a read failed (the
+/// warm-up ends; requests read what they need as before).
+fn warm_step(
+    index: &ExpertIndex,
+    (reader, tier): (&mut dyn Reader, Option<&HostTier>),
+    table: &mut ResidencyTable,
+    w: &mut Warmup,
+) -> bool {
+    let layers = index.experts.len();
+    for _ in 0..layers {
+        let layer = w.next_layer;
+        w.next_layer = (layer + 1) % layers;
+        let most = if matches!(table.budget, Budget::Bytes(_)) { 1 } else { usize::MAX };
+        let experts = table.room_for(layer, index.experts[layer].len(), &|e| index.expert_footprint(layer, e), most);
+        if experts.is_empty() {
+            continue;
+        }
+        return match read_missing(index, (reader, tier), table, layer, &experts) {
+            Ok(_) => {
+                experts.iter().for_each(|&e| table.release(layer, e));
+                true
+            }
+            Err(e) => {
+                tracing::warn!(layer, error = %e.message, "expert warm-up stopped");
+                false
+            }
+        };
+    }
+    false
+}
+
+/// Backend slots per MoE layer under `budget`: the experts per layer, or the bytes shared evenly by the
+/// layers with experts, at the RAM an expert takes once read (at least one: a step runs in waves of one
+/// then).
+pub fn slots_for(index: &ExpertIndex, budget: Budget) -> usize {
+    match budget {
+        Budget::PerLayer(n) => n.max(1),
+        Budget::Bytes(b) => {
+            let layers = index.experts.iter().filter(|l| !l.is_empty()).count().max(1);
+            let largest = index.largest_footprint().unwrap_or(1).max(1);
+            (b / (layers * largest)).max(1)
+        }
+    }
+}
+
+type Reply<T> = oneshot::Sender<Result<T, RequestError>>;
+
+fn engine_error(message: String) -> RequestError {
+    RequestError::new(ErrorCode::EngineError, message)
+}
+
+/// Leased expert weights as they travel in [`ResidencyCommand`] (an opaque handle: the protocol crate
+/// knows no model types).
+#[derive(Debug)]
+struct Leased(Arc<ExpertWeights>);
+
+impl osprey_protocol::Opaque for Leased {
+    fn bytes(&self) -> usize {
+        self.0.gate.bytes() + self.0.up.bytes() + self.0.down.bytes()
+    }
+}
+
+fn to_handle(w: Arc<ExpertWeights>) -> Handle {
+    Arc::new(Leased(w))
+}
+
+fn from_handle(h: &Handle) -> Arc<ExpertWeights> {
+    osprey_protocol::downcast::<Leased>(h)
+        .expect("the residency manager answers with its own handles: this is a bug")
+        .0
+        .clone()
+}
+
+/// Serves one `Need`: leases and answers the hits at once (the runner computes them meanwhile), then
+/// reads all misses of the layer in one batch and answers them.
+fn need(
+    index: &ExpertIndex,
+    (reader, tier): (&mut dyn Reader, Option<&HostTier>),
+    table: &mut ResidencyTable,
+    layer: usize,
+    experts: &[usize],
+    resident: Reply<Vec<Option<Handle>>>,
+    reply: Reply<Vec<Handle>>,
+) {
+    if layer >= index.experts.len() || experts.iter().any(|&e| e >= index.experts[layer].len()) {
+        let _ = resident.send(Err(engine_error(format!("no such expert in layer {layer}"))));
+        return;
+    }
+    let have: Vec<Option<Handle>> = experts.iter().map(|&e| table.lease(layer, e).map(to_handle)).collect();
+    let (hits, missing): (Vec<usize>, Vec<usize>) = (0..experts.len()).partition(|&i| have[i].is_some());
+    if resident.send(Ok(have)).is_err() {
+        // The requester is gone: give its leases back and read nothing.
+        hits.iter().for_each(|&i| table.release(layer, experts[i]));
+        return;
+    }
+    tracing::debug!(layer, hits = hits.len(), misses = missing.len(), "experts needed");
+    if missing.is_empty() {
+        let _ = reply.send(Ok(Vec::new()));
+        return;
+    }
+    let read =
+        read_missing(index, (reader, tier), table, layer, &missing.iter().map(|&i| experts[i]).collect::<Vec<_>>())
+            .map(|ws| ws.into_iter().map(to_handle).collect());
+    if let Err(Ok(unclaimed)) = reply.send(read) {
+        // Nobody took the experts just read: release their leases (they stay cached).
+        drop(unclaimed);
+        missing.iter().for_each(|&i| table.release(layer, experts[i]));
+    }
+}
