@@ -364,7 +364,7 @@ impl Prefetch {
         Ok(match self {
             Prefetch::Off => None,
             Prefetch::Policy(n, m) => osprey_models::layers::predict::by_name(n, *m)?,
-            Prefetch::Oracle(t) => Some(Arc::new(Oracle::new(t))),
+            Prefetch::Oracle(t) => Some(Arc::new(osprey_models::layers::predict::Replay::new(t.trace.clone()))),
         })
     }
 
@@ -373,37 +373,6 @@ impl Prefetch {
             Prefetch::Policy(_, m) => *m,
             _ => 0,
         }
-    }
-}
-
-/// The pipeline's ceiling for `bench experts --prefetch oracle`: guesses exactly the experts the next
-/// layer routes to, read from a trace recorded on the same prompt (greedy decoding routes the same at
-/// every budget). Each layer's routing report moves it one entry along the trace.
-#[derive(Debug)]
-pub struct Oracle {
-    trace: Vec<(usize, Vec<usize>)>,
-    /// The trace entry the next reported routing is.
-    at: std::sync::Mutex<usize>,
-}
-
-impl Oracle {
-    /// Over a recorded trace.
-    pub fn new(t: &TraceFile) -> Self {
-        Oracle { trace: t.trace.clone(), at: std::sync::Mutex::new(0) }
-    }
-}
-
-impl ExpertPredictor for Oracle {
-    fn observe(&self, _layer: usize, _touched: &[u32]) {
-        *self.at.lock().unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
-    }
-
-    fn predict(&self, a: &osprey_models::layers::predict::Ahead<'_>) -> osprey_models::Result<Vec<usize>> {
-        let at = *self.at.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        Ok(match self.trace.get(at) {
-            Some((layer, experts)) if *layer == a.next => experts.clone(),
-            _ => Vec::new(),
-        })
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use osprey_experts::{open_reader, spawn, Budget, ExpertIndex, Options, Policy, ReadDone, ReadReq, Reader, ReaderKind};
-use osprey_models::layers::predict::{self, Ahead, ExpertPredictor};
+use osprey_models::layers::predict::{self, Ahead, ExpertPredictor, Replay};
 use osprey_models::{CausalLm, Checkpoint, ExpertSource, LoadOptions, Model, ModelConfig, SeqInput, SeqStep};
 
 /// A scratch directory for this test binary, emptied first: under cargo's per-target tmp dir and
@@ -226,26 +226,6 @@ impl ExpertPredictor for Recorder {
     }
 }
 
-/// Guesses exactly what the next layer routes to, from a recorded run of the same prompt.
-#[derive(Debug)]
-struct Oracle {
-    trace: Vec<(usize, Vec<usize>)>,
-    at: AtomicUsize,
-}
-
-impl ExpertPredictor for Oracle {
-    fn observe(&self, _: usize, _: &[u32]) {
-        self.at.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn predict(&self, a: &Ahead<'_>) -> osprey_models::Result<Vec<usize>> {
-        Ok(match self.trace.get(self.at.load(Ordering::Relaxed)) {
-            Some((layer, experts)) if *layer == a.next => experts.clone(),
-            _ => Vec::new(),
-        })
-    }
-}
-
 /// Issue 36: perfect guesses are read before their layer asks, every one is used, none is wasted, and
 /// only the first layer misses (at the first forward, which nothing guesses for; later ones are guessed
 /// by the last layer of the forward before); the logits stay the mapped model's. With a
@@ -261,7 +241,7 @@ fn perfect_guesses_are_read_ahead_and_all_used() {
     assert!(run(&recorded, &prompt()).expect("recorded") == reference, "observing changes nothing");
     let trace = recorder.0.lock().expect("trace").clone();
     for budget in [Budget::PerLayer(8), Budget::Bytes(3 * idx.expert_footprint(0, 0))] {
-        let oracle = Arc::new(Oracle { trace: trace.clone(), at: AtomicUsize::new(0) });
+        let oracle = Arc::new(Replay::new(trace.clone()));
         let set = manager(&idx, None, budget, false);
         let m = model_guessing(&dir, Some(Arc::new(set.clone())), Some(oracle));
         assert!(run(&m, &prompt()).expect("streamed") == reference, "{budget:?}: guesses changed the logits");
@@ -289,7 +269,7 @@ fn wrong_guesses_are_counted_wasted_and_change_nothing() {
     let wrong: Vec<(usize, Vec<usize>)> =
         trace.iter().map(|(l, e)| (*l, (0..experts).filter(|x| !e.contains(x)).take(2).collect())).collect();
     assert!(wrong.iter().any(|(_, w)| !w.is_empty()), "decode steps leave experts out");
-    let oracle = Arc::new(Oracle { trace: wrong, at: AtomicUsize::new(0) });
+    let oracle = Arc::new(Replay::new(wrong));
     let set = manager(&idx, None, Budget::PerLayer(4), false);
     let m = model_guessing(&dir, Some(Arc::new(set.clone())), Some(oracle));
     assert!(run(&m, &prompt()).expect("streamed") == reference, "wrong guesses changed the logits");

@@ -5,9 +5,10 @@
 //! Policies behind [`ExpertPredictor`]: [`NextRouter`] applies the next layer's router to this layer's
 //! (normed) input — the residual stream changes little from one layer to the next — and takes each
 //! token's top `k + margin`; [`PreviousStep`] takes the experts the next layer routed to at the previous
-//! step; [`Union`] both. `osprey bench experts --prefetch oracle` adds one that reads a recorded trace.
+//! step; [`Union`] both. [`Replay`] reads a recorded trace (`osprey bench experts --prefetch oracle`).
 
 use std::fmt::Debug;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use osprey_backend::{Backend, DType, HostVec, Tensor};
@@ -123,16 +124,16 @@ impl ExpertPredictor for PreviousStep {
 }
 
 /// [`NextRouter`]'s guess first, then [`PreviousStep`]'s that it lacks.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Union {
-    router: Option<NextRouter>,
+    router: NextRouter,
     previous: PreviousStep,
 }
 
 impl Union {
     /// With the router's `margin`.
     pub fn new(margin: usize) -> Self {
-        Union { router: Some(NextRouter { margin }), previous: PreviousStep::default() }
+        Union { router: NextRouter { margin }, previous: PreviousStep::default() }
     }
 }
 
@@ -142,16 +143,45 @@ impl ExpertPredictor for Union {
     }
 
     fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>> {
-        let mut out = match &self.router {
-            Some(r) => r.predict(a)?,
-            None => Vec::new(),
-        };
+        let mut out = self.router.predict(a)?;
         for e in self.previous.predict(a)? {
             if !out.contains(&e) {
                 out.push(e);
             }
         }
         Ok(out)
+    }
+}
+
+/// Guesses exactly what the next layer routes to, from a recorded routing trace of the same prompt
+/// (greedy decoding routes the same at every budget): the read-ahead pipeline's ceiling, apart from any
+/// predictor (`bench experts --prefetch oracle`, and the tests). Each routing report moves it one entry
+/// along the trace.
+#[derive(Debug)]
+pub struct Replay {
+    /// Per MoE step, in order: the layer and the experts it routed to.
+    trace: Vec<(usize, Vec<usize>)>,
+    /// The entry the next reported routing is.
+    at: AtomicUsize,
+}
+
+impl Replay {
+    /// Over `trace`.
+    pub fn new(trace: Vec<(usize, Vec<usize>)>) -> Self {
+        Replay { trace, at: AtomicUsize::new(0) }
+    }
+}
+
+impl ExpertPredictor for Replay {
+    fn observe(&self, _layer: usize, _touched: &[u32]) {
+        self.at.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>> {
+        Ok(match self.trace.get(self.at.load(Ordering::Relaxed)) {
+            Some((layer, experts)) if *layer == a.next => experts.clone(),
+            _ => Vec::new(),
+        })
     }
 }
 
