@@ -22,10 +22,15 @@ struct Cli {
     /// on the CPU, a test device). `serve` also reads it from the settings file.
     #[arg(long, global = true)]
     device: Option<String>,
-    /// Activations of the matmuls: int8 (the fast default: int8 for NVFP4 decode, bf16 for bf16
-    /// matmuls and NVFP4 prefill on CPUs with AVX512-BF16; a small documented drift) or f32 (exact).
+    /// Activations of the matmuls: int8 (the fast default: int8 for NVFP4 matmuls, bf16 for bf16
+    /// matmuls on CPUs with AVX512-BF16; a small documented drift) or f32 (exact).
     #[arg(long, global = true)]
     activations: Option<String>,
+    /// The best GEMM prefill may use at the fast precision: auto (default: the best this CPU has:
+    /// AMX tiles, else the int8 GEMM on AVX-512 VNNI for NVFP4, else bf16 tiles, else f32), int8, bf16
+    /// or f32. For measuring one kernel against another, or forcing a fallback.
+    #[arg(long, global = true)]
+    gemm: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -71,7 +76,10 @@ fn main() -> Result<()> {
     if let Some(t) = cli.threads {
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("thread pool")?;
     }
-    let g = Global { threads: cli.threads, device: cli.device, activations: cli.activations };
+    if let Some(g) = &cli.gemm {
+        osprey_kernels::set_gemm_ceiling(g.parse().map_err(|e: String| anyhow::anyhow!("--gemm {e}"))?);
+    }
+    let g = Global { threads: cli.threads, device: cli.device, activations: cli.activations, gemm: cli.gemm };
     match cli.command {
         Command::Serve(a) => commands::serve::run(*a, &g),
         Command::Run(a) => commands::run_one(a, &g),

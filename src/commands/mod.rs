@@ -7,7 +7,7 @@ pub mod serve;
 
 use anyhow::{Context, Result};
 
-/// The flags every command takes (`--threads`, `--device`, `--activations`).
+/// The flags every command takes (`--threads`, `--device`, `--activations`, `--gemm`).
 #[derive(Clone, Debug, Default)]
 pub struct Global {
     /// Compute threads.
@@ -16,6 +16,8 @@ pub struct Global {
     pub device: Option<String>,
     /// Activations of the matmuls.
     pub activations: Option<String>,
+    /// The best prefill GEMM allowed.
+    pub gemm: Option<String>,
 }
 
 impl Global {
@@ -25,7 +27,7 @@ impl Global {
         if let Some(t) = self.threads {
             out.extend(["--threads".to_string(), t.to_string()]);
         }
-        for (flag, v) in [("--device", &self.device), ("--activations", &self.activations)] {
+        for (flag, v) in [("--device", &self.device), ("--activations", &self.activations), ("--gemm", &self.gemm)] {
             if let Some(v) = v {
                 out.extend([flag.to_string(), v.clone()]);
             }
@@ -71,8 +73,13 @@ mod tests {
     /// Issue 34: `bench experts --budgets` re-ran itself without `--device`; a child gets every global flag.
     #[test]
     fn a_child_process_gets_every_global_flag() {
-        let g = Global { threads: Some(2), device: Some("cpu".into()), activations: Some("f32".into()) };
-        assert_eq!(g.args(), ["--threads", "2", "--device", "cpu", "--activations", "f32"]);
+        let g = Global {
+            threads: Some(2),
+            device: Some("cpu".into()),
+            activations: Some("f32".into()),
+            gemm: Some("bf16".into()),
+        };
+        assert_eq!(g.args(), ["--threads", "2", "--device", "cpu", "--activations", "f32", "--gemm", "bf16"]);
         assert!(Global::default().args().is_empty());
     }
 }

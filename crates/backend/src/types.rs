@@ -7,10 +7,11 @@
 pub enum Precision {
     /// f32 activations everywhere (what the parity tests use).
     Exact,
-    /// The fast default: NVFP4 matmuls of up to `q8_gemv_max_rows` rows take int8 activations
-    /// quantised per 16-value block (`osprey_kernels::q8`); on CPUs with AVX512-BF16, bf16 matmuls and
-    /// larger NVFP4 ones take activations rounded to bf16 (`osprey_kernels::bf16`); everything else is as
-    /// `Exact`. A device backend documents its own reading of it.
+    /// The fast default: NVFP4 matmuls take int8 activations quantised per 16-value block (few rows:
+    /// `osprey_kernels::q8`; more, on AVX-512 VNNI: `osprey_kernels::q8_gemm`); on CPUs with
+    /// AVX512-BF16, bf16 matmuls (and NVFP4 ones of many rows without VNNI) take activations rounded to
+    /// bf16 (`osprey_kernels::bf16`); everything else is as `Exact`. A device backend documents its own
+    /// reading of it.
     #[default]
     Int8,
 }

@@ -6,16 +6,19 @@
 //! - many rows (prefill): compute-bound, so each tile of weight rows is widened once into an f32 scratch
 //!   tile and multiplied with matrixmultiply's sgemm (AVX2/FMA microkernels).
 //!
-//! At the fast precision ([`Precision::Int8`]) NVFP4 rows in the first regime take int8 activations
-//! ([`crate::q8`]), and on CPUs with AVX512-BF16 bf16 weights (both regimes) and NVFP4 weights (second
-//! regime) take bf16-rounded activations on [`crate::bf16`] tiles.
+//! At the fast precision ([`Precision::Int8`]) NVFP4 rows take int8 activations: the per-row integer
+//! dots ([`crate::q8`]) in the first regime, the int8 GEMM ([`crate::q8_gemm`], AVX-512 VNNI) in the
+//! second; on CPUs with AVX512-BF16 bf16 weights (both regimes) and NVFP4 weights without VNNI (second
+//! regime) take bf16-rounded activations on [`crate::bf16`] tiles. `--gemm` ([`crate::set_gemm_ceiling`])
+//! can forbid the faster GEMMs, to measure or to force a fallback.
 //!
 //! Both split the output columns (weight rows) across the kernels' [`crate::pool`].
 
 pub use osprey_backend::types::{DType, Precision, WeightView};
 
+use crate::dispatch::{allowed, Gemm};
 use crate::q8::{self, Isa, Q8Act};
-use crate::{bf16, nvfp4, pool, simd};
+use crate::{bf16, nvfp4, pool, q8_gemm, simd};
 
 /// Up to this many input rows a matmul takes the GEMV path.
 pub const GEMV_MAX_ROWS: usize = 4;
@@ -31,9 +34,17 @@ pub const Q8_GEMV_MAX_ROWS: usize = 32;
 /// (512-token prefill on q35moe-L4 NVFP4: 220 tok/s at a limit of 32, 270 at 16, 300 at 8 and at 4).
 pub const Q8_GEMV_MAX_ROWS_WITH_BF16: usize = 8;
 
+/// The same limit where the int8 GEMM runs ([`q8_gemm`], AVX-512 VNNI): it decodes a weight tile once
+/// for all rows and does 64 multiply-adds per instruction with no horizontal sums, so it wins from 3
+/// rows on (expert gate/up 512×2048: 3 rows 0.157 vs 0.182 ms, 4 rows 0.159 vs 0.226 ms; 2 rows 0.201 vs
+/// 0.168 ms on the dot path).
+pub const Q8_GEMV_MAX_ROWS_WITH_INT8_GEMM: usize = 2;
+
 /// The row limit of the integer dot path on this CPU.
 pub fn q8_gemv_max_rows() -> usize {
-    if bf16::available() {
+    if q8_gemm::available() && allowed(Gemm::Int8) {
+        Q8_GEMV_MAX_ROWS_WITH_INT8_GEMM
+    } else if bf16::available() && allowed(Gemm::Bf16) {
         Q8_GEMV_MAX_ROWS_WITH_BF16
     } else {
         Q8_GEMV_MAX_ROWS
@@ -139,7 +150,13 @@ pub fn matmul_with(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, o
         return;
     }
     if !on_gemv_path(m, w, k, p) {
-        return if bf16_tiles(w, k, p) { gemm_bf16(x, m, w, n, k, out) } else { gemm(x, m, w, n, k, out) };
+        return match (w, gemm_kind(w, k, p)) {
+            (WeightView::Nvfp4 { packed, scales, global }, Gemm::Int8) => {
+                q8_gemm::gemm(&q8_gemm::quantize_rows(x, m, k), (packed, scales, global), n, out)
+            }
+            (_, Gemm::Bf16) => gemm_bf16(x, m, w, n, k, out),
+            _ => gemm(x, m, w, n, k, out),
+        };
     }
     let acts = RowActs::new(x, m, k, w, p);
     gemv(m, n, out, |r0, block| acts.block(x, k, w, r0, block));
@@ -150,19 +167,37 @@ fn int8_eligible(w: WeightView<'_>, k: usize) -> bool {
     matches!(w, WeightView::Nvfp4 { .. }) && k.is_multiple_of(q8::CHUNK)
 }
 
+/// The fastest GEMM this CPU has (under the [`crate::set_gemm_ceiling`]) for `w` at `p`: NVFP4 at the
+/// fast precision takes the int8 GEMM where AVX-512 VNNI is present (2× the bf16 tiles' multiply-adds
+/// per instruction), else bf16 tiles where AVX512-BF16 is, else sgemm.
+fn gemm_kind(w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
+    let fast_nvfp4 = p == Precision::Int8 && matches!(w, WeightView::Nvfp4 { .. });
+    if fast_nvfp4 && k.is_multiple_of(nvfp4::BLOCK) && q8_gemm::available() && allowed(Gemm::Int8) {
+        Gemm::Int8
+    } else if bf16_tiles(w, k, p) {
+        Gemm::Bf16
+    } else {
+        Gemm::F32
+    }
+}
+
 /// Whether a matmul against `w` runs on bf16 tiles ([`bf16`]): the fast precision on a CPU with
 /// AVX512-BF16, for bf16 weights and NVFP4 weights (decoded exactly into bf16) of a width in whole steps.
 fn bf16_tiles(w: WeightView<'_>, k: usize, p: Precision) -> bool {
     p == Precision::Int8
+        && allowed(Gemm::Bf16)
         && matches!(w, WeightView::Bf16(_) | WeightView::Nvfp4 { .. })
         && k.is_multiple_of(bf16::STEP)
         && bf16::available()
 }
 
-/// Whether `m` rows against `w` take the per-row dot path (else the GEMM): few rows always, and up to
-/// [`q8_gemv_max_rows`] for NVFP4 rows with int8 activations.
+/// Whether `m` rows against `w` take the per-row dot path (else the GEMM): up to [`q8_gemv_max_rows`]
+/// for NVFP4 rows with int8 activations, up to [`GEMV_MAX_ROWS`] otherwise.
 fn on_gemv_path(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> bool {
-    m <= GEMV_MAX_ROWS || (p == Precision::Int8 && int8_eligible(w, k) && m <= q8_gemv_max_rows())
+    if p == Precision::Int8 && int8_eligible(w, k) {
+        return m <= q8_gemv_max_rows();
+    }
+    m <= GEMV_MAX_ROWS
 }
 
 /// The activation rows of a GEMV as the dots take them: quantised once to int8 (NVFP4 weights at
@@ -229,6 +264,19 @@ pub fn matmul_pair_with(
     p: Precision,
 ) {
     let same_kind = std::mem::discriminant(&w1) == std::mem::discriminant(&w2);
+    if let (
+        WeightView::Nvfp4 { packed: p1, scales: s1, global: g1 },
+        WeightView::Nvfp4 { packed: p2, scales: s2, global: g2 },
+    ) = (w1, w2)
+    {
+        if m > 0 && n > 0 && !on_gemv_path(m, w1, k, p) && gemm_kind(w1, k, p) == Gemm::Int8 {
+            assert!(x.len() == m * k && w1.len() == n * k && w2.len() == n * k, "matmul shapes: this is a bug");
+            // Both GEMMs take the same int8 rows: quantised once.
+            let a = q8_gemm::quantize_rows(x, m, k);
+            q8_gemm::gemm(&a, (p1, s1, g1), n, out1);
+            return q8_gemm::gemm(&a, (p2, s2, g2), n, out2);
+        }
+    }
     if m == 0 || n == 0 || k == 0 || !same_kind || !on_gemv_path(m, w1, k, p) || !on_gemv_path(m, w2, k, p) {
         matmul_with(x, m, w1, n, k, out1, p);
         return matmul_with(x, m, w2, n, k, out2, p);
@@ -421,6 +469,9 @@ mod tests {
                         want[i * n + r] = q8::dot(Isa::detected(), &a, p, s, 0.25);
                     }
                 }
+            } else if q8_gemm::available() {
+                // Beyond the limit, the int8 GEMM (its values: q8_gemm's tests).
+                q8_gemm::gemm(&q8_gemm::quantize_rows(&x, m, k), (&packed, &scales, 0.25), n, &mut want);
             } else if bf16::available() {
                 // Beyond the limit, the GEMM on bf16 tiles (its values: the test below).
                 assert!(got.iter().all(|v| v.is_finite()), "m={m}");
@@ -454,9 +505,12 @@ mod tests {
             nvfp4::dequant_row(p, s, 0.25, &mut nv_f[r * k..(r + 1) * k]);
         }
         let nv = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.25 };
-        for (view, dense, rows) in
-            [(WeightView::Bf16(&wb), &wb_f, vec![1usize, 3, 5, 40]), (nv, &nv_f, vec![q8_gemv_max_rows() + 1, 70])]
-        {
+        let mut cases = vec![(WeightView::Bf16(&wb), &wb_f, vec![1usize, 3, 5, 40])];
+        if !q8_gemm::available() {
+            // With AVX-512 VNNI, NVFP4 beyond the limit takes the int8 GEMM instead.
+            cases.push((nv, &nv_f, vec![q8_gemv_max_rows() + 1, 70]));
+        }
+        for (view, dense, rows) in cases {
             for m in rows {
                 let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 97.3) - 0.5).collect();
                 let xr: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();

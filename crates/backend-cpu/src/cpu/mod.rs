@@ -261,10 +261,9 @@ impl Backend for CpuBackend {
         // The f32 / bf16 kernels use AVX2+FMA where `Isa` finds it (the same detection, x86 or not).
         let simd = if Isa::available().contains(&Isa::Avx2) { "avx2+fma" } else { "portable" };
         let fast = match self.precision {
-            Precision::Int8 if osprey_kernels::bf16::available() => {
-                format!("nvfp4 int8 {}, bf16 tiles avx512-bf16", Isa::detected().name())
+            Precision::Int8 => {
+                format!("nvfp4 decode int8 {}, prefill {}", Isa::detected().name(), osprey_kernels::prefill_kernels())
             }
-            Precision::Int8 => format!("nvfp4 int8 {}, bf16 f32", Isa::detected().name()),
             Precision::Exact => "exact f32 activations".to_string(),
         };
         format!("cpu ({simd} kernels, {fast}, {} threads)", osprey_kernels::threads())

@@ -184,15 +184,18 @@ fn drift(
     (d.worst, d.worst_top, d.agree, d.steps)
 }
 
-/// The fast default against the exact path on the NVFP4 fixture: int8 activations on NVFP4 rows of up
-/// to 32 tokens, and (on CPUs with AVX512-BF16) bf16-rounded activations on the bf16 matmuls (attention,
-/// shared expert, lm_head) and on NVFP4 matmuls of more rows. An int8 activation moves by at most half a
+/// The fast default against the exact path on the NVFP4 fixture: int8 activations on NVFP4 rows (the
+/// per-row dots, and on AVX-512 VNNI the int8 GEMM for more rows), and (on CPUs with AVX512-BF16)
+/// bf16-rounded activations on the bf16 matmuls (attention, shared expert, lm_head) and, without VNNI,
+/// on NVFP4 matmuls of more rows. An int8 activation moves by at most half a
 /// step of its 16-value block (max|x| / 254), a bf16 one by 2^-9 of itself; each matmul's output moves
 /// by a fraction of a percent, and through the layers that reaches the logits.
 ///
 /// Measured here (2026-12-04): int8 alone (the previous fast path) gave max |Δlogprob| 3.3e-2 over the
 /// whole vocabulary (the far tail moves most) and 1.2e-2 on the top token; int8 + bf16 gives 7.6e-2 and
-/// 2.9e-2; 16/16 top-1 agreement in both. The bounds (1.3e-1, 5e-2) keep the earlier margin of about
+/// 2.9e-2; 16/16 top-1 agreement in both. With the int8 GEMM taking the NVFP4 prefill rows instead of
+/// bf16 tiles (2026-12-06, AVX-512 VNNI): 8.9e-2 and 2.6e-2, 16/16 (its kernel-level bound, one
+/// activation rounding step, is tested in `osprey_kernels::q8_gemm`). The bounds (1.3e-1, 5e-2) keep the earlier margin of about
 /// 1.7x over the measured shifts, so a kernel that rounds worse (or a wrong scale) fails while run-to-run
 /// noise cannot (the kernels are deterministic). Without AVX512-BF16 the int8 part alone is measured and
 /// its own bounds (6e-2, 2e-2) apply.

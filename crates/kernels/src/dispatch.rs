@@ -1,0 +1,59 @@
+//! Which GEMM the fast precision may use for prefill-shaped matmuls, best first: the CLI's `--gemm`
+//! lowers the ceiling to measure one kernel against another in one build, or to force a fallback.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// A prefill GEMM kernel family, best first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Gemm {
+    /// AMX tiles (bf16 and int8), where the CPU has them and the kernel grants their state.
+    Amx = 0,
+    /// NVFP4 × int8 on AVX-512 VNNI ([`crate::q8_gemm`]).
+    Int8 = 1,
+    /// bf16 tiles on AVX512-BF16 ([`crate::bf16`]).
+    Bf16 = 2,
+    /// f32 sgemm over widened weight tiles.
+    F32 = 3,
+}
+
+static CEILING: AtomicU8 = AtomicU8::new(Gemm::Amx as u8);
+
+/// Lets prefill GEMMs use `best` and the kernels after it only (process-wide; `Gemm::Amx`, the
+/// default, allows all).
+pub fn set_gemm_ceiling(best: Gemm) {
+    CEILING.store(best as u8, Ordering::Relaxed);
+}
+
+/// Whether the ceiling allows `g`.
+pub fn allowed(g: Gemm) -> bool {
+    CEILING.load(Ordering::Relaxed) <= g as u8
+}
+
+impl std::str::FromStr for Gemm {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" | "amx" => Ok(Gemm::Amx),
+            "int8" => Ok(Gemm::Int8),
+            "bf16" => Ok(Gemm::Bf16),
+            "f32" => Ok(Gemm::F32),
+            other => Err(format!("{other:?}: expected auto, amx, int8, bf16 or f32")),
+        }
+    }
+}
+
+/// The prefill GEMMs the fast precision runs on this CPU under the ceiling, for the startup log and
+/// benchmark headers: NVFP4's, then bf16's.
+pub fn prefill_kernels() -> String {
+    let nvfp4 = if crate::q8_gemm::available() && allowed(Gemm::Int8) {
+        "nvfp4 int8 gemm avx512-vnni"
+    } else if crate::bf16::available() && allowed(Gemm::Bf16) {
+        "nvfp4 bf16 tiles avx512-bf16"
+    } else {
+        "nvfp4 f32 sgemm"
+    };
+    let bf16 =
+        if crate::bf16::available() && allowed(Gemm::Bf16) { "bf16 tiles avx512-bf16" } else { "bf16 f32 sgemm" };
+    format!("{nvfp4}, {bf16}")
+}
