@@ -6,7 +6,8 @@
 # HF_BF16_DIR is BENCHMARKS.md's q35moe-L4; HF_NVFP4_DIR is `osprey quantize --all-linear` of it;
 # GGUF_PREFIX is what `../shared/tools/llamacpp_peer.sh convert HF_BF16_DIR PREFIX` wrote
 # (PREFIX-bf16.gguf, PREFIX-q4_0.gguf, PREFIX-nvfp4.gguf). Every engine runs 2 threads, 512-token
-# prefill and 32 decode tokens; each repetition runs every engine once, in turn, so drift in the
+# prefill and 32 decode tokens ("osprey nvfp4 bf16-gemm" is `--gemm bf16`: NVFP4 prefill on the bf16 tiles,
+# the kernel before the int8 GEMM); each repetition runs every engine once, in turn, so drift in the
 # machine's speed hits all of them alike. Prints JSON lines, then a table of medians and ratios.
 set -euo pipefail
 osprey=$1; bf16=$2; nvfp4=$3; gguf=$4; reps=${5:-3}
@@ -16,10 +17,11 @@ log=$(mktemp)
 machine_header
 "$osprey" --threads 2 bench membw 2>/dev/null | tee -a "$log"
 for r in $(seq "$reps"); do
-  for run in "osprey bf16|$bf16|int8" "osprey nvfp4|$nvfp4|int8" "osprey nvfp4 f32-act|$nvfp4|f32"; do
-    IFS='|' read -r name dir act <<<"$run"
+  for run in "osprey bf16|$bf16|int8|auto" "osprey nvfp4|$nvfp4|int8|auto" "osprey nvfp4 bf16-gemm|$nvfp4|int8|bf16" \
+             "osprey nvfp4 f32-act|$nvfp4|f32|auto"; do
+    IFS='|' read -r name dir act gemm <<<"$run"
     printf '{"engine":"%s","rep":%s,"result":' "$name" "$r" | tee -a "$log"
-    "$osprey" --threads 2 --activations "$act" bench forward --model "$dir" --prompt-len 512 --decode-tokens 32 \
+    "$osprey" --threads 2 --activations "$act" --gemm "$gemm" bench forward --model "$dir" --prompt-len 512 --decode-tokens 32 \
       --repeats 1 2>/dev/null | tr -d '\n ' | tee -a "$log"
     echo "}" | tee -a "$log"
   done
@@ -46,7 +48,7 @@ for e in sorted(set(pp) | set(tg)):
     print(f"| {e} | {med(pp, e):.1f} | {med(tg, e):.1f} |")
 print("\n| ratio | prefill | decode |\n| --- | --- | --- |")
 for a, b in [("osprey nvfp4", "llama.cpp nvfp4"), ("osprey nvfp4", "llama.cpp q4_0"), ("osprey bf16", "llama.cpp bf16"),
-             ("osprey nvfp4", "osprey nvfp4 f32-act")]:
+             ("osprey nvfp4", "osprey nvfp4 bf16-gemm"), ("osprey nvfp4", "osprey nvfp4 f32-act")]:
     print(f"| {a} / {b} | {med(pp, a) / med(pp, b):.2f} | {med(tg, a) / med(tg, b):.2f} |")
 PY
 rm -f "$log"

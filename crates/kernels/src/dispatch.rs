@@ -44,8 +44,12 @@ impl std::str::FromStr for Gemm {
 }
 
 /// The prefill GEMMs the fast precision runs on this CPU under the ceiling, for the startup log and
-/// benchmark headers: NVFP4's, then bf16's.
+/// benchmark headers: NVFP4's, then bf16's (and why AMX is not used, where the CPU lists it).
 pub fn prefill_kernels() -> String {
+    let amx = allowed(Gemm::Amx) && crate::amx::available();
+    if amx {
+        return "nvfp4 amx-int8 tiles, bf16 amx-bf16 tiles (from 16 rows)".into();
+    }
     let nvfp4 = if crate::q8_gemm::available() && allowed(Gemm::Int8) {
         "nvfp4 int8 gemm avx512-vnni"
     } else if crate::bf16::available() && allowed(Gemm::Bf16) {
@@ -55,5 +59,8 @@ pub fn prefill_kernels() -> String {
     };
     let bf16 =
         if crate::bf16::available() && allowed(Gemm::Bf16) { "bf16 tiles avx512-bf16" } else { "bf16 f32 sgemm" };
-    format!("{nvfp4}, {bf16}")
+    match crate::amx::status() {
+        crate::amx::Status::Refused(_) => format!("{nvfp4}, {bf16} ({})", crate::amx::status().describe()),
+        _ => format!("{nvfp4}, {bf16}"),
+    }
 }

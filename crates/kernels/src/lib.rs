@@ -25,6 +25,7 @@
 //! asserted in the models crate's tests, not here.
 
 mod act;
+pub mod amx;
 pub mod attention;
 pub mod bf16;
 mod dispatch;

@@ -18,7 +18,7 @@ pub use osprey_backend::types::{DType, Precision, WeightView};
 
 use crate::dispatch::{allowed, Gemm};
 use crate::q8::{self, Isa, Q8Act};
-use crate::{bf16, nvfp4, pool, q8_gemm, simd};
+use crate::{amx, bf16, nvfp4, pool, q8_gemm, simd};
 
 /// Up to this many input rows a matmul takes the GEMV path.
 pub const GEMV_MAX_ROWS: usize = 4;
@@ -150,7 +150,11 @@ pub fn matmul_with(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, o
         return;
     }
     if !on_gemv_path(m, w, k, p) {
-        return match (w, gemm_kind(w, k, p)) {
+        return match (w, gemm_kind(m, w, k, p)) {
+            (WeightView::Nvfp4 { packed, scales, global }, Gemm::Amx) => {
+                amx::int8::gemm(&q8_gemm::quantize_rows(x, m, k), (packed, scales, global), n, out)
+            }
+            (_, Gemm::Amx) => amx::bf16::gemm(x, m, w, n, k, out),
             (WeightView::Nvfp4 { packed, scales, global }, Gemm::Int8) => {
                 q8_gemm::gemm(&q8_gemm::quantize_rows(x, m, k), (packed, scales, global), n, out)
             }
@@ -167,12 +171,20 @@ fn int8_eligible(w: WeightView<'_>, k: usize) -> bool {
     matches!(w, WeightView::Nvfp4 { .. }) && k.is_multiple_of(q8::CHUNK)
 }
 
-/// The fastest GEMM this CPU has (under the [`crate::set_gemm_ceiling`]) for `w` at `p`: NVFP4 at the
-/// fast precision takes the int8 GEMM where AVX-512 VNNI is present (2× the bf16 tiles' multiply-adds
-/// per instruction), else bf16 tiles where AVX512-BF16 is, else sgemm.
-fn gemm_kind(w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
+/// Rows from which a matmul takes AMX tiles: one whole tile of activation rows (fewer would leave the
+/// tile mostly padding; the AVX-512 GEMMs take them). Not measured on AMX hardware yet.
+pub const AMX_MIN_ROWS: usize = 16;
+
+/// The fastest GEMM this CPU has (under the [`crate::set_gemm_ceiling`]) for `m` rows against `w` at
+/// `p`: at the fast precision, AMX tiles where granted (int8 for NVFP4, bf16 for bf16) from
+/// [`AMX_MIN_ROWS`] rows; else NVFP4 takes the int8 GEMM where AVX-512 VNNI is present (2× the bf16
+/// tiles' multiply-adds per instruction), else bf16 tiles where AVX512-BF16 is, else sgemm.
+fn gemm_kind(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
     let fast_nvfp4 = p == Precision::Int8 && matches!(w, WeightView::Nvfp4 { .. });
-    if fast_nvfp4 && k.is_multiple_of(nvfp4::BLOCK) && q8_gemm::available() && allowed(Gemm::Int8) {
+    let amx_weights = fast_nvfp4 || (p == Precision::Int8 && matches!(w, WeightView::Bf16(_)));
+    if amx_weights && m >= AMX_MIN_ROWS && allowed(Gemm::Amx) && amx::available() {
+        Gemm::Amx
+    } else if fast_nvfp4 && k.is_multiple_of(nvfp4::BLOCK) && q8_gemm::available() && allowed(Gemm::Int8) {
         Gemm::Int8
     } else if bf16_tiles(w, k, p) {
         Gemm::Bf16
@@ -269,12 +281,14 @@ pub fn matmul_pair_with(
         WeightView::Nvfp4 { packed: p2, scales: s2, global: g2 },
     ) = (w1, w2)
     {
-        if m > 0 && n > 0 && !on_gemv_path(m, w1, k, p) && gemm_kind(w1, k, p) == Gemm::Int8 {
+        let kind = gemm_kind(m, w1, k, p);
+        if m > 0 && n > 0 && !on_gemv_path(m, w1, k, p) && matches!(kind, Gemm::Int8 | Gemm::Amx) {
             assert!(x.len() == m * k && w1.len() == n * k && w2.len() == n * k, "matmul shapes: this is a bug");
             // Both GEMMs take the same int8 rows: quantised once.
             let a = q8_gemm::quantize_rows(x, m, k);
-            q8_gemm::gemm(&a, (p1, s1, g1), n, out1);
-            return q8_gemm::gemm(&a, (p2, s2, g2), n, out2);
+            let run = if kind == Gemm::Amx { amx::int8::gemm } else { q8_gemm::gemm };
+            run(&a, (p1, s1, g1), n, out1);
+            return run(&a, (p2, s2, g2), n, out2);
         }
     }
     if m == 0 || n == 0 || k == 0 || !same_kind || !on_gemv_path(m, w1, k, p) || !on_gemv_path(m, w2, k, p) {

@@ -1,0 +1,179 @@
+//! NVFP4 × int8 on AMX-INT8 tiles: the numbers of [`crate::q8_gemm`] (activations quantised per
+//! 16-value block, weight codes as `u = 2·e2m1 + 12`, the `+12` removed by the correction), with one
+//! `tdpbusd` per block computing 16 weight rows × 16 activation rows × 16 columns.
+//!
+//! Why 16 columns and not the tile's 64: each 16-column block has its own weight and activation scale,
+//! so its integer sums must be scaled before they are added to another block's. A block's tile is
+//! stored (1 KiB) and each weight row's 16 sums are converted, multiplied by the activation scales, and
+//! added with the weight row's block scale: 4 AVX-512 instructions per 16×16×16 products.
+//!
+//! Layout: A (unsigned, `tdpbusd`'s first source) is 16 weight rows × 16 codes per block, decoded per
+//! task; B (signed) is the activations in the 4-byte-interleaved layout (tile row `kk`, column `j` = row
+//! `j`'s columns `4kk..4kk+4` of the block), built once per call; C is 16 weight rows × 16 activation
+//! rows of i32.
+
+use super::{configure, OutPtr, TileConfig};
+use crate::nvfp4::{e4m3_to_f32, BLOCK};
+use crate::pool;
+use crate::q8_gemm::Q8Rows;
+
+/// Rows per tile (weight rows and activation rows).
+const T: usize = 16;
+
+/// tmm0: sums (16 × 16 i32); tmm1: weights (16 rows × 16 codes); tmm2: activations (4 × 16 rows × 4).
+static CONFIG: TileConfig = TileConfig::new(&[(16, 64), (16, 16), (4, 64)]);
+
+/// `2·e2m1(code) + 12` per 4-bit code, as in [`crate::q8`].
+const LUT: [u8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
+
+/// The activations as B tiles, with per block and row the scale and the correction times the scale.
+struct Acts {
+    /// Per 16-row group and block: 4 × 64 bytes.
+    b: Vec<i8>,
+    /// Per group and block: the 16 rows' scales.
+    d: Vec<f32>,
+    /// Per group and block: the 16 rows' `corr · d`.
+    cd: Vec<f32>,
+}
+
+fn acts(a: &Q8Rows) -> Acts {
+    let (m, k, kb) = (a.rows(), a.k, a.k / BLOCK);
+    let groups = m.div_ceil(T);
+    let mut o = Acts { b: vec![0; groups * kb * 256], d: vec![0.0; groups * kb * T], cd: vec![0.0; groups * kb * T] };
+    for i in 0..m {
+        let (g, j) = (i / T, i % T);
+        for blk in 0..kb {
+            let base = (g * kb + blk) * 256;
+            for kk in 0..4 {
+                let src = &a.q[i * k + blk * BLOCK + kk * 4..][..4];
+                o.b[base + kk * 64 + j * 4..][..4].copy_from_slice(src);
+            }
+            let d = a.d[i * kb + blk];
+            o.d[(g * kb + blk) * T + j] = d;
+            o.cd[(g * kb + blk) * T + j] = a.corr[i * kb + blk] as f32 * d;
+        }
+    }
+    o
+}
+
+/// Weight rows `r0..r1` (at most 16) as A tiles (per block 16 rows × 16 codes) and their block scales
+/// (zero for missing rows, so their sums never count).
+fn decode(packed: &[u8], scales: &[u8], (r0, r1): (usize, usize), k: usize, au: &mut [u8], ws: &mut [f32]) {
+    let kb = k / BLOCK;
+    au.fill(12);
+    ws.fill(0.0);
+    for (j, r) in (r0..r1).enumerate() {
+        for blk in 0..kb {
+            for c in 0..BLOCK {
+                let byte = packed[r * k / 2 + (blk * BLOCK + c) / 2];
+                let code = if c % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+                au[(blk * T + j) * BLOCK + c] = LUT[code as usize];
+            }
+            ws[blk * T + j] = e4m3_to_f32(scales[r * kb + blk]);
+        }
+    }
+}
+
+/// `out[i, r] = Σ_c x[i, c] · W[r, c]` for quantised rows `a` and NVFP4 weights (as
+/// [`crate::q8_gemm::gemm`]). Panics (a bug) unless [`super::available`] and the slices hold their rows.
+pub fn gemm(a: &Q8Rows, (packed, scales, global): (&[u8], &[u8], f32), n: usize, out: &mut [f32]) {
+    let (m, k) = (a.rows(), a.k);
+    assert!(super::available(), "AMX tiles without permission: a bug");
+    assert!(k.is_multiple_of(BLOCK) && k > 0, "AMX int8 width: a bug");
+    assert!(packed.len() >= n * k / 2 && scales.len() >= n * k / BLOCK && out.len() >= m * n, "AMX int8: a bug");
+    if m == 0 || n == 0 {
+        return;
+    }
+    let kb = k / BLOCK;
+    let x = acts(a);
+    let ptr = OutPtr(out.as_mut_ptr());
+    pool::for_each_init(
+        n.div_ceil(T),
+        || (vec![0u8; kb * 256], vec![0f32; kb * T], vec![0i32; T * T]),
+        |(au, ws, c), t| {
+            let (r0, r1) = (t * T, ((t + 1) * T).min(n));
+            decode(packed, scales, (r0, r1), k, au, ws);
+            let p = ptr;
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AMX is granted (asserted), the CPU has AVX-512 with it; tile loads read inside au and
+            // x.b, the store writes c, and this task alone writes out[:, r0..r1].
+            unsafe {
+                multiply(&x, au, ws, c, (m, kb), (r0, r1), n, global * 0.5, p)
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (p, c);
+        },
+    );
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn multiply(
+    x: &Acts,
+    au: &[u8],
+    ws: &[f32],
+    c: &mut [i32],
+    (m, kb): (usize, usize),
+    (r0, r1): (usize, usize),
+    n: usize,
+    scale: f32,
+    out: OutPtr,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: see `gemm`.
+    unsafe {
+        configure(&CONFIG);
+        for g in 0..m.div_ceil(T) {
+            let mut acc = [_mm512_setzero_ps(); T];
+            for blk in 0..kb {
+                super::tile!(zero 0);
+                super::tile!(load 1, au.as_ptr().add(blk * 256), 16usize);
+                super::tile!(load 2, x.b.as_ptr().add((g * kb + blk) * 256), 64usize);
+                super::tile!(busd 0, 1, 2);
+                super::tile!(store 0, c.as_mut_ptr(), 64usize);
+                let d = _mm512_loadu_ps(x.d.as_ptr().add((g * kb + blk) * T));
+                let cd = _mm512_loadu_ps(x.cd.as_ptr().add((g * kb + blk) * T));
+                for (r, v) in acc.iter_mut().enumerate() {
+                    let sums = _mm512_cvtepi32_ps(_mm512_loadu_si512(c.as_ptr().add(r * T).cast()));
+                    *v = _mm512_fmadd_ps(_mm512_set1_ps(ws[blk * T + r]), _mm512_fmadd_ps(sums, d, cd), *v);
+                }
+            }
+            let mut row = [0f32; T];
+            for (r, v) in acc.iter().enumerate().take(r1 - r0) {
+                _mm512_storeu_ps(row.as_mut_ptr(), _mm512_mul_ps(*v, _mm512_set1_ps(scale)));
+                for (j, val) in row.iter().enumerate().take(m - g * T) {
+                    *out.0.add((g * T + j) * n + r0 + r) = *val;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::q8_gemm::{quantize_rows, reference};
+
+    /// Odd shapes (rows not multiples of 16, one block, many) against the same integers summed in f64.
+    #[test]
+    fn odd_shapes_compute_the_same_integers_as_the_reference() {
+        if !super::super::available() {
+            eprintln!("AMX-INT8 tile tests skipped: {}", super::super::status().describe());
+            return;
+        }
+        for (m, n, k) in [(1, 1, 16), (5, 17, 48), (17, 33, 96), (33, 70, 128), (40, 16, 2048)] {
+            let packed: Vec<u8> = (0..n * k / 2).map(|i| ((i * 131 + m) % 256) as u8).collect();
+            let scales: Vec<u8> = (0..n * k / 16).map(|i| [0x38, 0x30, 0x41, 0x05, 0x7E, 0x01][i % 6]).collect();
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 48.5) - 1.0).collect();
+            let a = quantize_rows(&x, m, k);
+            let want = reference(&a, (&packed, &scales, 0.75), n);
+            let mut got = vec![f32::NAN; m * n];
+            gemm(&a, (&packed, &scales, 0.75), n, &mut got);
+            for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
+                let tol = 1e-5 * w.abs().max(1.0) * (k as f64 / 16.0).sqrt();
+                assert!((f64::from(*g) - w).abs() <= tol, "m={m} n={n} k={k} [{idx}]: {g} vs {w}");
+            }
+        }
+    }
+}
