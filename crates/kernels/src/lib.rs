@@ -38,6 +38,8 @@ pub mod q8;
 pub mod q8_gemm;
 pub mod rope;
 mod simd;
+#[cfg(test)]
+mod timing;
 
 pub use act::{gelu_erf, gelu_tanh, sigmoid, silu, softplus};
 pub use dispatch::{prefill_kernels, set_gemm_ceiling, Gemm};

@@ -36,8 +36,8 @@ pub const Q8_GEMV_MAX_ROWS_WITH_BF16: usize = 8;
 
 /// The same limit where the int8 GEMM runs ([`q8_gemm`], AVX-512 VNNI): it decodes a weight tile once
 /// for all rows and does 64 multiply-adds per instruction with no horizontal sums, so it wins from 3
-/// rows on (expert gate/up 512×2048: 3 rows 0.157 vs 0.182 ms, 4 rows 0.159 vs 0.226 ms; 2 rows 0.201 vs
-/// 0.168 ms on the dot path).
+/// rows on (expert gate/up 512×2048, 2 threads, `timing::gemm_vs`: 1 row 0.028 ms on the dot path vs
+/// 0.045; 2 rows 0.050 vs 0.047, a tie kept on the dot path; 3 rows 0.074 vs 0.050; 8 rows 0.20 vs 0.072).
 pub const Q8_GEMV_MAX_ROWS_WITH_INT8_GEMM: usize = 2;
 
 /// The row limit of the integer dot path on this CPU.

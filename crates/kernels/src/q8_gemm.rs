@@ -189,6 +189,18 @@ mod x86 {
     /// `2·e2m1(code) + 12` for every 4-bit code (sign in bit 3), as in [`crate::q8`].
     const LUT: [u8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
 
+    /// e4m3 codes (one per 32-bit lane, positive or negative, not NaN) to f32: the 7 magnitude bits
+    /// moved under an f32 exponent and scaled by 2^120 (exact for normals and subnormals alike), the
+    /// sign moved to bit 31 (as [`crate::q8`]'s).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn e4m3_512(codes: __m512i) -> __m512 {
+        let mag = _mm512_slli_epi32::<20>(_mm512_and_si512(codes, _mm512_set1_epi32(0x7F)));
+        let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)));
+        let v = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(f32::from_bits(247 << 23)));
+        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign))
+    }
+
     /// Bytes of one group's block in the tile: 4 steps of 64 bytes.
     const GROUP_BLOCK: usize = 4 * 64;
 
@@ -239,14 +251,33 @@ mod x86 {
                     }
                 };
                 let off = |j: usize| (row(j) * k / 2) as i64;
-                let mut lo = _mm512_setr_epi64(off(0), off(1), off(2), off(3), off(4), off(5), off(6), off(7));
-                let mut hi = _mm512_setr_epi64(off(8), off(9), off(10), off(11), off(12), off(13), off(14), off(15));
-                let eight = _mm512_set1_epi64(8);
                 let tw = tile.w.as_mut_ptr().add(g * kb * GROUP_BLOCK);
+                // The next group's scales (read row by row below, two lines each) and first weight lines
+                // are asked for now, so their misses overlap this group's decode.
+                for j in 0..GROUP {
+                    let r = r0 + (g + 1) * GROUP + j;
+                    if r < r1 {
+                        for line in (0..kb).step_by(64) {
+                            _mm_prefetch::<_MM_HINT_T0>(scales.as_ptr().add(r * kb + line).cast());
+                        }
+                        _mm_prefetch::<_MM_HINT_T0>(packed.as_ptr().add(r * k / 2).cast());
+                    }
+                }
                 for b in 0..kb {
+                    // The 16 rows are 16 streams the hardware prefetcher does not follow well from a
+                    // gather: each row's cache line 4 lines ahead is asked for once per line (8 blocks).
+                    if b % 8 == 0 && b + 32 < kb {
+                        for j in 0..GROUP {
+                            let line = packed.as_ptr().add(off(j) as usize + (b + 32) * 8);
+                            _mm_prefetch::<_MM_HINT_T0>(line.cast());
+                        }
+                    }
                     let mut halves = [[_mm512_setzero_si512(); 2]; 2];
-                    for (h, ix) in [lo, hi].into_iter().enumerate() {
-                        let p = _mm512_i64gather_epi64::<1>(ix, packed.as_ptr().cast());
+                    for h in 0..2 {
+                        let q = |j: usize| {
+                            std::ptr::read_unaligned(packed.as_ptr().add(off(8 * h + j) as usize + b * 8) as *const i64)
+                        };
+                        let p = _mm512_setr_epi64(q(0), q(1), q(2), q(3), q(4), q(5), q(6), q(7));
                         let ul = _mm512_shuffle_epi8(lut, _mm512_and_si512(p, nib));
                         let uh = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(p), nib));
                         halves[h] = [_mm512_unpacklo_epi8(ul, uh), _mm512_unpackhi_epi8(ul, uh)];
@@ -257,14 +288,28 @@ mod x86 {
                         let v = _mm512_mask_blend_epi32(0xFF00, first, second);
                         _mm512_storeu_si512(tw.add(b * GROUP_BLOCK + s * 64).cast(), v);
                     }
-                    lo = _mm512_add_epi64(lo, eight);
-                    hi = _mm512_add_epi64(hi, eight);
                 }
                 let ts = &mut tile.s[g * kb * GROUP..(g + 1) * kb * GROUP];
                 for j in 0..GROUP {
                     let r = r0 + g * GROUP + j;
-                    for b in 0..kb {
-                        ts[b * GROUP + j] = if r < r1 { e4m3_to_f32(scales[r * kb + b]) } else { 0.0 };
+                    if r >= r1 {
+                        (0..kb).for_each(|b| ts[b * GROUP + j] = 0.0);
+                        continue;
+                    }
+                    // 16 blocks' scales of row j at a time, converted in a vector and scattered to lane j
+                    // of each block (a scalar conversion per scale cost as much as the weights' decode).
+                    let whole = kb / 16 * 16;
+                    let lanes = _mm512_mullo_epi32(
+                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                        _mm512_set1_epi32(GROUP as i32),
+                    );
+                    for b0 in (0..whole).step_by(16) {
+                        let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(scales.as_ptr().add(r * kb + b0).cast()));
+                        let v = e4m3_512(codes);
+                        _mm512_i32scatter_ps::<4>(ts.as_mut_ptr().add(b0 * GROUP + j).cast(), lanes, v);
+                    }
+                    for b in whole..kb {
+                        ts[b * GROUP + j] = e4m3_to_f32(scales[r * kb + b]);
                     }
                 }
             }
@@ -494,74 +539,6 @@ mod tests {
             gemm(&one, (&packed, &scales, 0.5), n, &mut alone);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&batch[i * n..(i + 1) * n]), bits(&alone), "row {i}");
-        }
-    }
-}
-
-#[cfg(test)]
-mod timing {
-    use super::*;
-    use crate::{matmul_with, Precision, WeightView};
-
-    #[test]
-    #[ignore]
-    fn against_the_dot_path() {
-        for (n, k) in [(512, 2048), (2048, 512)] {
-            let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
-            let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
-            let view = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.01 };
-            for m in [2usize, 3, 4, 6, 8] {
-                let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
-                let mut out = vec![0f32; m * n];
-                let reps = 300;
-                let t = std::time::Instant::now();
-                for _ in 0..reps {
-                    matmul_with(&x, m, view, n, k, &mut out, Precision::Int8);
-                }
-                let dot = t.elapsed().as_secs_f64() / reps as f64;
-                let t = std::time::Instant::now();
-                for _ in 0..reps {
-                    gemm(&quantize_rows(&x, m, k), (&packed, &scales, 0.01), n, &mut out);
-                }
-                let q8 = t.elapsed().as_secs_f64() / reps as f64;
-                eprintln!("n={n} k={k} m={m}: dot path {:.3} ms, int8 GEMM {:.3} ms", dot * 1e3, q8 * 1e3);
-            }
-        }
-    }
-
-    #[test]
-    #[ignore]
-    fn against_bf16_tiles() {
-        for (m, n, k) in [(512, 2048, 2048), (512, 512, 2048), (64, 512, 2048), (16, 512, 2048), (512, 2048, 512)] {
-            let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
-            let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
-            let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
-            let mut out = vec![0f32; m * n];
-            let view = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.01 };
-            let reps = (2_000_000_000 / (m * n * k)).max(3);
-            let t = std::time::Instant::now();
-            for _ in 0..reps {
-                matmul_with(&x, m, view, n, k, &mut out, Precision::Int8);
-            }
-            let bf = t.elapsed().as_secs_f64() / reps as f64;
-            let t = std::time::Instant::now();
-            let mut tq = 0.0;
-            for _ in 0..reps {
-                let tq0 = std::time::Instant::now();
-                let a = quantize_rows(&x, m, k);
-                tq += tq0.elapsed().as_secs_f64();
-                gemm(&a, (&packed, &scales, 0.01), n, &mut out);
-            }
-            let q8 = t.elapsed().as_secs_f64() / reps as f64;
-            let gmac = |s: f64| (m * n * k) as f64 / s / 1e9;
-            eprintln!(
-                "m={m} n={n} k={k}: bf16 tiles {:.2} ms ({:.1} GMAC/s), int8 {:.2} ms ({:.1} GMAC/s, quantize {:.2} ms)",
-                bf * 1e3,
-                gmac(bf),
-                q8 * 1e3,
-                gmac(q8),
-                tq / reps as f64 * 1e3
-            );
         }
     }
 }

@@ -1,0 +1,140 @@
+//! Kernel timings as ignored tests (the numbers in docs/benchmarks.md's "int8 GEMM" section):
+//! `cargo test -p osprey-kernels --release timing -- --ignored --nocapture --test-threads=1`.
+//! Not assertions: speed targets live in benchmarks, never in tests.
+
+use crate::q8_gemm::{gemm, quantize_rows};
+use crate::{matmul_with, Precision, WeightView};
+
+mod gemm_vs {
+    use super::*;
+
+    #[test]
+    #[ignore]
+    fn against_the_dot_path() {
+        for (n, k) in [(512, 2048), (2048, 512)] {
+            let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
+            let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
+            let view = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.01 };
+            for m in [1usize, 2, 3, 4, 6, 8] {
+                let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
+                let mut out = vec![0f32; m * n];
+                let reps = 300;
+                // Under the bf16 ceiling the int8 dot path takes up to 8 rows.
+                crate::set_gemm_ceiling(crate::Gemm::Bf16);
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    matmul_with(&x, m, view, n, k, &mut out, Precision::Int8);
+                }
+                let dot = t.elapsed().as_secs_f64() / reps as f64;
+                crate::set_gemm_ceiling(crate::Gemm::Amx);
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    gemm(&quantize_rows(&x, m, k), (&packed, &scales, 0.01), n, &mut out);
+                }
+                let q8 = t.elapsed().as_secs_f64() / reps as f64;
+                eprintln!("n={n} k={k} m={m}: dot path {:.3} ms, int8 GEMM {:.3} ms", dot * 1e3, q8 * 1e3);
+            }
+        }
+    }
+
+    #[test]
+    #[ignore]
+    fn against_bf16_tiles() {
+        for (m, n, k) in [(512, 2048, 2048), (512, 512, 2048), (64, 512, 2048), (16, 512, 2048), (512, 2048, 512)] {
+            let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
+            let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
+            let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
+            let mut out = vec![0f32; m * n];
+            let view = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.01 };
+            let reps = (2_000_000_000 / (m * n * k)).max(3);
+            crate::set_gemm_ceiling(crate::Gemm::Bf16);
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                matmul_with(&x, m, view, n, k, &mut out, Precision::Int8);
+            }
+            let bf = t.elapsed().as_secs_f64() / reps as f64;
+            crate::set_gemm_ceiling(crate::Gemm::Amx);
+            let t = std::time::Instant::now();
+            let mut tq = 0.0;
+            for _ in 0..reps {
+                let tq0 = std::time::Instant::now();
+                let a = quantize_rows(&x, m, k);
+                tq += tq0.elapsed().as_secs_f64();
+                gemm(&a, (&packed, &scales, 0.01), n, &mut out);
+            }
+            let q8 = t.elapsed().as_secs_f64() / reps as f64;
+            let gmac = |s: f64| (m * n * k) as f64 / s / 1e9;
+            eprintln!(
+                "m={m} n={n} k={k}: bf16 tiles {:.2} ms ({:.1} GMAC/s), int8 {:.2} ms ({:.1} GMAC/s, quantize {:.2} ms)",
+                bf * 1e3,
+                gmac(bf),
+                q8 * 1e3,
+                gmac(q8),
+                tq / reps as f64 * 1e3
+            );
+        }
+    }
+}
+mod bf16_weights {
+    use super::*;
+    #[test]
+    #[ignore]
+    fn bf16_weights() {
+        for (m, n, k) in [(512, 2048, 2048), (64, 512, 2048), (512, 512, 2048)] {
+            let w: Vec<u16> = (0..n * k).map(|i| half::bf16::from_f32((i % 13) as f32 * 0.01).to_bits()).collect();
+            let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
+            let mut out = vec![0f32; m * n];
+            let reps = (4_000_000_000 / (m * n * k)).max(3);
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                matmul_with(&x, m, WeightView::Bf16(&w), n, k, &mut out, Precision::Int8);
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            eprintln!("bf16 m={m} n={n} k={k}: {:.2} ms, {:.1} GMAC/s", s * 1e3, (m * n * k) as f64 / s / 1e9);
+        }
+    }
+}
+#[cfg(target_arch = "x86_64")]
+mod peak {
+    use std::arch::x86_64::*;
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vnni")]
+    unsafe fn run(iters: usize) -> (f64, f64) {
+        unsafe {
+            let a = std::mem::transmute::<__m512, __m512bh>(_mm512_set1_ps(1.0));
+            let mut acc = [_mm512_setzero_ps(); 12];
+            let t = std::time::Instant::now();
+            for _ in 0..iters {
+                for v in acc.iter_mut() {
+                    *v = _mm512_dpbf16_ps(*v, a, a);
+                }
+            }
+            let bf = t.elapsed().as_secs_f64();
+            std::hint::black_box(acc);
+            let ai = _mm512_set1_epi8(1);
+            let mut acci = [_mm512_setzero_si512(); 12];
+            let t = std::time::Instant::now();
+            for _ in 0..iters {
+                for v in acci.iter_mut() {
+                    *v = _mm512_dpbusd_epi32(*v, ai, ai);
+                }
+            }
+            let q = t.elapsed().as_secs_f64();
+            std::hint::black_box(acci);
+            (bf, q)
+        }
+    }
+    #[test]
+    #[ignore]
+    fn peak() {
+        let iters = 100_000_000;
+        let (bf, q) = unsafe { run(iters) };
+        let n = (iters * 12) as f64;
+        eprintln!(
+            "vdpbf16ps: {:.2} G/s ({:.1} GMAC/s); vpdpbusd: {:.2} G/s ({:.1} GMAC/s)",
+            n / bf / 1e9,
+            n * 32.0 / bf / 1e9,
+            n / q / 1e9,
+            n * 64.0 / q / 1e9
+        );
+    }
+}
