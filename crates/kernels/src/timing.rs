@@ -80,7 +80,9 @@ mod bf16_weights {
     #[test]
     #[ignore]
     fn bf16_weights() {
-        for (m, n, k) in [(512, 2048, 2048), (64, 512, 2048), (512, 512, 2048)] {
+        for (m, n, k) in
+            [(512, 2048, 2048), (64, 512, 2048), (512, 512, 2048), (16, 512, 2048), (16, 2048, 512), (1, 2048, 2048)]
+        {
             let w: Vec<u16> = (0..n * k).map(|i| half::bf16::from_f32((i % 13) as f32 * 0.01).to_bits()).collect();
             let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
             let mut out = vec![0f32; m * n];
