@@ -13,7 +13,7 @@ build_release() {
 # The machine, as every recorded run names it: date, cores, CPU model and the SIMD flags that matter.
 machine_header() {
   echo "# $(date -u '+%F %H:%M') $(nproc) cores; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
-  echo "# flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512_vnni|avx512_bf16|avx_vnni)$' | tr '\n' ' ')"
+  echo "# flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512_vnni|avx512_bf16|avx_vnni|amx_tile|amx_bf16|amx_int8)$' | tr '\n' ' ')"
 }
 
 # ttft_run BIN MODEL PORT TURNS [SERVE FLAGS...]: serves MODEL with BIN on PORT, runs the multi-turn

@@ -6,6 +6,9 @@ Presets:
   q4exp-L2   Qwen3.8-Flash-Next (qwen4_exp) layer shapes, one Gated DeltaNet + one QSA layer (~11 GB; see Q4EXP_L2)
   vision-mid a multimodal qwen3_5_moe with a mid-size vision tower (depth 8, hidden 512, 8 heads, MLP 2048,
              48x48 position table) and a small text model, with tokenizer and processor (for bench vision)
+  q35moe-L4-vision  q35moe-L4's text model with a full-size vision tower (Qwen3-VL-30B-A3B's geometry: depth
+             27, hidden 1152, 16 heads, MLP 4304, 48x48 position table, out 2048), with tokenizer and processor:
+             the image + text TTFT of issue 38 (~7.8 GB)
 
 Run: tools/README.md. Weights are O(1)-scaled (N(0, 1/fan_in)) and made directly in bf16 so the 7 GB
 preset fits in RAM.
@@ -103,9 +106,35 @@ def build_vision_mid(out, seed):
     print(f"vision-mid: vision tower {sum(p.numel() for p in model.model.visual.parameters()) / 1e6:.1f} M parameters")
 
 
+def build_vision_l4(out, seed):
+    from transformers import AutoModelForImageTextToText, Qwen3_5MoeConfig
+
+    p = PRESETS["q35moe-L4"]
+    n = p["num_hidden_layers"]
+    text = dict(**p, layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)],
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+                linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=32768, eos_token_id=994,
+                pad_token_id=992)
+    vision = dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304, out_hidden_size=2048)
+    cfg = Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=1004, video_token_id=1005,
+                           vision_start_token_id=1001, vision_end_token_id=1002, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    # Made directly in bf16 (an f32 copy of the experts would not fit in RAM beside the bf16 one).
+    torch.set_default_dtype(torch.bfloat16)
+    model = AutoModelForImageTextToText.from_config(cfg)
+    torch.set_default_dtype(torch.float32)
+    tiny_ckpt.randomize_(model, seed)
+    model.save_pretrained(out)
+    tiny_ckpt.save_processor(pathlib.Path(out), tiny_ckpt.build_tokenizer())
+    print(f"q35moe-L4-vision: vision tower {sum(p.numel() for p in model.model.visual.parameters()) / 1e6:.1f} M, "
+          f"total {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", choices=sorted(PRESETS) + ["vision-mid", "q4exp-L2"], default="mid")
+    ap.add_argument("--preset", choices=sorted(PRESETS) + ["vision-mid", "q4exp-L2", "q35moe-L4-vision"], default="mid")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
@@ -113,6 +142,8 @@ def main():
         return build_vision_mid(args.out, args.seed)
     if args.preset == "q4exp-L2":
         return build_q4exp(args.out, args.seed)
+    if args.preset == "q35moe-L4-vision":
+        return build_vision_l4(args.out, args.seed)
     p = PRESETS[args.preset]
     n = p["num_hidden_layers"]
     cfg = Qwen3_5MoeTextConfig(

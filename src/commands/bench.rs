@@ -398,11 +398,13 @@ fn report(dir: &Path, update: Option<&Path>) -> Result<()> {
 /// `bench vision`: the vision tower at each size.
 fn vision(model: &Path, sizes: &[String], repeats: usize, g: &Global) -> Result<()> {
     let backend = osprey::open_backend(g.device.as_deref(), g.activations.as_deref())?;
+    let kernels = backend.describe();
     let tower = VisionTower::from_dir(model, backend)?.context("the model has no vision tower")?;
     let proc = osprey_models::vision::ProcessorConfig::from_dir(model)?;
     for size in sizes {
         let (w, h) = size.split_once('x').context("sizes are WxH")?;
-        let report = bench_vision(&tower, &proc.image, w.parse()?, h.parse()?, repeats)?;
+        let mut report = bench_vision(&tower, &proc.image, w.parse()?, h.parse()?, repeats)?;
+        report.kernels = kernels.clone();
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(())

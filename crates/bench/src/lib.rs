@@ -179,6 +179,8 @@ pub struct VisionReport {
     pub preprocess_s: f64,
     /// Tower seconds (patch embed → merger).
     pub encode_s: f64,
+    /// The compute backend and the GEMMs its matmuls take (the caller fills it in).
+    pub kernels: String,
 }
 
 /// The deterministic test image both osprey and tools/bench_vision_transformers.py use.
@@ -223,6 +225,7 @@ pub fn bench_vision(
         tokens: grid.iter().product::<usize>() / (m * m),
         preprocess_s: median(pre),
         encode_s: median(enc),
+        kernels: String::new(),
     })
 }
 

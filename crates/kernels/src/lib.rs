@@ -27,6 +27,7 @@
 mod act;
 pub mod amx;
 pub mod attention;
+pub mod attention_bf16;
 pub mod bf16;
 mod dispatch;
 pub mod gdn;

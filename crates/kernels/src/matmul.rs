@@ -186,20 +186,20 @@ fn gemm_kind(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
         Gemm::Amx
     } else if fast_nvfp4 && k.is_multiple_of(nvfp4::BLOCK) && q8_gemm::available() && allowed(Gemm::Int8) {
         Gemm::Int8
-    } else if bf16_tiles(w, k, p) {
+    } else if bf16_tiles(w, p) {
         Gemm::Bf16
     } else {
         Gemm::F32
     }
 }
 
-/// Whether a matmul against `w` runs on bf16 tiles ([`bf16`]): the fast precision on a CPU with
-/// AVX512-BF16, for bf16 weights and NVFP4 weights (decoded exactly into bf16) of a width in whole steps.
-fn bf16_tiles(w: WeightView<'_>, k: usize, p: Precision) -> bool {
+/// Whether a matmul against `w` may run on bf16 tiles ([`bf16`]): the fast precision on a CPU with
+/// AVX512-BF16, for bf16 weights and NVFP4 weights (decoded exactly into bf16). The GEMM pads any width
+/// to whole 32-value steps; the GEMV (rows as stored) needs a width in whole steps.
+fn bf16_tiles(w: WeightView<'_>, p: Precision) -> bool {
     p == Precision::Int8
         && allowed(Gemm::Bf16)
         && matches!(w, WeightView::Bf16(_) | WeightView::Nvfp4 { .. })
-        && k.is_multiple_of(bf16::STEP)
         && bf16::available()
 }
 
@@ -225,7 +225,7 @@ impl RowActs {
     fn new(x: &[f32], m: usize, k: usize, w: WeightView<'_>, p: Precision) -> Self {
         if p == Precision::Int8 && int8_eligible(w, k) {
             RowActs::Q8((0..m).map(|i| q8::quantize(&x[i * k..(i + 1) * k])).collect(), Isa::detected())
-        } else if matches!(w, WeightView::Bf16(_)) && bf16_tiles(w, k, p) {
+        } else if matches!(w, WeightView::Bf16(_)) && bf16_tiles(w, p) && k.is_multiple_of(bf16::STEP) {
             let mut xb = vec![0u16; m * k];
             bf16::round_row(x, &mut xb);
             RowActs::Bf16(xb)
@@ -340,8 +340,16 @@ fn gemv(m: usize, n: usize, out: &mut [f32], block: impl Fn(usize, &mut [f32]) +
 /// which is exact, the global then scaling the sums).
 fn gemm_bf16(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, out: &mut [f32]) {
     const NB: usize = 64;
-    let mut xb = vec![0u16; m * k];
-    pool::chunks_mut(&mut xb, k * 16, |c, d| bf16::round_row(&x[c * k * 16..], d));
+    // A width that is not a whole number of 32-value steps (a vision MLP's 4304) is zero-padded: the
+    // activations once here, the weight rows per task (bf16 rows are then copied, not borrowed).
+    let kp = k.next_multiple_of(bf16::STEP);
+    let mut xb = vec![0u16; m * kp];
+    pool::chunks_mut(&mut xb, kp * 16, |c, d| {
+        for (i, row) in d.chunks_mut(kp).enumerate() {
+            let r = c * 16 + i;
+            bf16::round_row(&x[r * k..(r + 1) * k], &mut row[..k]);
+        }
+    });
     let ptr = OutPtr(out.as_mut_ptr());
     pool::for_each_init(
         n.div_ceil(NB),
@@ -349,19 +357,30 @@ fn gemm_bf16(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, out: &m
         |(wide, narrow, tile), b| {
             let (r0, r1) = (b * NB, ((b + 1) * NB).min(n));
             let (rows, scale): (&[u16], f32) = match w {
-                WeightView::Bf16(wb) => (&wb[r0 * k..r1 * k], 1.0),
+                WeightView::Bf16(wb) if kp == k => (&wb[r0 * k..r1 * k], 1.0),
+                WeightView::Bf16(wb) => {
+                    narrow.clear();
+                    narrow.resize((r1 - r0) * kp, 0);
+                    for (i, row) in narrow.chunks_mut(kp).enumerate() {
+                        row[..k].copy_from_slice(&wb[(r0 + i) * k..(r0 + i + 1) * k]);
+                    }
+                    (&narrow[..], 1.0)
+                }
                 WeightView::Nvfp4 { packed, scales, global } => {
                     let unscaled = WeightView::Nvfp4 { packed, scales, global: 1.0 };
                     let f = unscaled.rows_f32(r0, r1, k, wide);
-                    narrow.resize(f.len(), 0);
-                    bf16::round_row(f, narrow);
+                    narrow.clear();
+                    narrow.resize((r1 - r0) * kp, 0);
+                    for (row, src) in narrow.chunks_mut(kp).zip(f.chunks(k)) {
+                        bf16::round_row(src, &mut row[..k]);
+                    }
                     (&narrow[..], global)
                 }
                 _ => unreachable!("bf16 tiles take bf16 and NVFP4 weights"),
             };
             tile.resize(m * (r1 - r0), 0.0);
             let w = bf16::Rows { data: rows, rows: r1 - r0 };
-            bf16::gemm_nt(bf16::Rows { data: &xb, rows: m }, w, k, scale, tile, (r1 - r0, 1));
+            bf16::gemm_nt(bf16::Rows { data: &xb, rows: m }, w, kp, scale, tile, (r1 - r0, 1));
             let p = ptr;
             for i in 0..m {
                 // SAFETY: this task alone writes out[i, r0..r1] (blocks are disjoint), in bounds.
@@ -539,6 +558,29 @@ mod tests {
                 assert!(got.iter().zip(&exact).any(|(g, e)| (g - e).abs() > 1e-5), "m={m}: took the f32 path");
             }
         }
+    }
+
+    /// A width that is not a whole number of 32-value steps (a vision MLP's 4304 = 134.5 steps) still
+    /// takes the bf16 tiles in the GEMM, zero-padded: equal to bf16-rounded activations times the weights.
+    /// Mutation-checked: padding both operands with ones breaks it.
+    #[test]
+    fn bf16_gemm_pads_widths_that_are_not_whole_steps() {
+        if !bf16::available() {
+            eprintln!("no AVX512-BF16 here: the fast precision keeps f32 activations outside the int8 path");
+            return;
+        }
+        let (m, n, k) = (40, 70, 100);
+        let wb: Vec<u16> = (0..n * k).map(|i| bf16::round(((i * 104729 % 89) as f32 / 89.0) - 0.5)).collect();
+        let wf: Vec<f32> = wb.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 97.3) - 0.5).collect();
+        let xr: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        let want = reference(&xr, m, &wf, n, k);
+        let mut got = vec![0f32; m * n];
+        matmul_with(&x, m, WeightView::Bf16(&wb), n, k, &mut got, Precision::Int8);
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-5, "{g} vs {w}");
+        }
+        assert!(got.iter().zip(&reference(&x, m, &wf, n, k)).any(|(g, e)| (g - e).abs() > 1e-5), "took the f32 path");
     }
 
     #[test]

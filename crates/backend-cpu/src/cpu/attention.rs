@@ -38,6 +38,12 @@ impl AttentionOps for CpuBackend {
             &host(k)[rows.start * kc..rows.end * kc],
             &host(v)[rows.start * kc..rows.end * kc],
         );
-        bidirectional_attention(q, k, v, shape, scale, &mut host_mut(out)[rows.start * qc..rows.end * qc]);
+        let out = &mut host_mut(out)[rows.start * qc..rows.end * qc];
+        // The fast precision takes bf16 tiles where the CPU has them (a 448×448 image's 784 patches
+        // attend 784 × 784 per head in every layer of the tower).
+        match self.precision {
+            Precision::Int8 => bidirectional_attention_fast(q, k, v, shape, scale, out),
+            Precision::Exact => bidirectional_attention(q, k, v, shape, scale, out),
+        }
     }
 }

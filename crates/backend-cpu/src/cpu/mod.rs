@@ -25,6 +25,7 @@ use osprey_backend::{
     RecurrentOps, Result, RopeTable, Routing, Storage, Tensor,
 };
 use osprey_kernels::attention::{bidirectional_attention, causal_attention_paged, PagedKv};
+use osprey_kernels::attention_bf16::bidirectional_attention_fast;
 use osprey_kernels::gdn::{causal_conv_silu, gated_delta_chunked, gated_delta_recurrent, DeltaInputs};
 use osprey_kernels::norm::{l2_norm, layer_norm, rms_norm, rms_norm_1p, rms_norm_gated};
 use osprey_kernels::q8::Isa;
