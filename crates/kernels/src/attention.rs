@@ -196,6 +196,11 @@ fn attend_blocked(
         }
         (h, q0, o)
     });
+    scatter_heads(results, nh, hd, out);
+}
+
+/// Writes per-(head, first query) blocks of `[rows, hd]` outputs into the `[rows, heads, hd]` layout.
+pub(crate) fn scatter_heads(results: Vec<(usize, usize, Vec<f32>)>, nh: usize, hd: usize, out: &mut [f32]) {
     for (h, q0, o) in results {
         for (r, row) in o.chunks(hd).enumerate() {
             let at = ((q0 + r) * nh + h) * hd;

@@ -98,12 +98,7 @@ pub fn bidirectional_attention_bf16(
         }
         (h, q0, o)
     });
-    for (h, q0, o) in results {
-        for (r, row) in o.chunks(hd).enumerate() {
-            let at = ((q0 + r) * nh + h) * hd;
-            out[at..at + hd].copy_from_slice(row);
-        }
-    }
+    crate::attention::scatter_heads(results, nh, hd, out);
 }
 
 #[cfg(test)]

@@ -27,7 +27,7 @@ pub const CHUNK: usize = 64;
 const LANES: usize = CHUNK / 4;
 
 /// `2·e2m1(code) + 12` for every 4-bit code (sign in bit 3).
-const LUT_U8: [u8; 16] = {
+pub(crate) const LUT_U8: [u8; 16] = {
     let mut t = [0u8; 16];
     let mut c = 0;
     while c < 16 {
@@ -175,7 +175,7 @@ fn dot_portable(a: &Q8Act, packed: &[u8], scales: &[u8]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     use super::{Q8Act, CHUNK, LANES, LUT_U8};
@@ -196,7 +196,7 @@ mod x86 {
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    fn e4m3_512(codes: __m512i) -> __m512 {
+    pub(crate) fn e4m3_512(codes: __m512i) -> __m512 {
         let mag = _mm512_slli_epi32(_mm512_and_si512(codes, _mm512_set1_epi32(0x7F)), 20);
         let sign = _mm512_slli_epi32(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)), 24);
         let v = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(f32::from_bits(247 << 23)));

@@ -185,21 +185,8 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{e4m3_to_f32, Q8Rows, Tile, BLOCK, GROUP, MR};
-
-    /// `2·e2m1(code) + 12` for every 4-bit code (sign in bit 3), as in [`crate::q8`].
-    const LUT: [u8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
-
-    /// e4m3 codes (one per 32-bit lane, positive or negative, not NaN) to f32: the 7 magnitude bits
-    /// moved under an f32 exponent and scaled by 2^120 (exact for normals and subnormals alike), the
-    /// sign moved to bit 31 (as [`crate::q8`]'s).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw")]
-    fn e4m3_512(codes: __m512i) -> __m512 {
-        let mag = _mm512_slli_epi32::<20>(_mm512_and_si512(codes, _mm512_set1_epi32(0x7F)));
-        let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)));
-        let v = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(f32::from_bits(247 << 23)));
-        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign))
-    }
+    use crate::q8::x86::e4m3_512;
+    use crate::q8::LUT_U8 as LUT;
 
     /// Bytes of one group's block in the tile: 4 steps of 64 bytes.
     const GROUP_BLOCK: usize = 4 * 64;

@@ -15,6 +15,7 @@
 use super::{configure, OutPtr, TileConfig};
 use crate::nvfp4::{e4m3_to_f32, BLOCK};
 use crate::pool;
+use crate::q8::LUT_U8 as LUT;
 use crate::q8_gemm::Q8Rows;
 
 /// Rows per tile (weight rows and activation rows).
@@ -22,9 +23,6 @@ const T: usize = 16;
 
 /// tmm0: sums (16 × 16 i32); tmm1: weights (16 rows × 16 codes); tmm2: activations (4 × 16 rows × 4).
 static CONFIG: TileConfig = TileConfig::new(&[(16, 64), (16, 16), (4, 64)]);
-
-/// `2·e2m1(code) + 12` per 4-bit code, as in [`crate::q8`].
-const LUT: [u8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
 
 /// The activations as B tiles, with per block and row the scale and the correction times the scale.
 struct Acts {
