@@ -65,6 +65,15 @@ pub fn round_row(src: &[f32], dst: &mut [u16]) {
     }
 }
 
+/// One NVFP4 weight row (`packed` k/2 bytes, `scales` k/16 codes) as bf16 in `out` (k values) without
+/// its global scale, which then scales the sums: exact, as e2m1 × e4m3 has at most 6 significant bits.
+/// `wide` is scratch for the row in f32.
+pub fn nvfp4_row(packed: &[u8], scales: &[u8], wide: &mut Vec<f32>, out: &mut [u16]) {
+    wide.resize(out.len(), 0.0);
+    crate::nvfp4::dequant_row(packed, scales, 1.0, wide);
+    round_row(wide, out);
+}
+
 /// The operands of [`gemm_nt`]: `rows` rows of `k` bf16 values each.
 #[derive(Clone, Copy, Debug)]
 pub struct Rows<'a> {

@@ -60,7 +60,7 @@ pub fn prefill_kernels() -> String {
     let bf16 =
         if crate::bf16::available() && allowed(Gemm::Bf16) { "bf16 tiles avx512-bf16" } else { "bf16 f32 sgemm" };
     match crate::amx::status() {
-        crate::amx::Status::Refused(_) => format!("{nvfp4}, {bf16} ({})", crate::amx::status().describe()),
+        refused @ crate::amx::Status::Refused(_) => format!("{nvfp4}, {bf16} ({})", refused.describe()),
         _ => format!("{nvfp4}, {bf16}"),
     }
 }

@@ -13,8 +13,9 @@
 //!   16-value block, weights decoded per call into an interleaved tile, `vpdpbusd` with one lane per
 //!   weight row; [`set_gemm_ceiling`] (`--gemm`) chooses below the best.
 //! - [`q8`]: the fast NVFP4 path for few rows (decode; up to 2 rows where the int8 GEMM runs, else a
-//!   prefill's routed experts up to 32 rows, or 8 where bf16 tiles take the rest): int8 activations, integer dot products (AVX-512 VNNI / AVX-VNNI /
-//!   AVX2 / portable, picked once at run time), chosen by [`Precision::Int8`].
+//!   prefill's routed experts up to 32 rows, or 8 where bf16 tiles take the rest): int8 activations,
+//!   integer dot products (AVX-512 VNNI / AVX-VNNI / AVX2 / portable, picked once at run time), chosen
+//!   by [`Precision::Int8`].
 //! - [`norm`]: zero-centred RMSNorm `x̂·(1+w)`, gated RMSNorm `x̂·w·silu(z)`, L2 norm.
 //! - [`pool`]: the persistent spinning pool every data-parallel loop here runs on.
 //! - [`rope`]: partial NeoX rotary with interleaved mRoPE sections.

@@ -17,6 +17,7 @@
 pub use osprey_backend::types::{DType, Precision, WeightView};
 
 use crate::dispatch::{allowed, Gemm};
+use crate::pool::OutPtr;
 use crate::q8::{self, Isa, Q8Act};
 use crate::{amx, bf16, nvfp4, pool, q8_gemm, simd};
 
@@ -125,13 +126,6 @@ impl WeightRows for WeightView<'_> {
     }
 }
 
-/// Raw output pointer shared by tasks that write disjoint columns.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of output elements (its own column block).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
 /// `out[m, n] = x[m, k] · W[n, k]ᵀ` with f32 activations; `out` is overwritten.
 ///
 /// Panics (a bug, not user input) when the slice lengths disagree with `m`, `n`, `k`.
@@ -151,13 +145,10 @@ pub fn matmul_with(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, o
     }
     if !on_gemv_path(m, w, k, p) {
         return match (w, gemm_kind(m, w, k, p)) {
-            (WeightView::Nvfp4 { packed, scales, global }, Gemm::Amx) => {
-                amx::int8::gemm(&q8_gemm::quantize_rows(x, m, k), (packed, scales, global), n, out)
+            (WeightView::Nvfp4 { packed, scales, global }, kind @ (Gemm::Amx | Gemm::Int8)) => {
+                int8_gemm(kind)(&q8_gemm::quantize_rows(x, m, k), (packed, scales, global), n, out)
             }
             (_, Gemm::Amx) => amx::bf16::gemm(x, m, w, n, k, out),
-            (WeightView::Nvfp4 { packed, scales, global }, Gemm::Int8) => {
-                q8_gemm::gemm(&q8_gemm::quantize_rows(x, m, k), (packed, scales, global), n, out)
-            }
             (_, Gemm::Bf16) => gemm_bf16(x, m, w, n, k, out),
             _ => gemm(x, m, w, n, k, out),
         };
@@ -190,6 +181,16 @@ fn gemm_kind(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
         Gemm::Bf16
     } else {
         Gemm::F32
+    }
+}
+
+/// The NVFP4 × int8 GEMM of `kind` (AMX tiles or AVX-512 VNNI): both take the same quantised rows.
+type Int8Gemm = fn(&q8_gemm::Q8Rows, (&[u8], &[u8], f32), usize, &mut [f32]);
+fn int8_gemm(kind: Gemm) -> Int8Gemm {
+    if kind == Gemm::Amx {
+        amx::int8::gemm
+    } else {
+        q8_gemm::gemm
     }
 }
 
@@ -286,7 +287,7 @@ pub fn matmul_pair_with(
             assert!(x.len() == m * k && w1.len() == n * k && w2.len() == n * k, "matmul shapes: this is a bug");
             // Both GEMMs take the same int8 rows: quantised once.
             let a = q8_gemm::quantize_rows(x, m, k);
-            let run = if kind == Gemm::Amx { amx::int8::gemm } else { q8_gemm::gemm };
+            let run = int8_gemm(kind);
             run(&a, (p1, s1, g1), n, out1);
             return run(&a, (p2, s2, g2), n, out2);
         }
@@ -367,12 +368,13 @@ fn gemm_bf16(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, out: &m
                     (&narrow[..], 1.0)
                 }
                 WeightView::Nvfp4 { packed, scales, global } => {
-                    let unscaled = WeightView::Nvfp4 { packed, scales, global: 1.0 };
-                    let f = unscaled.rows_f32(r0, r1, k, wide);
+                    let (pk, sk) = (k / 2, k / nvfp4::BLOCK);
                     narrow.clear();
                     narrow.resize((r1 - r0) * kp, 0);
-                    for (row, src) in narrow.chunks_mut(kp).zip(f.chunks(k)) {
-                        bf16::round_row(src, &mut row[..k]);
+                    for (i, row) in narrow.chunks_mut(kp).enumerate() {
+                        let r = r0 + i;
+                        let (p, s) = (&packed[r * pk..(r + 1) * pk], &scales[r * sk..(r + 1) * sk]);
+                        bf16::nvfp4_row(p, s, wide, &mut row[..k]);
                     }
                     (&narrow[..], global)
                 }

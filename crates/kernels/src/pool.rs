@@ -152,6 +152,13 @@ pub fn chunks_mut_init<T: Send, S>(
     });
 }
 
+/// The output of a kernel whose pool items write disjoint elements of it (their own column blocks).
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr(pub(crate) *mut f32);
+// SAFETY: every item writes a disjoint set of output elements.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
 /// A pointer into a slice that items write disjoint parts of.
 struct SendPtr<T>(*mut T);
 // SAFETY: used only by `chunks_mut_init`, whose items touch disjoint elements.

@@ -20,10 +20,9 @@
 //! Batch-invariant: every output is computed by the same instructions in the same order whatever the
 //! number of rows around it.
 
-use std::sync::OnceLock;
-
 use crate::nvfp4::{e4m3_to_f32, BLOCK};
-use crate::pool;
+use crate::pool::{self, OutPtr};
+use crate::q8::Isa;
 
 /// Weight rows per task.
 const NB: usize = 64;
@@ -32,21 +31,9 @@ const GROUP: usize = 16;
 /// Activation rows per micro-tile (2 groups × MR rows of accumulators and block sums stay in 32 zmm).
 const MR: usize = 4;
 
-/// Whether this CPU has AVX-512 F/BW with VNNI (detected once).
+/// Whether this CPU has AVX-512 F/BW with VNNI (the decode path's best level, detected once there).
 pub fn available() -> bool {
-    static HAVE: OnceLock<bool> = OnceLock::new();
-    *HAVE.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vnni")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
+    Isa::detected() == Isa::Avx512Vnni
 }
 
 /// Activation rows quantised per 16-value block, in column order.
@@ -151,13 +138,6 @@ struct Tile {
     s: Vec<f32>,
 }
 
-/// Raw output pointer shared by tasks that write disjoint columns.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of output columns.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
 /// The scalar reference the vector path is tested against: the same integers, summed in f64.
 pub fn reference(a: &Q8Rows, (packed, scales, global): (&[u8], &[u8], f32), n: usize) -> Vec<f64> {
     let (m, k, kb) = (a.rows(), a.k, a.k / BLOCK);
@@ -197,8 +177,8 @@ mod x86 {
     pub(super) unsafe fn decode(packed: &[u8], scales: &[u8], (r0, r1): (usize, usize), k: usize, tile: &mut Tile) {
         let kb = k / BLOCK;
         let groups = (r1 - r0).div_ceil(GROUP);
-        // SAFETY: every gathered 8 bytes lie in a row r0..r1 (or row r0) of `packed`; tile writes stay in
-        // its 64 · k bytes and 64 · k / 16 scales.
+        // SAFETY: every 8 bytes read lie in a row r0..r1 (or row r0) of `packed`, every scale in one of
+        // those rows; tile writes stay in its 64 · k bytes and 64 · k / 16 scales.
         unsafe {
             let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(LUT.as_ptr().cast()));
             let nib = _mm512_set1_epi8(0x0F);
@@ -228,6 +208,11 @@ mod x86 {
                     lane(15),
                 )
             });
+            // Where block b0 + t of a row's scales goes: lane j of block b0 + t, 16 floats apart.
+            let lanes = _mm512_mullo_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                _mm512_set1_epi32(GROUP as i32),
+            );
             for g in 0..groups {
                 let row = |j: usize| {
                     let r = r0 + g * GROUP + j;
@@ -237,7 +222,7 @@ mod x86 {
                         r0
                     }
                 };
-                let off = |j: usize| (row(j) * k / 2) as i64;
+                let off = |j: usize| row(j) * k / 2;
                 let tw = tile.w.as_mut_ptr().add(g * kb * GROUP_BLOCK);
                 // The next group's scales (read row by row below, two lines each) and first weight lines
                 // are asked for now, so their misses overlap this group's decode.
@@ -255,14 +240,14 @@ mod x86 {
                     // gather: each row's cache line 4 lines ahead is asked for once per line (8 blocks).
                     if b % 8 == 0 && b + 32 < kb {
                         for j in 0..GROUP {
-                            let line = packed.as_ptr().add(off(j) as usize + (b + 32) * 8);
+                            let line = packed.as_ptr().add(off(j) + (b + 32) * 8);
                             _mm_prefetch::<_MM_HINT_T0>(line.cast());
                         }
                     }
                     let mut halves = [[_mm512_setzero_si512(); 2]; 2];
                     for h in 0..2 {
                         let q = |j: usize| {
-                            std::ptr::read_unaligned(packed.as_ptr().add(off(8 * h + j) as usize + b * 8) as *const i64)
+                            std::ptr::read_unaligned(packed.as_ptr().add(off(8 * h + j) + b * 8) as *const i64)
                         };
                         let p = _mm512_setr_epi64(q(0), q(1), q(2), q(3), q(4), q(5), q(6), q(7));
                         let ul = _mm512_shuffle_epi8(lut, _mm512_and_si512(p, nib));
@@ -286,10 +271,6 @@ mod x86 {
                     // 16 blocks' scales of row j at a time, converted in a vector and scattered to lane j
                     // of each block (a scalar conversion per scale cost as much as the weights' decode).
                     let whole = kb / 16 * 16;
-                    let lanes = _mm512_mullo_epi32(
-                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                        _mm512_set1_epi32(GROUP as i32),
-                    );
                     for b0 in (0..whole).step_by(16) {
                         let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(scales.as_ptr().add(r * kb + b0).cast()));
                         let v = e4m3_512(codes);

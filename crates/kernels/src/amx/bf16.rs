@@ -8,10 +8,10 @@
 //! Four accumulator tiles hold 32 activation rows × 32 weight rows over all of `k`, so a step loads 2 A
 //! and 2 B tiles for 4 tile products.
 
-use super::{configure, OutPtr, TileConfig};
+use super::{configure, TileConfig};
 use osprey_backend::types::WeightView;
 
-use crate::{nvfp4, pool};
+use crate::pool::{self, OutPtr};
 
 /// Activation rows and weight rows per tile.
 const T: usize = 16;
@@ -39,11 +39,9 @@ fn pack(
             WeightView::Bf16(wb) => &wb[r * k..(r + 1) * k],
             WeightView::Nvfp4 { packed, scales, global } => {
                 let (wide, narrow) = scratch;
-                wide.resize(k, 0.0);
                 narrow.resize(k, 0);
-                let (pk, sk) = (k / 2, k / nvfp4::BLOCK);
-                nvfp4::dequant_row(&packed[r * pk..(r + 1) * pk], &scales[r * sk..(r + 1) * sk], 1.0, wide);
-                crate::bf16::round_row(wide, narrow);
+                let (pk, sk) = (k / 2, k / crate::nvfp4::BLOCK);
+                crate::bf16::nvfp4_row(&packed[r * pk..(r + 1) * pk], &scales[r * sk..(r + 1) * sk], wide, narrow);
                 scale = global;
                 narrow
             }
@@ -167,7 +165,7 @@ mod tests {
         gemm(&x, m, view, n, k, &mut got);
         for r in 0..n {
             let mut w = vec![0f32; k];
-            nvfp4::dequant_row(
+            crate::nvfp4::dequant_row(
                 &packed[r * k / 2..(r + 1) * k / 2],
                 &scales[r * k / 16..(r + 1) * k / 16],
                 0.25,

@@ -12,9 +12,9 @@
 //! `j`'s columns `4kk..4kk+4` of the block), built once per call; C is 16 weight rows × 16 activation
 //! rows of i32.
 
-use super::{configure, OutPtr, TileConfig};
+use super::{configure, TileConfig};
 use crate::nvfp4::{e4m3_to_f32, BLOCK};
-use crate::pool;
+use crate::pool::{self, OutPtr};
 use crate::q8::LUT_U8 as LUT;
 use crate::q8_gemm::Q8Rows;
 

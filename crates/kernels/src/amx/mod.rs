@@ -188,13 +188,6 @@ macro_rules! tile {
 #[cfg(target_arch = "x86_64")]
 pub(crate) use tile;
 
-/// Raw output pointer shared by tasks that write disjoint columns.
-#[derive(Clone, Copy)]
-pub(crate) struct OutPtr(pub *mut f32);
-// SAFETY: every task writes a disjoint set of output columns.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
 #[cfg(test)]
 mod tests {
     use super::*;
