@@ -306,8 +306,10 @@ fn load_for_serving(settings: &Settings, model_dir: &Path, wrap_reader: Option<R
         expert_slots,
         ple_budget: osprey_models::PleBudget::new(ple),
         draft_head: settings.speculative_tokens.unwrap_or(0) > 0,
-        // Guesses only matter where experts stream from disk.
-        predictor: if experts.is_some() { predictor } else { None },
+        // Guesses matter where experts stream from disk, or where a device's slots hold fewer experts than
+        // a layer has (guesses held in RAM are uploaded into them ahead of their layer).
+        predictor: if experts.is_some() || expert_slots.is_some() { predictor } else { None },
+        guess_uploads: expert_slots.is_some(),
     };
     let mut progress = Progress::new("loading weights");
     let model = osprey_models::load_with_options(&cfg, &ck, opts, backend.clone(), &mut |d, n| progress.update(d, n))?;

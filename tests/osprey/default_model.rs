@@ -299,6 +299,26 @@ fn the_memory_plan_sizes_expert_slots_and_answers_do_not_change() {
     }
     assert_eq!(metric(addr, "osprey_expert_slots"), 12.0, "3 slots in each of 4 MoE layers");
     assert!(metric(addr, "osprey_expert_slot_misses_total") > 12.0, "experts came and went through the slots");
+    assert_eq!(metric(addr, "osprey_expert_slot_prefetch_issued_total"), 0.0, "no guesses without read-ahead");
+
+    // Read-ahead on the device (issue 36): the next layer's router guesses, and the guessed experts go up
+    // into its slots while the layer before computes. Same answers; the guesses are counted.
+    let settings = Settings {
+        device: Some("cuda-emu".into()),
+        gpu_memory_gb: Some(bytes as f64 / (1u64 << 30) as f64),
+        expert_prefetch: Some("router".into()),
+        ..Settings::default()
+    };
+    let addr = start(settings, osprey::model_dir(&Settings::default()).expect("default model"));
+    for name in ["red_circle", "moving_up"] {
+        let c = case(name);
+        assert_eq!(answer(addr, &c, c.thinking).1, c.expected, "{name} with guesses uploaded ahead");
+    }
+    let issued = metric(addr, "osprey_expert_slot_prefetch_issued_total");
+    let (used, wasted) =
+        (metric(addr, "osprey_expert_slot_prefetch_used_total"), metric(addr, "osprey_expert_slot_prefetch_wasted_total"));
+    assert!(issued > 0.0 && used > 0.0, "guesses went up and some were used: {issued} issued, {used} used");
+    assert!(used + wasted <= issued, "{used} used + {wasted} wasted of {issued}");
 }
 
 /// The whole expert path of the GPU tier on the emulated device: experts streamed from disk into the

@@ -296,3 +296,43 @@ fn the_cap_bounds_what_guesses_hold() {
     let layers = idx.experts.iter().filter(|l| !l.is_empty()).count() as u64;
     assert!(s.resident_experts <= 2 * layers + 1, "{} experts held over {layers} layers", s.resident_experts);
 }
+
+/// Issue 36: on a device, guesses also go up into the next layer's slots while the layer before computes
+/// (`guess_uploads`; here on the CPU backend's slots, two per layer). They take only experts the manager
+/// holds (`ExpertSource::held`), leased without counting an access: with every expert fitting in RAM, the
+/// manager counts the same accesses with and without the uploads (each routed expert once per step,
+/// from a slot or asked for); guesses went up where RAM holds experts per layer, and the logits are the
+/// mapped model's at every budget.
+#[test]
+fn guesses_uploaded_into_slots_count_no_access_and_change_no_answer() {
+    let dir = nvfp4_dir();
+    let idx = index(&dir);
+    let reference = run(&model_with(&dir, None), &prompt()).expect("mapped");
+    let (cfg, ck) = (ModelConfig::from_dir(&dir).expect("config"), Checkpoint::open(&dir).expect("open"));
+    for budget in [Budget::PerLayer(8), Budget::PerLayer(3), Budget::Bytes(3 * idx.expert_footprint(0, 0))] {
+        let mut accesses = Vec::new();
+        for uploads in [false, true] {
+            let set = manager(&idx, None, budget, false);
+            let opts = LoadOptions {
+                experts: Some(Arc::new(set.clone())),
+                predictor: predict::by_name("union", 2).expect("policy"),
+                expert_slots: Some(2),
+                guess_uploads: uploads,
+                ..LoadOptions::default()
+            };
+            let backend = osprey_backend_cpu::CpuBackend::shared();
+            let m = osprey_models::load_with_options(&cfg, &ck, opts, backend, &mut |_, _| {}).expect("model");
+            let what = format!("{budget:?}, guesses uploaded: {uploads}");
+            assert!(run(&m, &prompt()).expect("streamed") == reference, "{what}: the logits changed");
+            // A byte budget of three experts holds too few for a guess to find its expert in RAM.
+            let some = uploads && matches!(budget, Budget::PerLayer(_));
+            assert!(m.slot_stats().guesses == 0 || uploads, "{what}: no upload without guesses uploaded");
+            assert!(m.slot_stats().guesses > 0 || !some, "{what}: guesses went up");
+            let s = stats(&set);
+            accesses.push(s.layers.iter().map(|l| l.hits + l.misses).collect::<Vec<u64>>());
+        }
+        if budget == Budget::PerLayer(8) {
+            assert_eq!(accesses[0], accesses[1], "an upload ahead counts no access");
+        }
+    }
+}

@@ -42,6 +42,10 @@ pub struct LoadOptions {
     /// Guesses each MoE layer's experts while the layer before computes, so a disk-backed expert source
     /// reads them ahead (`None`: no read-ahead; answers are the same either way).
     pub predictor: Option<Arc<dyn crate::layers::predict::ExpertPredictor>>,
+    /// With a predictor: also upload each guess the expert source holds in RAM into the next layer's
+    /// backend slots while the layer before computes (a device backend whose slots hold fewer experts
+    /// than a layer has: the host-to-device copies overlap compute). Answers are the same either way.
+    pub guess_uploads: bool,
     /// Load the checkpoint's draft head (`mtp.*`, speculative decoding) when it has one: the head's
     /// layer then keeps its own plane in the KV pages.
     pub draft_head: bool,

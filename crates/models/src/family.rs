@@ -277,6 +277,12 @@ pub struct SlotStats {
     pub slots: u64,
     /// Slots holding an expert.
     pub filled: u64,
+    /// Experts uploaded on a guess, before their layer's step routed.
+    pub guesses: u64,
+    /// Of those, routed to by that step (found in their slot).
+    pub guesses_used: u64,
+    /// Of those, passed over by that step (their upload was for nothing).
+    pub guesses_wasted: u64,
 }
 
 impl std::ops::Add for SlotStats {
@@ -288,6 +294,9 @@ impl std::ops::Add for SlotStats {
             waves: self.waves + o.waves,
             slots: self.slots + o.slots,
             filled: self.filled + o.filled,
+            guesses: self.guesses + o.guesses,
+            guesses_used: self.guesses_used + o.guesses_used,
+            guesses_wasted: self.guesses_wasted + o.guesses_wasted,
         }
     }
 }

@@ -52,6 +52,16 @@ pub enum ResidencyCommand {
         /// Experts.
         experts: Vec<usize>,
     },
+    /// Which of these experts of a layer are held now: each leased if resident, `None` if not. Nothing is
+    /// read, and no access is counted (an upload of guesses into device slots ahead of their layer).
+    Held {
+        /// Layer.
+        layer: usize,
+        /// Experts.
+        experts: Vec<usize>,
+        /// Per expert, in order.
+        reply: oneshot::Sender<Vec<Option<Handle>>>,
+    },
     /// A lease was dropped.
     Release {
         /// Layer.

@@ -181,6 +181,12 @@ pub struct ExpertSlots {
     pub slots: u64,
     /// Slots holding an expert.
     pub filled: u64,
+    /// Experts uploaded into a slot on a guess, before their layer routed (read-ahead on a device).
+    pub guesses: u64,
+    /// Of those, routed to by their layer's step.
+    pub guesses_used: u64,
+    /// Of those, passed over by their layer's step.
+    pub guesses_wasted: u64,
 }
 
 /// The compute device's memory and traffic since start (`None` on the CPU backend).

@@ -205,6 +205,9 @@ impl Driver {
             waves: s.waves,
             slots: s.slots,
             filled: s.filled,
+            guesses: s.guesses,
+            guesses_used: s.guesses_used,
+            guesses_wasted: s.guesses_wasted,
         }
     }
 

@@ -14,7 +14,7 @@ use osprey_backend::{
 
 use super::core::RawWeight;
 use super::{arg, seam_error, u32_of, Buf, CudaBackend};
-use crate::device::{Arg, LaunchConfig};
+use crate::device::{Arg, Event, LaunchConfig};
 
 /// Where one projection sits in a slot.
 #[derive(Clone, Copy, Debug)]
@@ -25,13 +25,17 @@ struct Part {
     scales: usize,
 }
 
-/// A layer's slots on the device, and each slot's three global scales (NVFP4; 1 otherwise).
+/// A layer's slots on the device, each slot's three global scales (NVFP4; 1 otherwise), and each slot's
+/// last copy that the compute stream has not waited for yet.
 #[derive(Debug)]
 struct CudaPool {
     mem: Buf,
     stride: usize,
     parts: [Part; 3],
     globals: Vec<[f32; 3]>,
+    /// The compute stream waits for a slot's copy only when a wave first reads the slot, so an upload
+    /// made ahead (a guess, while the layer before computes) overlaps the compute queued meanwhile.
+    copying: std::sync::Mutex<Vec<Option<Event>>>,
 }
 
 /// Bytes of a `rows × cols` projection of `dtype`: (codes or elements, scales).
@@ -159,7 +163,8 @@ impl ExpertOps for CudaBackend {
     fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool> {
         let (parts, stride) = layout(shape);
         let mem = self.buf(stride * slots.max(1))?;
-        let pool = CudaPool { mem, stride, parts, globals: vec![[1.0; 3]; slots] };
+        let copying = std::sync::Mutex::new(vec![None; slots]);
+        let pool = CudaPool { mem, stride, parts, globals: vec![[1.0; 3]; slots], copying };
         Ok(ExpertPool::new(layer, shape, slots, Box::new(pool)))
     }
 
@@ -195,9 +200,9 @@ impl ExpertOps for CudaBackend {
             }
             cuda.globals[slot][i] = global;
         }
+        cuda.copying.get_mut().unwrap_or_else(|e| e.into_inner())[slot] = last;
         pool.set_key(slot, key);
         let Some(last) = last else { return Ok(Fence(self.dev.record().0)) };
-        self.dev.wait_event(last).map_err(seam_error)?;
         let mut uploading = self.uploading.lock().unwrap_or_else(|e| e.into_inner());
         uploading.retain(|(e, _)| !self.dev.is_complete(*e)); // finished copies give their leases back
         uploading.push((last, expert));
@@ -229,12 +234,18 @@ impl ExpertOps for CudaBackend {
         // The wave's tokens, slot after slot (ascending), as one batch of rows: one grouped GEMM per
         // projection runs every slot on its own rows.
         let mut groups = Groups::default();
+        let mut copying = cuda.copying.lock().unwrap_or_else(|e| e.into_inner());
         for (&slot, entries) in &by_slot {
             if pool.key(slot).is_none() {
                 return Err(BackendError::Slot(format!("slot {slot} of layer {}'s pool read while empty", pool.layer)));
             }
+            // The slot's bytes must have landed before the first kernel that reads them.
+            if let Some(copy) = copying[slot].take() {
+                self.dev.wait_event(copy).map_err(seam_error)?;
+            }
             groups.add(self, cuda, dtype, slot, entries, k);
         }
+        drop(copying);
         let (inter, hidden) = (pool.shape.inter, pool.shape.hidden);
         let xs = self.gather_rows(x, &groups.rows)?;
         let mut gate = self.grouped(&xs, &groups, 0, (inter, hidden), dtype)?;

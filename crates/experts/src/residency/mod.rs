@@ -74,6 +74,28 @@ impl ExpertSource for ResidentSet {
         let _ = self.tx.send(ResidencyCommand::Prefetch { layer, experts: experts.to_vec() });
     }
 
+    fn held(&self, layer: usize, experts: &[usize]) -> PendingExperts {
+        let (reply, rx) = oneshot::channel();
+        let tx = self.tx.clone();
+        if tx.send(ResidencyCommand::Held { layer, experts: experts.to_vec(), reply }).is_err() {
+            return PendingExperts::none();
+        }
+        let experts = experts.to_vec();
+        PendingExperts::new(move || {
+            // A guess is optional: a manager gone answers none (the next request reports it).
+            let got = rx.blocking_recv().unwrap_or_default();
+            Ok(got
+                .into_iter()
+                .zip(experts)
+                .filter_map(|(w, expert)| {
+                    let key = osprey_models::layers::moe::key(layer, expert);
+                    let lease = Lease { tx: tx.clone(), layer, expert };
+                    w.map(|w| ExpertHandle::new(key, from_handle(&w), Some(Box::new(lease))))
+                })
+                .collect())
+        })
+    }
+
     fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
         let (resident_tx, resident_rx) = oneshot::channel();
         let (reply, rx) = oneshot::channel();
@@ -255,6 +277,19 @@ impl Manager {
                 self.table.pass_over(layer);
             }
             ResidencyCommand::Prefetch { layer, experts } => self.ask(layer, &experts),
+            ResidencyCommand::Held { layer, experts, reply } => {
+                let valid = |e: usize| layer < self.index.experts.len() && e < self.index.experts[layer].len();
+                let held: Vec<Option<Handle>> = experts
+                    .iter()
+                    .map(|&e| valid(e).then(|| self.table.lease_quiet(layer, e)).flatten().map(to_handle))
+                    .collect();
+                if let Err(unclaimed) = reply.send(held) {
+                    // Nobody took them: give the leases back.
+                    for (_, &e) in unclaimed.iter().zip(&experts).filter(|(h, _)| h.is_some()) {
+                        self.table.release(layer, e);
+                    }
+                }
+            }
             ResidencyCommand::Hits { layer, experts } => {
                 experts.iter().for_each(|&e| self.table.hit(layer, e));
                 self.passed = Some(layer);

@@ -176,6 +176,14 @@ impl ResidencyTable {
         Some(s.weights.clone())
     }
 
+    /// A resident expert, leased without counting an access or a guess's use, nor changing its recency
+    /// (an upload ahead of its layer's step: the step counts the use); `None` if not resident.
+    pub fn lease_quiet(&mut self, layer: usize, expert: usize) -> Option<Arc<ExpertWeights>> {
+        let s = self.slots.peek_mut(&(layer, expert))?;
+        s.leases += 1;
+        Some(s.weights.clone())
+    }
+
     /// Counts a use of a resident expert that needs no lease (it sits in a backend slot that holds one):
     /// a hit, and the most recent. An expert not resident is ignored.
     pub fn hit(&mut self, layer: usize, expert: usize) {

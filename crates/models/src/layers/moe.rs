@@ -167,6 +167,14 @@ pub trait ExpertSource: Debug + Send + Sync {
     /// A guess: `experts` of `layer` (most wanted first) will probably be asked for soon. A source with a
     /// slower tier may start reading them; it must never change what [`ExpertSource::request`] returns.
     fn prefetch(&self, _layer: usize, _experts: &[usize]) {}
+
+    /// The experts of `layer` among `experts` this source holds in RAM now, leased for the caller, in
+    /// the order asked: what a device backend can upload into slots ahead of the layer (guesses). It
+    /// reads nothing and counts no access; the answer may come later (it is waited for once the caller's
+    /// own step is done). The default holds none.
+    fn held(&self, _layer: usize, _experts: &[usize]) -> PendingExperts {
+        PendingExperts::none()
+    }
 }
 
 /// Every expert mapped from the checkpoint (the page cache decides what is in RAM).
@@ -227,10 +235,18 @@ impl ExpertSource for ResidentExperts {
     }
 
     fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
-        ExpertTicket::ready(Ok(experts
-            .iter()
-            .map(|&e| ExpertHandle::new(key(layer, e), self.experts[layer][e].clone(), None))
-            .collect()))
+        ExpertTicket::ready(Ok(self.handles(layer, experts)))
+    }
+
+    fn held(&self, layer: usize, experts: &[usize]) -> PendingExperts {
+        let handles = self.handles(layer, experts);
+        PendingExperts::new(move || Ok(handles))
+    }
+}
+
+impl ResidentExperts {
+    fn handles(&self, layer: usize, experts: &[usize]) -> Vec<ExpertHandle> {
+        experts.iter().map(|&e| ExpertHandle::new(key(layer, e), self.experts[layer][e].clone(), None)).collect()
     }
 }
 
@@ -250,19 +266,108 @@ pub fn key(layer: usize, expert: usize) -> ExpertKey {
     ExpertKey { layer: layer as u32, expert: expert as u32 }
 }
 
-/// A layer's pool on the backend and its slot table (allocated at the first step).
+/// A layer's pool on the backend and its slot table (allocated at the first step, or at the first guess
+/// the block before uploads into it).
 #[derive(Debug, Default)]
 struct Slots {
     pool: Option<ExpertPool>,
     table: Option<SlotTable>,
 }
 
-/// Reading the next MoE layer's experts ahead (see [`crate::layers::predict`]): the policy, and the next
-/// block's layer and router (the first block's, for the last; `None` for a model with one block).
+/// A layer's expert slots, shared with the block before it when that one uploads its guesses here.
+#[derive(Debug)]
+struct LayerSlots {
+    layer: usize,
+    shape: ExpertShape,
+    experts: usize,
+    /// Slots per layer (`None`: the expert source's, else one per expert).
+    per_layer: Option<usize>,
+    inner: Mutex<Slots>,
+}
+
+impl LayerSlots {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slots> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The pool and table in `slots` (this layer's, locked), allocated on `b` if this is their first use.
+    fn ready<'a>(
+        &self,
+        slots: &'a mut Slots,
+        b: &dyn Backend,
+        source: &dyn ExpertSource,
+    ) -> Result<(&'a mut ExpertPool, &'a mut SlotTable)> {
+        let Slots { pool, table } = slots;
+        let pool = match pool {
+            Some(p) => p,
+            None => pool.insert(b.alloc_expert_pool(self.layer as u32, self.count(source), self.shape)?),
+        };
+        let table = table.get_or_insert_with(|| SlotTable::new(pool.slots()));
+        Ok((pool, table))
+    }
+
+    /// Slots in the pool.
+    fn count(&self, source: &dyn ExpertSource) -> usize {
+        self.per_layer.or_else(|| source.slots_per_layer()).unwrap_or(self.experts).clamp(1, self.experts)
+    }
+
+    /// Asks `source` for the guessed experts of this layer it holds in RAM and no slot holds yet, of the
+    /// guess's first experts that fit in the pool (most wanted first); they are uploaded once the asking
+    /// block's own step is done ([`Self::upload_guesses`]).
+    fn ask_held(self: &Arc<Self>, source: &dyn ExpertSource, guess: &[usize]) -> Option<HeldGuess> {
+        let guess = &guess[..guess.len().min(self.count(source))];
+        let slots = self.lock();
+        let in_slot = |e: usize| slots.table.as_ref().is_some_and(|t| t.contains(e as u32));
+        let wanted: Vec<usize> = guess.iter().copied().filter(|&e| e < self.experts && !in_slot(e)).collect();
+        drop(slots);
+        let guess = guess.iter().map(|&e| e as u32).collect();
+        (!wanted.is_empty()).then(|| HeldGuess { slots: self.clone(), guess, held: source.held(self.layer, &wanted) })
+    }
+
+    /// Uploads guessed experts (most wanted first) into this layer's slots ahead of its step: free slots,
+    /// else the least recently used ones, never a slot whose guess still waits for its step
+    /// ([`SlotTable::assign_guesses`]); the guesses that find no slot are given back. Each upload waits
+    /// for its slot's last reader, as a miss's does, and is the slot's last use until a wave reads it.
+    fn upload_guesses(
+        &self,
+        b: &dyn Backend,
+        source: &dyn ExpertSource,
+        guess: &[u32],
+        held: Vec<ExpertHandle>,
+    ) -> Result<()> {
+        let mut guard = self.lock();
+        let (pool, table) = self.ready(&mut guard, b, source)?;
+        let mut seen = std::collections::BTreeSet::new();
+        let fresh: Vec<ExpertHandle> =
+            held.into_iter().filter(|h| !table.contains(h.key().expert) && seen.insert(h.key().expert)).collect();
+        let keys: Vec<u32> = fresh.iter().map(|h| h.key().expert).collect();
+        let slots = table.assign_guesses(&keys, guess);
+        for (handle, slot) in fresh.into_iter().zip(slots) {
+            b.wait_fence(table.reader(slot))?;
+            // Until a wave reads it, the slot's last use is this copy: a miss that evicts an unused guess
+            // must wait for it (the copy reads the host expert, whose lease the slot may drop then).
+            let copied = b.upload_expert(pool, slot, handle.into_host())?;
+            table.read(slot, copied);
+        }
+        Ok(())
+    }
+}
+
+/// A guess for a layer's slots, waiting for the source's answer: which of its experts the source holds.
+struct HeldGuess {
+    slots: Arc<LayerSlots>,
+    guess: Vec<u32>,
+    held: PendingExperts,
+}
+
+/// Reading the next MoE layer's experts ahead (see [`crate::layers::predict`]): the policy, the next
+/// block's layer and router (the first block's, for the last; `None` for a model with one block), and
+/// the next block's slots when guesses are uploaded into them.
 #[derive(Debug)]
 struct ReadAhead {
     predictor: Arc<dyn ExpertPredictor>,
     next: Option<(usize, Arc<Tensor>)>,
+    next_slots: Option<Arc<LayerSlots>>,
 }
 
 /// One MoE block.
@@ -273,10 +378,7 @@ pub struct SparseMoe {
     shared: Mlp,
     shared_gate: Tensor,
     cfg: MoeConfig,
-    shape: ExpertShape,
-    /// Slots per layer (`None`: the expert source's, else one per expert).
-    slots_per_layer: Option<usize>,
-    slots: Mutex<Slots>,
+    slots: Arc<LayerSlots>,
     ahead: Option<ReadAhead>,
 }
 
@@ -301,22 +403,30 @@ impl SparseMoe {
             shared: Mlp::load(b, ck, &format!("{prefix}.shared_expert"), hidden, cfg.shared_intermediate)?,
             shared_gate: load_linear(b, ck, &format!("{prefix}.shared_expert_gate"), 1, hidden)?,
             cfg,
-            shape: ExpertShape { hidden, inter: cfg.intermediate, dtype },
-            slots_per_layer: slots,
-            slots: Mutex::new(Slots::default()),
+            slots: Arc::new(LayerSlots {
+                layer,
+                shape: ExpertShape { hidden, inter: cfg.intermediate, dtype },
+                experts: cfg.num_experts,
+                per_layer: slots,
+                inner: Mutex::new(Slots::default()),
+            }),
             ahead: None,
         })
     }
 
     /// Has each block report its routing to `predictor` and guess the next block's experts with it; the
     /// last block guesses the first block's at the next step (so the first layer's reads overlap too).
-    /// `None`: no read-ahead.
-    pub fn read_ahead(blocks: &mut [&mut SparseMoe], predictor: Option<Arc<dyn ExpertPredictor>>) {
+    /// With `upload`, a block also uploads the guessed experts its source holds in RAM into the next
+    /// block's slots once its own step is done (a device backend: the copies overlap the compute up to the
+    /// next block's routing). `None`: no read-ahead.
+    pub fn read_ahead(blocks: &mut [&mut SparseMoe], predictor: Option<Arc<dyn ExpertPredictor>>, upload: bool) {
         let Some(predictor) = predictor else { return };
         let n = blocks.len();
         for i in 0..n {
-            let next = (n > 1).then(|| (blocks[(i + 1) % n].layer, blocks[(i + 1) % n].router.clone()));
-            blocks[i].ahead = Some(ReadAhead { predictor: predictor.clone(), next });
+            let after = &blocks[(i + 1) % n];
+            let next = (n > 1).then(|| (after.layer, after.router.clone()));
+            let next_slots = (n > 1 && upload).then(|| after.slots.clone());
+            blocks[i].ahead = Some(ReadAhead { predictor: predictor.clone(), next, next_slots });
         }
     }
 
@@ -343,18 +453,8 @@ impl SparseMoe {
             a.predictor.observe(self.layer, &touched);
         }
 
-        let mut guard = self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let Slots { pool, table } = &mut *guard;
-        let n_slots = self
-            .slots_per_layer
-            .or_else(|| experts.slots_per_layer())
-            .unwrap_or(self.cfg.num_experts)
-            .clamp(1, self.cfg.num_experts);
-        let pool = match pool {
-            Some(p) => p,
-            None => pool.insert(b.alloc_expert_pool(self.layer as u32, n_slots, self.shape)?),
-        };
-        let table = table.get_or_insert_with(|| SlotTable::new(pool.slots()));
+        let mut guard = self.slots.lock();
+        let (pool, table) = self.slots.ready(&mut guard, b, experts)?;
         let (hits, misses) = table.lookup(&touched);
         let hit_ids: Vec<usize> = hits.iter().map(|&(e, _)| e as usize).collect();
         experts.note_hits(self.layer, &hit_ids);
@@ -365,10 +465,14 @@ impl SparseMoe {
             experts.request(self.layer, &miss_ids).resident()?
         };
         // The guess goes out after this layer's own request, so its reads queue behind the misses.
-        if let Some(ReadAhead { predictor, next: Some((next, router)) }) = &self.ahead {
+        let mut held = None;
+        if let Some(ReadAhead { predictor, next: Some((next, router)), next_slots }) = &self.ahead {
             let guess = predictor.predict(&Ahead::new(b, (self.layer, *next), k, x, router))?;
             if !guess.is_empty() {
                 experts.prefetch(*next, &guess);
+                if let Some(slots) = next_slots {
+                    held = slots.ask_held(experts, &guess);
+                }
             }
         }
 
@@ -415,6 +519,10 @@ impl SparseMoe {
         }
         let mut out = b.moe_combine(&partials, k)?;
         b.add_sigmoid_gated(&mut out, &shared, &sgate);
+        drop(guard);
+        if let Some(HeldGuess { slots, guess, held }) = held {
+            slots.upload_guesses(b, experts, &guess, held.wait()?)?;
+        }
         Ok(out)
     }
 
@@ -425,7 +533,6 @@ impl SparseMoe {
 
     /// This layer's slot counters (zero before its first step).
     pub fn slot_stats(&self) -> SlotStats {
-        let guard = self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        guard.table.as_ref().map(|t| t.counters()).unwrap_or_default()
+        self.slots.lock().table.as_ref().map(|t| t.counters()).unwrap_or_default()
     }
 }

@@ -6,8 +6,13 @@
 //! transfer; misses are uploaded into slots in waves of at most the pool's size ([`SlotTable::assign`]),
 //! each slot a free one or the least recently used one the wave does not read. The caller waits for a
 //! victim's last reader before uploading into it, and records the wave's fence on the slots it read.
+//!
+//! Guesses (issue 36): while the layer before computes, experts guessed for this layer may be uploaded
+//! ahead ([`SlotTable::assign_guesses`]) into free or least recently used slots, never over another
+//! guess still waiting for its step. The step's lookup counts a guess it finds `used`; the guesses it
+//! passes over count `wasted` and become the least recent, so they are the first evicted.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use crate::family::SlotStats;
 use lru::LruCache;
@@ -22,6 +27,8 @@ pub struct SlotTable {
     holder: Vec<Option<u32>>,
     /// Slot → its last reader.
     reader: Vec<Fence>,
+    /// Experts uploaded on a guess and not yet looked up by a step.
+    guessed: BTreeSet<u32>,
     /// Counters.
     pub stats: SlotStats,
 }
@@ -34,6 +41,7 @@ impl SlotTable {
             by_expert: LruCache::unbounded(),
             holder: vec![None; slots],
             reader: vec![Fence::DONE; slots],
+            guessed: BTreeSet::new(),
             stats: SlotStats::default(),
         }
     }
@@ -54,19 +62,63 @@ impl SlotTable {
         self.holder[slot]
     }
 
+    /// Whether `expert` is in a slot (its recency unchanged).
+    pub fn contains(&self, expert: u32) -> bool {
+        self.by_expert.contains(&expert)
+    }
+
     /// Splits the step's touched experts (ascending, distinct) into hits `(expert, slot)` (now the most
-    /// recent) and misses (ascending).
+    /// recent) and misses (ascending). Guesses found count used; the others count wasted and become the
+    /// least recent (the first evicted).
     pub fn lookup(&mut self, touched: &[u32]) -> (Vec<(u32, usize)>, Vec<u32>) {
         let (mut hits, mut misses) = (Vec::new(), Vec::new());
         for &e in touched {
             match self.by_expert.get(&e) {
-                Some(&s) => hits.push((e, s)),
+                Some(&s) => {
+                    if self.guessed.remove(&e) {
+                        self.stats.guesses_used += 1;
+                    }
+                    hits.push((e, s))
+                }
                 None => misses.push(e),
             }
+        }
+        for e in std::mem::take(&mut self.guessed) {
+            self.stats.guesses_wasted += 1;
+            self.by_expert.demote(&e);
         }
         self.stats.hits += hits.len() as u64;
         self.stats.misses += misses.len() as u64;
         (hits, misses)
+    }
+
+    /// Slots for guessed experts to upload (distinct, none resident), in order: each takes a free slot,
+    /// else the least recently used slot that holds neither a guess still waiting for its step nor an
+    /// expert of `keep` (the whole guess: the guessed experts already resident stay); a guess that finds
+    /// none gets none (the result is a prefix of `upload`). The table records them as holding the
+    /// guesses (most recent). The caller waits for each slot's [`Self::reader`] before uploading.
+    pub fn assign_guesses(&mut self, upload: &[u32], keep: &[u32]) -> Vec<usize> {
+        let mut taken: Vec<usize> = Vec::with_capacity(upload.len());
+        for &e in upload {
+            debug_assert!(!self.by_expert.contains(&e), "guess {e} is already resident: this is a bug");
+            let free = (0..self.slots()).find(|&s| self.holder[s].is_none());
+            let slot = match free {
+                Some(s) => s,
+                None => {
+                    let victim =
+                        self.by_expert.iter().rev().find(|(e, _)| !self.guessed.contains(e) && !keep.contains(e));
+                    let Some((&old, &s)) = victim else { break };
+                    self.by_expert.pop(&old);
+                    s
+                }
+            };
+            self.holder[slot] = Some(e);
+            self.by_expert.put(e, slot);
+            self.guessed.insert(e);
+            self.stats.guesses += 1;
+            taken.push(slot);
+        }
+        taken
     }
 
     /// Slots for one wave of misses (at most [`Self::slots`], distinct, none resident): each takes a free
@@ -183,6 +235,78 @@ mod tests {
             let distinct: std::collections::BTreeSet<u32> = steps.iter().flatten().copied().collect();
             prop_assert_eq!(table.stats.misses, distinct.len() as u64);
         }
+    }
+
+    /// A step's guess (experts 0..12, possibly wrong) and what it then routed to.
+    type Guessed = (Vec<u32>, Vec<u32>);
+
+    /// Steps each preceded by a guess.
+    fn guessed_steps() -> impl Strategy<Value = (usize, Vec<Guessed>)> {
+        let set = || prop::collection::btree_set(0u32..12, 0..8).prop_map(|s| s.into_iter().collect::<Vec<_>>());
+        (1usize..6, prop::collection::vec((set(), set().prop_filter("a step routes", |s| !s.is_empty())), 1..20))
+    }
+
+    proptest! {
+        /// Guesses uploaded ahead (as the block before does) never break a step: its waves still read
+        /// the experts they name from distinct slots, a guess never lands on a slot whose guess still
+        /// waits, and every guess is counted used or wasted by the step that follows it.
+        #[test]
+        fn guesses_uploaded_ahead_keep_every_wave_right((slots, steps) in guessed_steps()) {
+            let mut table = SlotTable::new(slots);
+            let mut pool: Vec<Option<u32>> = vec![None; slots];
+            for (guess, touched) in steps {
+                let guess: Vec<u32> = guess.into_iter().filter(|&e| !table.contains(e)).collect();
+                let taken = table.assign_guesses(&guess, &guess);
+                prop_assert!(taken.len() <= guess.len().min(slots));
+                let mut distinct = taken.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                prop_assert_eq!(distinct.len(), taken.len(), "two guesses in one slot");
+                for (&e, &s) in guess.iter().zip(&taken) {
+                    pool[s] = Some(e);
+                }
+                let before = table.counters();
+                let mut seen = Vec::new();
+                for wave in step(&mut table, &touched) {
+                    for &(e, s, upload) in &wave {
+                        if upload {
+                            pool[s] = Some(e);
+                        }
+                    }
+                    for &(e, s, _) in &wave {
+                        prop_assert_eq!(pool[s], Some(e), "slot {} read while it holds {:?}", s, pool[s]);
+                        seen.push(e);
+                    }
+                }
+                seen.sort_unstable();
+                prop_assert_eq!(&seen, &touched, "every touched expert runs exactly once");
+                let after = table.counters();
+                let used = guess[..taken.len()].iter().filter(|e| touched.contains(e)).count() as u64;
+                prop_assert_eq!(after.guesses_used - before.guesses_used, used);
+                prop_assert_eq!(after.guesses_wasted - before.guesses_wasted, taken.len() as u64 - used);
+            }
+        }
+    }
+
+    #[test]
+    fn a_wasted_guess_is_evicted_first_and_a_waiting_guess_is_never_a_victim() {
+        let mut t = SlotTable::new(3);
+        step(&mut t, &[1, 2]);
+        assert_eq!(t.assign_guesses(&[5], &[5]).len(), 1, "a free slot");
+        // The step routes to 1 only: the guess 5 is wasted and goes behind 2, though uploaded after it.
+        step(&mut t, &[1]);
+        let c = t.counters();
+        assert_eq!((c.guesses, c.guesses_used, c.guesses_wasted), (1, 0, 1));
+        step(&mut t, &[9]);
+        assert!(!t.contains(5) && t.contains(2), "the wasted guess was the victim");
+        // Full (1, 2, 9): 6 evicts the least recent (2), never 1, which the guess names too, nor a waiting
+        // guess; 7 evicts 9; then only 1 and waiting guesses are left, so 8 gets no slot.
+        let slots = t.assign_guesses(&[6, 7, 8], &[1, 6, 7, 8]);
+        assert_eq!(slots.len(), 2, "neither a waiting guess nor a guessed resident expert is a victim");
+        assert!(t.contains(1) && t.contains(6) && t.contains(7) && !t.contains(8) && !t.contains(9));
+        step(&mut t, &[1, 7]);
+        let c = t.counters();
+        assert_eq!((c.guesses, c.guesses_used, c.guesses_wasted), (3, 1, 2));
     }
 
     #[test]

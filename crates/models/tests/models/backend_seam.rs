@@ -15,6 +15,7 @@ use osprey_backend::{
 };
 use osprey_backend_cpu::testing::HostOps;
 use osprey_backend_cpu::CpuBackend;
+use osprey_models::layers::predict::{Ahead, ExpertPredictor, Replay};
 use osprey_models::{CausalLm, LogitsWanted, Positions, SeqInput, SeqStep};
 
 /// The CPU backend with its host crossings counted.
@@ -228,4 +229,86 @@ fn qwen4_exp_decode_downloads_only_routing_and_logits() {
         let [_, _, downloads, routing, _, expert_uploads] = counts(&counting);
         assert_eq!((downloads, routing, expert_uploads), (1, info.moe_layers, 0), "step {step}");
     }
+}
+
+/// Records each MoE layer's routing, in order, and guesses nothing.
+#[derive(Debug, Default)]
+struct Recorder(std::sync::Mutex<Vec<(usize, Vec<usize>)>>);
+
+impl ExpertPredictor for Recorder {
+    fn observe(&self, layer: usize, touched: &[u32]) {
+        self.0.lock().expect("lock").push((layer, touched.iter().map(|&e| e as usize).collect()));
+    }
+    fn predict(&self, _: &Ahead<'_>) -> osprey_models::Result<Vec<usize>> {
+        Ok(Vec::new())
+    }
+}
+
+/// Guesses `n` experts the replayed trace says the next layer will not route to.
+#[derive(Debug)]
+struct Wrong(Replay, usize);
+
+impl ExpertPredictor for Wrong {
+    fn observe(&self, layer: usize, touched: &[u32]) {
+        self.0.observe(layer, touched);
+    }
+    fn predict(&self, a: &Ahead<'_>) -> osprey_models::Result<Vec<usize>> {
+        let right = self.0.predict(a)?;
+        Ok((0..8).filter(|e| !right.contains(e)).take(self.1).collect())
+    }
+}
+
+/// Issue 36: the guesses drive uploads into the next layer's slots while the layer before computes. With
+/// the next layer's true experts guessed (a replayed trace of the same prompt), every decode step finds
+/// each routed expert already in its slot: no upload waits for a layer's routing, each guess is used,
+/// and the logits are the CPU's bits. With every guess wrong, every guess is wasted, each routed expert
+/// is still uploaded when its layer routes, and the logits are the same bits.
+#[test]
+fn guessed_experts_go_up_into_slots_before_their_layer_routes_and_answers_do_not_change() {
+    let dir = common::fixtures().join("models/qwen3_5_moe-tiny");
+    let cfg = osprey_models::ModelConfig::from_dir(&dir).expect("config");
+    let ck = osprey_models::Checkpoint::open(&dir).expect("checkpoint");
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 53 + 7) % 1000).collect();
+    // Prompt, then 6 greedy steps; the logits of each forward and the slot counters after the prompt.
+    let decode = |predictor: Arc<dyn ExpertPredictor>, uploads: bool, b: Arc<Counting>| {
+        let opts = osprey_models::LoadOptions {
+            expert_slots: Some(4),
+            predictor: Some(predictor),
+            guess_uploads: uploads,
+            ..Default::default()
+        };
+        let m = osprey_models::load_with_options(&cfg, &ck, opts, b.clone(), &mut |_, _| {}).expect("load");
+        let mut st = m.new_state();
+        let mut out = vec![run(&m, &mut st, &prompt, LogitsWanted::Last)];
+        let (after_prompt, _) = (m.slot_stats(), counts(&b));
+        for _ in 0..6 {
+            let next = argmax(out.last().expect("logits"));
+            out.push(run(&m, &mut st, &[next], LogitsWanted::Last));
+        }
+        let uploaded = counts(&b)[5] as u64;
+        (out, after_prompt, m.slot_stats(), uploaded)
+    };
+    let recorder = Arc::new(Recorder::default());
+    let (reference, ..) = decode(recorder.clone(), false, Arc::new(Counting::default()));
+    let trace = recorder.0.lock().expect("lock").clone();
+    assert_eq!(trace.len(), 7 * 4, "four MoE layers, seven forwards");
+
+    let (got, before, after, uploaded) =
+        decode(Arc::new(Replay::new(trace.clone())), true, Arc::new(Counting::default()));
+    assert!(got == reference, "perfect guesses uploaded ahead: the same bits");
+    let routed: u64 = trace[4..].iter().map(|(_, e)| e.len() as u64).sum();
+    assert_eq!(after.misses, before.misses, "decode: no routed expert waited for an upload after routing");
+    assert_eq!(after.hits - before.hits, routed, "decode: every routed expert was in its slot");
+    assert_eq!(after.guesses_used - before.guesses_used, after.guesses - before.guesses, "every guess used");
+    assert_eq!(after.guesses_wasted, before.guesses_wasted);
+    assert!(after.guesses > before.guesses, "experts went up on guesses");
+    assert_eq!(uploaded, after.guesses - before.guesses, "decode's uploads are the guesses");
+
+    let (got, before, after, uploaded) =
+        decode(Arc::new(Wrong(Replay::new(trace), 2)), true, Arc::new(Counting::default()));
+    assert!(got == reference, "wrong guesses uploaded ahead: the same bits");
+    assert!(after.guesses > before.guesses, "wrong experts went up");
+    assert_eq!(after.guesses_used, 0, "no wrong guess is used");
+    assert_eq!(uploaded, (after.guesses - before.guesses) + (after.misses - before.misses));
+    assert!(after.misses > before.misses, "the routed experts were uploaded when their layer routed");
 }

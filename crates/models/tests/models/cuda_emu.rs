@@ -68,7 +68,9 @@ fn cuda_emu_multimodal_logits_match_transformers() {
 }
 
 /// On the device, answers do not depend on the expert budget: one slot per layer (every step uploads in
-/// waves) and a slot per expert give the same logits to the bit, for prefill and decode.
+/// waves) and a slot per expert give the same logits to the bit, for prefill and decode; so do two slots
+/// per layer with guesses uploaded ahead (issue 36: copies queued while the layer before computes, which
+/// the emulated device runs only when a wave that reads their slot waits for them).
 #[test]
 fn cuda_emu_answers_are_bit_identical_across_slot_budgets() {
     use osprey_models::{LoadOptions, LogitsWanted, SeqInput, SeqStep};
@@ -78,8 +80,15 @@ fn cuda_emu_answers_are_bit_identical_across_slot_budgets() {
             osprey_models::ModelConfig::from_dir(&dir).expect("config"),
             osprey_models::Checkpoint::open(&dir).expect("checkpoint"),
         );
-        let run = |slots: Option<usize>| {
-            let opts = LoadOptions { expert_slots: slots, ..LoadOptions::default() };
+        let run = |slots: Option<usize>, guesses: bool| {
+            let opts = LoadOptions {
+                expert_slots: slots,
+                predictor: guesses
+                    .then(|| osprey_models::layers::predict::by_name("union", 2).expect("policy"))
+                    .flatten(),
+                guess_uploads: guesses,
+                ..LoadOptions::default()
+            };
             let m = osprey_models::load_with_options(&cfg, &ck, opts, cuda_backend(), &mut |_, _| {}).expect("load");
             let mut st = m.new_state();
             let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 1000).collect();
@@ -92,8 +101,12 @@ fn cuda_emu_answers_are_bit_identical_across_slot_budgets() {
                 out.push(l);
                 next = vec![t];
             }
-            out
+            (out, m.slot_stats().guesses)
         };
-        assert_eq!(run(Some(1)), run(None), "{name}: one slot per layer and every expert resident");
+        let (all, _) = run(None, false);
+        assert!(run(Some(1), false).0 == all, "{name}: one slot per layer and every expert resident");
+        let (guessing, guesses) = run(Some(2), true);
+        assert!(guesses > 0, "{name}: guesses went up");
+        assert!(guessing == all, "{name}: two slots per layer with guesses uploaded ahead");
     }
 }

@@ -16,6 +16,7 @@ use osprey_backend::{
     Backend, BackendRef, ExpertPool, Fence, HostData, HostExpert, HostTensor, HostVec, Result, Tensor, Wrapper,
 };
 use osprey_backend_cpu::CpuBackend;
+use osprey_models::layers::predict;
 use osprey_models::{CausalLm, LoadOptions, LogitsWanted, Positions, SeqInput, SeqStep};
 
 /// The CPU backend with deferred fences and a slot-reuse check.
@@ -167,31 +168,50 @@ fn run(m: &dyn CausalLm, st: &mut osprey_models::SeqState, ids: &[u32]) -> Vec<f
     m.forward(&mut [SeqStep { state: st, input }], false).expect("forward").logits.remove(0)
 }
 
+/// One slot per layer (every step reuses slots in waves), then two and four with guesses uploaded ahead (issue 36:
+/// the next layer's router, two experts beyond top-k, uploaded while the layer before computes, into
+/// slots whose last readers may still be queued).
 #[test]
 fn no_slot_is_overwritten_before_its_last_reader_completes() {
     for name in ["qwen3_5_moe-tiny", "qwen4_exp-tiny"] {
-        let dir = common::fixtures().join("models").join(name);
-        let cfg = osprey_models::ModelConfig::from_dir(&dir).expect("config");
-        let ck = osprey_models::Checkpoint::open(&dir).expect("checkpoint");
-        let deferred = Arc::new(Deferred::new(CpuBackend::shared()));
-        let opts = LoadOptions { expert_slots: Some(1), ..LoadOptions::default() };
-        let model = osprey_models::load_with_options(&cfg, &ck, opts, deferred.clone(), &mut |_, _| {}).expect("load");
-        let reference = osprey_models::load_on(&dir, CpuBackend::shared()).expect("reference");
-        let (mut st, mut want) = (model.new_state(), reference.new_state());
-        let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 1000).collect();
-        let mut next = prompt.clone();
-        for step in 0..6 {
-            let got = run(&model, &mut st, &next);
-            assert_eq!(got, run(&reference, &mut want, &next), "{name} step {step}: the same bits");
-            let t = got.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).expect("logits");
-            next = vec![t];
+        for (slots, uploads) in [(1, false), (2, true), (4, true)] {
+            let dir = common::fixtures().join("models").join(name);
+            let cfg = osprey_models::ModelConfig::from_dir(&dir).expect("config");
+            let ck = osprey_models::Checkpoint::open(&dir).expect("checkpoint");
+            let deferred = Arc::new(Deferred::new(CpuBackend::shared()));
+            let opts = LoadOptions {
+                expert_slots: Some(slots),
+                predictor: uploads.then(|| predict::by_name("union", 2).expect("policy")).flatten(),
+                guess_uploads: uploads,
+                ..LoadOptions::default()
+            };
+            let model =
+                osprey_models::load_with_options(&cfg, &ck, opts, deferred.clone(), &mut |_, _| {}).expect("load");
+            let reference = osprey_models::load_on(&dir, CpuBackend::shared()).expect("reference");
+            let (mut st, mut want) = (model.new_state(), reference.new_state());
+            let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 1000).collect();
+            let mut next = prompt.clone();
+            let what = format!("{name}, {slots} slots, guesses uploaded: {uploads}");
+            for step in 0..6 {
+                let got = run(&model, &mut st, &next);
+                assert!(got == run(&reference, &mut want, &next), "{what}, step {step}: the same bits");
+                let t =
+                    got.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).expect("logits");
+                next = vec![t];
+            }
+            let stats = model.slot_stats();
+            assert!(stats.misses > 0, "{what}: slots were reused");
+            assert_eq!(stats.guesses > 0, uploads, "{what}: guesses went up");
+            assert_eq!(deferred.violations.load(Ordering::SeqCst), 0, "{what}: a slot was overwritten while read");
+            // The device drains its queue, then the model's slots release the leases they still hold.
+            deferred.wait_fence(deferred.record_fence()).expect("drain");
+            drop(model);
+            assert_eq!(
+                deferred.early_releases.load(Ordering::SeqCst),
+                0,
+                "{what}: a RAM lease ended before its upload"
+            );
         }
-        assert!(model.slot_stats().misses > 0, "{name}: slots were reused");
-        assert_eq!(deferred.violations.load(Ordering::SeqCst), 0, "{name}: a slot was overwritten while read");
-        // The device drains its queue, then the model's slots release the leases they still hold.
-        deferred.wait_fence(deferred.record_fence()).expect("drain");
-        drop(model);
-        assert_eq!(deferred.early_releases.load(Ordering::SeqCst), 0, "{name}: a RAM lease ended before its upload");
     }
 }
 

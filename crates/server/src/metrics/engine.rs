@@ -139,6 +139,17 @@ const ENGINE: &[Decl] = &[
     gauge("osprey_expert_slots_filled", "Expert slots holding an expert.", |s| {
         u(s.engine.scheduler.expert_slots.filled)
     }),
+    counter("osprey_expert_slot_prefetch_issued", "Guessed experts uploaded into a slot before their layer.", |s| {
+        u(s.engine.scheduler.expert_slots.guesses)
+    }),
+    counter("osprey_expert_slot_prefetch_used", "Guessed experts uploaded ahead that their layer used.", |s| {
+        u(s.engine.scheduler.expert_slots.guesses_used)
+    }),
+    counter(
+        "osprey_expert_slot_prefetch_wasted",
+        "Guessed experts uploaded ahead that their layer passed over.",
+        |s| u(s.engine.scheduler.expert_slots.guesses_wasted),
+    ),
     gauge("osprey_device_memory_bytes", "Bytes of compute-device memory.", |s| device(s, |d| d.memory_total)),
     gauge("osprey_device_memory_free_bytes", "Bytes of compute-device memory not allocated.", |s| {
         device(s, |d| d.memory_free)

@@ -25,7 +25,16 @@ fn snapshot() -> Engine {
         kv_pages_free: 200,
         kv_pages_shared: 5,
         kv_pages_running: 40,
-        expert_slots: ExpertSlots { hits: 11, misses: 7, waves: 9, slots: 24, filled: 20 },
+        expert_slots: ExpertSlots {
+            hits: 11,
+            misses: 7,
+            waves: 9,
+            slots: 24,
+            filled: 20,
+            guesses: 6,
+            guesses_used: 4,
+            guesses_wasted: 2,
+        },
         device: Some(DeviceCounters {
             memory_total: 1 << 34,
             memory_free: 1 << 33,
@@ -160,6 +169,9 @@ const ADDED: &[&str] = &[
     "osprey_expert_prefetch_issued_total",
     "osprey_expert_prefetch_used_total",
     "osprey_expert_prefetch_wasted_bytes_total",
+    "osprey_expert_slot_prefetch_issued_total",
+    "osprey_expert_slot_prefetch_used_total",
+    "osprey_expert_slot_prefetch_wasted_total",
 ];
 
 /// Names, label sets, types, help text and values are those of the exposition before the move; what is
