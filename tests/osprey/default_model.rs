@@ -315,8 +315,10 @@ fn the_memory_plan_sizes_expert_slots_and_answers_do_not_change() {
         assert_eq!(answer(addr, &c, c.thinking).1, c.expected, "{name} with guesses uploaded ahead");
     }
     let issued = metric(addr, "osprey_expert_slot_prefetch_issued_total");
-    let (used, wasted) =
-        (metric(addr, "osprey_expert_slot_prefetch_used_total"), metric(addr, "osprey_expert_slot_prefetch_wasted_total"));
+    let (used, wasted) = (
+        metric(addr, "osprey_expert_slot_prefetch_used_total"),
+        metric(addr, "osprey_expert_slot_prefetch_wasted_total"),
+    );
     assert!(issued > 0.0 && used > 0.0, "guesses went up and some were used: {issued} issued, {used} used");
     assert!(used + wasted <= issued, "{used} used + {wasted} wasted of {issued}");
 }

@@ -336,3 +336,46 @@ fn guesses_uploaded_into_slots_count_no_access_and_change_no_answer() {
         }
     }
 }
+
+/// Issue 36, memory: the experts held in RAM — guesses being read included — never pass the budget plus
+/// one layer's routed experts plus the guesses' cap (`Options::prefetch_cap`). One layer's routed experts:
+/// on the CPU a slot holds its expert's lease, so a layer's new experts are read before the slots give
+/// back the ones they replace; without guesses the peak is the budget plus those. Greedy single-token
+/// steps (two experts per layer) under a budget of two experts per layer and one of eight in all, without
+/// guesses and with the widest policies under a cap of two experts. The manager's high-water mark is
+/// checked, the one `/metrics` reports as `osprey_expert_peak_bytes`.
+#[test]
+fn experts_held_never_pass_the_budget_plus_a_step_plus_the_guess_cap() {
+    let dir = nvfp4_dir();
+    let idx = index(&dir);
+    let fp = idx.expert_footprint(0, 0);
+    let layers = idx.experts.iter().filter(|l| !l.is_empty()).count();
+    // Room for two guessed experts: a guess names up to six per layer, so the cap is what bounds them.
+    let (cap, step) = (2 * fp, 2 * fp);
+    for (budget, bytes) in [(Budget::PerLayer(2), 2 * layers * fp), (Budget::Bytes(8 * fp), 8 * fp)] {
+        for guess in ["off", "union", "router"] {
+            let reader = open_reader(&idx.files, None).expect("reader");
+            let backend = osprey_backend_cpu::CpuBackend::shared();
+            let opts = Options { warmup: false, prefetch_cap: cap };
+            let set = spawn(idx.clone(), reader, (budget, Policy::Lru), opts, backend.as_ref());
+            let m = model_guessing(&dir, Some(Arc::new(set.clone())), predict::by_name(guess, 2).expect("policy"));
+            let mut st = m.new_state();
+            let mut next = 17u32;
+            for _ in 0..24 {
+                let input = SeqInput::text(std::slice::from_ref(&next));
+                let l = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("step").logits.remove(0);
+                next = l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).expect("logits");
+            }
+            let s = stats(&set);
+            let peak = s.peak_bytes as usize;
+            let what = format!("{budget:?}, {guess}: peak {peak} bytes, budget {bytes} + step {step} + cap {cap}");
+            assert!(peak >= bytes, "{what}: the budget filled");
+            if guess == "off" {
+                assert!(peak <= bytes + step, "{what}");
+            } else {
+                assert!(s.prefetch.issued > 0, "{what}: guesses were read");
+                assert!(peak <= bytes + step + cap, "{what}");
+            }
+        }
+    }
+}

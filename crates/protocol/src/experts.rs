@@ -83,6 +83,9 @@ pub struct ResidencyStats {
     pub layers: Vec<LayerStats>,
     /// Bytes of experts in RAM.
     pub resident_bytes: u64,
+    /// The most bytes of experts held in RAM at once since start, guesses being read included (bounded by
+    /// the budget plus the guesses' cap, as long as no step leases more than the budget).
+    pub peak_bytes: u64,
     /// Experts in RAM.
     pub resident_experts: u64,
     /// Evictions.

@@ -202,7 +202,7 @@ pub fn spawn(
             }
         },
     };
-    let m = Manager { index, tier, reader, table, rx, guesser, warm, passed: None, stall, opts };
+    let m = Manager { index, tier, reader, table, rx, guesser, warm, passed: None, peak: 0, stall, opts };
     std::thread::Builder::new()
         .name("osprey-experts".into())
         .spawn(move || m.run())
@@ -223,6 +223,8 @@ struct Manager {
     warm: Option<Warmup>,
     /// The layer whose `Hits` came last: its step is over unless its `Need` comes next.
     passed: Option<usize>,
+    /// The most bytes held at once: the table's and the guesses' being read.
+    peak: usize,
     stall: Arc<AtomicU64>,
     opts: Options,
 }
@@ -239,6 +241,8 @@ impl Manager {
                 }
             }
             self.handle(cmd);
+            let reading: usize = self.guesser.as_ref().map_or(0, |g| g.inflight.values().sum());
+            self.peak = self.peak.max(self.table.used() + reading);
         }
     }
 
@@ -378,6 +382,7 @@ impl Manager {
         ResidencyStats {
             layers: t.stats.clone(),
             resident_bytes: t.used() as u64,
+            peak_bytes: self.peak.max(t.used()) as u64,
             resident_experts: t.len() as u64,
             evictions: t.evictions,
             stall_secs: self.stall.load(Ordering::Relaxed) as f64 / 1e9,

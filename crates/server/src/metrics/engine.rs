@@ -251,6 +251,9 @@ const ENGINE: &[Decl] = &[
         experts(s, |e| N::F(e.stall_secs))
     }),
     gauge("osprey_expert_resident_bytes", "Bytes of experts held in RAM.", |s| experts(s, |e| N::U(e.resident_bytes))),
+    gauge("osprey_expert_peak_bytes", "Most bytes of experts held in RAM at once, guesses being read included.", |s| {
+        experts(s, |e| N::U(e.peak_bytes))
+    }),
     gauge("osprey_expert_resident", "Experts held in RAM.", |s| experts(s, |e| N::U(e.resident_experts))),
     counter("osprey_expert_evictions", "Experts evicted.", |s| experts(s, |e| N::U(e.evictions))),
     gauge("osprey_expert_arena_slots", "Slots of the host arena experts are read into.", |s| {

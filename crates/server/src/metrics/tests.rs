@@ -95,6 +95,7 @@ fn snapshot() -> Engine {
     let e = ResidencyStats {
         layers: vec![layer(0), layer(1)],
         resident_bytes: 1 << 24,
+        peak_bytes: 1 << 25,
         resident_experts: 6,
         evictions: 5,
         stall_secs: 0.5,
@@ -164,7 +165,9 @@ fn samples(text: &str) -> BTreeMap<String, (f64, String, String)> {
 
 /// Metrics added since the pinned exposition (each a decision, written here, never a surprise).
 const ADDED: &[&str] = &[
-    // Issue 36: read-ahead of guessed experts (sorted, as the samples are compared).
+    // Issue 36: read-ahead of guessed experts, and the experts' peak in RAM (sorted, as the samples are
+    // compared).
+    "osprey_expert_peak_bytes",
     "osprey_expert_prefetch_accuracy",
     "osprey_expert_prefetch_issued_total",
     "osprey_expert_prefetch_used_total",
