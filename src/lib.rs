@@ -101,7 +101,7 @@ fn expert_source(
     let opts = osprey_experts::Options {
         warmup: settings.expert_warmup.unwrap_or(false),
         prefetch_cap: if guessing {
-            osprey_experts::Options::prefetch_cap_for(&index, top_k, margin(settings))
+            osprey_experts::Options::prefetch_cap_for(&index, top_k, margin(settings), depth(settings))
         } else {
             0
         },
@@ -111,6 +111,10 @@ fn expert_source(
 
 fn margin(settings: &Settings) -> usize {
     settings.expert_prefetch_margin.unwrap_or(2)
+}
+
+fn depth(settings: &Settings) -> usize {
+    settings.expert_prefetch_depth.unwrap_or(1).max(1)
 }
 
 /// The read-ahead policy `--expert-prefetch` names (docs/architecture.md, "Read-ahead").
@@ -310,6 +314,7 @@ fn load_for_serving(settings: &Settings, model_dir: &Path, wrap_reader: Option<R
         // a layer has (guesses held in RAM are uploaded into them ahead of their layer).
         predictor: if experts.is_some() || expert_slots.is_some() { predictor } else { None },
         guess_uploads: expert_slots.is_some(),
+        prefetch_depth: depth(settings),
     };
     let mut progress = Progress::new("loading weights");
     let model = osprey_models::load_with_options(&cfg, &ck, opts, backend.clone(), &mut |d, n| progress.update(d, n))?;

@@ -61,6 +61,8 @@ pub struct Settings {
     pub expert_prefetch: Option<String>,
     /// Experts per token the router guess adds beyond the model's top-k (default 2).
     pub expert_prefetch_margin: Option<usize>,
+    /// MoE layers ahead each layer guesses (default 1: the next; 2: the next two).
+    pub expert_prefetch_depth: Option<usize>,
     /// Images + videos per request (default 8).
     pub max_media_per_request: Option<usize>,
     /// Bytes per media item (default 16 MiB).

@@ -156,6 +156,9 @@ pub struct ExpertsArgs {
     /// Experts per token the router guess adds beyond top-k.
     #[arg(long, default_value_t = 2)]
     pub prefetch_margin: usize,
+    /// MoE layers ahead each layer guesses (as `serve --expert-prefetch-depth`).
+    #[arg(long, default_value_t = 1)]
+    pub prefetch_depth: usize,
     /// With `--prefetch oracle`: a trace of the same prompt (`--trace-out` of an earlier run).
     #[arg(long)]
     pub trace_in: Option<PathBuf>,
@@ -289,6 +292,7 @@ fn experts_sweep(a: ExpertsArgs, g: &Global) -> Result<()> {
             cmd.arg("--warmup");
         }
         cmd.args(["--prefetch", &a.prefetch, "--prefetch-margin", &a.prefetch_margin.to_string()]);
+        cmd.args(["--prefetch-depth", &a.prefetch_depth.to_string()]);
         if let Some(t) = &a.trace_in {
             cmd.arg("--trace-in").arg(t);
         }
@@ -322,6 +326,7 @@ fn experts(a: ExpertsArgs, g: &Global) -> Result<()> {
             "off" => osprey_bench::Prefetch::Off,
             name => osprey_bench::Prefetch::Policy(name.to_string(), a.prefetch_margin),
         },
+        prefetch_depth: a.prefetch_depth,
     };
     let (report, trace) = osprey_bench::bench_experts_traced(&a.model, run, backend)?;
     if let Some(path) = a.trace_out {

@@ -94,6 +94,9 @@ pub struct ServeArgs {
     /// Experts per token the router guess adds beyond top-k.
     #[arg(long)]
     expert_prefetch_margin: Option<usize>,
+    /// MoE layers ahead each layer guesses: 1 (the next) or 2 (the next two).
+    #[arg(long)]
+    expert_prefetch_depth: Option<usize>,
     /// Images + videos per request.
     #[arg(long)]
     max_media_per_request: Option<usize>,
@@ -191,6 +194,7 @@ impl ServeArgs {
             expert_warmup: self.expert_warmup.then_some(true),
             expert_prefetch: self.expert_prefetch.clone(),
             expert_prefetch_margin: self.expert_prefetch_margin,
+            expert_prefetch_depth: self.expert_prefetch_depth,
             max_media_per_request: self.max_media_per_request,
             max_media_bytes: self.max_media_bytes,
             max_image_pixels: self.max_image_pixels,

@@ -336,6 +336,8 @@ pub struct ExpertsRun {
     pub warmup: bool,
     /// What is read ahead.
     pub prefetch: Prefetch,
+    /// MoE layers ahead each layer guesses (1: the next).
+    pub prefetch_depth: usize,
 }
 
 /// What `bench experts` reads ahead (`--prefetch`).
@@ -387,7 +389,8 @@ pub fn bench_experts_traced(
     run: ExpertsRun,
     backend: BackendRef,
 ) -> crate::Result<(ExpertsReport, TraceFile)> {
-    let ExpertsRun { fraction, ple_fraction, prompt_len, decode_tokens, wait_all, warmup, prefetch } = run;
+    let ExpertsRun { fraction, ple_fraction, prompt_len, decode_tokens, wait_all, warmup, prefetch, prefetch_depth } =
+        run;
     let cfg = ModelConfig::from_dir(dir)?;
     let ck = Checkpoint::open(dir)?;
     let layout = osprey_models::expert_layout(&cfg, &ck)?
@@ -405,7 +408,7 @@ pub fn bench_experts_traced(
     let predictor = scored.clone().map(|s| s as Arc<dyn ExpertPredictor>);
     let top_k = cfg.text.moe()?.map_or(0, |m| m.top_k);
     let prefetch_cap = match predictor {
-        Some(_) => Options::prefetch_cap_for(&index, top_k, prefetch.margin()),
+        Some(_) => Options::prefetch_cap_for(&index, top_k, prefetch.margin(), prefetch_depth),
         None => 0,
     };
     let opts = Options { warmup, prefetch_cap };
@@ -424,6 +427,7 @@ pub fn bench_experts_traced(
         experts: Some(source),
         ple_budget: ple_budget.clone(),
         predictor,
+        prefetch_depth,
         ..osprey_models::LoadOptions::default()
     };
     let model = osprey_models::load_with_options(&cfg, &ck, opts, backend, &mut |_, _| {})?;

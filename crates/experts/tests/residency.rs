@@ -58,9 +58,19 @@ fn model_guessing(
     experts: Option<Arc<dyn ExpertSource>>,
     predictor: Option<Arc<dyn ExpertPredictor>>,
 ) -> Model {
+    model_guessing_ahead(dir, experts, predictor, 1)
+}
+
+/// [`model_guessing`], each layer guessing the next `depth` MoE layers.
+fn model_guessing_ahead(
+    dir: &Path,
+    experts: Option<Arc<dyn ExpertSource>>,
+    predictor: Option<Arc<dyn ExpertPredictor>>,
+    prefetch_depth: usize,
+) -> Model {
     let cfg = ModelConfig::from_dir(dir).expect("config");
     let ck = Checkpoint::open(dir).expect("open");
-    let opts = LoadOptions { experts, predictor, ..LoadOptions::default() };
+    let opts = LoadOptions { experts, predictor, prefetch_depth, ..LoadOptions::default() };
     let backend = osprey_backend_cpu::CpuBackend::shared();
     osprey_models::load_with_options(&cfg, &ck, opts, backend, &mut |_, _| {}).expect("model")
 }
@@ -240,17 +250,26 @@ fn perfect_guesses_are_read_ahead_and_all_used() {
     let recorded = model_guessing(&dir, None, Some(recorder.clone()));
     assert!(run(&recorded, &prompt()).expect("recorded") == reference, "observing changes nothing");
     let trace = recorder.0.lock().expect("trace").clone();
-    for budget in [Budget::PerLayer(8), Budget::Bytes(3 * idx.expert_footprint(0, 0))] {
+    let budgets = [Budget::PerLayer(8), Budget::Bytes(3 * idx.expert_footprint(0, 0))];
+    // Each layer guessing the next one, or the next two (the reads of the layer after next queue behind).
+    for (budget, depth) in budgets.into_iter().flat_map(|b| [(b, 1), (b, 2)]) {
         let oracle = Arc::new(Replay::new(trace.clone()));
-        let set = manager(&idx, None, budget, false);
-        let m = model_guessing(&dir, Some(Arc::new(set.clone())), Some(oracle));
-        assert!(run(&m, &prompt()).expect("streamed") == reference, "{budget:?}: guesses changed the logits");
+        let set = spawn(
+            idx.clone(),
+            open_reader(&idx.files, None).expect("reader"),
+            (budget, Policy::Lru),
+            Options { warmup: false, prefetch_cap: Options::prefetch_cap_for(&idx, 2, 2, depth) },
+            osprey_backend_cpu::CpuBackend::shared().as_ref(),
+        );
+        let m = model_guessing_ahead(&dir, Some(Arc::new(set.clone())), Some(oracle), depth);
+        let budget = format!("{budget:?}, depth {depth}");
+        assert!(run(&m, &prompt()).expect("streamed") == reference, "{budget}: guesses changed the logits");
         let s = stats(&set);
         let p = s.prefetch;
-        assert!(p.issued > 0, "{budget:?}: guesses were read: {p:?}");
-        assert_eq!((p.used, p.wasted, p.wasted_bytes), (p.issued, 0, 0), "{budget:?}: every guess used: {p:?}");
+        assert!(p.issued > 0, "{budget}: guesses were read: {p:?}");
+        assert_eq!((p.used, p.wasted, p.wasted_bytes), (p.issued, 0, 0), "{budget}: every guess used: {p:?}");
         let missed: Vec<u64> = s.layers.iter().map(|l| l.misses).collect();
-        assert!(missed[0] > 0 && missed[1..].iter().all(|&m| m == 0), "{budget:?}: only layer 0 misses: {missed:?}");
+        assert!(missed[0] > 0 && missed[1..].iter().all(|&m| m == 0), "{budget}: only layer 0 misses: {missed:?}");
     }
 }
 

@@ -46,6 +46,10 @@ pub struct LoadOptions {
     /// backend slots while the layer before computes (a device backend whose slots hold fewer experts
     /// than a layer has: the host-to-device copies overlap compute). Answers are the same either way.
     pub guess_uploads: bool,
+    /// With a predictor: how many MoE layers ahead each layer guesses (1, or 0: the next only; 2: the next
+    /// two, so the reads of the layer after next queue behind the next one's and the disk never waits for
+    /// a layer's routing).
+    pub prefetch_depth: usize,
     /// Load the checkpoint's draft head (`mtp.*`, speculative decoding) when it has one: the head's
     /// layer then keeps its own plane in the KV pages.
     pub draft_head: bool,

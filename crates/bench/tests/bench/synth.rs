@@ -82,5 +82,6 @@ fn run(fraction: f64, ple_fraction: f64, decode_tokens: usize) -> osprey_bench::
         wait_all: false,
         warmup: false,
         prefetch: osprey_bench::Prefetch::Off,
+        prefetch_depth: 1,
     }
 }

@@ -162,10 +162,11 @@ pub struct Options {
 }
 
 impl Options {
-    /// The guesses' cap for a model of `top_k` experts per token guessed with `margin` more: two layers'
-    /// guesses of the largest expert (one layer's, and the one before it not yet passed over).
-    pub fn prefetch_cap_for(index: &ExpertIndex, top_k: usize, margin: usize) -> usize {
-        2 * (top_k + margin) * index.largest_footprint().unwrap_or(0)
+    /// The guesses' cap for a model of `top_k` experts per token guessed with `margin` more, `depth` layers
+    /// ahead: `depth + 1` layers' guesses of the largest expert (those ahead, and the one before them
+    /// not yet passed over; two layers at a depth of 1).
+    pub fn prefetch_cap_for(index: &ExpertIndex, top_k: usize, margin: usize, depth: usize) -> usize {
+        (depth.max(1) + 1) * (top_k + margin) * index.largest_footprint().unwrap_or(0)
     }
 }
 

@@ -360,13 +360,14 @@ struct HeldGuess {
     held: PendingExperts,
 }
 
-/// Reading the next MoE layer's experts ahead (see [`crate::layers::predict`]): the policy, the next
-/// block's layer and router (the first block's, for the last; `None` for a model with one block), and
-/// the next block's slots when guesses are uploaded into them.
+/// Reading the next MoE layers' experts ahead (see [`crate::layers::predict`]): the policy, the next
+/// blocks' layers and routers, nearest first (`depth` of them, wrapping around to the first block at the
+/// next step; none for a model with one block), and the next block's slots when guesses are uploaded into
+/// them.
 #[derive(Debug)]
 struct ReadAhead {
     predictor: Arc<dyn ExpertPredictor>,
-    next: Option<(usize, Arc<Tensor>)>,
+    next: Vec<(usize, Arc<Tensor>)>,
     next_slots: Option<Arc<LayerSlots>>,
 }
 
@@ -414,18 +415,27 @@ impl SparseMoe {
         })
     }
 
-    /// Has each block report its routing to `predictor` and guess the next block's experts with it; the
-    /// last block guesses the first block's at the next step (so the first layer's reads overlap too).
-    /// With `upload`, a block also uploads the guessed experts its source holds in RAM into the next
-    /// block's slots once its own step is done (a device backend: the copies overlap the compute up to the
-    /// next block's routing). `None`: no read-ahead.
-    pub fn read_ahead(blocks: &mut [&mut SparseMoe], predictor: Option<Arc<dyn ExpertPredictor>>, upload: bool) {
+    /// Has each block report its routing to `predictor` and guess the next `depth` blocks' experts with it
+    /// (1: the next block only; the last blocks guess the first ones' at the next step, so the first
+    /// layers' reads overlap too). With `upload`, a block also uploads the guessed experts its source holds
+    /// in RAM into the next block's slots once its own step is done (a device backend: the copies overlap
+    /// the compute up to the next block's routing). `None`: no read-ahead.
+    pub fn read_ahead(
+        blocks: &mut [&mut SparseMoe],
+        predictor: Option<Arc<dyn ExpertPredictor>>,
+        upload: bool,
+        depth: usize,
+    ) {
         let Some(predictor) = predictor else { return };
         let n = blocks.len();
+        // A block never guesses for itself: at most the other n - 1.
+        let depth = depth.clamp(1, n.saturating_sub(1).max(1));
         for i in 0..n {
-            let after = &blocks[(i + 1) % n];
-            let next = (n > 1).then(|| (after.layer, after.router.clone()));
-            let next_slots = (n > 1 && upload).then(|| after.slots.clone());
+            let next: Vec<(usize, Arc<Tensor>)> = (1..=depth)
+                .filter(|_| n > 1)
+                .map(|d| (blocks[(i + d) % n].layer, blocks[(i + d) % n].router.clone()))
+                .collect();
+            let next_slots = (n > 1 && upload).then(|| blocks[(i + 1) % n].slots.clone());
             blocks[i].ahead = Some(ReadAhead { predictor: predictor.clone(), next, next_slots });
         }
     }
@@ -466,11 +476,14 @@ impl SparseMoe {
         };
         // The guess goes out after this layer's own request, so its reads queue behind the misses.
         let mut held = None;
-        if let Some(ReadAhead { predictor, next: Some((next, router)), next_slots }) = &self.ahead {
-            let guess = predictor.predict(&Ahead::new(b, (self.layer, *next), k, x, router))?;
-            if !guess.is_empty() {
+        if let Some(ReadAhead { predictor, next, next_slots }) = &self.ahead {
+            for (d, (next, router)) in next.iter().enumerate() {
+                let guess = predictor.predict(&Ahead::new(b, (self.layer, *next), k, x, router).at_distance(d + 1))?;
+                if guess.is_empty() {
+                    continue;
+                }
                 experts.prefetch(*next, &guess);
-                if let Some(slots) = next_slots {
+                if let (0, Some(slots)) = (d, next_slots) {
                     held = slots.ask_held(experts, &guess);
                 }
             }

@@ -4,7 +4,7 @@
 //!
 //! Policies behind [`ExpertPredictor`]: [`NextRouter`] applies the next layer's router to this layer's
 //! (normed) input — the residual stream changes little from one layer to the next — and takes each
-//! token's top `k + margin`; [`PreviousStep`] takes the experts the next layer routed to at the previous
+//! token's top `k + margin` (with a depth of 2, also the router of the layer after it: [`Ahead::distance`]); [`PreviousStep`] takes the experts the next layer routed to at the previous
 //! step; [`Union`] both. [`Replay`] reads a recorded trace (`osprey bench experts --prefetch oracle`).
 
 use std::fmt::Debug;
@@ -24,6 +24,8 @@ pub struct Ahead<'a> {
     pub next: usize,
     /// `next` is the first layer at the next step: the next token's input, which this step has not seen.
     pub wraps: bool,
+    /// How many MoE layers ahead `next` is (1: the one right after `layer`).
+    pub distance: usize,
     /// Experts per token.
     pub top_k: usize,
     b: &'a dyn Backend,
@@ -34,7 +36,7 @@ pub struct Ahead<'a> {
 }
 
 impl<'a> Ahead<'a> {
-    /// What layer `layer` shows of itself for a guess at `next`.
+    /// What layer `layer` shows of itself for a guess at `next`, the MoE layer right after it.
     pub fn new(
         b: &'a dyn Backend,
         (layer, next): (usize, usize),
@@ -42,7 +44,13 @@ impl<'a> Ahead<'a> {
         x: &'a Tensor,
         router: &'a Tensor,
     ) -> Self {
-        Ahead { layer, next, wraps: next <= layer, top_k, b, x, router }
+        Ahead { layer, next, wraps: next <= layer, distance: 1, top_k, b, x, router }
+    }
+
+    /// The same, for a `next` that is `distance` MoE layers ahead.
+    pub fn at_distance(mut self, distance: usize) -> Self {
+        self.distance = distance.max(1);
+        self
     }
 
     /// The next layer's router applied to this layer's input: each token's top `n` experts, all tokens
@@ -178,7 +186,7 @@ impl ExpertPredictor for Replay {
     }
 
     fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>> {
-        Ok(match self.trace.get(self.at.load(Ordering::Relaxed)) {
+        Ok(match self.trace.get(self.at.load(Ordering::Relaxed) + a.distance - 1) {
             Some((layer, experts)) if *layer == a.next => experts.clone(),
             _ => Vec::new(),
         })

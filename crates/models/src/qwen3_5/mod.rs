@@ -175,7 +175,7 @@ impl Qwen35 {
                 Ffn::Dense(_) => None,
             })
             .collect();
-        SparseMoe::read_ahead(&mut moes, opts.predictor.clone(), opts.guess_uploads);
+        SparseMoe::read_ahead(&mut moes, opts.predictor.clone(), opts.guess_uploads, opts.prefetch_depth);
         // The draft head's layer takes the next expert-layer index and the next KV plane.
         let kv_planes = kinds.iter().filter(|k| matches!(k, LayerKind::Full)).count();
         let draft = if opts.draft_head { mtp::MtpHead::load(b, ck, &c, opts.expert_slots, kv_planes)? } else { None };

@@ -181,7 +181,7 @@ impl Qwen4Exp {
             progress(i + 1, p.kinds.len());
         }
         let mut moes: Vec<&mut SparseMoe> = layers.iter_mut().map(|l| &mut *l.moe).collect();
-        SparseMoe::read_ahead(&mut moes, opts.predictor.clone(), opts.guess_uploads);
+        SparseMoe::read_ahead(&mut moes, opts.predictor.clone(), opts.guess_uploads, opts.prefetch_depth);
         let experts = match opts.experts {
             Some(src) => src,
             None => {

@@ -233,7 +233,7 @@ fn qwen4_exp_decode_downloads_only_routing_and_logits() {
 
 /// Records each MoE layer's routing, in order, and guesses nothing.
 #[derive(Debug, Default)]
-struct Recorder(std::sync::Mutex<Vec<(usize, Vec<usize>)>>);
+pub(crate) struct Recorder(pub(crate) std::sync::Mutex<Vec<(usize, Vec<usize>)>>);
 
 impl ExpertPredictor for Recorder {
     fn observe(&self, layer: usize, touched: &[u32]) {

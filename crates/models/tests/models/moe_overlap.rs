@@ -124,3 +124,105 @@ fn resident_experts_are_computed_before_waiting_for_the_missing_ones_with_identi
         }
     }
 }
+
+/// What a block told its expert source, in order: a step's slot hits (every step sends them, possibly
+/// none) and its guesses.
+#[derive(Debug)]
+enum Told {
+    Step(usize),
+    Guess(usize, Vec<usize>),
+}
+
+/// Every expert mapped, every call logged.
+#[derive(Debug)]
+struct Logged {
+    inner: ResidentExperts,
+    log: Arc<Mutex<Vec<Told>>>,
+}
+
+impl ExpertSource for Logged {
+    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
+        self.inner.request(layer, experts)
+    }
+    fn note_hits(&self, layer: usize, _experts: &[usize]) {
+        self.log.lock().expect("lock").push(Told::Step(layer));
+    }
+    fn prefetch(&self, layer: usize, experts: &[usize]) {
+        self.log.lock().expect("lock").push(Told::Guess(layer, experts.to_vec()));
+    }
+}
+
+/// Issue 36: a block guesses the next `depth` MoE layers right after its own step's request, nearest
+/// first (wrapping to the first layers at the next step), each guess the one its predictor gives for that
+/// layer at that distance: with the routing replayed, the guesses after the trace's step `i` are exactly
+/// steps `i + 1 ..= i + depth`.
+#[test]
+fn each_layer_guesses_the_next_depth_layers_nearest_first() {
+    use osprey_models::layers::predict::{ExpertPredictor, Replay};
+    let dir = common::fixtures().join("models/qwen3_5_moe-tiny");
+    let cfg = ModelConfig::from_dir(&dir).expect("config");
+    let ck = Checkpoint::open(&dir).expect("open");
+    let moe = cfg.text.moe().expect("moe").expect("is moe");
+    let layout = osprey_models::expert_layout(&cfg, &ck).expect("layout").expect("is moe");
+    let prefixes: Vec<Option<String>> = layout.prefixes.into_iter().map(Some).collect();
+    let ids: Vec<u32> = (0..10).map(|i| (i * 37 + 5) % 200).collect();
+    let load = |predictor: Arc<dyn ExpertPredictor>, depth: usize, log: Arc<Mutex<Vec<Told>>>| {
+        let inner = ResidentExperts::load(&ck, &prefixes, cfg.text.hidden_size, moe).expect("experts");
+        let opts = osprey_models::LoadOptions {
+            experts: Some(Arc::new(Logged { inner, log })),
+            predictor: Some(predictor),
+            prefetch_depth: depth,
+            ..Default::default()
+        };
+        osprey_models::load_with_options(&cfg, &ck, opts, osprey_backend_cpu::CpuBackend::shared(), &mut |_, _| {})
+            .expect("model")
+    };
+    let recorder = Arc::new(crate::backend_seam::Recorder::default());
+    logits(&load(recorder.clone(), 1, Arc::default()), &ids);
+    let trace = recorder.0.lock().expect("lock").clone();
+    for depth in [1, 2, 3] {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        logits(&load(Arc::new(Replay::new(trace.clone())), depth, log.clone()), &ids);
+        let log = log.lock().expect("lock");
+        let mut step = None::<usize>;
+        let mut ahead = 0;
+        for told in log.iter() {
+            match told {
+                Told::Step(layer) => {
+                    let i = step.map_or(0, |s| s + 1);
+                    assert_eq!(*layer, trace[i].0, "depth {depth}: step {i}");
+                    if i > 0 {
+                        let expected = depth.min(trace.len() - i);
+                        assert_eq!(ahead, expected, "depth {depth}: guesses after step {}", i - 1);
+                    }
+                    (step, ahead) = (Some(i), 0);
+                }
+                Told::Guess(layer, experts) => {
+                    ahead += 1;
+                    let i = step.expect("a guess follows a step") + ahead;
+                    assert_eq!(
+                        (layer, experts),
+                        (&trace[i].0, &trace[i].1),
+                        "depth {depth}: guess {ahead} after a step"
+                    );
+                }
+            }
+        }
+        assert_eq!(step, Some(trace.len() - 1), "depth {depth}: every step");
+    }
+    // The router policy applies each guessed layer's own router: two layers' routers on the same input
+    // guess differently (the nearest router for both would not).
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let router = osprey_models::layers::predict::NextRouter { margin: 0 };
+    logits(&load(Arc::new(router), 2, log.clone()), &ids);
+    let log = log.lock().expect("lock");
+    let pairs: Vec<(&Vec<usize>, &Vec<usize>)> = log
+        .windows(2)
+        .filter_map(|w| match w {
+            [Told::Guess(a, x), Told::Guess(b, y)] if a != b => Some((x, y)),
+            _ => None,
+        })
+        .collect();
+    assert!(!pairs.is_empty(), "two guesses after a step");
+    assert!(pairs.iter().any(|(x, y)| x != y), "each layer's own router: {pairs:?}");
+}
