@@ -91,15 +91,28 @@ fn logits(m: &dyn CausalLm, ids: &[u32]) -> Vec<f32> {
     out
 }
 
-#[test]
-fn resident_experts_are_computed_before_waiting_for_the_missing_ones_with_identical_logits() {
+/// The tiny MoE fixture, its MoE layers' tensor prefixes and a prompt.
+struct Tiny {
+    cfg: ModelConfig,
+    ck: Checkpoint,
+    moe: osprey_models::config::MoeConfig,
+    prefixes: Vec<Option<String>>,
+    ids: Vec<u32>,
+}
+
+fn tiny() -> Tiny {
     let dir = common::fixtures().join("models/qwen3_5_moe-tiny");
     let cfg = ModelConfig::from_dir(&dir).expect("config");
     let ck = Checkpoint::open(&dir).expect("open");
     let moe = cfg.text.moe().expect("moe").expect("is moe");
     let layout = osprey_models::expert_layout(&cfg, &ck).expect("layout").expect("is moe");
-    let prefixes: Vec<Option<String>> = layout.prefixes.into_iter().map(Some).collect();
-    let ids: Vec<u32> = (0..10).map(|i| (i * 37 + 5) % 200).collect();
+    let prefixes = layout.prefixes.into_iter().map(Some).collect();
+    Tiny { cfg, ck, moe, prefixes, ids: (0..10).map(|i| (i * 37 + 5) % 200).collect() }
+}
+
+#[test]
+fn resident_experts_are_computed_before_waiting_for_the_missing_ones_with_identical_logits() {
+    let Tiny { cfg, ck, moe, prefixes, ids } = tiny();
     let reference = logits(&common::model("qwen3_5_moe-tiny"), &ids);
     for parity in [0, 1] {
         let (waits, waves) = (Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicUsize::new(0)));
@@ -159,13 +172,7 @@ impl ExpertSource for Logged {
 #[test]
 fn each_layer_guesses_the_next_depth_layers_nearest_first() {
     use osprey_models::layers::predict::{ExpertPredictor, Replay};
-    let dir = common::fixtures().join("models/qwen3_5_moe-tiny");
-    let cfg = ModelConfig::from_dir(&dir).expect("config");
-    let ck = Checkpoint::open(&dir).expect("open");
-    let moe = cfg.text.moe().expect("moe").expect("is moe");
-    let layout = osprey_models::expert_layout(&cfg, &ck).expect("layout").expect("is moe");
-    let prefixes: Vec<Option<String>> = layout.prefixes.into_iter().map(Some).collect();
-    let ids: Vec<u32> = (0..10).map(|i| (i * 37 + 5) % 200).collect();
+    let Tiny { cfg, ck, moe, prefixes, ids } = tiny();
     let load = |predictor: Arc<dyn ExpertPredictor>, depth: usize, log: Arc<Mutex<Vec<Told>>>| {
         let inner = ResidentExperts::load(&ck, &prefixes, cfg.text.hidden_size, moe).expect("experts");
         let opts = osprey_models::LoadOptions {
