@@ -68,7 +68,12 @@ fn main() {
             .expect("a string");
             entries.push((stem.to_string(), k));
         }
-        sources_rs.push(format!("    (\"{stem}\", include_str!({:?})),", src.display().to_string()));
+        // A copy inside OUT_DIR, not the checkout's path: clones that share a target directory (CI's and
+        // a developer's) reuse this script's output without re-running it, and a path into another clone
+        // may be gone.
+        let copy = format!("src_{stem}.cu");
+        std::fs::write(out.join(&copy), &text).expect("copy a kernel source");
+        sources_rs.push(format!("    (\"{stem}\", include_str!(concat!(env!(\"OUT_DIR\"), \"/{copy}\"))),"));
         let path = out.join(format!("emu_{stem}.cpp"));
         std::fs::write(&path, tu).expect("write a translation unit");
         build.file(path);
