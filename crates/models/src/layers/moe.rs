@@ -475,19 +475,7 @@ impl SparseMoe {
             experts.request(self.layer, &miss_ids).resident()?
         };
         // The guess goes out after this layer's own request, so its reads queue behind the misses.
-        let mut held = None;
-        if let Some(ReadAhead { predictor, next, next_slots }) = &self.ahead {
-            for (d, (next, router)) in next.iter().enumerate() {
-                let guess = predictor.predict(&Ahead::new(b, (self.layer, *next), k, x, router).at_distance(d + 1))?;
-                if guess.is_empty() {
-                    continue;
-                }
-                experts.prefetch(*next, &guess);
-                if let (0, Some(slots)) = (d, next_slots) {
-                    held = slots.ask_held(experts, &guess);
-                }
-            }
-        }
+        let held = self.guess_ahead(b, x, experts)?;
 
         let shared = self.shared.forward(b, x)?;
         let sgate = b.linear(x, &self.shared_gate)?;
@@ -537,6 +525,26 @@ impl SparseMoe {
             slots.upload_guesses(b, experts, &guess, held.wait()?)?;
         }
         Ok(out)
+    }
+
+    /// Guesses the next blocks' experts from this block's input `x` and asks `experts` to read them ahead
+    /// (nearest first, so their reads queue in that order); with uploads into the next block's slots, also
+    /// asks which of its guess the source holds in RAM (uploaded once this step is done).
+    fn guess_ahead(&self, b: &dyn Backend, x: &Tensor, experts: &dyn ExpertSource) -> Result<Option<HeldGuess>> {
+        let Some(ReadAhead { predictor, next, next_slots }) = &self.ahead else { return Ok(None) };
+        let mut held = None;
+        for (d, (next, router)) in next.iter().enumerate() {
+            let ahead = Ahead::new(b, (self.layer, *next), self.cfg.top_k, x, router).at_distance(d + 1);
+            let guess = predictor.predict(&ahead)?;
+            if guess.is_empty() {
+                continue;
+            }
+            experts.prefetch(*next, &guess);
+            if let (0, Some(slots)) = (d, next_slots) {
+                held = slots.ask_held(experts, &guess);
+            }
+        }
+        Ok(held)
     }
 
     /// Bytes of the dense part (router + shared expert).
