@@ -156,6 +156,8 @@ mod tests {
         let file = Settings::from_file(&path).expect("config/osprey.toml parses");
         assert_eq!(file.port, Some(8080));
         assert_eq!(file.max_prefill_tokens, Some(512));
+        assert_eq!(file.expert_prefetch.as_deref(), Some("off"));
+        assert_eq!((file.expert_prefetch_margin, file.expert_prefetch_depth), (Some(2), Some(1)));
         let merged = file.overlay(&Settings { port: Some(9000), ..Settings::default() });
         assert_eq!((merged.port, merged.max_batch_tokens), (Some(9000), Some(2048)));
         assert!(toml::from_str::<Settings>("no_such_key = 1").is_err(), "unknown keys are errors");
