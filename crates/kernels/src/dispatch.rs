@@ -48,7 +48,8 @@ impl std::str::FromStr for Gemm {
 pub fn prefill_kernels() -> String {
     let amx = allowed(Gemm::Amx) && crate::amx::available();
     if amx {
-        return "nvfp4 amx-int8 tiles, bf16 amx-bf16 tiles (from 16 rows)".into();
+        let how = if crate::amx::status() == crate::amx::Status::Emulated { ", emulated in software" } else { "" };
+        return format!("nvfp4 amx-int8 tiles, bf16 amx-bf16 tiles (from 16 rows{how})");
     }
     let nvfp4 = if crate::q8_gemm::available() && allowed(Gemm::Int8) {
         "nvfp4 int8 gemm avx512-vnni"

@@ -139,22 +139,39 @@ struct Tile {
 }
 
 /// The scalar reference the vector path is tested against: the same integers, summed in f64.
-pub fn reference(a: &Q8Rows, (packed, scales, global): (&[u8], &[u8], f32), n: usize) -> Vec<f64> {
+pub fn reference(a: &Q8Rows, weights: (&[u8], &[u8], f32), n: usize) -> Vec<f64> {
+    reference_with_magnitude(a, weights, n).into_iter().map(|(v, _)| v).collect()
+}
+
+/// [`reference`], each output with the magnitude its f32 evaluation rounds at: per block
+/// `|scale·d|·Σ_c (|2·e2m1_c| + 24)·|q_c|`, summed. The kernels add 12 to every code (unsigned operands)
+/// and take it out again with a correction, so a block's float steps see the shifted sum and the
+/// correction, not just the block's term; each block's steps round a few times and each of the `k / 16`
+/// additions rounds the running sum: `|f32 − exact| ≤ (k/16 + 3)·2⁻²⁴·magnitude`. (A bound relative to the
+/// result itself fails where blocks cancel.)
+pub fn reference_with_magnitude(
+    a: &Q8Rows,
+    (packed, scales, global): (&[u8], &[u8], f32),
+    n: usize,
+) -> Vec<(f64, f64)> {
     let (m, k, kb) = (a.rows(), a.k, a.k / BLOCK);
-    let mut out = vec![0f64; m * n];
+    let mut out = vec![(0f64, 0f64); m * n];
     for i in 0..m {
         for r in 0..n {
-            let mut total = 0f64;
+            let (mut total, mut magnitude) = (0f64, 0f64);
             for b in 0..kb {
-                let mut s = 0i64;
+                let (mut s, mut shifted) = (0i64, 0i64);
                 for c in b * BLOCK..(b + 1) * BLOCK {
                     let byte = packed[r * k / 2 + c / 2];
                     let code = if c % 2 == 0 { byte & 0x0F } else { byte >> 4 };
-                    s += (2.0 * crate::nvfp4::e2m1_to_f32(code)) as i64 * i64::from(a.q[i * k + c]);
+                    let (w, q) = ((2.0 * crate::nvfp4::e2m1_to_f32(code)) as i64, i64::from(a.q[i * k + c]));
+                    (s, shifted) = (s + w * q, shifted + (w.abs() + 24) * q.abs());
                 }
-                total += s as f64 * f64::from(e4m3_to_f32(scales[r * kb + b])) * f64::from(a.d[i * kb + b]);
+                let sd = f64::from(e4m3_to_f32(scales[r * kb + b])) * f64::from(a.d[i * kb + b]);
+                (total, magnitude) = (total + s as f64 * sd, magnitude + shifted as f64 * sd.abs());
             }
-            out[i * n + r] = total * f64::from(global) * 0.5;
+            let g = f64::from(global) * 0.5;
+            out[i * n + r] = (total * g, magnitude * g.abs());
         }
     }
     out

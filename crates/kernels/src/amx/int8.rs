@@ -151,9 +151,12 @@ unsafe fn multiply(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::q8_gemm::{quantize_rows, reference};
+    use crate::q8_gemm::{quantize_rows, reference_with_magnitude};
 
-    /// Odd shapes (rows not multiples of 16, one block, many) against the same integers summed in f64.
+    /// Odd shapes (rows not multiples of 16, one block, many) against the same integers summed in f64,
+    /// within f32's rounding of the block terms (`reference_with_magnitude`: relative to the result
+    /// itself the bound fails where blocks cancel, as the emulated tiles showed at 40 × 16 × 2048, and the
+    /// AVX-512 int8 GEMM there as well).
     #[test]
     fn odd_shapes_compute_the_same_integers_as_the_reference() {
         if !super::super::available() {
@@ -165,12 +168,12 @@ mod tests {
             let scales: Vec<u8> = (0..n * k / 16).map(|i| [0x38, 0x30, 0x41, 0x05, 0x7E, 0x01][i % 6]).collect();
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 48.5) - 1.0).collect();
             let a = quantize_rows(&x, m, k);
-            let want = reference(&a, (&packed, &scales, 0.75), n);
+            let want = reference_with_magnitude(&a, (&packed, &scales, 0.75), n);
             let mut got = vec![f32::NAN; m * n];
             gemm(&a, (&packed, &scales, 0.75), n, &mut got);
-            for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
-                let tol = 1e-5 * w.abs().max(1.0) * (k as f64 / 16.0).sqrt();
-                assert!((f64::from(*g) - w).abs() <= tol, "m={m} n={n} k={k} [{idx}]: {g} vs {w}");
+            for (idx, (g, (w, mag))) in got.iter().zip(&want).enumerate() {
+                let tol = (k / 16 + 3) as f64 * f64::from(f32::EPSILON) / 2.0 * mag;
+                assert!((f64::from(*g) - w).abs() <= tol, "m={m} n={n} k={k} [{idx}]: {g} vs {w} (bound {tol})");
             }
         }
     }

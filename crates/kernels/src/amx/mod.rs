@@ -15,10 +15,13 @@
 //!   Rust); the compiler never uses tile registers itself, so separate `asm!` blocks may pass tiles.
 //!
 //! What ran where: the tile kernels are tested against scalar references on odd shapes on a CPU with
-//! AMX; elsewhere those tests print why they skip, and the fallback (a CPU that lists AMX but whose
-//! kernel refuses it) is tested everywhere by forcing the refusal (`tests/amx_fallback.rs`).
+//! AMX; elsewhere those tests print why they skip. On every CPU the same kernels run on odd shapes with
+//! the tile instructions in software ([`init_emulated`], `emu.rs`, `tests/amx_emulated.rs`), and the
+//! fallback (a CPU that lists AMX but whose kernel refuses it) is tested by forcing the refusal
+//! (`tests/amx_fallback.rs`).
 
 pub mod bf16;
+mod emu;
 pub mod int8;
 
 use std::cell::Cell;
@@ -33,6 +36,8 @@ pub enum Status {
     NoCpu,
     /// The CPU has AMX, but the kernel refused the tile state (the errno).
     Refused(i32),
+    /// The tile instructions run in software (`emu.rs`): a test process's choice, never a server's.
+    Emulated,
 }
 
 impl Status {
@@ -42,6 +47,7 @@ impl Status {
             Status::Granted => "AMX tiles granted".into(),
             Status::NoCpu => "this CPU has no AMX (AMX-TILE, AMX-BF16 and AMX-INT8)".into(),
             Status::Refused(e) => format!("the CPU has AMX but the kernel refused its tile state (errno {e})"),
+            Status::Emulated => "AMX tiles emulated in software (a test)".into(),
         }
     }
 }
@@ -55,7 +61,19 @@ pub fn status() -> Status {
 
 /// Whether the tile kernels may run.
 pub fn available() -> bool {
-    status() == Status::Granted
+    matches!(status(), Status::Granted | Status::Emulated)
+}
+
+/// Whether the tile instructions run in software.
+fn emulated() -> bool {
+    status() == Status::Emulated
+}
+
+/// Runs this process's tile kernels on the software tiles (`emu.rs`), unless the status is decided
+/// already; returns the status in effect. For tests, on machines without AMX: the kernels' own logic on
+/// odd shapes, the tile instructions as Intel's reference defines them.
+pub fn init_emulated() -> Status {
+    *STATUS.get_or_init(|| Status::Emulated)
 }
 
 /// Decides the status with a given CPU answer and permission request, unless it is decided already;
@@ -155,34 +173,59 @@ thread_local! {
 pub(crate) unsafe fn configure(cfg: &'static TileConfig) {
     let id = cfg as *const TileConfig as usize;
     if LOADED.with(|l| l.get()) != id {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the caller checked AMX is granted; cfg is a valid 64-byte configuration.
-        unsafe {
-            std::arch::asm!("ldtilecfg [{c}]", c = in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+        if emulated() {
+            emu::configure(cfg);
+        } else {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the caller checked AMX is granted; cfg is a valid 64-byte configuration.
+            unsafe {
+                std::arch::asm!("ldtilecfg [{c}]", c = in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+            }
         }
         LOADED.with(|l| l.set(id));
     }
 }
 
-/// The tile instructions, one `asm!` block each, on fixed tile registers.
+/// The tile instructions, one `asm!` block each, on fixed tile registers (or in software, `emu.rs`, when
+/// [`init_emulated`] chose it: one predictable branch per tile instruction).
 #[cfg(target_arch = "x86_64")]
 macro_rules! tile {
     (zero $t:literal) => {
-        std::arch::asm!(concat!("tilezero tmm", $t), options(nostack, nomem))
+        if $crate::amx::emulated() {
+            $crate::amx::emu::zero($t)
+        } else {
+            std::arch::asm!(concat!("tilezero tmm", $t), options(nostack, nomem))
+        }
     };
     (load $t:literal, $p:expr, $stride:expr) => {
-        std::arch::asm!(concat!("tileloadd tmm", $t, ", [{p} + {s}*1]"), p = in(reg) $p, s = in(reg) $stride,
-            options(nostack, readonly))
+        if $crate::amx::emulated() {
+            $crate::amx::emu::load($t, ($p).cast::<u8>(), $stride)
+        } else {
+            std::arch::asm!(concat!("tileloadd tmm", $t, ", [{p} + {s}*1]"), p = in(reg) $p, s = in(reg) $stride,
+                options(nostack, readonly))
+        }
     };
     (store $t:literal, $p:expr, $stride:expr) => {
-        std::arch::asm!(concat!("tilestored [{p} + {s}*1], tmm", $t), p = in(reg) $p, s = in(reg) $stride,
-            options(nostack))
+        if $crate::amx::emulated() {
+            $crate::amx::emu::store($t, ($p).cast::<u8>(), $stride)
+        } else {
+            std::arch::asm!(concat!("tilestored [{p} + {s}*1], tmm", $t), p = in(reg) $p, s = in(reg) $stride,
+                options(nostack))
+        }
     };
     (bf16 $c:literal, $a:literal, $b:literal) => {
-        std::arch::asm!(concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm", $b), options(nostack, nomem))
+        if $crate::amx::emulated() {
+            $crate::amx::emu::dpbf16ps($c, $a, $b)
+        } else {
+            std::arch::asm!(concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm", $b), options(nostack, nomem))
+        }
     };
     (busd $c:literal, $a:literal, $b:literal) => {
-        std::arch::asm!(concat!("tdpbusd tmm", $c, ", tmm", $a, ", tmm", $b), options(nostack, nomem))
+        if $crate::amx::emulated() {
+            $crate::amx::emu::dpbusd($c, $a, $b)
+        } else {
+            std::arch::asm!(concat!("tdpbusd tmm", $c, ", tmm", $a, ", tmm", $b), options(nostack, nomem))
+        }
     };
 }
 #[cfg(target_arch = "x86_64")]
