@@ -89,51 +89,48 @@ fn bf16(lo: u8, hi: u8) -> f32 {
     }
 }
 
-/// `tdpbf16ps c, a, b`: `C[m][n] += A[m][2k]·B[k][2n] + A[m][2k+1]·B[k][2n+1]` over `k < a.colsb / 4`,
-/// in that order, in f32 (each bf16 product is exact in f32; results flushed to zero when subnormal).
-pub(crate) fn dpbf16ps(c: usize, a: usize, b: usize) {
+/// How an element type reads from and writes to a tile's 4 bytes.
+type Codec<V> = (fn([u8; 4]) -> V, fn(V) -> [u8; 4]);
+
+/// `C[m][n] = step(C[m][n], A[m] word k, B[k] word n)` for every `k < a.colsb / 4` in order, over C's
+/// rows and its `colsb / 4` columns of 4-byte elements (`V` read and written little-endian).
+fn accumulate<V: Copy>(
+    (c, a, b): (usize, usize, usize),
+    (from, to): Codec<V>,
+    step: impl Fn(V, [u8; 4], [u8; 4]) -> V,
+) {
     TILES.with(|t| {
         let mut t = t.borrow_mut();
         let ((m_rows, c_colsb), (_, a_colsb)) = (shape(&t, c), shape(&t, a));
         let mut out = t.data[c];
         for m in 0..m_rows {
             for n in 0..c_colsb / 4 {
-                let mut acc = f32::from_le_bytes(word(&out[m * 64..], n));
+                let mut acc = from(word(&out[m * 64..], n));
                 for k in 0..a_colsb / 4 {
-                    let (x, w) = (word(&t.data[a][m * 64..], k), word(&t.data[b][k * 64..], n));
-                    acc += bf16(x[0], x[1]) * bf16(w[0], w[1]);
-                    acc += bf16(x[2], x[3]) * bf16(w[2], w[3]);
-                    if acc.is_subnormal() {
-                        acc = 0.0f32.copysign(acc);
-                    }
+                    acc = step(acc, word(&t.data[a][m * 64..], k), word(&t.data[b][k * 64..], n));
                 }
-                out[m * 64 + 4 * n..m * 64 + 4 * n + 4].copy_from_slice(&acc.to_le_bytes());
+                out[m * 64 + 4 * n..m * 64 + 4 * n + 4].copy_from_slice(&to(acc));
             }
         }
         t.data[c] = out;
     });
 }
 
+/// `tdpbf16ps c, a, b`: `C[m][n] += A[m][2k]·B[k][2n] + A[m][2k+1]·B[k][2n+1]` over `k < a.colsb / 4`,
+/// in that order, in f32 (each bf16 product is exact in f32; results flushed to zero when subnormal).
+pub(crate) fn dpbf16ps(c: usize, a: usize, b: usize) {
+    let flush = |v: f32| if v.is_subnormal() { 0.0f32.copysign(v) } else { v };
+    accumulate((c, a, b), (f32::from_le_bytes, f32::to_le_bytes), |acc, x, w| {
+        let acc = acc + bf16(x[0], x[1]) * bf16(w[0], w[1]);
+        flush(acc + bf16(x[2], x[3]) * bf16(w[2], w[3]))
+    });
+}
+
 /// `tdpbusd c, a, b`: `C[m][n] += Σ_i u8(A[m][4k+i]) · s8(B[k][4n+i])` over `k < a.colsb / 4`, i32
 /// wrapping.
 pub(crate) fn dpbusd(c: usize, a: usize, b: usize) {
-    TILES.with(|t| {
-        let mut t = t.borrow_mut();
-        let ((m_rows, c_colsb), (_, a_colsb)) = (shape(&t, c), shape(&t, a));
-        let mut out = t.data[c];
-        for m in 0..m_rows {
-            for n in 0..c_colsb / 4 {
-                let mut acc = i32::from_le_bytes(word(&out[m * 64..], n));
-                for k in 0..a_colsb / 4 {
-                    let (x, w) = (word(&t.data[a][m * 64..], k), word(&t.data[b][k * 64..], n));
-                    for i in 0..4 {
-                        acc = acc.wrapping_add(i32::from(x[i]) * i32::from(w[i] as i8));
-                    }
-                }
-                out[m * 64 + 4 * n..m * 64 + 4 * n + 4].copy_from_slice(&acc.to_le_bytes());
-            }
-        }
-        t.data[c] = out;
+    accumulate((c, a, b), (i32::from_le_bytes, i32::to_le_bytes), |acc, x, w| {
+        (0..4).fold(acc, |acc, i| acc.wrapping_add(i32::from(x[i]) * i32::from(w[i] as i8)))
     });
 }
 
