@@ -325,8 +325,9 @@ impl LayerSlots {
     }
 
     /// Uploads guessed experts (most wanted first) into this layer's slots ahead of its step: free slots,
-    /// else the least recently used ones, never a slot whose guess still waits for its step
-    /// ([`SlotTable::assign_guesses`]); the guesses that find no slot are given back. Each upload waits
+    /// else the least recently used ones, never a slot holding an expert of `guess` nor one whose guess
+    /// still waits for its step ([`SlotTable::assign_guesses`]); the guesses that find no slot are given
+    /// back. Each upload waits
     /// for its slot's last reader, as a miss's does, and is the slot's last use until a wave reads it.
     fn upload_guesses(
         &self,
