@@ -129,6 +129,11 @@ impl ExpertIndex {
             .collect()
     }
 
+    /// Whether `expert` of `layer` exists (requests and guesses name experts the index may not have).
+    pub fn has(&self, layer: usize, expert: usize) -> bool {
+        self.experts.get(layer).is_some_and(|l| expert < l.len())
+    }
+
     /// RAM one resident expert takes: its tensors read into 4 KiB-aligned windows.
     pub fn expert_footprint(&self, layer: usize, expert: usize) -> usize {
         use crate::buf::ALIGN;

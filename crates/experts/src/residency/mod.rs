@@ -43,6 +43,12 @@ impl Drop for Lease {
     }
 }
 
+/// The handle of `expert` of `layer` leased to the runner: its drop sends `Release` on `tx`.
+fn leased(tx: &mpsc::UnboundedSender<ResidencyCommand>, layer: usize, expert: usize, w: &Handle) -> ExpertHandle {
+    let key = osprey_models::layers::moe::key(layer, expert);
+    ExpertHandle::new(key, from_handle(w), Some(Box::new(Lease { tx: tx.clone(), layer, expert })))
+}
+
 /// The runner's `ExpertSource`: asks the manager thread, returns tickets.
 #[derive(Debug, Clone)]
 pub struct ResidentSet {
@@ -87,11 +93,7 @@ impl ExpertSource for ResidentSet {
             Ok(got
                 .into_iter()
                 .zip(experts)
-                .filter_map(|(w, expert)| {
-                    let key = osprey_models::layers::moe::key(layer, expert);
-                    let lease = Lease { tx: tx.clone(), layer, expert };
-                    w.map(|w| ExpertHandle::new(key, from_handle(&w), Some(Box::new(lease))))
-                })
+                .filter_map(|(w, expert)| w.map(|w| leased(&tx, layer, expert, &w)))
                 .collect())
         })
     }
@@ -124,10 +126,6 @@ impl ExpertSource for ResidentSet {
             if !sent {
                 return Err(gone());
             }
-            let lease = move |w, expert| {
-                let key = osprey_models::layers::moe::key(layer, expert);
-                ExpertHandle::new(key, w, Some(Box::new(Lease { tx: tx.clone(), layer, expert })))
-            };
             let t0 = Instant::now();
             let have = resident_rx
                 .blocking_recv()
@@ -135,7 +133,7 @@ impl ExpertSource for ResidentSet {
                 .map_err(|e| osprey_models::Error::Engine(e.message))?;
             stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
             let missing: Vec<usize> = experts.iter().zip(&have).filter(|(_, w)| w.is_none()).map(|(&e, _)| e).collect();
-            let have = have.into_iter().zip(&experts).map(|(w, &e)| w.map(|w| lease(from_handle(&w), e))).collect();
+            let have = have.into_iter().zip(&experts).map(|(w, &e)| w.map(|w| leased(&tx, layer, e, &w))).collect();
             let pending = PendingExperts::new(move || {
                 let t0 = Instant::now();
                 let got = rx.blocking_recv().map_err(|_| died())?;
@@ -143,7 +141,7 @@ impl ExpertSource for ResidentSet {
                 let weights = got.map_err(|e| {
                     osprey_models::Error::Engine(format!("reading experts of layer {layer} failed: {}", e.message))
                 })?;
-                Ok(weights.into_iter().zip(missing).map(|(w, e)| lease(from_handle(&w), e)).collect())
+                Ok(weights.into_iter().zip(missing).map(|(w, e)| leased(&tx, layer, e, &w)).collect())
             });
             Ok((have, pending))
         })
@@ -283,10 +281,11 @@ impl Manager {
             }
             ResidencyCommand::Prefetch { layer, experts } => self.ask(layer, &experts),
             ResidencyCommand::Held { layer, experts, reply } => {
-                let valid = |e: usize| layer < self.index.experts.len() && e < self.index.experts[layer].len();
                 let held: Vec<Option<Handle>> = experts
                     .iter()
-                    .map(|&e| valid(e).then(|| self.table.lease_quiet(layer, e)).flatten().map(to_handle))
+                    .map(|&e| {
+                        self.index.has(layer, e).then(|| self.table.lease_quiet(layer, e)).flatten().map(to_handle)
+                    })
                     .collect();
                 if let Err(unclaimed) = reply.send(held) {
                     // Nobody took them: give the leases back.
@@ -311,9 +310,8 @@ impl Manager {
     fn ask(&mut self, layer: usize, experts: &[usize]) {
         let Some(g) = self.guesser.as_mut() else { return };
         let (index, table) = (&self.index, &mut self.table);
-        let valid = |e: usize| layer < index.experts.len() && e < index.experts[layer].len();
         for &e in experts {
-            if !valid(e) || table.contains(layer, e) || g.inflight.contains_key(&(layer, e)) {
+            if !index.has(layer, e) || table.contains(layer, e) || g.inflight.contains_key(&(layer, e)) {
                 continue;
             }
             let fp = index.expert_footprint(layer, e);
@@ -491,7 +489,7 @@ fn need(
     resident: Reply<Vec<Option<Handle>>>,
     reply: Reply<Vec<Handle>>,
 ) {
-    if layer >= index.experts.len() || experts.iter().any(|&e| e >= index.experts[layer].len()) {
+    if layer >= index.experts.len() || !experts.iter().all(|&e| index.has(layer, e)) {
         let _ = resident.send(Err(engine_error(format!("no such expert in layer {layer}"))));
         return;
     }

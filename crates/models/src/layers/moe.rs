@@ -327,8 +327,8 @@ impl LayerSlots {
     /// Uploads guessed experts (most wanted first) into this layer's slots ahead of its step: free slots,
     /// else the least recently used ones, never a slot holding an expert of `guess` nor one whose guess
     /// still waits for its step ([`SlotTable::assign_guesses`]); the guesses that find no slot are given
-    /// back. Each upload waits
-    /// for its slot's last reader, as a miss's does, and is the slot's last use until a wave reads it.
+    /// back. Each upload waits for its slot's last reader, as a miss's does, and is the slot's last use
+    /// until a wave reads it.
     fn upload_guesses(
         &self,
         b: &dyn Backend,
@@ -429,14 +429,12 @@ impl SparseMoe {
     ) {
         let Some(predictor) = predictor else { return };
         let n = blocks.len();
-        // A block never guesses for itself: at most the other n - 1.
-        let depth = depth.clamp(1, n.saturating_sub(1).max(1));
+        // A block never guesses for itself: at most the other n - 1 (none in a model with one block).
+        let depth = depth.max(1).min(n.saturating_sub(1));
         for i in 0..n {
-            let next: Vec<(usize, Arc<Tensor>)> = (1..=depth)
-                .filter(|_| n > 1)
-                .map(|d| (blocks[(i + d) % n].layer, blocks[(i + d) % n].router.clone()))
-                .collect();
-            let next_slots = (n > 1 && upload).then(|| blocks[(i + 1) % n].slots.clone());
+            let next: Vec<(usize, Arc<Tensor>)> =
+                (1..=depth).map(|d| (blocks[(i + d) % n].layer, blocks[(i + d) % n].router.clone())).collect();
+            let next_slots = (depth > 0 && upload).then(|| blocks[(i + 1) % n].slots.clone());
             blocks[i].ahead = Some(ReadAhead { predictor: predictor.clone(), next, next_slots });
         }
     }

@@ -4,7 +4,8 @@
 //!
 //! Policies behind [`ExpertPredictor`]: [`NextRouter`] applies the next layer's router to this layer's
 //! (normed) input — the residual stream changes little from one layer to the next — and takes each
-//! token's top `k + margin` (with a depth of 2, also the router of the layer after it: [`Ahead::distance`]); [`PreviousStep`] takes the experts the next layer routed to at the previous
+//! token's top `k + margin` (with a depth of 2, also the router of the layer after it:
+//! [`Ahead::distance`]); [`PreviousStep`] takes the experts the next layer routed to at the previous
 //! step; [`Union`] both. [`Replay`] reads a recorded trace (`osprey bench experts --prefetch oracle`).
 
 use std::fmt::Debug;
