@@ -140,3 +140,52 @@ mod peak {
         );
     }
 }
+/// The bf16 tiles alone on one thread (no pool, no rounding): what the kernel reaches by itself.
+mod tile_only {
+    #[test]
+    #[ignore]
+    fn tile_only() {
+        use crate::bf16::{gemm_nt, round, Rows};
+        for (m, n, k) in [(512, 64, 2048), (16, 64, 2048), (16, 64, 512), (512, 66, 2048), (12, 66, 2048)] {
+            let a: Vec<u16> = (0..m * k).map(|i| round((i % 17) as f32 * 0.01 - 0.08)).collect();
+            let b: Vec<u16> = (0..n * k).map(|i| round((i % 13) as f32 * 0.01)).collect();
+            let mut out = vec![0f32; m * n];
+            let reps = (2_000_000_000 / (m * n * k)).max(3);
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                gemm_nt(Rows { data: &a, rows: m }, Rows { data: &b, rows: n }, k, 1.0, &mut out, (n, 1));
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            eprintln!("tile m={m} n={n} k={k}: {:.3} ms, {:.1} GMAC/s", s * 1e3, (m * n * k) as f64 / s / 1e9);
+        }
+    }
+}
+/// Routed-expert shapes on bf16 tiles with weights read cold from DRAM (96 distinct matrices, 192 MiB,
+/// past the L3, as a prefill chunk's experts are) against one matrix read again and again (warm).
+mod cold_experts {
+    use super::*;
+    #[test]
+    #[ignore]
+    fn cold_experts() {
+        for (m, n, k) in [(16usize, 512usize, 2048usize), (16, 2048, 512), (32, 512, 2048)] {
+            let ws: Vec<Vec<u16>> = (0..96)
+                .map(|e| (0..n * k).map(|i| half::bf16::from_f32(((i + e) % 13) as f32 * 0.01).to_bits()).collect())
+                .collect();
+            let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
+            let mut out = vec![0f32; m * n];
+            for cold in [false, true] {
+                let t = std::time::Instant::now();
+                for r in 0..3 * ws.len() {
+                    let w = if cold { &ws[r % ws.len()] } else { &ws[0] };
+                    matmul_with(&x, m, WeightView::Bf16(w), n, k, &mut out, Precision::Int8);
+                }
+                let s = t.elapsed().as_secs_f64() / (3 * ws.len()) as f64;
+                eprintln!(
+                    "m={m} n={n} k={k} cold={cold}: {:.3} ms, {:.1} GMAC/s",
+                    s * 1e3,
+                    (m * n * k) as f64 / s / 1e9
+                );
+            }
+        }
+    }
+}
