@@ -49,15 +49,11 @@ impl CoreOps for CpuBackend {
     }
 
     fn silu_mul(&self, gate: &mut Tensor, up: &Tensor) {
-        for (a, b) in host_mut(gate).iter_mut().zip(host(up)) {
-            *a = silu(*a) * b;
-        }
+        zip_apply(host_mut(gate), host(up), |a, b| *a = silu(*a) * b);
     }
 
     fn sigmoid_mul(&self, x: &mut Tensor, gate: &Tensor) {
-        for (a, g) in host_mut(x).iter_mut().zip(host(gate)) {
-            *a *= sigmoid(*g);
-        }
+        zip_apply(host_mut(x), host(gate), |a, g| *a *= sigmoid(g));
     }
 
     fn add_sigmoid_gated(&self, out: &mut Tensor, y: &Tensor, gate: &Tensor) {
@@ -111,4 +107,20 @@ impl CoreOps for CpuBackend {
             rotate_half_pairs(row, head_dim, &cs[i * half..(i + 1) * half], &sn[i * half..(i + 1) * half]);
         }
     }
+}
+
+/// `f(a[i], b[i])` for every element: across the kernels' pool from [`ZIP_PARALLEL`] elements (a
+/// prefill's gated activations, each an `exp`: ~2% of a 512-token prefill, serial, with the pool's other
+/// threads waiting), on the calling thread below it (decode, a routed expert's few rows). The same
+/// arithmetic per element either way.
+fn zip_apply(a: &mut [f32], b: &[f32], f: impl Fn(&mut f32, f32) + Sync) {
+    const ZIP_PARALLEL: usize = 1 << 16;
+    const CHUNK: usize = 1 << 14;
+    if a.len() < ZIP_PARALLEL {
+        a.iter_mut().zip(b).for_each(|(x, &y)| f(x, y));
+        return;
+    }
+    osprey_kernels::pool::chunks_mut(a, CHUNK, |c, part| {
+        part.iter_mut().zip(&b[c * CHUNK..]).for_each(|(x, &y)| f(x, y));
+    });
 }

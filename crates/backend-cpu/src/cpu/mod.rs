@@ -293,6 +293,24 @@ mod tests {
         assert!(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| host_mut(&mut copy)[0] = 5.0)).is_err());
     }
 
+    /// Gated activations large enough to split across the pool equal the same formula element by
+    /// element (mutation: each chunk reading `up` from its start fails it).
+    #[test]
+    fn large_gated_activations_split_across_the_pool_equal_the_serial_formula() {
+        let b = CpuBackend::default();
+        let n = 70_000;
+        let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.013).sin() * 4.0).collect();
+        let u: Vec<f32> = (0..n).map(|i| (i as f32 * 0.007).cos()).collect();
+        let (mut gt, ut) = (b.upload_f32(&g, &[n]).expect("upload"), b.upload_f32(&u, &[n]).expect("upload"));
+        b.silu_mul(&mut gt, &ut);
+        let want: Vec<f32> = g.iter().zip(&u).map(|(&a, &c)| silu(a) * c).collect();
+        assert_eq!(host(&gt), &want[..]);
+        let mut xt = b.upload_f32(&u, &[n]).expect("upload");
+        b.sigmoid_mul(&mut xt, &b.upload_f32(&g, &[n]).expect("upload"));
+        let want: Vec<f32> = u.iter().zip(&g).map(|(&a, &c)| a * sigmoid(c)).collect();
+        assert_eq!(host(&xt), &want[..]);
+    }
+
     #[test]
     fn route_picks_top_k_and_renormalises() {
         let (ids, w) = route(&[0.0, 2.0, 1.0, 2.0], 2);
