@@ -167,7 +167,9 @@ mod cold_experts {
     #[test]
     #[ignore]
     fn cold_experts() {
-        for (m, n, k) in [(16usize, 512usize, 2048usize), (16, 2048, 512), (32, 512, 2048), (1, 2048, 2048), (1, 512, 2048)] {
+        for (m, n, k) in
+            [(16usize, 512usize, 2048usize), (16, 2048, 512), (32, 512, 2048), (1, 2048, 2048), (1, 512, 2048)]
+        {
             let ws: Vec<Vec<u16>> = (0..96)
                 .map(|e| (0..n * k).map(|i| half::bf16::from_f32(((i + e) % 13) as f32 * 0.01).to_bits()).collect())
                 .collect();
