@@ -140,6 +140,13 @@ pub fn quantize(x: &[f32]) -> Q8Act {
     a
 }
 
+/// Rows ahead whose bytes the AVX-512 VNNI dot prefetches while it works on its own row (it assumes the
+/// rows of a matrix, one after another, as the GEMV path passes them; elsewhere the prefetch is wasted,
+/// never wrong). Decode streams NVFP4 rows from DRAM, and the hardware prefetchers stop at 4 KiB pages
+/// (every four 2,048-wide rows). Measured in `timing::cold_nvfp4_gemv` and in decode; see
+/// docs/benchmarks.md, "NVFP4 decode: prefetching rows ahead".
+pub const PREFETCH_ROWS: usize = 2;
+
 /// `Σ x[i]·W[i]` for one NVFP4 row against quantised activations, on `isa` (which the CPU must have).
 pub fn dot(isa: Isa, a: &Q8Act, packed: &[u8], scales: &[u8], global: f32) -> f32 {
     let chunks = a.q.len() / CHUNK;
@@ -262,7 +269,15 @@ pub(crate) mod x86 {
                 )
             });
             let groups = chunks / 4;
+            // The row PREFETCH_ROWS on: its scales now, its codes two lines per group of four chunks.
+            let ahead = |p: *const u8, len: usize| p.wrapping_add(super::PREFETCH_ROWS * len);
+            let (pa, sa) = (ahead(packed.as_ptr(), chunks * 32), ahead(scales.as_ptr(), chunks * 4));
+            for line in (0..chunks * 4).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(sa.wrapping_add(line).cast());
+            }
             for g in 0..groups {
+                _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add(g * 128).cast());
+                _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add(g * 128 + 64).cast());
                 let sb = _mm_loadu_si128(scales.as_ptr().add(g * 16) as *const __m128i);
                 let ws = e4m3_512(_mm512_cvtepu8_epi32(sb));
                 for (j, ix) in idx.iter().enumerate() {

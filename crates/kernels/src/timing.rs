@@ -191,3 +191,37 @@ mod cold_experts {
         }
     }
 }
+
+/// NVFP4 decode (one row, the int8 dot path) with weights read cold from DRAM (128 distinct matrices,
+/// 74 MiB, past the L3) against one matrix read again and again.
+mod cold_nvfp4_gemv {
+    use super::*;
+    #[test]
+    #[ignore]
+    fn cold_nvfp4_gemv() {
+        for (n, k) in [(512usize, 2048usize), (2048, 512), (8192, 2048)] {
+            let count = (128 * 512 * 2048 / (n * k)).max(8);
+            let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..count)
+                .map(|e| {
+                    let packed = (0..n * k / 2).map(|i| ((i * 131 + e) % 256) as u8).collect();
+                    let scales = (0..n * k / 16).map(|i| 0x30 + ((i + e) % 16) as u8).collect();
+                    (packed, scales)
+                })
+                .collect();
+            let x: Vec<f32> = (0..k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
+            let mut out = vec![0f32; n];
+            for cold in [false, true] {
+                let reps = 3 * mats.len();
+                let t = std::time::Instant::now();
+                for r in 0..reps {
+                    let (p, s) = if cold { &mats[r % mats.len()] } else { &mats[0] };
+                    let view = WeightView::Nvfp4 { packed: p, scales: s, global: 0.01 };
+                    matmul_with(&x, 1, view, n, k, &mut out, Precision::Int8);
+                }
+                let s = t.elapsed().as_secs_f64() / reps as f64;
+                let gb = (n * k) as f64 * 9.0 / 16.0 / s / 1e9;
+                eprintln!("nvfp4 1 x {n} x {k} cold={cold}: {:.3} ms, {gb:.1} GB/s of weights", s * 1e3);
+            }
+        }
+    }
+}
