@@ -293,8 +293,8 @@ pub fn matmul_pair_with(
             return run(&a, (p2, s2, g2), n, out2);
         }
     }
-    let both_tiles = same_kind && gemm_kind(m, w1, k, p) == Gemm::Bf16 && gemm_kind(m, w2, k, p) == Gemm::Bf16;
-    if m > 0 && n > 0 && k > 0 && both_tiles && !on_gemv_path(m, w1, k, p) {
+    // Two weights of one kind take the same GEMM (the kind, rows and width decide it).
+    if m > 0 && n > 0 && k > 0 && same_kind && !on_gemv_path(m, w1, k, p) && gemm_kind(m, w1, k, p) == Gemm::Bf16 {
         assert!(x.len() == m * k && w1.len() == n * k && w2.len() == n * k, "matmul shapes: this is a bug");
         assert!(out1.len() == m * n && out2.len() == m * n, "matmul shapes: this is a bug");
         // Both GEMMs take the same bf16 rows, rounded once, and share one dispatch.
