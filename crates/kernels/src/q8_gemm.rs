@@ -177,6 +177,12 @@ pub fn reference_with_magnitude(
     out
 }
 
+/// The bound of [`reference_with_magnitude`] for an output of width `k` and magnitude `magnitude`:
+/// `(k/16 + 3)·2⁻²⁴·magnitude`.
+pub fn reference_bound(k: usize, magnitude: f64) -> f64 {
+    (k / BLOCK + 3) as f64 * f64::from(f32::EPSILON) / 2.0 * magnitude
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;

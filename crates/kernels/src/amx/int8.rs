@@ -151,7 +151,7 @@ unsafe fn multiply(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::q8_gemm::{quantize_rows, reference_with_magnitude};
+    use crate::q8_gemm::{quantize_rows, reference_bound, reference_with_magnitude};
 
     /// Odd shapes (rows not multiples of 16, one block, many) against the same integers summed in f64,
     /// within f32's rounding of the block terms (`reference_with_magnitude`: relative to the result
@@ -172,7 +172,7 @@ mod tests {
             let mut got = vec![f32::NAN; m * n];
             gemm(&a, (&packed, &scales, 0.75), n, &mut got);
             for (idx, (g, (w, mag))) in got.iter().zip(&want).enumerate() {
-                let tol = (k / 16 + 3) as f64 * f64::from(f32::EPSILON) / 2.0 * mag;
+                let tol = reference_bound(k, *mag);
                 assert!((f64::from(*g) - w).abs() <= tol, "m={m} n={n} k={k} [{idx}]: {g} vs {w} (bound {tol})");
             }
         }
