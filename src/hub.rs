@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-/// `org/name[@revision]`, when `spec` is one (and not a path that exists).
-fn parse_id(spec: &str) -> Option<(&str, &str, Option<&str>)> {
+/// `org/name[@revision]`, when `spec` is one (and not a path that exists). A revision is a branch, tag or
+/// commit: path components that are not empty, `.` or `..`.
+pub(crate) fn parse_id(spec: &str) -> Option<(&str, &str, Option<&str>)> {
     let (id, rev) = match spec.split_once('@') {
         Some((id, rev)) => (id, Some(rev)),
         None => (spec, None),
@@ -21,8 +22,21 @@ fn parse_id(spec: &str) -> Option<(&str, &str, Option<&str>)> {
             && !s.starts_with('.')
             && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
     };
-    let rev_ok = rev.is_none_or(|r| !r.is_empty() && !r.contains("..") && !r.starts_with('/'));
+    let rev_ok = rev.is_none_or(|r| {
+        r.len() <= 256
+            && r.split('/').all(|c| !c.is_empty() && c != "." && c != ".." && !c.contains(['\0', '\\']))
+            && !r.contains("..")
+    });
     (word(org) && word(name) && rev_ok).then_some((org, name, rev))
+}
+
+/// The name a model given by id is served under: `org/name` (as vLLM and SGLang list it), not the
+/// snapshot directory's commit hash. `None` for a directory.
+pub fn served_name(spec: &Path) -> Option<String> {
+    if spec.exists() {
+        return None;
+    }
+    spec.to_str().and_then(parse_id).map(|(org, name, _)| format!("{org}/{name}"))
 }
 
 fn offline() -> bool {
@@ -75,6 +89,14 @@ pub fn resolve_in(spec: &Path, cache: Option<&Path>, offline: bool) -> Result<Pa
             Err(_) => return Err(missing(org, name, rev, &repo, offline)),
         }
     };
+    // A ref is a commit, never a path (a cache written by a hostile hub through an older client held
+    // absolute and `../` commits here).
+    if !crate::pull::is_hex(&commit.to_ascii_lowercase(), 40) {
+        bail!(
+            "{org}/{name}@{rev}: refs/{rev} in the cache holds {:?}, not a commit; refused",
+            commit.chars().take(80).collect::<String>()
+        );
+    }
     let snapshot = repo.join("snapshots").join(&commit);
     if !snapshot.join("config.json").is_file() {
         return Err(missing(org, name, rev, &repo, offline));
@@ -129,6 +151,19 @@ mod tests {
         let _ = std::fs::remove_dir_all(&cache);
     }
 
+    /// Issue 49: a ref that holds a path (written by a hostile hub through hf-hub 0.4) is refused, not
+    /// followed out of the cache.
+    #[test]
+    fn a_ref_that_is_not_a_commit_is_refused() {
+        for evil in ["/tmp", "../../../../tmp", "../snapshots/x"] {
+            let cache = cache_with("evil", &[("config.json", b"{}")], COMMIT, &["main"]);
+            std::fs::write(cache.join("models--Org--tiny-model/refs/main"), evil).expect("ref");
+            let e = resolve_in(Path::new("Org/tiny-model"), Some(&cache), true).expect_err(evil);
+            assert!(e.to_string().contains("not a commit"), "{e}");
+            let _ = std::fs::remove_dir_all(&cache);
+        }
+    }
+
     #[test]
     fn what_is_not_in_the_cache_says_so_and_paths_stay_paths() {
         let cache = cache_with("miss", &[("config.json", b"{}")], COMMIT, &["main"]);
@@ -141,7 +176,9 @@ mod tests {
         assert!(resolve_in(Path::new("Org/tiny-model"), Some(&bare), false).is_err());
         // An existing directory is a path, even when it looks like an id; nonsense is neither.
         assert_eq!(resolve_in(&cache, Some(&cache), false).expect("dir"), cache);
-        for bad in ["no-slash", "a/b/c", "../x", "Org/tiny-model@../../etc"] {
+        for bad in
+            ["no-slash", "a/b/c", "../x", "Org/tiny-model@../../etc", "Org/tiny-model@a/./b", "Org/tiny-model@a//b"]
+        {
             assert!(resolve_in(Path::new(bad), Some(&cache), false).is_err(), "{bad}");
         }
         let _ = std::fs::remove_dir_all(&cache);

@@ -411,7 +411,9 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let tok = tok.with_grammar_vocab(vocab, eos.clone());
     let tokenizer = osprey_tokenizer::spawn_pool(tok, settings.tokenizer_workers.unwrap_or(2));
     let model_id = settings.served_model_name.clone().unwrap_or_else(|| {
-        model_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "osprey".into())
+        settings.model.as_deref().and_then(hub::served_name).unwrap_or_else(|| {
+            model_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "osprey".into())
+        })
     });
     let server_cfg = ServerConfig {
         model_id: model_id.clone(),
