@@ -524,10 +524,14 @@ mod tests {
                         want[i * n + r] = q8::dot(Isa::detected(), &a, p, s, 0.25);
                     }
                 }
-            } else if q8_gemm::available() {
+            } else if m >= AMX_MIN_ROWS && amx::available() && allowed(Gemm::Amx) {
+                // Beyond the limit, from a whole tile of rows, AMX-INT8 tiles where granted (their values:
+                // amx::int8's tests; they sum in another order than the AVX-512 GEMM).
+                amx::int8::gemm(&q8_gemm::quantize_rows(&x, m, k), (&packed, &scales, 0.25), n, &mut want);
+            } else if q8_gemm::available() && allowed(Gemm::Int8) {
                 // Beyond the limit, the int8 GEMM (its values: q8_gemm's tests).
                 q8_gemm::gemm(&q8_gemm::quantize_rows(&x, m, k), (&packed, &scales, 0.25), n, &mut want);
-            } else if bf16::available() {
+            } else if bf16::available() && allowed(Gemm::Bf16) {
                 // Beyond the limit, the GEMM on bf16 tiles (its values: the test below).
                 assert!(got.iter().all(|v| v.is_finite()), "m={m}");
                 continue;
@@ -544,8 +548,8 @@ mod tests {
     /// activations toward zero instead of to nearest breaks it.
     #[test]
     fn fast_matmuls_on_bf16_tiles_equal_bf16_rounded_activations_times_exact_weights() {
-        if !bf16::available() {
-            eprintln!("no AVX512-BF16 here: the fast precision keeps f32 activations outside the int8 path");
+        if !(bf16::available() && allowed(Gemm::Bf16)) {
+            eprintln!("no AVX512-BF16 here (or OSPREY_GEMM=f32): f32 activations outside the int8 path");
             return;
         }
         let (n, k) = (70, 128);
@@ -561,8 +565,8 @@ mod tests {
         }
         let nv = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.25 };
         let mut cases = vec![(WeightView::Bf16(&wb), &wb_f, vec![1usize, 3, 5, 40])];
-        if !q8_gemm::available() {
-            // With AVX-512 VNNI, NVFP4 beyond the limit takes the int8 GEMM instead.
+        if !(q8_gemm::available() && allowed(Gemm::Int8)) {
+            // With AVX-512 VNNI (allowed), NVFP4 beyond the limit takes the int8 GEMM instead.
             cases.push((nv, &nv_f, vec![q8_gemv_max_rows() + 1, 70]));
         }
         for (view, dense, rows) in cases {
@@ -587,8 +591,8 @@ mod tests {
     /// Mutation-checked: padding both operands with ones breaks it.
     #[test]
     fn bf16_gemm_pads_widths_that_are_not_whole_steps() {
-        if !bf16::available() {
-            eprintln!("no AVX512-BF16 here: the fast precision keeps f32 activations outside the int8 path");
+        if !(bf16::available() && allowed(Gemm::Bf16)) {
+            eprintln!("no AVX512-BF16 here (or OSPREY_GEMM=f32): f32 activations outside the int8 path");
             return;
         }
         let (m, n, k) = (40, 70, 100);
