@@ -20,7 +20,7 @@ fn start(settings: Settings) -> SocketAddr {
     harness::start(settings, fixtures().join("models/qwen3_5_moe-tiny"))
 }
 
-fn server() -> SocketAddr {
+pub(crate) fn server() -> SocketAddr {
     static S: std::sync::OnceLock<SocketAddr> = std::sync::OnceLock::new();
     *S.get_or_init(|| start(Settings::default()))
 }
@@ -96,18 +96,15 @@ fn object_chain(n: usize) -> Value {
     json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/a0"}}, "required": ["a"], "$defs": defs})
 }
 
-/// Issue 39: one schema gate on every path a schema takes, refusing before any grammar work and naming
-/// the parameter that carried the schema; the 2,000-deep chain is refused in well under a second on each.
-#[test]
-fn one_schema_gate_refuses_the_deep_chain_on_every_entry_point_naming_its_parameter() {
-    let addr = server();
-    let schema = object_chain(2000);
+/// Every parameter that carries a client's schema to the grammar compiler, as (path, body, the
+/// parameter an error names); Ollama's `format` last (its errors have Ollama's shape).
+pub(crate) fn schema_carriers(schema: &Value) -> Vec<(&'static str, Value, &'static str)> {
     let hi = json!([{"role": "user", "content": "hi"}]);
     let chat_tool = json!([{"type": "function", "function": {"name": "f", "parameters": schema}}]);
     let resp_tool = json!([{"type": "function", "name": "f", "parameters": schema}]);
     let msg_tool = json!([{"name": "f", "input_schema": schema}]);
-    let cases = [
-        ("/v1/chat/completions", chat_with_schema(&schema), "response_format.json_schema.schema"),
+    vec![
+        ("/v1/chat/completions", chat_with_schema(schema), "response_format.json_schema.schema"),
         (
             "/v1/chat/completions",
             json!({"messages": hi, "max_tokens": 8, "tools": chat_tool, "tool_choice": "required"}),
@@ -133,14 +130,28 @@ fn one_schema_gate_refuses_the_deep_chain_on_every_entry_point_naming_its_parame
             json!({"messages": hi, "max_tokens": 8, "output_config": {"format": {"type": "json_schema", "schema": schema}}}),
             "output_config.format.schema",
         ),
-    ];
+        (
+            "/api/chat",
+            json!({"model": "qwen3_5_moe-tiny", "messages": hi, "stream": false, "format": schema, "options": {"num_predict": 8}}),
+            "format",
+        ),
+    ]
+}
+
+/// Issue 39: one schema gate on every path a schema takes, refusing before any grammar work and naming
+/// the parameter that carried the schema; the 2,000-deep chain is refused in well under a second on each.
+#[test]
+fn one_schema_gate_refuses_the_deep_chain_on_every_entry_point_naming_its_parameter() {
+    let addr = server();
+    let cases = schema_carriers(&object_chain(2000));
     for (path, body, param) in cases {
         let t = Instant::now();
         let (s, e) = post(addr, path, &body.to_string(), None);
         let took = t.elapsed();
         // Chat and Responses name the parameter in `param`; Anthropic's shape puts it in the message.
-        let named =
-            e["error"]["param"] == param || e["error"]["message"].as_str().is_some_and(|m| m.starts_with(param));
+        let named = e["error"]["param"] == param
+            || e["error"]["message"].as_str().is_some_and(|m| m.starts_with(param))
+            || e["error"].as_str().is_some_and(|m| m.starts_with(param));
         assert!(s == 400 && named, "{path} {param}: {e}");
         assert!(took < Duration::from_secs(1), "{path} {param}: refused after {took:?}");
     }

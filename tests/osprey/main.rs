@@ -22,6 +22,7 @@ mod kv_pages;
 mod layout;
 mod multimodal;
 mod ollama;
+mod outside_input;
 mod prefix_cache;
 mod qwen4_exp_serve;
 mod readme;

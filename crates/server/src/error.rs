@@ -15,6 +15,25 @@ impl From<RequestError> for ApiError {
     }
 }
 
+/// Longest error message a client gets, in bytes.
+pub const MAX_MESSAGE: usize = 1024;
+/// Longest parameter name an error names, in bytes.
+pub const MAX_PARAM: usize = 256;
+/// Longest piece of a client's text an error quotes ([`shown`]), in characters.
+const MAX_QUOTED: usize = 64;
+
+/// `s` cut to at most `max` bytes on a character boundary, `…` marking the cut.
+pub(crate) fn bounded(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
 /// An `invalid_request` error about `param` (the request's shape or values).
 pub(crate) fn invalid(msg: impl Into<String>, param: &str) -> ApiError {
     ApiError::new(ErrorCode::InvalidRequest, msg).param(param)
@@ -32,6 +51,17 @@ impl ApiError {
         self
     }
 
+    /// The message as a client sees it: at most [`MAX_MESSAGE`] bytes, so a string a client sent (a 1 MB
+    /// role, a schema) is never echoed whole.
+    pub fn message(&self) -> String {
+        bounded(&self.0.message, MAX_MESSAGE)
+    }
+
+    /// The parameter as a client sees it (at most [`MAX_PARAM`] bytes).
+    pub fn param_name(&self) -> Option<String> {
+        self.0.param.as_deref().map(|p| bounded(p, MAX_PARAM))
+    }
+
     /// The envelope as JSON.
     pub fn body(&self) -> serde_json::Value {
         let kind = match self.status_code().as_u16() {
@@ -42,9 +72,9 @@ impl ApiError {
             _ => "invalid_request_error",
         };
         serde_json::json!({"error": {
-            "message": self.0.message,
+            "message": self.message(),
             "type": kind,
-            "param": self.0.param,
+            "param": self.param_name(),
             "code": self.0.code.as_str(),
         }})
     }
@@ -89,7 +119,13 @@ impl ResponseError for ApiError {
 /// An optional string field as an error message shows it: `` `text` ``, or "none" when missing (not
 /// Rust's `Some("text")`).
 pub(crate) fn shown(v: Option<&str>) -> String {
-    v.map_or_else(|| "none".to_string(), |s| format!("`{s}`"))
+    v.map_or_else(
+        || "none".to_string(),
+        |s| match s.char_indices().nth(MAX_QUOTED) {
+            Some((i, _)) => format!("`{}…`", &s[..i]),
+            None => format!("`{s}`"),
+        },
+    )
 }
 
 /// `e`'s response (its status and headers, `Retry-After` included) with `body` in another API's shape

@@ -2,9 +2,9 @@
 //! which owns the vocabulary): JSON Schemas in osprey's one JSON layout, for `response_format` and for
 //! the values of forced tool calls, and the Lark grammar of the call syntax the chat template teaches.
 
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 
-use crate::schema::json_layout;
+use crate::schema::{follow_refs, json_layout, rooted};
 use crate::tools::ToolSpec;
 
 /// A Lark grammar that forces calls in the template's syntax: one call (`parallel` false) or one or
@@ -25,13 +25,11 @@ pub fn call_grammar(tools: &[ToolSpec], only: Option<&str>, parallel: bool) -> S
         let mut body = vec![lit(&format!("<tool_call>\n<function={}>\n", t.name))];
         let empty = Map::new();
         let props = t.parameters.get("properties").and_then(Value::as_object).unwrap_or(&empty);
-        for (j, (pname, pschema)) in props.iter().enumerate() {
+        for (j, (pname, declared)) in props.iter().enumerate() {
             let open = lit(&format!("<parameter={pname}>\n"));
-            let string_enum = pschema
-                .get("enum")
-                .and_then(Value::as_array)
-                .filter(|e| !e.is_empty() && e.iter().all(Value::is_string));
-            let value = if let Some(e) = string_enum {
+            // Classified by what its `$ref`s name (a pydantic Enum is a string enum behind a `$ref`).
+            let pschema = follow_refs(&t.parameters, declared);
+            let value = if let Some(e) = string_enum(pschema) {
                 let alts: Vec<String> = e.iter().filter_map(Value::as_str).map(lit).collect();
                 format!("({}) \"\\n</parameter>\\n\"", alts.join(" | "))
             } else if pschema.get("type").and_then(Value::as_str) == Some("string") {
@@ -46,9 +44,9 @@ pub fn call_grammar(tools: &[ToolSpec], only: Option<&str>, parallel: bool) -> S
                     }
                 }
             } else {
-                // Non-object parameter schemas accept any value, as before.
-                let pschema = if pschema.is_object() { pschema.clone() } else { json!({}) };
-                rules.push(format!("c{i}_v{j}: %json {}", json_layout(&pschema, false)));
+                // JSON valid under the parameter's schema, its `$ref`s meaning what they mean in the tool's
+                // (a non-object schema accepts any value, as before).
+                rules.push(format!("c{i}_v{j}: %json {}", json_layout(&rooted(&t.parameters, declared), false)));
                 format!("c{i}_v{j} \"\\n</parameter>\\n\"")
             };
             rules.push(format!("c{i}_p{j}: {open} {value}"));
@@ -64,4 +62,9 @@ pub fn call_grammar(tools: &[ToolSpec], only: Option<&str>, parallel: bool) -> S
     g.extend(rules);
     g.push(r"STRING_VALUE: /[^<]*\n<\/parameter>\n/".to_string());
     g.join("\n") + "\n"
+}
+
+/// The values of an enum of strings (a parameter the call syntax writes as raw text, one of them).
+pub(crate) fn string_enum(schema: &Value) -> Option<&Vec<Value>> {
+    schema.get("enum").and_then(Value::as_array).filter(|e| !e.is_empty() && e.iter().all(Value::is_string))
 }

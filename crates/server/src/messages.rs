@@ -61,8 +61,8 @@ fn messages_param(p: &str) -> String {
 }
 
 fn envelope(e: &ApiError) -> Value {
-    let mut msg = e.0.message.clone();
-    if let Some(p) = &e.0.param {
+    let mut msg = e.message();
+    if let Some(p) = &e.param_name() {
         msg = format!("{}: {msg}", messages_param(p));
     }
     json!({"type": "error", "error": {"type": kind(e.status_code().as_u16()), "message": msg}})

@@ -55,10 +55,17 @@ impl ToolSpec {
         json!({"type": "function", "function": f})
     }
 
-    /// The schema type of a parameter (`None` when the schema does not say).
-    fn param_type(&self, param: &str) -> Option<&str> {
-        self.parameters.get("properties")?.get(param)?.get("type")?.as_str()
+    /// A parameter's schema, its own `$ref`s followed (`None` for a parameter the schema does not name).
+    fn param_schema(&self, param: &str) -> Option<&Value> {
+        let declared = self.parameters.get("properties")?.get(param)?;
+        Some(crate::schema::follow_refs(&self.parameters, declared))
     }
+}
+
+/// Whether the call syntax writes a value of `schema` as raw text (a string, or one of an enum of
+/// strings) rather than JSON; the call grammar and the parser agree on it.
+pub(crate) fn raw_text(schema: &Value) -> bool {
+    crate::grammar::string_enum(schema).is_some() || schema.get("type").and_then(Value::as_str) == Some("string")
 }
 
 /// `tool_choice`.
@@ -327,16 +334,18 @@ impl ToolParser {
         self.raw.push_str(&taken);
     }
 
+    /// A parameter's raw text as its JSON value: text where the call grammar writes raw text (a string
+    /// or an enum of strings, `$ref`s followed) or the schema does not name the parameter, else JSON
+    /// (text when it does not parse).
     fn value_json(&self, name: &str, param: &str, value: &str) -> Value {
-        let ty = self.tools.get(name).and_then(|t| t.param_type(param));
-        match ty {
-            None | Some("string") => Value::String(value.to_string()),
-            Some(t) => match serde_json::from_str(value) {
-                // JSON's `-0` parses as the float -0.0; an integer parameter's value is the integer 0.
-                Ok(Value::Number(n)) if t == "integer" && n.as_f64() == Some(0.0) && n.as_i64().is_none() => 0.into(),
-                Ok(v) => v,
-                Err(_) => Value::String(value.to_string()),
-            },
+        let schema = self.tools.get(name).and_then(|t| t.param_schema(param));
+        let Some(schema) = schema.filter(|s| !raw_text(s)) else { return Value::String(value.to_string()) };
+        let integer = schema.get("type").and_then(Value::as_str) == Some("integer");
+        match serde_json::from_str(value) {
+            // JSON's `-0` parses as the float -0.0; an integer parameter's value is the integer 0.
+            Ok(Value::Number(n)) if integer && n.as_f64() == Some(0.0) && n.as_i64().is_none() => 0.into(),
+            Ok(v) => v,
+            Err(_) => Value::String(value.to_string()),
         }
     }
 

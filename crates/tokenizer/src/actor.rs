@@ -212,7 +212,12 @@ impl TokenizerCore {
                     ErrorCode::InvalidSchema,
                     format!("the output format cannot be enforced: {}", public_reason(&e)),
                 )
-                .with_param("response_format")
+                // The parameter that carried it: a schema came as `response_format` (or its kin), a call
+                // grammar from `tools`.
+                .with_param(match g {
+                    Grammar::JsonSchema(_) => "response_format",
+                    Grammar::Lark(_) => "tools",
+                })
             }
             CompileError::Prefill => RequestError::new(
                 ErrorCode::InvalidRequest,

@@ -47,11 +47,11 @@ impl std::fmt::Display for OllamaError {
 /// `{"error": "<param>: <message>"}`, the parameter named as an Ollama client wrote it (in the message
 /// too, where a check shared with chat completions named chat's: `max_tokens 3 cannot hold…`).
 fn body(e: &ApiError) -> Value {
-    let msg = &e.0.message;
-    let msg = match &e.0.param {
+    let msg = e.message();
+    let msg = match &e.param_name() {
         Some(p) if msg.contains(p.as_str()) => msg.replace(p.as_str(), &request::param(p)),
         Some(p) => format!("{}: {msg}", request::param(p)),
-        None => msg.clone(),
+        None => msg,
     };
     json!({"error": msg})
 }
