@@ -375,6 +375,16 @@ fn scheduler_config(
 }
 
 /// [`start`] with the expert reader wrapped by `wrap_reader`.
+/// The model id the server lists and requests name: `--served-model-name`, else the Hugging Face id the
+/// model was given by (`org/name`, not its snapshot's commit hash), else the directory's name.
+fn served_model_id(settings: &Settings, model_dir: &Path) -> String {
+    settings.served_model_name.clone().unwrap_or_else(|| {
+        settings.model.as_deref().and_then(hub::served_name).unwrap_or_else(|| {
+            model_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "osprey".into())
+        })
+    })
+}
+
 pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<ReaderLayer>) -> Result<Bound> {
     let t0 = Instant::now();
     let kv_dtype = kv_cache_dtype(settings.kv_cache_dtype.as_deref())?;
@@ -410,11 +420,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let scheduler = osprey_scheduler::spawn(sched_cfg, runner, prefix.clone());
     let tok = tok.with_grammar_vocab(vocab, eos.clone());
     let tokenizer = osprey_tokenizer::spawn_pool(tok, settings.tokenizer_workers.unwrap_or(2));
-    let model_id = settings.served_model_name.clone().unwrap_or_else(|| {
-        settings.model.as_deref().and_then(hub::served_name).unwrap_or_else(|| {
-            model_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "osprey".into())
-        })
-    });
+    let model_id = served_model_id(settings, model_dir);
     let server_cfg = ServerConfig {
         model_id: model_id.clone(),
         context_len,
@@ -473,6 +479,22 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
 
 #[cfg(test)]
 mod tests {
+    use super::{served_model_id, Settings};
+    use std::path::Path;
+
+    /// Issue 49: `serve --model org/name` listed the snapshot's commit hash as the model id, and a
+    /// request naming `org/name` got 404.
+    #[test]
+    fn a_model_given_by_hub_id_is_served_under_that_id() {
+        let snap = Path::new("/cache/models--Org--tiny/snapshots/0123456789abcdef0123456789abcdef01234567");
+        let by_id = Settings { model: Some("Org/tiny@main".into()), ..Settings::default() };
+        assert_eq!(served_model_id(&by_id, snap), "Org/tiny");
+        let by_dir = Settings { model: Some(std::env::temp_dir()), ..Settings::default() };
+        assert_eq!(served_model_id(&by_dir, Path::new("/models/qwen-tiny")), "qwen-tiny");
+        let named = Settings { served_model_name: Some("mine".into()), ..by_id };
+        assert_eq!(served_model_id(&named, snap), "mine");
+    }
+
     #[test]
     fn a_device_this_build_cannot_drive_is_refused_by_name() {
         // No driver here (and without the `cuda` feature, no driver layer): a clear error either way.
