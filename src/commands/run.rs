@@ -69,7 +69,8 @@ fn load_video(spec: &str, fps: f64, limits: DecodeLimits) -> Result<Media> {
 
 /// Runs the command.
 pub fn run(a: RunArgs, model: Model, backend: osprey_models::backend::BackendRef) -> Result<()> {
-    let tok = TextTokenizer::from_dir(&a.model).ok();
+    // Kept as a result: `--ids` runs without a tokenizer, and `--prompt` says why it could not load.
+    let tok = TextTokenizer::from_dir(&a.model);
     let limits = DecodeLimits::default();
     let mut media: Vec<Media> = Vec::new();
     for p in &a.image {
@@ -83,7 +84,7 @@ pub fn run(a: RunArgs, model: Model, backend: osprey_models::backend::BackendRef
         (None, Some(_)) => bail!("--ids cannot carry media; use --prompt"),
         (None, None) => bail!("give --prompt or --ids"),
         (Some(text), _) => {
-            let tok = tok.as_ref().context("--prompt needs tokenizer.json in the model directory")?;
+            let tok = tok.as_ref().map_err(|e| anyhow::anyhow!("--prompt needs the model's tokenizer: {e}"))?;
             let prompt = if a.raw {
                 text.clone()
             } else {
@@ -125,7 +126,7 @@ pub fn run(a: RunArgs, model: Model, backend: osprey_models::backend::BackendRef
     let out = driver.generate(Arc::new(prompt), greedy, &opts, &mut TowerRows(tower.as_ref()))?;
     println!("prompt tokens: {n_prompt}");
     println!("generated ids: {:?}", out.tokens);
-    if let Some(t) = &tok {
+    if let Ok(t) = &tok {
         println!("generated text: {:?}", t.decode(&out.tokens, false)?);
     }
     eprintln!(

@@ -152,9 +152,9 @@ mod tests {
         }
         // A blob name is a digest, never a path.
         for (bad, what) in [
-            (format!("{{\"rfilename\": \"config.json\", \"blobId\": \"../../../x\", \"size\": 2}}"), "blob id"),
+            ("{\"rfilename\": \"config.json\", \"blobId\": \"../../../x\", \"size\": 2}".to_string(), "blob id"),
             (
-                format!("{{\"rfilename\": \"a.safetensors\", \"lfs\": {{\"sha256\": \"/etc/x\", \"size\": 2}}}}"),
+                "{\"rfilename\": \"a.safetensors\", \"lfs\": {\"sha256\": \"/etc/x\", \"size\": 2}}".to_string(),
                 "sha256",
             ),
             ("{\"rfilename\": \"config.json\"}".to_string(), "no size"),

@@ -254,7 +254,8 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(|source| Error::Io { path: index.clone(), source })?;
+            let text = crate::files::read_small(&index, crate::files::MAX_CONFIG_BYTES)
+                .map_err(|source| Error::Io { path: index.clone(), source })?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).map_err(|source| Error::Json { path: index.clone(), source })?;
             let map = v

@@ -381,14 +381,15 @@ impl ModelConfig {
     /// Reads and validates `dir/config.json` (and `hf_quant_config.json` when present).
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+        let text = crate::files::read_small(&path, crate::files::MAX_CONFIG_BYTES)
+            .map_err(|source| Error::Io { path: path.clone(), source })?;
         let cfg = Self::from_json(&text).map_err(|e| match e {
             Error::Json { source, .. } => Error::Json { path, source },
             other => other,
         })?;
         let mut cfg = cfg;
         let hq = dir.join("hf_quant_config.json");
-        if let Ok(t) = std::fs::read_to_string(&hq) {
+        if let Ok(t) = crate::files::read_small(&hq, crate::files::MAX_CONFIG_BYTES) {
             let v: serde_json::Value = serde_json::from_str(&t).map_err(|source| Error::Json { path: hq, source })?;
             check_quantization(&v)?;
             cfg.quantized = true;

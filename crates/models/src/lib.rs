@@ -24,6 +24,7 @@ pub mod config;
 mod entry;
 mod error;
 mod family;
+pub mod files;
 pub mod kv;
 pub mod layers;
 mod ple_budget;

@@ -195,7 +195,9 @@ impl TokenizerCore {
     ) -> Result<Constraint, RequestError> {
         let compiler = self.grammar.get_or_init(|| {
             let load = |reason: String| crate::Error::Load { path: self.tokenizer_json.clone(), reason };
-            let text = std::fs::read_to_string(&self.tokenizer_json).map_err(|e| load(e.to_string()))?;
+            let text =
+                osprey_models::files::read_small(&self.tokenizer_json, osprey_models::files::MAX_TOKENIZER_BYTES)
+                    .map_err(|e| load(e.to_string()))?;
             let tok = tokenizers::Tokenizer::from_bytes(text.as_bytes()).map_err(|e| load(e.to_string()))?;
             let (vocab, eos) = &self.grammar_vocab;
             let eos = if eos.is_empty() { self.tok.token_id("<|im_end|>").into_iter().collect() } else { eos.clone() };

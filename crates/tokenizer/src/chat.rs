@@ -96,7 +96,7 @@ fn tojson(v: Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Err
 }
 
 fn read(path: &Path) -> Result<Option<String>> {
-    match std::fs::read_to_string(path) {
+    match osprey_models::files::read_small(path, osprey_models::files::MAX_TOKENIZER_BYTES) {
         Ok(s) => Ok(Some(s)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(Error::Load { path: path.to_path_buf(), reason: e.to_string() }),

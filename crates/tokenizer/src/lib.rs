@@ -78,7 +78,10 @@ impl TextTokenizer {
     /// Loads `dir/tokenizer.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::Load { path, reason: e.to_string() })?;
+        let text = osprey_models::files::read_small(&path, osprey_models::files::MAX_TOKENIZER_BYTES)
+            .map_err(|e| Error::Load { path: path.clone(), reason: e.to_string() })?;
+        let inner = tokenizers::Tokenizer::from_bytes(text.as_bytes())
+            .map_err(|e| Error::Load { path, reason: format!("not a tokenizer this build can read: {e}") })?;
         let mut literal = inner.clone();
         literal.set_encode_special_tokens(true);
         let mut specials: Vec<(String, u32)> = inner

@@ -158,7 +158,8 @@ fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
     if !path.exists() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    let text = crate::files::read_small(path, crate::files::MAX_CONFIG_BYTES)
+        .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
     serde_json::from_str(&text).map(Some).map_err(|source| Error::Json { path: path.to_path_buf(), source })
 }
 
