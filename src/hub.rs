@@ -9,26 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-/// `org/name[@revision]`, when `spec` is one (and not a path that exists). A revision is a branch, tag or
-/// commit: path components that are not empty, `.` or `..`.
-pub(crate) fn parse_id(spec: &str) -> Option<(&str, &str, Option<&str>)> {
-    let (id, rev) = match spec.split_once('@') {
-        Some((id, rev)) => (id, Some(rev)),
-        None => (spec, None),
-    };
-    let (org, name) = id.split_once('/')?;
-    let word = |s: &str| {
-        !s.is_empty()
-            && !s.starts_with('.')
-            && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-    };
-    let rev_ok = rev.is_none_or(|r| {
-        r.len() <= 256
-            && r.split('/').all(|c| !c.is_empty() && c != "." && c != ".." && !c.contains(['\0', '\\']))
-            && !r.contains("..")
-    });
-    (word(org) && word(name) && rev_ok).then_some((org, name, rev))
-}
+use crate::pull::parse_id;
 
 /// The name a model given by id is served under: `org/name` (as vLLM and SGLang list it), not the
 /// snapshot directory's commit hash. `None` for a directory.

@@ -21,6 +21,27 @@ use anyhow::{anyhow, bail, Context, Result};
 
 pub use listing::is_hex;
 
+/// `org/name[@revision]`, when `spec` is one (and not a path that exists). A revision is a branch, tag or
+/// commit: path components that are not empty, `.` or `..`.
+pub(crate) fn parse_id(spec: &str) -> Option<(&str, &str, Option<&str>)> {
+    let (id, rev) = match spec.split_once('@') {
+        Some((id, rev)) => (id, Some(rev)),
+        None => (spec, None),
+    };
+    let (org, name) = id.split_once('/')?;
+    let word = |s: &str| {
+        !s.is_empty()
+            && !s.starts_with('.')
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    };
+    let rev_ok = rev.is_none_or(|r| {
+        r.len() <= 256
+            && r.split('/').all(|c| !c.is_empty() && c != "." && c != ".." && !c.contains(['\0', '\\']))
+            && !r.contains("..")
+    });
+    (word(org) && word(name) && rev_ok).then_some((org, name, rev))
+}
+
 /// Whether a file of a model repository is one a model directory needs: config, weights (safetensors,
 /// their index), tokenizer, chat template, processor configs. Not README, other formats (`.bin`, `.pth`,
 /// ONNX, GGUF) or anything in a subfolder.
@@ -100,7 +121,7 @@ fn token_file(cache: &Path) -> Option<String> {
 /// `config.json` comes last, so a snapshot with a config is whole (what [`crate::hub::resolve_in`]
 /// checks).
 pub fn pull(hub: &Hub, id: &str, revision: &str) -> Result<PathBuf> {
-    if crate::hub::parse_id(&format!("{id}@{revision}")).is_none() {
+    if parse_id(&format!("{id}@{revision}")).is_none() {
         bail!("{id}@{revision} is not a Hugging Face id (org/name, optionally @revision)");
     }
     let client = http::Client::new(hub)?;

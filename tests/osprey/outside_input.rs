@@ -147,3 +147,45 @@ fn errors_do_not_echo_a_clients_strings_whole() {
     assert!(s == 400 && e.to_string().len() < 2048, "{s}: a {}-byte error", e.to_string().len());
     assert_eq!(harness::get(addr, "/health").0, 200);
 }
+
+/// Streams whose clients hung up while queued were prefilled in full when admitted (20 abandoned
+/// 3.3k-token streams cost 66,430 prompt tokens); non-streamed ones were cancelled at once. Here one
+/// long answer holds the only running slot while five streamed requests queue behind it and hang up
+/// after their first frame: each is cancelled while the long answer still runs, and no prompt token of
+/// theirs is computed. Mutation-checked: without `tx.closed()` in `pump` they are prefilled when the
+/// slot frees.
+#[test]
+fn streams_abandoned_while_queued_are_cancelled_before_prefill() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    let settings = osprey::Settings { max_running_requests: Some(1), ..osprey::Settings::default() };
+    let addr = harness::start(settings, crate::common::fixtures().join("models/qwen3_5_moe-tiny"));
+    let count = |name: &str| harness::metric(addr, name) as u64;
+    let long = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3500, "ignore_eos": true});
+    let mut holder = TcpStream::connect(addr).expect("connect");
+    holder.write_all(harness::raw_json_post("/v1/chat/completions", &long.to_string()).as_bytes()).expect("send");
+    while count("osprey_generated_tokens_total") < 8 {
+        std::thread::yield_now();
+    }
+    let (prompt0, cancelled0) = (count("osprey_prompt_tokens_total"), count("osprey_cancelled_total"));
+    let text = "word ".repeat(600);
+    for _ in 0..5 {
+        let body = json!({"messages": [{"role": "user", "content": text}], "max_tokens": 8, "stream": true});
+        let mut s = TcpStream::connect(addr).expect("connect");
+        s.write_all(harness::raw_json_post("/v1/chat/completions", &body.to_string()).as_bytes()).expect("send");
+        // Queued: the headers and the role frame arrive, then the client leaves.
+        let mut first = [0u8; 64];
+        let n = s.read(&mut first).expect("the answer starts");
+        assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"), "{:?}", &first[..n]);
+    }
+    let t = Instant::now();
+    while count("osprey_cancelled_total") < cancelled0 + 5 {
+        assert!(t.elapsed() < Duration::from_secs(120), "abandoned streams were not cancelled");
+        std::thread::yield_now();
+    }
+    let generated_then = count("osprey_generated_tokens_total");
+    assert_eq!(count("osprey_prompt_tokens_total"), prompt0, "an abandoned stream's prompt was computed");
+    assert!(generated_then < 3500, "the long answer had ended first ({generated_then} tokens): nothing was queued");
+    drop(holder);
+    assert_eq!(harness::get(addr, "/health").0, 200);
+}

@@ -4,7 +4,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::schema::{follow_refs, json_layout, rooted};
+use crate::schema::{follow_refs, json_layout, rooted, string_enum};
 use crate::tools::ToolSpec;
 
 /// A Lark grammar that forces calls in the template's syntax: one call (`parallel` false) or one or
@@ -62,9 +62,4 @@ pub fn call_grammar(tools: &[ToolSpec], only: Option<&str>, parallel: bool) -> S
     g.extend(rules);
     g.push(r"STRING_VALUE: /[^<]*\n<\/parameter>\n/".to_string());
     g.join("\n") + "\n"
-}
-
-/// The values of an enum of strings (a parameter the call syntax writes as raw text, one of them).
-pub(crate) fn string_enum(schema: &Value) -> Option<&Vec<Value>> {
-    schema.get("enum").and_then(Value::as_array).filter(|e| !e.is_empty() && e.iter().all(Value::is_string))
 }

@@ -195,8 +195,9 @@ async fn stream_task(
 
 /// Streams an answer: each step (or, once a shutdown's grace period is over, an `unavailable` error)
 /// goes to `frames`, which appends the SSE frames it makes and says whether the answer is over. Returns
-/// false when the client left (dropping the answer cancels its sequence). Every streaming front end
-/// runs on it.
+/// false when the client left: a send failed, or the response body was dropped while the answer had
+/// nothing to say (queued, or prefilling), which is noticed at once rather than at the first token.
+/// Dropping the answer cancels its sequence. Every streaming front end runs on it.
 pub(crate) async fn pump(
     mut a: Answer,
     tx: &mpsc::Sender<Bytes>,
@@ -210,6 +211,7 @@ pub(crate) async fn pump(
         let next = tokio::select! {
             p = a.next() => p,
             () = &mut expiry => Some(Err(shutting_down())),
+            () = tx.closed() => return false,
         };
         let Some(next) = next else { return true };
         let done = frames(next, &mut out);

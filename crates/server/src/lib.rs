@@ -146,6 +146,10 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
     // this long; bodies have their own limit (`body.rs`).
     .keep_alive(std::time::Duration::from_secs_f64(idle.max(0.001)))
     .client_request_timeout(std::time::Duration::from_secs_f64(idle.max(0.001)))
+    // A client that closes its side has left (HTTP clients never half-close while they wait for an
+    // answer): the connection ends and a streamed answer's body is dropped, which `handlers::pump`
+    // sees at once, so a stream abandoned while queued is cancelled before its prefill (issue 49).
+    .h1_allow_half_closed(false)
     .disable_signals()
     .shutdown_timeout(shutdown_timeout)
     .bind(addr)?;

@@ -89,6 +89,17 @@ pub(crate) fn check_schema(schema: &Value, param: &str) -> Result<(), ApiError> 
     Ok(())
 }
 
+/// The values of an enum of strings (a parameter the call syntax writes as raw text, one of them).
+pub(crate) fn string_enum(schema: &Value) -> Option<&Vec<Value>> {
+    schema.get("enum").and_then(Value::as_array).filter(|e| !e.is_empty() && e.iter().all(Value::is_string))
+}
+
+/// Whether the call syntax writes a value of `schema` as raw text (a string, or one of an enum of
+/// strings) rather than JSON; the call grammar and the call parser agree on it.
+pub(crate) fn raw_text(schema: &Value) -> bool {
+    string_enum(schema).is_some() || schema.get("type").and_then(Value::as_str) == Some("string")
+}
+
 /// `schema` (a part of `root`) with its own `$ref`s followed to what they name in `root`, at most
 /// [`MAX_SCHEMA_DEPTH`] hops: pydantic writes a nested model or an Enum field as `{"$ref": "#/$defs/X"}`
 /// (siblings such as `description` or `default` do not constrain the value and are passed over).

@@ -62,12 +62,6 @@ impl ToolSpec {
     }
 }
 
-/// Whether the call syntax writes a value of `schema` as raw text (a string, or one of an enum of
-/// strings) rather than JSON; the call grammar and the parser agree on it.
-pub(crate) fn raw_text(schema: &Value) -> bool {
-    crate::grammar::string_enum(schema).is_some() || schema.get("type").and_then(Value::as_str) == Some("string")
-}
-
 /// `tool_choice`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ToolChoice {
@@ -339,7 +333,9 @@ impl ToolParser {
     /// (text when it does not parse).
     fn value_json(&self, name: &str, param: &str, value: &str) -> Value {
         let schema = self.tools.get(name).and_then(|t| t.param_schema(param));
-        let Some(schema) = schema.filter(|s| !raw_text(s)) else { return Value::String(value.to_string()) };
+        let Some(schema) = schema.filter(|s| !crate::schema::raw_text(s)) else {
+            return Value::String(value.to_string());
+        };
         let integer = schema.get("type").and_then(Value::as_str) == Some("integer");
         match serde_json::from_str(value) {
             // JSON's `-0` parses as the float -0.0; an integer parameter's value is the integer 0.
