@@ -394,6 +394,13 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
     let vocab = info.vocab_size;
     let mut eos = info.eos_token_ids.clone();
     let tok = TokenizerCore::from_dir(model_dir, tower.is_some())?;
+    if let Some((id, token)) = tok.tokenizer().beyond_vocabulary(vocab) {
+        let token: String = token.chars().take(64).collect();
+        anyhow::bail!(
+            "tokenizer.json has token {token:?} with id {id}, beyond the model's vocabulary of {vocab} (config.json \
+             vocab_size): every request with it would fail, so the model is refused"
+        );
+    }
     let max_token_bytes = tok.tokenizer().max_token_bytes();
     let template_kwargs = tok.template_variables();
     if let Some(im_end) = tok.tokenizer().token_id("<|im_end|>") {

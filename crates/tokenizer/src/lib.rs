@@ -168,6 +168,18 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The highest token id at or beyond `vocab` (the model's vocabulary: its embedding and output
+    /// rows), with its token, if the tokenizer has one. A model directory is hostile input: such an id
+    /// passed the load and then failed every request (issue 49), so the load refuses it.
+    pub fn beyond_vocabulary(&self, vocab: usize) -> Option<(u32, String)> {
+        self.inner
+            .get_vocab(true)
+            .into_iter()
+            .filter(|(_, id)| *id as usize >= vocab)
+            .max_by_key(|(_, id)| *id)
+            .map(|(t, id)| (id, t))
+    }
+
     /// An upper bound of the bytes of text one token stands for: the longest vocabulary entry, in UTF-8
     /// bytes of its stored form (byte-level tokens store one char per byte, SentencePiece's `▁` is longer
     /// stored than decoded). A text of more than `context × this` bytes cannot fit the context.
