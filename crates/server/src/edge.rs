@@ -113,10 +113,13 @@ impl EdgePolicy {
     }
 }
 
-/// 405 with `Allow` for an endpoint called with the wrong method.
-pub fn method_not_allowed(allow: &'static str) -> HttpResponse {
-    let e = ApiError::new(ErrorCode::MethodNotAllowed, format!("this endpoint accepts {allow}")).param("method");
-    let mut r = actix_web::ResponseError::error_response(&e);
+/// The 405 error for an endpoint called with the wrong method (its response gets `Allow`: [`allow`]).
+pub fn method_not_allowed(allow: &'static str) -> ApiError {
+    ApiError::new(ErrorCode::MethodNotAllowed, format!("this endpoint accepts {allow}")).param("method")
+}
+
+/// `r` with `Allow: allow`.
+pub fn allow(mut r: HttpResponse, allow: &'static str) -> HttpResponse {
     r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allow));
     r
 }

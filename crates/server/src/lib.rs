@@ -39,7 +39,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use actix_web::dev::Server;
-use actix_web::{web, App, HttpServer};
+use actix_web::{web, App, HttpRequest, HttpServer};
 use osprey_protocol::ErrorCode;
 use tokio::sync::watch;
 
@@ -136,8 +136,8 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
                 })
             })
             .configure(|c| routes(c, webui_on))
-            .default_service(web::to(|| async {
-                ApiError::new(ErrorCode::NotFound, "no such endpoint").param("path").error_response_owned()
+            .default_service(web::to(|req: HttpRequest| async move {
+                shaped(&req, ApiError::new(ErrorCode::NotFound, "no such endpoint").param("path"))
             }))
     })
     .on_connect(peer::on_connect)
@@ -157,14 +157,43 @@ pub fn bind(cfg: ServerConfig, engine: Engine, addr: &str, workers: usize) -> st
     Ok(Bound { server: server.run(), addr: bound, phase: phase_tx, engine })
 }
 
+/// An error for a request no API's handler shapes (an unknown path, a wrong method, a model lookup) in
+/// the shape its client reads: Ollama's `{"error": "…"}` under `/api/` (the `ollama` client's
+/// `ResponseError.error` was a dict), Anthropic's envelope when the request carries `anthropic-version`
+/// (every Anthropic SDK call does), else OpenAI's.
+fn shaped(req: &HttpRequest, e: ApiError) -> actix_web::HttpResponse {
+    use actix_web::ResponseError;
+    if req.path().starts_with("/api/") {
+        ollama::OllamaError::from(e).error_response()
+    } else if req.headers().contains_key("anthropic-version") {
+        messages::AnthropicError::from(e).error_response()
+    } else {
+        e.error_response()
+    }
+}
+
+/// 405 naming the allowed methods, in the client's shape.
+fn not_allowed(req: &HttpRequest, allowed: &'static str) -> actix_web::HttpResponse {
+    edge::allow(shaped(req, edge::method_not_allowed(allowed)), allowed)
+}
+
+/// `GET /v1/models/{id}`, its errors in the client's shape.
+async fn model_shaped(state: web::Data<AppState>, req: HttpRequest, id: web::Path<String>) -> actix_web::HttpResponse {
+    match handlers::model(state, req.clone(), id).await {
+        Ok(r) => r,
+        Err(e) => shaped(&req, e),
+    }
+}
+
 /// Every route: the OpenAI, Anthropic and Ollama APIs, the engine's state and, unless turned off, the web
 /// page. A known path asked with another method is 405 naming the allowed ones.
 fn routes(cfg: &mut web::ServiceConfig, webui_on: bool) {
     let post = |path: &'static str| {
-        web::resource(path).default_service(web::to(|| async { edge::method_not_allowed("POST") }))
+        web::resource(path).default_service(web::to(|req: HttpRequest| async move { not_allowed(&req, "POST") }))
     };
-    let get =
-        |path: &'static str| web::resource(path).default_service(web::to(|| async { edge::method_not_allowed("GET") }));
+    let get = |path: &'static str| {
+        web::resource(path).default_service(web::to(|req: HttpRequest| async move { not_allowed(&req, "GET") }))
+    };
     cfg.service(post("/v1/chat/completions").route(web::post().to(handlers::chat)))
         .service(post("/v1/completions").route(web::post().to(handlers::completions)))
         .service(post("/v1/responses").route(web::post().to(responses::create)))
@@ -172,7 +201,7 @@ fn routes(cfg: &mut web::ServiceConfig, webui_on: bool) {
             web::resource("/v1/responses/{id}")
                 .route(web::get().to(responses::get))
                 .route(web::delete().to(responses::delete))
-                .default_service(web::to(|| async { edge::method_not_allowed("GET, DELETE") })),
+                .default_service(web::to(|req: HttpRequest| async move { not_allowed(&req, "GET, DELETE") })),
         )
         .service(post("/v1/messages").route(web::post().to(messages::create)))
         .service(post("/v1/messages/count_tokens").route(web::post().to(messages::count_tokens)))
@@ -183,7 +212,7 @@ fn routes(cfg: &mut web::ServiceConfig, webui_on: bool) {
         .service(get("/api/ps").route(web::get().to(ollama::ps)))
         .service(get("/api/version").route(web::get().to(ollama::version)))
         .service(get("/v1/models").route(web::get().to(handlers::models)))
-        .service(get("/v1/models/{id}").route(web::get().to(handlers::model)))
+        .service(get("/v1/models/{id}").route(web::get().to(model_shaped)))
         .service(get("/health").route(web::get().to(handlers::health)))
         .service(get("/metrics").route(web::get().to(handlers::metrics)))
         .service(get("/v1/engine/stats").route(web::get().to(webui::stats)))

@@ -28,6 +28,9 @@ pub use request::is_ours;
 /// decide which fields they may send).
 pub const API_VERSION: &str = "0.12.0";
 
+/// Largest `/api/show` body (it names a model).
+const SHOW_MAX_BYTES: usize = 64 << 10;
+
 /// An error in Ollama's shape.
 #[derive(Debug)]
 pub struct OllamaError(ApiError);
@@ -326,10 +329,20 @@ pub async fn ps(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpResp
 }
 
 /// `POST /api/show`: details, template, capabilities and the context length of the served model.
-pub async fn show(state: web::Data<AppState>, req: HttpRequest, body: web::Bytes) -> Result<HttpResponse, OllamaError> {
+pub async fn show(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, OllamaError> {
     handlers::check_key(&state, &req)?;
-    let v: Value = serde_json::from_slice(&body)
-        .map_err(|e| crate::error::invalid(format!("the body is not JSON: {e}"), "body"))?;
+    // A name is all it reads: 64 KiB, read as every body is (a larger one is a JSON 413, not actix's
+    // plain-text one).
+    let lim = crate::body::BodyLimits {
+        max_bytes: SHOW_MAX_BYTES,
+        any_type_without_origin: true,
+        ..state.body_limits(crate::body::Endpoint::Chat)
+    };
+    let v: Value = crate::body::read_json(&req, payload, lim).await?;
     let asked = v.get("model").or_else(|| v.get("name")).and_then(Value::as_str).unwrap_or_default();
     if !is_ours(asked, &state.cfg.model_id) {
         return Err(ApiError::new(
