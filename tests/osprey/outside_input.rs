@@ -189,3 +189,154 @@ fn streams_abandoned_while_queued_are_cancelled_before_prefill() {
     drop(holder);
     assert_eq!(harness::get(addr, "/health").0, 200);
 }
+
+/// A tokenizer whose ids go past the model's vocabulary passed the load, and then every chat got 500
+/// while `/health` said ok. The load now refuses it and names the token.
+#[test]
+fn a_tokenizer_with_ids_beyond_the_vocabulary_is_refused_at_load() {
+    let src = crate::common::fixtures().join("models/qwen3_5_moe-tiny");
+    let dir = harness::scratch_dir("tokenizer-beyond-vocab");
+    for f in std::fs::read_dir(&src).expect("fixture") {
+        let f = f.expect("entry").path();
+        std::fs::copy(&f, dir.join(f.file_name().expect("name"))).expect("copy");
+    }
+    let mut tok: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).expect("read")).expect("json");
+    // The BPE vocabulary's ids are taken as written (added tokens are renumbered by the tokenizer).
+    tok["model"]["vocab"]["<|evil|>"] = json!(5000);
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).expect("write");
+    let Err(e) = osprey::start(&osprey::Settings::default(), &dir) else { panic!("the load was not refused") };
+    let msg = format!("{e:#}");
+    assert!(msg.contains("<|evil|>") && msg.contains("5000") && msg.contains("1024"), "{msg}");
+}
+
+/// `method path` with `headers` and `body`: (status, `Allow` header, JSON body).
+fn call(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String, Value) {
+    let mut req = ureq::request(method, &format!("http://{addr}{path}"));
+    for (k, v) in headers {
+        req = req.set(k, v);
+    }
+    let r = match req.send_string(body) {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("transport error: {e}"),
+    };
+    let (status, allow) = (r.status(), r.header("allow").unwrap_or_default().to_string());
+    let text = r.into_string().expect("body");
+    (status, allow, serde_json::from_str(&text).unwrap_or_else(|_| panic!("{method} {path}: not JSON: {text:?}")))
+}
+
+/// Errors no API handler shaped came in OpenAI's envelope whatever the client: unserved Ollama routes
+/// and 405s (the `ollama` client's `ResponseError.error` was a dict), a too-large `/api/show` (a plain-
+/// text 413), and `GET /v1/models/{unknown}` from an Anthropic client. Each now has its client's shape.
+#[test]
+fn errors_outside_the_handlers_answer_in_the_clients_shape() {
+    let addr = server();
+    for (method, path) in
+        [("POST", "/api/embed"), ("POST", "/api/pull"), ("DELETE", "/api/delete"), ("GET", "/api/chat")]
+    {
+        let (status, allow, v) = call(addr, method, path, &[("content-type", "application/json")], "{}");
+        assert!(v["error"].is_string(), "{method} {path}: {status} {v}");
+        if path == "/api/chat" {
+            assert_eq!((status, allow.as_str()), (405, "POST"), "{v}");
+        }
+    }
+    let big = json!({"model": "qwen3_5_moe-tiny", "pad": "x".repeat(300 << 10)}).to_string();
+    let (status, _, v) = call(addr, "POST", "/api/show", &[("content-type", "application/json")], &big);
+    assert!(status == 413 && v["error"].is_string(), "{status} {v}");
+    let anthropic = [("anthropic-version", "2023-06-01")];
+    let (status, _, v) = call(addr, "GET", "/v1/models/claude-nothing", &anthropic, "");
+    assert_eq!(status, 404, "{v}");
+    assert!(v["type"] == "error" && v["error"]["type"] == "not_found_error", "{v}");
+    let (status, allow, v) = call(addr, "GET", "/v1/messages", &anthropic, "");
+    assert!(status == 405 && allow == "POST" && v["type"] == "error", "{status} {v}");
+    let (status, _, v) = call(addr, "GET", "/v1/models/nothing", &[], "");
+    assert!(status == 404 && v["error"]["code"].is_string(), "{v}");
+    let (status, _, v) = call(addr, "GET", "/v1/models/qwen3_5_moe-tiny", &[], "");
+    assert!(status == 200 && v["id"] == "qwen3_5_moe-tiny", "{v}");
+}
+
+/// `logit_bias` was accepted and had no effect. Now +100 on a token makes a greedy answer that token
+/// throughout (two different tokens, two different answers), on completions and chat; bad keys and
+/// values are refused naming `logit_bias`.
+#[test]
+fn logit_bias_is_applied_and_checked() {
+    let addr = server();
+    let tokens_with = |bias: Value| -> Vec<String> {
+        let body =
+            json!({"prompt": "The weather", "max_tokens": 4, "temperature": 0, "logprobs": 0, "logit_bias": bias});
+        let (s, v) = post(addr, "/v1/completions", &body.to_string(), None);
+        assert_eq!(s, 200, "{v}");
+        v["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .expect("tokens")
+            .iter()
+            .map(|t| t.as_str().unwrap_or("").to_string())
+            .collect()
+    };
+    let (a, b) = (tokens_with(json!({"100": 100})), tokens_with(json!({"200": 100})));
+    assert!(a.len() == 4 && a.iter().all(|t| *t == a[0]), "{a:?}");
+    assert!(b.len() == 4 && b.iter().all(|t| *t == b[0]), "{b:?}");
+    assert_ne!(a[0], b[0]);
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+        "logit_bias": {"100": 100}, "chat_template_kwargs": {"enable_thinking": false}});
+    let (s, v) = post(addr, "/v1/chat/completions", &chat.to_string(), None);
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"].as_str().unwrap_or(""), a[0].repeat(3), "{v}");
+    for bad in [json!({"abc": 1}), json!({"99999": 1}), json!({"100": 101}), json!({"100": "x"})] {
+        let body = json!({"prompt": "hi", "max_tokens": 2, "logit_bias": bad});
+        let (s, e) = post(addr, "/v1/completions", &body.to_string(), None);
+        assert!(s == 400 && e["error"]["param"] == "logit_bias", "{bad}: {e}");
+    }
+}
+
+/// The deprecated `functions` and `function_call` were ignored. They are mapped to tools as OpenAI maps
+/// them, and the answer is in their shape: one `function_call`, `finish_reason: "function_call"`, whole
+/// and streamed; the next turn may carry the call and a `function` message; mixing both forms is 400.
+#[test]
+fn legacy_functions_are_tools_answered_in_their_own_shape() {
+    let addr = server();
+    let functions = json!([{"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"], "additionalProperties": false}}]);
+    let user = json!([{"role": "user", "content": "Weather in Paris?"}]);
+    let body = json!({"messages": user, "max_tokens": 64, "temperature": 0, "functions": functions,
+        "function_call": {"name": "get_weather"}});
+    let (s, v) = post(addr, "/v1/chat/completions", &body.to_string(), None);
+    assert_eq!(s, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "function_call", "{v}");
+    assert!(choice["message"]["tool_calls"].is_null(), "{v}");
+    let call = &choice["message"]["function_call"];
+    assert_eq!(call["name"], "get_weather", "{v}");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().expect("arguments")).expect("JSON arguments");
+    assert!(args["city"].is_string(), "{args}");
+    // Streamed: the call's name, then its arguments, as `function_call` deltas.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let frames: Vec<Value> = harness::sse(addr, "/v1/chat/completions", &streamed)
+        .iter()
+        .filter(|f| *f != "[DONE]")
+        .map(|f| serde_json::from_str(f).expect("frame"))
+        .collect();
+    let name: String =
+        frames.iter().filter_map(|f| f["choices"][0]["delta"]["function_call"]["name"].as_str()).collect();
+    let arguments: String =
+        frames.iter().filter_map(|f| f["choices"][0]["delta"]["function_call"]["arguments"].as_str()).collect();
+    assert_eq!((name.as_str(), arguments.as_str()), ("get_weather", call["arguments"].as_str().unwrap_or("")));
+    assert!(frames.iter().any(|f| f["choices"][0]["finish_reason"] == "function_call"));
+    // The next turn, in the legacy form.
+    let turn = json!({"messages": [user[0], {"role": "assistant", "content": null, "function_call": call},
+        {"role": "function", "name": "get_weather", "content": "{\"temp\": 21}"}], "max_tokens": 8, "functions": functions});
+    let (s, v) = post(addr, "/v1/chat/completions", &turn.to_string(), None);
+    assert_eq!(s, 200, "{v}");
+    let tools = json!([{"type": "function", "function": functions[0]}]);
+    let both = json!({"messages": user, "max_tokens": 8, "functions": functions, "tools": tools});
+    let (s, e) = post(addr, "/v1/chat/completions", &both.to_string(), None);
+    assert!(s == 400 && e["error"]["param"] == "functions", "{e}");
+}

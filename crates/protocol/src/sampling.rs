@@ -21,6 +21,9 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// Subtracted per occurrence in the generated text.
     pub frequency_penalty: f32,
+    /// Added to the logits of these tokens before sampling (OpenAI's `logit_bias`; ids below the
+    /// vocabulary, biases in [-100, 100], each id once).
+    pub logit_bias: Vec<(u32, f32)>,
     /// Return logprobs with this many alternatives (None: no logprobs).
     pub logprobs: Option<usize>,
     /// Tokens outside this grammar are never sampled (structured output, forced tool calls).
@@ -38,6 +41,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             logprobs: None,
             constraint: None,
         }

@@ -111,8 +111,8 @@ pub struct SchedulerStats {
 pub enum SchedulerCommand {
     /// Queue a request; its events go to `events` (dropping the receiver cancels it).
     Submit {
-        /// The request.
-        request: GenerateRequest,
+        /// The request (boxed: it is most of the command's size, and the other commands are small).
+        request: Box<GenerateRequest>,
         /// Where its events go.
         events: mpsc::UnboundedSender<EngineEvent>,
         /// Answered at once: queued, or refused (queue full, can never fit) before any event.

@@ -138,6 +138,12 @@ fn processed(logits: &[f32], p: &SamplingParams, prompt: &[u32], output: &[u32],
             l[t as usize] -= p.presence_penalty + p.frequency_penalty * c as f32;
         }
     }
+    // After the grammar mask: a biased token the grammar forbids stays impossible (-inf + b).
+    for &(t, b) in &p.logit_bias {
+        if let Some(x) = l.get_mut(t as usize) {
+            *x += b;
+        }
+    }
     l
 }
 
@@ -221,6 +227,14 @@ mod tests {
         assert!((lp.expect("logprobs").logprob - (1.0 - lse)).abs() < 1e-6);
         let hot = SamplingParams { temperature: 2.0, ..SamplingParams::default() };
         assert!((0..50).all(|s| [0, 3].contains(&sample(&logits, &hot, &[], &[], &mut Rng::new(s), Some(&mask)).0)));
+        // logit_bias (issue 49: it was accepted and ignored): +5 on token 3 makes it the argmax; -100 on
+        // token 1 keeps it out of hot draws; a biased token the grammar forbids stays forbidden.
+        let bias = SamplingParams { temperature: 0.0, logit_bias: vec![(3, 5.0)], ..SamplingParams::default() };
+        assert_eq!(sample(&logits, &bias, &[], &[], &mut Rng::new(1), None).0, 3);
+        let ban = SamplingParams { temperature: 2.0, logit_bias: vec![(1, -100.0)], ..SamplingParams::default() };
+        assert!((0..50).all(|s| sample(&logits, &ban, &[], &[], &mut Rng::new(s), None).0 != 1));
+        let forbidden = SamplingParams { temperature: 0.0, logit_bias: vec![(1, 100.0)], ..SamplingParams::default() };
+        assert_eq!(sample(&logits, &forbidden, &[], &[], &mut Rng::new(1), Some(&mask)).0, 0);
     }
 
     /// The rejection rule keeps the request's distribution whatever the draft: on a six-token vocabulary

@@ -111,7 +111,7 @@ pub fn spawn(
                 while let Some(cmd) = next {
                     match cmd {
                         SchedulerCommand::Submit { request, events, accepted } => {
-                            let _ = accepted.send(s.submit(request, events));
+                            let _ = accepted.send(s.submit(*request, events));
                         }
                         SchedulerCommand::Cancel { id } => s.cancel(id),
                         SchedulerCommand::Stats { reply } => {

@@ -195,7 +195,12 @@ impl Generation {
             span: req.span.clone(),
         };
         let (accepted, answer) = oneshot::channel();
-        if state.engine.scheduler.send(SchedulerCommand::Submit { request, events: tx, accepted }).is_err() {
+        if state
+            .engine
+            .scheduler
+            .send(SchedulerCommand::Submit { request: Box::new(request), events: tx, accepted })
+            .is_err()
+        {
             return Err(ApiError::new(ErrorCode::Unavailable, "the scheduler is gone"));
         }
         // Refusals (queue full, can never fit) come back before anything streams, as a real HTTP status.

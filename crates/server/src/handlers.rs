@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::answer::{Answer, Out};
 use crate::body::Endpoint;
 use crate::error::ApiError;
-use crate::generate::{Generation, LogprobEntry, RequestCtx};
+use crate::generate::{Finish, Generation, LogprobEntry, RequestCtx};
 use crate::tools::Call;
 use crate::validate::{self, ChatRequest, CompletionRequest, GenParams};
 use crate::{AppState, Phase};
@@ -96,6 +96,20 @@ struct Ids {
     id: String,
     created: u64,
     model: String,
+    /// The request used the deprecated `functions`: its call is a `function_call` (one, not `tool_calls`)
+    /// and the answer ends with `finish_reason: "function_call"`.
+    legacy: bool,
+}
+
+impl Ids {
+    /// The `finish_reason` as this answer names it.
+    fn finish(&self, f: Finish) -> &'static str {
+        if self.legacy && f == Finish::ToolCalls {
+            "function_call"
+        } else {
+            f.openai()
+        }
+    }
 }
 
 fn chunk(kind: Kind, ids: &Ids, delta: Value, logprobs: Value, finish: Option<&str>) -> Value {
@@ -161,6 +175,8 @@ async fn stream_task(
                 frames.push(sse(&chunk(kind, &ids, json!({"content": t}), lp, None)));
                 return false;
             }
+            Ok(Out::CallStart { name, .. }) if ids.legacy => json!({"function_call": {"name": name, "arguments": ""}}),
+            Ok(Out::CallArgs { fragment, .. }) if ids.legacy => json!({"function_call": {"arguments": fragment}}),
             Ok(Out::CallStart { index, id, name }) => {
                 let call =
                     json!({"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}});
@@ -171,7 +187,7 @@ async fn stream_task(
             }
             Ok(Out::CallEnd) => return false,
             Ok(Out::Done { finish, usage, .. }) => {
-                frames.push(sse(&chunk(kind, &ids, json!({}), Value::Null, Some(finish.openai()))));
+                frames.push(sse(&chunk(kind, &ids, json!({}), Value::Null, Some(ids.finish(finish)))));
                 if include_usage {
                     let obj = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
                     let u = json!({"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": [], "usage": usage.json()});
@@ -253,9 +269,10 @@ async fn respond(
 ) -> Result<HttpResponse, ApiError> {
     let want_logprobs = gen.sampling.logprobs.is_some();
     let (stream, include_usage) = (gen.stream, gen.include_usage);
+    let legacy = gen.tools.as_ref().is_some_and(|t| t.legacy);
     let a = start_answer(state.clone(), prompt, gen, req, kind == Kind::Chat).await?;
     let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
-    let ids = Ids { id: format!("{prefix}-{}", req.id), created: now(), model: state.cfg.model_id.clone() };
+    let ids = Ids { id: format!("{prefix}-{}", req.id), created: now(), model: state.cfg.model_id.clone(), legacy };
     if stream {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
         let phase = state.phase.clone();
@@ -316,13 +333,17 @@ async fn collect(kind: Kind, a: Answer, ids: Ids, want_logprobs: bool) -> Result
             if !c.calls.is_empty() {
                 let text = c.text.trim();
                 message["content"] = if text.is_empty() { Value::Null } else { text.into() };
-                message["tool_calls"] = calls_json(&c.calls);
+                if ids.legacy {
+                    message["function_call"] = json!({"name": c.calls[0].name, "arguments": c.calls[0].arguments});
+                } else {
+                    message["tool_calls"] = calls_json(&c.calls);
+                }
             }
             if !c.reasoning.is_empty() {
                 message["reasoning_content"] = c.reasoning.into();
             }
             json!({"id": ids.id, "object": "chat.completion", "created": ids.created, "model": ids.model,
-                "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish.openai()}], "usage": usage.json()})
+                "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": ids.finish(finish)}], "usage": usage.json()})
         }
         Kind::Completion => {
             json!({"id": ids.id, "object": "text_completion", "created": ids.created, "model": ids.model,

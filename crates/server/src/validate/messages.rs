@@ -56,6 +56,8 @@ pub(super) fn message(i: usize, m: &Value, cfg: &ServerConfig, media: &mut Vec<M
     let role = match role {
         "system" | "user" | "assistant" | "tool" => role,
         "developer" => "system",
+        // The deprecated `functions` flow: a function's result is a tool message named by the function.
+        "function" => "tool",
         other => {
             return Err(bad(
                 ErrorCode::InvalidRole,
@@ -72,6 +74,10 @@ pub(super) fn message(i: usize, m: &Value, cfg: &ServerConfig, media: &mut Vec<M
     if role == "assistant" {
         if let Some(calls) = m.get("tool_calls").filter(|c| !c.is_null()) {
             out.insert("tool_calls".into(), tools::template_calls(calls, &format!("{param}.tool_calls"))?);
+        } else if let Some(fc) = m.get("function_call").filter(|c| !c.is_null()) {
+            // The deprecated form of one call.
+            let calls = serde_json::json!([{"id": "call_0", "type": "function", "function": fc}]);
+            out.insert("tool_calls".into(), tools::template_calls(&calls, &format!("{param}.function_call"))?);
         }
     }
     if role == "tool" {
@@ -83,7 +89,10 @@ pub(super) fn message(i: usize, m: &Value, cfg: &ServerConfig, media: &mut Vec<M
     }
     let content = match m.get("content") {
         // OpenAI allows a null content only on an assistant message that carries tool calls.
-        None | Some(Value::Null) if role == "assistant" && m.get("tool_calls").is_some_and(|t| !t.is_null()) => {
+        None | Some(Value::Null)
+            if role == "assistant"
+                && ["tool_calls", "function_call"].iter().any(|k| m.get(*k).is_some_and(|t| !t.is_null())) =>
+        {
             Value::String(String::new())
         }
         None | Some(Value::Null) => {

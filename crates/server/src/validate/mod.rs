@@ -75,6 +75,8 @@ pub struct Common {
     pub frequency_penalty: Option<f32>,
     /// Stop strings.
     pub stop: Option<Stop>,
+    /// Token id (as a string) → bias added to its logit, in [-100, 100].
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
     /// Number of choices (only 1).
     pub n: Option<i64>,
     /// Ignore EOS (vLLM extension; benchmarks).
@@ -104,6 +106,11 @@ pub struct ChatRequest {
     pub tools: Option<Value>,
     /// `none`, `auto`, `required` or a named function.
     pub tool_choice: Option<Value>,
+    /// The deprecated form of `tools` (function definitions), mapped to `tools` as OpenAI does; the
+    /// answer then names its call `function_call`.
+    pub functions: Option<Value>,
+    /// The deprecated form of `tool_choice` (`"none"`, `"auto"` or `{"name": …}`).
+    pub function_call: Option<Value>,
     /// More than one call per answer (default true).
     pub parallel_tool_calls: Option<bool>,
     /// Extra template arguments (e.g. `enable_thinking`).
@@ -170,6 +177,52 @@ pub struct ToolSetup {
     pub specs: Vec<ToolSpec>,
     /// More than one call allowed.
     pub parallel: bool,
+    /// The request used the deprecated `functions`: the answer's call is a `function_call`.
+    pub legacy: bool,
+}
+
+/// `tools` and `tool_choice` of a chat request, the deprecated `functions` and `function_call` mapped
+/// to them as OpenAI maps them.
+struct Legacy {
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    legacy: bool,
+}
+
+fn legacy_functions(req: &ChatRequest) -> Result<Legacy, ApiError> {
+    let present = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
+    if !present(&req.functions) {
+        if present(&req.function_call) {
+            return Err(bad(ErrorCode::InvalidRequest, "function_call needs functions", "function_call"));
+        }
+        return Ok(Legacy { tools: req.tools.clone(), tool_choice: req.tool_choice.clone(), legacy: false });
+    }
+    if present(&req.tools) || present(&req.tool_choice) {
+        return Err(bad(
+            ErrorCode::InvalidRequest,
+            "give `tools` (and `tool_choice`) or the deprecated `functions` (and `function_call`), not both",
+            "functions",
+        ));
+    }
+    let Some(Value::Array(fs)) = &req.functions else {
+        return Err(bad(ErrorCode::InvalidRequest, "functions must be a list of function definitions", "functions"));
+    };
+    let tools = fs.iter().map(|f| serde_json::json!({"type": "function", "function": f})).collect();
+    let tool_choice = match &req.function_call {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s == "none" || s == "auto" => Some(Value::String(s.clone())),
+        Some(Value::Object(o)) if o.get("name").is_some_and(Value::is_string) => {
+            Some(serde_json::json!({"type": "function", "function": {"name": o["name"]}}))
+        }
+        Some(_) => {
+            return Err(bad(
+                ErrorCode::InvalidRequest,
+                "function_call must be \"none\", \"auto\" or {\"name\": …}",
+                "function_call",
+            ))
+        }
+    };
+    Ok(Legacy { tools: Some(Value::Array(tools)), tool_choice, legacy: true })
 }
 
 /// Validates a chat request into a template-ready prompt (media fetched and decoded from URLs, not yet
@@ -180,7 +233,8 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
     }
     check_message_count(req.messages.len(), cfg)?;
     let (mut template_kwargs, kw_tools) = kwargs::split(req.chat_template_kwargs.as_ref(), cfg)?;
-    let tools_value = match (&req.tools, kw_tools) {
+    let Legacy { tools: req_tools, tool_choice: req_choice, legacy } = legacy_functions(req)?;
+    let tools_value = match (&req_tools, kw_tools) {
         (Some(_), Some(_)) => {
             return Err(bad(
                 ErrorCode::InvalidRequest,
@@ -197,8 +251,9 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
     let text_bytes: usize = req.messages.iter().map(|m| content_bytes(m.get("content"))).sum();
     check_prompt_bytes(text_bytes + tool_bytes + kwarg_bytes, cfg, "messages")?;
     let specs = tools::parse_chat_tools(tools_value.as_ref())?;
-    let choice = tools::parse_tool_choice(req.tool_choice.as_ref(), &specs)?;
-    let parallel = req.parallel_tool_calls.unwrap_or(true);
+    let choice = tools::parse_tool_choice(req_choice.as_ref(), &specs)?;
+    // A legacy answer holds one `function_call`.
+    let parallel = req.parallel_tool_calls.unwrap_or(true) && !legacy;
     let grammar = answer_grammar(req, &specs, &choice, parallel)?;
     let top = top_logprobs(req.logprobs, req.top_logprobs)?;
     let mut gen = common(&req.common, cfg, top)?;
@@ -224,7 +279,7 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
         template_kwargs.insert("enable_thinking".into(), false.into());
     }
     if offered {
-        gen.tools = Some(ToolSetup { specs, parallel });
+        gen.tools = Some(ToolSetup { specs, parallel, legacy });
     }
     if req.continue_final_message {
         if req.add_generation_prompt == Some(true) {

@@ -15,6 +15,48 @@ fn range(v: Option<f32>, lo: f32, hi: f32, default: f32, name: &str) -> Result<f
     }
 }
 
+/// Most entries `logit_bias` may have (OpenAI's limit is 300; a bias per entry costs one add per
+/// sampled token).
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+/// `logit_bias` checked: token ids below the vocabulary, biases finite in [-100, 100] (OpenAI's range),
+/// at most [`MAX_LOGIT_BIAS`] of them.
+fn logit_bias(
+    m: Option<&serde_json::Map<String, serde_json::Value>>,
+    vocab: usize,
+) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(m) = m else { return Ok(Vec::new()) };
+    let p = "logit_bias";
+    if m.len() > MAX_LOGIT_BIAS {
+        return Err(bad(
+            ErrorCode::InvalidRequest,
+            format!("logit_bias has {} entries; at most {MAX_LOGIT_BIAS}", m.len()),
+            p,
+        ));
+    }
+    let mut out = Vec::with_capacity(m.len());
+    for (k, v) in m {
+        let id = k.parse::<u32>().ok().filter(|&id| (id as usize) < vocab).ok_or_else(|| {
+            bad(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "logit_bias key {} is not a token id below the vocabulary size {vocab}",
+                    crate::error::shown(Some(k))
+                ),
+                p,
+            )
+        })?;
+        let b = v.as_f64().filter(|b| b.is_finite() && (-100.0..=100.0).contains(b)).ok_or_else(|| {
+            bad(ErrorCode::InvalidRequest, format!("logit_bias for token {id} must be a number in [-100, 100]"), p)
+        })?;
+        out.push((id, b as f32));
+    }
+    // "1" and "01" name one token: the first given counts.
+    out.sort_by_key(|&(id, _)| id);
+    out.dedup_by_key(|e| e.0);
+    Ok(out)
+}
+
 pub(super) fn common(c: &Common, cfg: &ServerConfig, logprobs: Option<usize>) -> Result<GenParams, ApiError> {
     if let Some(m) = &c.model {
         if m != &cfg.model_id {
@@ -58,6 +100,7 @@ pub(super) fn common(c: &Common, cfg: &ServerConfig, logprobs: Option<usize>) ->
         repetition_penalty: range(c.repetition_penalty, 0.01, 10.0, 1.0, "repetition_penalty")?,
         presence_penalty: range(c.presence_penalty, -2.0, 2.0, 0.0, "presence_penalty")?,
         frequency_penalty: range(c.frequency_penalty, -2.0, 2.0, 0.0, "frequency_penalty")?,
+        logit_bias: logit_bias(c.logit_bias.as_ref(), cfg.vocab_size)?,
         logprobs,
         constraint: None,
     };
