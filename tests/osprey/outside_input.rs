@@ -340,3 +340,60 @@ fn legacy_functions_are_tools_answered_in_their_own_shape() {
     let (s, e) = post(addr, "/v1/chat/completions", &both.to_string(), None);
     assert!(s == 400 && e["error"]["param"] == "functions", "{e}");
 }
+
+/// A PNG that declares `w`×`h` in a valid header and then has no decodable pixels.
+fn declared_png(w: u32, h: u32) -> Vec<u8> {
+    fn crc32(bytes: &[u8]) -> u32 {
+        let mut c = !0u32;
+        for &b in bytes {
+            c ^= u32::from(b);
+            for _ in 0..8 {
+                c = if c & 1 == 1 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
+            }
+        }
+        !c
+    }
+    let chunk = |kind: &[u8], data: &[u8]| {
+        let mut out = (data.len() as u32).to_be_bytes().to_vec();
+        let body = [kind, data].concat();
+        out.extend(&body);
+        out.extend(crc32(&body).to_be_bytes());
+        out
+    };
+    let ihdr = [w.to_be_bytes().as_slice(), h.to_be_bytes().as_slice(), &[8, 2, 0, 0, 0]].concat();
+    [b"\x89PNG\r\n\x1a\n".as_slice(), &chunk(b"IHDR", &ihdr), &chunk(b"IDAT", &[0u8; 64]), &chunk(b"IEND", &[])]
+        .concat()
+}
+
+/// Three 64 Mpx images were decoded for 4.5 s before the context refused them. Every item's declared size
+/// is now checked before any is decoded: images whose soft tokens cannot fit the context are refused as
+/// `context_length_exceeded` from their headers alone (these have no decodable pixels: decoding first
+/// answered `invalid_media`), and a request's pixel budget is taken over all items first.
+#[test]
+fn media_is_refused_by_declared_size_before_anything_is_decoded() {
+    use base64::Engine;
+    let addr = server();
+    let part = |png: Vec<u8>| {
+        let url = format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(png));
+        json!({"type": "image_url", "image_url": {"url": url}})
+    };
+    let ask = |parts: Vec<Value>| {
+        let mut content = parts;
+        content.push(json!({"type": "text", "text": "What is this?"}));
+        let body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 4});
+        post(addr, "/v1/chat/completions", &body.to_string(), None)
+    };
+    let (s, e) =
+        ask(vec![part(declared_png(8000, 8000)), part(declared_png(8000, 8000)), part(declared_png(8000, 8000))]);
+    assert_eq!((s, e["error"]["code"].as_str()), (400, Some("context_length_exceeded")), "{e}");
+    assert_eq!(e["error"]["param"], "media[0]", "{e}");
+    // Four images of 60 Mpx, each within the per-image bound: the fourth passes the 192 Mpx budget, and
+    // the request is refused on its declared sizes (it was the first one's corrupt pixels before).
+    let big = || part(declared_png(7746, 7746));
+    let (s, e) = ask(vec![big(), big(), big(), big()]);
+    assert!(s == 400 || s == 413, "{s} {e}");
+    assert_ne!(e["error"]["code"], "invalid_media", "decoded before the declared sizes were checked: {e}");
+    // A small image with no decodable pixels still gets the decoder's answer.
+    let (s, e) = ask(vec![part(declared_png(64, 64))]);
+    assert_eq!((s, e["error"]["code"].as_str()), (400, Some("invalid_media")), "{e}");
+}

@@ -63,7 +63,12 @@ fn env() -> &'static Env {
 }
 
 fn media_limits() -> MediaLimits {
-    MediaLimits { max_pixels: MAX_PIXELS, max_frames: 8, max_total_pixels: 8 * MAX_PIXELS }
+    MediaLimits {
+        max_pixels: MAX_PIXELS,
+        max_frames: 8,
+        max_total_pixels: 8 * MAX_PIXELS,
+        max_media_tokens: usize::MAX,
+    }
 }
 
 /// A request body's validation; the first byte picks the endpoint (mod 4): 0 `/v1/chat/completions`,

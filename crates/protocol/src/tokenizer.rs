@@ -40,6 +40,9 @@ pub struct MediaLimits {
     /// Most pixels decoded for the whole request (every image and frame, by declared size): what the
     /// decoded media of one request can take in memory, 3 bytes a pixel.
     pub max_total_pixels: u64,
+    /// Most soft tokens the request's images may expand to (the context): counted from their declared
+    /// sizes before anything is decoded.
+    pub max_media_tokens: usize,
 }
 
 /// A chat prompt to render and tokenize.

@@ -79,6 +79,46 @@ impl PixelBudget {
     }
 }
 
+/// Every item's declared size read and checked before any is decoded: the request's pixel budget over
+/// all images and frames, and the soft tokens its images would take against the context (three 64 Mpx
+/// images were decoded for 4.5 s before the context refused them). A header that cannot be read is the
+/// item's error, as decoding it would be.
+fn check_declared(media: &[MediaInput], limits: MediaLimits, proc: &ProcessorConfig) -> Result<(), RequestError> {
+    let mut budget = PixelBudget { left: limits.max_total_pixels, total: limits.max_total_pixels };
+    let mut tokens = 0usize;
+    let per_group = proc.image.merge_size * proc.image.merge_size * proc.image.patch_size * proc.image.patch_size;
+    for (i, m) in media.iter().enumerate() {
+        let at = |e: RequestError| e.with_param(format!("media[{i}]"));
+        match m {
+            MediaInput::Image { bytes } => {
+                let (w, h) = declared_size(bytes).map_err(media_error).map_err(at)?;
+                budget.take(u64::from(w) * u64::from(h)).map_err(at)?;
+                let (th, tw) = osprey_models::vision::image_target_size(&proc.image, h as usize, w as usize)
+                    .map_err(media_error)
+                    .map_err(at)?;
+                tokens = tokens.saturating_add(th * tw / per_group.max(1));
+            }
+            MediaInput::VideoFrames { frames, .. } => {
+                for f in frames {
+                    budget.take_image(f).map_err(at)?;
+                }
+            }
+            MediaInput::VideoFile { .. } => {}
+        }
+        if tokens > limits.max_media_tokens {
+            return Err(at(RequestError::new(
+                ErrorCode::ContextLengthExceeded,
+                format!(
+                    "the images up to this one take {tokens} tokens at their declared sizes, more than the context of {} \
+                     (send them smaller)",
+                    limits.max_media_tokens
+                ),
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Fails once `deadline` has passed (checked between the steps of a preparation).
 fn check_deadline(deadline: Option<Instant>) -> Result<(), RequestError> {
     match deadline {
@@ -279,6 +319,7 @@ impl TokenizerCore {
         })?;
         let mut media = Vec::with_capacity(p.media.len());
         let mut hashes = Vec::with_capacity(p.media.len());
+        check_declared(&p.media, p.limits, &self.processor)?;
         let mut budget = PixelBudget { left: p.limits.max_total_pixels, total: p.limits.max_total_pixels };
         for (i, m) in p.media.iter().enumerate() {
             check_deadline(p.deadline)?;

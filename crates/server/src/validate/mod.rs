@@ -311,6 +311,7 @@ pub fn chat(req: &ChatRequest, cfg: &ServerConfig) -> Result<(ChatPrompt, GenPar
             max_pixels: cfg.limits.max_image_pixels,
             max_frames: cfg.limits.max_video_frames,
             max_total_pixels: cfg.limits.max_request_pixels,
+            max_media_tokens: cfg.context_len,
         },
     };
     Ok((prompt, gen))
