@@ -133,10 +133,85 @@ fn checked_remote(url: &Url, limits: &Limits, param: &str) -> Result<(), ApiErro
     Ok(())
 }
 
+/// Whether `ip` is a public address: not loopback, private, link-local, shared (CGNAT), unique-local,
+/// documentation, benchmarking, multicast, broadcast, reserved or unspecified (an IPv4-mapped IPv6
+/// address as its IPv4 one).
+fn is_public(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(a) => {
+            let [o0, o1, o2, _] = a.octets();
+            !(a.is_loopback()
+                || a.is_private()
+                || a.is_link_local()
+                || a.is_unspecified()
+                || a.is_broadcast()
+                || a.is_documentation()
+                || a.is_multicast()
+                || o0 == 0
+                || o0 >= 240
+                || (o0 == 100 && (64..128).contains(&o1))
+                || (o0 == 192 && o1 == 0 && o2 == 0)
+                || (o0 == 198 && (18..20).contains(&o1)))
+        }
+        IpAddr::V6(a) => {
+            if let Some(v4) = a.to_ipv4_mapped() {
+                return is_public(IpAddr::V4(v4));
+            }
+            let s = a.segments();
+            !(a.is_loopback()
+                || a.is_unspecified()
+                || a.is_multicast()
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                || (s[0] == 0x2001 && s[1] == 0x0db8))
+        }
+    }
+}
+
+/// Resolves a media host for the fetch and keeps the addresses it may connect to: public ones, and
+/// those the allow-list names as addresses. The fetch connects to what this returns, so the address
+/// checked is the address used (an allow-listed name that resolved to 127.0.0.1 was fetched; a name
+/// that resolves differently the second time cannot pass the check with one address and connect to
+/// another).
+struct PinnedResolver {
+    listed: Vec<IpAddr>,
+    refused: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+}
+
+impl ureq::Resolver for PinnedResolver {
+    fn resolve(&self, netloc: &str) -> std::io::Result<Vec<std::net::SocketAddr>> {
+        use std::net::ToSocketAddrs;
+        let all: Vec<std::net::SocketAddr> = netloc.to_socket_addrs()?.collect();
+        let ok: Vec<_> = all.iter().copied().filter(|a| self.listed.contains(&a.ip()) || is_public(a.ip())).collect();
+        if ok.is_empty() {
+            let shown: Vec<String> = all.iter().take(4).map(|a| a.ip().to_string()).collect();
+            let why = format!(
+                "`{netloc}` resolves to {} only, which is not public; list the address in --allowed-media-domains to fetch from it",
+                shown.join(", ")
+            );
+            if let Ok(mut r) = self.refused.lock() {
+                *r = Some(why.clone());
+            }
+            return Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, why));
+        }
+        Ok(ok)
+    }
+}
+
 fn fetch_remote(raw: &str, limits: &Limits, param: &str) -> Result<Vec<u8>, ApiError> {
     let mut url =
         Url::parse(raw).map_err(|e| bad(ErrorCode::InvalidMedia, format!("malformed media URL: {e}"), param))?;
-    let agent = ureq::AgentBuilder::new().redirects(0).timeout(FETCH_DEADLINE).build();
+    let refused = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let listed = limits
+        .allowed_media_domains
+        .iter()
+        .filter_map(|e| e.trim().trim_start_matches('[').trim_end_matches(']').parse().ok())
+        .collect();
+    let agent = ureq::AgentBuilder::new()
+        .redirects(0)
+        .timeout(FETCH_DEADLINE)
+        .resolver(PinnedResolver { listed, refused: refused.clone() })
+        .build();
     let failed = |e: String| bad(ErrorCode::InvalidMedia, format!("fetching the media URL failed: {e}"), param);
     let started = Instant::now();
     for _ in 0..=MAX_REDIRECTS {
@@ -144,7 +219,12 @@ fn fetch_remote(raw: &str, limits: &Limits, param: &str) -> Result<Vec<u8>, ApiE
         let resp = match agent.request_url("GET", &url).call() {
             Ok(r) => r,
             Err(ureq::Error::Status(code, _)) => return Err(failed(format!("the server answered {code}"))),
-            Err(e) => return Err(failed(e.kind().to_string())),
+            Err(e) => {
+                if let Some(why) = refused.lock().ok().and_then(|mut r| r.take()) {
+                    return Err(bad(ErrorCode::MediaUrlNotAllowed, why, param));
+                }
+                return Err(failed(e.kind().to_string()));
+            }
         };
         if (300..400).contains(&resp.status()) {
             let loc = resp.header("location").ok_or_else(|| failed(format!("{} without a Location", resp.status())))?;
@@ -258,6 +338,44 @@ mod tests {
         }
         let ok = Url::parse("http://ALLOWED.example./x.png").expect("parses");
         assert!(checked_remote(&ok, &l, "p").is_ok());
+    }
+
+    /// Issue 49: an allow-listed name that resolves to a loopback or private address is not fetched
+    /// (the address is checked and pinned by the resolver); the address itself on the list allows it.
+    #[test]
+    fn an_allowed_name_that_resolves_to_a_private_address_is_refused() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().take(1) {
+                use std::io::Write;
+                let Ok(mut c) = conn else { continue };
+                let mut buf = [0u8; 1024];
+                let _ = std::io::Read::read(&mut c, &mut buf);
+                let _ = c.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nPNG!");
+            }
+        });
+        let url = format!("http://localhost:{port}/red.png");
+        let e = resolve_url(&url, &limits(&["localhost"]), MediaKind::Image, "p").expect_err("loopback by name");
+        assert_eq!(e.0.code.as_str(), "media_url_not_allowed", "{e}");
+        assert!(e.0.message.contains("not public"), "{e}");
+        let got =
+            resolve_url(&url, &limits(&["localhost", "127.0.0.1"]), MediaKind::Image, "p").expect("listed address");
+        assert_eq!(got, b"PNG!");
+        for (ip, public) in [
+            ("127.0.0.1", false),
+            ("10.1.2.3", false),
+            ("192.168.0.1", false),
+            ("100.64.0.1", false),
+            ("169.254.169.254", false),
+            ("::1", false),
+            ("fd00::1", false),
+            ("::ffff:127.0.0.1", false),
+            ("8.8.8.8", true),
+            ("2606:4700::1", true),
+        ] {
+            assert_eq!(is_public(ip.parse().expect("ip")), public, "{ip}");
+        }
     }
 
     #[test]
