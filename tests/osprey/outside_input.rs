@@ -397,3 +397,24 @@ fn media_is_refused_by_declared_size_before_anything_is_decoded() {
     let (s, e) = ask(vec![part(declared_png(64, 64))]);
     assert_eq!((s, e["error"]["code"].as_str()), (400, Some("invalid_media")), "{e}");
 }
+
+/// A 700-hop `$ref` chain inside one property passed the 64-hop bound, because the property compiled
+/// as its own root, where its nested `$defs` resolved (200 after 13.6 s). Now a property's pointers mean
+/// what they mean in the tool's schema: the chain names nothing there, and the request is a quick 400.
+#[test]
+fn a_ref_chain_hidden_in_a_property_is_refused_quickly() {
+    let addr = server();
+    let mut defs = serde_json::Map::new();
+    for i in 0..700 {
+        let next = if i + 1 < 700 { json!({"$ref": format!("#/$defs/d{}", i + 1)}) } else { json!({"type": "string"}) };
+        defs.insert(format!("d{i}"), next);
+    }
+    let params =
+        json!({"type": "object", "properties": {"p": {"$defs": defs, "$ref": "#/$defs/d0"}}, "required": ["p"]});
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": params}}]);
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "tools": tools, "tool_choice": "required"});
+    let t = Instant::now();
+    let (s, e) = post(addr, "/v1/chat/completions", &body.to_string(), None);
+    assert_eq!(s, 400, "{e}");
+    assert!(t.elapsed() < Duration::from_secs(2), "refused after {:?}", t.elapsed());
+}
