@@ -4,6 +4,7 @@
 
 pub mod about;
 pub mod default_model;
+pub mod gemm_calibration;
 pub mod hub;
 pub mod memory_plan;
 pub mod pull;

@@ -76,8 +76,14 @@ fn main() -> Result<()> {
     if let Some(t) = cli.threads {
         rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("thread pool")?;
     }
-    if let Some(g) = &cli.gemm {
-        osprey_kernels::set_gemm_ceiling(g.parse().map_err(|e: String| anyhow::anyhow!("--gemm {e}"))?);
+    match cli.gemm.as_deref() {
+        // `auto` (the default): the prefill GEMMs measured on this CPU, for the commands that run a model.
+        None | Some("auto") => {
+            if matches!(cli.command, Command::Serve(_) | Command::Run(_) | Command::Bench(_)) {
+                osprey::gemm_calibration::auto();
+            }
+        }
+        Some(g) => osprey_kernels::set_gemm_ceiling(g.parse().map_err(|e: String| anyhow::anyhow!("--gemm {e}"))?),
     }
     let g = Global { threads: cli.threads, device: cli.device, activations: cli.activations, gemm: cli.gemm };
     match cli.command {

@@ -56,26 +56,106 @@ impl std::str::FromStr for Gemm {
     }
 }
 
-/// The prefill GEMMs the fast precision runs on this CPU under the ceiling, for the startup log and
-/// benchmark headers: NVFP4's, then bf16's (and why AMX is not used, where the CPU lists it).
-pub fn prefill_kernels() -> String {
-    let amx = allowed(Gemm::Amx) && crate::amx::available();
-    if amx {
-        let how = if crate::amx::status() == crate::amx::Status::Emulated { ", emulated in software" } else { "" };
-        return format!("nvfp4 amx-int8 tiles, bf16 amx-bf16 tiles (from 16 rows{how})");
+/// A class of weights the prefill dispatch chooses a GEMM for on its own: NVFP4 (AMX-INT8 tiles,
+/// the AVX-512 VNNI int8 GEMM, bf16 tiles, sgemm) and bf16 (AMX-BF16 tiles, bf16 tiles, sgemm).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightClass {
+    /// NVFP4 weights.
+    Nvfp4 = 0,
+    /// bf16 weights (and any other dense weights).
+    Bf16 = 1,
+}
+
+impl WeightClass {
+    /// Both classes.
+    pub const ALL: [WeightClass; 2] = [WeightClass::Nvfp4, WeightClass::Bf16];
+
+    /// The class of `w`.
+    pub fn of(w: crate::WeightView<'_>) -> Self {
+        if matches!(w, crate::WeightView::Nvfp4 { .. }) {
+            WeightClass::Nvfp4
+        } else {
+            WeightClass::Bf16
+        }
     }
-    let nvfp4 = if crate::q8_gemm::available() && allowed(Gemm::Int8) {
-        "nvfp4 int8 gemm avx512-vnni"
-    } else if crate::bf16::available() && allowed(Gemm::Bf16) {
-        "nvfp4 bf16 tiles avx512-bf16"
+
+    /// Its name in logs and the calibration cache.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightClass::Nvfp4 => "nvfp4",
+            WeightClass::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The best kernel each class may use: [`Gemm::Amx`] (all) until a calibration measured a faster one
+/// lower down ([`prefer`]); the ceiling ([`set_gemm_ceiling`]) applies on top.
+static PREFERRED: [AtomicU8; 2] = [AtomicU8::new(Gemm::Amx as u8), AtomicU8::new(Gemm::Amx as u8)];
+
+/// Lets `class` use `best` and the kernels after it only (what `crate::calibrate` measured fastest).
+pub fn prefer(class: WeightClass, best: Gemm) {
+    PREFERRED[class as usize].store(best as u8, Ordering::Relaxed);
+}
+
+/// Whether `class` may use `g`: under the ceiling and at or after its preferred kernel.
+pub fn allowed_for(class: WeightClass, g: Gemm) -> bool {
+    allowed(g) && PREFERRED[class as usize].load(Ordering::Relaxed) <= g as u8
+}
+
+/// The GEMM `class` takes for a prefill chunk (a whole tile of rows or more) on this CPU under the
+/// ceiling and its preference.
+pub fn prefill_kernel(class: WeightClass) -> Gemm {
+    let ok = |g| allowed_for(class, g);
+    if ok(Gemm::Amx) && crate::amx::available() {
+        Gemm::Amx
+    } else if class == WeightClass::Nvfp4 && ok(Gemm::Int8) && crate::q8_gemm::available() {
+        Gemm::Int8
+    } else if ok(Gemm::Bf16) && crate::bf16::available() {
+        Gemm::Bf16
     } else {
-        "nvfp4 f32 sgemm"
-    };
-    let bf16 =
-        if crate::bf16::available() && allowed(Gemm::Bf16) { "bf16 tiles avx512-bf16" } else { "bf16 f32 sgemm" };
+        Gemm::F32
+    }
+}
+
+/// Whether `g` can run `class` on this CPU (under no ceiling).
+pub fn available(class: WeightClass, g: Gemm) -> bool {
+    match g {
+        Gemm::Amx => crate::amx::available(),
+        Gemm::Int8 => class == WeightClass::Nvfp4 && crate::q8_gemm::available(),
+        Gemm::Bf16 => crate::bf16::available(),
+        Gemm::F32 => true,
+    }
+}
+
+/// A kernel's name in logs.
+pub fn kernel_name(class: WeightClass, g: Gemm) -> &'static str {
+    match (class, g) {
+        (WeightClass::Nvfp4, Gemm::Amx) => "amx-int8 tiles",
+        (WeightClass::Bf16, Gemm::Amx) => "amx-bf16 tiles",
+        (_, Gemm::Int8) => "int8 gemm avx512-vnni",
+        (_, Gemm::Bf16) => "bf16 tiles avx512-bf16",
+        (_, Gemm::F32) => "f32 sgemm",
+    }
+}
+
+/// The prefill GEMMs the fast precision runs on this CPU under the ceiling and the calibration, for the
+/// startup log and benchmark headers: NVFP4's, then bf16's (and why AMX is not used, where the CPU
+/// lists it).
+pub fn prefill_kernels() -> String {
+    let mut parts: Vec<String> = WeightClass::ALL
+        .iter()
+        .map(|&c| {
+            let g = prefill_kernel(c);
+            let from = if g == Gemm::Amx { " (from 16 rows)" } else { "" };
+            format!("{} {}{from}", c.name(), kernel_name(c, g))
+        })
+        .collect();
+    if crate::amx::status() == crate::amx::Status::Emulated {
+        parts.push("amx emulated in software".into());
+    }
     match crate::amx::status() {
-        refused @ crate::amx::Status::Refused(_) => format!("{nvfp4}, {bf16} ({})", refused.describe()),
-        _ => format!("{nvfp4}, {bf16}"),
+        refused @ crate::amx::Status::Refused(_) => format!("{} ({})", parts.join(", "), refused.describe()),
+        _ => parts.join(", "),
     }
 }
 

@@ -30,6 +30,7 @@ pub mod amx;
 pub mod attention;
 pub mod attention_bf16;
 pub mod bf16;
+pub mod calibrate;
 mod dispatch;
 pub mod gdn;
 mod matmul;
@@ -44,7 +45,7 @@ mod simd;
 mod timing;
 
 pub use act::{gelu_erf, gelu_tanh, sigmoid, silu, softplus};
-pub use dispatch::{prefill_kernels, set_gemm_ceiling, Gemm};
+pub use dispatch::{prefill_kernel, prefill_kernels, set_gemm_ceiling, Gemm, WeightClass};
 pub use matmul::{
     matmul, matmul_into_strided, matmul_pair_with, matmul_with, DType, Precision, WeightRows, WeightView,
 };

@@ -16,7 +16,7 @@
 
 pub use osprey_backend::types::{DType, Precision, WeightView};
 
-use crate::dispatch::{allowed, Gemm};
+use crate::dispatch::{allowed, allowed_for, Gemm, WeightClass};
 use crate::pool::OutPtr;
 use crate::q8::{self, Isa, Q8Act};
 use crate::{amx, bf16, nvfp4, pool, q8_gemm, simd};
@@ -43,9 +43,9 @@ pub const Q8_GEMV_MAX_ROWS_WITH_INT8_GEMM: usize = 2;
 
 /// The row limit of the integer dot path on this CPU.
 pub fn q8_gemv_max_rows() -> usize {
-    if q8_gemm::available() && allowed(Gemm::Int8) {
+    if q8_gemm::available() && allowed_for(WeightClass::Nvfp4, Gemm::Int8) {
         Q8_GEMV_MAX_ROWS_WITH_INT8_GEMM
-    } else if bf16::available() && allowed(Gemm::Bf16) {
+    } else if bf16::available() && allowed_for(WeightClass::Nvfp4, Gemm::Bf16) {
         Q8_GEMV_MAX_ROWS_WITH_BF16
     } else {
         Q8_GEMV_MAX_ROWS
@@ -144,14 +144,7 @@ pub fn matmul_with(x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, o
         return;
     }
     if !on_gemv_path(m, w, k, p) {
-        return match (w, gemm_kind(m, w, k, p)) {
-            (WeightView::Nvfp4 { packed, scales, global }, kind @ (Gemm::Amx | Gemm::Int8)) => {
-                int8_gemm(kind)(&q8_gemm::quantize_rows(x, m, k), (packed, scales, global), n, out)
-            }
-            (_, Gemm::Amx) => amx::bf16::gemm(x, m, w, n, k, out),
-            (_, Gemm::Bf16) => gemm_bf16(x, m, &mut [(w, out)], n, k),
-            _ => gemm(x, m, w, n, k, out),
-        };
+        return run_gemm(gemm_kind(m, w, k, p), x, m, w, n, k, out);
     }
     let acts = RowActs::new(x, m, k, w, p);
     gemv(m, n, out, |r0, block| acts.block(x, k, w, r0, block));
@@ -173,9 +166,14 @@ pub const AMX_MIN_ROWS: usize = 16;
 fn gemm_kind(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
     let fast_nvfp4 = p == Precision::Int8 && matches!(w, WeightView::Nvfp4 { .. });
     let amx_weights = fast_nvfp4 || (p == Precision::Int8 && matches!(w, WeightView::Bf16(_)));
-    if amx_weights && m >= AMX_MIN_ROWS && allowed(Gemm::Amx) && amx::available() {
+    let class = WeightClass::of(w);
+    if amx_weights && m >= AMX_MIN_ROWS && allowed_for(class, Gemm::Amx) && amx::available() {
         Gemm::Amx
-    } else if fast_nvfp4 && k.is_multiple_of(nvfp4::BLOCK) && q8_gemm::available() && allowed(Gemm::Int8) {
+    } else if fast_nvfp4
+        && k.is_multiple_of(nvfp4::BLOCK)
+        && q8_gemm::available()
+        && allowed_for(WeightClass::Nvfp4, Gemm::Int8)
+    {
         Gemm::Int8
     } else if bf16_tiles(w, p) {
         Gemm::Bf16
@@ -199,9 +197,22 @@ fn int8_gemm(kind: Gemm) -> Int8Gemm {
 /// to whole 32-value steps; the GEMV (rows as stored) needs a width in whole steps.
 fn bf16_tiles(w: WeightView<'_>, p: Precision) -> bool {
     p == Precision::Int8
-        && allowed(Gemm::Bf16)
+        && allowed_for(WeightClass::of(w), Gemm::Bf16)
         && matches!(w, WeightView::Bf16(_) | WeightView::Nvfp4 { .. })
         && bf16::available()
+}
+
+/// The prefill GEMM of `kind` on `x` (`m`×`k`) against `w` (the dispatch's choice, or a candidate the
+/// calibration times): NVFP4 on AMX or int8 takes int8-quantised rows; bf16 tiles and sgemm take f32.
+pub(crate) fn run_gemm(kind: Gemm, x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, out: &mut [f32]) {
+    match (w, kind) {
+        (WeightView::Nvfp4 { packed, scales, global }, kind @ (Gemm::Amx | Gemm::Int8)) => {
+            int8_gemm(kind)(&q8_gemm::quantize_rows(x, m, k), (packed, scales, global), n, out)
+        }
+        (_, Gemm::Amx) => amx::bf16::gemm(x, m, w, n, k, out),
+        (_, Gemm::Bf16) => gemm_bf16(x, m, &mut [(w, out)], n, k),
+        _ => gemm(x, m, w, n, k, out),
+    }
 }
 
 /// Whether `m` rows against `w` take the per-row dot path (else the GEMM): up to [`q8_gemv_max_rows`]

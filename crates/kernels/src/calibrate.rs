@@ -1,0 +1,158 @@
+//! `--gemm auto` by measurement: which prefill GEMM is fastest on this CPU for each weight class, timed
+//! once at start-up on the model's prefill shapes, instead of the best kernel the CPU merely has (issue
+//! 54: on Sapphire Rapids the AMX-INT8 tiles were picked at half the speed of the AVX-512 VNNI GEMM
+//! beside them). Each candidate runs the same kernel function the dispatch runs
+//! (`matmul::run_gemm`), on weights and activations made here, without touching the dispatch's state;
+//! [`Calibration::apply`] then sets the per-class preference. Timings are the best of a few runs after a
+//! warm-up, summed over the shapes: a routed expert's gate/up with 32 rows (the experts of a 512-token
+//! chunk get ~16–64 rows each) and a dense projection of 128 rows.
+
+use crate::dispatch::{allowed, available, kernel_name, prefer, Gemm, WeightClass};
+use crate::matmul::run_gemm;
+use crate::WeightView;
+
+/// The shapes timed, `(m, n, k)`: a routed expert's gate/up and a dense projection's slice.
+pub const SHAPES: [(usize, usize, usize); 2] = [(32, 512, 2048), (128, 1024, 2048)];
+/// Timed runs per shape and kernel after one warm-up (the best counts).
+const RUNS: usize = 3;
+
+/// One candidate's time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timing {
+    /// The weight class.
+    pub class: WeightClass,
+    /// The kernel.
+    pub gemm: Gemm,
+    /// Seconds over [`SHAPES`] (best of [`RUNS`] each).
+    pub secs: f64,
+}
+
+/// What a calibration measured and chose.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Calibration {
+    /// Every candidate timed (each kernel this CPU has and the ceiling allows, per class).
+    pub timings: Vec<Timing>,
+    /// The fastest per class, in [`WeightClass::ALL`] order.
+    pub chosen: Vec<(WeightClass, Gemm)>,
+}
+
+impl Calibration {
+    /// Makes the dispatch use the chosen kernels (and only slower-ranked ones as fallbacks).
+    pub fn apply(&self) {
+        for &(c, g) in &self.chosen {
+            prefer(c, g);
+        }
+    }
+
+    /// The choices as one line for the cache (`nvfp4=int8 bf16=amx`).
+    pub fn choices_line(&self) -> String {
+        let name = |g: Gemm| match g {
+            Gemm::Amx => "amx",
+            Gemm::Int8 => "int8",
+            Gemm::Bf16 => "bf16",
+            Gemm::F32 => "f32",
+        };
+        self.chosen.iter().map(|(c, g)| format!("{}={}", c.name(), name(*g))).collect::<Vec<_>>().join(" ")
+    }
+
+    /// Choices read back from [`Calibration::choices_line`] (no timings); `None` for anything else.
+    pub fn from_choices_line(line: &str) -> Option<Self> {
+        let mut chosen = Vec::new();
+        for part in line.split_whitespace() {
+            let (c, g) = part.split_once('=')?;
+            let class = WeightClass::ALL.into_iter().find(|k| k.name() == c)?;
+            chosen.push((class, g.parse::<Gemm>().ok()?));
+        }
+        (chosen.len() == WeightClass::ALL.len()).then_some(Calibration { timings: Vec::new(), chosen })
+    }
+
+    /// For the log: each class's choice and every time measured.
+    pub fn describe(&self) -> String {
+        self.chosen
+            .iter()
+            .map(|&(c, g)| {
+                let times: Vec<String> = self
+                    .timings
+                    .iter()
+                    .filter(|t| t.class == c)
+                    .map(|t| format!("{} {:.2} ms", kernel_name(c, t.gemm), t.secs * 1e3))
+                    .collect();
+                format!("{} {} [{}]", c.name(), kernel_name(c, g), times.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+}
+
+/// Times every prefill GEMM this CPU has (under the ceiling) for each weight class and chooses the
+/// fastest. Tens of milliseconds; does not change the dispatch until [`Calibration::apply`].
+pub fn calibrate() -> Calibration {
+    let mut timings = Vec::new();
+    let mut chosen = Vec::new();
+    for class in WeightClass::ALL {
+        let mut best: Option<Timing> = None;
+        for gemm in [Gemm::Amx, Gemm::Int8, Gemm::Bf16, Gemm::F32] {
+            if !available(class, gemm) || !allowed(gemm) {
+                continue;
+            }
+            let t = Timing { class, gemm, secs: SHAPES.iter().map(|&s| time(class, gemm, s)).sum() };
+            timings.push(t);
+            if best.is_none_or(|b| t.secs < b.secs) {
+                best = Some(t);
+            }
+        }
+        chosen.push((class, best.map_or(Gemm::F32, |b| b.gemm)));
+    }
+    Calibration { timings, chosen }
+}
+
+/// Best time of [`RUNS`] runs of `gemm` on one shape, after a warm-up.
+fn time(class: WeightClass, gemm: Gemm, (m, n, k): (usize, usize, usize)) -> f64 {
+    let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 97.0) - 0.5).collect();
+    let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
+    let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
+    let wb: Vec<u16> =
+        (0..n * k).map(|i| half::bf16::from_f32(((i * 104729 % 89) as f32 / 89.0) - 0.5).to_bits()).collect();
+    let w = match class {
+        WeightClass::Nvfp4 => WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.01 },
+        WeightClass::Bf16 => WeightView::Bf16(&wb),
+    };
+    let mut out = vec![0f32; m * n];
+    run_gemm(gemm, &x, m, w, n, k, &mut out);
+    (0..RUNS)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            run_gemm(gemm, &x, m, w, n, k, &mut out);
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 54: the calibration times every kernel this CPU has for each class and chooses the fastest
+    /// of what it timed (the choice compared with the timings it logged), so `--gemm auto` is never
+    /// slower on these shapes than a forced path. Its choices survive the cache line.
+    #[test]
+    fn the_choice_is_the_fastest_kernel_timed() {
+        let c = calibrate();
+        for class in WeightClass::ALL {
+            let timed: Vec<&Timing> = c.timings.iter().filter(|t| t.class == class).collect();
+            let expected: Vec<Gemm> = [Gemm::Amx, Gemm::Int8, Gemm::Bf16, Gemm::F32]
+                .into_iter()
+                .filter(|&g| available(class, g) && allowed(g))
+                .collect();
+            assert_eq!(timed.iter().map(|t| t.gemm).collect::<Vec<_>>(), expected, "{class:?}");
+            let fastest = timed.iter().min_by(|a, b| a.secs.total_cmp(&b.secs)).expect("a kernel");
+            let chosen = c.chosen.iter().find(|(k, _)| *k == class).expect("a choice").1;
+            assert_eq!(chosen, fastest.gemm, "{class:?}: {}", c.describe());
+        }
+        let back = Calibration::from_choices_line(&c.choices_line()).expect("parses");
+        assert_eq!(back.chosen, c.chosen);
+        assert!(Calibration::from_choices_line("nvfp4=int8").is_none());
+        assert!(Calibration::from_choices_line("nvfp4=fast bf16=amx").is_none());
+        eprintln!("{}", c.describe());
+    }
+}

@@ -1,0 +1,64 @@
+//! `--gemm auto` (the default): the prefill GEMM for each weight class chosen by measuring
+//! ([`osprey_kernels::calibrate`]) once per CPU model, thread count and osprey version, and cached in
+//! `$OSPREY_CACHE_DIR` (else `~/.cache/osprey`) under `gemm-calibration/`. The kernels round
+//! differently, so every process on a machine must take the same choice: the first to write the cache
+//! wins (the entry is linked into place, which fails when it exists), and a process that finds an entry already there takes it instead of its own
+//! measurement, before any model work. docs/architecture.md, "Prefill GEMMs".
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use osprey_kernels::calibrate::{calibrate, Calibration};
+
+/// The cache entry for this CPU, thread count and build.
+fn entry() -> Option<PathBuf> {
+    let base = std::env::var_os("OSPREY_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/osprey")))?;
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(str::to_string))
+        .unwrap_or_default();
+    let key = format!("{cpu}|threads={}|{}", osprey_kernels::threads(), env!("CARGO_PKG_VERSION"));
+    let mut h = blake2::Blake2bVar::new(8).ok()?;
+    blake2::digest::Update::update(&mut h, key.as_bytes());
+    let mut d = [0u8; 8];
+    blake2::digest::VariableOutput::finalize_variable(h, &mut d).ok()?;
+    let hex: String = d.iter().map(|b| format!("{b:02x}")).collect();
+    Some(base.join("gemm-calibration").join(format!("{hex}.txt")))
+}
+
+/// The cached choice, if one is there and readable.
+fn cached(path: &std::path::Path) -> Option<Calibration> {
+    let line = std::fs::read_to_string(path).ok()?;
+    Calibration::from_choices_line(line.trim())
+}
+
+/// Chooses and applies the prefill GEMMs: the cached choice, else a measurement (written to the cache,
+/// unless another process wrote one first, which is then taken).
+pub fn auto() {
+    let path = entry();
+    if let Some(c) = path.as_deref().and_then(cached) {
+        c.apply();
+        tracing::info!(choice = %c.choices_line(), "prefill GEMMs from the calibration cache");
+        return;
+    }
+    let t = std::time::Instant::now();
+    let measured = calibrate();
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    let mut chosen = measured.clone();
+    if let Some(p) = &path {
+        // Written whole to a file of this process, then linked to the entry's name, which fails when
+        // the entry exists: the entry appears complete, and the first process to link it wins.
+        let _ = std::fs::create_dir_all(p.parent().unwrap_or(p));
+        let tmp = p.with_extension(format!("{}.tmp", std::process::id()));
+        let written = std::fs::File::create(&tmp).and_then(|mut f| f.write_all(measured.choices_line().as_bytes()));
+        if written.is_ok() && std::fs::hard_link(&tmp, p).is_err() {
+            // Another process measured first: one choice per machine.
+            chosen = cached(p).unwrap_or(measured.clone());
+        }
+        let _ = std::fs::remove_file(&tmp);
+    }
+    chosen.apply();
+    tracing::info!(ms = format!("{ms:.0}"), choice = %chosen.choices_line(), "prefill GEMMs measured: {}", measured.describe());
+}
