@@ -8,6 +8,8 @@
 use std::io::Write;
 use std::path::PathBuf;
 
+use blake2::digest::{Update, VariableOutput};
+
 use osprey_kernels::calibrate::{calibrate, Calibration};
 
 /// The cache entry for this CPU, thread count and build.
@@ -21,9 +23,9 @@ fn entry() -> Option<PathBuf> {
         .unwrap_or_default();
     let key = format!("{cpu}|threads={}|{}", osprey_kernels::threads(), env!("CARGO_PKG_VERSION"));
     let mut h = blake2::Blake2bVar::new(8).ok()?;
-    blake2::digest::Update::update(&mut h, key.as_bytes());
+    h.update(key.as_bytes());
     let mut d = [0u8; 8];
-    blake2::digest::VariableOutput::finalize_variable(h, &mut d).ok()?;
+    h.finalize_variable(&mut d).ok()?;
     let hex: String = d.iter().map(|b| format!("{b:02x}")).collect();
     Some(base.join("gemm-calibration").join(format!("{hex}.txt")))
 }

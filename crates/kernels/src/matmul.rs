@@ -16,7 +16,7 @@
 
 pub use osprey_backend::types::{DType, Precision, WeightView};
 
-use crate::dispatch::{allowed, allowed_for, Gemm, WeightClass};
+use crate::dispatch::{allowed_for, Gemm, WeightClass};
 use crate::pool::OutPtr;
 use crate::q8::{self, Isa, Q8Act};
 use crate::{amx, bf16, nvfp4, pool, q8_gemm, simd};
@@ -504,6 +504,7 @@ pub fn matmul_into_strided(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dispatch::allowed;
 
     fn reference(x: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
         let mut y = vec![0f32; m * n];
