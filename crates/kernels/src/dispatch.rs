@@ -70,15 +70,6 @@ impl WeightClass {
     /// Both classes.
     pub const ALL: [WeightClass; 2] = [WeightClass::Nvfp4, WeightClass::Bf16];
 
-    /// The class of `w`.
-    pub fn of(w: crate::WeightView<'_>) -> Self {
-        if matches!(w, crate::WeightView::Nvfp4 { .. }) {
-            WeightClass::Nvfp4
-        } else {
-            WeightClass::Bf16
-        }
-    }
-
     /// Its name in logs and the calibration cache.
     pub fn name(self) -> &'static str {
         match self {

@@ -166,7 +166,7 @@ pub const AMX_MIN_ROWS: usize = 16;
 fn gemm_kind(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
     let fast_nvfp4 = p == Precision::Int8 && matches!(w, WeightView::Nvfp4 { .. });
     let amx_weights = fast_nvfp4 || (p == Precision::Int8 && matches!(w, WeightView::Bf16(_)));
-    let class = WeightClass::of(w);
+    let class = class_of(w);
     if amx_weights && m >= AMX_MIN_ROWS && allowed_for(class, Gemm::Amx) && amx::available() {
         Gemm::Amx
     } else if fast_nvfp4
@@ -197,9 +197,18 @@ fn int8_gemm(kind: Gemm) -> Int8Gemm {
 /// to whole 32-value steps; the GEMV (rows as stored) needs a width in whole steps.
 fn bf16_tiles(w: WeightView<'_>, p: Precision) -> bool {
     p == Precision::Int8
-        && allowed_for(WeightClass::of(w), Gemm::Bf16)
+        && allowed_for(class_of(w), Gemm::Bf16)
         && matches!(w, WeightView::Bf16(_) | WeightView::Nvfp4 { .. })
         && bf16::available()
+}
+
+/// The weight class the dispatch chooses a GEMM for (any dense weights count as bf16).
+fn class_of(w: WeightView<'_>) -> WeightClass {
+    if matches!(w, WeightView::Nvfp4 { .. }) {
+        WeightClass::Nvfp4
+    } else {
+        WeightClass::Bf16
+    }
 }
 
 /// The prefill GEMM of `kind` on `x` (`m`×`k`) against `w` (the dispatch's choice, or a candidate the
