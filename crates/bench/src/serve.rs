@@ -123,8 +123,10 @@ pub struct Summary {
     pub ttft_s: Percentiles,
     /// Gaps between content chunks.
     pub itl_s: Percentiles,
-    /// Output tokens per second per request.
+    /// Output tokens per second per request (requests whose tokens arrived in one burst have none).
     pub output_tok_s: Percentiles,
+    /// Requests of more than one token whose tokens arrived together (no rate; see `decode_rate`).
+    pub burst_requests: usize,
     /// All output tokens over the run's wall time.
     pub throughput_tok_s: f64,
     /// Prompt tokens the server reported as cached, over all prompt tokens.
@@ -314,13 +316,23 @@ fn one(a: &ureq::Agent, o: &ServeOptions, index: usize, msgs: Value, t0: Instant
         }
     }
     s.total_s = start.elapsed().as_secs_f64();
-    if let (Some(ttft), Some(n)) = (s.ttft_s, s.output_tokens) {
-        let after = s.total_s - ttft;
-        if n > 1 && after > 0.0 {
-            s.output_tok_s = Some((n - 1) as f64 / after);
-        }
+    if let (Some(ttft), Some(last), Some(n)) = (s.ttft_s, last, s.output_tokens) {
+        s.output_tok_s = decode_rate(ttft, last, n);
     }
     (s, text)
+}
+
+/// Gaps shorter than this per token mean the tokens arrived together (faster than 10,000 tok/s for one
+/// request): the client saw a burst, not a rate.
+const MIN_TOKEN_GAP_S: f64 = 1e-4;
+
+/// A request's output tokens per second after its first: the `n - 1` later tokens over the time from the
+/// first token to the last (not to the end of the response, which the usage chunk and the connection's
+/// close stretch). `None` for one token, or for tokens that arrived together: dividing by that near-zero
+/// interval made the percentiles' tail huge (issue 54).
+fn decode_rate(first_s: f64, last_s: f64, n: u64) -> Option<f64> {
+    let span = last_s - first_s;
+    (n > 1 && span >= (n - 1) as f64 * MIN_TOKEN_GAP_S).then(|| (n - 1) as f64 / span)
 }
 
 fn percentiles(mut v: Vec<f64>) -> Percentiles {
@@ -464,6 +476,10 @@ pub fn run(o: &ServeOptions) -> crate::Result<ServeReport> {
         ttft_s: percentiles(ok.iter().filter_map(|s| s.ttft_s).collect()),
         itl_s: percentiles(ok.iter().flat_map(|s| s.itl_s.iter().copied()).collect()),
         output_tok_s: percentiles(ok.iter().filter_map(|s| s.output_tok_s).collect()),
+        burst_requests: ok
+            .iter()
+            .filter(|s| s.output_tok_s.is_none() && s.ttft_s.is_some() && s.output_tokens.is_some_and(|n| n > 1))
+            .count(),
         throughput_tok_s: out_tokens as f64 / duration_s.max(1e-9),
         cached_fraction: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
     };
@@ -503,6 +519,12 @@ pub fn table(r: &ServeReport) -> String {
         s.throughput_tok_s,
         100.0 * s.cached_fraction
     ));
+    if s.burst_requests > 0 {
+        out.push_str(&format!(
+            "{} requests' tokens arrived in one burst (no per-request rate; left out of its percentiles)\n",
+            s.burst_requests
+        ));
+    }
     for (k, v) in &r.metrics_delta {
         out.push_str(&format!("{k} +{v}\n"));
     }
@@ -547,6 +569,16 @@ impl Progress {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request's rate runs from its first token to its last; tokens that arrived together give none
+    /// (they gave ~10^7 tok/s, the report's p90 and p99).
+    #[test]
+    fn a_burst_of_tokens_has_no_rate() {
+        assert_eq!(decode_rate(1.0, 2.0, 51), Some(50.0));
+        assert_eq!(decode_rate(1.0, 1.0 + 1e-7, 50), None);
+        assert_eq!(decode_rate(1.0, 1.0, 1), None);
+        assert!(decode_rate(0.5, 0.5 + 49.0 * MIN_TOKEN_GAP_S, 50).is_some());
+    }
 
     #[test]
     fn percentiles_are_nearest_rank() {
