@@ -19,9 +19,6 @@ impl From<RequestError> for ApiError {
 pub const MAX_MESSAGE: usize = 1024;
 /// Longest parameter name an error names, in bytes.
 pub const MAX_PARAM: usize = 256;
-/// Longest piece of a client's text an error quotes ([`shown`]), in characters.
-const MAX_QUOTED: usize = 64;
-
 /// `s` cut to at most `max` bytes on a character boundary, `…` marking the cut.
 pub(crate) fn bounded(s: &str, max: usize) -> String {
     if s.len() <= max {
@@ -119,13 +116,8 @@ impl ResponseError for ApiError {
 /// An optional string field as an error message shows it: `` `text` ``, or "none" when missing (not
 /// Rust's `Some("text")`).
 pub(crate) fn shown(v: Option<&str>) -> String {
-    v.map_or_else(
-        || "none".to_string(),
-        |s| match s.char_indices().nth(MAX_QUOTED) {
-            Some((i, _)) => format!("`{}…`", &s[..i]),
-            None => format!("`{s}`"),
-        },
-    )
+    // At most 64 characters of it, as ids are cut ([`shown_id`]).
+    v.map_or_else(|| "none".to_string(), |s| format!("`{}`", shown_id(s)))
 }
 
 /// `e`'s response (its status and headers, `Retry-After` included) with `body` in another API's shape

@@ -100,17 +100,22 @@ pub(crate) fn raw_text(schema: &Value) -> bool {
     string_enum(schema).is_some() || schema.get("type").and_then(Value::as_str) == Some("string")
 }
 
+/// The schema `schema`'s own `$ref` names in `root`, when it is a local pointer (`#`, `#/$defs/x`,
+/// `#/definitions/x`, any JSON pointer, percent-encoded or not) that resolves; others are the
+/// compiler's (and refused by `check_references`).
+fn ref_target<'a>(root: &'a Value, schema: &Value) -> Option<&'a Value> {
+    let pointer = schema.get("$ref")?.as_str()?.strip_prefix('#')?;
+    root.pointer(&percent_decode(pointer))
+}
+
 /// `schema` (a part of `root`) with its own `$ref`s followed to what they name in `root`, at most
 /// [`MAX_SCHEMA_DEPTH`] hops: pydantic writes a nested model or an Enum field as `{"$ref": "#/$defs/X"}`
 /// (siblings such as `description` or `default` do not constrain the value and are passed over).
 pub(crate) fn follow_refs<'a>(root: &'a Value, schema: &'a Value) -> &'a Value {
     let mut s = schema;
     for _ in 0..MAX_SCHEMA_DEPTH {
-        match s.get("$ref").and_then(Value::as_str).and_then(|r| r.strip_prefix('#')) {
-            Some(p) => match root.pointer(&percent_decode(p)) {
-                Some(t) => s = t,
-                None => break,
-            },
+        match ref_target(root, s) {
+            Some(t) => s = t,
             None => break,
         }
     }
@@ -242,10 +247,8 @@ impl<'a> Conjunction<'a> {
         if let Some(Value::Array(all)) = m.get("allOf") {
             n += all.iter().map(|c| self.at(c)).sum::<usize>();
         }
-        if let Some(t) = m.get("$ref").and_then(Value::as_str).and_then(|r| r.strip_prefix('#')) {
-            if let Some(t) = self.root.pointer(&percent_decode(t)) {
-                n += self.at(t);
-            }
+        if let Some(t) = ref_target(self.root, v) {
+            n += self.at(t);
         }
         for key in ["anyOf", "oneOf"] {
             if let Some(Value::Array(alts)) = m.get(key) {
@@ -285,9 +288,7 @@ impl<'a> Required<'a> {
     fn must_contain(&self, v: &'a Value) -> Vec<&'a Value> {
         let Value::Object(m) = v else { return Vec::new() };
         let mut out = Vec::new();
-        if let Some(t) = m.get("$ref").and_then(Value::as_str).and_then(|r| r.strip_prefix('#')) {
-            out.extend(self.root.pointer(&percent_decode(t)));
-        }
+        out.extend(ref_target(self.root, v));
         if let Some(Value::Array(all)) = m.get("allOf") {
             out.extend(all.iter());
         }
@@ -329,7 +330,7 @@ impl<'a> Walk<'a> {
                 check_bounds(m, self.param)?;
                 check_references(m, std::ptr::eq(v, self.root), self.param)?;
                 let mut d = 0;
-                if let Some(target) = m.get("$ref").and_then(Value::as_str).and_then(|r| self.resolve(r)) {
+                if let Some(target) = ref_target(self.root, v) {
                     d = d.max(self.follow(target, level)?);
                 }
                 for child in m.values() {
@@ -365,13 +366,6 @@ impl<'a> Walk<'a> {
         self.on_path.pop();
         self.memo.insert(key, d);
         Ok(d)
-    }
-
-    /// A local `$ref` (`#`, `#/$defs/x`, `#/definitions/x`, any JSON pointer); others are the compiler's.
-    fn resolve(&self, r: &str) -> Option<&'a Value> {
-        let pointer = r.strip_prefix('#')?;
-        let decoded = percent_decode(pointer);
-        self.root.pointer(&decoded)
     }
 }
 
