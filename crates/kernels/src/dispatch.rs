@@ -42,6 +42,21 @@ pub fn allowed(g: Gemm) -> bool {
     c <= g as u8
 }
 
+impl Gemm {
+    /// Every kernel family, best first.
+    pub const ALL: [Gemm; 4] = [Gemm::Amx, Gemm::Int8, Gemm::Bf16, Gemm::F32];
+
+    /// Its name as `--gemm` takes it (what [`std::str::FromStr`] reads back).
+    pub fn name(self) -> &'static str {
+        match self {
+            Gemm::Amx => "amx",
+            Gemm::Int8 => "int8",
+            Gemm::Bf16 => "bf16",
+            Gemm::F32 => "f32",
+        }
+    }
+}
+
 impl std::str::FromStr for Gemm {
     type Err = String;
 
@@ -96,16 +111,7 @@ pub fn allowed_for(class: WeightClass, g: Gemm) -> bool {
 /// The GEMM `class` takes for a prefill chunk (a whole tile of rows or more) on this CPU under the
 /// ceiling and its preference.
 pub fn prefill_kernel(class: WeightClass) -> Gemm {
-    let ok = |g| allowed_for(class, g);
-    if ok(Gemm::Amx) && crate::amx::available() {
-        Gemm::Amx
-    } else if class == WeightClass::Nvfp4 && ok(Gemm::Int8) && crate::q8_gemm::available() {
-        Gemm::Int8
-    } else if ok(Gemm::Bf16) && crate::bf16::available() {
-        Gemm::Bf16
-    } else {
-        Gemm::F32
-    }
+    Gemm::ALL.into_iter().find(|&g| available(class, g) && allowed_for(class, g)).unwrap_or(Gemm::F32)
 }
 
 /// Whether `g` can run `class` on this CPU (under no ceiling).
