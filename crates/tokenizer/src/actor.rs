@@ -52,7 +52,8 @@ fn hash(parts: &[&[u8]]) -> MediaHash {
 }
 
 /// What is left of a request's decoded-pixel budget ([`MediaLimits::max_total_pixels`]): every image and
-/// frame is charged by the size its header declares, before it is decoded.
+/// frame is charged by the size its header declares before anything is decoded ([`check_declared`]);
+/// an animation by its frames as decoded, from what is left.
 struct PixelBudget {
     left: u64,
     total: u64,
@@ -82,8 +83,12 @@ impl PixelBudget {
 /// Every item's declared size read and checked before any is decoded: the request's pixel budget over
 /// all images and frames, and the soft tokens its images would take against the context (three 64 Mpx
 /// images were decoded for 4.5 s before the context refused them). A header that cannot be read is the
-/// item's error, as decoding it would be.
-fn check_declared(media: &[MediaInput], limits: MediaLimits, proc: &ProcessorConfig) -> Result<(), RequestError> {
+/// item's error, as decoding it would be. Returns the budget left for animations.
+fn check_declared(
+    media: &[MediaInput],
+    limits: MediaLimits,
+    proc: &ProcessorConfig,
+) -> Result<PixelBudget, RequestError> {
     let mut budget = PixelBudget { left: limits.max_total_pixels, total: limits.max_total_pixels };
     let mut tokens = 0usize;
     let per_group = proc.image.merge_size * proc.image.merge_size * proc.image.patch_size * proc.image.patch_size;
@@ -116,7 +121,7 @@ fn check_declared(media: &[MediaInput], limits: MediaLimits, proc: &ProcessorCon
             )));
         }
     }
-    Ok(())
+    Ok(budget)
 }
 
 /// Fails once `deadline` has passed (checked between the steps of a preparation).
@@ -139,8 +144,8 @@ fn decode(
 ) -> Result<(Media, MediaHash), RequestError> {
     let lim = DecodeLimits { max_pixels: limits.max_pixels, max_frames: limits.max_frames };
     match m {
+        // Images and frames were charged by [`check_declared`].
         MediaInput::Image { bytes } => {
-            budget.take_image(bytes)?;
             Ok((Media::Image(decode_image(bytes, lim).map_err(media_error)?), hash(&[b"image", bytes])))
         }
         MediaInput::VideoFrames { frames, fps } => {
@@ -149,9 +154,6 @@ fn decode(
                     ErrorCode::MediaTooLarge,
                     format!("the video has {} frames, more than the limit of {}", frames.len(), limits.max_frames),
                 ));
-            }
-            for f in frames {
-                budget.take_image(f)?;
             }
             let decoded = frames
                 .iter()
@@ -319,8 +321,7 @@ impl TokenizerCore {
         })?;
         let mut media = Vec::with_capacity(p.media.len());
         let mut hashes = Vec::with_capacity(p.media.len());
-        check_declared(&p.media, p.limits, &self.processor)?;
-        let mut budget = PixelBudget { left: p.limits.max_total_pixels, total: p.limits.max_total_pixels };
+        let mut budget = check_declared(&p.media, p.limits, &self.processor)?;
         for (i, m) in p.media.iter().enumerate() {
             check_deadline(p.deadline)?;
             let (d, h) =
