@@ -24,10 +24,7 @@ pub const NAME: &str = "osprey-default";
 
 /// Writes the embedded files (if missing or different) and returns the directory.
 pub fn materialize() -> Result<PathBuf> {
-    let base = std::env::var_os("OSPREY_CACHE_DIR")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/osprey")))
-        .unwrap_or_else(std::env::temp_dir);
+    let base = crate::cache_root().unwrap_or_else(std::env::temp_dir);
     let dir = base.join(format!("default-model-{}", env!("CARGO_PKG_VERSION"))).join(NAME);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     for (name, bytes) in FILES {

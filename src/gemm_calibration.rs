@@ -1,9 +1,9 @@
 //! `--gemm auto` (the default): the prefill GEMM for each weight class chosen by measuring
-//! ([`osprey_kernels::calibrate`]) once per CPU model, thread count and osprey version, and cached in
-//! `$OSPREY_CACHE_DIR` (else `~/.cache/osprey`) under `gemm-calibration/`. The kernels round
-//! differently, so every process on a machine must take the same choice: the first to write the cache
-//! wins (the entry is linked into place, which fails when it exists), and a process that finds an entry already there takes it instead of its own
-//! measurement, before any model work. docs/architecture.md, "Prefill GEMMs".
+//! ([`osprey_kernels::calibrate`]) once per CPU model, thread count and osprey version, and cached under
+//! `gemm-calibration/` in [`crate::cache_root`]. The kernels round differently, so every process on a
+//! machine must take the same choice: the first to publish the cache entry wins (it is linked into
+//! place, which fails when it exists), and a process that finds an entry already there takes it instead
+//! of its own measurement, before any model work. docs/architecture.md, "Prefill GEMMs".
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -14,9 +14,7 @@ use osprey_kernels::calibrate::{calibrate, Calibration};
 
 /// The cache entry for this CPU, thread count and build.
 fn entry() -> Option<PathBuf> {
-    let base = std::env::var_os("OSPREY_CACHE_DIR")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/osprey")))?;
+    let base = crate::cache_root()?;
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(str::to_string))

@@ -74,8 +74,8 @@ pub fn resolve_in(spec: &Path, cache: Option<&Path>, offline: bool) -> Result<Pa
     // absolute and `../` commits here).
     if !crate::pull::is_hex(&commit.to_ascii_lowercase(), 40) {
         bail!(
-            "{org}/{name}@{rev}: refs/{rev} in the cache holds {:?}, not a commit; refused",
-            commit.chars().take(80).collect::<String>()
+            "{org}/{name}@{rev}: refs/{rev} in the cache holds {}, not a commit; refused",
+            crate::pull::shown(&commit)
         );
     }
     let snapshot = repo.join("snapshots").join(&commit);

@@ -24,6 +24,14 @@ use osprey_tokenizer::TokenizerCore;
 
 pub use settings::Settings;
 
+/// osprey's own cache directory: `$OSPREY_CACHE_DIR`, else `~/.cache/osprey` (the embedded model's
+/// files, the prefill GEMM calibration); `None` without either.
+pub fn cache_root() -> Option<PathBuf> {
+    std::env::var_os("OSPREY_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/osprey")))
+}
+
 /// Progress of a long step (loading weights, quantizing): a bar on stderr when stderr is a terminal
 /// (`indicatif` draws nothing otherwise), and one log line when it starts and one when it ends, so a
 /// log file or a pipe gets two lines instead of thousands of carriage-return redraws.
@@ -375,7 +383,6 @@ fn scheduler_config(
     }
 }
 
-/// [`start`] with the expert reader wrapped by `wrap_reader`.
 /// The model id the server lists and requests name: `--served-model-name`, else the Hugging Face id the
 /// model was given by (`org/name`, not its snapshot's commit hash), else the directory's name.
 fn served_model_id(settings: &Settings, model_dir: &Path) -> String {
@@ -386,6 +393,7 @@ fn served_model_id(settings: &Settings, model_dir: &Path) -> String {
     })
 }
 
+/// [`start`] with the expert reader wrapped by `wrap_reader`.
 pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<ReaderLayer>) -> Result<Bound> {
     let t0 = Instant::now();
     let kv_dtype = kv_cache_dtype(settings.kv_cache_dtype.as_deref())?;

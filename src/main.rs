@@ -79,7 +79,12 @@ fn main() -> Result<()> {
     match cli.gemm.as_deref() {
         // `auto` (the default): the prefill GEMMs measured on this CPU, for the commands that run a model.
         None | Some("auto") => {
-            if matches!(cli.command, Command::Serve(_) | Command::Run(_) | Command::Bench(_)) {
+            let runs_a_model = match &cli.command {
+                Command::Serve(_) | Command::Run(_) => true,
+                Command::Bench(b) => b.runs_a_model(),
+                _ => false,
+            };
+            if runs_a_model {
                 osprey::gemm_calibration::auto();
             }
         }

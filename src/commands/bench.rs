@@ -220,6 +220,20 @@ pub struct ServeBenchArgs {
 }
 
 /// Runs `osprey bench …`.
+impl BenchCommand {
+    /// Whether it runs a model's matmuls here (so `--gemm auto` is measured first); the others write,
+    /// read or chart files, load another server, or time memory.
+    pub fn runs_a_model(&self) -> bool {
+        matches!(
+            self,
+            BenchCommand::Forward { .. }
+                | BenchCommand::Verify { .. }
+                | BenchCommand::Experts(_)
+                | BenchCommand::Vision { .. }
+        )
+    }
+}
+
 pub fn run(cmd: BenchCommand, g: &Global) -> Result<()> {
     match cmd {
         BenchCommand::Forward { model, prompt_len, decode_tokens, repeats } => {

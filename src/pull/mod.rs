@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 
-pub use listing::is_hex;
+pub use listing::{is_hex, shown};
 
 /// `org/name[@revision]`, when `spec` is one (and not a path that exists). A revision is a branch, tag or
 /// commit: path components that are not empty, `.` or `..`.
