@@ -102,9 +102,7 @@ fn expert_source(
     if let Some(wrap) = wrap_reader {
         reader = wrap(reader);
     }
-    let total: usize = (0..index.experts.len())
-        .map(|l| (0..index.experts[l].len()).map(|e| index.expert_bytes(l, e)).sum::<usize>())
-        .sum();
+    let total: usize = index.keys().map(|k| index.expert_bytes(k)).sum();
     tracing::info!(?budget, ?policy, reader = ?reader.kind(), expert_bytes = total, "streaming experts from disk");
     let top_k = cfg.text.moe()?.map_or(0, |m| m.top_k);
     let opts = osprey_experts::Options {
@@ -466,7 +464,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         scheduler: scheduler.sender(),
         vision: vision.map(|v| v.sender()),
         prefix,
-        experts: experts.map(|e| e.sender()),
+        experts: experts.map(|e| Arc::new(e) as Arc<dyn osprey_protocol::experts::ExpertStats>),
     };
     let addr = format!("{}:{}", settings.host.as_deref().unwrap_or("127.0.0.1"), settings.port.unwrap_or(8080));
     let served = osprey_server::bind(server_cfg, engine, &addr, settings.http_workers.unwrap_or(2))?;

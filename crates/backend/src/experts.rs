@@ -22,6 +22,23 @@ pub struct ExpertKey {
     pub expert: u32,
 }
 
+impl ExpertKey {
+    /// Expert `expert` of decoder layer `layer`.
+    pub fn new(layer: usize, expert: usize) -> Self {
+        ExpertKey { layer: layer as u32, expert: expert as u32 }
+    }
+
+    /// The layer, as an index.
+    pub fn layer(self) -> usize {
+        self.layer as usize
+    }
+
+    /// The expert within its layer, as an index.
+    pub fn expert(self) -> usize {
+        self.expert as usize
+    }
+}
+
 /// The geometry every expert of a layer shares (so a pool's slots have one stride).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExpertShape {

@@ -5,12 +5,15 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use osprey_experts::{
-    open_reader, spawn, Budget, ExpertIndex, Options, Policy, PrefetchStats, ResidencyCommand, ResidencyStats,
-    ResidencyTable,
+    open_reader, spawn, Budget, ExpertIndex, Options, Policy, PrefetchStats, ResidencyStats, ResidencyTable,
+    ResidentSet,
 };
 use osprey_models::backend::BackendRef;
 use osprey_models::layers::predict::ExpertPredictor;
-use osprey_models::{Checkpoint, ExpertSource, ExpertTicket, ExpertWeights, ModelConfig, PendingExperts, Weight};
+use osprey_models::{
+    Checkpoint, ExpertKey, ExpertSource, ExpertTicket, ExpertWeights, Guess, LayerStep, ModelConfig, PendingExperts,
+    Weight,
+};
 use osprey_runner::{Driver, GenerateOptions, NoMedia};
 use serde::Serialize;
 
@@ -32,34 +35,22 @@ impl ExpertSource for Recording {
         self.inner.slots_per_layer()
     }
 
-    fn prefetch(&self, layer: usize, experts: &[usize]) {
-        self.inner.prefetch(layer, experts);
+    fn guess(&self, guess: Guess<'_>) -> PendingExperts {
+        self.inner.guess(guess)
     }
 
-    /// A MoE step notes its slot hits first (possibly none), then requests its misses: the two make one
-    /// trace entry, every expert the step routed to.
-    fn note_hits(&self, layer: usize, experts: &[usize]) {
-        if let Ok(mut t) = self.trace.lock() {
-            t.push((layer, experts.to_vec()));
+    /// A MoE step's slot hits and misses make one trace entry: every expert the step routed to.
+    fn request(&self, step: LayerStep<'_>) -> ExpertTicket {
+        if let (Ok(mut t), Some(first)) = (self.trace.lock(), step.need.iter().chain(step.in_slots).next()) {
+            let mut experts: Vec<usize> = step.need.iter().chain(step.in_slots).map(|k| k.expert()).collect();
+            experts.sort_unstable();
+            t.push((first.layer(), experts));
         }
-        self.inner.note_hits(layer, experts);
-    }
-
-    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
-        if let Ok(mut t) = self.trace.lock() {
-            match t.last_mut() {
-                Some((l, e)) if *l == layer => {
-                    e.extend_from_slice(experts);
-                    e.sort_unstable();
-                }
-                _ => t.push((layer, experts.to_vec())),
-            }
-        }
-        let ticket = self.inner.request(layer, experts);
+        let ticket = self.inner.request(step);
         if !self.wait_all {
             return ticket;
         }
-        let n = experts.len();
+        let n = step.need.len();
         ExpertTicket::new(move || Ok(((0..n).map(|_| None).collect(), PendingExperts::new(move || ticket.wait()))))
     }
 }
@@ -182,7 +173,7 @@ type Tally = Vec<(u64, u64, u64, u64)>;
 struct Scored {
     inner: Arc<dyn ExpertPredictor>,
     /// Per layer: the pending guess; and the tally.
-    state: Mutex<(Vec<Option<Vec<usize>>>, Tally)>,
+    state: Mutex<(Vec<Option<Vec<ExpertKey>>>, Tally)>,
 }
 
 impl Scored {
@@ -203,12 +194,12 @@ impl Scored {
 }
 
 impl ExpertPredictor for Scored {
-    fn observe(&self, layer: usize, touched: &[u32]) {
+    fn observe(&self, layer: usize, touched: &[ExpertKey]) {
         {
             let mut st = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let (pending, score) = &mut *st;
             if let Some(guess) = pending.get_mut(layer).and_then(Option::take) {
-                let tp = guess.iter().filter(|&&e| touched.contains(&(e as u32))).count() as u64;
+                let tp = guess.iter().filter(|k| touched.contains(k)).count() as u64;
                 let s = &mut score[layer];
                 *s = (s.0 + tp, s.1 + guess.len() as u64, s.2 + touched.len() as u64, s.3 + 1);
             }
@@ -216,7 +207,7 @@ impl ExpertPredictor for Scored {
         self.inner.observe(layer, touched);
     }
 
-    fn predict(&self, a: &osprey_models::layers::predict::Ahead<'_>) -> osprey_models::Result<Vec<usize>> {
+    fn predict(&self, a: &osprey_models::layers::predict::Ahead<'_>) -> osprey_models::Result<Vec<ExpertKey>> {
         let guess = self.inner.predict(a)?;
         let mut st = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(p) = st.0.get_mut(a.next) {
@@ -252,10 +243,8 @@ fn ple_counts(budget: &osprey_models::PleBudget) -> (u64, u64, u64) {
     (s.hits, s.misses, s.bytes_read)
 }
 
-fn stats(tx: &tokio::sync::mpsc::UnboundedSender<ResidencyCommand>) -> ResidencyStats {
-    let (reply, rx) = tokio::sync::oneshot::channel();
-    let _ = tx.send(ResidencyCommand::Stats { reply });
-    rx.blocking_recv().unwrap_or_default()
+fn stats(set: &ResidentSet) -> ResidencyStats {
+    set.stats().unwrap_or_default()
 }
 
 fn totals(s: &ResidencyStats) -> (u64, u64, u64, f64) {
@@ -285,12 +274,13 @@ fn simulate(trace: &Trace, layers: usize, per_layer_experts: usize, capacity: us
         let (mut hits, mut total) = (0u64, 0u64);
         for (i, (layer, experts)) in trace.iter().enumerate() {
             for &e in experts {
-                let hit = t.lease(*layer, e).is_some();
+                let key = ExpertKey::new(*layer, e);
+                let hit = t.lease(key).is_some();
                 if !hit {
-                    t.insert(*layer, e, dummy.clone(), 1);
+                    t.insert(key, dummy.clone(), 1);
                 }
                 if let Some(p) = profile {
-                    t.set_frequency(*layer, e, p[layer * per_layer_experts + e]);
+                    t.set_frequency(key, p[layer * per_layer_experts + e]);
                 }
                 if i >= half {
                     total += 1;
@@ -298,7 +288,7 @@ fn simulate(trace: &Trace, layers: usize, per_layer_experts: usize, capacity: us
                 }
             }
             for &e in experts {
-                t.release(*layer, e);
+                t.release(ExpertKey::new(*layer, e));
             }
         }
         hits as f64 / total.max(1) as f64
@@ -398,7 +388,7 @@ pub fn bench_experts_traced(
     let prefixes = &layout.prefixes;
     let index = ExpertIndex::build(&ck, prefixes, layout.num_experts, layout.hidden, layout.intermediate)?;
     // Budgets are RAM: what a resident expert really takes (aligned read windows), not its tensor bytes.
-    let per_expert = index.expert_footprint(0, 0);
+    let per_expert = index.expert_footprint(ExpertKey::new(0, 0));
     let total = per_expert * layout.num_experts * prefixes.len();
     let budget_bytes = (total as f64 * fraction) as usize;
     let reader = open_reader(&index.files, None)
@@ -413,7 +403,7 @@ pub fn bench_experts_traced(
     };
     let opts = Options { warmup, prefetch_cap };
     let set = spawn(index, reader, (Budget::Bytes(budget_bytes), Policy::Lru), opts, backend.as_ref());
-    let tx = set.sender();
+    let tx = set.clone();
     // The warm-up is done when no further expert fits (every expert takes one footprint).
     let t_warm = std::time::Instant::now();
     while warmup && (stats(&tx).resident_bytes as usize + per_expert) <= budget_bytes {

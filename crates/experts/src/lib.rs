@@ -1,6 +1,7 @@
 //! # osprey-experts — the expert store and the expert residency manager
 //!
-//! Brief overview: routed experts live in a cache hierarchy, disk → host RAM (→ device slots later). This
+//! Brief overview: routed experts live in a cache hierarchy, disk → host RAM → the backend's expert slots
+//! (which the MoE block keeps, `osprey_models::layers::slots`, and reports to this crate as hits). This
 //! crate owns the index of every expert's bytes on disk ([`ExpertIndex`]), the readers (io_uring with
 //! O_DIRECT straight into a host arena of expert slots the compute backend allocates ([`Arena`]: pinned
 //! on a device, registered with io_uring where the kernel allows), or a `pread` thread pool when
@@ -20,7 +21,6 @@ pub use arena::{Arena, ArenaSlot};
 pub use buf::{AlignedBuf, ALIGN};
 pub use reader::{open_reader, Dest, PreadReader, ReadDone, ReadReq, Reader, ReaderKind, UringReader};
 pub use residency::{
-    spawn, Budget, LayerStats, Options, Policy, PrefetchStats, ResidencyCommand, ResidencyStats, ResidencyTable,
-    ResidentSet,
+    spawn, Budget, ExpertStats, LayerStats, Options, Policy, PrefetchStats, ResidencyStats, ResidencyTable, ResidentSet,
 };
 pub use store::{ExpertIndex, LinearLoc, Range};

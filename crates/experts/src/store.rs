@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use osprey_kernels::DType;
-use osprey_models::{ByteSource, Checkpoint, ExpertWeights, Weight};
+use osprey_models::{ByteSource, Checkpoint, ExpertKey, ExpertWeights, Weight};
 
 use crate::reader::{ReadDone, ReadReq};
 
@@ -121,23 +121,33 @@ impl ExpertIndex {
     }
 
     /// The reads one expert needs (all its tensors).
-    pub fn reads(&self, layer: usize, expert: usize) -> Vec<ReadReq> {
-        self.experts[layer][expert]
+    pub fn reads(&self, key: ExpertKey) -> Vec<ReadReq> {
+        self.loc(key)
             .iter()
             .flat_map(LinearLoc::ranges)
             .map(|r| ReadReq { file: r.file, offset: r.offset, len: r.len })
             .collect()
     }
 
-    /// Whether `expert` of `layer` exists (requests and guesses name experts the index may not have).
-    pub fn has(&self, layer: usize, expert: usize) -> bool {
-        self.experts.get(layer).is_some_and(|l| expert < l.len())
+    /// Whether the expert exists (requests and guesses name experts the index may not have).
+    pub fn has(&self, key: ExpertKey) -> bool {
+        self.experts.get(key.layer()).is_some_and(|l| key.expert() < l.len())
+    }
+
+    /// Where the expert's three linears are.
+    fn loc(&self, key: ExpertKey) -> &[LinearLoc; 3] {
+        &self.experts[key.layer()][key.expert()]
+    }
+
+    /// Every expert, layer by layer.
+    pub fn keys(&self) -> impl Iterator<Item = ExpertKey> + '_ {
+        self.experts.iter().enumerate().flat_map(|(l, e)| (0..e.len()).map(move |e| ExpertKey::new(l, e)))
     }
 
     /// RAM one resident expert takes: its tensors read into 4 KiB-aligned windows.
-    pub fn expert_footprint(&self, layer: usize, expert: usize) -> usize {
+    pub fn expert_footprint(&self, key: ExpertKey) -> usize {
         use crate::buf::ALIGN;
-        self.experts[layer][expert]
+        self.loc(key)
             .iter()
             .flat_map(LinearLoc::ranges)
             .map(|r| {
@@ -150,31 +160,25 @@ impl ExpertIndex {
     /// The largest [`ExpertIndex::expert_footprint`] of any expert (`None`: no experts): the stride of
     /// the host arena's slots.
     pub fn largest_footprint(&self) -> Option<usize> {
-        let all = (0..self.experts.len()).flat_map(|l| (0..self.experts[l].len()).map(move |e| (l, e)));
-        all.map(|(l, e)| self.expert_footprint(l, e)).max()
+        self.keys().map(|k| self.expert_footprint(k)).max()
     }
 
     /// Bytes of one expert's tensors.
-    pub fn expert_bytes(&self, layer: usize, expert: usize) -> usize {
-        self.experts[layer][expert].iter().flat_map(LinearLoc::ranges).map(|r| r.len).sum()
+    pub fn expert_bytes(&self, key: ExpertKey) -> usize {
+        self.loc(key).iter().flat_map(LinearLoc::ranges).map(|r| r.len).sum()
     }
 
     /// Rebuilds an expert from its reads (in the order of [`ExpertIndex::reads`]); returns the weights and
     /// the bytes of buffer they hold.
-    pub fn assemble(&self, layer: usize, expert: usize, done: Vec<ReadDone>) -> (ExpertWeights, usize) {
+    pub fn assemble(&self, key: ExpertKey, done: Vec<ReadDone>) -> (ExpertWeights, usize) {
         let held = done.iter().map(|d| d.buf.len()).sum();
         let parts = done.into_iter().map(|d| (Arc::new(d.buf) as Arc<dyn ByteSource>, d.at)).collect();
-        (self.assemble_parts(layer, expert, parts), held)
+        (self.assemble_parts(key, parts), held)
     }
 
     /// Rebuilds an expert from where each of its ranges (in the order of [`ExpertIndex::reads`]) landed:
     /// a buffer and the offset of the range's bytes in it (the weights borrow the buffers).
-    pub fn assemble_parts(
-        &self,
-        layer: usize,
-        expert: usize,
-        parts: Vec<(Arc<dyn ByteSource>, usize)>,
-    ) -> ExpertWeights {
+    pub fn assemble_parts(&self, key: ExpertKey, parts: Vec<(Arc<dyn ByteSource>, usize)>) -> ExpertWeights {
         let mut it = parts.into_iter();
         let mut next = || it.next().expect("one read per range: this is a bug");
         let mut build = |loc: &LinearLoc| -> Weight {
@@ -190,7 +194,7 @@ impl ExpertIndex {
                 }
             }
         };
-        let [g, u, d] = &self.experts[layer][expert];
+        let [g, u, d] = self.loc(key);
         ExpertWeights { gate: build(g), up: build(u), down: build(d) }
     }
 }

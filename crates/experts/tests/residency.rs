@@ -8,7 +8,9 @@ use std::sync::{Arc, OnceLock};
 
 use osprey_experts::{open_reader, spawn, Budget, ExpertIndex, Options, Policy, ReadDone, ReadReq, Reader, ReaderKind};
 use osprey_models::layers::predict::{self, Ahead, ExpertPredictor, Replay};
-use osprey_models::{CausalLm, Checkpoint, ExpertSource, LoadOptions, Model, ModelConfig, SeqInput, SeqStep};
+use osprey_models::{
+    CausalLm, Checkpoint, ExpertKey, ExpertSource, LoadOptions, Model, ModelConfig, SeqInput, SeqStep,
+};
 
 /// A scratch directory for this test binary, emptied first: under cargo's per-target tmp dir and
 /// named after the test crate and `tag`, so reruns reuse one directory instead of leaving one per
@@ -78,7 +80,7 @@ fn model_guessing_ahead(
 /// The manager as `serve` starts it; guesses may hold two layers of `top_k + 2` experts.
 fn manager(idx: &ExpertIndex, kind: Option<ReaderKind>, budget: Budget, warmup: bool) -> osprey_experts::ResidentSet {
     let reader = open_reader(&idx.files, kind).expect("reader");
-    let opts = Options { warmup, prefetch_cap: 2 * (2 + 2) * idx.expert_footprint(0, 0) };
+    let opts = Options { warmup, prefetch_cap: 2 * (2 + 2) * idx.expert_footprint(ExpertKey::new(0, 0)) };
     spawn(idx.clone(), reader, (budget, Policy::Lru), opts, osprey_backend_cpu::CpuBackend::shared().as_ref())
 }
 
@@ -113,7 +115,7 @@ fn logits_are_bit_identical_whatever_the_budget_and_the_reader() {
                 continue;
             };
             // All 8 experts per layer; only top_k = 2 per layer; a byte budget of about 3 experts in total.
-            let one = idx.expert_bytes(0, 0);
+            let one = idx.expert_bytes(ExpertKey::new(0, 0));
             for budget in [Budget::PerLayer(8), Budget::PerLayer(2), Budget::Bytes(3 * one)] {
                 // Read-ahead only moves experts between tiers: every policy, and none.
                 for (warmup, guess) in
@@ -175,9 +177,7 @@ fn an_injected_read_fault_fails_one_forward_and_the_next_succeeds() {
 }
 
 fn stats(set: &osprey_experts::ResidentSet) -> osprey_experts::ResidencyStats {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    set.sender().send(osprey_experts::ResidencyCommand::Stats { reply: tx }).expect("manager alive");
-    rx.blocking_recv().expect("stats")
+    set.stats().expect("manager alive")
 }
 
 /// Issue 36, item 3: with `warmup`, the manager fills its budget before any request (every layer its
@@ -189,7 +189,7 @@ fn a_warm_up_fills_the_budget_without_evicting_and_the_answer_stays_the_same() {
     let idx = index(&dir);
     let reference = run(&model_with(&dir, None), &prompt()).expect("mapped");
     let layers = idx.experts.iter().filter(|l| !l.is_empty()).count() as u64;
-    let footprint = idx.expert_footprint(0, 0);
+    let footprint = idx.expert_footprint(ExpertKey::new(0, 0));
     for (budget, want) in [(Budget::PerLayer(2), 2 * layers), (Budget::Bytes(3 * footprint), 3)] {
         let set = manager(&idx, None, budget, true);
         // Each answer to Stats comes after the warm-up reads the manager did before it: poll until full.
@@ -226,12 +226,12 @@ fn a_warm_up_fills_the_budget_without_evicting_and_the_answer_stays_the_same() {
 struct Recorder(std::sync::Mutex<Vec<(usize, Vec<usize>)>>);
 
 impl ExpertPredictor for Recorder {
-    fn observe(&self, layer: usize, touched: &[u32]) {
+    fn observe(&self, layer: usize, touched: &[ExpertKey]) {
         let mut t = self.0.lock().expect("trace");
-        t.push((layer, touched.iter().map(|&e| e as usize).collect()));
+        t.push((layer, touched.iter().map(|k| k.expert()).collect()));
     }
 
-    fn predict(&self, _: &Ahead<'_>) -> osprey_models::Result<Vec<usize>> {
+    fn predict(&self, _: &Ahead<'_>) -> osprey_models::Result<Vec<ExpertKey>> {
         Ok(Vec::new())
     }
 }
@@ -250,7 +250,7 @@ fn perfect_guesses_are_read_ahead_and_all_used() {
     let recorded = model_guessing(&dir, None, Some(recorder.clone()));
     assert!(run(&recorded, &prompt()).expect("recorded") == reference, "observing changes nothing");
     let trace = recorder.0.lock().expect("trace").clone();
-    let budgets = [Budget::PerLayer(8), Budget::Bytes(3 * idx.expert_footprint(0, 0))];
+    let budgets = [Budget::PerLayer(8), Budget::Bytes(3 * idx.expert_footprint(ExpertKey::new(0, 0)))];
     // Each layer guessing the next one, or the next two (the reads of the layer after next queue behind).
     for (budget, depth) in budgets.into_iter().flat_map(|b| [(b, 1), (b, 2)]) {
         let oracle = Arc::new(Replay::new(trace.clone()));
@@ -305,7 +305,7 @@ fn the_cap_bounds_what_guesses_hold() {
     let idx = index(&dir);
     let reference = run(&model_with(&dir, None), &prompt()).expect("mapped");
     let reader = open_reader(&idx.files, None).expect("reader");
-    let opts = Options { warmup: false, prefetch_cap: idx.expert_footprint(0, 0) };
+    let opts = Options { warmup: false, prefetch_cap: idx.expert_footprint(ExpertKey::new(0, 0)) };
     let backend = osprey_backend_cpu::CpuBackend::shared();
     let set = spawn(idx.clone(), reader, (Budget::PerLayer(2), Policy::Lru), opts, backend.as_ref());
     let m = model_guessing(&dir, Some(Arc::new(set.clone())), predict::by_name("router", 2).expect("policy"));
@@ -328,7 +328,9 @@ fn guesses_uploaded_into_slots_count_no_access_and_change_no_answer() {
     let idx = index(&dir);
     let reference = run(&model_with(&dir, None), &prompt()).expect("mapped");
     let (cfg, ck) = (ModelConfig::from_dir(&dir).expect("config"), Checkpoint::open(&dir).expect("open"));
-    for budget in [Budget::PerLayer(8), Budget::PerLayer(3), Budget::Bytes(3 * idx.expert_footprint(0, 0))] {
+    for budget in
+        [Budget::PerLayer(8), Budget::PerLayer(3), Budget::Bytes(3 * idx.expert_footprint(ExpertKey::new(0, 0)))]
+    {
         let mut accesses = Vec::new();
         for uploads in [false, true] {
             let set = manager(&idx, None, budget, false);
@@ -367,7 +369,7 @@ fn guesses_uploaded_into_slots_count_no_access_and_change_no_answer() {
 fn experts_held_never_pass_the_budget_plus_a_step_plus_the_guess_cap() {
     let dir = nvfp4_dir();
     let idx = index(&dir);
-    let fp = idx.expert_footprint(0, 0);
+    let fp = idx.expert_footprint(ExpertKey::new(0, 0));
     let layers = idx.experts.iter().filter(|l| !l.is_empty()).count();
     // Room for two guessed experts: a guess names up to six per layer, so the cap is what bounds them.
     let (cap, step) = (2 * fp, 2 * fp);

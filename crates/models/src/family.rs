@@ -7,6 +7,7 @@
 use std::fmt::Debug;
 
 use osprey_backend::{BackendRef, Tensor};
+use osprey_protocol::runner::ExpertSlots;
 
 use crate::error::Result;
 pub use crate::kv::KvLayout;
@@ -191,8 +192,8 @@ pub trait CausalLm: Send + Sync + Debug {
     fn weight_bytes(&self) -> (usize, usize);
 
     /// Expert slot counters summed over the MoE layers (zero for a dense model).
-    fn slot_stats(&self) -> SlotStats {
-        SlotStats::default()
+    fn slot_stats(&self) -> ExpertSlots {
+        ExpertSlots::default()
     }
 
     /// Whether a draft head (`mtp.*`) was loaded ([`crate::LoadOptions::draft_head`]).
@@ -250,7 +251,7 @@ impl<T: CausalLm + ?Sized> CausalLm for Box<T> {
     fn weight_bytes(&self) -> (usize, usize) {
         (**self).weight_bytes()
     }
-    fn slot_stats(&self) -> SlotStats {
+    fn slot_stats(&self) -> ExpertSlots {
         (**self).slot_stats()
     }
     fn family_stats(&self) -> Vec<FamilyStat> {
@@ -261,42 +262,5 @@ impl<T: CausalLm + ?Sized> CausalLm for Box<T> {
     }
     fn draft(&self, steps: &mut [DraftStep<'_, '_>], capture: bool) -> Result<DraftOutput> {
         (**self).draft(steps, capture)
-    }
-}
-
-/// Counters of expert slots on the backend (one layer's, or summed over the model's).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SlotStats {
-    /// Touched experts found in a slot.
-    pub hits: u64,
-    /// Touched experts that had to be uploaded.
-    pub misses: u64,
-    /// `moe_routed` calls (waves); a step with hits and misses takes at least two.
-    pub waves: u64,
-    /// Slots in the pool.
-    pub slots: u64,
-    /// Slots holding an expert.
-    pub filled: u64,
-    /// Experts uploaded on a guess, before their layer's step routed.
-    pub guesses: u64,
-    /// Of those, routed to by that step (found in their slot).
-    pub guesses_used: u64,
-    /// Of those, passed over by that step (their upload was for nothing).
-    pub guesses_wasted: u64,
-}
-
-impl std::ops::Add for SlotStats {
-    type Output = SlotStats;
-    fn add(self, o: SlotStats) -> SlotStats {
-        SlotStats {
-            hits: self.hits + o.hits,
-            misses: self.misses + o.misses,
-            waves: self.waves + o.waves,
-            slots: self.slots + o.slots,
-            filled: self.filled + o.filled,
-            guesses: self.guesses + o.guesses,
-            guesses_used: self.guesses_used + o.guesses_used,
-            guesses_wasted: self.guesses_wasted + o.guesses_wasted,
-        }
     }
 }

@@ -44,12 +44,15 @@ pub use config::{ModelConfig, TextConfig};
 pub use error::{Error, Result};
 pub use family::{
     CausalLm, DraftOutput, DraftStep, FamilyStat, ForwardOptions, ForwardOutput, InjectedRows, KvLayout, LmInfo,
-    LogitsWanted, Model, Positions, SeqInput, SeqStep, SlotStats, DEFAULT_PAGE_SIZE,
+    LogitsWanted, Model, Positions, SeqInput, SeqStep, DEFAULT_PAGE_SIZE,
 };
 pub use kv::{KvPool, PageGeometry, PageRef, PageTable, PoolStats, ReserveError};
-pub use layers::moe::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts, ResidentExperts};
+pub use layers::moe::{
+    ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, Guess, LayerStep, PendingExperts, ResidentExperts,
+};
 /// The compute-backend seam the families are written against (re-exported for callers that pick one).
 pub use osprey_backend as backend;
+pub use osprey_backend::ExpertKey;
 pub use quantize_dir::{quantize_dir, QuantizeOptions};
 pub use qwen4_exp::{ple_table_rows, PleBudget, PleCounts, PleStats, DEFAULT_PLE_RAM_BYTES};
 pub use registry::{

@@ -1,8 +1,7 @@
-//! Messages to the expert residency manager (experts streamed from disk under a RAM budget).
+//! The expert residency manager's counters (experts streamed from disk under a RAM budget), as the server
+//! reads them.
 
 use tokio::sync::oneshot;
-
-use crate::{Handle, RequestError};
 
 /// Counters of one layer.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -19,61 +18,17 @@ pub struct LayerStats {
     pub batches: u64,
 }
 
-/// Messages between the runner-side source and the manager thread.
-#[derive(Debug)]
-pub enum ResidencyCommand {
-    /// Lease these experts of a layer (misses are read in one batch).
-    Need {
-        /// Layer.
-        layer: usize,
-        /// Experts.
-        experts: Vec<usize>,
-        /// The runner's step span (it names the sequences of the step).
-        span: tracing::Span,
-        /// Answered before any read: per requested expert, its weights if resident (leased), or `None`
-        /// if it is being read; an error for a request naming no such expert.
-        resident: oneshot::Sender<Result<Vec<Option<Handle>>, RequestError>>,
-        /// The experts `resident` left out, in request order, once read (leased), or the read error.
-        reply: oneshot::Sender<Result<Vec<Handle>, RequestError>>,
-    },
-    /// Experts a step found already in the backend's slots: counted as hits and made the most recent,
-    /// not leased (the slots hold their leases).
-    Hits {
-        /// Layer.
-        layer: usize,
-        /// Experts.
-        experts: Vec<usize>,
-    },
-    /// A guess: these experts of a layer will probably be needed soon (most wanted first). The manager
-    /// reads the ones it does not hold, up to its cap, when nothing else waits; nothing is leased.
-    Prefetch {
-        /// Layer.
-        layer: usize,
-        /// Experts.
-        experts: Vec<usize>,
-    },
-    /// Which of these experts of a layer are held now: each leased if resident, `None` if not. Nothing is
-    /// read, and no access is counted (an upload of guesses into device slots ahead of their layer).
-    Held {
-        /// Layer.
-        layer: usize,
-        /// Experts.
-        experts: Vec<usize>,
-        /// Per expert, in order.
-        reply: oneshot::Sender<Vec<Option<Handle>>>,
-    },
-    /// A lease was dropped.
-    Release {
-        /// Layer.
-        layer: usize,
-        /// Expert.
-        expert: usize,
-    },
-    /// Counters.
-    Stats {
-        /// Per-layer counters, bytes held, evictions.
-        reply: oneshot::Sender<ResidencyStats>,
-    },
+/// Where the expert residency manager's counters are asked for: the one thing about experts that crosses
+/// crates (the manager's own messages are private to `osprey-experts`, where both their ends are).
+pub trait ExpertStats: std::fmt::Debug + Send + Sync {
+    /// A snapshot of the counters, answered on the receiver; `None` once the manager is gone.
+    fn query(&self) -> Option<oneshot::Receiver<ResidencyStats>>;
+
+    /// Whether the manager is gone (it panicked or stopped: its inbox closed).
+    fn is_closed(&self) -> bool;
+
+    /// Resolves once the manager is gone.
+    fn closed(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>>;
 }
 
 /// A snapshot of the counters.

@@ -168,7 +168,7 @@ pub struct FamilyMetric {
     pub value: f64,
 }
 
-/// Expert slot counters of the runner's model, summed over its MoE layers, since start.
+/// Expert slot counters on the backend, since start: one MoE layer's, or summed over the model's layers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ExpertSlots {
     /// Routed experts a step found in a backend slot (no transfer).
@@ -187,6 +187,22 @@ pub struct ExpertSlots {
     pub guesses_used: u64,
     /// Of those, passed over by their layer's step.
     pub guesses_wasted: u64,
+}
+
+impl std::ops::Add for ExpertSlots {
+    type Output = ExpertSlots;
+    fn add(self, o: ExpertSlots) -> ExpertSlots {
+        ExpertSlots {
+            hits: self.hits + o.hits,
+            misses: self.misses + o.misses,
+            waves: self.waves + o.waves,
+            slots: self.slots + o.slots,
+            filled: self.filled + o.filled,
+            guesses: self.guesses + o.guesses,
+            guesses_used: self.guesses_used + o.guesses_used,
+            guesses_wasted: self.guesses_wasted + o.guesses_wasted,
+        }
+    }
 }
 
 /// The compute device's memory and traffic since start (`None` on the CPU backend).

@@ -198,17 +198,7 @@ impl Driver {
 
     /// The model's expert slot counters.
     pub fn slot_stats(&self) -> osprey_protocol::runner::ExpertSlots {
-        let s = self.model.slot_stats();
-        osprey_protocol::runner::ExpertSlots {
-            hits: s.hits,
-            misses: s.misses,
-            waves: s.waves,
-            slots: s.slots,
-            filled: s.filled,
-            guesses: s.guesses,
-            guesses_used: s.guesses_used,
-            guesses_wasted: s.guesses_wasted,
-        }
+        self.model.slot_stats()
     }
 
     /// The compute device's memory and traffic (`None` on a host backend).

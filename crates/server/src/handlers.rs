@@ -7,7 +7,6 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
 use osprey_protocol::constraint::Constraint;
-use osprey_protocol::experts::ResidencyCommand;
 use osprey_protocol::prefix::{PrefixCommand, PrefixStats};
 use osprey_protocol::tokenizer::{ChatPrompt, CompletionPrompt, PreparedPrompt, TokenizerCommand};
 use osprey_protocol::vision::{VisionCommand, VisionStats};
@@ -611,12 +610,8 @@ pub(crate) async fn engine_snapshot(state: &AppState) -> Result<crate::metrics::
         }
         None => PrefixStats::default(),
     };
-    let experts = match &state.engine.experts {
-        Some(experts) => {
-            let (tx, rx) = oneshot::channel();
-            let _ = experts.send(ResidencyCommand::Stats { reply: tx });
-            rx.await.ok()
-        }
+    let experts = match state.engine.experts.as_ref().and_then(|e| e.query()) {
+        Some(rx) => rx.await.ok(),
         None => None,
     };
     let (stored, stored_bytes) = state.responses.usage();

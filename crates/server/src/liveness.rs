@@ -38,7 +38,7 @@ impl Engine {
             _ = self.scheduler.closed() => {}
             _ = closed(self.vision.as_ref()) => {}
             _ = closed(self.prefix.as_ref()) => {}
-            _ = closed(self.experts.as_ref()) => {}
+            _ = async { match &self.experts { Some(e) => e.closed().await, None => std::future::pending().await } } => {}
         }
         self.stopped_actor().unwrap_or("an actor")
     }

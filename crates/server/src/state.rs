@@ -3,8 +3,9 @@
 //! it, and `lib.rs` only wires routes.
 
 use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::Arc;
 
-use osprey_protocol::experts::ResidencyCommand;
+use osprey_protocol::experts::ExpertStats;
 use osprey_protocol::prefix::PrefixCommand;
 use osprey_protocol::scheduler::SchedulerCommand;
 use osprey_protocol::tokenizer::TokenizerCommand;
@@ -54,8 +55,8 @@ pub struct Engine {
     pub vision: Option<UnboundedSender<VisionCommand>>,
     /// Prefix-cache actor inbox (stats only), when the cache is on.
     pub prefix: Option<UnboundedSender<PrefixCommand>>,
-    /// Expert residency manager inbox (stats only), when experts stream from disk.
-    pub experts: Option<UnboundedSender<ResidencyCommand>>,
+    /// The expert residency manager's counters, when experts stream from disk.
+    pub experts: Option<Arc<dyn ExpertStats>>,
 }
 
 impl AppState {

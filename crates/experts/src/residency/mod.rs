@@ -2,10 +2,13 @@
 //!
 //! The table holds experts read from disk under a RAM budget (total bytes, or experts per layer). An
 //! expert in use is leased and never evicted; eviction picks among unleased experts by policy (LRU, or
-//! LFU with exponential decay). The actor thread owns the table and the reader: a `Need` for a layer
-//! serves hits at once and reads all of that layer's misses in one batch. The runner's side
-//! ([`ResidentSet`], an `ExpertSource`) sends `Need` and returns a ticket, so the MoE block computes the
-//! shared expert while the reads are in flight; each handle carries a lease whose drop sends `Release`.
+//! LFU with exponential decay). The actor thread owns the table and the reader: a layer's `Step` counts
+//! the experts the step found in device slots (hits, made recent, no lease), serves the resident ones it
+//! needs at once and reads all of that layer's misses in one batch. The runner's side ([`ResidentSet`],
+//! an `ExpertSource`) sends `Step` and returns a ticket, so the MoE block computes the shared expert while
+//! the reads are in flight; each handle carries a lease whose drop sends `Release`. Every message names
+//! experts by `ExpertKey`, the form the router's ids take in the MoE block and keep to the disk read and
+//! the device slot; the messages are private to this crate (only [`ExpertStats`] crosses crates).
 //!
 //! Inside: `table.rs` (the synchronous core), `read.rs` (the arena and batch reads), `guesser.rs` (the
 //! read-ahead thread); the actor and the runner's side here.
@@ -18,11 +21,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use osprey_models::{ExpertHandle, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts};
-use osprey_protocol::{ErrorCode, Handle, RequestError};
+use osprey_models::layers::moe::{Guess, LayerStep};
+use osprey_models::{ExpertHandle, ExpertKey, ExpertSource, ExpertTicket, ExpertWeights, PendingExperts};
+use osprey_protocol::{ErrorCode, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
-pub use osprey_protocol::experts::{ExpertMap, LayerStats, PrefetchStats, ResidencyCommand, ResidencyStats};
+pub use osprey_protocol::experts::{ExpertMap, ExpertStats, LayerStats, PrefetchStats, ResidencyStats};
 pub use table::{Budget, Policy, ResidencyTable};
 
 use crate::reader::{open_reader, Reader};
@@ -30,89 +34,119 @@ use crate::store::ExpertIndex;
 use guesser::{start_guesser, Guesser, Landed};
 use read::{host_tier, read_missing, HostTier};
 
+type Weights = Arc<ExpertWeights>;
+
+/// Messages between the runner-side source ([`ResidentSet`]) and the manager thread: private, as both
+/// ends are in this crate; only the counters cross crates ([`ExpertStats`]).
+#[derive(Debug)]
+enum Command {
+    /// One layer's step ([`LayerStep`]): the slot hits are counted, the hits among `need` leased and
+    /// answered at once, its misses read in one batch.
+    Step {
+        need: Vec<ExpertKey>,
+        in_slots: Vec<ExpertKey>,
+        /// The runner's step span (it names the sequences of the step).
+        span: tracing::Span,
+        /// Answered before any read: per needed expert, its weights if resident (leased), or `None` if
+        /// it is being read; an error for a step naming no such expert.
+        resident: oneshot::Sender<Result<Vec<Option<Weights>>, RequestError>>,
+        /// The experts `resident` left out, in order, once read (leased), or the read error.
+        reply: oneshot::Sender<Result<Vec<Weights>, RequestError>>,
+    },
+    /// A guess ([`Guess`]): the manager reads the experts of `read` it does not hold, up to its cap,
+    /// when nothing else waits (nothing leased), and answers, per expert of `lease`, its weights leased
+    /// if held now (no access counted).
+    Guess { read: Vec<ExpertKey>, lease: Vec<ExpertKey>, reply: Option<oneshot::Sender<Vec<Option<Weights>>>> },
+    /// A lease was dropped.
+    Release(ExpertKey),
+    /// Counters.
+    Stats(oneshot::Sender<ResidencyStats>),
+}
+
 #[derive(Debug)]
 struct Lease {
-    tx: mpsc::UnboundedSender<ResidencyCommand>,
-    layer: usize,
-    expert: usize,
+    tx: mpsc::UnboundedSender<Command>,
+    key: ExpertKey,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        let _ = self.tx.send(ResidencyCommand::Release { layer: self.layer, expert: self.expert });
+        let _ = self.tx.send(Command::Release(self.key));
     }
 }
 
-/// The handle of `expert` of `layer` leased to the runner: its drop sends `Release` on `tx`.
-fn leased(tx: &mpsc::UnboundedSender<ResidencyCommand>, layer: usize, expert: usize, w: &Handle) -> ExpertHandle {
-    let key = osprey_models::layers::moe::key(layer, expert);
-    ExpertHandle::new(key, from_handle(w), Some(Box::new(Lease { tx: tx.clone(), layer, expert })))
+/// The expert `key` leased to the runner: its drop sends `Release` on `tx`.
+fn leased(tx: &mpsc::UnboundedSender<Command>, key: ExpertKey, w: Weights) -> ExpertHandle {
+    ExpertHandle::new(key, w, Some(Box::new(Lease { tx: tx.clone(), key })))
 }
 
 /// The runner's `ExpertSource`: asks the manager thread, returns tickets.
 #[derive(Debug, Clone)]
 pub struct ResidentSet {
-    tx: mpsc::UnboundedSender<ResidencyCommand>,
+    tx: mpsc::UnboundedSender<Command>,
     stall_nanos: Arc<AtomicU64>,
     /// Backend slots per layer the budget allows (slots hold leases, so they count against it).
     slots: usize,
 }
 
+impl ExpertStats for ResidentSet {
+    fn query(&self) -> Option<oneshot::Receiver<ResidencyStats>> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Command::Stats(reply)).ok().map(|_| rx)
+    }
+
+    fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    fn closed(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(self.tx.closed())
+    }
+}
+
 impl ResidentSet {
-    /// The manager's inbox (stats).
-    pub fn sender(&self) -> mpsc::UnboundedSender<ResidencyCommand> {
-        self.tx.clone()
+    /// The counters now, waited for (`None`: the manager is gone). Not from inside an async runtime.
+    pub fn stats(&self) -> Option<ResidencyStats> {
+        self.query()?.blocking_recv().ok()
     }
 }
 
 impl ExpertSource for ResidentSet {
-    fn note_hits(&self, layer: usize, experts: &[usize]) {
-        if !experts.is_empty() {
-            let _ = self.tx.send(ResidencyCommand::Hits { layer, experts: experts.to_vec() });
-        }
-    }
-
     fn slots_per_layer(&self) -> Option<usize> {
         Some(self.slots)
     }
 
-    fn prefetch(&self, layer: usize, experts: &[usize]) {
-        let _ = self.tx.send(ResidencyCommand::Prefetch { layer, experts: experts.to_vec() });
-    }
-
-    fn held(&self, layer: usize, experts: &[usize]) -> PendingExperts {
+    fn guess(&self, guess: Guess<'_>) -> PendingExperts {
         let (reply, rx) = oneshot::channel();
-        let tx = self.tx.clone();
-        if tx.send(ResidencyCommand::Held { layer, experts: experts.to_vec(), reply }).is_err() {
+        let lease = guess.lease.to_vec();
+        let reply = (!lease.is_empty()).then_some(reply);
+        let cmd = Command::Guess { read: guess.read.to_vec(), lease: lease.clone(), reply };
+        if self.tx.send(cmd).is_err() || lease.is_empty() {
             return PendingExperts::none();
         }
-        let experts = experts.to_vec();
+        let tx = self.tx.clone();
         PendingExperts::new(move || {
             // A guess is optional: a manager gone answers none (the next request reports it).
             let got = rx.blocking_recv().unwrap_or_default();
-            Ok(got
-                .into_iter()
-                .zip(experts)
-                .filter_map(|(w, expert)| w.map(|w| leased(&tx, layer, expert, &w)))
-                .collect())
+            Ok(got.into_iter().zip(lease).filter_map(|(w, key)| w.map(|w| leased(&tx, key, w))).collect())
         })
     }
 
-    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
+    fn request(&self, step: LayerStep<'_>) -> ExpertTicket {
         let (resident_tx, resident_rx) = oneshot::channel();
         let (reply, rx) = oneshot::channel();
+        let need = step.need.to_vec();
         let sent = self
             .tx
-            .send(ResidencyCommand::Need {
-                layer,
-                experts: experts.to_vec(),
+            .send(Command::Step {
+                need: need.clone(),
+                in_slots: step.in_slots.to_vec(),
                 span: tracing::Span::current(),
                 resident: resident_tx,
                 reply,
             })
             .is_ok();
         let (tx, stall) = (self.tx.clone(), self.stall_nanos.clone());
-        let experts = experts.to_vec();
         let gone = || osprey_models::Error::Engine("the expert residency manager is gone".into());
         // A dropped reply: the manager panicked; `/health` must see it before this failure travels on.
         let died = {
@@ -132,16 +166,16 @@ impl ExpertSource for ResidentSet {
                 .map_err(|_| died())?
                 .map_err(|e| osprey_models::Error::Engine(e.message))?;
             stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            let missing: Vec<usize> = experts.iter().zip(&have).filter(|(_, w)| w.is_none()).map(|(&e, _)| e).collect();
-            let have = have.into_iter().zip(&experts).map(|(w, &e)| w.map(|w| leased(&tx, layer, e, &w))).collect();
+            let missing: Vec<ExpertKey> =
+                need.iter().zip(&have).filter(|(_, w)| w.is_none()).map(|(&k, _)| k).collect();
+            let have = have.into_iter().zip(&need).map(|(w, &k)| w.map(|w| leased(&tx, k, w))).collect();
             let pending = PendingExperts::new(move || {
                 let t0 = Instant::now();
                 let got = rx.blocking_recv().map_err(|_| died())?;
                 stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                let weights = got.map_err(|e| {
-                    osprey_models::Error::Engine(format!("reading experts of layer {layer} failed: {}", e.message))
-                })?;
-                Ok(weights.into_iter().zip(missing).map(|(w, e)| leased(&tx, layer, e, &w)).collect())
+                let weights =
+                    got.map_err(|e| osprey_models::Error::Engine(format!("reading experts failed: {}", e.message)))?;
+                Ok(weights.into_iter().zip(missing).map(|(w, k)| leased(&tx, k, w)).collect())
             });
             Ok((have, pending))
         })
@@ -174,7 +208,7 @@ impl Options {
 /// arena cannot be allocated.
 /// With `opts.warmup`, the manager fills its budget after startup while it has nothing else to do
 /// ([`warm_step`]): a command that arrives is served before the next warm-up read. Guesses
-/// ([`ResidencyCommand::Prefetch`]) go to a read-ahead thread with a reader of its own
+/// ([`Guess`]) go to a read-ahead thread with a reader of its own
 /// ([`start_guesser`]), so their reads run while the manager serves requests.
 pub fn spawn(
     index: ExpertIndex,
@@ -183,7 +217,7 @@ pub fn spawn(
     opts: Options,
     backend: &dyn osprey_models::backend::Backend,
 ) -> ResidentSet {
-    let (tx, rx) = mpsc::unbounded_channel::<ResidencyCommand>();
+    let (tx, rx) = mpsc::unbounded_channel::<Command>();
     let stall_nanos = Arc::new(AtomicU64::new(0));
     let slots = slots_for(&index, budget);
     let mut reader = reader;
@@ -201,7 +235,7 @@ pub fn spawn(
             }
         },
     };
-    let m = Manager { index, tier, reader, table, rx, guesser, warm, passed: None, peak: 0, stall, opts };
+    let m = Manager { index, tier, reader, table, rx, guesser, warm, peak: 0, stall, opts };
     std::thread::Builder::new()
         .name("osprey-experts".into())
         .spawn(move || m.run())
@@ -216,12 +250,10 @@ struct Manager {
     tier: Option<HostTier>,
     reader: Box<dyn Reader>,
     table: ResidencyTable,
-    rx: mpsc::UnboundedReceiver<ResidencyCommand>,
+    rx: mpsc::UnboundedReceiver<Command>,
     /// The read-ahead thread (with `opts.prefetch_cap` > 0).
     guesser: Option<Guesser>,
     warm: Option<Warmup>,
-    /// The layer whose `Hits` came last: its step is over unless its `Need` comes next.
-    passed: Option<usize>,
     /// The most bytes held at once: the table's and the guesses' being read.
     peak: usize,
     stall: Arc<AtomicU64>,
@@ -232,13 +264,6 @@ impl Manager {
     fn run(mut self) {
         while let Some(cmd) = self.next_command() {
             self.land_guesses(false);
-            // A layer's step is its `Hits` (when some routed experts sat in slots) and its `Need` (when
-            // some did not), sent back to back: once both are in, its unused guesses were wrong.
-            if let Some(l) = self.passed.take() {
-                if !matches!(&cmd, ResidencyCommand::Need { layer, .. } if *layer == l) {
-                    self.table.pass_over(l);
-                }
-            }
             self.handle(cmd);
             let reading: usize = self.guesser.as_ref().map_or(0, |g| g.inflight.values().sum());
             self.peak = self.peak.max(self.table.used() + reading);
@@ -247,7 +272,7 @@ impl Manager {
 
     /// The next command; while warming up, a warm-up read whenever nothing waits. `None` once every sender
     /// is gone.
-    fn next_command(&mut self) -> Option<ResidencyCommand> {
+    fn next_command(&mut self) -> Option<Command> {
         loop {
             let Some(w) = self.warm.as_mut() else { return self.rx.blocking_recv() };
             match self.rx.try_recv() {
@@ -269,60 +294,60 @@ impl Manager {
         }
     }
 
-    fn handle(&mut self, cmd: ResidencyCommand) {
+    fn handle(&mut self, cmd: Command) {
         match cmd {
-            ResidencyCommand::Need { layer, experts, span, resident, reply } => {
+            Command::Step { need, in_slots, span, resident, reply } => {
                 let _in = span.enter();
-                self.await_guesses(layer, &experts);
+                let Some(layer) = need.iter().chain(&in_slots).next().map(|k| k.layer()) else {
+                    let _ = resident.send(Ok(Vec::new()));
+                    return;
+                };
+                self.await_guesses(&need);
+                in_slots.iter().for_each(|&k| self.table.hit(k));
                 let (index, table) = (&self.index, &mut self.table);
-                need(index, (self.reader.as_mut(), self.tier.as_ref()), table, layer, &experts, resident, reply);
+                need_experts(index, (self.reader.as_mut(), self.tier.as_ref()), table, (layer, &need), resident, reply);
                 // The layer had its step: its guesses not taken were wrong.
-                self.table.pass_over(layer);
+                if layer < self.index.experts.len() {
+                    self.table.pass_over(layer);
+                }
             }
-            ResidencyCommand::Prefetch { layer, experts } => self.ask(layer, &experts),
-            ResidencyCommand::Held { layer, experts, reply } => {
-                let held: Vec<Option<Handle>> = experts
-                    .iter()
-                    .map(|&e| {
-                        self.index.has(layer, e).then(|| self.table.lease_quiet(layer, e)).flatten().map(to_handle)
-                    })
-                    .collect();
+            Command::Guess { read, lease, reply } => {
+                self.ask(&read);
+                let Some(reply) = reply else { return };
+                let held: Vec<Option<Weights>> =
+                    lease.iter().map(|&k| self.index.has(k).then(|| self.table.lease_quiet(k)).flatten()).collect();
                 if let Err(unclaimed) = reply.send(held) {
                     // Nobody took them: give the leases back.
-                    for (_, &e) in unclaimed.iter().zip(&experts).filter(|(h, _)| h.is_some()) {
-                        self.table.release(layer, e);
+                    for (_, &k) in unclaimed.iter().zip(&lease).filter(|(h, _)| h.is_some()) {
+                        self.table.release(k);
                     }
                 }
             }
-            ResidencyCommand::Hits { layer, experts } => {
-                experts.iter().for_each(|&e| self.table.hit(layer, e));
-                self.passed = Some(layer);
-            }
-            ResidencyCommand::Release { layer, expert } => self.table.release(layer, expert),
-            ResidencyCommand::Stats { reply } => {
+            Command::Release(key) => self.table.release(key),
+            Command::Stats(reply) => {
                 let _ = reply.send(self.stats());
             }
         }
     }
 
-    /// Hands the guessed `experts` of `layer` that are neither held nor being read to the read-ahead
-    /// thread, in order, while what guesses hold or read stays within the cap; counts the rest skipped.
-    fn ask(&mut self, layer: usize, experts: &[usize]) {
+    /// Hands the guessed experts that are neither held nor being read to the read-ahead thread, in order,
+    /// while what guesses hold or read stays within the cap; counts the rest skipped.
+    fn ask(&mut self, experts: &[ExpertKey]) {
         let Some(g) = self.guesser.as_mut() else { return };
         let (index, table) = (&self.index, &mut self.table);
-        for &e in experts {
-            if !index.has(layer, e) || table.contains(layer, e) || g.inflight.contains_key(&(layer, e)) {
+        for &k in experts {
+            if !index.has(k) || table.contains(k) || g.inflight.contains_key(&k) {
                 continue;
             }
-            let fp = index.expert_footprint(layer, e);
+            let fp = index.expert_footprint(k);
             let reading: usize = g.inflight.values().sum();
             if table.guess_bytes() + reading + fp > self.opts.prefetch_cap
-                || g.jobs.send((layer, e, table.steps(layer))).is_err()
+                || g.jobs.send((k, table.steps(k.layer()))).is_err()
             {
                 table.prefetch.skipped += 1;
                 continue;
             }
-            g.inflight.insert((layer, e), fp);
+            g.inflight.insert(k, fp);
         }
     }
 
@@ -341,35 +366,35 @@ impl Manager {
         };
         let landed: Vec<Landed> = first.into_iter().chain(g.landed.try_iter()).collect();
         for l in landed {
-            g.inflight.remove(&(l.layer, l.expert));
-            let (table, key) = (&mut self.table, (l.layer, l.expert));
+            g.inflight.remove(&l.key);
+            let (table, key) = (&mut self.table, l.key);
             match l.read {
-                Ok((w, need)) if !table.contains(key.0, key.1) => {
-                    let st = &mut table.stats[key.0];
+                Ok((w, need)) if !table.contains(key) => {
+                    let st = &mut table.stats[key.layer()];
                     (st.bytes_read, st.read_secs, st.batches) =
                         (st.bytes_read + need as u64, st.read_secs + l.secs, st.batches + 1);
-                    table.insert(key.0, key.1, Arc::new(w), need);
+                    table.insert(key, Arc::new(w), need);
                     // Marked before its lease goes, so the budget cannot evict it before its layer comes.
-                    table.guessed(key.0, key.1);
-                    table.release(key.0, key.1);
-                    if table.steps(key.0) != l.step {
-                        table.late_guess(key.0, key.1);
+                    table.guessed(key);
+                    table.release(key);
+                    if table.steps(key.layer()) != l.step {
+                        table.late_guess(key);
                     }
                 }
                 Ok(_) => table.prefetch.skipped += 1,
                 Err(e) => {
-                    tracing::debug!(layer = key.0, expert = key.1, error = %e, "guessed expert not read");
+                    tracing::debug!(?key, error = %e, "guessed expert not read");
                     table.prefetch.skipped += 1;
                 }
             }
         }
     }
 
-    /// Before a request of `layer` is served: waits for the guesses of its experts still being read (they
-    /// are the quickest way to them), so none is read twice.
-    fn await_guesses(&mut self, layer: usize, experts: &[usize]) {
+    /// Before a step is served: waits for the guesses of its experts still being read (they are the
+    /// quickest way to them), so none is read twice.
+    fn await_guesses(&mut self, experts: &[ExpertKey]) {
         while let Some(g) = self.guesser.as_ref() {
-            if !experts.iter().any(|&e| g.inflight.contains_key(&(layer, e))) {
+            if !experts.iter().any(|k| g.inflight.contains_key(k)) {
                 return;
             }
             self.land_guesses(true);
@@ -418,13 +443,13 @@ fn warm_step(
         let layer = w.next_layer;
         w.next_layer = (layer + 1) % layers;
         let most = if matches!(table.budget, Budget::Bytes(_)) { 1 } else { usize::MAX };
-        let experts = table.room_for(layer, index.experts[layer].len(), &|e| index.expert_footprint(layer, e), most);
+        let experts = table.room_for(layer, index.experts[layer].len(), &|k| index.expert_footprint(k), most);
         if experts.is_empty() {
             continue;
         }
         return match read_missing(index, (reader, tier), table, layer, &experts) {
             Ok(_) => {
-                experts.iter().for_each(|&e| table.release(layer, e));
+                experts.iter().for_each(|&k| table.release(k));
                 true
             }
             Err(e) => {
@@ -456,48 +481,26 @@ fn engine_error(message: String) -> RequestError {
     RequestError::new(ErrorCode::EngineError, message)
 }
 
-/// Leased expert weights as they travel in [`ResidencyCommand`] (an opaque handle: the protocol crate
-/// knows no model types).
-#[derive(Debug)]
-struct Leased(Arc<ExpertWeights>);
-
-impl osprey_protocol::Opaque for Leased {
-    fn bytes(&self) -> usize {
-        self.0.gate.bytes() + self.0.up.bytes() + self.0.down.bytes()
-    }
-}
-
-fn to_handle(w: Arc<ExpertWeights>) -> Handle {
-    Arc::new(Leased(w))
-}
-
-fn from_handle(h: &Handle) -> Arc<ExpertWeights> {
-    osprey_protocol::downcast::<Leased>(h)
-        .expect("the residency manager answers with its own handles: this is a bug")
-        .0
-        .clone()
-}
-
-/// Serves one `Need`: leases and answers the hits at once (the runner computes them meanwhile), then
-/// reads all misses of the layer in one batch and answers them.
-fn need(
+/// Serves one step's needed experts (all of `layer`): leases and answers the hits at once (the runner
+/// computes them meanwhile), then reads all misses in one batch and answers them.
+fn need_experts(
     index: &ExpertIndex,
     (reader, tier): (&mut dyn Reader, Option<&HostTier>),
     table: &mut ResidencyTable,
-    layer: usize,
-    experts: &[usize],
-    resident: Reply<Vec<Option<Handle>>>,
-    reply: Reply<Vec<Handle>>,
+    (layer, need): (usize, &[ExpertKey]),
+    resident: Reply<Vec<Option<Weights>>>,
+    reply: Reply<Vec<Weights>>,
 ) {
-    if layer >= index.experts.len() || !experts.iter().all(|&e| index.has(layer, e)) {
+    if !need.iter().all(|&k| k.layer() == layer && index.has(k)) {
         let _ = resident.send(Err(engine_error(format!("no such expert in layer {layer}"))));
         return;
     }
-    let have: Vec<Option<Handle>> = experts.iter().map(|&e| table.lease(layer, e).map(to_handle)).collect();
-    let (hits, missing): (Vec<usize>, Vec<usize>) = (0..experts.len()).partition(|&i| have[i].is_some());
+    let have: Vec<Option<Weights>> = need.iter().map(|&k| table.lease(k)).collect();
+    let hits: Vec<ExpertKey> = need.iter().zip(&have).filter(|(_, w)| w.is_some()).map(|(&k, _)| k).collect();
+    let missing: Vec<ExpertKey> = need.iter().zip(&have).filter(|(_, w)| w.is_none()).map(|(&k, _)| k).collect();
     if resident.send(Ok(have)).is_err() {
         // The requester is gone: give its leases back and read nothing.
-        hits.iter().for_each(|&i| table.release(layer, experts[i]));
+        hits.iter().for_each(|&k| table.release(k));
         return;
     }
     tracing::debug!(layer, hits = hits.len(), misses = missing.len(), "experts needed");
@@ -505,12 +508,10 @@ fn need(
         let _ = reply.send(Ok(Vec::new()));
         return;
     }
-    let read =
-        read_missing(index, (reader, tier), table, layer, &missing.iter().map(|&i| experts[i]).collect::<Vec<_>>())
-            .map(|ws| ws.into_iter().map(to_handle).collect());
+    let read = read_missing(index, (reader, tier), table, layer, &missing);
     if let Err(Ok(unclaimed)) = reply.send(read) {
         // Nobody took the experts just read: release their leases (they stay cached).
         drop(unclaimed);
-        missing.iter().for_each(|&i| table.release(layer, experts[i]));
+        missing.iter().for_each(|&k| table.release(k));
     }
 }

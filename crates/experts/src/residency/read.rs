@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use osprey_models::{ByteSource, ExpertWeights};
+use osprey_models::{ByteSource, ExpertKey, ExpertWeights};
 use osprey_protocol::RequestError;
 
 use super::{engine_error, Budget, ResidencyTable};
@@ -66,10 +66,9 @@ pub(super) fn read_missing(
     (reader, tier): (&mut dyn Reader, Option<&HostTier>),
     table: &mut ResidencyTable,
     layer: usize,
-    experts: &[usize],
+    experts: &[ExpertKey],
 ) -> Result<Vec<Arc<ExpertWeights>>, RequestError> {
-    let items: Vec<(usize, usize)> = experts.iter().map(|&e| (layer, e)).collect();
-    let (read, secs) = read_experts(index, reader, tier, &items);
+    let (read, secs) = read_experts(index, reader, tier, experts);
     let st = &mut table.stats[layer];
     st.read_secs += secs;
     st.batches += 1;
@@ -79,19 +78,19 @@ pub(super) fn read_missing(
         match r {
             Ok((w, need)) => {
                 table.stats[layer].bytes_read += need as u64;
-                out.push((e, table.insert(layer, e, Arc::new(w), need)));
+                out.push((e, table.insert(e, Arc::new(w), need)));
             }
             Err(err) => first_err = first_err.or(Some(err)),
         }
     }
     if let Some(err) = first_err {
-        out.iter().for_each(|&(e, _)| table.release(layer, e));
+        out.iter().for_each(|&(e, _)| table.release(e));
         return Err(engine_error(err));
     }
     Ok(out.into_iter().map(|(_, w)| w).collect())
 }
 
-/// Reads the experts `items` names ((layer, expert) pairs) in one batch, into arena slots where `tier`
+/// Reads the experts `items` names in one batch, into arena slots where `tier`
 /// has free ones, else buffers of their own: per item its weights and the bytes it takes, or why not;
 /// and the batch's seconds.
 #[allow(clippy::type_complexity)]
@@ -99,11 +98,11 @@ pub(super) fn read_experts(
     index: &ExpertIndex,
     reader: &mut dyn Reader,
     tier: Option<&HostTier>,
-    items: &[(usize, usize)],
+    items: &[ExpertKey],
 ) -> (Vec<Result<(ExpertWeights, usize), String>>, f64) {
     let (mut reqs, mut dests, mut landings, mut counts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for &(layer, e) in items {
-        let r = index.reads(layer, e);
+    for &key in items {
+        let r = index.reads(key);
         let windows: Vec<usize> = r.iter().map(|q| window(q.offset, q.len).2).collect();
         let need: usize = windows.iter().sum();
         let slot = tier.filter(|t| need <= t.arena.stride()).and_then(|t| t.arena.take().map(|s| (s, t.registered)));
@@ -137,7 +136,7 @@ pub(super) fn read_experts(
     let secs = t0.elapsed().as_secs_f64();
     let mut results = results.into_iter();
     let mut out = Vec::with_capacity(items.len());
-    for ((&(layer, e), (n, need)), landing) in items.iter().zip(counts).zip(landings) {
+    for ((&key, (n, need)), landing) in items.iter().zip(counts).zip(landings) {
         let ats: Result<Vec<usize>, _> = (&mut results).take(n).collect();
         out.push(match ats {
             Ok(ats) => {
@@ -150,7 +149,7 @@ pub(super) fn read_experts(
                         bufs.into_iter().zip(ats).map(|(b, at)| (Arc::new(b) as Arc<dyn ByteSource>, at)).collect()
                     }
                 };
-                Ok((index.assemble_parts(layer, e, parts), need))
+                Ok((index.assemble_parts(key, parts), need))
             }
             Err(err) => Err(err.to_string()),
         });

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use lru::LruCache;
-use osprey_models::ExpertWeights;
+use osprey_models::{ExpertKey, ExpertWeights};
 
 use super::{ExpertMap, LayerStats, PrefetchStats};
 
@@ -49,7 +49,7 @@ pub struct ResidencyTable {
     policy: Policy,
     /// Resident experts in recency order (`lru`, unbounded: the budget is bytes or experts per layer,
     /// and leased experts must be skipped, so eviction walks from the least recent end itself).
-    slots: LruCache<(usize, usize), Slot>,
+    slots: LruCache<ExpertKey, Slot>,
     used: usize,
     per_layer: Vec<usize>,
     tick: u64,
@@ -102,9 +102,9 @@ impl ResidencyTable {
                 misses: (0..count).map(|e| c.get(e).map_or(0, |x| x.1)).collect(),
             })
             .collect();
-        for &(layer, expert) in self.slots.iter().map(|(k, _)| k) {
-            if let Some(m) = maps.get_mut(layer) {
-                m.resident.push(expert as u32);
+        for k in self.slots.iter().map(|(k, _)| k) {
+            if let Some(m) = maps.get_mut(k.layer()) {
+                m.resident.push(k.expert);
             }
         }
         maps.iter_mut().for_each(|m| m.resident.sort_unstable());
@@ -126,7 +126,7 @@ impl ResidencyTable {
         self.slots.is_empty()
     }
 
-    fn touch(&mut self, key: (usize, usize)) {
+    fn touch(&mut self, key: ExpertKey) {
         self.tick += 1;
         let tick = self.tick;
         let decay = match self.policy {
@@ -135,7 +135,7 @@ impl ResidencyTable {
         };
         if decay != 1.0 {
             for (k, s) in self.slots.iter_mut() {
-                if k.0 == key.0 {
+                if k.layer == key.layer {
                     s.freq *= decay;
                 }
             }
@@ -149,15 +149,15 @@ impl ResidencyTable {
 
     /// Overrides an expert's frequency (a static routing-frequency profile; with decay off, LFU then
     /// evicts the experts the profile says are rarest).
-    pub fn set_frequency(&mut self, layer: usize, expert: usize, freq: f64) {
-        if let Some(s) = self.slots.peek_mut(&(layer, expert)) {
+    pub fn set_frequency(&mut self, key: ExpertKey, freq: f64) {
+        if let Some(s) = self.slots.peek_mut(&key) {
             s.freq = freq;
         }
     }
 
     /// A resident expert, leased; `None` on a miss.
-    pub fn lease(&mut self, layer: usize, expert: usize) -> Option<Arc<ExpertWeights>> {
-        let key = (layer, expert);
+    pub fn lease(&mut self, key: ExpertKey) -> Option<Arc<ExpertWeights>> {
+        let (layer, expert) = (key.layer(), key.expert());
         let counts = &mut self.per_expert[layer];
         if counts.len() <= expert {
             counts.resize(expert + 1, (0, 0));
@@ -178,16 +178,16 @@ impl ResidencyTable {
 
     /// A resident expert, leased without counting an access or a guess's use, nor changing its recency
     /// (an upload ahead of its layer's step: the step counts the use); `None` if not resident.
-    pub fn lease_quiet(&mut self, layer: usize, expert: usize) -> Option<Arc<ExpertWeights>> {
-        let s = self.slots.peek_mut(&(layer, expert))?;
+    pub fn lease_quiet(&mut self, key: ExpertKey) -> Option<Arc<ExpertWeights>> {
+        let s = self.slots.peek_mut(&key)?;
         s.leases += 1;
         Some(s.weights.clone())
     }
 
     /// Counts a use of a resident expert that needs no lease (it sits in a backend slot that holds one):
     /// a hit, and the most recent. An expert not resident is ignored.
-    pub fn hit(&mut self, layer: usize, expert: usize) {
-        let key = (layer, expert);
+    pub fn hit(&mut self, key: ExpertKey) {
+        let (layer, expert) = (key.layer(), key.expert());
         if !self.slots.contains(&key) {
             return;
         }
@@ -202,21 +202,21 @@ impl ResidencyTable {
     }
 
     /// A guessed expert's first use: the guess was right.
-    fn took_guess(&mut self, key: (usize, usize)) {
+    fn took_guess(&mut self, key: ExpertKey) {
         if let Some(s) = self.slots.peek_mut(&key).filter(|s| s.guess) {
             s.guess = false;
             self.guess_bytes -= s.bytes;
-            self.guesses[key.0] -= 1;
+            self.guesses[key.layer()] -= 1;
             self.prefetch.used += 1;
         }
     }
 
     /// Marks a resident expert as read for a guess (after [`ResidencyTable::insert`] and its release).
-    pub fn guessed(&mut self, layer: usize, expert: usize) {
-        if let Some(s) = self.slots.peek_mut(&(layer, expert)).filter(|s| !s.guess) {
+    pub fn guessed(&mut self, key: ExpertKey) {
+        if let Some(s) = self.slots.peek_mut(&key).filter(|s| !s.guess) {
             s.guess = true;
             self.guess_bytes += s.bytes;
-            self.guesses[layer] += 1;
+            self.guesses[key.layer()] += 1;
             self.prefetch.issued += 1;
             self.prefetch.bytes_read += s.bytes as u64;
         }
@@ -227,17 +227,17 @@ impl ResidencyTable {
         self.guess_bytes
     }
 
-    /// Whether `expert` of `layer` is held.
-    pub fn contains(&self, layer: usize, expert: usize) -> bool {
-        self.slots.contains(&(layer, expert))
+    /// Whether the expert is held.
+    pub fn contains(&self, key: ExpertKey) -> bool {
+        self.slots.contains(&key)
     }
 
     /// `layer` has had its step: its guesses still unused were wrong. They are counted wasted and go to
     /// the front of the eviction order (least recent, least frequent).
     pub fn pass_over(&mut self, layer: usize) {
         self.steps[layer] += 1;
-        let wrong: Vec<(usize, usize)> =
-            self.slots.iter().filter(|(k, s)| k.0 == layer && s.guess).map(|(k, _)| *k).collect();
+        let wrong: Vec<ExpertKey> =
+            self.slots.iter().filter(|(k, s)| k.layer() == layer && s.guess).map(|(k, _)| *k).collect();
         wrong.into_iter().for_each(|k| self.waste(k));
         // Back inside the budget, the wrong guesses go first.
         self.evict(layer);
@@ -249,32 +249,26 @@ impl ResidencyTable {
     }
 
     /// A guess that was wrong: counted wasted, moved inside the budget, first in line for eviction.
-    fn waste(&mut self, k: (usize, usize)) {
+    fn waste(&mut self, k: ExpertKey) {
         let Some(s) = self.slots.peek_mut(&k).filter(|s| s.guess) else { return };
         (s.guess, s.freq, s.last_use) = (false, 0.0, 0);
         let bytes = s.bytes;
         self.guess_bytes -= bytes;
-        self.guesses[k.0] -= 1;
+        self.guesses[k.layer()] -= 1;
         self.prefetch.wasted += 1;
         self.prefetch.wasted_bytes += bytes as u64;
         self.slots.demote(&k);
     }
 
     /// A guess that landed after its layer's step: wasted at once.
-    pub fn late_guess(&mut self, layer: usize, expert: usize) {
-        self.waste((layer, expert));
-        self.evict(layer);
+    pub fn late_guess(&mut self, key: ExpertKey) {
+        self.waste(key);
+        self.evict(key.layer());
     }
 
     /// Inserts a freshly read expert, leased once, then evicts unleased experts over the budget.
-    pub fn insert(
-        &mut self,
-        layer: usize,
-        expert: usize,
-        weights: Arc<ExpertWeights>,
-        bytes: usize,
-    ) -> Arc<ExpertWeights> {
-        let key = (layer, expert);
+    pub fn insert(&mut self, key: ExpertKey, weights: Arc<ExpertWeights>, bytes: usize) -> Arc<ExpertWeights> {
+        let layer = key.layer();
         if let Some(s) = self.slots.peek_mut(&key) {
             // Read twice in one batch (duplicate request): keep the first copy.
             s.leases += 1;
@@ -289,11 +283,17 @@ impl ResidencyTable {
     }
 
     /// The experts of `layer` (of `count`) a warm-up may read without evicting anything: the lowest ids
-    /// not resident, as many as the budget has room for (`bytes(e)` each), at most `most`.
-    pub fn room_for(&self, layer: usize, count: usize, bytes: &dyn Fn(usize) -> usize, most: usize) -> Vec<usize> {
+    /// not resident, as many as the budget has room for (`bytes(key)` each), at most `most`.
+    pub fn room_for(
+        &self,
+        layer: usize,
+        count: usize,
+        bytes: &dyn Fn(ExpertKey) -> usize,
+        most: usize,
+    ) -> Vec<ExpertKey> {
         let (mut used, mut in_layer) = (self.used, self.per_layer[layer]);
         let mut out = Vec::new();
-        for e in (0..count).filter(|&e| !self.slots.contains(&(layer, e))) {
+        for e in (0..count).map(|e| ExpertKey::new(layer, e)).filter(|k| !self.slots.contains(k)) {
             if out.len() >= most {
                 break;
             }
@@ -311,12 +311,12 @@ impl ResidencyTable {
     }
 
     /// Drops one lease.
-    pub fn release(&mut self, layer: usize, expert: usize) {
+    pub fn release(&mut self, key: ExpertKey) {
         // A release is not a use: `peek_mut` leaves the recency order alone.
-        if let Some(s) = self.slots.peek_mut(&(layer, expert)) {
+        if let Some(s) = self.slots.peek_mut(&key) {
             s.leases = s.leases.saturating_sub(1);
         }
-        self.evict(layer);
+        self.evict(key.layer());
     }
 
     fn over(&self, layer: usize) -> bool {
@@ -328,7 +328,7 @@ impl ResidencyTable {
 
     fn evict(&mut self, layer: usize) {
         while self.over(layer) {
-            let scope = |k: &(usize, usize)| matches!(self.budget, Budget::Bytes(_)) || k.0 == layer;
+            let scope = |k: &ExpertKey| matches!(self.budget, Budget::Bytes(_)) || k.layer() == layer;
             let candidates = self.slots.iter().rev().filter(|(k, s)| s.leases == 0 && !s.guess && scope(k));
             let victim = match self.policy {
                 // Least recent first: the first unleased expert in scope from the old end.
@@ -340,7 +340,7 @@ impl ResidencyTable {
             let Some(k) = victim else { return };
             let s = self.slots.pop(&k).expect("present");
             self.used -= s.bytes;
-            self.per_layer[k.0] -= 1;
+            self.per_layer[k.layer()] -= 1;
             self.evictions += 1;
         }
     }
@@ -352,6 +352,10 @@ mod tests {
 
     use super::*;
 
+    fn k(e: usize) -> ExpertKey {
+        ExpertKey::new(0, e)
+    }
+
     fn w() -> Arc<ExpertWeights> {
         let m = Weight::from_f32(1, 1, vec![0.0]);
         Arc::new(ExpertWeights { gate: m.clone(), up: m.clone(), down: m })
@@ -360,34 +364,34 @@ mod tests {
     #[test]
     fn a_release_is_not_a_use() {
         let mut t = ResidencyTable::new(1, Budget::PerLayer(2), Policy::Lru);
-        t.insert(0, 1, w(), 10);
-        t.insert(0, 2, w(), 10);
-        t.release(0, 2);
-        t.release(0, 1); // released last, but used first
-        t.insert(0, 3, w(), 10);
-        assert!(t.lease(0, 1).is_none(), "1 was the least recently used");
-        assert!(t.lease(0, 2).is_some());
+        t.insert(k(1), w(), 10);
+        t.insert(k(2), w(), 10);
+        t.release(k(2));
+        t.release(k(1)); // released last, but used first
+        t.insert(k(3), w(), 10);
+        assert!(t.lease(k(1)).is_none(), "1 was the least recently used");
+        assert!(t.lease(k(2)).is_some());
     }
 
     #[test]
     fn leased_experts_are_never_evicted_and_lru_goes_first() {
         let mut t = ResidencyTable::new(1, Budget::PerLayer(2), Policy::Lru);
-        assert!(t.lease(0, 1).is_none());
-        t.insert(0, 1, w(), 10);
-        t.insert(0, 2, w(), 10);
-        t.release(0, 1);
-        t.release(0, 2);
-        assert!(t.lease(0, 1).is_some()); // 1 is now more recent than 2
-        t.release(0, 1);
-        t.insert(0, 3, w(), 10); // over budget: 2 (least recent, unleased) goes
-        assert!(t.lease(0, 2).is_none());
-        assert!(t.lease(0, 1).is_some());
+        assert!(t.lease(k(1)).is_none());
+        t.insert(k(1), w(), 10);
+        t.insert(k(2), w(), 10);
+        t.release(k(1));
+        t.release(k(2));
+        assert!(t.lease(k(1)).is_some()); // 1 is now more recent than 2
+        t.release(k(1));
+        t.insert(k(3), w(), 10); // over budget: 2 (least recent, unleased) goes
+        assert!(t.lease(k(2)).is_none());
+        assert!(t.lease(k(1)).is_some());
         // 1 and 3 leased: inserting 4 exceeds the budget but nothing can be evicted.
-        t.insert(0, 4, w(), 10);
+        t.insert(k(4), w(), 10);
         assert_eq!(t.len(), 3);
-        t.release(0, 1);
-        t.release(0, 3);
-        t.release(0, 4);
+        t.release(k(1));
+        t.release(k(3));
+        t.release(k(4));
         assert_eq!(t.len(), 2);
         assert_eq!(t.stats[0].hits, 2);
     }
@@ -395,17 +399,17 @@ mod tests {
     #[test]
     fn lfu_decay_keeps_the_frequent_expert() {
         let mut t = ResidencyTable::new(1, Budget::Bytes(20), Policy::LfuDecay { half_life: 100 });
-        t.insert(0, 1, w(), 10);
-        t.release(0, 1);
+        t.insert(k(1), w(), 10);
+        t.release(k(1));
         for _ in 0..5 {
-            t.lease(0, 1);
-            t.release(0, 1);
+            t.lease(k(1));
+            t.release(k(1));
         }
-        t.insert(0, 2, w(), 10);
-        t.release(0, 2);
-        t.insert(0, 3, w(), 10); // 2 is newer but rarer than 1: LFU evicts 2
-        t.release(0, 3);
-        assert!(t.lease(0, 1).is_some());
-        assert!(t.lease(0, 2).is_none());
+        t.insert(k(2), w(), 10);
+        t.release(k(2));
+        t.insert(k(3), w(), 10); // 2 is newer but rarer than 1: LFU evicts 2
+        t.release(k(3));
+        assert!(t.lease(k(1)).is_some());
+        assert!(t.lease(k(2)).is_none());
     }
 }

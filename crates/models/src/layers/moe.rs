@@ -20,7 +20,7 @@ use super::slots::SlotTable;
 use crate::checkpoint::{Checkpoint, Weight};
 use crate::config::MoeConfig;
 use crate::error::{Error, Result};
-use crate::family::SlotStats;
+use osprey_protocol::runner::ExpertSlots;
 
 /// The three projections of one routed expert.
 #[derive(Clone, Debug)]
@@ -141,21 +141,40 @@ impl ExpertTicket {
     }
 }
 
-/// Where routed experts come from.
+/// One MoE layer's step as its expert source sees it: every expert the step routes to, by where it is.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerStep<'a> {
+    /// Experts to fetch (in no backend slot), ascending; handles come back in this order.
+    pub need: &'a [ExpertKey],
+    /// Experts the step found in the backend's slots, ascending: a source that counts uses (the
+    /// residency manager's hit rate and recency) records them; nothing is leased.
+    pub in_slots: &'a [ExpertKey],
+}
+
+/// A guess at a later layer's experts (most wanted first).
+#[derive(Clone, Copy, Debug)]
+pub struct Guess<'a> {
+    /// Experts to read ahead: a source with a slower tier may start reading them; it must never change
+    /// what [`ExpertSource::request`] returns.
+    pub read: &'a [ExpertKey],
+    /// Experts to hand back, leased, if held in RAM now (a device backend uploads them into slots ahead of
+    /// their layer); nothing is read for them and no access is counted.
+    pub lease: &'a [ExpertKey],
+}
+
+/// Where routed experts come from: two calls per MoE layer and step, both keyed by [`ExpertKey`].
 pub trait ExpertSource: Debug + Send + Sync {
-    /// Starts fetching `experts` of `layer` (handles come back in the same order). Called once per
-    /// layer per step with every expert the step routes to, so misses can be read in one batch while
-    /// the caller computes the shared expert.
-    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket;
+    /// One layer's step: starts fetching `step.need` and counts `step.in_slots`. Called once per layer
+    /// per step, so misses can be read in one batch while the caller computes the shared expert. With
+    /// nothing needed the caller may drop the ticket unread.
+    fn request(&self, step: LayerStep<'_>) -> ExpertTicket;
 
-    /// Bytes of one expert's weights, when the source knows them (benchmarks).
-    fn expert_bytes(&self) -> Option<usize> {
-        None
+    /// A guess for a later layer; the answer is the experts of `guess.lease` held now, leased, in the
+    /// order asked (it may come later: it is waited for once the caller's own step is done). The default
+    /// reads nothing ahead and holds none.
+    fn guess(&self, _guess: Guess<'_>) -> PendingExperts {
+        PendingExperts::none()
     }
-
-    /// Experts of `layer` a step found in the backend's slots (so never asked for): a source that
-    /// counts uses (the residency manager's hit rate and recency) records them; nothing is leased.
-    fn note_hits(&self, _layer: usize, _experts: &[usize]) {}
 
     /// Expert slots per layer this source's budget allows on the backend (`None`: one per expert). On
     /// the CPU a slot is the source's expert itself, lease included, so a streaming source bounds them
@@ -164,16 +183,9 @@ pub trait ExpertSource: Debug + Send + Sync {
         None
     }
 
-    /// A guess: `experts` of `layer` (most wanted first) will probably be asked for soon. A source with a
-    /// slower tier may start reading them; it must never change what [`ExpertSource::request`] returns.
-    fn prefetch(&self, _layer: usize, _experts: &[usize]) {}
-
-    /// The experts of `layer` among `experts` this source holds in RAM now, leased for the caller, in
-    /// the order asked: what a device backend can upload into slots ahead of the layer (guesses). It
-    /// reads nothing and counts no access; the answer may come later (it is waited for once the caller's
-    /// own step is done). The default holds none.
-    fn held(&self, _layer: usize, _experts: &[usize]) -> PendingExperts {
-        PendingExperts::none()
+    /// Bytes of one expert's weights, when the source knows them (benchmarks).
+    fn expert_bytes(&self) -> Option<usize> {
+        None
     }
 }
 
@@ -234,19 +246,19 @@ impl ExpertSource for ResidentExperts {
         Some(w.gate.bytes() + w.up.bytes() + w.down.bytes())
     }
 
-    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
-        ExpertTicket::ready(Ok(self.handles(layer, experts)))
+    fn request(&self, step: LayerStep<'_>) -> ExpertTicket {
+        ExpertTicket::ready(Ok(self.handles(step.need)))
     }
 
-    fn held(&self, layer: usize, experts: &[usize]) -> PendingExperts {
-        let handles = self.handles(layer, experts);
+    fn guess(&self, guess: Guess<'_>) -> PendingExperts {
+        let handles = self.handles(guess.lease);
         PendingExperts::new(move || Ok(handles))
     }
 }
 
 impl ResidentExperts {
-    fn handles(&self, layer: usize, experts: &[usize]) -> Vec<ExpertHandle> {
-        experts.iter().map(|&e| ExpertHandle::new(key(layer, e), self.experts[layer][e].clone(), None)).collect()
+    fn handles(&self, keys: &[ExpertKey]) -> Vec<ExpertHandle> {
+        keys.iter().map(|&k| ExpertHandle::new(k, self.experts[k.layer()][k.expert()].clone(), None)).collect()
     }
 }
 
@@ -259,11 +271,6 @@ pub fn expert_dtype(ck: &Checkpoint, prefix: &str, hidden: usize, m: MoeConfig) 
         ck.linear(&format!("{prefix}.experts.0.gate_proj"), m.intermediate, hidden)?
     };
     Ok(w.dtype())
-}
-
-/// The expert key of `expert` of `layer`.
-pub fn key(layer: usize, expert: usize) -> ExpertKey {
-    ExpertKey { layer: layer as u32, expert: expert as u32 }
 }
 
 /// A layer's pool on the backend and its slot table (allocated at the first step, or at the first guess
@@ -311,53 +318,60 @@ impl LayerSlots {
         self.per_layer.or_else(|| source.slots_per_layer()).unwrap_or(self.experts).clamp(1, self.experts)
     }
 
-    /// Asks `source` for the guessed experts of this layer it holds in RAM and no slot holds yet, of the
-    /// guess's first experts that fit in the pool (most wanted first); they are uploaded once the asking
+    /// The guess's first experts that fit in the pool (most wanted first) of this layer that no slot
+    /// holds yet: those to ask the source for, leased if it holds them in RAM, and upload once the asking
     /// block's own step is done ([`Self::upload_guesses`]).
-    fn ask_held(self: &Arc<Self>, source: &dyn ExpertSource, guess: &[usize]) -> Option<HeldGuess> {
+    fn to_lease(&self, source: &dyn ExpertSource, guess: &[ExpertKey]) -> Vec<ExpertKey> {
         let guess = &guess[..guess.len().min(self.count(source))];
         let slots = self.lock();
-        let in_slot = |e: usize| slots.table.as_ref().is_some_and(|t| t.contains(e as u32));
-        let wanted: Vec<usize> = guess.iter().copied().filter(|&e| e < self.experts && !in_slot(e)).collect();
-        drop(slots);
-        let guess = guess.iter().map(|&e| e as u32).collect();
-        (!wanted.is_empty()).then(|| HeldGuess { slots: self.clone(), guess, held: source.held(self.layer, &wanted) })
+        let in_slot = |k: ExpertKey| slots.table.as_ref().is_some_and(|t| t.contains(k));
+        guess.iter().copied().filter(|&k| k.layer() == self.layer && k.expert() < self.experts && !in_slot(k)).collect()
     }
 
     /// Uploads guessed experts (most wanted first) into this layer's slots ahead of its step: free slots,
     /// else the least recently used ones, never a slot holding an expert of `guess` nor one whose guess
     /// still waits for its step ([`SlotTable::assign_guesses`]); the guesses that find no slot are given
-    /// back. Each upload waits for its slot's last reader, as a miss's does, and is the slot's last use
-    /// until a wave reads it.
+    /// back.
     fn upload_guesses(
         &self,
         b: &dyn Backend,
         source: &dyn ExpertSource,
-        guess: &[u32],
+        guess: &[ExpertKey],
         held: Vec<ExpertHandle>,
     ) -> Result<()> {
         let mut guard = self.lock();
         let (pool, table) = self.ready(&mut guard, b, source)?;
         let mut seen = std::collections::BTreeSet::new();
         let fresh: Vec<ExpertHandle> =
-            held.into_iter().filter(|h| !table.contains(h.key().expert) && seen.insert(h.key().expert)).collect();
-        let keys: Vec<u32> = fresh.iter().map(|h| h.key().expert).collect();
+            held.into_iter().filter(|h| !table.contains(h.key()) && seen.insert(h.key())).collect();
+        let keys: Vec<ExpertKey> = fresh.iter().map(ExpertHandle::key).collect();
         let slots = table.assign_guesses(&keys, guess);
         for (handle, slot) in fresh.into_iter().zip(slots) {
-            b.wait_fence(table.reader(slot))?;
-            // Until a wave reads it, the slot's last use is this copy: a miss that evicts an unused guess
-            // must wait for it (the copy reads the host expert, whose lease the slot may drop then).
-            let copied = b.upload_expert(pool, slot, handle.into_host())?;
-            table.read(slot, copied);
+            upload(b, (pool, table), slot, handle)?;
         }
         Ok(())
     }
 }
 
+/// Uploads an expert into `slot` of `pool`, once the slot's last reader is done. Until a wave reads it,
+/// the slot's last use is this copy: a miss that evicts an unused guess must wait for it (the copy reads
+/// the host expert, whose lease the slot may drop then).
+fn upload(
+    b: &dyn Backend,
+    (pool, table): (&mut ExpertPool, &mut SlotTable),
+    slot: usize,
+    e: ExpertHandle,
+) -> Result<()> {
+    b.wait_fence(table.reader(slot))?;
+    let copied = b.upload_expert(pool, slot, e.into_host())?;
+    table.read(slot, copied);
+    Ok(())
+}
+
 /// A guess for a layer's slots, waiting for the source's answer: which of its experts the source holds.
 struct HeldGuess {
     slots: Arc<LayerSlots>,
-    guess: Vec<u32>,
+    guess: Vec<ExpertKey>,
     held: PendingExperts,
 }
 
@@ -441,9 +455,10 @@ impl SparseMoe {
 
     /// `x [T, hidden]` (already normed) → `[T, hidden]`.
     ///
-    /// Per step: route on the backend and download the expert ids (the layer's one routing sync); look
-    /// the touched experts up in the slot table; ask the source for the misses only (one request, so a
-    /// disk-backed source reads them in one batch) and compute the shared expert and the hits while they
+    /// Per step: route on the backend and download the expert ids (the layer's one routing sync), each
+    /// an [`ExpertKey`] from here to the disk read and the slot; look the touched experts up in the slot
+    /// table; tell the source the step (one request: the misses to fetch, so a disk-backed source reads
+    /// them in one batch, and the hits to count) and compute the shared expert and the hits while they
     /// are read; then upload the misses into slots in waves of at most the pool's size, each wave one
     /// `moe_routed`; finally sum every token's expert outputs in ascending expert id (`moe_combine`), so
     /// the answer does not depend on what was resident.
@@ -455,7 +470,7 @@ impl SparseMoe {
             HostVec::I32(v) => v,
             _ => return Err(BackendError::DType { expected: DType::I32, got: routing.ids.dtype() }.into()),
         };
-        let mut touched: Vec<u32> = ids.iter().map(|&e| e as u32).collect();
+        let mut touched: Vec<ExpertKey> = ids.iter().map(|&e| ExpertKey::new(self.layer, e as usize)).collect();
         touched.sort_unstable();
         touched.dedup();
         if let Some(a) = &self.ahead {
@@ -465,23 +480,23 @@ impl SparseMoe {
         let mut guard = self.slots.lock();
         let (pool, table) = self.slots.ready(&mut guard, b, experts)?;
         let (hits, misses) = table.lookup(&touched);
-        let hit_ids: Vec<usize> = hits.iter().map(|&(e, _)| e as usize).collect();
-        experts.note_hits(self.layer, &hit_ids);
-        let miss_ids: Vec<usize> = misses.iter().map(|&e| e as usize).collect();
-        let (resident, pending) = if miss_ids.is_empty() {
-            (Vec::new(), PendingExperts::none())
-        } else {
-            experts.request(self.layer, &miss_ids).resident()?
-        };
+        let in_slots: Vec<ExpertKey> = hits.iter().map(|&(k, _)| k).collect();
+        let ticket = experts.request(LayerStep { need: &misses, in_slots: &in_slots });
+        // With nothing to fetch the ticket is dropped unread: the step was counted when it was sent.
+        let (resident, pending) =
+            if misses.is_empty() { (Vec::new(), PendingExperts::none()) } else { ticket.resident()? };
         // The guess goes out after this layer's own request, so its reads queue behind the misses.
         let held = self.guess_ahead(b, x, experts)?;
 
         let shared = self.shared.forward(b, x)?;
         let sgate = b.linear(x, &self.shared_gate)?;
         let mut partials = b.zeros_f32(&[t * k, h])?;
-        let run = |wave: &[(u32, usize)], table: &mut SlotTable, pool: &ExpertPool, partials: &mut Tensor| {
-            let slot_of: std::collections::HashMap<u32, usize> = wave.iter().copied().collect();
-            let slot_ids: Vec<i32> = ids.iter().map(|&e| slot_of.get(&(e as u32)).map_or(-1, |&s| s as i32)).collect();
+        let run = |wave: &[(ExpertKey, usize)], table: &mut SlotTable, pool: &ExpertPool, partials: &mut Tensor| {
+            let slot_of: std::collections::HashMap<ExpertKey, usize> = wave.iter().copied().collect();
+            let slot_ids: Vec<i32> = ids
+                .iter()
+                .map(|&e| slot_of.get(&ExpertKey::new(self.layer, e as usize)).map_or(-1, |&s| s as i32))
+                .collect();
             let slot_ids = b.upload(HostData::I32(&slot_ids), &[t, k])?;
             b.moe_routed(x, &slot_ids, &routing.weights, pool, partials)?;
             let fence = b.record_fence();
@@ -498,7 +513,7 @@ impl SparseMoe {
         let mut ready: Vec<ExpertHandle> = resident.into_iter().flatten().collect();
         let mut pending = Some(pending);
         let mut uploaded = 0;
-        while uploaded < miss_ids.len() {
+        while uploaded < misses.len() {
             if ready.is_empty() {
                 ready = pending.take().map(PendingExperts::wait).transpose()?.unwrap_or_default();
                 if ready.is_empty() {
@@ -507,14 +522,12 @@ impl SparseMoe {
             }
             let wave_handles: Vec<ExpertHandle> = ready.drain(..ready.len().min(table.slots())).collect();
             uploaded += wave_handles.len();
-            let wave_experts: Vec<u32> = wave_handles.iter().map(|e| e.key().expert).collect();
-            let slots = table.assign(&wave_experts);
+            let wave_keys: Vec<ExpertKey> = wave_handles.iter().map(ExpertHandle::key).collect();
+            let slots = table.assign(&wave_keys);
             for (handle, &slot) in wave_handles.into_iter().zip(&slots) {
-                // The slot's last reader must be done before it is overwritten.
-                b.wait_fence(table.reader(slot))?;
-                b.upload_expert(pool, slot, handle.into_host())?;
+                upload(b, (pool, table), slot, handle)?;
             }
-            let wave: Vec<(u32, usize)> = wave_experts.into_iter().zip(slots).collect();
+            let wave: Vec<(ExpertKey, usize)> = wave_keys.into_iter().zip(slots).collect();
             run(&wave, table, pool, &mut partials)?;
         }
         let mut out = b.moe_combine(&partials, k)?;
@@ -527,8 +540,9 @@ impl SparseMoe {
     }
 
     /// Guesses the next blocks' experts from this block's input `x` and asks `experts` to read them ahead
-    /// (nearest first, so their reads queue in that order); with uploads into the next block's slots, also
-    /// asks which of its guess the source holds in RAM (uploaded once this step is done).
+    /// (nearest first, so their reads queue in that order); with uploads into the next block's slots, the
+    /// nearest guess also asks which of its experts the source holds in RAM (uploaded once this step is
+    /// done).
     fn guess_ahead(&self, b: &dyn Backend, x: &Tensor, experts: &dyn ExpertSource) -> Result<Option<HeldGuess>> {
         let Some(ReadAhead { predictor, next, next_slots }) = &self.ahead else { return Ok(None) };
         let mut held = None;
@@ -538,9 +552,12 @@ impl SparseMoe {
             if guess.is_empty() {
                 continue;
             }
-            experts.prefetch(*next, &guess);
-            if let (0, Some(slots)) = (d, next_slots) {
-                held = slots.ask_held(experts, &guess);
+            let slots = next_slots.as_ref().filter(|_| d == 0);
+            let lease = slots.map(|s| s.to_lease(experts, &guess)).unwrap_or_default();
+            let answer = experts.guess(Guess { read: &guess, lease: &lease });
+            if let (false, Some(slots)) = (lease.is_empty(), slots) {
+                let guess = guess[..guess.len().min(slots.count(experts))].to_vec();
+                held = Some(HeldGuess { slots: slots.clone(), guess, held: answer });
             }
         }
         Ok(held)
@@ -552,7 +569,7 @@ impl SparseMoe {
     }
 
     /// This layer's slot counters (zero before its first step).
-    pub fn slot_stats(&self) -> SlotStats {
+    pub fn slot_stats(&self) -> ExpertSlots {
         self.slots.lock().table.as_ref().map(|t| t.counters()).unwrap_or_default()
     }
 }

@@ -12,7 +12,7 @@ use std::fmt::Debug;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use osprey_backend::{Backend, DType, HostVec, Tensor};
+use osprey_backend::{Backend, DType, ExpertKey, HostVec, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -56,7 +56,7 @@ impl<'a> Ahead<'a> {
 
     /// The next layer's router applied to this layer's input: each token's top `n` experts, all tokens
     /// together, ascending (one small product and one download of `[T, n]` ids).
-    pub fn router_top(&self, n: usize) -> Result<Vec<usize>> {
+    pub fn router_top(&self, n: usize) -> Result<Vec<ExpertKey>> {
         let experts = self.router.rows();
         let logits = self.b.linear(self.x, self.router)?;
         let routing = self.b.route(&logits, n.clamp(1, experts), false)?;
@@ -69,7 +69,8 @@ impl<'a> Ahead<'a> {
                 }))
             }
         };
-        let mut out: Vec<usize> = ids.into_iter().filter_map(|e| usize::try_from(e).ok()).collect();
+        let mut out: Vec<ExpertKey> =
+            ids.into_iter().filter_map(|e| usize::try_from(e).ok()).map(|e| ExpertKey::new(self.next, e)).collect();
         out.sort_unstable();
         out.dedup();
         Ok(out)
@@ -80,10 +81,10 @@ impl<'a> Ahead<'a> {
 pub trait ExpertPredictor: Debug + Send + Sync {
     /// Layer `layer`'s routing this step: every expert a token routes to, ascending (called before
     /// [`ExpertPredictor::predict`] for the same layer).
-    fn observe(&self, _layer: usize, _touched: &[u32]) {}
+    fn observe(&self, _layer: usize, _touched: &[ExpertKey]) {}
 
     /// Experts of `a.next` to read ahead, most wanted first (the source may read only a prefix).
-    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>>;
+    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<ExpertKey>>;
 }
 
 /// The next layer's router on this layer's input: each token's top `k + margin` (no guess for the first
@@ -95,7 +96,7 @@ pub struct NextRouter {
 }
 
 impl ExpertPredictor for NextRouter {
-    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>> {
+    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<ExpertKey>> {
         if a.wraps {
             // The next token's first layer sees a new embedding: this input says nothing of it (measured
             // at chance, docs/benchmarks.md).
@@ -108,18 +109,18 @@ impl ExpertPredictor for NextRouter {
 /// The experts the next layer routed to at the previous step.
 #[derive(Debug, Default)]
 pub struct PreviousStep {
-    last: Mutex<Vec<Vec<u32>>>,
+    last: Mutex<Vec<Vec<ExpertKey>>>,
 }
 
 impl PreviousStep {
-    fn last(&self, layer: usize) -> Vec<usize> {
+    fn last(&self, layer: usize) -> Vec<ExpertKey> {
         let last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        last.get(layer).map(|v| v.iter().map(|&e| e as usize).collect()).unwrap_or_default()
+        last.get(layer).cloned().unwrap_or_default()
     }
 }
 
 impl ExpertPredictor for PreviousStep {
-    fn observe(&self, layer: usize, touched: &[u32]) {
+    fn observe(&self, layer: usize, touched: &[ExpertKey]) {
         let mut last = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if last.len() <= layer {
             last.resize(layer + 1, Vec::new());
@@ -127,7 +128,7 @@ impl ExpertPredictor for PreviousStep {
         last[layer] = touched.to_vec();
     }
 
-    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>> {
+    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<ExpertKey>> {
         Ok(self.last(a.next))
     }
 }
@@ -147,11 +148,11 @@ impl Union {
 }
 
 impl ExpertPredictor for Union {
-    fn observe(&self, layer: usize, touched: &[u32]) {
+    fn observe(&self, layer: usize, touched: &[ExpertKey]) {
         self.previous.observe(layer, touched);
     }
 
-    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>> {
+    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<ExpertKey>> {
         let mut out = self.router.predict(a)?;
         for e in self.previous.predict(a)? {
             if !out.contains(&e) {
@@ -168,27 +169,28 @@ impl ExpertPredictor for Union {
 /// along the trace.
 #[derive(Debug)]
 pub struct Replay {
-    /// Per MoE step, in order: the layer and the experts it routed to.
-    trace: Vec<(usize, Vec<usize>)>,
+    /// Per MoE step, in order: the experts it routed to (all of one layer).
+    trace: Vec<Vec<ExpertKey>>,
     /// The entry the next reported routing is.
     at: AtomicUsize,
 }
 
 impl Replay {
-    /// Over `trace`.
+    /// Over `trace` (per MoE step, the layer and the experts it routed to, as a trace file holds it).
     pub fn new(trace: Vec<(usize, Vec<usize>)>) -> Self {
+        let trace = trace.into_iter().map(|(l, es)| es.into_iter().map(|e| ExpertKey::new(l, e)).collect()).collect();
         Replay { trace, at: AtomicUsize::new(0) }
     }
 }
 
 impl ExpertPredictor for Replay {
-    fn observe(&self, _layer: usize, _touched: &[u32]) {
+    fn observe(&self, _layer: usize, _touched: &[ExpertKey]) {
         self.at.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<usize>> {
+    fn predict(&self, a: &Ahead<'_>) -> Result<Vec<ExpertKey>> {
         Ok(match self.trace.get(self.at.load(Ordering::Relaxed) + a.distance - 1) {
-            Some((layer, experts)) if *layer == a.next => experts.clone(),
+            Some(experts) if experts.first().is_some_and(|k| k.layer() == a.next) => experts.clone(),
             _ => Vec::new(),
         })
     }

@@ -14,23 +14,23 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use crate::family::SlotStats;
 use lru::LruCache;
-use osprey_backend::Fence;
+use osprey_backend::{ExpertKey, Fence};
+use osprey_protocol::runner::ExpertSlots;
 
 /// Slots of one layer.
 #[derive(Debug)]
 pub struct SlotTable {
     /// Expert → slot, most recent first (unbounded: the slot count bounds it).
-    by_expert: LruCache<u32, usize>,
+    by_expert: LruCache<ExpertKey, usize>,
     /// Slot → expert.
-    holder: Vec<Option<u32>>,
+    holder: Vec<Option<ExpertKey>>,
     /// Slot → its last reader.
     reader: Vec<Fence>,
     /// Experts uploaded on a guess and not yet looked up by a step.
-    guessed: BTreeSet<u32>,
+    guessed: BTreeSet<ExpertKey>,
     /// Counters.
-    pub stats: SlotStats,
+    pub stats: ExpertSlots,
 }
 
 impl SlotTable {
@@ -42,7 +42,7 @@ impl SlotTable {
             holder: vec![None; slots],
             reader: vec![Fence::DONE; slots],
             guessed: BTreeSet::new(),
-            stats: SlotStats::default(),
+            stats: ExpertSlots::default(),
         }
     }
 
@@ -52,25 +52,25 @@ impl SlotTable {
     }
 
     /// The counters, with the pool's size and how many slots hold an expert.
-    pub fn counters(&self) -> SlotStats {
+    pub fn counters(&self) -> ExpertSlots {
         let filled = self.holder.iter().filter(|h| h.is_some()).count() as u64;
-        SlotStats { slots: self.slots() as u64, filled, ..self.stats }
+        ExpertSlots { slots: self.slots() as u64, filled, ..self.stats }
     }
 
     /// The expert a slot holds.
-    pub fn holder(&self, slot: usize) -> Option<u32> {
+    pub fn holder(&self, slot: usize) -> Option<ExpertKey> {
         self.holder[slot]
     }
 
     /// Whether `expert` is in a slot (its recency unchanged).
-    pub fn contains(&self, expert: u32) -> bool {
+    pub fn contains(&self, expert: ExpertKey) -> bool {
         self.by_expert.contains(&expert)
     }
 
     /// Splits the step's touched experts (ascending, distinct) into hits `(expert, slot)` (now the most
     /// recent) and misses (ascending). Guesses found count used; the others count wasted and become the
     /// least recent (the first evicted).
-    pub fn lookup(&mut self, touched: &[u32]) -> (Vec<(u32, usize)>, Vec<u32>) {
+    pub fn lookup(&mut self, touched: &[ExpertKey]) -> (Vec<(ExpertKey, usize)>, Vec<ExpertKey>) {
         let (mut hits, mut misses) = (Vec::new(), Vec::new());
         for &e in touched {
             match self.by_expert.get(&e) {
@@ -97,10 +97,10 @@ impl SlotTable {
     /// expert of `keep` (the whole guess: the guessed experts already resident stay); a guess that finds
     /// none gets none (the result is a prefix of `upload`). The table records them as holding the
     /// guesses (most recent). The caller waits for each slot's [`Self::reader`] before uploading.
-    pub fn assign_guesses(&mut self, upload: &[u32], keep: &[u32]) -> Vec<usize> {
+    pub fn assign_guesses(&mut self, upload: &[ExpertKey], keep: &[ExpertKey]) -> Vec<usize> {
         let mut taken: Vec<usize> = Vec::with_capacity(upload.len());
         for &e in upload {
-            debug_assert!(!self.by_expert.contains(&e), "guess {e} is already resident: this is a bug");
+            debug_assert!(!self.by_expert.contains(&e), "guess {e:?} is already resident: this is a bug");
             let free = (0..self.slots()).find(|&s| self.holder[s].is_none());
             let slot = match free {
                 Some(s) => s,
@@ -125,11 +125,11 @@ impl SlotTable {
     /// slot, else the least recently used slot not already taken by this wave; the table then records
     /// them as holding the wave's experts (most recent). The caller waits for each slot's
     /// [`Self::reader`] before uploading into it.
-    pub fn assign(&mut self, wave: &[u32]) -> Vec<usize> {
+    pub fn assign(&mut self, wave: &[ExpertKey]) -> Vec<usize> {
         assert!(wave.len() <= self.slots(), "a wave larger than the pool: this is a bug");
         let mut taken: Vec<usize> = Vec::with_capacity(wave.len());
         for &e in wave {
-            debug_assert!(!self.by_expert.contains(&e), "expert {e} is already resident: this is a bug");
+            debug_assert!(!self.by_expert.contains(&e), "expert {e:?} is already resident: this is a bug");
             let slot = match (0..self.slots()).find(|&s| self.holder[s].is_none() && !taken.contains(&s)) {
                 Some(s) => s,
                 None => {
@@ -161,7 +161,7 @@ impl SlotTable {
     }
 
     /// Experts resident, by slot.
-    pub fn resident(&self) -> HashMap<u32, usize> {
+    pub fn resident(&self) -> HashMap<ExpertKey, usize> {
         self.by_expert.iter().map(|(&e, &s)| (e, s)).collect()
     }
 }
@@ -172,14 +172,23 @@ mod tests {
 
     use super::*;
 
+    /// Expert `e` of layer 0 (the tests name experts by number).
+    fn k(e: u32) -> ExpertKey {
+        ExpertKey { layer: 0, expert: e }
+    }
+
+    fn keys(es: &[u32]) -> Vec<ExpertKey> {
+        es.iter().map(|&e| k(e)).collect()
+    }
+
     /// The waves of one step, as the MoE block runs them: the hits, then the misses in chunks of at most
     /// the pool's size. Returns per wave `(expert, slot, uploaded)`.
     fn step(table: &mut SlotTable, touched: &[u32]) -> Vec<Vec<(u32, usize, bool)>> {
-        let (hits, misses) = table.lookup(touched);
-        let mut waves = vec![hits.into_iter().map(|(e, s)| (e, s, false)).collect::<Vec<_>>()];
+        let (hits, misses) = table.lookup(&keys(touched));
+        let mut waves = vec![hits.into_iter().map(|(e, s)| (e.expert, s, false)).collect::<Vec<_>>()];
         for chunk in misses.chunks(table.slots()) {
             let slots = table.assign(chunk);
-            waves.push(chunk.iter().zip(slots).map(|(&e, s)| (e, s, true)).collect());
+            waves.push(chunk.iter().zip(slots).map(|(&e, s)| (e.expert, s, true)).collect());
         }
         waves
     }
@@ -219,7 +228,7 @@ mod tests {
                 seen.sort_unstable();
                 prop_assert_eq!(&seen, &touched, "every touched expert runs exactly once");
                 for (s, h) in pool.iter().enumerate() {
-                    prop_assert_eq!(table.holder(s), *h);
+                    prop_assert_eq!(table.holder(s), h.map(k));
                 }
                 prop_assert!(table.resident().len() <= slots);
             }
@@ -255,8 +264,8 @@ mod tests {
             let mut table = SlotTable::new(slots);
             let mut pool: Vec<Option<u32>> = vec![None; slots];
             for (guess, touched) in steps {
-                let guess: Vec<u32> = guess.into_iter().filter(|&e| !table.contains(e)).collect();
-                let taken = table.assign_guesses(&guess, &guess);
+                let guess: Vec<u32> = guess.into_iter().filter(|&e| !table.contains(k(e))).collect();
+                let taken = table.assign_guesses(&keys(&guess), &keys(&guess));
                 prop_assert!(taken.len() <= guess.len().min(slots));
                 let mut distinct = taken.clone();
                 distinct.sort_unstable();
@@ -292,18 +301,18 @@ mod tests {
     fn a_wasted_guess_is_evicted_first_and_a_waiting_guess_is_never_a_victim() {
         let mut t = SlotTable::new(3);
         step(&mut t, &[1, 2]);
-        assert_eq!(t.assign_guesses(&[5], &[5]).len(), 1, "a free slot");
+        assert_eq!(t.assign_guesses(&keys(&[5]), &keys(&[5])).len(), 1, "a free slot");
         // The step routes to 1 only: the guess 5 is wasted and goes behind 2, though uploaded after it.
         step(&mut t, &[1]);
         let c = t.counters();
         assert_eq!((c.guesses, c.guesses_used, c.guesses_wasted), (1, 0, 1));
         step(&mut t, &[9]);
-        assert!(!t.contains(5) && t.contains(2), "the wasted guess was the victim");
+        assert!(!t.contains(k(5)) && t.contains(k(2)), "the wasted guess was the victim");
         // Full (1, 2, 9): 6 evicts the least recent (2), never 1, which the guess names too, nor a waiting
         // guess; 7 evicts 9; then only 1 and waiting guesses are left, so 8 gets no slot.
-        let slots = t.assign_guesses(&[6, 7, 8], &[1, 6, 7, 8]);
+        let slots = t.assign_guesses(&keys(&[6, 7, 8]), &keys(&[1, 6, 7, 8]));
         assert_eq!(slots.len(), 2, "neither a waiting guess nor a guessed resident expert is a victim");
-        assert!(t.contains(1) && t.contains(6) && t.contains(7) && !t.contains(8) && !t.contains(9));
+        assert!(t.contains(k(1)) && t.contains(k(6)) && t.contains(k(7)) && !t.contains(k(8)) && !t.contains(k(9)));
         step(&mut t, &[1, 7]);
         let c = t.counters();
         assert_eq!((c.guesses, c.guesses_used, c.guesses_wasted), (3, 1, 2));
@@ -315,8 +324,8 @@ mod tests {
         step(&mut t, &[1, 2]);
         step(&mut t, &[1]); // 2 is now the least recent
         let waves = step(&mut t, &[3]);
-        assert_eq!(waves[1], vec![(3, t.resident()[&3], true)]);
-        assert_eq!(t.holder(t.resident()[&1]), Some(1), "1 stays: it was used last");
-        assert!(!t.resident().contains_key(&2));
+        assert_eq!(waves[1], vec![(3, t.resident()[&k(3)], true)]);
+        assert_eq!(t.holder(t.resident()[&k(1)]), Some(k(1)), "1 stays: it was used last");
+        assert!(!t.resident().contains_key(&k(2)));
     }
 }

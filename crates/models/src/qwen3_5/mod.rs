@@ -256,7 +256,7 @@ impl CausalLm for Qwen35 {
         }
     }
 
-    fn slot_stats(&self) -> crate::SlotStats {
+    fn slot_stats(&self) -> osprey_protocol::runner::ExpertSlots {
         self.layers
             .iter()
             .chain(self.draft.as_ref().map(|d| &d.layer))
@@ -264,7 +264,7 @@ impl CausalLm for Qwen35 {
                 Ffn::Moe(m) => Some(m.slot_stats()),
                 Ffn::Dense(_) => None,
             })
-            .fold(crate::SlotStats::default(), |a, s| a + s)
+            .fold(osprey_protocol::runner::ExpertSlots::default(), |a, s| a + s)
     }
 
     fn weight_bytes(&self) -> (usize, usize) {

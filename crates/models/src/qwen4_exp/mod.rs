@@ -279,8 +279,8 @@ impl CausalLm for Qwen4Exp {
         (dense, per_expert)
     }
 
-    fn slot_stats(&self) -> crate::SlotStats {
-        self.layers.iter().fold(crate::SlotStats::default(), |a, l| a + l.moe.slot_stats())
+    fn slot_stats(&self) -> osprey_protocol::runner::ExpertSlots {
+        self.layers.iter().fold(osprey_protocol::runner::ExpertSlots::default(), |a, l| a + l.moe.slot_stats())
     }
 
     fn family_stats(&self) -> Vec<crate::FamilyStat> {

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use osprey_backend::{
-    Backend, CoreOps, DType, ExpertOps, ExpertPool, Fence, HostData, HostExpert, HostMatrix, HostVec, MRope, MemoryOps,
-    Op, Result, RopeTable, Tensor, Wrapper,
+    Backend, CoreOps, DType, ExpertKey, ExpertOps, ExpertPool, Fence, HostData, HostExpert, HostMatrix, HostVec, MRope,
+    MemoryOps, Op, Result, RopeTable, Tensor, Wrapper,
 };
 use osprey_backend_cpu::testing::HostOps;
 use osprey_backend_cpu::CpuBackend;
@@ -236,10 +236,10 @@ fn qwen4_exp_decode_downloads_only_routing_and_logits() {
 pub(crate) struct Recorder(pub(crate) std::sync::Mutex<Vec<(usize, Vec<usize>)>>);
 
 impl ExpertPredictor for Recorder {
-    fn observe(&self, layer: usize, touched: &[u32]) {
-        self.0.lock().expect("lock").push((layer, touched.iter().map(|&e| e as usize).collect()));
+    fn observe(&self, layer: usize, touched: &[ExpertKey]) {
+        self.0.lock().expect("lock").push((layer, touched.iter().map(|k| k.expert()).collect()));
     }
-    fn predict(&self, _: &Ahead<'_>) -> osprey_models::Result<Vec<usize>> {
+    fn predict(&self, _: &Ahead<'_>) -> osprey_models::Result<Vec<ExpertKey>> {
         Ok(Vec::new())
     }
 }
@@ -249,12 +249,12 @@ impl ExpertPredictor for Recorder {
 struct Wrong(Replay, usize);
 
 impl ExpertPredictor for Wrong {
-    fn observe(&self, layer: usize, touched: &[u32]) {
+    fn observe(&self, layer: usize, touched: &[ExpertKey]) {
         self.0.observe(layer, touched);
     }
-    fn predict(&self, a: &Ahead<'_>) -> osprey_models::Result<Vec<usize>> {
+    fn predict(&self, a: &Ahead<'_>) -> osprey_models::Result<Vec<ExpertKey>> {
         let right = self.0.predict(a)?;
-        Ok((0..8).filter(|e| !right.contains(e)).take(self.1).collect())
+        Ok((0..8).map(|e| ExpertKey::new(a.next, e)).filter(|k| !right.contains(k)).take(self.1).collect())
     }
 }
 

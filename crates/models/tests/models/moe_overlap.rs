@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use osprey_backend::{Backend, BackendRef, ExpertPool, Result, Tensor, Wrapper};
+use osprey_models::layers::moe::{Guess, LayerStep};
 use osprey_models::{
     CausalLm, Checkpoint, ExpertHandle, ExpertSource, ExpertTicket, ModelConfig, PendingExperts, ResidentExperts,
     SeqInput, SeqStep,
@@ -47,10 +48,10 @@ impl ExpertSource for HalfResident {
         Some(1)
     }
 
-    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
-        let all = self.inner.request(layer, experts).wait().expect("resident");
+    fn request(&self, step: LayerStep<'_>) -> ExpertTicket {
+        let all = self.inner.request(step).wait().expect("resident");
         let (waves, waits, parity) = (self.waves.clone(), self.waits.clone(), self.missing_parity);
-        let experts = experts.to_vec();
+        let experts: Vec<usize> = step.need.iter().map(|k| k.expert()).collect();
         ExpertTicket::new(move || {
             let base = waves.load(Ordering::SeqCst);
             let mut have = Vec::new();
@@ -138,8 +139,7 @@ fn resident_experts_are_computed_before_waiting_for_the_missing_ones_with_identi
     }
 }
 
-/// What a block told its expert source, in order: a step's slot hits (every step sends them, possibly
-/// none) and its guesses.
+/// What a block told its expert source, in order: its step (one request each) and its guesses.
 #[derive(Debug)]
 enum Told {
     Step(usize),
@@ -154,14 +154,15 @@ struct Logged {
 }
 
 impl ExpertSource for Logged {
-    fn request(&self, layer: usize, experts: &[usize]) -> ExpertTicket {
-        self.inner.request(layer, experts)
-    }
-    fn note_hits(&self, layer: usize, _experts: &[usize]) {
+    fn request(&self, step: LayerStep<'_>) -> ExpertTicket {
+        let layer = step.need.iter().chain(step.in_slots).next().expect("a step routes").layer();
         self.log.lock().expect("lock").push(Told::Step(layer));
+        self.inner.request(step)
     }
-    fn prefetch(&self, layer: usize, experts: &[usize]) {
-        self.log.lock().expect("lock").push(Told::Guess(layer, experts.to_vec()));
+    fn guess(&self, guess: Guess<'_>) -> PendingExperts {
+        let layer = guess.read.first().expect("a guess names experts").layer();
+        self.log.lock().expect("lock").push(Told::Guess(layer, guess.read.iter().map(|k| k.expert()).collect()));
+        self.inner.guess(guess)
     }
 }
 
