@@ -358,20 +358,14 @@ fn context_and_kv(settings: &Settings, max_position_embeddings: usize) -> (usize
     (context_len, settings.kv_capacity_tokens.unwrap_or(4 * context_len))
 }
 
-/// The scheduler's configuration from the settings, for a context of `context_len` tokens and a KV pool
-/// of `kv_capacity_tokens` in pages of `page_size`.
-fn scheduler_config(
-    settings: &Settings,
-    context_len: usize,
-    kv_capacity_tokens: usize,
-    page_size: usize,
-) -> SchedulerConfig {
+/// The scheduler's configuration from the settings, for a KV pool of `kv_capacity_tokens` in pages of
+/// `page_size` (the context length bounds each request's budget, made by the server: `Limits::budget`).
+fn scheduler_config(settings: &Settings, kv_capacity_tokens: usize, page_size: usize) -> SchedulerConfig {
     SchedulerConfig {
         max_batch_tokens: settings.max_batch_tokens.unwrap_or(2048),
         max_prefill_tokens: settings.max_prefill_tokens.unwrap_or(512),
         max_running_requests: settings.max_running_requests.unwrap_or(16),
         kv_capacity_tokens,
-        context_len,
         page_size,
         // Snapshots on a grid of whole pages.
         snapshot_interval: settings.snapshot_interval.unwrap_or(64).max(page_size) / page_size * page_size,
@@ -423,7 +417,7 @@ pub fn start_with(settings: &Settings, model_dir: &Path, wrap_reader: Option<Rea
         osprey_runner::Runner::with_kv(model, vision.as_ref().map(|v| v.sender()), (page_size, kv_pages), kv_dtype)
             .with_speculative(settings.speculative_tokens.unwrap_or(0))?;
     let runner = osprey_runner::spawn(runner);
-    let sched_cfg = scheduler_config(settings, context_len, kv_capacity_tokens, page_size);
+    let sched_cfg = scheduler_config(settings, kv_capacity_tokens, page_size);
     let prefix_on = sched_cfg.prefix_cache;
     let prefix = prefix_on.then(|| {
         osprey_prefix_cache::spawn(

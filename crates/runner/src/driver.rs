@@ -17,7 +17,7 @@ use osprey_models::{
 };
 use osprey_protocol::constraint::TokenMatcher;
 use osprey_protocol::runner::{GrammarCounters, KvPages, TokenLogprobs};
-use osprey_protocol::scheduler::{FinishReason, SamplingParams};
+use osprey_protocol::scheduler::{FinishReason, Limits, SamplingParams, TokenBudget};
 use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
 use osprey_protocol::{ErrorCode, RequestError, SeqId};
 
@@ -125,6 +125,8 @@ pub struct Driver {
     parked: HashMap<SeqId, Parked>,
     /// Ids for [`Driver::generate`]'s private sequences (counting down from the top of the id space).
     next_private: SeqId,
+    /// Tokens of KV one sequence may hold (the pool's pages).
+    kv_tokens: usize,
     /// Draft tokens per decode step (0: no speculation).
     spec: usize,
     pub(crate) spec_counters: SpecCounters,
@@ -157,6 +159,7 @@ impl Driver {
             page_size,
             parked: HashMap::new(),
             next_private: SeqId::MAX,
+            kv_tokens: pages.saturating_mul(page_size),
             spec: 0,
             spec_counters: SpecCounters::default(),
             grammar: GrammarCounters::default(),
@@ -531,7 +534,8 @@ impl Driver {
     }
 
     /// One sequence from prompt to its last token: prefill in chunks of `opts.chunk`, then decode until a
-    /// stop token or `opts.max_tokens`. The sequence is released at the end.
+    /// stop token or its budget (`opts.max_tokens`, bounded by the model's context and the pool, refused
+    /// as `context_length_exceeded` when the prompt fills them: `Limits::budget`, the server's rule). The sequence is released at the end.
     pub fn generate(
         &mut self,
         prompt: Arc<PreparedPrompt>,
@@ -558,8 +562,11 @@ impl Driver {
         if plen == 0 {
             return Err(RequestError::new(ErrorCode::InvalidRequest, "the prompt is empty"));
         }
+        let limits = Limits { context_len: self.model.info().max_position_embeddings, kv_tokens: self.kv_tokens };
+        let budget = limits.budget(plen, Some(opts.max_tokens))?;
         self.admit(seq, prompt, sampling, None, &[])?;
-        let result = self.generate_admitted(seq, plen, opts, rows, at_first_token);
+        let result =
+            self.generate_admitted(seq, plen, (budget, &opts.stop_token_ids, opts.chunk), rows, at_first_token);
         self.release(seq);
         result
     }
@@ -568,7 +575,7 @@ impl Driver {
         &mut self,
         seq: SeqId,
         plen: usize,
-        opts: &GenerateOptions,
+        (budget, stop_token_ids, chunk): (TokenBudget, &[u32], usize),
         rows: &mut dyn RowSource,
         at_first_token: &mut dyn FnMut(),
     ) -> Result<Generated, RequestError> {
@@ -578,10 +585,10 @@ impl Driver {
         // (time to the first token, start of the decode)
         let mut first: Option<(f64, Instant)> = None;
         let finish = 'gen: loop {
-            let end = if start < plen { (start + opts.chunk.max(1)).min(plen) } else { start + 1 };
+            let end = if start < plen { (start + chunk.max(1)).min(plen) } else { start + 1 };
             let span = tracing::Span::current();
-            let budget = opts.max_tokens - tokens.len();
-            let work = Work { seq, admit: None, start, end, sample: end >= plen, snapshot: false, budget, span };
+            let left = budget.left(tokens.len());
+            let work = Work { seq, admit: None, start, end, sample: end >= plen, snapshot: false, budget: left, span };
             let (_, res) = self.step(&[work], rows).pop().expect("one result per work item");
             let sampled = res?.sampled;
             if sampled.is_empty() {
@@ -596,11 +603,8 @@ impl Driver {
             // A speculative step may emit several tokens; what follows a stop or the budget is dropped.
             for (token, _) in sampled {
                 tokens.push(token);
-                if opts.stop_token_ids.contains(&token) {
-                    break 'gen FinishReason::Stop;
-                }
-                if tokens.len() >= opts.max_tokens {
-                    break 'gen FinishReason::Length;
+                if let Some(reason) = budget.check_stop(tokens.len(), token, stop_token_ids) {
+                    break 'gen reason;
                 }
             }
             // The last token is sampled, not fed: the sequence's state ends just before it.

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use osprey_protocol::prefix::{InsertRequest, MatchRequest, PrefixMatch};
 use osprey_protocol::runner::{Admission, BatchPlan, KvPages, PlanItem, SnapshotTaken, StepResult};
-use osprey_protocol::scheduler::{EngineEvent, FinishReason, GenerateRequest, SchedulerStats};
+use osprey_protocol::scheduler::{EngineEvent, GenerateRequest, SchedulerStats};
 use osprey_protocol::{ErrorCode, RequestError, SeqId};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -35,8 +35,6 @@ pub struct SchedulerConfig {
     /// KV capacity in tokens: the runner's page pool holds `kv_capacity_tokens / page_size` pages
     /// (rounded up).
     pub kv_capacity_tokens: usize,
-    /// Model context length (prompt + generated).
-    pub context_len: usize,
     /// Prefix-cache page size in tokens.
     pub page_size: usize,
     /// Recurrent-state snapshot grid in tokens (a multiple of `page_size`; prefill chunks end on it).
@@ -157,7 +155,7 @@ impl Scheduler {
     /// Queues a request, or refuses one that can never fit (a clear error, not a hang).
     pub fn submit(&mut self, req: GenerateRequest, events: UnboundedSender<EngineEvent>) -> Result<(), RequestError> {
         let prompt_len = req.prompt.input_ids.len();
-        let need = prompt_len + req.max_tokens;
+        let need = prompt_len + req.budget.max_tokens();
         if prompt_len == 0 {
             return Err(RequestError::new(ErrorCode::InvalidRequest, "the prompt is empty"));
         }
@@ -168,26 +166,19 @@ impl Scheduler {
                 format!("the server is busy: {} requests are already waiting; retry later", self.waiting.len()),
             ));
         }
-        if need > self.cfg.context_len {
-            return Err(RequestError::new(
-                ErrorCode::ContextLengthExceeded,
-                format!(
-                    "this model's context length is {} tokens, but the request needs {need} ({prompt_len} prompt + {} max_tokens)",
-                    self.cfg.context_len, req.max_tokens
-                ),
-            ));
-        }
+        // The request's budget was bounded by the same KV capacity (`Limits::budget`); a budget made for
+        // another pool would wait for pages forever.
         if self.pages_for(need) > self.cfg.kv_pages() {
             return Err(RequestError::new(
-                ErrorCode::ContextLengthExceeded,
+                ErrorCode::EngineError,
                 format!(
-                    "the request needs {need} KV tokens, more than the server's capacity of {}",
+                    "the request needs {need} KV tokens, more than the server's capacity of {} (a bug)",
                     self.cfg.kv_pages() * self.cfg.page_size
                 ),
             ));
         }
         let cache_ids = req.prompt.cache_ids.clone();
-        req.span.in_scope(|| tracing::debug!(prompt_len, max_tokens = req.max_tokens, "queued"));
+        req.span.in_scope(|| tracing::debug!(prompt_len, max_tokens = req.budget.max_tokens(), "queued"));
         self.waiting.push_back(Seq {
             req,
             events,
@@ -429,8 +420,7 @@ impl Scheduler {
             s.sent_to_runner = true;
             let span = s.req.span.clone();
             let sample = end == s.total();
-            let budget =
-                s.req.max_tokens.saturating_sub(s.generated).min(self.cfg.context_len.saturating_sub(s.total()));
+            let budget = s.req.budget.left(s.generated);
             items.push(PlanItem { seq: s.req.id, admit, start: s.computed, end, sample, snapshot, budget, span });
         }
         let release = std::mem::take(&mut self.release);
@@ -510,15 +500,8 @@ impl Scheduler {
             // token sampled, whatever the step's plan said.
             s.computed = s.total() - 1;
             self.stats.generated_tokens_total += 1;
-            let stop = s.req.stop_token_ids.contains(&t.token);
+            let reason = s.req.budget.check_stop(s.generated, t.token, &s.req.stop_token_ids);
             let sent = s.events.send(EngineEvent::Token { token: t.token, logprobs: t.logprobs }).is_ok();
-            let reason = if stop {
-                Some(FinishReason::Stop)
-            } else if s.generated >= s.req.max_tokens || s.total() >= self.cfg.context_len {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
             if !sent {
                 let id = s.req.id;
                 self.cancel(id);

@@ -113,6 +113,11 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
+    /// What bounds every request's length (`Limits::budget`, applied once per request).
+    pub fn limits(&self) -> osprey_protocol::scheduler::Limits {
+        osprey_protocol::scheduler::Limits { context_len: self.context_len, kv_tokens: self.kv_capacity_tokens }
+    }
+
     /// A configuration for a vision model of `context_len` tokens with everything else at its default
     /// (no key, no allow-lists, no deadline, short timeouts): unit tests and the fuzz targets.
     pub fn basic(model_id: &str, context_len: usize, vocab_size: usize, max_token_bytes: usize) -> Self {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use osprey_protocol::runner::TokenLogprobs;
-use osprey_protocol::scheduler::{EngineEvent, FinishReason, GenerateRequest, SchedulerCommand};
+use osprey_protocol::scheduler::{EngineEvent, FinishReason, GenerateRequest, SchedulerCommand, TokenBudget};
 use osprey_protocol::tokenizer::{DecodeState, PreparedPrompt, TokenizerCommand};
 use osprey_protocol::{ErrorCode, SeqId};
 use serde_json::{json, Value};
@@ -152,32 +152,14 @@ async fn ask<T>(state: &AppState, make: impl FnOnce(oneshot::Sender<T>) -> Token
     })
 }
 
-/// Tokens one sequence may still generate after `prompt_len` prompt tokens: the smaller of the model's
-/// context and the KV pool's capacity, less the prompt. A prompt that leaves nothing is refused as
-/// `context_length_exceeded`. A `max_tokens` past it — the client's, none (the default), or a client
-/// library's own default such as ChatAnthropic's 4,096 — is clamped to it (llama.cpp's rule;
-/// docs/api.md), so the answer ends with `length` at the limit instead of a 400.
-pub(crate) fn room(cfg: &crate::ServerConfig, prompt_len: usize) -> Result<usize, ApiError> {
-    let (ctx, kv) = (cfg.context_len, cfg.kv_capacity_tokens);
-    if prompt_len >= ctx.min(kv) {
-        let why = if kv < ctx {
-            format!("the prompt has {prompt_len} tokens; the KV cache holds {kv} tokens (--kv-capacity-tokens)")
-        } else {
-            format!("the prompt has {prompt_len} tokens; this model's context length is {ctx}")
-        };
-        return Err(ApiError::new(ErrorCode::ContextLengthExceeded, why).param("messages"));
-    }
-    Ok(ctx.min(kv) - prompt_len)
-}
-
 impl Generation {
-    /// Submits `prompt` as request `req` for at most `max_tokens` tokens (already clamped to its [`room`]);
+    /// Submits `prompt` as request `req` for at most `budget` tokens;
     /// `reasoning` enables the `<think>` split (chat only).
     pub async fn start(
         state: Arc<AppState>,
         prompt: PreparedPrompt,
         gen: GenParams,
-        max_tokens: usize,
+        budget: TokenBudget,
         req: &RequestCtx,
         reasoning: bool,
     ) -> Result<Self, ApiError> {
@@ -190,7 +172,7 @@ impl Generation {
             id,
             prompt: Arc::new(prompt),
             sampling: gen.sampling.clone(),
-            max_tokens,
+            budget,
             stop_token_ids: if gen.ignore_eos { Vec::new() } else { state.cfg.eos_token_ids.clone() },
             span: req.span.clone(),
         };

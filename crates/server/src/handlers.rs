@@ -295,8 +295,10 @@ pub(crate) async fn start_answer(
     // The grammar steers the answer to its end as its budget runs out (`max_tokens`, clamped to the room
     // the context and the KV pool leave); a prompt that leaves none is `context_length_exceeded`, not a
     // budget too small for the format.
-    let left = crate::generate::room(&state.cfg, prompt.input_ids.len())?;
-    let budget = gen.max_tokens.map_or(left, |m| m.min(left));
+    let limits = state.cfg.limits();
+    let tokens =
+        limits.budget(prompt.input_ids.len(), gen.max_tokens).map_err(|e| ApiError::from(e).param("messages"))?;
+    let budget = tokens.max_tokens();
     if let Some(c) = &prompt.constraint {
         let shortest = c.grammar.shortest_answer();
         if budget < shortest {
@@ -311,7 +313,7 @@ pub(crate) async fn start_answer(
     }
     gen.sampling.constraint = prompt.constraint.take().map(|c| Constraint { budget: Some(budget), ..c });
     let tools = gen.tools.clone();
-    let g = Generation::start(state, prompt, gen, budget, req, chat).await?;
+    let g = Generation::start(state, prompt, gen, tokens, req, chat).await?;
     Ok(Answer::new(g, tools.as_ref(), req.id))
 }
 

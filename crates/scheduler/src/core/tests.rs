@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use osprey_protocol::runner::Sampled;
-use osprey_protocol::scheduler::SamplingParams;
+use osprey_protocol::scheduler::{FinishReason, Limits, SamplingParams};
 use osprey_protocol::tokenizer::PreparedPrompt;
 use tokio::sync::mpsc;
 
@@ -11,6 +11,8 @@ use super::*;
 use osprey_protocol::prefix::{PrefixCommand, PrefixPin};
 
 fn req(id: SeqId, prompt: usize, max_tokens: usize) -> GenerateRequest {
+    // Bounded by no context: these tests size requests against the pool themselves.
+    let budget = Limits { context_len: usize::MAX, kv_tokens: usize::MAX }.budget(prompt, Some(max_tokens));
     let prompt = PreparedPrompt {
         input_ids: vec![1; prompt],
         positions: None,
@@ -24,7 +26,7 @@ fn req(id: SeqId, prompt: usize, max_tokens: usize) -> GenerateRequest {
         id,
         prompt: Arc::new(prompt),
         sampling: SamplingParams::default(),
-        max_tokens,
+        budget: budget.expect("fits"),
         stop_token_ids: vec![9],
         span: tracing::Span::none(),
     }
@@ -36,7 +38,6 @@ fn cfg() -> SchedulerConfig {
         max_prefill_tokens: 6,
         max_running_requests: 2,
         kv_capacity_tokens: 40,
-        context_len: 30,
         page_size: 2,
         snapshot_interval: 4,
         prefix_cache: false,
@@ -144,7 +145,8 @@ fn a_hit_skips_cached_tokens_and_chunks_end_on_the_snapshot_grid() {
 fn admission_respects_capacity_and_running_limit_and_refuses_what_never_fits() {
     let mut s = Scheduler::new(cfg());
     let (tx, _rx) = mpsc::unbounded_channel();
-    assert_eq!(s.submit(req(1, 25, 10), tx.clone()).expect_err("context").code, ErrorCode::ContextLengthExceeded);
+    // A budget made for a larger pool than this one (40 KV tokens) can never run: refused, not queued.
+    assert_eq!(s.submit(req(1, 35, 10), tx.clone()).expect_err("pool").code, ErrorCode::EngineError);
     for id in 1..=3 {
         s.submit(req(id, 5, 10), tx.clone()).expect("fits");
     }
@@ -207,13 +209,7 @@ fn admission_counts_pages_not_prompt_plus_max_tokens() {
 #[test]
 fn when_pages_run_out_the_newest_sequence_is_preempted_and_recomputed_with_its_tokens() {
     // 12 KV tokens of 2-token pages; two requests of 3 + 8 tokens cannot both finish side by side.
-    let c = SchedulerConfig {
-        kv_capacity_tokens: 12,
-        context_len: 30,
-        max_running_requests: 2,
-        prefix_cache: true,
-        ..cfg()
-    };
+    let c = SchedulerConfig { kv_capacity_tokens: 12, max_running_requests: 2, prefix_cache: true, ..cfg() };
     let mut s = Scheduler::new(c);
     let mut pool = Pool { page: 2, total: 6, held: Default::default() };
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -275,7 +271,6 @@ fn random_load_on_a_tiny_pool_never_overcommits_and_finishes_everything() {
             max_prefill_tokens: 4,
             max_running_requests: 4,
             kv_capacity_tokens: 24,
-            context_len: 24,
             ..cfg()
         };
         let mut s = Scheduler::new(c);
@@ -345,7 +340,6 @@ fn a_short_request_is_scheduled_at_once_while_long_decodes_run() {
         max_prefill_tokens: 16,
         max_running_requests: 16,
         kv_capacity_tokens: 4096,
-        context_len: 4096,
         page_size: 16,
         snapshot_interval: 64,
         ..cfg()

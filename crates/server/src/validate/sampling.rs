@@ -77,9 +77,7 @@ pub(super) fn common(c: &Common, cfg: &ServerConfig, logprobs: Option<usize>) ->
             return Err(bad(ErrorCode::InvalidRequest, format!("max_tokens must be at least 1, got {n}"), "max_tokens"))
         }
     };
-    // A `max_tokens` past what the context leaves is clamped to it when the prompt is known (llama.cpp's
-    // rule; `docs/api.md`): clients send their own defaults (LangChain's ChatAnthropic: 4096), and the
-    // answer then ends with `length` / `max_tokens` as it would at the limit.
+    // Bounded by the context and the KV pool once the prompt is known (`Limits::budget`).
     let top_k = match c.top_k {
         None | Some(-1) | Some(0) => 0,
         Some(k) if k > 0 => k as usize,
