@@ -12,6 +12,7 @@ mod bench_serve;
 mod clients;
 mod default_model;
 mod device_memory;
+mod docs_cite;
 mod experts;
 mod fake_hub;
 mod hardening;

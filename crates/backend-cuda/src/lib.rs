@@ -10,9 +10,10 @@
 //! serves the models. [`kernels`] lists every kernel with its register budget, which the NVRTC check
 //! (`nvrtc`, feature `cuda`) enforces for every target architecture.
 //!
-//! Status: memory, fences, linears (f32, bf16, f16, NVFP4), embeddings, element-wise ops, norms,
-//! rotary, the router and `qwen4_exp`'s grouped norms run; attention, Gated DeltaNet, expert slots and
-//! the rest of `qwen4_exp` do not yet, and `supports` says so (docs/cuda.md).
+//! Status: every op of the seam has a kernel (memory and fences, linears in f32, bf16, f16 and NVFP4,
+//! embeddings, element-wise ops, norms, rotary, the router, paged and full attention, Gated DeltaNet,
+//! expert slots, `qwen4_exp`'s ops), each checked on the emulated device against the CPU backend, and
+//! `supports` answers yes to all; none has run on a GPU yet (docs/cuda.md).
 
 mod backend;
 pub mod device;
