@@ -106,8 +106,6 @@ int main(int argc, char** argv) {
     auto gathered = vals(3 * cols);
     run(gather_rows, d1(4), d1(256), reinterpret_cast<const uint8_t*>(x.data()), ids.data(),
         reinterpret_cast<uint8_t*>(gathered.data()), 3u, cols, 4u);
-    auto sw = vals(3);
-    run(scatter_add_rows_f32, d1(1), d1(128), x.data(), ids.data(), sw.data(), gathered.data(), 3u, cols);
     auto part = vals(rows * 2 * 10);
     run(split_cols_f32, d1(1), d1(256), x.data(), part.data(), rows, 2u, 50u, 40u, 10u);
     std::vector<uint16_t> half(n);

@@ -11,16 +11,6 @@ extern "C" __global__ void gather_rows(const uint8_t* __restrict__ x, const int3
     }
 }
 
-// `out[rows[j]] += weights[j] · y[j]`, in order of `j` (one thread per column walks every `j`, so
-// repeated rows add in the CPU's order).
-// budget: 40 registers
-extern "C" __global__ void scatter_add_rows_f32(float* __restrict__ out, const int32_t* __restrict__ rows,
-                                                const float* __restrict__ weights, const float* __restrict__ y,
-                                                unsigned n, unsigned cols) {
-    for (unsigned c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x)
-        for (unsigned j = 0; j < n; ++j) out[(size_t)rows[j] * cols + c] += weights[j] * y[(size_t)j * cols + c];
-}
-
 // Part `[off, off + width)` of each of `heads` groups of `gw` columns of every row of `x` → `out`
 // (`[rows, heads · width]`).
 // budget: 32 registers

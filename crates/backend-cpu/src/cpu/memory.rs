@@ -71,16 +71,6 @@ impl MemoryOps for CpuBackend {
         self.typed(&[rows.len(), c], data)
     }
 
-    fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor) {
-        let (h, d) = (out.cols(), host(y));
-        let o = host_mut(out);
-        for (j, (&i, &wt)) in rows.iter().zip(weights).enumerate() {
-            for (o, v) in o[i * h..(i + 1) * h].iter_mut().zip(&d[j * h..(j + 1) * h]) {
-                *o += v * wt;
-            }
-        }
-    }
-
     fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Result<Vec<Tensor>> {
         let (t, xs) = (x.rows(), host(x));
         let group: usize = parts.iter().sum();
@@ -101,10 +91,6 @@ impl MemoryOps for CpuBackend {
 
     fn record_fence(&self) -> Fence {
         Fence::DONE // every op has run when it returns
-    }
-
-    fn fence_complete(&self, _fence: Fence) -> bool {
-        true
     }
 
     fn wait_fence(&self, _fence: Fence) -> Result<()> {

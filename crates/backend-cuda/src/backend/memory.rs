@@ -117,17 +117,6 @@ impl MemoryOps for CudaBackend {
         Ok(out)
     }
 
-    fn scatter_add_rows(&self, out: &mut Tensor, rows: &[usize], weights: &[f32], y: &Tensor) {
-        if rows.is_empty() {
-            return;
-        }
-        let ids = self.ids(rows).unwrap_or_else(|e| panic!("{e}: row ids of a scatter"));
-        let w = self.upload_f32(weights, &[weights.len()]).unwrap_or_else(|e| panic!("{e}: weights of a scatter"));
-        let c = out.cols();
-        let args = [arg(out), arg(&ids), arg(&w), arg(y), u32_of(rows.len()), u32_of(c)];
-        self.run("scatter_add_rows_f32", LaunchConfig::elements(c), &args);
-    }
-
     fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Result<Vec<Tensor>> {
         let gw: usize = parts.iter().sum();
         let rows = x.rows();
@@ -149,10 +138,6 @@ impl MemoryOps for CudaBackend {
 
     fn record_fence(&self) -> Fence {
         Fence(self.dev.record().0)
-    }
-
-    fn fence_complete(&self, fence: Fence) -> bool {
-        self.dev.is_complete(crate::device::Event(fence.0))
     }
 
     fn wait_fence(&self, fence: Fence) -> Result<()> {

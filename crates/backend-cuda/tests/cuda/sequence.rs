@@ -208,7 +208,6 @@ fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wave() {
             outs.push(host(b, &b.moe_combine(&partials, k).expect("combine")));
             for f in fences {
                 b.wait_fence(f).expect("an upload's fence");
-                assert!(b.fence_complete(f), "a waited fence is complete");
             }
         }
         // A chain of dot products of lengths 256 (gate, up) and 64 (down): norm-wise, each output moves by

@@ -154,9 +154,6 @@ impl Wrapper for Deferred {
     fn record_fence(&self) -> Fence {
         Fence(self.issued.load(Ordering::SeqCst))
     }
-    fn fence_complete(&self, fence: Fence) -> bool {
-        fence.0 <= self.done.load(Ordering::SeqCst)
-    }
     fn wait_fence(&self, fence: Fence) -> Result<()> {
         self.done.fetch_max(fence.0, Ordering::SeqCst);
         Ok(())
