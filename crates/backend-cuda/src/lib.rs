@@ -21,6 +21,7 @@ pub mod device;
 pub mod driver;
 pub mod emu;
 pub mod kernels;
+pub mod launch;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
 

@@ -5,8 +5,9 @@ use std::ops::Range;
 
 use osprey_backend::{AttentionOps, AttnShape, DType, PagedView, Tensor};
 
-use super::{arg, u32_of, CudaBackend};
-use crate::device::{Arg, LaunchConfig};
+use super::{ptr, u32_of, CudaBackend};
+use crate::device::{DevPtr, LaunchConfig};
+use crate::launch;
 
 impl CudaBackend {
     /// Scratch for `blocks` rows of `stride` scores (an allocation failure here is the device's
@@ -18,8 +19,8 @@ impl CudaBackend {
 }
 
 /// A sequence's paged KV as the attention kernels take it: pool, whether it is bf16, page table, page size.
-pub(super) fn paged(kv: PagedView<'_>) -> [Arg; 4] {
-    [arg(kv.pool), Arg::I32(i32::from(kv.pool.dtype() == DType::BF16)), arg(kv.table), u32_of(kv.page_size)]
+pub(super) fn paged(kv: PagedView<'_>) -> (DevPtr, i32, DevPtr, u32) {
+    (ptr(kv.pool), i32::from(kv.pool.dtype() == DType::BF16), ptr(kv.table), u32_of(kv.page_size))
 }
 
 /// 128 threads: a head's 128 or 256 dims in one or two passes, a context's scores in strides of 128.
@@ -42,24 +43,25 @@ impl AttentionOps for CudaBackend {
         }
         let stride = past + n;
         let scratch = self.scores(n * shape.heads, stride);
-        let [pool, bf16, table, page_size] = paged(kv);
-        let args = [
-            arg(q),
-            arg(out),
+        let (pool, bf16, table, page_size) = paged(kv);
+        let (heads, kv_heads, head_dim) = (u32_of(shape.heads), u32_of(shape.kv_heads), u32_of(shape.head_dim));
+        let call = launch::attention_paged(
+            ptr(q),
+            ptr(out),
             pool,
             bf16,
             table,
             page_size,
             u32_of(rows.start),
             u32_of(past),
-            u32_of(shape.heads),
-            u32_of(shape.kv_heads),
-            u32_of(shape.head_dim),
-            Arg::F32(scale),
-            arg(&scratch),
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
+            ptr(&scratch),
             u32_of(stride),
-        ];
-        self.run("attention_paged", LaunchConfig::per_group(n * shape.heads, THREADS), &args);
+        );
+        self.run(call, LaunchConfig::per_group(n * shape.heads, THREADS));
     }
 
     fn attention_bidirectional(
@@ -77,19 +79,21 @@ impl AttentionOps for CudaBackend {
             return;
         }
         let scratch = self.scores(n * shape.heads, n);
-        let args = [
-            arg(q),
-            arg(k),
-            arg(v),
-            arg(out),
-            u32_of(rows.start),
-            u32_of(n),
-            u32_of(shape.heads),
-            u32_of(shape.kv_heads),
-            u32_of(shape.head_dim),
-            Arg::F32(scale),
-            arg(&scratch),
-        ];
-        self.run("attention_full", LaunchConfig::per_group(n * shape.heads, THREADS), &args);
+        let (heads, kv_heads, head_dim) = (u32_of(shape.heads), u32_of(shape.kv_heads), u32_of(shape.head_dim));
+        let (row0, n32) = (u32_of(rows.start), u32_of(n));
+        let call = launch::attention_full(
+            ptr(q),
+            ptr(k),
+            ptr(v),
+            ptr(out),
+            row0,
+            n32,
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
+            ptr(&scratch),
+        );
+        self.run(call, LaunchConfig::per_group(n * shape.heads, THREADS));
     }
 }

@@ -4,8 +4,9 @@
 
 use osprey_backend::{BackendError, CoreOps, DType, HostData, MRope, MemoryOps, Result, RopeTable, Tensor};
 
-use super::{arg, u32_of, CudaBackend, CudaStorage};
-use crate::device::{Arg, DevPtr, DeviceError, GemmBf16, LaunchConfig};
+use super::{ptr, u32_of, CudaBackend, CudaStorage};
+use crate::device::{DevPtr, DeviceError, GemmBf16, LaunchConfig};
+use crate::launch;
 
 /// The linear kernels' code for a weight type.
 pub(super) fn wtype(dtype: DType) -> i32 {
@@ -40,30 +41,19 @@ impl CudaBackend {
     pub(super) fn rms(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32, form: Form<'_>) {
         let groups = x.numel() / group;
         let (zp, one_plus, gate) = match form {
-            Form::Plain => (arg(x), false, 0),
-            Form::OnePlus => (arg(x), true, 0),
-            Form::Silu(z) => (arg(z), false, 1),
-            Form::Sigmoid(z) => (arg(z), false, 2),
+            Form::Plain => (ptr(x), false, 0),
+            Form::OnePlus => (ptr(x), true, 0),
+            Form::Silu(z) => (ptr(z), false, 1),
+            Form::Sigmoid(z) => (ptr(z), false, 2),
         };
-        let args = [
-            arg(x),
-            arg(w),
-            zp,
-            u32_of(x.cols()),
-            u32_of(group),
-            u32_of(w.numel()),
-            Arg::F32(eps),
-            Arg::I32(i32::from(one_plus)),
-            Arg::I32(gate),
-        ];
-        self.run("rms_norm_f32", LaunchConfig::per_group(groups, threads_for(group)), &args);
+        let (cols, w_len) = (u32_of(x.cols()), u32_of(w.numel()));
+        let call = launch::rms_norm_f32(ptr(x), ptr(w), zp, cols, u32_of(group), w_len, eps, i32::from(one_plus), gate);
+        self.run(call, LaunchConfig::per_group(groups, threads_for(group)));
     }
 
-    /// Runs a grid-stride element-wise kernel over `x` (in place) with `rest` after `x`'s pointer.
-    pub(super) fn each(&self, name: &str, x: &Tensor, rest: &[Arg]) {
-        let mut args = vec![arg(x)];
-        args.extend_from_slice(rest);
-        self.run(name, LaunchConfig::elements(x.numel()), &args);
+    /// Runs a grid-stride element-wise kernel over `x`'s elements.
+    pub(super) fn each<const N: usize>(&self, x: &Tensor, call: launch::Call<N>) {
+        self.run(call, LaunchConfig::elements(x.numel()));
     }
 }
 
@@ -83,14 +73,14 @@ impl CudaBackend {
     fn gemm(&self, x: &Tensor, w: RawWeight, n: usize, k: usize) -> Result<Option<Tensor>> {
         let m = x.rows();
         let xb = self.empty(DType::BF16, &[m, k])?;
-        self.try_run("f32_to_bf16_rows", LaunchConfig::elements(m * k), &[arg(x), arg(&xb), u32_of(m * k)])?;
+        self.try_run(launch::f32_to_bf16_rows(ptr(x), ptr(&xb), u32_of(m * k)), LaunchConfig::elements(m * k))?;
         let widened;
         let wb = match w.dtype {
             DType::BF16 => w.data,
             _ => {
                 widened = self.empty(DType::BF16, &[n, k])?;
-                let args = [Arg::Ptr(w.data), Arg::Ptr(w.scales), Arg::F32(w.global), arg(&widened), u32_of(n * k)];
-                self.try_run("nvfp4_to_bf16", LaunchConfig::elements(n * k), &args)?;
+                let call = launch::nvfp4_to_bf16(w.data, w.scales, w.global, ptr(&widened), u32_of(n * k));
+                self.try_run(call, LaunchConfig::elements(n * k))?;
                 super::ptr(&widened)
             }
         };
@@ -133,26 +123,16 @@ impl CudaBackend {
             other => panic!("a {other:?} weight: this is a bug"),
         };
         let out = self.empty(DType::F32, &[m, n])?;
-        let args = [
-            arg(x),
-            Arg::Ptr(w.data),
-            Arg::Ptr(w.scales),
-            Arg::F32(w.global),
-            Arg::I32(wtype),
-            arg(&out),
-            u32_of(m),
-            u32_of(n),
-            u32_of(k),
-        ];
+        let (x, o, mnk) = (ptr(x), ptr(&out), (u32_of(m), u32_of(n), u32_of(k)));
         // Decode (a few rows): a warp per output column reads each weight once for every row; prefill:
         // 16×16 tiles through shared memory.
         if (1..=GEMV_ROWS).contains(&m) {
             let cfg = LaunchConfig { grid: [n.div_ceil(8) as u32, 1, 1], block: [256, 1, 1] };
-            self.try_run("linear_gemv", cfg, &args)?;
+            self.try_run(launch::linear_gemv(x, w.data, w.scales, w.global, wtype, o, mnk.0, mnk.1, mnk.2), cfg)?;
         } else {
             let cfg =
                 LaunchConfig { grid: [n.div_ceil(16) as u32, m.div_ceil(16).max(1) as u32, 1], block: [16, 16, 1] };
-            self.try_run("linear_tiled", cfg, &args)?;
+            self.try_run(launch::linear_tiled(x, w.data, w.scales, w.global, wtype, o, mnk.0, mnk.1, mnk.2), cfg)?;
         }
         Ok(out)
     }
@@ -182,37 +162,38 @@ impl CoreOps for CudaBackend {
         }
         let v: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
         let idt = self.upload(HostData::I32(&v), &[v.len()])?;
-        let args = [arg(table), Arg::I32(dtype), arg(&idt), arg(&out), u32_of(ids.len()), u32_of(cols)];
-        self.try_run("embed_rows", LaunchConfig::elements(ids.len() * cols), &args)?;
+        let call = launch::embed_rows(ptr(table), dtype, ptr(&idt), ptr(&out), u32_of(ids.len()), u32_of(cols));
+        self.try_run(call, LaunchConfig::elements(ids.len() * cols))?;
         Ok(out)
     }
 
     fn add(&self, x: &mut Tensor, y: &Tensor) {
-        self.each("add_f32", x, &[arg(y), u32_of(x.numel())]);
+        self.each(x, launch::add_f32(ptr(x), ptr(y), u32_of(x.numel())));
     }
 
     fn add_bias(&self, x: &mut Tensor, bias: &Tensor) {
-        self.each("add_bias_f32", x, &[arg(bias), u32_of(x.numel()), u32_of(bias.numel())]);
+        self.each(x, launch::add_bias_f32(ptr(x), ptr(bias), u32_of(x.numel()), u32_of(bias.numel())));
     }
 
     fn scale(&self, x: &mut Tensor, s: f32) {
-        self.each("scale_f32", x, &[Arg::F32(s), u32_of(x.numel())]);
+        self.each(x, launch::scale_f32(ptr(x), s, u32_of(x.numel())));
     }
 
     fn silu_mul(&self, gate: &mut Tensor, up: &Tensor) {
-        self.each("silu_mul_f32", gate, &[arg(up), u32_of(gate.numel())]);
+        self.each(gate, launch::silu_mul_f32(ptr(gate), ptr(up), u32_of(gate.numel())));
     }
 
     fn sigmoid_mul(&self, x: &mut Tensor, gate: &Tensor) {
-        self.each("sigmoid_mul_f32", x, &[arg(gate), u32_of(x.numel())]);
+        self.each(x, launch::sigmoid_mul_f32(ptr(x), ptr(gate), u32_of(x.numel())));
     }
 
     fn add_sigmoid_gated(&self, out: &mut Tensor, y: &Tensor, gate: &Tensor) {
-        self.each("add_sigmoid_gated_f32", out, &[arg(y), arg(gate), u32_of(out.numel()), u32_of(out.cols())]);
+        let call = launch::add_sigmoid_gated_f32(ptr(out), ptr(y), ptr(gate), u32_of(out.numel()), u32_of(out.cols()));
+        self.each(out, call);
     }
 
     fn gelu(&self, x: &mut Tensor, tanh: bool) {
-        self.each("gelu_f32", x, &[u32_of(x.numel()), Arg::I32(i32::from(tanh))]);
+        self.each(x, launch::gelu_f32(ptr(x), u32_of(x.numel()), i32::from(tanh)));
     }
 
     fn rms_norm(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool) {
@@ -225,13 +206,13 @@ impl CoreOps for CudaBackend {
 
     fn l2_norm(&self, x: &mut Tensor, group: usize, eps: f32) {
         let cfg = LaunchConfig::per_group(x.numel() / group, threads_for(group));
-        self.run("l2_norm_f32", cfg, &[arg(x), u32_of(group), Arg::F32(eps)]);
+        self.run(launch::l2_norm_f32(ptr(x), u32_of(group), eps), cfg);
     }
 
     fn layer_norm(&self, x: &mut Tensor, w: &Tensor, b: &Tensor, eps: f32) {
         let cols = w.numel();
         let cfg = LaunchConfig::per_group(x.numel() / cols, threads_for(cols));
-        self.run("layer_norm_f32", cfg, &[arg(x), arg(w), arg(b), u32_of(cols), Arg::F32(eps)]);
+        self.run(launch::layer_norm_f32(ptr(x), ptr(w), ptr(b), u32_of(cols), eps), cfg);
     }
 
     fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable) {
@@ -240,7 +221,8 @@ impl CoreOps for CudaBackend {
 
     fn rotate_half(&self, x: &mut Tensor, head_dim: usize, cos: &Tensor, sin: &Tensor) {
         let (rows, cols, half) = (x.rows(), x.cols(), cos.cols());
-        let args = [arg(x), arg(cos), arg(sin), u32_of(rows), u32_of(cols), u32_of(head_dim), u32_of(half)];
-        self.run("rotate_half_f32", LaunchConfig::elements(rows * (cols / head_dim) * half), &args);
+        let (r, c, hd, h) = (u32_of(rows), u32_of(cols), u32_of(head_dim), u32_of(half));
+        let call = launch::rotate_half_f32(ptr(x), ptr(cos), ptr(sin), r, c, hd, h);
+        self.run(call, LaunchConfig::elements(rows * (cols / head_dim) * half));
     }
 }

@@ -13,8 +13,9 @@ use osprey_backend::{
 };
 
 use super::core::RawWeight;
-use super::{arg, seam_error, u32_of, Buf, CudaBackend};
-use crate::device::{Arg, Event, LaunchConfig};
+use super::{ptr, seam_error, u32_of, Buf, CudaBackend};
+use crate::device::{Event, LaunchConfig};
+use crate::launch;
 
 /// Where one projection sits in a slot.
 #[derive(Clone, Copy, Debug)]
@@ -119,24 +120,24 @@ impl CudaBackend {
         let rc = self.upload(HostData::I32(&g.counts), &[g.counts.len()])?;
         let out = self.empty(DType::F32, &[g.rows.len(), n])?;
         let wtype = super::core::wtype(dtype);
-        let args = [
-            arg(x),
-            arg(&wp),
-            arg(&sp),
-            arg(&gp),
-            arg(&r0),
-            arg(&rc),
-            Arg::I32(wtype),
-            arg(&out),
+        let call = launch::linear_grouped(
+            ptr(x),
+            ptr(&wp),
+            ptr(&sp),
+            ptr(&gp),
+            ptr(&r0),
+            ptr(&rc),
+            wtype,
+            ptr(&out),
             u32_of(n),
             u32_of(k),
-        ];
+        );
         let tall = g.counts.iter().copied().max().unwrap_or(0) as usize;
         let cfg = LaunchConfig {
             grid: [n.div_ceil(16) as u32, tall.div_ceil(16) as u32, w.len() as u32],
             block: [16, 16, 1],
         };
-        self.try_run("linear_grouped", cfg, &args)?;
+        self.try_run(call, cfg)?;
         Ok(out)
     }
 }
@@ -146,17 +147,17 @@ impl ExpertOps for CudaBackend {
         let (rows, experts) = (logits.rows(), logits.cols());
         let ids = self.empty(DType::I32, &[rows, k])?;
         let weights = self.empty(DType::F32, &[rows, k])?;
-        let args = [
-            arg(logits),
-            arg(&ids),
-            arg(&weights),
+        let call = launch::route_topk(
+            ptr(logits),
+            ptr(&ids),
+            ptr(&weights),
             u32_of(rows),
             u32_of(experts),
             u32_of(k),
-            Arg::I32(i32::from(renorm)),
-        ];
+            i32::from(renorm),
+        );
         let cfg = LaunchConfig { grid: [rows.div_ceil(64).max(1) as u32, 1, 1], block: [64, 1, 1] };
-        self.try_run("route_topk", cfg, &args)?;
+        self.try_run(call, cfg)?;
         Ok(Routing { ids, weights })
     }
 
@@ -255,15 +256,15 @@ impl ExpertOps for CudaBackend {
         let en: Vec<i32> = groups.entries.iter().map(|&e| e as i32).collect();
         let en = self.upload(HostData::I32(&en), &[en.len()])?;
         let n = groups.entries.len();
-        let args = [arg(partials), arg(&en), arg(weights), arg(&d), u32_of(n), u32_of(h)];
-        self.try_run("moe_scatter_rows", LaunchConfig::elements(n * h), &args)
+        let call = launch::moe_scatter_rows(ptr(partials), ptr(&en), ptr(weights), ptr(&d), u32_of(n), u32_of(h));
+        self.try_run(call, LaunchConfig::elements(n * h))
     }
 
     fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {
         let (h, t) = (partials.cols(), partials.rows() / k);
         let out = self.empty(DType::F32, &[t, h])?;
-        let args = [arg(partials), arg(&out), u32_of(t), u32_of(k), u32_of(h)];
-        self.try_run("moe_combine", LaunchConfig::elements(t * h), &args)?;
+        let call = launch::moe_combine(ptr(partials), ptr(&out), u32_of(t), u32_of(k), u32_of(h));
+        self.try_run(call, LaunchConfig::elements(t * h))?;
         Ok(out)
     }
 }

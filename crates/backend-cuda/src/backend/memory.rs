@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use osprey_backend::{DType, Fence, HostArena, HostData, HostMatrix, HostVec, MemoryOps, Result, Tensor, WeightView};
 
-use super::{arg, ptr, u32_of, Buf, CudaBackend, CudaStorage, Placed};
-use crate::device::{Arg, LaunchConfig};
+use super::{ptr, u32_of, Buf, CudaBackend, CudaStorage, Placed};
+use crate::device::LaunchConfig;
+use crate::launch;
 
 /// The bytes of typed host data.
 fn bytes_of(data: HostData<'_>) -> (DType, Vec<u8>) {
@@ -98,7 +99,7 @@ impl MemoryOps for CudaBackend {
                 self.dev.copy(to, from, n * src.dtype().size()).unwrap_or_else(|e| panic!("{e}: this is a bug"))
             }
             (DType::BF16, DType::F32) => {
-                self.run("f32_to_bf16_rows", LaunchConfig::elements(n), &[Arg::Ptr(from), Arg::Ptr(to), u32_of(n)])
+                self.run(launch::f32_to_bf16_rows(from, to, u32_of(n)), LaunchConfig::elements(n))
             }
             (d, s) => panic!("write_rows of {s:?} into {d:?}: this is a bug"),
         }
@@ -112,8 +113,8 @@ impl MemoryOps for CudaBackend {
         }
         let ids = self.ids(rows)?;
         let esize = x.dtype().size();
-        let args = [arg(x), arg(&ids), arg(&out), u32_of(rows.len()), u32_of(c), u32_of(esize)];
-        self.try_run("gather_rows", LaunchConfig::elements(rows.len() * c * esize), &args)?;
+        let call = launch::gather_rows(ptr(x), ptr(&ids), ptr(&out), u32_of(rows.len()), u32_of(c), u32_of(esize));
+        self.try_run(call, LaunchConfig::elements(rows.len() * c * esize))?;
         Ok(out)
     }
 
@@ -124,8 +125,9 @@ impl MemoryOps for CudaBackend {
         let mut outs = Vec::with_capacity(parts.len());
         for &p in parts {
             let out = self.empty(DType::F32, &[rows, heads * p])?;
-            let args = [arg(x), arg(&out), u32_of(rows), u32_of(heads), u32_of(gw), u32_of(off), u32_of(p)];
-            self.try_run("split_cols_f32", LaunchConfig::elements(rows * heads * p), &args)?;
+            let (r, h) = (u32_of(rows), u32_of(heads));
+            let call = launch::split_cols_f32(ptr(x), ptr(&out), r, h, u32_of(gw), u32_of(off), u32_of(p));
+            self.try_run(call, LaunchConfig::elements(rows * heads * p))?;
             outs.push(out);
             off += p;
         }

@@ -18,7 +18,8 @@ use std::sync::Arc;
 
 use osprey_backend::{Backend, BackendError, DType, Device, DeviceStats, Op, Result, Storage, Tensor};
 
-use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, LaunchConfig};
+use crate::device::{DevPtr, DeviceError, DeviceInfo, DeviceLayer, LaunchConfig};
+use crate::launch::Call;
 
 /// Device memory a tensor owns; given back when dropped.
 #[derive(Debug)]
@@ -164,16 +165,17 @@ impl CudaBackend {
         Ok(Tensor::new(shape.to_vec(), dtype, self.device, Box::new(CudaStorage::Data(buf))))
     }
 
-    /// Runs kernel `name`; a fault in an op that cannot report errors is a bug.
-    fn run(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
-        if let Err(e) = self.dev.launch(name, cfg, args) {
+    /// Runs a kernel ([`crate::launch`]: typed by its signature); a fault in an op that cannot report
+    /// errors is a bug.
+    fn run<const N: usize>(&self, call: Call<N>, cfg: LaunchConfig) {
+        if let Err(e) = self.dev.launch(call.name, cfg, &call.args) {
             panic!("{e}: this is a bug");
         }
     }
 
-    /// Runs kernel `name`, reporting a fault.
-    fn try_run(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
-        self.dev.launch(name, cfg, args).map_err(seam_error)
+    /// Runs a kernel, reporting a fault.
+    fn try_run<const N: usize>(&self, call: Call<N>, cfg: LaunchConfig) -> Result<()> {
+        self.dev.launch(call.name, cfg, &call.args).map_err(seam_error)
     }
 }
 
@@ -186,14 +188,9 @@ pub(crate) fn ptr(t: &Tensor) -> DevPtr {
     }
 }
 
-/// A tensor's elements as a kernel pointer argument.
-pub(crate) fn arg(t: &Tensor) -> Arg {
-    Arg::Ptr(ptr(t))
-}
-
 /// A count or size as a kernel's `unsigned`.
-pub(crate) fn u32_of(n: usize) -> Arg {
-    Arg::U32(u32::try_from(n).expect("a size over 2^32 on the CUDA backend: this is a bug"))
+pub(crate) fn u32_of(n: usize) -> u32 {
+    u32::try_from(n).expect("a size over 2^32 on the CUDA backend: this is a bug")
 }
 
 impl Backend for CudaBackend {

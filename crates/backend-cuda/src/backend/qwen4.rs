@@ -6,8 +6,9 @@ use std::ops::Range;
 use osprey_backend::{AttnShape, DType, PagedView, Qwen4Ops, Result, Tensor};
 
 use super::core::Form;
-use super::{arg, u32_of, CudaBackend};
-use crate::device::{Arg, LaunchConfig};
+use super::{ptr, u32_of, CudaBackend};
+use crate::device::LaunchConfig;
+use crate::launch;
 
 impl Qwen4Ops for CudaBackend {
     fn rms_norm_grouped(&self, x: &mut Tensor, w: &Tensor, group: usize, eps: f32) {
@@ -15,11 +16,11 @@ impl Qwen4Ops for CudaBackend {
     }
 
     fn silu(&self, x: &mut Tensor) {
-        self.each("activate_f32", x, &[u32_of(x.numel()), Arg::I32(0)]);
+        self.each(x, launch::activate_f32(ptr(x), u32_of(x.numel()), 0));
     }
 
     fn sigmoid(&self, x: &mut Tensor) {
-        self.each("activate_f32", x, &[u32_of(x.numel()), Arg::I32(1)]);
+        self.each(x, launch::activate_f32(ptr(x), u32_of(x.numel()), 1));
     }
 
     fn rms_norm_gated_sigmoid(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
@@ -29,21 +30,21 @@ impl Qwen4Ops for CudaBackend {
     fn hc_combine(&self, m: &Tensor, xn: &Tensor, hc: usize) -> Result<Tensor> {
         let (n, h) = (m.rows(), m.cols() / hc);
         let out = self.empty(DType::F32, &[n, h])?;
-        let args = [arg(m), arg(xn), arg(&out), u32_of(n), u32_of(hc), u32_of(h)];
-        self.try_run("hc_combine", LaunchConfig::elements(n * h), &args)?;
+        let call = launch::hc_combine(ptr(m), ptr(xn), ptr(&out), u32_of(n), u32_of(hc), u32_of(h));
+        self.try_run(call, LaunchConfig::elements(n * h))?;
         Ok(out)
     }
 
     fn hc_inject(&self, x: &mut Tensor, out: &Tensor, inj: &Tensor, hc: usize) {
         let (n, h) = (x.rows(), out.cols());
-        self.each("hc_inject", x, &[arg(out), arg(inj), u32_of(n), u32_of(hc), u32_of(h)]);
+        self.each(x, launch::hc_inject(ptr(x), ptr(out), ptr(inj), u32_of(n), u32_of(hc), u32_of(h)));
     }
 
     fn ple_gate(&self, k: &Tensor, q: &Tensor, v: &Tensor, hc: usize) -> Result<Tensor> {
         let (n, h) = (v.rows(), v.cols());
         let out = self.empty(DType::F32, k.shape())?;
-        let args = [arg(k), arg(q), arg(v), arg(&out), u32_of(hc), u32_of(h)];
-        self.try_run("ple_gate", LaunchConfig::per_group(n * hc, 128), &args)?;
+        let call = launch::ple_gate(ptr(k), ptr(q), ptr(v), ptr(&out), u32_of(hc), u32_of(h));
+        self.try_run(call, LaunchConfig::per_group(n * hc, 128))?;
         Ok(out)
     }
 
@@ -57,16 +58,25 @@ impl Qwen4Ops for CudaBackend {
     ) -> Result<Tensor> {
         let (n, c) = (x.rows(), x.cols());
         let out = self.empty(DType::F32, &[n, c])?;
-        let args = [arg(x), u32_of(n), u32_of(c), arg(w), u32_of(kernel), u32_of(dilation), arg(state), arg(&out)];
-        self.try_run("causal_conv_dilated_silu", LaunchConfig::elements(c), &args)?;
+        let call = launch::causal_conv_dilated_silu(
+            ptr(x),
+            u32_of(n),
+            u32_of(c),
+            ptr(w),
+            u32_of(kernel),
+            u32_of(dilation),
+            ptr(state),
+            ptr(&out),
+        );
+        self.try_run(call, LaunchConfig::elements(c))?;
         Ok(out)
     }
 
     fn mean_rows(&self, x: &Tensor, rows: Range<usize>) -> Result<Tensor> {
         let cols = x.cols();
         let out = self.empty(DType::F32, &[1, cols])?;
-        let args = [arg(x), u32_of(rows.start), u32_of(rows.len()), u32_of(cols), arg(&out)];
-        self.try_run("mean_rows", LaunchConfig::elements(cols), &args)?;
+        let call = launch::mean_rows(ptr(x), u32_of(rows.start), u32_of(rows.len()), u32_of(cols), ptr(&out));
+        self.try_run(call, LaunchConfig::elements(cols))?;
         Ok(out)
     }
 
@@ -83,21 +93,21 @@ impl Qwen4Ops for CudaBackend {
     ) -> Result<Tensor> {
         let n = rows.len();
         let out = self.empty(DType::I32, &[n, top])?;
-        let args = [
-            arg(q),
+        let call = launch::qsa_select(
+            ptr(q),
             u32_of(rows.start),
             u32_of(n),
-            arg(keys),
+            ptr(keys),
             u32_of(past),
             u32_of(ratio),
             u32_of(top),
             u32_of(heads),
             u32_of(keys.cols()),
-            Arg::F32(scale),
-            arg(&out),
-        ];
+            scale,
+            ptr(&out),
+        );
         let cfg = LaunchConfig { grid: [n.div_ceil(64).max(1) as u32, 1, 1], block: [64, 1, 1] };
-        self.try_run("qsa_select", cfg, &args)?;
+        self.try_run(call, cfg)?;
         Ok(out)
     }
 
@@ -119,15 +129,15 @@ impl Qwen4Ops for CudaBackend {
         let top = blocks.cols();
         let stride = top * ratio + ratio; // selected blocks plus at most one incomplete block
         let scratch = self.scores(n * shape.heads, stride);
-        let [pool, bf16, table, page_size] = super::attention::paged(kv);
-        let args = [
-            arg(q),
-            arg(out),
+        let (pool, bf16, table, page_size) = super::attention::paged(kv);
+        let call = launch::attention_selected(
+            ptr(q),
+            ptr(out),
             pool,
             bf16,
             table,
             page_size,
-            arg(blocks),
+            ptr(blocks),
             u32_of(top),
             u32_of(rows.start),
             u32_of(past),
@@ -135,10 +145,10 @@ impl Qwen4Ops for CudaBackend {
             u32_of(shape.heads),
             u32_of(shape.kv_heads),
             u32_of(shape.head_dim),
-            Arg::F32(scale),
-            arg(&scratch),
+            scale,
+            ptr(&scratch),
             u32_of(stride),
-        ];
-        self.run("attention_selected", LaunchConfig::per_group(n * shape.heads, 128), &args);
+        );
+        self.run(call, LaunchConfig::per_group(n * shape.heads, 128));
     }
 }

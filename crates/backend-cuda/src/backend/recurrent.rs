@@ -6,8 +6,9 @@ use std::ops::Range;
 
 use osprey_backend::{DType, GdnShape, RecurrentOps, Result, Tensor};
 
-use super::{arg, u32_of, CudaBackend};
+use super::{ptr, u32_of, CudaBackend};
 use crate::device::LaunchConfig;
+use crate::launch;
 
 impl RecurrentOps for CudaBackend {
     fn causal_conv_silu(
@@ -21,9 +22,17 @@ impl RecurrentOps for CudaBackend {
         assert!((2..=9).contains(&kernel), "conv kernels of 2 to 9 taps: this is a bug");
         let c = x.cols();
         let out = self.empty(DType::F32, &[rows.len(), c])?;
-        let args =
-            [arg(x), u32_of(rows.start), u32_of(rows.len()), u32_of(c), arg(w), u32_of(kernel), arg(state), arg(&out)];
-        self.try_run("causal_conv_silu", LaunchConfig::elements(c), &args)?;
+        let call = launch::causal_conv_silu(
+            ptr(x),
+            u32_of(rows.start),
+            u32_of(rows.len()),
+            u32_of(c),
+            ptr(w),
+            u32_of(kernel),
+            ptr(state),
+            ptr(&out),
+        );
+        self.try_run(call, LaunchConfig::elements(c))?;
         Ok(out)
     }
 
@@ -38,9 +47,18 @@ impl RecurrentOps for CudaBackend {
         let (n, nv) = (rows.len(), a.cols());
         let beta = self.empty(DType::F32, &[n, nv])?;
         let g = self.empty(DType::F32, &[n, nv])?;
-        let args =
-            [arg(a), arg(b), u32_of(rows.start), u32_of(n), u32_of(nv), arg(neg_a), arg(dt_bias), arg(&beta), arg(&g)];
-        self.try_run("delta_gates", LaunchConfig::elements(n * nv), &args)?;
+        let call = launch::delta_gates(
+            ptr(a),
+            ptr(b),
+            u32_of(rows.start),
+            u32_of(n),
+            u32_of(nv),
+            ptr(neg_a),
+            ptr(dt_bias),
+            ptr(&beta),
+            ptr(&g),
+        );
+        self.try_run(call, LaunchConfig::elements(n * nv))?;
         Ok((beta, g))
     }
 
@@ -57,22 +75,22 @@ impl RecurrentOps for CudaBackend {
     ) -> Result<Tensor> {
         let n = q.rows();
         let out = self.empty(DType::F32, &[n, shape.nv * shape.dv])?;
-        let args = [
-            arg(q),
-            arg(k),
-            arg(v),
-            arg(g),
-            arg(beta),
-            arg(state),
-            arg(&out),
+        let call = launch::gated_delta_recurrent(
+            ptr(q),
+            ptr(k),
+            ptr(v),
+            ptr(g),
+            ptr(beta),
+            ptr(state),
+            ptr(&out),
             u32_of(n),
             u32_of(shape.nk),
             u32_of(shape.nv),
             u32_of(shape.dk),
             u32_of(shape.dv),
-        ];
+        );
         let cfg = LaunchConfig::per_group(shape.nv, (shape.dv.div_ceil(32) * 32).min(1024) as u32);
-        self.try_run("gated_delta_recurrent", cfg, &args)?;
+        self.try_run(call, cfg)?;
         Ok(out)
     }
 }
