@@ -66,6 +66,10 @@ int main(int argc, char** argv) {
     run(add_f32, d1(2), d1(256), x.data(), y.data(), n);
     run(add_bias_f32, d1(2), d1(256), x.data(), b.data(), n, cols);
     run(silu_mul_f32, d1(2), d1(256), x.data(), y.data(), n);
+    run(sigmoid_mul_f32, d1(2), d1(256), x.data(), y.data(), n);
+    run(scale_f32, d1(2), d1(256), x.data(), 0.37f, n);
+    run(activate_f32, d1(2), d1(256), x.data(), n, 0);
+    run(activate_f32, d1(2), d1(256), x.data(), n, 1);
     run(add_sigmoid_gated_f32, d1(2), d1(256), x.data(), y.data(), g.data(), n, cols);
     run(gelu_f32, d1(2), d1(256), x.data(), n, 1);
     run(rms_norm_f32, d1(rows), d1(128), x.data(), w.data(), z.data(), cols, cols, cols, 1e-6f, 1, 0);

@@ -14,6 +14,19 @@ use std::sync::Mutex;
 
 use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
 
+thread_local! {
+    /// The kernels launched on this thread while [`launches_of`] records.
+    static LAUNCHED: std::cell::RefCell<Option<Vec<&'static str>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` and returns the kernels the emulated device launched on this thread meanwhile, in order:
+/// which kernels an op's test runs (the emulated device launches on the calling thread).
+pub fn launches_of(f: impl FnOnce()) -> Vec<&'static str> {
+    let outer = LAUNCHED.with(|l| l.borrow_mut().replace(Vec::new()));
+    f();
+    LAUNCHED.with(|l| std::mem::replace(&mut *l.borrow_mut(), outer)).unwrap_or_default()
+}
+
 unsafe extern "C" {
     fn osprey_emu_last_error() -> *const std::ffi::c_char;
 }
@@ -188,6 +201,7 @@ impl DeviceLayer for EmuDevice {
     fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<(), DeviceError> {
         let fault = |message: String| DeviceError::Kernel { kernel: name.into(), message };
         let (info, entry) = emu_entry(name).ok_or_else(|| fault("no such kernel in kernels/".into()))?;
+        LAUNCHED.with(|l| l.borrow_mut().as_mut().map(|v| v.push(info.name)));
         if args.len() != info.arity {
             return Err(fault(format!("{} arguments for {} parameters: this is a bug", args.len(), info.arity)));
         }

@@ -3,6 +3,7 @@
 
 mod asan;
 mod common;
+mod coverage;
 mod emulator;
 #[cfg(feature = "cuda")]
 mod nvrtc;

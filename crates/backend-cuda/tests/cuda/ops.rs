@@ -26,7 +26,7 @@ fn ulps(want: &[f32], n: f32) -> impl Fn(usize) -> f32 + '_ {
 }
 
 #[test]
-fn element_wise_ops_agree_to_a_few_ulps() {
+pub(crate) fn element_wise_ops_agree_to_a_few_ulps() {
     let (cpu, gpu) = backends();
     for (rows, cols) in [(1, 2048), (7, 2048), (3, 1000)] {
         let (x, y, g) = (data(1, rows * cols), data(2, rows * cols), data(3, rows));
@@ -65,7 +65,7 @@ fn norm_bound(want: &[f32], n: usize) -> impl Fn(usize) -> f32 + '_ {
 }
 
 #[test]
-fn norms_agree_within_the_sum_bound() {
+pub(crate) fn norms_agree_within_the_sum_bound() {
     let (cpu, gpu) = backends();
     // Whole rows of 2048 (the decoder), heads of 256 and 128 (q/k norms, GDN), the vision tower's 1152.
     for (rows, cols, group) in
@@ -123,7 +123,7 @@ fn magnitudes(x: &[f32], w: &Matrix, m: usize) -> Vec<f32> {
 }
 
 #[test]
-fn linears_agree_within_the_dot_product_bound_for_every_weight_type() {
+pub(crate) fn linears_agree_within_the_dot_product_bound_for_every_weight_type() {
     let (cpu, gpu) = backends();
     // (m, n, k): decode, a few rows, a prefill chunk not a multiple of 16; k of the hidden size, of an
     // expert's intermediate size (512), and odd for the dense types.
@@ -151,7 +151,7 @@ fn linears_agree_within_the_dot_product_bound_for_every_weight_type() {
 /// activation or a widened weight to bf16 moves it by at most 2⁻⁹ of itself, so a product by at most
 /// 2⁻⁸ of |x·w|; the sums add at most γ_k for each backend.
 #[test]
-fn fast_linears_run_as_bf16_gemms_within_the_rounding_bound() {
+pub(crate) fn fast_linears_run_as_bf16_gemms_within_the_rounding_bound() {
     let cpu = osprey_backend_cpu::CpuBackend::exact();
     let gpu = osprey_backend_cuda::open_emulated_with(1 << 30, osprey_backend::Precision::Int8);
     for dtype in [DType::BF16, DType::Nvfp4] {
@@ -175,7 +175,7 @@ fn fast_linears_run_as_bf16_gemms_within_the_rounding_bound() {
 }
 
 #[test]
-fn embeddings_memory_ops_rotary_and_the_router_match() {
+pub(crate) fn embeddings_memory_ops_rotary_and_the_router_match() {
     let (cpu, gpu) = backends();
     // Embedding rows of each table type: exact (a widening copy).
     for dtype in [DType::F32, DType::BF16, DType::F16] {

@@ -50,7 +50,7 @@ fn paged_case(n: usize, past: usize, dtype: DType) {
 }
 
 #[test]
-fn paged_attention_matches_on_partial_pages_gqa_and_a_bf16_pool() {
+pub(crate) fn paged_attention_matches_on_partial_pages_gqa_and_a_bf16_pool() {
     paged_case(1, 0, DType::F32); // the first token
     paged_case(1, 37, DType::F32); // decode into a partial third page
     paged_case(70, 0, DType::F32); // a prefill longer than the CPU's GEMM threshold
@@ -58,7 +58,7 @@ fn paged_attention_matches_on_partial_pages_gqa_and_a_bf16_pool() {
 }
 
 #[test]
-fn bidirectional_attention_matches_the_vision_shapes() {
+pub(crate) fn bidirectional_attention_matches_the_vision_shapes() {
     let (cpu, gpu) = backends();
     let s = AttnShape { heads: 16, kv_heads: 16, head_dim: 72 }; // the vision tower: 1152 = 16 × 72
     let (total, rows) = (40, 8..35);
@@ -79,7 +79,7 @@ fn bidirectional_attention_matches_the_vision_shapes() {
 }
 
 #[test]
-fn gated_deltanet_decodes_to_the_bit_and_prefills_within_the_chunked_bound() {
+pub(crate) fn gated_deltanet_decodes_to_the_bit_and_prefills_within_the_chunked_bound() {
     let (cpu, gpu) = backends();
     let s = GdnShape { nk: 16, nv: 32, dk: 128, dv: 128 };
     let (c, kernel) = (8192, 4);
@@ -175,7 +175,7 @@ fn expert(dtype: DType, e: u32, shape: ExpertShape) -> HostExpert {
 }
 
 #[test]
-fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wave() {
+pub(crate) fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wave() {
     let (cpu, gpu) = backends();
     for dtype in [DType::BF16, DType::Nvfp4] {
         let shape = ExpertShape { hidden: 256, inter: 64, dtype };
@@ -227,7 +227,7 @@ fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wave() {
 }
 
 #[test]
-fn qwen4_exp_ops_match_the_cpu_backend() {
+pub(crate) fn qwen4_exp_ops_match_the_cpu_backend() {
     let (cpu, gpu) = backends();
     let (n, hc, h) = (5, 4, 96);
     let (m, xn, out, inj) = (data(900, n * hc * h), data(901, n * hc * h), data(902, n * h), data(903, n * hc));
