@@ -92,3 +92,60 @@ fn every_request_in_the_readme_and_the_api_doc_gets_the_answer_they_show() {
         }
     }
 }
+
+/// The figures of a line: numbers with a unit (`1.50×`, `19–28%`, `230 µs`, `10.1 MB`) or in e-notation
+/// (`4.2e-5`), each number of a range on its own.
+fn figures(line: &str) -> Vec<String> {
+    let units = ["×", "%", " µs", " ms", " MB", " GB", " tok/s"];
+    let chars: Vec<(usize, char)> = line.char_indices().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let (at, c) = chars[i];
+        let starts =
+            c.is_ascii_digit() && (i == 0 || !(chars[i - 1].1.is_ascii_alphanumeric() || chars[i - 1].1 == '.'));
+        if !starts {
+            i += 1;
+            continue;
+        }
+        // A number, `-`/`–` and another, as far as they go.
+        let mut end = i;
+        while end < chars.len() && (chars[end].1.is_ascii_digit() || ".e-–".contains(chars[end].1)) {
+            end += 1;
+        }
+        let to = chars.get(end).map_or(line.len(), |c| c.0);
+        let text = line[at..to].trim_end_matches(['.', '-', '–']);
+        let rest = &line[at + text.len()..];
+        if text.contains("e-") || units.iter().any(|u| rest.starts_with(u)) {
+            out.extend(text.split(['–']).filter(|n| !n.is_empty()).map(str::to_string));
+        }
+        i = end.max(i + 1);
+    }
+    out
+}
+
+/// Every figure the README's status table states is recorded in docs/ (a benchmark run, or the doc of
+/// the test that measures it), so a figure cannot be typed in by hand and drift.
+#[test]
+fn every_figure_in_the_readme_status_table_is_recorded_in_the_docs() {
+    let readme = std::fs::read_to_string(root().join("README.md")).expect("README");
+    let mut docs = String::new();
+    for e in std::fs::read_dir(root().join("docs")).expect("docs/").flatten() {
+        if e.path().extension().is_some_and(|x| x == "md") {
+            docs.push_str(&std::fs::read_to_string(e.path()).expect("a doc"));
+        }
+    }
+    let recorded = |n: &str| {
+        docs.match_indices(n).any(|(at, _)| {
+            let before = docs[..at].chars().next_back();
+            let after = docs[at + n.len()..].chars().next();
+            !before.is_some_and(|c| c.is_ascii_digit() || c == '.') && !after.is_some_and(|c| c.is_ascii_digit())
+        })
+    };
+    let rows: Vec<&str> = readme.lines().filter(|l| l.starts_with("| ")).collect();
+    let all: Vec<String> = rows.iter().flat_map(|l| figures(l)).collect();
+    assert!(all.len() > 20, "the status table's figures were not found: {all:?}");
+    let missing: Vec<&String> = all.iter().filter(|n| !recorded(n)).collect();
+    assert!(missing.is_empty(), "README figures recorded nowhere in docs/: {missing:?}");
+    assert_eq!(figures("prefill 1.50× and 19–28%, 230 µs, ≤ 4.2e-5, 3 layers"), ["1.50", "19", "28", "230", "4.2e-5"]);
+}

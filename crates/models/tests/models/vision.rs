@@ -12,7 +12,7 @@
 //! - positions: exact.
 //!
 //! Teacher forcing at the vision/decoder boundary: the decoder tests inject transformers' own vision rows
-//! (`image_embeds` / `video_embeds`), while the tower is compared with them separately (max 2.4e-6). This
+//! (`image_embeds` / `video_embeds`), while the tower is compared with them separately (max 2.6e-6, docs/fixtures.md). This
 //! matters because the random tiny MoE is ill-conditioned at some tokens: in float64 transformers, a 2e-6
 //! random perturbation of the input embeddings of `two_images` moves `hidden_states.3` at token 85 by
 //! 7–9e-4 (tools/README.md, "conditioning"), so chaining our tower into the decoder would measure the
