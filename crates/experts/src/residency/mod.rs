@@ -173,8 +173,10 @@ impl ExpertSource for ResidentSet {
                 let t0 = Instant::now();
                 let got = rx.blocking_recv().map_err(|_| died())?;
                 stall.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                let weights =
-                    got.map_err(|e| osprey_models::Error::Engine(format!("reading experts failed: {}", e.message)))?;
+                let weights = got.map_err(|e| {
+                    let layer = missing.first().map_or(0, |k| k.layer());
+                    osprey_models::Error::Engine(format!("reading experts of layer {layer} failed: {}", e.message))
+                })?;
                 Ok(weights.into_iter().zip(missing).map(|(w, k)| leased(&tx, k, w)).collect())
             });
             Ok((have, pending))
