@@ -16,6 +16,7 @@
 //! `supports` answers yes to all; none has run on a GPU yet (docs/cuda.md).
 
 mod backend;
+pub mod counted;
 pub mod device;
 #[cfg(feature = "cuda")]
 pub mod driver;
@@ -28,6 +29,7 @@ pub mod nvrtc;
 use std::sync::Arc;
 
 pub use backend::{CudaBackend, CudaStorage};
+pub use counted::{Counted, DeviceCounts};
 pub use device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
 pub use emu::EmuDevice;
 

@@ -17,8 +17,9 @@ use crate::{BackendError, Device, HostMatrix, Result, Tensor};
 /// A shared backend.
 pub type BackendRef = Arc<dyn Backend>;
 
-/// A device's memory and the bytes that crossed to and from it since start ([`Backend::stats`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// A device's memory, and what the backend asked of it since start ([`Backend::stats`]): bytes each way,
+/// kernel launches, host waits, allocations and frees (zero on a backend that computes in host memory).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DeviceStats {
     /// Bytes of device memory (`None`: the backend computes in host memory).
     pub memory_total: Option<u64>,
@@ -28,6 +29,16 @@ pub struct DeviceStats {
     pub bytes_to_device: u64,
     /// Bytes copied device → host (downloads, snapshots).
     pub bytes_from_device: u64,
+    /// Kernel launches.
+    pub launches: u64,
+    /// Launches per kernel name.
+    pub kernels: Vec<(String, u64)>,
+    /// Calls that blocked the host until the device caught up (syncs, downloads, blocking copies, frees).
+    pub host_waits: u64,
+    /// Device memory allocations.
+    pub allocations: u64,
+    /// Device memory frees.
+    pub frees: u64,
 }
 
 /// Per-row rotary tables of one forward (shared by its attention layers).

@@ -65,6 +65,63 @@ pub struct ForwardReport {
     pub bytes_per_decode_token: u64,
     /// `bytes_per_decode_token × decode_tok_s`.
     pub decode_weight_gb_s: f64,
+    /// On a compute device: what the prefill asked of it (the last repetition).
+    pub device_prefill: Option<DeviceWork>,
+    /// On a compute device: what one decode token asked of it (the last repetition, averaged).
+    pub device_per_decode_token: Option<DeviceWork>,
+}
+
+/// What a stretch of work asked of the compute device ([`osprey_models::backend::DeviceStats`]'s counts,
+/// over the stretch, divided by its tokens where per token).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DeviceWork {
+    /// Kernel launches.
+    pub launches: f64,
+    /// Calls that blocked the host until the device caught up.
+    pub host_waits: f64,
+    /// Device allocations.
+    pub allocations: f64,
+    /// Device frees.
+    pub frees: f64,
+    /// Bytes host → device.
+    pub bytes_to_device: f64,
+    /// Bytes device → host.
+    pub bytes_from_device: f64,
+    /// Launches per kernel, most first.
+    pub kernels: Vec<(String, f64)>,
+}
+
+impl DeviceWork {
+    /// The counts between `before` and `after`, divided by `per` (1: the stretch's totals). `None` on a
+    /// backend without a device.
+    pub fn between(
+        before: &osprey_models::backend::DeviceStats,
+        after: &osprey_models::backend::DeviceStats,
+        per: usize,
+    ) -> Option<DeviceWork> {
+        after.memory_total?;
+        let per = per.max(1) as f64;
+        let d = |a: u64, b: u64| a.saturating_sub(b) as f64 / per;
+        let mut kernels: Vec<(String, f64)> = after
+            .kernels
+            .iter()
+            .map(|(k, n)| {
+                let was = before.kernels.iter().find(|(b, _)| b == k).map_or(0, |(_, m)| *m);
+                (k.clone(), d(*n, was))
+            })
+            .filter(|(_, n)| *n > 0.0)
+            .collect();
+        kernels.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        Some(DeviceWork {
+            launches: d(after.launches, before.launches),
+            host_waits: d(after.host_waits, before.host_waits),
+            allocations: d(after.allocations, before.allocations),
+            frees: d(after.frees, before.frees),
+            bytes_to_device: d(after.bytes_to_device, before.bytes_to_device),
+            bytes_from_device: d(after.bytes_from_device, before.bytes_from_device),
+            kernels,
+        })
+    }
 }
 
 /// The deterministic prompt both osprey and tools/bench_transformers.py use.
@@ -139,11 +196,20 @@ pub fn bench_forward(driver: &mut Driver, b: ForwardBench) -> Result<ForwardRepo
     let opts =
         GenerateOptions { chunk: b.prompt_len.max(1), max_tokens: b.decode_tokens + 1, stop_token_ids: Vec::new() };
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    let backend = driver.model().backend().clone();
+    let mut device = (None, None);
     for rep in 0..=b.repeats {
-        let g = driver.generate(prompt.clone(), greedy(), &opts, &mut NoMedia)?;
+        let start = backend.stats();
+        let mut first = None;
+        let g = driver
+            .generate_observed(prompt.clone(), greedy(), &opts, &mut NoMedia, &mut || first = Some(backend.stats()))?;
         if rep > 0 {
             prefill.push(g.prefill_secs);
             decode.push(g.decode_secs);
+        }
+        if let Some(first) = first.filter(|_| rep == b.repeats) {
+            let end = backend.stats();
+            device = (DeviceWork::between(&start, &first, 1), DeviceWork::between(&first, &end, b.decode_tokens));
         }
     }
     let model = driver.model();
@@ -161,6 +227,8 @@ pub fn bench_forward(driver: &mut Driver, b: ForwardBench) -> Result<ForwardRepo
         decode_tok_s,
         bytes_per_decode_token: bytes,
         decode_weight_gb_s: bytes as f64 * decode_tok_s / 1e9,
+        device_prefill: device.0,
+        device_per_decode_token: device.1,
     })
 }
 

@@ -205,8 +205,8 @@ impl std::ops::Add for ExpertSlots {
     }
 }
 
-/// The compute device's memory and traffic since start (`None` on the CPU backend).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// The compute device's memory, and what the engine asked of it since start (`None` on the CPU backend).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DeviceCounters {
     /// Bytes of device memory.
     pub memory_total: u64,
@@ -216,6 +216,16 @@ pub struct DeviceCounters {
     pub bytes_to_device: u64,
     /// Bytes copied device → host.
     pub bytes_from_device: u64,
+    /// Kernel launches.
+    pub launches: u64,
+    /// Launches per kernel name.
+    pub kernels: Vec<(String, u64)>,
+    /// Calls that blocked the host until the device caught up (syncs, downloads, blocking copies, frees).
+    pub host_waits: u64,
+    /// Device memory allocations.
+    pub allocations: u64,
+    /// Device memory frees.
+    pub frees: u64,
 }
 
 /// Page counts of the runner's KV pool.

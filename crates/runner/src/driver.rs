@@ -212,6 +212,11 @@ impl Driver {
             memory_free: d.memory_free.unwrap_or(0),
             bytes_to_device: d.bytes_to_device,
             bytes_from_device: d.bytes_from_device,
+            launches: d.launches,
+            kernels: d.kernels,
+            host_waits: d.host_waits,
+            allocations: d.allocations,
+            frees: d.frees,
         })
     }
 

@@ -13,11 +13,11 @@ mod memory;
 mod qwen4;
 mod recurrent;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use osprey_backend::{Backend, BackendError, DType, Device, DeviceStats, Op, Result, Storage, Tensor};
 
+use crate::counted::{Counted, DeviceCounts};
 use crate::device::{DevPtr, DeviceError, DeviceInfo, DeviceLayer, LaunchConfig};
 use crate::launch::Call;
 
@@ -82,9 +82,8 @@ pub struct CudaBackend {
     /// `Int8` (the fast default): prefill-shaped bf16 and NVFP4 linears run as bf16 GEMMs (cuBLAS) with
     /// bf16 activations, as the CPU's fast path rounds them; `Exact`: every linear in f32 (parity tests).
     precision: osprey_backend::Precision,
-    /// Bytes copied host → device and device → host since start.
-    to_device: AtomicU64,
-    from_device: AtomicU64,
+    /// What the backend asked of `dev` (`dev` is this layer).
+    counted: Arc<Counted>,
     /// Experts being copied into slots on the copy stream, kept (with their leases) until their copy's
     /// event completes: the execution contract's "the backend keeps `expert` until then".
     uploading: std::sync::Mutex<Vec<(crate::device::Event, osprey_backend::HostExpert)>>,
@@ -111,39 +110,43 @@ pub(crate) fn seam_error(e: DeviceError) -> BackendError {
 }
 
 impl CudaBackend {
-    /// The backend over `dev`, whose tensors are on `device`.
+    /// The backend over `dev`, whose tensors are on `device`; every call to `dev` is counted
+    /// ([`CudaBackend::counts`]).
     pub fn new(dev: Arc<dyn DeviceLayer>, device: Device) -> Self {
         let info = dev.info();
+        let counted = Arc::new(Counted::new(dev));
         CudaBackend {
-            dev,
+            dev: counted.clone(),
+            counted,
             device,
             info,
             precision: osprey_backend::Precision::Exact,
-            to_device: AtomicU64::new(0),
-            from_device: AtomicU64::new(0),
             uploading: std::sync::Mutex::new(Vec::new()),
         }
     }
 
-    /// Host → device, counted.
+    /// What the backend asked of its device since start: launches (per kernel), host waits, allocations,
+    /// frees, bytes each way.
+    pub fn counts(&self) -> DeviceCounts {
+        self.counted.counts()
+    }
+
+    /// Host → device.
     fn copy_to_device(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
-        self.to_device.fetch_add(src.len() as u64, Ordering::Relaxed);
         self.dev.upload(dst, src).map_err(seam_error)
     }
 
-    /// Host → device on the copy stream, counted.
+    /// Host → device on the copy stream.
     ///
     /// # Safety
     /// `src` must stay valid until the returned event completes.
     unsafe fn upload_async(&self, dst: DevPtr, src: &[u8]) -> Result<crate::device::Event> {
-        self.to_device.fetch_add(src.len() as u64, Ordering::Relaxed);
         // SAFETY: per this function's contract.
         unsafe { self.dev.upload_async(dst, src.as_ptr(), src.len()) }.map_err(seam_error)
     }
 
-    /// Device → host, counted.
+    /// Device → host.
     fn copy_to_host(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
-        self.from_device.fetch_add(dst.len() as u64, Ordering::Relaxed);
         self.dev.download(src, dst).map_err(seam_error)
     }
 
@@ -209,11 +212,17 @@ impl Backend for CudaBackend {
     }
 
     fn stats(&self) -> DeviceStats {
+        let c = self.counts();
         DeviceStats {
             memory_total: Some(self.info.total_memory as u64),
             memory_free: Some(self.dev.free_memory() as u64),
-            bytes_to_device: self.to_device.load(Ordering::Relaxed),
-            bytes_from_device: self.from_device.load(Ordering::Relaxed),
+            bytes_to_device: c.bytes_to_device,
+            bytes_from_device: c.bytes_from_device,
+            launches: c.launches,
+            kernels: c.kernels.into_iter().collect(),
+            host_waits: c.host_waits,
+            allocations: c.allocations,
+            frees: c.frees,
         }
     }
 

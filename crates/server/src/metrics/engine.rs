@@ -53,6 +53,8 @@ enum Samples {
     One(N),
     /// One sample per value of a label, numbered from 0.
     By(&'static str, Vec<N>),
+    /// One sample per named value of a label.
+    Named(&'static str, Vec<(String, N)>),
 }
 
 /// Counter (its name without `_total`, which the encoder adds) or gauge.
@@ -156,6 +158,17 @@ const ENGINE: &[Decl] = &[
     }),
     counter("osprey_device_upload_bytes", "Bytes copied host to device.", |s| device(s, |d| d.bytes_to_device)),
     counter("osprey_device_download_bytes", "Bytes copied device to host.", |s| device(s, |d| d.bytes_from_device)),
+    counter("osprey_device_launches", "Kernel launches on the compute device.", |s| device(s, |d| d.launches)),
+    counter("osprey_device_kernel_launches", "Kernel launches on the compute device, per kernel.", |s| {
+        s.engine.scheduler.device.as_ref().map_or(Samples::Absent, |d| {
+            Samples::Named("kernel", d.kernels.iter().map(|(k, n)| (k.clone(), N::U(*n))).collect())
+        })
+    }),
+    counter("osprey_device_host_waits", "Calls that blocked the host until the device caught up.", |s| {
+        device(s, |d| d.host_waits)
+    }),
+    counter("osprey_device_allocations", "Device memory allocations.", |s| device(s, |d| d.allocations)),
+    counter("osprey_device_frees", "Device memory frees.", |s| device(s, |d| d.frees)),
     counter("osprey_grammar_masks", "Token masks computed for constrained decoding.", |s| {
         u(s.engine.scheduler.grammar.masks)
     }),
@@ -304,10 +317,13 @@ fn encode(enc: &mut DescriptorEncoder, name: &str, help: &str, kind: Kind, s: Sa
         Samples::Absent => Ok(()),
         Samples::One(v) => value(kind, v, enc.encode_descriptor(name, help, None, t)?),
         Samples::By(label, vs) => {
+            let named = vs.into_iter().enumerate().map(|(i, v)| (i.to_string(), v)).collect();
+            encode(enc, name, help, kind, Samples::Named(label, named))
+        }
+        Samples::Named(label, vs) => {
             let mut m = enc.encode_descriptor(name, help, None, t)?;
-            for (i, v) in vs.into_iter().enumerate() {
-                let i = i.to_string();
-                value(kind, v, m.encode_family(&[(label, i.as_str())])?)?;
+            for (l, v) in vs {
+                value(kind, v, m.encode_family(&[(label, l.as_str())])?)?;
             }
             Ok(())
         }

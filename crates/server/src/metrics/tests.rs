@@ -40,6 +40,11 @@ fn snapshot() -> Engine {
             memory_free: 1 << 33,
             bytes_to_device: 12345,
             bytes_from_device: 678,
+            launches: 90,
+            kernels: vec![("rms_norm_f32".into(), 60), ("linear_gemv".into(), 30)],
+            host_waits: 7,
+            allocations: 5,
+            frees: 4,
         }),
         family: vec![
             FamilyMetric {
@@ -165,6 +170,13 @@ fn samples(text: &str) -> BTreeMap<String, (f64, String, String)> {
 
 /// Metrics added since the pinned exposition (each a decision, written here, never a surprise).
 const ADDED: &[&str] = &[
+    // Issue 51: what the engine asks of its compute device.
+    "osprey_device_allocations_total",
+    "osprey_device_frees_total",
+    "osprey_device_host_waits_total",
+    "osprey_device_kernel_launches_total{kernel=\"linear_gemv\"}",
+    "osprey_device_kernel_launches_total{kernel=\"rms_norm_f32\"}",
+    "osprey_device_launches_total",
     // Issue 36: read-ahead of guessed experts, and the experts' peak in RAM (sorted, as the samples are
     // compared).
     "osprey_expert_peak_bytes",

@@ -1,0 +1,173 @@
+//! What the backend asks of its device, counted (issue 51): kernel launches (in total and per kernel),
+//! host waits, device allocations and frees, and bytes each way. [`Counted`] wraps either device layer
+//! (the emulated one and cudarc's), so the counts are the calls a card would see, whatever runs them.
+//!
+//! A host wait is a call after which the host cannot go on before the device has caught up: a
+//! [`DeviceLayer::synchronize`], a [`DeviceLayer::download`] (it returns the bytes), a blocking
+//! [`DeviceLayer::upload`] from pageable memory, and a [`DeviceLayer::free`] (the device layers free after
+//! a stream sync, so the work reading the memory is done). [`DeviceLayer::upload_async`],
+//! [`DeviceLayer::wait_event`] and launches do not wait.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
+
+/// The counts since start (or, from [`DeviceCounts::since`], over a stretch such as one decode step).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceCounts {
+    /// Kernel launches (cuBLAS GEMMs included, as `cublasGemmEx`).
+    pub launches: u64,
+    /// Launches per kernel name.
+    pub kernels: BTreeMap<String, u64>,
+    /// Calls that block the host until the device has caught up (see the module docs).
+    pub host_waits: u64,
+    /// Device allocations.
+    pub allocations: u64,
+    /// Device frees.
+    pub frees: u64,
+    /// Bytes copied host → device.
+    pub bytes_to_device: u64,
+    /// Bytes copied device → host.
+    pub bytes_from_device: u64,
+}
+
+impl DeviceCounts {
+    /// What happened after `earlier` (a snapshot taken before).
+    pub fn since(&self, earlier: &DeviceCounts) -> DeviceCounts {
+        let kernels = self
+            .kernels
+            .iter()
+            .map(|(k, &n)| (k.clone(), n - earlier.kernels.get(k).copied().unwrap_or(0)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        DeviceCounts {
+            launches: self.launches - earlier.launches,
+            kernels,
+            host_waits: self.host_waits - earlier.host_waits,
+            allocations: self.allocations - earlier.allocations,
+            frees: self.frees - earlier.frees,
+            bytes_to_device: self.bytes_to_device - earlier.bytes_to_device,
+            bytes_from_device: self.bytes_from_device - earlier.bytes_from_device,
+        }
+    }
+}
+
+/// A device layer whose every call is counted.
+#[derive(Debug)]
+pub struct Counted {
+    inner: Arc<dyn DeviceLayer>,
+    counts: Mutex<DeviceCounts>,
+}
+
+impl Counted {
+    /// Counts the calls to `inner`.
+    pub fn new(inner: Arc<dyn DeviceLayer>) -> Self {
+        Counted { inner, counts: Mutex::new(DeviceCounts::default()) }
+    }
+
+    /// The counts so far.
+    pub fn counts(&self) -> DeviceCounts {
+        self.lock().clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, DeviceCounts> {
+        self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn count(&self, f: impl FnOnce(&mut DeviceCounts)) {
+        f(&mut self.lock());
+    }
+
+    fn launched(&self, name: &str) {
+        self.count(|c| {
+            c.launches += 1;
+            match c.kernels.get_mut(name) {
+                Some(n) => *n += 1,
+                None => {
+                    c.kernels.insert(name.to_string(), 1);
+                }
+            }
+        });
+    }
+}
+
+impl DeviceLayer for Counted {
+    fn info(&self) -> DeviceInfo {
+        self.inner.info()
+    }
+
+    fn free_memory(&self) -> usize {
+        self.inner.free_memory()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DevPtr, DeviceError> {
+        self.count(|c| c.allocations += 1);
+        self.inner.alloc(bytes)
+    }
+
+    fn free(&self, p: DevPtr) {
+        self.count(|c| (c.frees, c.host_waits) = (c.frees + 1, c.host_waits + 1));
+        self.inner.free(p)
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Result<osprey_backend::HostArena, DeviceError> {
+        self.inner.alloc_host(bytes)
+    }
+
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
+        self.count(|c| (c.bytes_to_device, c.host_waits) = (c.bytes_to_device + src.len() as u64, c.host_waits + 1));
+        self.inner.upload(dst, src)
+    }
+
+    unsafe fn upload_async(&self, dst: DevPtr, src: *const u8, len: usize) -> Result<Event, DeviceError> {
+        self.count(|c| c.bytes_to_device += len as u64);
+        // SAFETY: the caller's contract, passed on unchanged.
+        unsafe { self.inner.upload_async(dst, src, len) }
+    }
+
+    fn wait_event(&self, e: Event) -> Result<(), DeviceError> {
+        self.inner.wait_event(e)
+    }
+
+    fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.count(|c| {
+            (c.bytes_from_device, c.host_waits) = (c.bytes_from_device + dst.len() as u64, c.host_waits + 1)
+        });
+        self.inner.download(src, dst)
+    }
+
+    fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), DeviceError> {
+        self.inner.copy(dst, src, bytes)
+    }
+
+    fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
+        self.inner.zero(dst, bytes)
+    }
+
+    fn gemm_bf16(&self, g: GemmBf16) -> Result<(), DeviceError> {
+        let r = self.inner.gemm_bf16(g);
+        if r.is_ok() {
+            self.launched("cublasGemmEx");
+        }
+        r
+    }
+
+    fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<(), DeviceError> {
+        self.launched(name);
+        self.inner.launch(name, cfg, args)
+    }
+
+    fn record(&self) -> Event {
+        self.inner.record()
+    }
+
+    fn is_complete(&self, e: Event) -> bool {
+        self.inner.is_complete(e)
+    }
+
+    fn synchronize(&self, e: Event) -> Result<(), DeviceError> {
+        self.count(|c| c.host_waits += 1);
+        self.inner.synchronize(e)
+    }
+}
