@@ -7,6 +7,11 @@
 //! [`DeviceLayer::upload`] from pageable memory, and a [`DeviceLayer::free`] (the device layers free after
 //! a stream sync, so the work reading the memory is done). [`DeviceLayer::upload_async`],
 //! [`DeviceLayer::wait_event`] and launches do not wait.
+//!
+//! It also keeps the device's first fault (a launch, copy or allocation that failed other than for lack
+//! of memory; on a GPU a kernel fault leaves the context unusable): from then on every call that could
+//! touch device memory fails at once, naming that fault ([`Counted::fault`]), so the backend never panics
+//! and the engine reports the fault at the step's next fallible op and stops (docs/reliability.md).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -58,12 +63,48 @@ impl DeviceCounts {
 pub struct Counted {
     inner: Arc<dyn DeviceLayer>,
     counts: Mutex<DeviceCounts>,
+    /// The first fault: (the op, what went wrong).
+    fault: Mutex<Option<(String, String)>>,
 }
 
 impl Counted {
     /// Counts the calls to `inner`.
     pub fn new(inner: Arc<dyn DeviceLayer>) -> Self {
-        Counted { inner, counts: Mutex::new(DeviceCounts::default()) }
+        Counted { inner, counts: Mutex::new(DeviceCounts::default()), fault: Mutex::new(None) }
+    }
+
+    /// The first fault, as the seam reports it (`None`: the device is healthy).
+    pub fn fault(&self) -> Option<osprey_backend::BackendError> {
+        let f = self.fault.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        f.as_ref().map(|(op, message)| osprey_backend::BackendError::Fault { op: op.clone(), message: message.clone() })
+    }
+
+    /// Records a fault of `op` (the first one stays: it is the cause, the rest follow from it).
+    pub fn fail(&self, op: &str, message: impl std::fmt::Display) {
+        let mut f = self.fault.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if f.is_none() {
+            // The engine logs it when it stops (the runner asks `Backend::health` after each step).
+            *f = Some((op.to_string(), message.to_string()));
+        }
+    }
+
+    /// Fails at once after a fault.
+    fn healthy(&self) -> Result<(), DeviceError> {
+        match &*self.fault.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            None => Ok(()),
+            Some((op, message)) => Err(DeviceError::Faulted(format!("an earlier fault in {op}: {message}"))),
+        }
+    }
+
+    /// `r`, with a failure other than running out of memory (or a missing library) recorded as the
+    /// device's fault.
+    fn watch<T>(&self, op: &str, r: Result<T, DeviceError>) -> Result<T, DeviceError> {
+        if let Err(e) = &r {
+            if !matches!(e, DeviceError::OutOfMemory { .. } | DeviceError::Unavailable(_) | DeviceError::Faulted(_)) {
+                self.fail(op, e);
+            }
+        }
+        r
     }
 
     /// The counts so far.
@@ -102,13 +143,15 @@ impl DeviceLayer for Counted {
     }
 
     fn alloc(&self, bytes: usize) -> Result<DevPtr, DeviceError> {
+        self.healthy()?;
         self.count(|c| c.allocations += 1);
-        self.inner.alloc(bytes)
+        self.watch("allocation", self.inner.alloc(bytes))
     }
 
-    fn free(&self, p: DevPtr) {
+    fn free(&self, p: DevPtr) -> Result<(), DeviceError> {
         self.count(|c| (c.frees, c.host_waits) = (c.frees + 1, c.host_waits + 1));
-        self.inner.free(p)
+        // Freed even after a fault (the memory is the process's); the sync before it may report one.
+        self.watch("free", self.inner.free(p))
     }
 
     fn alloc_host(&self, bytes: usize) -> Result<osprey_backend::HostArena, DeviceError> {
@@ -116,50 +159,60 @@ impl DeviceLayer for Counted {
     }
 
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
-        self.count(|c| (c.bytes_to_device, c.host_waits) = (c.bytes_to_device + src.len() as u64, c.host_waits + 1));
-        self.inner.upload(dst, src)
+        self.healthy()?;
+        let n = src.len() as u64;
+        self.count(|c| (c.bytes_to_device, c.host_waits) = (c.bytes_to_device + n, c.host_waits + 1));
+        self.watch("upload", self.inner.upload(dst, src))
     }
 
     unsafe fn upload_async(&self, dst: DevPtr, src: *const u8, len: usize) -> Result<Event, DeviceError> {
+        self.healthy()?;
         self.count(|c| c.bytes_to_device += len as u64);
         // SAFETY: the caller's contract, passed on unchanged.
-        unsafe { self.inner.upload_async(dst, src, len) }
+        self.watch("upload", unsafe { self.inner.upload_async(dst, src, len) })
     }
 
     fn wait_event(&self, e: Event) -> Result<(), DeviceError> {
-        self.inner.wait_event(e)
+        self.healthy()?;
+        self.watch("waiting for a copy", self.inner.wait_event(e))
     }
 
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.count(|c| {
-            (c.bytes_from_device, c.host_waits) = (c.bytes_from_device + dst.len() as u64, c.host_waits + 1)
-        });
-        self.inner.download(src, dst)
+        self.healthy()?;
+        let n = dst.len() as u64;
+        self.count(|c| (c.bytes_from_device, c.host_waits) = (c.bytes_from_device + n, c.host_waits + 1));
+        self.watch("download", self.inner.download(src, dst))
     }
 
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), DeviceError> {
-        self.inner.copy(dst, src, bytes)
+        self.healthy()?;
+        self.watch("device copy", self.inner.copy(dst, src, bytes))
     }
 
     fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
-        self.inner.zero(dst, bytes)
+        self.healthy()?;
+        self.watch("memset", self.inner.zero(dst, bytes))
     }
 
     fn gemm_bf16(&self, g: GemmBf16) -> Result<(), DeviceError> {
+        self.healthy()?;
         let r = self.inner.gemm_bf16(g);
         if r.is_ok() {
             self.launched("cublasGemmEx");
         }
-        r
+        // No cuBLAS is not a fault (`Unavailable`): the backend falls back to its kernels.
+        self.watch("cublasGemmEx", r)
     }
 
     fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<(), DeviceError> {
+        self.healthy()?;
         self.launched(name);
-        self.inner.launch(name, cfg, args)
+        self.watch(name, self.inner.launch(name, cfg, args))
     }
 
-    fn record(&self) -> Event {
-        self.inner.record()
+    fn record(&self) -> Result<Event, DeviceError> {
+        self.healthy()?;
+        self.watch("recording an event", self.inner.record())
     }
 
     fn is_complete(&self, e: Event) -> bool {
@@ -167,7 +220,8 @@ impl DeviceLayer for Counted {
     }
 
     fn synchronize(&self, e: Event) -> Result<(), DeviceError> {
+        self.healthy()?;
         self.count(|c| c.host_waits += 1);
-        self.inner.synchronize(e)
+        self.watch("synchronize", self.inner.synchronize(e))
     }
 }

@@ -41,6 +41,12 @@ impl LaunchConfig {
     pub fn per_group(groups: usize, threads: u32) -> Self {
         LaunchConfig { grid: [groups as u32, 1, 1], block: [threads, 1, 1] }
     }
+
+    /// Whether it launches no thread (an invalid launch on a GPU: the backend skips it, the emulated
+    /// device refuses it).
+    pub fn is_empty(&self) -> bool {
+        self.grid.contains(&0) || self.block.contains(&0)
+    }
 }
 
 /// One kernel argument, by value (a pointer is a device address).
@@ -145,6 +151,9 @@ pub enum DeviceError {
     /// A copy outside the allocation it names (a bug in the caller).
     #[error("{0}: this is a bug")]
     Bounds(String),
+    /// The device faulted earlier and is unusable (`Counted` refuses every call after the first fault).
+    #[error("the device is unusable after {0}")]
+    Faulted(String),
 }
 
 /// The device under the CUDA backend (see the module docs).
@@ -156,7 +165,7 @@ pub trait DeviceLayer: Send + Sync + Debug {
     /// `bytes` of device memory (contents undefined).
     fn alloc(&self, bytes: usize) -> Result<DevPtr, DeviceError>;
     /// Gives an allocation back, once the work issued before has run.
-    fn free(&self, p: DevPtr);
+    fn free(&self, p: DevPtr) -> Result<(), DeviceError>;
     /// Host memory for the expert RAM tier, zeroed and 4 KiB-aligned: page-locked on a GPU, so the copy
     /// stream reads it directly; plain memory on the emulated device.
     fn alloc_host(&self, bytes: usize) -> Result<osprey_backend::HostArena, DeviceError>;
@@ -182,7 +191,7 @@ pub trait DeviceLayer: Send + Sync + Debug {
     /// Launches kernel `name` (of the sources in `kernels/`).
     fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<(), DeviceError>;
     /// An event after everything issued so far.
-    fn record(&self) -> Event;
+    fn record(&self) -> Result<Event, DeviceError>;
     /// Whether the work before `e` has run.
     fn is_complete(&self, e: Event) -> bool;
     /// Waits for the work before `e`.

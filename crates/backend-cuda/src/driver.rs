@@ -190,13 +190,14 @@ impl DeviceLayer for CudaDevice {
         }
     }
 
-    fn free(&self, p: DevPtr) {
-        if self.bind().is_ok() {
-            // The stream's work that reads `p` must finish first: freeing is ordered by a sync.
-            let _ = self.stream.synchronize();
-            // SAFETY: `p` came from `alloc` and is freed once (its `Buf` owns it).
-            let _ = unsafe { result::free_sync(p.0) };
-        }
+    fn free(&self, p: DevPtr) -> Result<(), DeviceError> {
+        self.bind()?;
+        // The stream's work that reads `p` must finish first: freeing is ordered by a sync, whose error
+        // (a fault of any earlier kernel) is reported, not swallowed.
+        let synced = self.stream.synchronize().map_err(|e| driver("the stream before a free", e));
+        // SAFETY: `p` came from `alloc` and is freed once (its `Buf` owns it).
+        let freed = unsafe { result::free_sync(p.0) }.map_err(|e| driver("free", e));
+        synced.and(freed)
     }
 
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
@@ -303,14 +304,14 @@ impl DeviceLayer for CudaDevice {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| fault(format!("{e:?}")))
     }
 
-    fn record(&self) -> Event {
+    fn record(&self) -> Result<Event, DeviceError> {
         let n = self.recorded.fetch_add(1, Ordering::Relaxed) + 1;
-        if let Ok(ev) = self.stream.record_event(None) {
-            let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
-            events.retain(|_, e| !e.is_complete());
-            events.insert(n, ev);
-        }
-        Event(n)
+        // A failed recording is an error, not an event that reads as complete.
+        let ev = self.stream.record_event(None).map_err(|e| driver("recording an event", e))?;
+        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        events.retain(|_, e| !e.is_complete());
+        events.insert(n, ev);
+        Ok(Event(n))
     }
 
     fn is_complete(&self, e: Event) -> bool {

@@ -45,6 +45,11 @@ pub struct EmuDevice {
     /// runs only when something waits for it — the latest a device may run it — so a read of its
     /// destination that did not wait sees the old bytes, as a GPU may let it.
     copies: Mutex<Vec<(u64, DevPtr, usize, usize)>>,
+    /// Injected faults (tests): the launch, and the allocation, that fail, counted from 1 (0: none).
+    fail_launch: AtomicU64,
+    fail_alloc: AtomicU64,
+    launches: AtomicU64,
+    allocations: AtomicU64,
 }
 
 impl EmuDevice {
@@ -56,7 +61,21 @@ impl EmuDevice {
             capacity,
             issued: AtomicU64::new(0),
             copies: Mutex::new(Vec::new()),
+            fail_launch: AtomicU64::new(0),
+            fail_alloc: AtomicU64::new(0),
+            launches: AtomicU64::new(0),
+            allocations: AtomicU64::new(0),
         }
+    }
+
+    /// Makes the `n`-th launch from now fail as a kernel fault would (tests of the engine's fault path).
+    pub fn fail_launch_after(&self, n: u64) {
+        self.fail_launch.store(self.launches.load(Ordering::Relaxed) + n.max(1), Ordering::Relaxed);
+    }
+
+    /// Makes the `n`-th allocation from now fail as a driver error (not out of memory) would.
+    pub fn fail_alloc_after(&self, n: u64) {
+        self.fail_alloc.store(self.allocations.load(Ordering::Relaxed) + n.max(1), Ordering::Relaxed);
     }
 
     /// Runs the copy stream's copies up to event `id`.
@@ -100,6 +119,10 @@ impl DeviceLayer for EmuDevice {
     }
 
     fn alloc(&self, bytes: usize) -> Result<DevPtr, DeviceError> {
+        let n = self.allocations.fetch_add(1, Ordering::Relaxed) + 1;
+        if n == self.fail_alloc.load(Ordering::Relaxed) {
+            return Err(DeviceError::Kernel { kernel: "cuMemAlloc".into(), message: "injected driver error".into() });
+        }
         let rounded = bytes.div_ceil(8).max(1) * 8;
         let available = self.free_memory();
         if rounded > available {
@@ -116,10 +139,11 @@ impl DeviceLayer for EmuDevice {
         osprey_backend::HostArena::zeroed(bytes).ok_or(DeviceError::OutOfMemory { requested: bytes, available: 0 })
     }
 
-    fn free(&self, p: DevPtr) {
+    fn free(&self, p: DevPtr) -> Result<(), DeviceError> {
         if let Some(mem) = self.allocs.lock().unwrap_or_else(|e| e.into_inner()).remove(&p.0) {
             self.used.fetch_sub((mem.len() * 8) as u64, Ordering::Relaxed);
         }
+        Ok(())
     }
 
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
@@ -201,6 +225,13 @@ impl DeviceLayer for EmuDevice {
     fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<(), DeviceError> {
         let fault = |message: String| DeviceError::Kernel { kernel: name.into(), message };
         let (info, entry) = emu_entry(name).ok_or_else(|| fault("no such kernel in kernels/".into()))?;
+        if cfg.is_empty() {
+            return Err(fault(format!("a launch over no threads ({cfg:?}): invalid on a GPU, a bug in the caller")));
+        }
+        let n = self.launches.fetch_add(1, Ordering::Relaxed) + 1;
+        if n == self.fail_launch.load(Ordering::Relaxed) {
+            return Err(fault("injected fault (an illegal address, as a GPU would report it)".into()));
+        }
         LAUNCHED.with(|l| l.borrow_mut().as_mut().map(|v| v.push(info.name)));
         if args.len() != info.arity {
             return Err(fault(format!("{} arguments for {} parameters: this is a bug", args.len(), info.arity)));
@@ -222,8 +253,8 @@ impl DeviceLayer for EmuDevice {
         Err(fault(message))
     }
 
-    fn record(&self) -> Event {
-        Event(self.issued.load(Ordering::Relaxed))
+    fn record(&self) -> Result<Event, DeviceError> {
+        Ok(Event(self.issued.load(Ordering::Relaxed)))
     }
 
     fn is_complete(&self, e: Event) -> bool {

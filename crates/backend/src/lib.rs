@@ -69,6 +69,15 @@ pub enum BackendError {
     /// The device failed an operation (a kernel fault, a lost device, a driver error).
     #[error("device error: {0}")]
     Device(String),
+    /// The device faulted in `op` and is unusable from then on (a kernel fault leaves a CUDA context
+    /// unusable): every later op fails, and the engine stops ([`crate::Backend::health`]).
+    #[error("device fault in {op}: {message}; the device is unusable")]
+    Fault {
+        /// The op that faulted (a kernel's name, `allocation`, `download`, …).
+        op: String,
+        /// What went wrong.
+        message: String,
+    },
     /// The backend lacks ops a model needs.
     #[error("the {backend} backend lacks {ops:?}, which this model needs")]
     Unsupported {

@@ -82,6 +82,12 @@ macro_rules! seam {
             fn stats(&self) -> DeviceStats {
                 DeviceStats::default()
             }
+
+            /// The device's sticky fault, if it has one ([`crate::BackendError::Fault`]): the engine asks
+            /// after each step and stops, since nothing computed on the device can be trusted after it.
+            fn health(&self) -> Result<()> {
+                Ok(())
+            }
         }
 
         /// An op group of the set, for [`Backend::supports`]: a backend in progress (a device backend
@@ -144,6 +150,11 @@ macro_rules! seam {
                 self.inner().stats()
             }
 
+            /// [`Backend::health`].
+            fn health(&self) -> Result<()> {
+                self.inner().health()
+            }
+
             $($($(
                 seam_unless_derived! { [$($($kind)?)?]
                     $(#[$fm])*
@@ -179,6 +190,9 @@ macro_rules! seam {
             }
             fn stats(&self) -> DeviceStats {
                 <W as Wrapper>::stats(self)
+            }
+            fn health(&self) -> Result<()> {
+                <W as Wrapper>::health(self)
             }
         }
     };

@@ -82,6 +82,8 @@ impl RowSource for VisionRows<'_> {
 pub struct Runner {
     driver: Driver,
     vision: Option<VisionSender>,
+    /// The compute device's fault, once it has one: the runner answers the step and stops.
+    fault: Option<String>,
 }
 
 impl Runner {
@@ -98,7 +100,7 @@ impl Runner {
         (page_size, pages): (usize, usize),
         dtype: DType,
     ) -> Self {
-        Runner { driver: Driver::with_kv(model, page_size, pages, dtype), vision }
+        Runner { driver: Driver::with_kv(model, page_size, pages, dtype), vision, fault: None }
     }
 
     /// Decodes with `k` draft tokens per step from the model's draft head (see
@@ -174,6 +176,18 @@ impl Runner {
                 }
             }
         }
+        // A device that faulted computed nothing this step that can be trusted: every sequence of it
+        // fails with the fault (500, naming the op), and the runner stops after answering, so `/health`
+        // turns 503 and `serve` exits (docs/reliability.md).
+        if let Err(e) = self.driver.model().backend().health() {
+            let e = error::backend_error(e);
+            tracing::error!(error = %e.message, "the compute device faulted: the runner stops");
+            result.sampled.clear();
+            result.snapshots.clear();
+            result.failed.retain(|(seq, _)| !seqs.contains(seq));
+            result.failed.extend(seqs.iter().map(|&s| (s, e.clone())));
+            self.fault = Some(e.message);
+        }
         result.kv = self.driver.kv_pages();
         result.slots = self.driver.slot_stats();
         result.device = self.driver.device_counters();
@@ -203,6 +217,9 @@ pub fn spawn(runner: Runner) -> mpsc::UnboundedSender<RunnerCommand> {
             let mut runner = runner;
             while let Some(RunnerCommand::Step { plan, reply }) = rx.blocking_recv() {
                 let _ = reply.send(runner.step(plan));
+                if runner.fault.is_some() {
+                    break; // the inbox closes: the scheduler, then `/health`, see the runner gone
+                }
             }
         })
         .expect("spawn runner thread");

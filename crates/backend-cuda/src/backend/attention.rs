@@ -10,11 +10,12 @@ use crate::device::{DevPtr, LaunchConfig};
 use crate::launch;
 
 impl CudaBackend {
-    /// Scratch for `blocks` rows of `stride` scores (an allocation failure here is the device's
-    /// out-of-memory inside an op that cannot report it: a bug in the memory plan).
-    pub(super) fn scores(&self, blocks: usize, stride: usize) -> Tensor {
-        self.empty(DType::F32, &[blocks.max(1), stride.max(1)])
-            .unwrap_or_else(|e| panic!("attention scratch: {e}: this is a bug"))
+    /// Scratch for `blocks` rows of `stride` scores. An op that cannot report errors needs it: a failed
+    /// allocation (a memory plan that left too little) is recorded as the device's fault and the op is
+    /// skipped, so the step fails at its next fallible op instead of the process panicking.
+    pub(super) fn scores(&self, blocks: usize, stride: usize) -> Option<Tensor> {
+        let t = self.empty(DType::F32, &[blocks.max(1), stride.max(1)]);
+        t.map_err(|e| self.fail("attention scratch", format!("{blocks} × {stride} scores: {e}"))).ok()
     }
 }
 
@@ -42,7 +43,7 @@ impl AttentionOps for CudaBackend {
             return;
         }
         let stride = past + n;
-        let scratch = self.scores(n * shape.heads, stride);
+        let Some(scratch) = self.scores(n * shape.heads, stride) else { return };
         let (pool, bf16, table, page_size) = paged(kv);
         let (heads, kv_heads, head_dim) = (u32_of(shape.heads), u32_of(shape.kv_heads), u32_of(shape.head_dim));
         let call = launch::attention_paged(
@@ -78,7 +79,7 @@ impl AttentionOps for CudaBackend {
         if n == 0 {
             return;
         }
-        let scratch = self.scores(n * shape.heads, n);
+        let Some(scratch) = self.scores(n * shape.heads, n) else { return };
         let (heads, kv_heads, head_dim) = (u32_of(shape.heads), u32_of(shape.kv_heads), u32_of(shape.head_dim));
         let (row0, n32) = (u32_of(rows.start), u32_of(n));
         let call = launch::attention_full(

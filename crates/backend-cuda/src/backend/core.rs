@@ -5,17 +5,17 @@
 use osprey_backend::{BackendError, CoreOps, DType, HostData, MRope, MemoryOps, Result, RopeTable, Tensor};
 
 use super::{ptr, u32_of, CudaBackend, CudaStorage};
-use crate::device::{DevPtr, DeviceError, GemmBf16, LaunchConfig};
+use crate::device::{DevPtr, DeviceError, DeviceLayer as _, GemmBf16, LaunchConfig};
 use crate::launch;
 
 /// The linear kernels' code for a weight type.
-pub(super) fn wtype(dtype: DType) -> i32 {
+pub(super) fn wtype(dtype: DType) -> Result<i32> {
     match dtype {
-        DType::F32 => 0,
-        DType::BF16 => 1,
-        DType::F16 => 2,
-        DType::Nvfp4 => 3,
-        other => panic!("a {other:?} weight: this is a bug"),
+        DType::F32 => Ok(0),
+        DType::BF16 => Ok(1),
+        DType::F16 => Ok(2),
+        DType::Nvfp4 => Ok(3),
+        other => Err(BackendError::Device(format!("a {other:?} weight has no linear kernel: this is a bug"))),
     }
 }
 
@@ -115,13 +115,7 @@ impl CudaBackend {
                 return Ok(out);
             }
         }
-        let wtype = match w.dtype {
-            DType::F32 => 0,
-            DType::BF16 => 1,
-            DType::F16 => 2,
-            DType::Nvfp4 => 3,
-            other => panic!("a {other:?} weight: this is a bug"),
-        };
+        let wtype = wtype(w.dtype)?;
         let out = self.empty(DType::F32, &[m, n])?;
         let (x, o, mnk) = (ptr(x), ptr(&out), (u32_of(m), u32_of(n), u32_of(k)));
         // Decode (a few rows): a warp per output column reads each weight once for every row; prefill:
@@ -141,7 +135,7 @@ impl CudaBackend {
 impl CoreOps for CudaBackend {
     fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let Some(CudaStorage::Weight(placed)) = w.storage::<CudaStorage>() else {
-            panic!("linear over a tensor that is not a placed weight: this is a bug");
+            return Err(BackendError::Device("linear over a tensor that is not a placed weight: this is a bug".into()));
         };
         let scales = placed.scales.as_ref().map_or(placed.data.ptr, |s| s.ptr);
         let weight = RawWeight { data: placed.data.ptr, scales, global: placed.global, dtype: w.dtype() };

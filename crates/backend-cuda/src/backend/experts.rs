@@ -14,7 +14,7 @@ use osprey_backend::{
 
 use super::core::RawWeight;
 use super::{ptr, seam_error, u32_of, Buf, CudaBackend};
-use crate::device::{Event, LaunchConfig};
+use crate::device::{DeviceLayer as _, Event, LaunchConfig};
 use crate::launch;
 
 /// Where one projection sits in a slot.
@@ -119,7 +119,7 @@ impl CudaBackend {
         let r0 = self.upload(HostData::I32(&g.row0), &[g.row0.len()])?;
         let rc = self.upload(HostData::I32(&g.counts), &[g.counts.len()])?;
         let out = self.empty(DType::F32, &[g.rows.len(), n])?;
-        let wtype = super::core::wtype(dtype);
+        let wtype = super::core::wtype(dtype)?;
         let call = launch::linear_grouped(
             ptr(x),
             ptr(&wp),
@@ -203,7 +203,7 @@ impl ExpertOps for CudaBackend {
         }
         cuda.copying.get_mut().unwrap_or_else(|e| e.into_inner())[slot] = last;
         pool.set_key(slot, key);
-        let Some(last) = last else { return Ok(Fence(self.dev.record().0)) };
+        let Some(last) = last else { return Ok(Fence(self.dev.record().map_err(super::seam_error)?.0)) };
         let mut uploading = self.uploading.lock().unwrap_or_else(|e| e.into_inner());
         uploading.retain(|(e, _)| !self.dev.is_complete(*e)); // finished copies give their leases back
         uploading.push((last, expert));

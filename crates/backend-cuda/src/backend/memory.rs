@@ -4,10 +4,12 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use osprey_backend::{DType, Fence, HostArena, HostData, HostMatrix, HostVec, MemoryOps, Result, Tensor, WeightView};
+use osprey_backend::{
+    BackendError, DType, Fence, HostArena, HostData, HostMatrix, HostVec, MemoryOps, Result, Tensor, WeightView,
+};
 
 use super::{ptr, u32_of, Buf, CudaBackend, CudaStorage, Placed};
-use crate::device::LaunchConfig;
+use crate::device::{DeviceLayer as _, LaunchConfig};
 use crate::launch;
 
 /// The bytes of typed host data.
@@ -22,17 +24,21 @@ fn bytes_of(data: HostData<'_>) -> (DType, Vec<u8>) {
 }
 
 /// Typed elements from little-endian bytes.
-fn typed(dtype: DType, b: &[u8]) -> HostVec {
+fn typed(dtype: DType, b: &[u8]) -> Result<HostVec> {
     let u16s = || b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
     let words = |f: fn([u8; 4]) -> u32| b.chunks_exact(4).map(move |c| f([c[0], c[1], c[2], c[3]]));
-    match dtype {
+    Ok(match dtype {
         DType::F32 => HostVec::F32(words(u32::from_le_bytes).map(f32::from_bits).collect()),
         DType::BF16 => HostVec::Bf16(u16s()),
         DType::F16 => HostVec::F16(u16s()),
         DType::U8 => HostVec::U8(b.to_vec()),
         DType::I32 => HostVec::I32(words(u32::from_le_bytes).map(|w| w as i32).collect()),
-        DType::Nvfp4 => panic!("NVFP4 tensors are placed weights, never downloaded: this is a bug"),
-    }
+        DType::Nvfp4 => {
+            return Err(BackendError::Device(
+                "NVFP4 tensors are placed weights, never downloaded: this is a bug".into(),
+            ))
+        }
+    })
 }
 
 impl CudaBackend {
@@ -44,7 +50,8 @@ impl CudaBackend {
 
     /// Uploads `ids` as an i32 device array (row lists of gathers and scatters).
     fn ids(&self, ids: &[usize]) -> Result<Tensor> {
-        let v: Vec<i32> = ids.iter().map(|&i| i32::try_from(i).expect("a row id over 2^31: this is a bug")).collect();
+        let v = ids.iter().map(|&i| i32::try_from(i)).collect::<std::result::Result<Vec<i32>, _>>();
+        let v = v.map_err(|_| BackendError::Device("a row id over 2^31 on the CUDA backend".into()))?;
         self.upload(HostData::I32(&v), &[v.len()])
     }
 }
@@ -79,7 +86,7 @@ impl MemoryOps for CudaBackend {
     fn download(&self, t: &Tensor) -> Result<HostVec> {
         let mut b = vec![0u8; t.numel() * t.dtype().size()];
         self.copy_to_host(ptr(t), &mut b)?;
-        Ok(typed(t.dtype(), &b))
+        typed(t.dtype(), &b)
     }
 
     fn zeros(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
@@ -95,13 +102,14 @@ impl MemoryOps for CudaBackend {
         let from = ptr(src).offset(rows.start * c * src.dtype().size());
         let to = ptr(dst).offset(at * dst.dtype().size());
         match (dst.dtype(), src.dtype()) {
+            // A failed copy is the device's fault (`Counted` keeps it; the step's next fallible op says so).
             (DType::F32, DType::F32) | (DType::BF16, DType::BF16) => {
-                self.dev.copy(to, from, n * src.dtype().size()).unwrap_or_else(|e| panic!("{e}: this is a bug"))
+                let _ = self.dev.copy(to, from, n * src.dtype().size());
             }
             (DType::BF16, DType::F32) => {
                 self.run(launch::f32_to_bf16_rows(from, to, u32_of(n)), LaunchConfig::elements(n))
             }
-            (d, s) => panic!("write_rows of {s:?} into {d:?}: this is a bug"),
+            (d, s) => self.fail("write_rows", format!("rows of {s:?} into {d:?}: this is a bug")),
         }
     }
 
@@ -139,7 +147,9 @@ impl MemoryOps for CudaBackend {
     }
 
     fn record_fence(&self) -> Fence {
-        Fence(self.dev.record().0)
+        // After a fault (kept by `Counted`, reported at the next fallible op) no event can be recorded:
+        // the done fence, which nothing will wait for usefully.
+        Fence(self.dev.record().map_or(0, |e| e.0))
     }
 
     fn wait_fence(&self, fence: Fence) -> Result<()> {

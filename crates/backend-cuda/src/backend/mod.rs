@@ -26,12 +26,13 @@ use crate::launch::Call;
 pub struct Buf {
     ptr: DevPtr,
     bytes: usize,
-    dev: Arc<dyn DeviceLayer>,
+    dev: Arc<Counted>,
 }
 
 impl Drop for Buf {
     fn drop(&mut self) {
-        self.dev.free(self.ptr);
+        // A failure is the device's fault, which `Counted` keeps (a drop cannot report it).
+        let _ = self.dev.free(self.ptr);
     }
 }
 
@@ -64,8 +65,15 @@ impl Storage for CudaStorage {
     fn clone_storage(&self) -> Box<dyn Storage> {
         match self {
             CudaStorage::Data(b) => {
-                let ptr = b.dev.alloc(b.bytes).expect("device memory for a tensor copy: out of memory");
-                b.dev.copy(ptr, b.ptr, b.bytes).expect("a device-to-device copy: this is a bug");
+                // A clone cannot report an error: a failed one is the device's fault (the engine stops at
+                // its next step), and the clone is an empty buffer no kernel is launched on.
+                let ptr = match b.dev.alloc(b.bytes).and_then(|p| b.dev.copy(p, b.ptr, b.bytes).map(|_| p)) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        b.dev.fail("tensor copy", e);
+                        DevPtr(0)
+                    }
+                };
                 Box::new(CudaStorage::Data(Buf { ptr, bytes: b.bytes, dev: b.dev.clone() }))
             }
             CudaStorage::Weight(w) => Box::new(CudaStorage::Weight(w.clone())),
@@ -76,14 +84,13 @@ impl Storage for CudaStorage {
 /// The CUDA backend (see the module docs).
 #[derive(Debug)]
 pub struct CudaBackend {
-    dev: Arc<dyn DeviceLayer>,
+    /// The device, every call counted, its first fault kept.
+    dev: Arc<Counted>,
     device: Device,
     info: DeviceInfo,
     /// `Int8` (the fast default): prefill-shaped bf16 and NVFP4 linears run as bf16 GEMMs (cuBLAS) with
     /// bf16 activations, as the CPU's fast path rounds them; `Exact`: every linear in f32 (parity tests).
     precision: osprey_backend::Precision,
-    /// What the backend asked of `dev` (`dev` is this layer).
-    counted: Arc<Counted>,
     /// Experts being copied into slots on the copy stream, kept (with their leases) until their copy's
     /// event completes: the execution contract's "the backend keeps `expert` until then".
     uploading: std::sync::Mutex<Vec<(crate::device::Event, osprey_backend::HostExpert)>>,
@@ -114,10 +121,8 @@ impl CudaBackend {
     /// ([`CudaBackend::counts`]).
     pub fn new(dev: Arc<dyn DeviceLayer>, device: Device) -> Self {
         let info = dev.info();
-        let counted = Arc::new(Counted::new(dev));
         CudaBackend {
-            dev: counted.clone(),
-            counted,
+            dev: Arc::new(Counted::new(dev)),
             device,
             info,
             precision: osprey_backend::Precision::Exact,
@@ -128,7 +133,7 @@ impl CudaBackend {
     /// What the backend asked of its device since start: launches (per kernel), host waits, allocations,
     /// frees, bytes each way.
     pub fn counts(&self) -> DeviceCounts {
-        self.counted.counts()
+        self.dev.counts()
     }
 
     /// Host → device.
@@ -161,39 +166,63 @@ impl CudaBackend {
         Ok(Buf { ptr, bytes, dev: self.dev.clone() })
     }
 
-    /// An uninitialised tensor.
+    /// An uninitialised tensor (at most 2^32 elements: the kernels count in `unsigned`).
     fn empty(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
         let n: usize = shape.iter().product();
+        if u32::try_from(n).is_err() {
+            return Err(BackendError::Device(format!("a tensor of {n} elements: at most 2^32 on the CUDA backend")));
+        }
         let buf = self.buf(n * dtype.size())?;
         Ok(Tensor::new(shape.to_vec(), dtype, self.device, Box::new(CudaStorage::Data(buf))))
     }
 
-    /// Runs a kernel ([`crate::launch`]: typed by its signature); a fault in an op that cannot report
-    /// errors is a bug.
+    /// Runs a kernel ([`crate::launch`]: typed by its signature) in an op that cannot report errors: a
+    /// failure is the device's fault ([`Counted`] keeps it), which the step's next fallible op reports
+    /// and [`Backend::health`] gives the engine. A launch over no threads is skipped.
     fn run<const N: usize>(&self, call: Call<N>, cfg: LaunchConfig) {
-        if let Err(e) = self.dev.launch(call.name, cfg, &call.args) {
-            panic!("{e}: this is a bug");
+        if self.launchable(&call, cfg) {
+            let _ = self.dev.launch(call.name, cfg, &call.args);
         }
     }
 
     /// Runs a kernel, reporting a fault.
     fn try_run<const N: usize>(&self, call: Call<N>, cfg: LaunchConfig) -> Result<()> {
+        if !self.launchable(&call, cfg) {
+            return self.dev.fault().map_or(Ok(()), Err);
+        }
         self.dev.launch(call.name, cfg, &call.args).map_err(seam_error)
+    }
+
+    /// Whether a launch is made: not over no threads (skipped), nor with a null address (a tensor of
+    /// another backend, or a failed copy: recorded as the device's fault).
+    fn launchable<const N: usize>(&self, call: &Call<N>, cfg: LaunchConfig) -> bool {
+        if call.args.iter().any(|a| matches!(a, crate::device::Arg::Ptr(DevPtr(0)))) {
+            self.fail(call.name, "a tensor with no device memory (another backend's, or a failed copy)");
+            return false;
+        }
+        !cfg.is_empty()
+    }
+
+    /// Records a fault in an op that cannot report it (see [`Counted::fail`]).
+    fn fail(&self, op: &str, message: impl std::fmt::Display) {
+        self.dev.fail(op, message);
     }
 }
 
-/// The device address of a tensor's elements.
+/// The device address of a tensor's elements; a tensor of another backend (a bug in the caller: the
+/// seam never mixes backends) has none, and a launch naming the null address is not made: it is
+/// recorded as the device's fault ([`CudaBackend::launchable`]).
 pub(crate) fn ptr(t: &Tensor) -> DevPtr {
     match t.storage::<CudaStorage>() {
         Some(CudaStorage::Data(b)) => b.ptr,
         Some(CudaStorage::Weight(w)) => w.data.ptr,
-        None => panic!("a tensor of another backend on the CUDA backend: this is a bug"),
+        None => DevPtr(0),
     }
 }
 
-/// A count or size as a kernel's `unsigned`.
+/// A count or size as a kernel's `unsigned` (tensors hold at most 2^32 elements: [`CudaBackend::empty`]).
 pub(crate) fn u32_of(n: usize) -> u32 {
-    u32::try_from(n).expect("a size over 2^32 on the CUDA backend: this is a bug")
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 impl Backend for CudaBackend {
@@ -209,6 +238,10 @@ impl Backend for CudaBackend {
             self.info.name,
             self.info.total_memory as f64 / (1u64 << 30) as f64
         )
+    }
+
+    fn health(&self) -> Result<()> {
+        self.dev.fault().map_or(Ok(()), Err)
     }
 
     fn stats(&self) -> DeviceStats {

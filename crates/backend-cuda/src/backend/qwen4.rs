@@ -128,7 +128,7 @@ impl Qwen4Ops for CudaBackend {
         }
         let top = blocks.cols();
         let stride = top * ratio + ratio; // selected blocks plus at most one incomplete block
-        let scratch = self.scores(n * shape.heads, stride);
+        let Some(scratch) = self.scores(n * shape.heads, stride) else { return };
         let (pool, bf16, table, page_size) = super::attention::paged(kv);
         let call = launch::attention_selected(
             ptr(q),

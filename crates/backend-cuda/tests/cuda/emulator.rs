@@ -82,6 +82,31 @@ fn launches_check_their_arguments_and_copies_their_bounds() {
     assert!(matches!(e, osprey_backend_cuda::DeviceError::OutOfMemory { .. }), "{e}");
 }
 
+/// Issue 51: a launch over no threads is invalid on a GPU, so the emulated device refuses it too (the
+/// backend skips it); an injected allocation failure is the device's fault, which the backend reports
+/// through `health` and every later op, without a panic, while running out of memory is not a fault.
+#[test]
+fn zero_size_launches_are_refused_and_an_injected_fault_is_sticky() {
+    let dev = EmuDevice::new(1 << 20);
+    let p = upload(&dev, &[0.0; 4]);
+    let none = LaunchConfig { grid: [0, 1, 1], block: [256, 1, 1] };
+    let e = dev.launch("scale_f32", none, &[Arg::Ptr(p), Arg::F32(2.0), Arg::U32(4)]).expect_err("no threads");
+    assert!(e.to_string().contains("no threads"), "{e}");
+
+    use osprey_backend::{Backend, CoreOps, MemoryOps};
+    let emu = std::sync::Arc::new(EmuDevice::new(1 << 20));
+    let b = osprey_backend_cuda::CudaBackend::new(emu.clone(), osprey_backend::Device::CudaEmu);
+    let mut x = b.zeros_f32(&[0, 8]).expect("an empty tensor");
+    b.scale(&mut x, 2.0); // a launch over no rows: skipped, not refused
+    assert!(b.zeros_f32(&[1 << 20]).is_err() && b.health().is_ok(), "out of memory is not a fault");
+    emu.fail_alloc_after(1);
+    let e = b.zeros_f32(&[4]).expect_err("the injected failure");
+    assert!(e.to_string().contains("injected driver error"), "{e}");
+    let fault = b.health().expect_err("sticky");
+    assert!(fault.to_string().contains("device fault in allocation"), "{fault}");
+    assert!(b.zeros_f32(&[4]).is_err(), "refused after the fault");
+}
+
 #[test]
 fn every_kernel_has_a_budget_and_its_source() {
     let names: Vec<_> = osprey_backend_cuda::kernels::all().collect();

@@ -3,5 +3,6 @@
 #[path = "../../../models/tests/common/mod.rs"]
 mod common;
 
+mod device_fault;
 mod pages;
 mod speculative;
