@@ -131,8 +131,11 @@ int main(int argc, char** argv) {
         table.data(), ps, 0u, past, heads, kvh, hd, 0.25f, scratch.data(), past + qn);
     auto kf = vals(5 * kvh * hd), vf = vals(5 * kvh * hd), fq = vals(5 * heads * hd), fo = vals(5 * heads * hd);
     std::vector<float> fs(3 * heads * 3);
-    run(attention_full, d1(3 * heads), d1(128), fq.data(), kf.data(), vf.data(), fo.data(), 1u, 3u, heads, kvh, hd, 0.25f,
-        fs.data());
+    run(attention_full, d1(3 * heads), d1(128), fq.data(), kf.data(), vf.data(), fo.data(), 1u, 3u, 0u, heads, kvh, hd,
+        0.25f, fs.data());
+    // A band: the last two query rows only, into a scratch of two rows' scores.
+    run(attention_full, d1(2 * heads), d1(128), fq.data(), kf.data(), vf.data(), fo.data(), 1u, 3u, 1u, heads, kvh, hd,
+        0.25f, fs.data());
 
     // Gated DeltaNet: conv from a state, gates, the delta rule.
     const unsigned c = 40, kern = 4, t = 3;

@@ -32,10 +32,12 @@ extern "C" __global__ void attention_paged(const float* __restrict__ q, float* _
 // every row sees all `n`.
 // budget: 48 registers
 extern "C" __global__ void attention_full(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                                         float* __restrict__ out, unsigned row0, unsigned n, unsigned heads, unsigned kv_heads,
-                                         unsigned head_dim, float scale, float* __restrict__ scratch) {
+                                         float* __restrict__ out, unsigned row0, unsigned n, unsigned q0, unsigned heads,
+                                         unsigned kv_heads, unsigned head_dim, float scale, float* __restrict__ scratch) {
     __shared__ float red[32];
-    const unsigned i = blockIdx.x / heads, h = blockIdx.x % heads;
+    // Query rows `q0 + blockIdx.x / heads` of the sequence (a launch covers a band of them, so the scratch
+    // is bounded by the band, not the sequence), each over all `n` keys.
+    const unsigned i = q0 + blockIdx.x / heads, h = blockIdx.x % heads;
     const unsigned kvh = h / (heads / kv_heads), kv_row = kv_heads * head_dim, qcols = heads * head_dim;
     const float* qv = q + (size_t)(row0 + i) * qcols + (size_t)h * head_dim;
     float* s = scratch + (size_t)blockIdx.x * n;

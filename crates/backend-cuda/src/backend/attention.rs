@@ -27,6 +27,14 @@ pub(super) fn paged(kv: PagedView<'_>) -> (DevPtr, i32, DevPtr, u32) {
 /// 128 threads: a head's 128 or 256 dims in one or two passes, a context's scores in strides of 128.
 const THREADS: u32 = 128;
 
+impl CudaBackend {
+    /// Query rows per launch so a band's scores (`rows × heads × keys` f32) stay within the scratch cap:
+    /// attention's scratch is bounded by the cap, not by the chunk times the context (at least one row).
+    fn band(&self, n: usize, heads: usize, keys: usize) -> usize {
+        (self.scratch_cap / (heads * keys.max(1) * 4).max(1)).clamp(1, n.max(1))
+    }
+}
+
 impl AttentionOps for CudaBackend {
     fn attention_paged(
         &self,
@@ -42,27 +50,33 @@ impl AttentionOps for CudaBackend {
         if n == 0 {
             return;
         }
+        // Bands of query rows: row `j` of the chunk is row `rows.start + j` of `q` after `past + j` tokens,
+        // so a band starting at `j0` is the same kernel at (`rows.start + j0`, `past + j0`).
         let stride = past + n;
-        let Some(scratch) = self.scores(n * shape.heads, stride) else { return };
+        let band = self.band(n, shape.heads, stride);
+        let Some(scratch) = self.scores(band * shape.heads, stride) else { return };
         let (pool, bf16, table, page_size) = paged(kv);
         let (heads, kv_heads, head_dim) = (u32_of(shape.heads), u32_of(shape.kv_heads), u32_of(shape.head_dim));
-        let call = launch::attention_paged(
-            ptr(q),
-            ptr(out),
-            pool,
-            bf16,
-            table,
-            page_size,
-            u32_of(rows.start),
-            u32_of(past),
-            heads,
-            kv_heads,
-            head_dim,
-            scale,
-            ptr(&scratch),
-            u32_of(stride),
-        );
-        self.run(call, LaunchConfig::per_group(n * shape.heads, THREADS));
+        for j0 in (0..n).step_by(band) {
+            let m = band.min(n - j0);
+            let call = launch::attention_paged(
+                ptr(q),
+                ptr(out),
+                pool,
+                bf16,
+                table,
+                page_size,
+                u32_of(rows.start + j0),
+                u32_of(past + j0),
+                heads,
+                kv_heads,
+                head_dim,
+                scale,
+                ptr(&scratch),
+                u32_of(stride),
+            );
+            self.run(call, LaunchConfig::per_group(m * shape.heads, THREADS));
+        }
     }
 
     fn attention_bidirectional(
@@ -79,22 +93,28 @@ impl AttentionOps for CudaBackend {
         if n == 0 {
             return;
         }
-        let Some(scratch) = self.scores(n * shape.heads, n) else { return };
+        // Bands of query rows over all `n` keys (a large image's `n × n` scores never exist at once).
+        let band = self.band(n, shape.heads, n);
+        let Some(scratch) = self.scores(band * shape.heads, n) else { return };
         let (heads, kv_heads, head_dim) = (u32_of(shape.heads), u32_of(shape.kv_heads), u32_of(shape.head_dim));
         let (row0, n32) = (u32_of(rows.start), u32_of(n));
-        let call = launch::attention_full(
-            ptr(q),
-            ptr(k),
-            ptr(v),
-            ptr(out),
-            row0,
-            n32,
-            heads,
-            kv_heads,
-            head_dim,
-            scale,
-            ptr(&scratch),
-        );
-        self.run(call, LaunchConfig::per_group(n * shape.heads, THREADS));
+        for j0 in (0..n).step_by(band) {
+            let m = band.min(n - j0);
+            let call = launch::attention_full(
+                ptr(q),
+                ptr(k),
+                ptr(v),
+                ptr(out),
+                row0,
+                n32,
+                u32_of(j0),
+                heads,
+                kv_heads,
+                head_dim,
+                scale,
+                ptr(&scratch),
+            );
+            self.run(call, LaunchConfig::per_group(m * shape.heads, THREADS));
+        }
     }
 }

@@ -91,6 +91,8 @@ pub struct CudaBackend {
     /// `Int8` (the fast default): prefill-shaped bf16 and NVFP4 linears run as bf16 GEMMs (cuBLAS) with
     /// bf16 activations, as the CPU's fast path rounds them; `Exact`: every linear in f32 (parity tests).
     precision: osprey_backend::Precision,
+    /// Most bytes of attention scores one launch may hold ([`CudaBackend::with_scratch_cap`]).
+    scratch_cap: usize,
     /// Experts being copied into slots on the copy stream, kept (with their leases) until their copy's
     /// event completes: the execution contract's "the backend keeps `expert` until then".
     uploading: std::sync::Mutex<Vec<(crate::device::Event, osprey_backend::HostExpert)>>,
@@ -106,6 +108,12 @@ impl Drop for CudaBackend {
         }
     }
 }
+
+/// Attention's scores per launch, at most (64 MiB): a 512-token chunk at a 32k context is 1 GiB of scores
+/// at once, far past the memory plan's reserve; in bands of rows it is 64 MiB at any context (16 heads
+/// × 32k keys × 4 bytes is 2 MiB a row: 32 rows a band). Until the flash kernels come (the next CUDA
+/// issue), this bounds the scratch; their online softmax needs none.
+pub const SCRATCH_CAP: usize = 64 << 20;
 
 /// A device error as the seam reports it.
 pub(crate) fn seam_error(e: DeviceError) -> BackendError {
@@ -126,6 +134,7 @@ impl CudaBackend {
             device,
             info,
             precision: osprey_backend::Precision::Exact,
+            scratch_cap: SCRATCH_CAP,
             uploading: std::sync::Mutex::new(Vec::new()),
         }
     }
@@ -153,6 +162,13 @@ impl CudaBackend {
     /// Device → host.
     fn copy_to_host(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
         self.dev.download(src, dst).map_err(seam_error)
+    }
+
+    /// The backend with attention's scores held to `bytes` per launch: query rows go in bands that fit
+    /// (default [`SCRATCH_CAP`]; tests set it small to exercise the bands).
+    pub fn with_scratch_cap(mut self, bytes: usize) -> Self {
+        self.scratch_cap = bytes.max(1);
+        self
     }
 
     /// The backend at `precision` (see the field's docs).

@@ -57,6 +57,57 @@ pub(crate) fn paged_attention_matches_on_partial_pages_gqa_and_a_bf16_pool() {
     paged_case(5, 21, DType::BF16); // a chunk after a prefix, half-size KV
 }
 
+/// Issue 51, item 7: attention's scratch is bounded by a cap, not by the chunk times the context: query
+/// rows go in bands that fit. With a cap of a few rows' scores, paged (a prefill after a prefix) and
+/// bidirectional attention launch several bands and give the same bits as one launch (each row's scores
+/// and sum are the same computation, in the same order), and the largest scratch is the cap's.
+#[test]
+fn attention_in_bands_under_a_scratch_cap_gives_the_same_bits() {
+    let s = AttnShape { heads: 16, kv_heads: 2, head_dim: 64 };
+    let (n, past, ps): (usize, usize, usize) = (37, 50, 16);
+    let row = s.kv_heads * s.head_dim;
+    let pages = (past + n).div_ceil(ps);
+    let table: Vec<i32> = (0..pages as i32).collect();
+    // A page holds its K rows then its V rows.
+    let kv = data(320, pages * 2 * ps * row);
+    let q = data(321, (n + 3) * s.heads * s.head_dim);
+    // 5 rows of scores: 16 heads × 87 keys × 4 bytes each.
+    let cap = 5 * 16 * (past + n) * 4;
+    let run = |cap: Option<usize>| {
+        let mut cuda = osprey_backend_cuda::CudaBackend::new(
+            Arc::new(osprey_backend_cuda::EmuDevice::new(1 << 30)),
+            osprey_backend::Device::CudaEmu,
+        );
+        if let Some(c) = cap {
+            cuda = cuda.with_scratch_cap(c);
+        }
+        let cuda = Arc::new(cuda);
+        let b: BackendRef = cuda.clone();
+        let mut pool = b.zeros(DType::F32, &[pages * 2 * ps, row]).expect("pool");
+        b.write_rows(&mut pool, 0, &b.upload_f32(&kv, &[pages * 2 * ps, row]).expect("kv"), 0..pages * 2 * ps);
+        let t = b.upload(HostData::I32(&table), &[pages]).expect("table");
+        let qt = b.upload_f32(&q, &[n + 3, s.heads * s.head_dim]).expect("q");
+        let mut out = b.zeros_f32(&[n + 3, s.heads * s.head_dim]).expect("out");
+        let before = cuda.counts();
+        let view = PagedView { pool: &pool, table: &t, page_size: ps };
+        b.attention_paged(&qt, 3..n + 3, view, past, s, 0.125, &mut out);
+        let mut full = b.zeros_f32(&[n + 3, s.heads * s.head_dim]).expect("out");
+        let v = AttnShape { heads: 16, kv_heads: 16, head_dim: 64 };
+        let kt = b.upload_f32(&q, &[n + 3, 1024]).expect("k");
+        b.attention_bidirectional(&qt, &kt, &kt, 2..n + 3, v, 0.125, &mut full);
+        let launches = cuda.counts().since(&before).kernels;
+        (host(&b, &out), host(&b, &full), launches)
+    };
+    let (one_p, one_f, one) = run(None);
+    let (band_p, band_f, banded) = run(Some(cap));
+    assert_eq!((one["attention_paged"], one["attention_full"]), (1, 1), "the default cap holds these at once");
+    assert_eq!(banded["attention_paged"], n.div_ceil(5) as u64, "bands of 5 rows");
+    assert!(banded["attention_full"] > 1, "{banded:?}");
+    let first = |a: &[f32], b: &[f32]| a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits());
+    assert_eq!(first(&band_p, &one_p), None, "banded paged attention changed the bits");
+    assert_eq!(first(&band_f, &one_f), None, "banded bidirectional attention changed the bits");
+}
+
 #[test]
 pub(crate) fn bidirectional_attention_matches_the_vision_shapes() {
     let (cpu, gpu) = backends();
