@@ -130,6 +130,35 @@ mod tests {
         assert_eq!(d.slots_per_layer, 0);
     }
 
+    /// Issue 51, item 7: Qwen3.5-35B-A3B with its vision tower on a 24 GiB card, a 64k-token image
+    /// conversation in bf16 KV, experts in host RAM beyond the slots: every part named in bytes, and the
+    /// step's attention scratch inside the reserve because it is banded (unbanded it would not be).
+    #[test]
+    fn qwen35_35b_a3b_with_a_64k_image_context_on_24_gib() {
+        // 40 layers, every 4th full attention: 10 KV layers of 2 heads × 256, K and V, bf16, 65,536 tokens.
+        let kv = 65_536 * 2 * 10 * 2 * 256 * 2;
+        assert_eq!(kv, 1_342_177_280, "1.25 GiB of KV");
+        // NVFP4 text weights outside the experts (GPU.md) and the bf16 vision tower (~0.43 B parameters).
+        let (text, vision) = (3_650_000_000u64, 860_000_000u64);
+        let p = MemoryPlan::new(24 * GIB, text + vision, kv, (EXPERT, 40, 256)).expect("fits");
+        assert_eq!(p.reserve, (512 << 20) + 24 * GIB / 20, "0.5 GiB + 5%: 1.70 GiB");
+        let left = 24 * GIB - (text + vision) - kv - p.reserve;
+        assert_eq!(p.slots_per_layer as u64, left / (EXPERT * 40));
+        assert_eq!(p.slots_per_layer, 255, "one expert a layer stays in host RAM (streamed when routed to)");
+        assert_eq!(
+            p.describe(),
+            "device memory 24.00 GiB: dense weights 4.20, KV 1.25, reserve 1.70, expert slots 255 of 256 per layer \
+             (16.81 GiB)"
+        );
+        // A 512-token chunk at 64k: 16 heads × 65,536 keys of f32 scores is 4 MiB a query row. One launch
+        // for the chunk would need 2 GiB, more than the whole reserve; in bands it holds at most the cap.
+        let row = 16 * 65_536 * 4u64;
+        assert!(512 * row > p.reserve, "unbanded, the scores alone would not fit");
+        let band = (osprey_backend_cuda::SCRATCH_CAP as u64 / row).max(1);
+        assert_eq!((band, band * row), (16, 64 << 20));
+        assert!(band * row < p.reserve / 16, "banded, a small part of the reserve");
+    }
+
     #[test]
     fn what_does_not_fit_is_named() {
         let e = MemoryPlan::new(4 * GIB, 3 * GIB, GIB, (EXPERT, 40, 256)).expect_err("dense + KV over").to_string();
