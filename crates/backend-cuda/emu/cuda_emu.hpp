@@ -2,9 +2,11 @@
 // here on the CPU, so every CI run checks what they compute. Each thread of a block is a fiber (its own
 // stack, switched by saving six registers) on one OS thread; `__syncthreads` and `__syncwarp` suspend a
 // fiber until every live thread of its block (or warp) has arrived, and shuffles exchange values through a per-warp array between two
-// warp barriers. Blocks run one after another, so `__shared__` memory is a thread-local static: one
-// block's at a time. A barrier some threads never reach (divergence) and a shuffle from a lane that does
-// not exist fail the launch with a message instead of hanging or reading garbage.
+// warp barriers. Blocks run one after another, in a seeded shuffled order, and a block's threads run in a
+// seeded shuffled order between barriers (a GPU promises neither order; runtime.cpp), so `__shared__`
+// memory is a thread-local static: one block's at a time. A barrier some threads never reach
+// (divergence), a shuffle from a lane that does not exist and a shuffle with a lane outside its mask fail
+// the launch with a message instead of hanging or reading garbage.
 #pragma once
 
 #include <cmath>
@@ -92,14 +94,25 @@ int launch(void (*k)(A...), const Launch* l, void** p) {
 #define __syncthreads() emu::syncthreads()
 #define __syncwarp(...) emu::syncwarp()
 
+namespace emu {
+// A shuffle's mask names the lanes that take part: the calling lane and the lane it reads must be in it
+// (on a GPU, reading a lane outside the mask is undefined).
+inline void check_mask(unsigned mask, unsigned src) {
+    const unsigned me = lane_id();
+    if (!((mask >> me) & 1u) || src >= 32 || !((mask >> src) & 1u)) fault("a shuffle with a lane outside its mask");
+}
+}  // namespace emu
 template <typename T>
-inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
     (void)width;
-    return emu::shuffle(v, emu::lane_id() ^ static_cast<unsigned>(lane_mask));
+    const unsigned src = emu::lane_id() ^ static_cast<unsigned>(lane_mask);
+    emu::check_mask(mask, src);
+    return emu::shuffle(v, src);
 }
 template <typename T>
-inline T __shfl_sync(unsigned, T v, int src, int width = 32) {
+inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
     (void)width;
+    emu::check_mask(mask, static_cast<unsigned>(src));
     return emu::shuffle(v, static_cast<unsigned>(src));
 }
 inline float __int_as_float(int v) {

@@ -5,7 +5,9 @@
 #include "cuda_emu.hpp"
 
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #if !defined(__x86_64__)
@@ -58,6 +60,27 @@ enum class Wait { None, Block, Warp, Done };
 
 // 64 KiB of stack per CUDA thread: kernels keep a few registers' worth of locals.
 constexpr std::size_t kStack = 64 * 1024;
+
+// The order blocks run in, and threads between barriers, is seeded and shuffled (a GPU promises neither),
+// so a kernel that depends on one fails here as it would on a card. Seed: `OSPREY_EMU_SEED`, else a
+// fixed one; each launch of a thread draws the next, so a test's launches replay alike.
+uint64_t next_random(uint64_t& s) {
+    s += 0x9E3779B97F4A7C15ull;
+    uint64_t z = s;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+thread_local uint64_t launch_seed = [] {
+    const char* e = std::getenv("OSPREY_EMU_SEED");
+    return e ? std::strtoull(e, nullptr, 0) : 0x05B7E7ull;
+}();
+
+template <typename T>
+void shuffle_in_place(std::vector<T>& v, uint64_t& s) {
+    for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[next_random(s) % i]);
+}
 
 struct Fiber {
     void* sp;    // saved stack pointer while suspended
@@ -186,9 +209,13 @@ bool run_block(unsigned n) {
         f.wait = Wait::None;
         f.sp = fresh_stack(S->stacks[i].get(), kStack);
     }
+    std::vector<unsigned> order(n);
+    for (unsigned i = 0; i < n; ++i) order[i] = i;
+    uint64_t seed = next_random(launch_seed);
     for (;;) {
         bool ran = false, live = false;
-        for (unsigned i = 0; i < n; ++i) {
+        shuffle_in_place(order, seed);
+        for (unsigned i : order) {
             if (S->fibers[i].wait != Wait::None) continue;
             ran = true;
             S->cur = i;
@@ -253,12 +280,19 @@ int run(const Launch* l, void (*body)(void*), void* arg) {
         fail("a block has 1 to 1024 threads");
         rc = 1;
     }
+    std::vector<uint3> blocks;
     for (unsigned z = 0; rc == 0 && z < l->grid[2]; ++z)
-        for (unsigned y = 0; rc == 0 && y < l->grid[1]; ++y)
-            for (unsigned x = 0; rc == 0 && x < l->grid[0]; ++x) {
-                block_idx = uint3{x, y, z};
-                if (!run_block(n)) rc = 1;
-            }
+        for (unsigned y = 0; y < l->grid[1]; ++y)
+            for (unsigned x = 0; x < l->grid[0]; ++x) blocks.push_back(uint3{x, y, z});
+    uint64_t seed = next_random(launch_seed);
+    shuffle_in_place(blocks, seed);
+    for (const uint3& b : blocks) {
+        block_idx = b;
+        if (!run_block(n)) {
+            rc = 1;
+            break;
+        }
+    }
     if (rc) std::snprintf(last, sizeof last, "%s", S->error);
     S = outer;
     return rc;

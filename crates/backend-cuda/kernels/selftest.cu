@@ -37,3 +37,21 @@ extern "C" __global__ void selftest_copy(const float* __restrict__ x, float* __r
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n + (plant ? 1u : 0u); i += gridDim.x * blockDim.x)
         out[i % n] = x[i];
 }
+
+// Each lane reads the next lane's value under `mask` (all 32 lanes: allowed; a mask without some of
+// them: a planted bug, since a lane outside the mask takes part).
+// budget: 32 registers
+extern "C" __global__ void selftest_mask(const float* __restrict__ x, float* __restrict__ out, unsigned mask) {
+    const unsigned lane = threadIdx.x % 32;
+    out[threadIdx.x] = __shfl_sync(mask, x[threadIdx.x], (lane + 1) % 32);
+}
+
+// Block `b` writes `b + 1` to `out[b]`; with `race` 1 it also copies `out[b - 1]` into `out[gridDim.x + b]`,
+// trusting block `b - 1` to have run first: a planted inter-block race (blocks run in no order).
+// budget: 32 registers
+extern "C" __global__ void selftest_blocks(float* __restrict__ out, int race) {
+    if (threadIdx.x != 0) return;
+    const unsigned b = blockIdx.x;
+    out[b] = (float)(b + 1);
+    if (race && b > 0) out[gridDim.x + b] = out[b - 1];
+}

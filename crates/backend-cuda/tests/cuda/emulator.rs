@@ -55,6 +55,31 @@ fn shuffles_exchange_lanes_and_a_lane_past_the_warp_fails_the_launch() {
     assert!(e.to_string().contains("lane"), "{e}");
 }
 
+/// Issue 51, item 5: a shuffle's mask is honoured (a lane outside it is an error, as it is undefined on a
+/// GPU), and blocks run in a seeded shuffled order, so a kernel that trusts one block to run before
+/// another (the planted race) gets the wrong answer here as it may on a card.
+#[test]
+fn shuffle_masks_are_honoured_and_blocks_run_in_no_order() {
+    let dev = EmuDevice::new(1 << 20);
+    let x = data(3, 32);
+    let (xp, out) = (upload(&dev, &x), upload(&dev, &[0.0; 32]));
+    let warp = LaunchConfig { grid: [1, 1, 1], block: [32, 1, 1] };
+    dev.launch("selftest_mask", warp, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::U32(u32::MAX)]).expect("a full mask");
+    let got = download(&dev, out, 32);
+    assert!((0..32).all(|l| got[l] == x[(l + 1) % 32]), "each lane reads the next");
+    let e = dev.launch("selftest_mask", warp, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::U32(0xffff)]).expect_err("half");
+    assert!(e.to_string().contains("outside its mask"), "{e}");
+
+    let blocks = 64;
+    let out = upload(&dev, &vec![0.0; 2 * blocks]);
+    let cfg = LaunchConfig { grid: [blocks as u32, 1, 1], block: [32, 1, 1] };
+    dev.launch("selftest_blocks", cfg, &[Arg::Ptr(out), Arg::I32(1)]).expect("launch");
+    let got = download(&dev, out, 2 * blocks);
+    assert!((0..blocks).all(|b| got[b] == (b + 1) as f32), "each block's own write lands");
+    let early = (1..blocks).filter(|&b| got[blocks + b] == 0.0).count();
+    assert!(early > 0, "every block found its predecessor done: blocks ran in order, hiding the race");
+}
+
 #[test]
 fn a_barrier_half_the_block_never_reaches_is_a_deadlock_not_a_hang() {
     let dev = EmuDevice::new(1 << 20);
