@@ -1,15 +1,15 @@
 //! The real device layer (feature `cuda`): cudarc over the driver API, libraries loaded at run time.
-//! At open it probes `libcuda` and `libnvrtc` (cudarc panics on a missing library; a probe turns that
-//! into a clear error), creates the device's primary context and one stream, and compiles every kernel
-//! source with NVRTC for the device's architecture — cached on disk by (source hash, architecture,
-//! NVRTC version), so later starts load cubins — falling back to PTX for `compute_80` when this NVRTC
-//! does not know the card. Operations are issued on the stream in order; events are CUDA events.
+//! At open it probes `libcuda` (cudarc panics on a missing library; a probe turns that into a clear
+//! error), creates the device's primary context and its streams, and loads every kernel source's image
+//! for the device's architecture from the disk cache (`kernel_cache`: keyed by source text and
+//! architecture, written atomically, checked on read), compiling with NVRTC (probed only then) what is
+//! not cached, falling back to PTX for `compute_80` when this NVRTC does not know the card. A machine
+//! with only the driver starts from a warm cache. Operations are issued on the stream in order; events are CUDA events.
 //!
 //! Not yet run on a GPU: no GPU was lent while it was written (docs/cuda.md says what has run where).
 
 use std::collections::{BTreeMap, HashMap};
-use std::hash::{Hash, Hasher};
-use std::path::PathBuf;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -17,7 +17,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStre
 use cudarc::nvrtc::Ptx;
 
 use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
-use crate::{kernels, nvrtc};
+use crate::{kernel_cache, kernels, nvrtc};
 
 /// A CUDA device through cudarc (see the module docs).
 pub struct CudaDevice {
@@ -72,26 +72,24 @@ fn driver(what: &str, e: impl std::fmt::Debug) -> DeviceError {
     DeviceError::Unavailable(format!("{what}: {e:?}"))
 }
 
-/// Where compiled kernels are kept between starts.
-fn cache_dir() -> PathBuf {
-    std::env::var_os("OSPREY_KERNEL_CACHE").map(PathBuf::from).unwrap_or_else(|| {
-        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
-        home.join(".cache/osprey/kernels")
-    })
-}
-
-/// The cubin (or PTX) of source `stem` for `arch`, from the disk cache or NVRTC.
+/// The cubin (or PTX) of source `stem` for `arch`: from the disk cache when a whole file is there (no
+/// NVRTC needed), else compiled by NVRTC and cached (`kernel_cache`: written atomically, checked on read).
 fn image(stem: &str, arch: &str) -> Result<Vec<u8>, DeviceError> {
-    let (major, minor) = nvrtc::version().map_err(|e| DeviceError::Unavailable(e.to_string()))?;
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    kernels::gpu_source(stem).hash(&mut h);
-    let path = cache_dir().join(format!("{stem}-{:016x}-{arch}-nvrtc{major}.{minor}.bin", h.finish()));
-    if let Ok(bytes) = std::fs::read(&path) {
+    let source = kernels::gpu_source(stem).unwrap_or_default();
+    let path = kernel_cache::path(&kernel_cache::dir(), stem, &source, arch);
+    if let Some(bytes) = kernel_cache::read(&path) {
         return Ok(bytes);
+    }
+    if !nvrtc::available() {
+        return Err(DeviceError::Unavailable(format!(
+            "no compiled kernels for {arch} in {} and {}",
+            kernel_cache::dir().display(),
+            nvrtc::NvrtcError::Missing
+        )));
     }
     let compiled = nvrtc::compile(stem, arch).map_err(|e| DeviceError::Unavailable(e.to_string()))?;
     // A cache that cannot be written only costs a compile at the next start.
-    let _ = std::fs::create_dir_all(cache_dir()).and_then(|()| std::fs::write(&path, &compiled.image));
+    let _ = kernel_cache::write(&path, &compiled.image);
     Ok(compiled.image)
 }
 
@@ -103,9 +101,6 @@ impl CudaDevice {
             return Err(DeviceError::Unavailable(
                 "no CUDA driver: libcuda was not found (install the NVIDIA driver, or use --device cpu)".into(),
             ));
-        }
-        if !nvrtc::available() {
-            return Err(DeviceError::Unavailable(nvrtc::NvrtcError::Missing.to_string()));
         }
         let count = CudaContext::device_count().map_err(|e| driver("counting CUDA devices", e))?;
         if ordinal >= count.max(0) as usize {

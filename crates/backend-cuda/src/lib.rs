@@ -21,6 +21,7 @@ pub mod device;
 #[cfg(feature = "cuda")]
 pub mod driver;
 pub mod emu;
+pub mod kernel_cache;
 pub mod kernels;
 pub mod launch;
 #[cfg(feature = "cuda")]
