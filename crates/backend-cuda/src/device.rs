@@ -124,6 +124,9 @@ pub struct DeviceInfo {
     pub capability: (u32, u32),
     /// Bytes of device memory.
     pub total_memory: usize,
+    /// Whether bf16 GEMMs run in a BLAS (cuBLAS on a GPU, emulated here); without one, prefill-shaped
+    /// linears stay on the backend's own kernels (said in the startup line, `CudaBackend::describe`).
+    pub blas: bool,
 }
 
 /// Why a device operation failed.

@@ -108,12 +108,15 @@ impl CudaDevice {
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| driver("creating a context", e))?;
         let (major, minor) = ctx.compute_capability().map_err(|e| driver("compute capability", e))?;
-        let info = DeviceInfo {
+        let mut info = DeviceInfo {
             name: ctx.name().map_err(|e| driver("device name", e))?,
             capability: (major as u32, minor as u32),
             total_memory: ctx.total_mem().map_err(|e| driver("device memory", e))?,
+            blas: false,
         };
-        let stream = ctx.default_stream();
+        // Compute on a stream of its own, not the legacy default one: ordered against the copy stream by
+        // events only, and capturable into a CUDA graph.
+        let stream = ctx.new_stream().map_err(|e| driver("creating the compute stream", e))?;
         let copy = ctx.new_stream().map_err(|e| driver("creating the copy stream", e))?;
         let arch = format!("sm_{major}{minor}");
         let mut functions = HashMap::new();
@@ -130,6 +133,7 @@ impl CudaDevice {
             }
         }
         let blas = Blas::open(&stream);
+        info.blas = blas.is_some();
         Ok(CudaDevice {
             blas,
             ctx,

@@ -111,7 +111,7 @@ impl EmuDevice {
 impl DeviceLayer for EmuDevice {
     fn info(&self) -> DeviceInfo {
         // Reports sm_80, the oldest architecture the kernels target.
-        DeviceInfo { name: "emulated CUDA device".into(), capability: (8, 0), total_memory: self.capacity }
+        DeviceInfo { name: "emulated CUDA device".into(), capability: (8, 0), total_memory: self.capacity, blas: true }
     }
 
     fn free_memory(&self) -> usize {

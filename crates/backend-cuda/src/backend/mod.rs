@@ -248,8 +248,10 @@ impl Backend for CudaBackend {
 
     fn describe(&self) -> String {
         let (major, minor) = self.info.capability;
+        // A missing cuBLAS is said here, in the startup line, not silently fallen back from.
+        let blas = if self.info.blas { "" } else { ", no cuBLAS: prefill GEMMs on osprey's kernels" };
         format!(
-            "{} ({}, sm_{major}{minor}, {:.1} GiB)",
+            "{} ({}, sm_{major}{minor}, {:.1} GiB{blas})",
             self.device,
             self.info.name,
             self.info.total_memory as f64 / (1u64 << 30) as f64
