@@ -29,7 +29,7 @@ pub mod nvrtc;
 
 use std::sync::Arc;
 
-pub use backend::{CudaBackend, CudaStorage, SCRATCH_CAP};
+pub use backend::{CudaBackend, CudaStorage, BUF_CACHE, SCRATCH_CAP};
 pub use counted::{Counted, DeviceCounts};
 pub use device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
 pub use emu::EmuDevice;

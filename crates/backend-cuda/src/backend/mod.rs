@@ -7,6 +7,7 @@
 //! simple tilings); the fast paths come next, checked against these.
 
 mod attention;
+mod bufs;
 mod core;
 mod experts;
 mod memory;
@@ -20,21 +21,8 @@ use osprey_backend::{Backend, BackendError, DType, Device, DeviceStats, Op, Resu
 use crate::counted::{Counted, DeviceCounts};
 use crate::device::{DevPtr, DeviceError, DeviceInfo, DeviceLayer, LaunchConfig};
 use crate::launch::Call;
-
-/// Device memory a tensor owns; given back when dropped.
-#[derive(Debug)]
-pub struct Buf {
-    ptr: DevPtr,
-    bytes: usize,
-    dev: Arc<Counted>,
-}
-
-impl Drop for Buf {
-    fn drop(&mut self) {
-        // A failure is the device's fault, which `Counted` keeps (a drop cannot report it).
-        let _ = self.dev.free(self.ptr);
-    }
-}
+pub use bufs::BUF_CACHE;
+use bufs::{Buf, BufCache};
 
 /// A weight on the device: its elements (f32, bf16, f16, or NVFP4 codes with their e4m3 scales and
 /// global scale).
@@ -67,14 +55,13 @@ impl Storage for CudaStorage {
             CudaStorage::Data(b) => {
                 // A clone cannot report an error: a failed one is the device's fault (the engine stops at
                 // its next step), and the clone is an empty buffer no kernel is launched on.
-                let ptr = match b.dev.alloc(b.bytes).and_then(|p| b.dev.copy(p, b.ptr, b.bytes).map(|_| p)) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        b.dev.fail("tensor copy", e);
-                        DevPtr(0)
-                    }
-                };
-                Box::new(CudaStorage::Data(Buf { ptr, bytes: b.bytes, dev: b.dev.clone() }))
+                let dev = &b.cache.dev;
+                let copy = b.cache.take(b.bytes).and_then(|c| dev.copy(c.ptr, b.ptr, b.bytes).map(|_| c));
+                let buf = copy.unwrap_or_else(|e| {
+                    dev.fail("tensor copy", e);
+                    Buf { ptr: DevPtr(0), bytes: b.bytes, cache: b.cache.clone() }
+                });
+                Box::new(CudaStorage::Data(buf))
             }
             CudaStorage::Weight(w) => Box::new(CudaStorage::Weight(w.clone())),
         }
@@ -86,6 +73,8 @@ impl Storage for CudaStorage {
 pub struct CudaBackend {
     /// The device, every call counted, its first fault kept.
     dev: Arc<Counted>,
+    /// Tensors' buffers, recycled.
+    bufs: Arc<BufCache>,
     device: Device,
     info: DeviceInfo,
     /// `Int8` (the fast default): prefill-shaped bf16 and NVFP4 linears run as bf16 GEMMs (cuBLAS) with
@@ -129,8 +118,10 @@ impl CudaBackend {
     /// ([`CudaBackend::counts`]).
     pub fn new(dev: Arc<dyn DeviceLayer>, device: Device) -> Self {
         let info = dev.info();
+        let dev = Arc::new(Counted::new(dev));
         CudaBackend {
-            dev: Arc::new(Counted::new(dev)),
+            bufs: Arc::new(BufCache::new(dev.clone(), BUF_CACHE)),
+            dev,
             device,
             info,
             precision: osprey_backend::Precision::Exact,
@@ -177,9 +168,15 @@ impl CudaBackend {
         self
     }
 
+    /// The backend with at most `bytes` of tensors' buffers kept for reuse (default [`BUF_CACHE`]; 0: every
+    /// buffer freed when its tensor goes, as before the cache).
+    pub fn with_buffer_cache(mut self, bytes: usize) -> Self {
+        self.bufs = Arc::new(BufCache::new(self.dev.clone(), bytes));
+        self
+    }
+
     fn buf(&self, bytes: usize) -> Result<Buf> {
-        let ptr = self.dev.alloc(bytes).map_err(seam_error)?;
-        Ok(Buf { ptr, bytes, dev: self.dev.clone() })
+        self.bufs.take(bytes).map_err(seam_error)
     }
 
     /// An uninitialised tensor (at most 2^32 elements: the kernels count in `unsigned`).
