@@ -3,10 +3,12 @@
 //! (the emulated one and cudarc's), so the counts are the calls a card would see, whatever runs them.
 //!
 //! A host wait is a call after which the host cannot go on before the device has caught up: a
-//! [`DeviceLayer::synchronize`], a [`DeviceLayer::download`] (it returns the bytes), a blocking
-//! [`DeviceLayer::upload`] from pageable memory, and a [`DeviceLayer::free`] (the device layers free after
-//! a stream sync, so the work reading the memory is done). [`DeviceLayer::upload_async`],
-//! [`DeviceLayer::wait_event`] and launches do not wait.
+//! [`DeviceLayer::synchronize`], a [`DeviceLayer::download`] (it returns the bytes), and a
+//! [`DeviceLayer::free`] (the device layers free after a stream sync, so the work reading the memory is
+//! done). An [`DeviceLayer::upload`] from pageable memory is staged by the driver and queued without
+//! waiting for the device (CUDA's synchronization rules for `cuMemcpyHtoDAsync` from pageable memory),
+//! so it is counted as an upload ([`DeviceCounts::uploads`]), not a wait; [`DeviceLayer::upload_async`],
+//! [`DeviceLayer::wait_event`] and launches do not wait either.
 //!
 //! It also keeps the device's first fault (a launch, copy or allocation that failed other than for lack
 //! of memory; on a GPU a kernel fault leaves the context unusable): from then on every call that could
@@ -27,6 +29,8 @@ pub struct DeviceCounts {
     pub kernels: BTreeMap<String, u64>,
     /// Calls that block the host until the device has caught up (see the module docs).
     pub host_waits: u64,
+    /// Small host → device copies from pageable memory ([`DeviceLayer::upload`]), each staged by the driver.
+    pub uploads: u64,
     /// Device allocations.
     pub allocations: u64,
     /// Device frees.
@@ -50,6 +54,7 @@ impl DeviceCounts {
             launches: self.launches - earlier.launches,
             kernels,
             host_waits: self.host_waits - earlier.host_waits,
+            uploads: self.uploads - earlier.uploads,
             allocations: self.allocations - earlier.allocations,
             frees: self.frees - earlier.frees,
             bytes_to_device: self.bytes_to_device - earlier.bytes_to_device,
@@ -161,7 +166,7 @@ impl DeviceLayer for Counted {
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), DeviceError> {
         self.healthy()?;
         let n = src.len() as u64;
-        self.count(|c| (c.bytes_to_device, c.host_waits) = (c.bytes_to_device + n, c.host_waits + 1));
+        self.count(|c| (c.bytes_to_device, c.uploads) = (c.bytes_to_device + n, c.uploads + 1));
         self.watch("upload", self.inner.upload(dst, src))
     }
 

@@ -33,7 +33,7 @@ pub struct DeviceStats {
     pub launches: u64,
     /// Launches per kernel name.
     pub kernels: Vec<(String, u64)>,
-    /// Calls that blocked the host until the device caught up (syncs, downloads, blocking copies, frees).
+    /// Calls that blocked the host until the device caught up (syncs, downloads, frees).
     pub host_waits: u64,
     /// Device memory allocations.
     pub allocations: u64,

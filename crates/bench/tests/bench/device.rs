@@ -42,6 +42,7 @@ fn bench_forward_reports_what_each_decode_token_asks_of_the_device() {
     // routing back (a host wait each) and small uploads wait too; a token's logits come back.
     assert_eq!((tok.allocations, tok.frees), (0.0, 0.0), "{tok:?}");
     assert!(tok.host_waits >= moe_layers as f64 && tok.bytes_from_device > 0.0, "{tok:?}");
+    assert!(tok.host_waits <= 3.0 * moe_layers as f64, "a few waits per MoE layer, no more: {tok:?}");
     assert!(tok.kernels.iter().any(|(k, _)| k == "route_topk"), "{:?}", tok.kernels);
 
     let cpu = osprey_models::load_on(&dir, osprey_backend_cpu::CpuBackend::shared()).expect("load on the CPU");
