@@ -320,9 +320,10 @@ seam! {
             /// Routed experts on resident slots: for every token `t` and entry `j` with `slots[t, j] ≥
             /// 0`, `partials[t·k + j] = weights[t, j] · down(silu(gate(x_t)) · up(x_t))` of the expert in
             /// that slot; entries with a negative slot (not in this wave) are left as they are. `slots`
-            /// is `[T, k]` i32, `weights` `[T, k]` f32, `partials` `[T·k, hidden]`. An expert runs on all
-            /// of its wave's tokens at once.
-            fn moe_routed(&self, x: &Tensor, slots: &Tensor, weights: &Tensor, pool: &ExpertPool, partials: &mut Tensor) -> Result<()>;
+            /// is `[T, k]` row-major on the host (the layer built it from the routing it read back: no
+            /// backend reads it back again), `weights` `[T, k]` f32, `partials` `[T·k, hidden]`. An
+            /// expert runs on all of its wave's tokens at once.
+            fn moe_routed(&self, x: &Tensor, slots: &[i32], weights: &Tensor, pool: &ExpertPool, partials: &mut Tensor) -> Result<()>;
 
             /// `out[t] = 0 + partials[t·k] + partials[t·k + 1] + …` in that order (ascending expert id)
             /// → `[T, hidden]`.

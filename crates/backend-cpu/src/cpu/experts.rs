@@ -12,25 +12,21 @@ use super::*;
 #[derive(Debug, Default)]
 pub(crate) struct CpuPool(pub(crate) Vec<Option<HostExpert>>);
 
-fn slot_ids(t: &Tensor) -> Result<&[i32]> {
-    match t.storage::<CpuStorage>() {
-        Some(CpuStorage::Data(HostVec::I32(v), _)) => Ok(v),
-        _ => Err(BackendError::DType { expected: osprey_backend::DType::I32, got: t.dtype() }),
-    }
-}
-
 impl CpuBackend {
     /// [`Backend::moe_routed`]: per referenced slot (ascending), its tokens gathered, SwiGLU through the
     /// expert's placed projections, and each output row scaled by its weight into `partials`.
     pub(crate) fn routed(
         &self,
         x: &Tensor,
-        slots: &Tensor,
+        ids: &[i32],
         weights: &Tensor,
         pool: &ExpertPool,
         partials: &mut Tensor,
     ) -> Result<()> {
-        let (ids, w, k, h) = (slot_ids(slots)?, host(weights), slots.cols(), x.cols());
+        let (w, k, h) = (host(weights), weights.cols(), x.cols());
+        if ids.len() != weights.numel() {
+            return Err(BackendError::Slot(format!("{} slot ids for {} weights", ids.len(), weights.numel())));
+        }
         let cpu = pool.storage::<CpuPool>().ok_or_else(|| BackendError::Slot("a pool of another backend".into()))?;
         // Entries per slot, tokens ascending (an expert appears at most once per token).
         let mut by_slot: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
@@ -111,7 +107,7 @@ impl ExpertOps for CpuBackend {
     fn moe_routed(
         &self,
         x: &Tensor,
-        slots: &Tensor,
+        slots: &[i32],
         weights: &Tensor,
         pool: &ExpertPool,
         partials: &mut Tensor,

@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 
 use osprey_backend::{
-    BackendError, DType, ExpertOps, ExpertPool, ExpertShape, Fence, HostData, HostExpert, HostMatrix, HostVec,
-    MemoryOps, Result, Routing, Tensor, WeightView,
+    BackendError, DType, ExpertOps, ExpertPool, ExpertShape, Fence, HostData, HostExpert, HostMatrix, MemoryOps,
+    Result, Routing, Tensor, WeightView,
 };
 
 use super::core::RawWeight;
@@ -213,16 +213,17 @@ impl ExpertOps for CudaBackend {
     fn moe_routed(
         &self,
         x: &Tensor,
-        slots: &Tensor,
+        ids: &[i32],
         weights: &Tensor,
         pool: &ExpertPool,
         partials: &mut Tensor,
     ) -> Result<()> {
-        let HostVec::I32(ids) = self.download(slots)? else {
-            return Err(BackendError::DType { expected: DType::I32, got: slots.dtype() });
-        };
+        // The slot ids come from the host, which built them: no readback of what was just uploaded.
+        if ids.len() != weights.numel() {
+            return Err(BackendError::Slot(format!("{} slot ids for {} weights", ids.len(), weights.numel())));
+        }
         let cuda = pool.storage::<CudaPool>().ok_or_else(|| BackendError::Slot("a pool of another backend".into()))?;
-        let (k, h, dtype) = (slots.cols(), x.cols(), pool.shape.dtype);
+        let (k, h, dtype) = (weights.cols(), x.cols(), pool.shape.dtype);
         let mut by_slot: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for (entry, &s) in ids.iter().enumerate() {
             if s >= 0 {

@@ -253,8 +253,7 @@ pub(crate) fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wav
                 for &(slot, e) in uploads {
                     fences.push(b.upload_expert(&mut pool, slot, expert(dtype, e, shape)).expect("upload"));
                 }
-                let st = b.upload(HostData::I32(slots), &[t, k]).expect("slots");
-                b.moe_routed(&xt, &st, &wt, &pool, &mut partials).expect("wave");
+                b.moe_routed(&xt, slots, &wt, &pool, &mut partials).expect("wave");
             }
             outs.push(host(b, &b.moe_combine(&partials, k).expect("combine")));
             for f in fences {
@@ -271,9 +270,10 @@ pub(crate) fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wav
     let shape = ExpertShape { hidden: 32, inter: 16, dtype: DType::F32 };
     let pool = gpu.alloc_expert_pool(0, 1, shape).expect("pool");
     let x = gpu.zeros_f32(&[1, 32]).expect("x");
-    let (st, wt) = (gpu.upload(HostData::I32(&[0]), &[1, 1]).expect("s"), gpu.upload_f32(&[1.0], &[1, 1]).expect("w"));
+    let wt = gpu.upload_f32(&[1.0], &[1, 1]).expect("w");
     let mut p = gpu.zeros_f32(&[1, 32]).expect("p");
-    assert!(gpu.moe_routed(&x, &st, &wt, &pool, &mut p).is_err());
+    assert!(gpu.moe_routed(&x, &[0], &wt, &pool, &mut p).is_err());
+    assert!(gpu.moe_routed(&x, &[0, 1], &wt, &pool, &mut p).is_err(), "two ids for one weight");
     drop(Arc::new(()));
 }
 

@@ -9,9 +9,7 @@
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
 
-use osprey_backend::{
-    Backend, BackendError, DType, ExpertKey, ExpertPool, ExpertShape, HostData, HostExpert, HostVec, Tensor,
-};
+use osprey_backend::{Backend, BackendError, DType, ExpertKey, ExpertPool, ExpertShape, HostExpert, HostVec, Tensor};
 
 use super::load_linear;
 use super::mlp::Mlp;
@@ -497,7 +495,6 @@ impl SparseMoe {
                 .iter()
                 .map(|&e| slot_of.get(&ExpertKey::new(self.layer, e as usize)).map_or(-1, |&s| s as i32))
                 .collect();
-            let slot_ids = b.upload(HostData::I32(&slot_ids), &[t, k])?;
             b.moe_routed(x, &slot_ids, &routing.weights, pool, partials)?;
             let fence = b.record_fence();
             for &(_, s) in wave {

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use osprey_backend::{
-    Backend, BackendRef, ExpertPool, Fence, HostData, HostExpert, HostTensor, HostVec, Result, Tensor, Wrapper,
+    Backend, BackendRef, ExpertPool, Fence, HostData, HostExpert, HostTensor, Result, Tensor, Wrapper,
 };
 use osprey_backend_cpu::CpuBackend;
 use osprey_models::layers::predict;
@@ -123,11 +123,10 @@ impl Wrapper for Deferred {
         self.inner.upload_expert(pool, slot, expert)?;
         Ok(Fence(fence))
     }
-    fn moe_routed(&self, x: &Tensor, slots: &Tensor, w: &Tensor, pool: &ExpertPool, out: &mut Tensor) -> Result<()> {
+    fn moe_routed(&self, x: &Tensor, slots: &[i32], w: &Tensor, pool: &ExpertPool, out: &mut Tensor) -> Result<()> {
         let n = self.issue();
-        let HostVec::I32(ids) = self.inner.download(slots)? else { panic!("slot ids are i32") };
         let mut readers = self.readers.lock().expect("lock");
-        for s in ids.into_iter().filter(|&s| s >= 0) {
+        for &s in slots.iter().filter(|&&s| s >= 0) {
             readers.insert((pool.layer, s as usize), n);
         }
         drop(readers);

@@ -25,7 +25,7 @@ impl Wrapper for Waves {
     fn inner(&self) -> &dyn Backend {
         self.inner.as_ref()
     }
-    fn moe_routed(&self, x: &Tensor, slots: &Tensor, w: &Tensor, pool: &ExpertPool, out: &mut Tensor) -> Result<()> {
+    fn moe_routed(&self, x: &Tensor, slots: &[i32], w: &Tensor, pool: &ExpertPool, out: &mut Tensor) -> Result<()> {
         self.waves.fetch_add(1, Ordering::SeqCst);
         self.inner.moe_routed(x, slots, w, pool, out)
     }
