@@ -84,6 +84,11 @@ impl Counted {
         f.as_ref().map(|(op, message)| osprey_backend::BackendError::Fault { op: op.clone(), message: message.clone() })
     }
 
+    /// Whether the device has faulted (cheap: no error built).
+    pub fn faulted(&self) -> bool {
+        self.fault.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_some()
+    }
+
     /// Records a fault of `op` (the first one stays: it is the cause, the rest follow from it).
     pub fn fail(&self, op: &str, message: impl std::fmt::Display) {
         let mut f = self.fault.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -78,7 +78,7 @@ impl BufCache {
         }
         {
             let mut f = self.lock();
-            if f.1 + bytes <= self.cap && self.dev.fault().is_none() {
+            if f.1 + bytes <= self.cap && !self.dev.faulted() {
                 f.0.entry(bytes).or_default().push(ptr);
                 f.1 += bytes;
                 return;

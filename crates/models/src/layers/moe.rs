@@ -316,14 +316,16 @@ impl LayerSlots {
         self.per_layer.or_else(|| source.slots_per_layer()).unwrap_or(self.experts).clamp(1, self.experts)
     }
 
-    /// The guess's first experts that fit in the pool (most wanted first) of this layer that no slot
-    /// holds yet: those to ask the source for, leased if it holds them in RAM, and upload once the asking
-    /// block's own step is done ([`Self::upload_guesses`]).
-    fn to_lease(&self, source: &dyn ExpertSource, guess: &[ExpertKey]) -> Vec<ExpertKey> {
+    /// The guess's first experts that fit in the pool (most wanted first), and of those, the ones of this
+    /// layer no slot holds yet: those to ask the source for, leased if it holds them in RAM, and upload
+    /// once the asking block's own step is done ([`Self::upload_guesses`]).
+    fn to_lease(&self, source: &dyn ExpertSource, guess: &[ExpertKey]) -> (Vec<ExpertKey>, Vec<ExpertKey>) {
         let guess = &guess[..guess.len().min(self.count(source))];
         let slots = self.lock();
         let in_slot = |k: ExpertKey| slots.table.as_ref().is_some_and(|t| t.contains(k));
-        guess.iter().copied().filter(|&k| k.layer() == self.layer && k.expert() < self.experts && !in_slot(k)).collect()
+        let lease =
+            guess.iter().copied().filter(|&k| k.layer() == self.layer && k.expert() < self.experts && !in_slot(k));
+        (guess.to_vec(), lease.collect())
     }
 
     /// Uploads guessed experts (most wanted first) into this layer's slots ahead of its step: free slots,
@@ -468,7 +470,9 @@ impl SparseMoe {
             HostVec::I32(v) => v,
             _ => return Err(BackendError::DType { expected: DType::I32, got: routing.ids.dtype() }.into()),
         };
-        let mut touched: Vec<ExpertKey> = ids.iter().map(|&e| ExpertKey::new(self.layer, e as usize)).collect();
+        // `[T, k]`: each token's experts, as keys from here on.
+        let keys: Vec<ExpertKey> = ids.iter().map(|&e| ExpertKey::new(self.layer, e as usize)).collect();
+        let mut touched = keys.clone();
         touched.sort_unstable();
         touched.dedup();
         if let Some(a) = &self.ahead {
@@ -491,10 +495,7 @@ impl SparseMoe {
         let mut partials = b.zeros_f32(&[t * k, h])?;
         let run = |wave: &[(ExpertKey, usize)], table: &mut SlotTable, pool: &ExpertPool, partials: &mut Tensor| {
             let slot_of: std::collections::HashMap<ExpertKey, usize> = wave.iter().copied().collect();
-            let slot_ids: Vec<i32> = ids
-                .iter()
-                .map(|&e| slot_of.get(&ExpertKey::new(self.layer, e as usize)).map_or(-1, |&s| s as i32))
-                .collect();
+            let slot_ids: Vec<i32> = keys.iter().map(|e| slot_of.get(e).map_or(-1, |&s| s as i32)).collect();
             b.moe_routed(x, &slot_ids, &routing.weights, pool, partials)?;
             let fence = b.record_fence();
             for &(_, s) in wave {
@@ -550,11 +551,10 @@ impl SparseMoe {
                 continue;
             }
             let slots = next_slots.as_ref().filter(|_| d == 0);
-            let lease = slots.map(|s| s.to_lease(experts, &guess)).unwrap_or_default();
+            let (fits, lease) = slots.map(|s| s.to_lease(experts, &guess)).unwrap_or_default();
             let answer = experts.guess(Guess { read: &guess, lease: &lease });
             if let (false, Some(slots)) = (lease.is_empty(), slots) {
-                let guess = guess[..guess.len().min(slots.count(experts))].to_vec();
-                held = Some(HeldGuess { slots: slots.clone(), guess, held: answer });
+                held = Some(HeldGuess { slots: slots.clone(), guess: fits, held: answer });
             }
         }
         Ok(held)
