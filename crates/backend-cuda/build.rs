@@ -14,6 +14,8 @@ struct Kernel {
     params: Vec<(String, String)>,
     arity: usize,
     budget: u32,
+    /// The arithmetic it declares (the `// flops: PATH EXPR[; PATH EXPR]` line above it, or `none`).
+    flops: String,
 }
 
 /// One C parameter (`const float* __restrict__ x`) as (name, type without qualifiers).
@@ -54,6 +56,56 @@ fn launch_fn(stem: &str, k: &Kernel) -> String {
     )
 }
 
+/// A match arm of `declared_flops`: the kernel's `// flops:` expressions over its scalar parameters and
+/// the launch's `blocks` and `threads`, as Rust over `f64` (integer literals made float).
+fn flops_arm(k: &Kernel) -> String {
+    if k.flops == "none" {
+        return String::new();
+    }
+    let mut vars: Vec<String> = vec!["blocks".into(), "threads".into()];
+    let mut binds = String::new();
+    for (i, (n, t)) in k.params.iter().enumerate() {
+        if !t.ends_with('*') {
+            writeln!(binds, "            let r#{n} = num(args, {i});").expect("a string");
+            vars.push(n.clone());
+        }
+    }
+    let mut fields = String::new();
+    for part in k.flops.split(';') {
+        let (path, expr) =
+            part.trim().split_once(' ').unwrap_or_else(|| panic!("kernel {}: `// flops: PATH EXPR`", k.name));
+        assert!(
+            matches!(path, "fp32" | "bf16" | "int8"),
+            "kernel {}: flops path `{path}` is fp32, bf16 or int8",
+            k.name
+        );
+        let mut rust = String::new();
+        let mut word = String::new();
+        for c in expr.chars().chain(std::iter::once(' ')) {
+            if c.is_ascii_alphanumeric() || c == '_' {
+                word.push(c);
+                continue;
+            }
+            if !word.is_empty() {
+                if word.chars().all(|d| d.is_ascii_digit()) {
+                    write!(rust, "{word}.0").expect("a string");
+                } else {
+                    assert!(vars.contains(&word), "kernel {}: `{word}` in its flops is no scalar parameter", k.name);
+                    write!(rust, "r#{word}").expect("a string");
+                }
+                word.clear();
+            }
+            assert!(" +-*/()".contains(c), "kernel {}: `{c}` in its flops expression", k.name);
+            rust.push(c);
+        }
+        writeln!(fields, "                {path}: ({}) as u64,", rust.trim()).expect("a string");
+    }
+    format!(
+        "        \"{}\" => {{\n{binds}            Flops {{\n{fields}                ..Flops::default()\n            }}\n        }}\n",
+        k.name
+    )
+}
+
 /// The `extern "C" __global__ void NAME(` kernels of a source.
 fn kernels_of(src: &str, file: &str) -> Vec<Kernel> {
     const MARK: &str = "extern \"C\" __global__ void ";
@@ -64,15 +116,21 @@ fn kernels_of(src: &str, file: &str) -> Vec<Kernel> {
             let close = rest.find(')').expect("a kernel's parameter list");
             let params = rest[open + 1..close].trim();
             let name = rest[..open].trim().to_string();
-            let before = src[..at].trim_end().lines().last().unwrap_or("");
-            let budget = before
-                .strip_prefix("// budget: ")
+            // The comment lines right above the kernel.
+            let notes: Vec<&str> = src[..at].trim_end().lines().rev().take_while(|l| l.starts_with("//")).collect();
+            let note = |key: &str| notes.iter().find_map(|l| l.strip_prefix(key)).map(str::trim);
+            let budget = note("// budget: ")
                 .and_then(|b| b.strip_suffix(" registers"))
                 .and_then(|b| b.parse().ok())
                 .unwrap_or_else(|| panic!("{file}: kernel {name} needs a `// budget: N registers` line above it"));
+            let flops = note("// flops: ")
+                .unwrap_or_else(|| {
+                    panic!("{file}: kernel {name} needs a `// flops: PATH EXPR` (or `none`) line above it")
+                })
+                .to_string();
             let params: Vec<(String, String)> =
                 if params.is_empty() { Vec::new() } else { params.split(',').map(param).collect() };
-            Kernel { arity: params.len(), params, name, budget }
+            Kernel { arity: params.len(), params, name, budget, flops }
         })
         .collect()
 }
@@ -93,11 +151,20 @@ fn main() {
 
     let mut build = cc::Build::new();
     build.cpp(true).std("c++17").include(root.join("emu")).include(&kernels).warnings(false);
-    build.file(root.join("emu/runtime.cpp"));
+    // The kernels' loads and stores call `emu/traffic.cpp`'s hooks (ThreadSanitizer's instrumentation,
+    // without its runtime): the bytes each launch moves, for `bench roofline`.
+    build.flag("-fsanitize=thread").flag_if_supported("--param=tsan-instrument-func-entry-exit=0");
+    build.flag_if_supported("--param=tsan-distinguish-volatile=0");
+    let mut runtime = cc::Build::new();
+    runtime.cpp(true).std("c++17").include(root.join("emu")).warnings(false);
+    runtime.file(root.join("emu/runtime.cpp")).file(root.join("emu/traffic.cpp"));
     let mut table = String::from("// Generated by build.rs: kernel name → emulated entry point.\n");
     let mut entries = Vec::new();
     let mut sources_rs = Vec::new();
     let mut launches = String::from("// Generated by build.rs: one typed launch per kernel.\n\n");
+    let mut flops = String::from(
+        "// Generated by build.rs from each kernel's `// flops:` line.\n\n/// The arithmetic kernel `name` declares for one launch.\n#[allow(unused_variables)]\npub(crate) fn declared_flops(name: &str, cfg: &LaunchConfig, args: &[Arg]) -> Flops {\n    let blocks = cfg.grid.iter().map(|&g| f64::from(g)).product::<f64>();\n    let threads = blocks * cfg.block.iter().map(|&b| f64::from(b)).product::<f64>();\n    match name {\n",
+    );
     for src in &sources {
         let text = std::fs::read_to_string(src).expect("a kernel source");
         let stem = src.file_stem().and_then(|s| s.to_str()).expect("a UTF-8 name");
@@ -110,6 +177,7 @@ fn main() {
             )
             .expect("a string");
             launches.push_str(&launch_fn(stem, &k));
+            flops.push_str(&flops_arm(&k));
             entries.push((stem.to_string(), k));
         }
         // A copy inside OUT_DIR, not the checkout's path: clones that share a target directory (CI's and
@@ -123,6 +191,8 @@ fn main() {
         build.file(path);
     }
     build.compile("osprey_cuda_emu");
+    // After the kernels: a static library resolves only the symbols of those named before it.
+    runtime.compile("osprey_cuda_emu_runtime");
 
     table.push_str("unsafe extern \"C\" {\n");
     for (_, k) in &entries {
@@ -146,6 +216,8 @@ fn main() {
     table.push_str("\n];\n");
     std::fs::write(out.join("emu_kernels.rs"), table).expect("write the table");
     std::fs::write(out.join("launches.rs"), launches).expect("write the launches");
+    flops.push_str("        _ => Flops::default(),\n    }\n}\n");
+    std::fs::write(out.join("flops.rs"), flops).expect("write the flops");
 }
 
 fn file(p: &Path) -> String {

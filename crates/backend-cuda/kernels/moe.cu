@@ -2,6 +2,7 @@
 // per-token sum of the entries in ascending expert order.
 
 // `partials[entries[i]] = d[i] · weights[entries[i]]` for `n` rows of `h`.
+// flops: fp32 n * h
 // budget: 32 registers
 extern "C" __global__ void moe_scatter_rows(float* __restrict__ partials, const int32_t* __restrict__ entries,
                                             const float* __restrict__ weights, const float* __restrict__ d,
@@ -14,6 +15,7 @@ extern "C" __global__ void moe_scatter_rows(float* __restrict__ partials, const 
 }
 
 // `out[t] = 0 + partials[t·k] + … + partials[t·k + k − 1]`, in that order.
+// flops: fp32 t * k * h
 // budget: 40 registers
 extern "C" __global__ void moe_combine(const float* __restrict__ partials, float* __restrict__ out, unsigned t, unsigned k,
                                        unsigned h) {

@@ -3,6 +3,7 @@
 // RMSNorm of each group: `x̂ · w` or `x̂ · (1 + w)`; `w[c % w_len]` for column `c` of a row of `cols`
 // (w one group long: per-head weights; w one row long: `qwen4_exp`'s grouped norm). With `z`: the
 // gated forms, `· silu(z)` (`gate` 1) or `· sigmoid(z)` (`gate` 2).
+// flops: fp32 4 * cols * blocks
 // budget: 40 registers
 extern "C" __global__ void rms_norm_f32(float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ z,
                                         unsigned cols, unsigned group, unsigned w_len, float eps, int one_plus, int gate) {
@@ -23,6 +24,7 @@ extern "C" __global__ void rms_norm_f32(float* __restrict__ x, const float* __re
 }
 
 // L2 normalisation of each group: `x / sqrt(Σx² + eps)`.
+// flops: fp32 3 * group * blocks
 // budget: 32 registers
 extern "C" __global__ void l2_norm_f32(float* __restrict__ x, unsigned group, float eps) {
     __shared__ float scratch[32];
@@ -35,6 +37,7 @@ extern "C" __global__ void l2_norm_f32(float* __restrict__ x, unsigned group, fl
 }
 
 // LayerNorm of each row: `(x − mean) / sqrt(var + eps) · w + b`.
+// flops: fp32 6 * cols * blocks
 // budget: 40 registers
 extern "C" __global__ void layer_norm_f32(float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
                                           unsigned cols, float eps) {

@@ -2,6 +2,7 @@
 // most agree with it to the bit.
 
 // `out[i] = (Σ_s m_s ⊙ xn_s) / hc` over the `hc` streams of each row (`m`, `xn` `[n, hc·h]`).
+// flops: fp32 2 * n * hc * h
 // budget: 40 registers
 extern "C" __global__ void hc_combine(const float* __restrict__ m, const float* __restrict__ xn, float* __restrict__ out,
                                       unsigned n, unsigned hc, unsigned h) {
@@ -14,6 +15,7 @@ extern "C" __global__ void hc_combine(const float* __restrict__ m, const float* 
 }
 
 // `x_s += inj_s · out` for each stream (`x [n, hc·h]`, `out [n, h]`, `inj [n, hc]`).
+// flops: fp32 2 * n * hc * h
 // budget: 32 registers
 extern "C" __global__ void hc_inject(float* __restrict__ x, const float* __restrict__ out, const float* __restrict__ inj,
                                      unsigned n, unsigned hc, unsigned h) {
@@ -25,6 +27,7 @@ extern "C" __global__ void hc_inject(float* __restrict__ x, const float* __restr
 
 // PLE's gate per (row, stream): `g = Σ k·q / √h` (one thread, in order), `sign(g)·sqrt(max(|g|, 1e-6))`,
 // then `sigmoid(g) · v` into the stream. One block per (row, stream).
+// flops: fp32 2 * h * blocks + h * blocks
 // budget: 40 registers
 extern "C" __global__ void ple_gate(const float* __restrict__ k, const float* __restrict__ q, const float* __restrict__ v,
                                     float* __restrict__ out, unsigned hc, unsigned h) {
@@ -44,6 +47,7 @@ extern "C" __global__ void ple_gate(const float* __restrict__ k, const float* __
 
 // Causal depthwise conv with `dilation`, no bias, then silu, from and advancing `state` (the last
 // `(kernel − 1)·dilation` inputs, oldest first): `x [n, c]`, `w [c, kernel]`. One thread per channel.
+// flops: fp32 2 * kernel * n * c + 4 * n * c
 // budget: 40 registers
 extern "C" __global__ void causal_conv_dilated_silu(const float* __restrict__ x, unsigned n, unsigned c, const float* __restrict__ w,
                                                     unsigned kernel, unsigned dilation, float* __restrict__ state,
@@ -63,6 +67,7 @@ extern "C" __global__ void causal_conv_dilated_silu(const float* __restrict__ x,
 }
 
 // Mean of `n` rows from `row0` of `x` per column (summed in row order, then divided).
+// flops: fp32 n * cols
 // budget: 40 registers
 extern "C" __global__ void mean_rows(const float* __restrict__ x, unsigned row0, unsigned n, unsigned cols, float* __restrict__ out) {
     for (unsigned c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
@@ -75,6 +80,7 @@ extern "C" __global__ void mean_rows(const float* __restrict__ x, unsigned row0,
 // QSA block selection: row `j` (token `past + j`) scores each of its `(past + j + 1) / ratio` complete
 // blocks as `scale · Σ_h max(0, q_h · key)` and keeps the `top` best (ties to the lower block), ascending,
 // padded with −1. One thread per row.
+// flops: fp32 2 * n * heads * d * (past + n) / ratio * top
 // budget: 48 registers
 extern "C" __global__ void qsa_select(const float* __restrict__ q, unsigned row0, unsigned n, const float* __restrict__ keys,
                                       unsigned past, unsigned ratio, unsigned top, unsigned heads, unsigned d, float scale,
@@ -124,6 +130,7 @@ __device__ __forceinline__ unsigned selected_pos(const int32_t* blocks, unsigned
 
 // Attention of `n` rows from `row0` (tokens `past..`) over each row's selected blocks and its own
 // incomplete block, over the paged K/V as in `attention_paged`. One block per (row, head).
+// flops: fp32 4 * head_dim * blocks * (top * ratio + ratio)
 // budget: 48 registers
 extern "C" __global__ void attention_selected(const float* __restrict__ q, float* __restrict__ out, const void* __restrict__ pool,
                                               int pool_bf16, const int32_t* __restrict__ table, unsigned page_size,

@@ -2,6 +2,7 @@
 // bug that the emulated device must expose, as a GPU would.
 
 // Reverses each block's 64-element slice through shared memory (a write, a barrier, a read).
+// flops: none
 // budget: 32 registers
 extern "C" __global__ void selftest_reverse(const float* __restrict__ x, float* __restrict__ out, int sync) {
     __shared__ float s[64];
@@ -13,6 +14,7 @@ extern "C" __global__ void selftest_reverse(const float* __restrict__ x, float* 
 
 // Each lane gets the sum of its warp (a butterfly of shuffles), or reads lane `bad` (a planted bug when
 // `bad` is past the warp).
+// flops: none
 // budget: 32 registers
 extern "C" __global__ void selftest_warp(const float* __restrict__ x, float* __restrict__ out, int bad) {
     float v = x[threadIdx.x];
@@ -23,6 +25,7 @@ extern "C" __global__ void selftest_warp(const float* __restrict__ x, float* __r
 
 // Half the block waits at `__syncthreads`; the other half exits (`mode` 0: allowed, exited threads
 // count as arrived) or waits at `__syncwarp` instead (1: a planted deadlock).
+// flops: none
 // budget: 32 registers
 extern "C" __global__ void selftest_diverge(float* __restrict__ out, int mode) {
     if (threadIdx.x < 16) __syncthreads();
@@ -32,6 +35,7 @@ extern "C" __global__ void selftest_diverge(float* __restrict__ out, int mode) {
 
 // Copies `n` values, or `n + 1` (`plant` 1: the off-by-one a bounds checker must catch). The ASan build
 // of the emulated kernels (tests/cuda/asan.rs) runs it on a buffer of exactly `n`.
+// flops: none
 // budget: 32 registers
 extern "C" __global__ void selftest_copy(const float* __restrict__ x, float* __restrict__ out, unsigned n, int plant) {
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n + (plant ? 1u : 0u); i += gridDim.x * blockDim.x)
@@ -40,6 +44,7 @@ extern "C" __global__ void selftest_copy(const float* __restrict__ x, float* __r
 
 // Each lane reads the next lane's value under `mask` (all 32 lanes: allowed; a mask without some of
 // them: a planted bug, since a lane outside the mask takes part).
+// flops: none
 // budget: 32 registers
 extern "C" __global__ void selftest_mask(const float* __restrict__ x, float* __restrict__ out, unsigned mask) {
     const unsigned lane = threadIdx.x % 32;
@@ -48,6 +53,7 @@ extern "C" __global__ void selftest_mask(const float* __restrict__ x, float* __r
 
 // Block `b` writes `b + 1` to `out[b]`; with `race` 1 it also copies `out[b - 1]` into `out[gridDim.x + b]`,
 // trusting block `b - 1` to have run first: a planted inter-block race (blocks run in no order).
+// flops: none
 // budget: 32 registers
 extern "C" __global__ void selftest_blocks(float* __restrict__ out, int race) {
     if (threadIdx.x != 0) return;

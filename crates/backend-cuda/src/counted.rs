@@ -18,6 +18,8 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use osprey_backend::Flops;
+
 use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
 
 /// The counts since start (or, from [`DeviceCounts::since`], over a stretch such as one decode step).
@@ -27,6 +29,8 @@ pub struct DeviceCounts {
     pub launches: u64,
     /// Launches per kernel name.
     pub kernels: BTreeMap<String, u64>,
+    /// The arithmetic each kernel's launches declare (`crate::cost`), per kernel name.
+    pub flops: BTreeMap<String, Flops>,
     /// Calls that block the host until the device has caught up (see the module docs).
     pub host_waits: u64,
     /// Small host → device copies from pageable memory ([`DeviceLayer::upload`]), each staged by the driver.
@@ -50,9 +54,16 @@ impl DeviceCounts {
             .map(|(k, &n)| (k.clone(), n - earlier.kernels.get(k).copied().unwrap_or(0)))
             .filter(|(_, n)| *n > 0)
             .collect();
+        let flops = self
+            .flops
+            .iter()
+            .map(|(k, &f)| (k.clone(), f.since(earlier.flops.get(k).copied().unwrap_or_default())))
+            .filter(|(_, f)| *f != Flops::default())
+            .collect();
         DeviceCounts {
             launches: self.launches - earlier.launches,
             kernels,
+            flops,
             host_waits: self.host_waits - earlier.host_waits,
             uploads: self.uploads - earlier.uploads,
             allocations: self.allocations - earlier.allocations,
@@ -130,7 +141,7 @@ impl Counted {
         f(&mut self.lock());
     }
 
-    fn launched(&self, name: &str) {
+    fn launched(&self, name: &str, flops: Flops) {
         self.count(|c| {
             c.launches += 1;
             match c.kernels.get_mut(name) {
@@ -138,6 +149,9 @@ impl Counted {
                 None => {
                     c.kernels.insert(name.to_string(), 1);
                 }
+            }
+            if flops != Flops::default() {
+                *c.flops.entry(name.to_string()).or_default() += flops;
             }
         });
     }
@@ -208,7 +222,7 @@ impl DeviceLayer for Counted {
         self.healthy()?;
         let r = self.inner.gemm_bf16(g);
         if r.is_ok() {
-            self.launched("cublasGemmEx");
+            self.launched("cublasGemmEx", Flops { bf16: 2 * (g.m * g.n * g.k) as u64, ..Flops::default() });
         }
         // No cuBLAS is not a fault (`Unavailable`): the backend falls back to its kernels.
         self.watch("cublasGemmEx", r)
@@ -216,7 +230,7 @@ impl DeviceLayer for Counted {
 
     fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<(), DeviceError> {
         self.healthy()?;
-        self.launched(name);
+        self.launched(name, crate::cost::declared_flops(name, &cfg, args));
         self.watch(name, self.inner.launch(name, cfg, args))
     }
 
@@ -233,5 +247,9 @@ impl DeviceLayer for Counted {
         self.healthy()?;
         self.count(|c| c.host_waits += 1);
         self.watch("synchronize", self.inner.synchronize(e))
+    }
+
+    fn traffic(&self) -> Option<crate::Traffic> {
+        self.inner.traffic()
     }
 }

@@ -199,4 +199,9 @@ pub trait DeviceLayer: Send + Sync + Debug {
     fn is_complete(&self, e: Event) -> bool;
     /// Waits for the work before `e`.
     fn synchronize(&self, e: Event) -> Result<(), DeviceError>;
+    /// The global-memory bytes measured since start, where the device meters them (the emulated device
+    /// made [`crate::EmuDevice::measuring`]; a card does not).
+    fn traffic(&self) -> Option<crate::Traffic> {
+        None
+    }
 }

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
+use crate::traffic::{Meter, Traffic};
 
 thread_local! {
     /// The kernels launched on this thread while [`launches_of`] records.
@@ -50,6 +51,8 @@ pub struct EmuDevice {
     fail_alloc: AtomicU64,
     launches: AtomicU64,
     allocations: AtomicU64,
+    /// The meter of global-memory traffic ([`EmuDevice::measuring`]).
+    meter: Option<Mutex<Meter>>,
 }
 
 impl EmuDevice {
@@ -65,7 +68,20 @@ impl EmuDevice {
             fail_alloc: AtomicU64::new(0),
             launches: AtomicU64::new(0),
             allocations: AtomicU64::new(0),
+            meter: None,
         }
+    }
+
+    /// The same device, metering the global-memory bytes of every launch, copy and GEMM
+    /// ([`DeviceLayer::traffic`]; the speed model's input). Before any allocation.
+    pub fn measuring(mut self) -> Self {
+        self.meter = Some(Mutex::new(Meter::new()));
+        self
+    }
+
+    /// Runs `f` with the meter, if metering.
+    fn metered<T>(&self, f: impl FnOnce(&mut Meter) -> T) -> Option<T> {
+        self.meter.as_ref().map(|m| f(&mut m.lock().unwrap_or_else(|e| e.into_inner())))
     }
 
     /// Makes the `n`-th launch from now fail as a kernel fault would (tests of the engine's fault path).
@@ -132,6 +148,7 @@ impl DeviceLayer for EmuDevice {
         let at = mem.as_ptr() as u64;
         self.used.fetch_add(rounded as u64, Ordering::Relaxed);
         self.allocs.lock().unwrap_or_else(|e| e.into_inner()).insert(at, mem);
+        self.metered(|m| m.region(at, rounded, true));
         Ok(DevPtr(at))
     }
 
@@ -142,6 +159,7 @@ impl DeviceLayer for EmuDevice {
     fn free(&self, p: DevPtr) -> Result<(), DeviceError> {
         if let Some(mem) = self.allocs.lock().unwrap_or_else(|e| e.into_inner()).remove(&p.0) {
             self.used.fetch_sub((mem.len() * 8) as u64, Ordering::Relaxed);
+            self.metered(|m| m.region(p.0, mem.len() * 8, false));
         }
         Ok(())
     }
@@ -171,6 +189,7 @@ impl DeviceLayer for EmuDevice {
         self.issue();
         // SAFETY: as in `upload`.
         unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst.as_mut_ptr(), dst.len()) };
+        self.metered(Meter::close_window);
         Ok(())
     }
 
@@ -178,6 +197,7 @@ impl DeviceLayer for EmuDevice {
         self.check(dst, bytes, "a copy's destination")?;
         self.check(src, bytes, "a copy's source")?;
         self.issue();
+        self.metered(|m| m.touch("memcpy", &[(src.0, bytes, false), (dst.0, bytes, true)]));
         // SAFETY: both ranges lie inside live allocations; `copy` allows overlap.
         unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) };
         Ok(())
@@ -186,6 +206,7 @@ impl DeviceLayer for EmuDevice {
     fn zero(&self, dst: DevPtr, bytes: usize) -> Result<(), DeviceError> {
         self.check(dst, bytes, "a memset")?;
         self.issue();
+        self.metered(|m| m.touch("memset", &[(dst.0, bytes, true)]));
         // SAFETY: the range lies inside a live allocation.
         unsafe { std::ptr::write_bytes(dst.0 as *mut u8, 0, bytes) };
         Ok(())
@@ -201,6 +222,14 @@ impl DeviceLayer for EmuDevice {
         self.check(g.b.0, 2 * span(rows_b, cols_b, g.b.1), "a GEMM's B")?;
         self.check(g.c.0, 4 * span(g.m, g.n, g.c.1), "a GEMM's C")?;
         self.issue();
+        let (a, b, c) = (2 * span(rows_a, cols_a, g.a.1), 2 * span(rows_b, cols_b, g.b.1), 4 * span(g.m, g.n, g.c.1));
+        let c_read = if g.beta == 0.0 { 0 } else { c };
+        self.metered(|m| {
+            m.touch(
+                "cublasGemmEx",
+                &[(g.a.0 .0, a, false), (g.b.0 .0, b, false), (g.c.0 .0, c_read, false), (g.c.0 .0, c, true)],
+            )
+        });
         let bf = |p: DevPtr, i: usize| {
             // SAFETY: inside the ranges checked above.
             f32::from_bits(u32::from(unsafe { *(p.0 as *const u16).add(i) }) << 16)
@@ -244,7 +273,11 @@ impl DeviceLayer for EmuDevice {
         // SAFETY: the entry point unpacks exactly the kernel's parameters from `params` (its signature
         // fixes their number and types; the backend passes them in that order), each pointing at a live
         // 8-byte value in little-endian order, which is where a 4-byte value sits.
-        let rc = unsafe { entry(&launch, params.as_mut_ptr()) };
+        let mut run = || unsafe { entry(&launch, params.as_mut_ptr()) };
+        let rc = match &self.meter {
+            Some(m) => m.lock().unwrap_or_else(|e| e.into_inner()).launch(info.name, run),
+            None => run(),
+        };
         if rc == 0 {
             return Ok(());
         }
@@ -267,6 +300,11 @@ impl DeviceLayer for EmuDevice {
         if e.is_copy() {
             self.run_copies(e.0 & !Event::COPY);
         }
+        self.metered(Meter::close_window);
         Ok(())
+    }
+
+    fn traffic(&self) -> Option<Traffic> {
+        self.metered(|m| m.totals())
     }
 }

@@ -16,6 +16,7 @@
 //! `supports` answers yes to all; none has run on a GPU yet (docs/cuda.md).
 
 mod backend;
+pub mod cost;
 pub mod counted;
 pub mod device;
 #[cfg(feature = "cuda")]
@@ -26,6 +27,7 @@ pub mod kernels;
 pub mod launch;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+pub mod traffic;
 
 use std::sync::Arc;
 
@@ -33,6 +35,7 @@ pub use backend::{CudaBackend, CudaStorage, BUF_CACHE, SCRATCH_CAP};
 pub use counted::{Counted, DeviceCounts};
 pub use device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
 pub use emu::EmuDevice;
+pub use traffic::Traffic;
 
 /// The CUDA backend on device `ordinal` at `precision`: a clear error without the `cuda` feature, a
 /// driver, a device or NVRTC.

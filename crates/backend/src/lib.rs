@@ -32,8 +32,8 @@ pub mod types;
 pub use device::Device;
 pub use experts::{ExpertKey, ExpertPool, ExpertShape, Fence, HostArena, HostExpert, Routing};
 pub use ops::{
-    AttentionOps, Backend, BackendRef, CoreOps, DeviceStats, ExpertOps, MemoryOps, Op, PagedView, Qwen4Ops,
-    RecurrentOps, RopeTable, Wrapper,
+    AttentionOps, Backend, BackendRef, CoreOps, DeviceStats, ExpertOps, Flops, KernelCost, MemoryOps, Op, PagedView,
+    Qwen4Ops, RecurrentOps, RopeTable, Wrapper,
 };
 
 /// What a backend op returns.

@@ -39,6 +39,55 @@ pub struct DeviceStats {
     pub allocations: u64,
     /// Device memory frees.
     pub frees: u64,
+    /// What each kernel's launches cost, by name ([`KernelCost`]; empty on a backend without a device).
+    pub costs: Vec<KernelCost>,
+    /// The distinct bytes read and written in global memory between host waits, summed over every such
+    /// window closed so far: the bytes the work must move at the least (`None` where the device does not
+    /// measure memory traffic: only the emulated device does).
+    pub window_bytes: Option<(u64, u64)>,
+}
+
+/// Arithmetic by the unit that runs it: FP32 CUDA cores, bf16 tensor cores, int8 (tensor cores or
+/// `dp4a`). A multiply-add is two.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flops {
+    /// On FP32 cores.
+    pub fp32: u64,
+    /// On bf16 tensor cores.
+    pub bf16: u64,
+    /// On int8 tensor cores or `dp4a`.
+    pub int8: u64,
+}
+
+impl std::ops::AddAssign for Flops {
+    fn add_assign(&mut self, o: Flops) {
+        (self.fp32, self.bf16, self.int8) = (self.fp32 + o.fp32, self.bf16 + o.bf16, self.int8 + o.int8);
+    }
+}
+
+impl Flops {
+    /// The difference from an `earlier` reading of the same counter.
+    pub fn since(self, earlier: Flops) -> Flops {
+        Flops {
+            fp32: self.fp32.saturating_sub(earlier.fp32),
+            bf16: self.bf16.saturating_sub(earlier.bf16),
+            int8: self.int8.saturating_sub(earlier.int8),
+        }
+    }
+}
+
+/// The launches of one kernel since start: how many, the arithmetic they declare, and the global-memory
+/// bytes they moved where the device measures them (the speed model's inputs, `osprey bench roofline`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KernelCost {
+    /// The kernel (`cublasGemmEx`, `memcpy` and `memset` for the library's and the copy engine's work).
+    pub name: String,
+    /// Launches.
+    pub launches: u64,
+    /// The arithmetic the kernel declares for its launches' shapes.
+    pub flops: Flops,
+    /// Distinct bytes read and written in global memory, launch by launch (`None` on a real card).
+    pub bytes: Option<(u64, u64)>,
 }
 
 /// Per-row rotary tables of one forward (shared by its attention layers).

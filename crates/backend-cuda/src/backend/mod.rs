@@ -261,6 +261,8 @@ impl Backend for CudaBackend {
 
     fn stats(&self) -> DeviceStats {
         let c = self.counts();
+        let traffic = self.dev.traffic();
+        let costs = costs(&c, traffic.as_ref());
         DeviceStats {
             memory_total: Some(self.info.total_memory as u64),
             memory_free: Some(self.dev.free_memory() as u64),
@@ -271,10 +273,28 @@ impl Backend for CudaBackend {
             host_waits: c.host_waits,
             allocations: c.allocations,
             frees: c.frees,
+            costs,
+            window_bytes: traffic.map(|t| t.windows),
         }
     }
 
     fn supports(&self, _op: Op) -> bool {
         true // every op of the seam has a kernel (tests/cuda/ checks each against the CPU backend)
     }
+}
+
+/// Each kernel's cost: its launches and declared arithmetic ([`Counted`]), and the bytes the device
+/// measured, if it meters (the copy engine's `memcpy` and `memset` come only from there).
+fn costs(c: &DeviceCounts, traffic: Option<&crate::Traffic>) -> Vec<osprey_backend::KernelCost> {
+    let mut names: std::collections::BTreeSet<&String> = c.kernels.keys().collect();
+    names.extend(traffic.iter().flat_map(|t| t.kernels.keys()));
+    names
+        .into_iter()
+        .map(|name| osprey_backend::KernelCost {
+            name: name.clone(),
+            launches: c.kernels.get(name).copied().unwrap_or(0),
+            flops: c.flops.get(name).copied().unwrap_or_default(),
+            bytes: traffic.map(|t| t.kernels.get(name).copied().unwrap_or_default()),
+        })
+        .collect()
 }

@@ -9,3 +9,4 @@ mod emulator;
 mod nvrtc;
 mod ops;
 mod sequence;
+mod traffic;
