@@ -248,6 +248,15 @@ pub fn kv_cache_dtype(name: Option<&str>) -> Result<osprey_backend::DType> {
     }
 }
 
+/// The `--activations` precision: `int8` (also `fast`, the default) or `f32` (also `exact`).
+pub fn precision(activations: Option<&str>) -> Result<osprey_backend::Precision> {
+    Ok(match activations.unwrap_or("int8") {
+        "int8" | "fast" => osprey_backend::Precision::Int8,
+        "f32" | "exact" => osprey_backend::Precision::Exact,
+        other => anyhow::bail!("--activations {other}: use int8 (the fast default) or f32 (exact)"),
+    })
+}
+
 /// [`open_backend`] whose live tensors may take at most `memory` bytes (`--device-memory-mb`): an
 /// allocation past it fails with `BackendError::OutOfMemory`, which fails that step's requests with 503
 /// `out_of_memory` while the engine goes on.
@@ -258,11 +267,7 @@ pub fn open_backend_with(
 ) -> Result<osprey_backend::BackendRef> {
     let device: osprey_backend::Device =
         device.unwrap_or("cpu").parse().map_err(|e: String| anyhow::anyhow!(e)).context("--device")?;
-    let precision = match activations.unwrap_or("int8") {
-        "int8" | "fast" => osprey_backend::Precision::Int8,
-        "f32" | "exact" => osprey_backend::Precision::Exact,
-        other => anyhow::bail!("--activations {other}: use int8 (the fast default) or f32 (exact)"),
-    };
+    let precision = precision(activations)?;
     let backend = match device {
         osprey_backend::Device::Cpu => match memory {
             Some(bytes) => osprey_backend_cpu::CpuBackend::with_memory_cap(precision, bytes),

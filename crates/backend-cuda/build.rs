@@ -16,6 +16,8 @@ struct Kernel {
     budget: u32,
     /// The arithmetic it declares (the `// flops: PATH EXPR[; PATH EXPR]` line above it, or `none`).
     flops: String,
+    /// PTX instructions its design names (the `// ptx: a, b` line above it; `none`: no claim).
+    ptx: Vec<String>,
 }
 
 /// One C parameter (`const float* __restrict__ x`) as (name, type without qualifiers).
@@ -128,9 +130,13 @@ fn kernels_of(src: &str, file: &str) -> Vec<Kernel> {
                     panic!("{file}: kernel {name} needs a `// flops: PATH EXPR` (or `none`) line above it")
                 })
                 .to_string();
+            let ptx = note("// ptx: ").unwrap_or_else(|| {
+                panic!("{file}: kernel {name} needs a `// ptx: INSTR, …` (or `none`) line above it")
+            });
+            let ptx = ptx.split(',').map(|i| i.trim().to_string()).filter(|i| !i.is_empty() && i != "none").collect();
             let params: Vec<(String, String)> =
                 if params.is_empty() { Vec::new() } else { params.split(',').map(param).collect() };
-            Kernel { arity: params.len(), params, name, budget, flops }
+            Kernel { arity: params.len(), params, name, budget, flops, ptx }
         })
         .collect()
 }
@@ -204,9 +210,11 @@ fn main() {
     table.push_str("pub(crate) static EMU_KERNELS: &[(KernelInfo, EmuEntry)] = &[\n");
     for (stem, k) in &entries {
         let (name, arity, budget) = (&k.name, k.arity, k.budget);
+        let ptx: Vec<String> = k.ptx.iter().map(|i| format!("{i:?}")).collect();
+        let ptx = ptx.join(", ");
         writeln!(
             table,
-            "    (KernelInfo {{ source: \"{stem}\", name: \"{name}\", arity: {arity}, registers: {budget} }}, osprey_emu_{name}),"
+            "    (KernelInfo {{ source: \"{stem}\", name: \"{name}\", arity: {arity}, registers: {budget}, ptx: &[{ptx}] }}, osprey_emu_{name}),"
         )
         .expect("a string");
     }

@@ -101,6 +101,9 @@ pub enum BenchCommand {
         #[arg(long, default_value = "1,0.5,0.25,0.1")]
         budgets: String,
     },
+    /// The speed model of the CUDA backend on named cards: each step's kernels measured on the emulated
+    /// device (bytes, declared FLOPs, launches, host waits) and priced against the card's roofline.
+    Roofline(super::roofline::RooflineArgs),
     /// Sustained DRAM read bandwidth with the compute threads (the decode roofline's denominator).
     Membw {
         /// Buffer size in MiB (well above the last-level cache).
@@ -272,6 +275,7 @@ pub fn run(cmd: BenchCommand, g: &Global) -> Result<()> {
             print!("{}", osprey_bench::compare(&read_json(&a)?, &read_json(&b)?));
             Ok(())
         }
+        BenchCommand::Roofline(a) => super::roofline::run(a, g),
         BenchCommand::Membw { mib } => {
             let bw = osprey_bench::measure_read_bandwidth(mib << 20, 5);
             println!("{}", serde_json::json!({ "read_gb_s": bw / 1e9, "mib": mib }));

@@ -2,6 +2,7 @@
 //! module holds its flags and its work. The global flags reach every command as a [`Global`].
 
 pub mod bench;
+pub mod roofline;
 pub mod run;
 pub mod serve;
 

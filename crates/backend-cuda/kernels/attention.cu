@@ -5,6 +5,7 @@
 // Causal attention of `n` query rows starting at `row0` (tokens `past..past + n` of one sequence) over
 // its paged K/V (`paged_row`). `scratch` holds `n · heads · stride` floats.
 // flops: fp32 4 * head_dim * heads * ((blocks / heads) * past + (blocks / heads) * (blocks / heads + 1) / 2)
+// ptx: bar.sync, shfl.sync.bfly.b32, ex2.approx.ftz.f32
 // budget: 48 registers
 extern "C" __global__ void attention_paged(const float* __restrict__ q, float* __restrict__ out, const void* __restrict__ pool,
                                            int pool_bf16, const int32_t* __restrict__ table, unsigned page_size,
@@ -32,6 +33,7 @@ extern "C" __global__ void attention_paged(const float* __restrict__ q, float* _
 // Bidirectional attention over rows `row0 .. row0 + n` of `q`, `k`, `v` (one image or frame group):
 // every row sees all `n`.
 // flops: fp32 4 * head_dim * n * blocks
+// ptx: bar.sync, shfl.sync.bfly.b32, ex2.approx.ftz.f32
 // budget: 48 registers
 extern "C" __global__ void attention_full(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                                          float* __restrict__ out, unsigned row0, unsigned n, unsigned q0, unsigned heads,

@@ -35,6 +35,7 @@ __device__ __forceinline__ float tile_dot(const float* x, const void* w, const u
 }
 
 // flops: fp32 2 * threads * k
+// ptx: bar.sync, ld.shared.f32
 // budget: 64 registers
 extern "C" __global__ void linear_tiled(const float* __restrict__ x, const void* __restrict__ w, const uint8_t* __restrict__ scales,
                                         float global, int wtype, float* __restrict__ out, unsigned m, unsigned n, unsigned k) {
@@ -51,6 +52,7 @@ extern "C" __global__ void linear_tiled(const float* __restrict__ x, const void*
 // over `k` so that neighbouring lanes read neighbouring weights, each row's sum reduced across the warp.
 // The weight is read once for all `m` rows. Same weight types as `linear_tiled`; `m` above 8 is a bug.
 // flops: fp32 2 * m * n * k + 2 * n * k
+// ptx: shfl.sync.bfly.b32, ld.global.nc.u8
 // budget: 64 registers
 extern "C" __global__ void linear_gemv(const float* __restrict__ x, const void* __restrict__ w, const uint8_t* __restrict__ scales,
                                        float global, int wtype, float* __restrict__ out, unsigned m, unsigned n, unsigned k) {
@@ -75,6 +77,7 @@ extern "C" __global__ void linear_gemv(const float* __restrict__ x, const void* 
 // `rows[g]` rows of `x`, starting at row `row0[g]`, by its own weight (`w[g]`, `scales[g]`, `global[g]`;
 // one type for all) into the same rows of `out [·, n]` — tile for tile what `linear_tiled` computes.
 // flops: fp32 2 * threads * k
+// ptx: bar.sync, ld.shared.f32
 // budget: 64 registers
 extern "C" __global__ void linear_grouped(const float* __restrict__ x, const uint64_t* __restrict__ w, const uint64_t* __restrict__ scales,
                                           const float* __restrict__ global, const uint32_t* __restrict__ row0,

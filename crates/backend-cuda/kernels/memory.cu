@@ -2,6 +2,7 @@
 
 // `out[r] = x[ids[r]]` for rows of `cols` elements of `esize` bytes (4, 2 or 1).
 // flops: none
+// ptx: ld.global.nc.u8
 // budget: 32 registers
 extern "C" __global__ void gather_rows(const uint8_t* __restrict__ x, const int32_t* __restrict__ ids, uint8_t* __restrict__ out,
                                        unsigned rows, unsigned cols, unsigned esize) {
@@ -15,6 +16,7 @@ extern "C" __global__ void gather_rows(const uint8_t* __restrict__ x, const int3
 // Part `[off, off + width)` of each of `heads` groups of `gw` columns of every row of `x` → `out`
 // (`[rows, heads · width]`).
 // flops: none
+// ptx: ld.global.nc.f32
 // budget: 32 registers
 extern "C" __global__ void split_cols_f32(const float* __restrict__ x, float* __restrict__ out, unsigned rows, unsigned heads,
                                           unsigned gw, unsigned off, unsigned width) {
@@ -28,6 +30,7 @@ extern "C" __global__ void split_cols_f32(const float* __restrict__ x, float* __
 
 // f32 → bf16 bits, rounded to nearest even (a bf16 KV pool's row writes).
 // flops: none
+// ptx: st.global.u16
 // budget: 32 registers
 extern "C" __global__ void f32_to_bf16_rows(const float* __restrict__ src, uint16_t* __restrict__ dst, unsigned n) {
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = f32_to_bf16(src[i]);
@@ -35,6 +38,7 @@ extern "C" __global__ void f32_to_bf16_rows(const float* __restrict__ src, uint1
 
 // Rows `ids` of an embedding table (f32 `dtype` 0, bf16 1, f16 2), widened to f32.
 // flops: none
+// ptx: ld.global.nc.u16
 // budget: 32 registers
 extern "C" __global__ void embed_rows(const void* __restrict__ table, int dtype, const int32_t* __restrict__ ids,
                                       float* __restrict__ out, unsigned n, unsigned cols) {
@@ -49,6 +53,7 @@ extern "C" __global__ void embed_rows(const void* __restrict__ table, int dtype,
 // NVFP4 codes (two e2m1 per byte, even column low) with their e4m3 scales per 16 and global scale →
 // bf16 bits, rounded to nearest even (a weight widened for the bf16 GEMM of a prefill).
 // flops: fp32 2 * n
+// ptx: ld.global.nc.u8, st.global.u16
 // budget: 32 registers
 extern "C" __global__ void nvfp4_to_bf16(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales, float global,
                                          uint16_t* __restrict__ out, unsigned n) {

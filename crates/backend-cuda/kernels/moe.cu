@@ -3,6 +3,7 @@
 
 // `partials[entries[i]] = d[i] · weights[entries[i]]` for `n` rows of `h`.
 // flops: fp32 n * h
+// ptx: ld.global.nc.f32
 // budget: 32 registers
 extern "C" __global__ void moe_scatter_rows(float* __restrict__ partials, const int32_t* __restrict__ entries,
                                             const float* __restrict__ weights, const float* __restrict__ d,
@@ -16,6 +17,7 @@ extern "C" __global__ void moe_scatter_rows(float* __restrict__ partials, const 
 
 // `out[t] = 0 + partials[t·k] + … + partials[t·k + k − 1]`, in that order.
 // flops: fp32 t * k * h
+// ptx: ld.global.nc.f32
 // budget: 40 registers
 extern "C" __global__ void moe_combine(const float* __restrict__ partials, float* __restrict__ out, unsigned t, unsigned k,
                                        unsigned h) {

@@ -4,6 +4,7 @@
 // (w one group long: per-head weights; w one row long: `qwen4_exp`'s grouped norm). With `z`: the
 // gated forms, `· silu(z)` (`gate` 1) or `· sigmoid(z)` (`gate` 2).
 // flops: fp32 4 * cols * blocks
+// ptx: bar.sync, shfl.sync.bfly.b32
 // budget: 40 registers
 extern "C" __global__ void rms_norm_f32(float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ z,
                                         unsigned cols, unsigned group, unsigned w_len, float eps, int one_plus, int gate) {
@@ -25,6 +26,7 @@ extern "C" __global__ void rms_norm_f32(float* __restrict__ x, const float* __re
 
 // L2 normalisation of each group: `x / sqrt(Σx² + eps)`.
 // flops: fp32 3 * group * blocks
+// ptx: bar.sync, shfl.sync.bfly.b32
 // budget: 32 registers
 extern "C" __global__ void l2_norm_f32(float* __restrict__ x, unsigned group, float eps) {
     __shared__ float scratch[32];
@@ -38,6 +40,7 @@ extern "C" __global__ void l2_norm_f32(float* __restrict__ x, unsigned group, fl
 
 // LayerNorm of each row: `(x − mean) / sqrt(var + eps) · w + b`.
 // flops: fp32 6 * cols * blocks
+// ptx: bar.sync, shfl.sync.bfly.b32
 // budget: 40 registers
 extern "C" __global__ void layer_norm_f32(float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
                                           unsigned cols, float eps) {

@@ -3,6 +3,7 @@
 
 // `out[i] = (Σ_s m_s ⊙ xn_s) / hc` over the `hc` streams of each row (`m`, `xn` `[n, hc·h]`).
 // flops: fp32 2 * n * hc * h
+// ptx: ld.global.nc.f32
 // budget: 40 registers
 extern "C" __global__ void hc_combine(const float* __restrict__ m, const float* __restrict__ xn, float* __restrict__ out,
                                       unsigned n, unsigned hc, unsigned h) {
@@ -16,6 +17,7 @@ extern "C" __global__ void hc_combine(const float* __restrict__ m, const float* 
 
 // `x_s += inj_s · out` for each stream (`x [n, hc·h]`, `out [n, h]`, `inj [n, hc]`).
 // flops: fp32 2 * n * hc * h
+// ptx: ld.global.nc.f32
 // budget: 32 registers
 extern "C" __global__ void hc_inject(float* __restrict__ x, const float* __restrict__ out, const float* __restrict__ inj,
                                      unsigned n, unsigned hc, unsigned h) {
@@ -28,6 +30,7 @@ extern "C" __global__ void hc_inject(float* __restrict__ x, const float* __restr
 // PLE's gate per (row, stream): `g = Σ k·q / √h` (one thread, in order), `sign(g)·sqrt(max(|g|, 1e-6))`,
 // then `sigmoid(g) · v` into the stream. One block per (row, stream).
 // flops: fp32 2 * h * blocks + h * blocks
+// ptx: bar.sync, ld.shared.f32
 // budget: 40 registers
 extern "C" __global__ void ple_gate(const float* __restrict__ k, const float* __restrict__ q, const float* __restrict__ v,
                                     float* __restrict__ out, unsigned hc, unsigned h) {
@@ -48,6 +51,7 @@ extern "C" __global__ void ple_gate(const float* __restrict__ k, const float* __
 // Causal depthwise conv with `dilation`, no bias, then silu, from and advancing `state` (the last
 // `(kernel − 1)·dilation` inputs, oldest first): `x [n, c]`, `w [c, kernel]`. One thread per channel.
 // flops: fp32 2 * kernel * n * c + 4 * n * c
+// ptx: ex2.approx.ftz.f32
 // budget: 40 registers
 extern "C" __global__ void causal_conv_dilated_silu(const float* __restrict__ x, unsigned n, unsigned c, const float* __restrict__ w,
                                                     unsigned kernel, unsigned dilation, float* __restrict__ state,
@@ -68,6 +72,7 @@ extern "C" __global__ void causal_conv_dilated_silu(const float* __restrict__ x,
 
 // Mean of `n` rows from `row0` of `x` per column (summed in row order, then divided).
 // flops: fp32 n * cols
+// ptx: ld.global.nc.f32
 // budget: 40 registers
 extern "C" __global__ void mean_rows(const float* __restrict__ x, unsigned row0, unsigned n, unsigned cols, float* __restrict__ out) {
     for (unsigned c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
@@ -81,6 +86,7 @@ extern "C" __global__ void mean_rows(const float* __restrict__ x, unsigned row0,
 // blocks as `scale · Σ_h max(0, q_h · key)` and keeps the `top` best (ties to the lower block), ascending,
 // padded with −1. One thread per row.
 // flops: fp32 2 * n * heads * d * (past + n) / ratio * top
+// ptx: ld.global.nc.f32
 // budget: 48 registers
 extern "C" __global__ void qsa_select(const float* __restrict__ q, unsigned row0, unsigned n, const float* __restrict__ keys,
                                       unsigned past, unsigned ratio, unsigned top, unsigned heads, unsigned d, float scale,
@@ -131,6 +137,7 @@ __device__ __forceinline__ unsigned selected_pos(const int32_t* blocks, unsigned
 // Attention of `n` rows from `row0` (tokens `past..`) over each row's selected blocks and its own
 // incomplete block, over the paged K/V as in `attention_paged`. One block per (row, head).
 // flops: fp32 4 * head_dim * blocks * (top * ratio + ratio)
+// ptx: bar.sync, shfl.sync.bfly.b32, ex2.approx.ftz.f32
 // budget: 48 registers
 extern "C" __global__ void attention_selected(const float* __restrict__ q, float* __restrict__ out, const void* __restrict__ pool,
                                               int pool_bf16, const int32_t* __restrict__ table, unsigned page_size,

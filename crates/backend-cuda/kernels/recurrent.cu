@@ -4,6 +4,7 @@
 // Depthwise causal conv (`w [c, kernel]`) then silu over `n` rows from `row0` of `x`, from and
 // advancing `state` (the last `kernel − 1` inputs, `[kernel − 1, c]`). One thread per channel.
 // flops: fp32 2 * kernel * n * c + 4 * n * c
+// ptx: ex2.approx.ftz.f32
 // budget: 40 registers
 extern "C" __global__ void causal_conv_silu(const float* __restrict__ x, unsigned row0, unsigned n, unsigned c,
                                             const float* __restrict__ w, unsigned kernel, float* __restrict__ state,
@@ -27,6 +28,7 @@ extern "C" __global__ void causal_conv_silu(const float* __restrict__ x, unsigne
 
 // β = sigmoid(b), g = neg_a · softplus(a + dt_bias) for `n` rows from `row0` of `[·, nv]` inputs.
 // flops: fp32 8 * n * nv
+// ptx: ex2.approx.ftz.f32
 // budget: 32 registers
 extern "C" __global__ void delta_gates(const float* __restrict__ a, const float* __restrict__ b, unsigned row0, unsigned n,
                                        unsigned nv, const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
@@ -43,6 +45,7 @@ extern "C" __global__ void delta_gates(const float* __restrict__ a, const float*
 // The gated delta rule token by token over `n` tokens, advancing `state [nv, dk, dv]`: one block per
 // value head, one thread per state column `j` (columns are independent), `out [n, nv, dv]`.
 // flops: fp32 7 * dk * dv * nv * n
+// ptx: ex2.approx.ftz.f32
 // budget: 40 registers
 extern "C" __global__ void gated_delta_recurrent(const float* __restrict__ q, const float* __restrict__ k,
                                                  const float* __restrict__ v, const float* __restrict__ g,

@@ -3,6 +3,7 @@
 // (m)RoPE (tables from the positions' sections) and the vision tower's 2-D rotary.
 
 // flops: fp32 6 * rows * (cols / head_dim) * half
+// ptx: ld.global.nc.f32
 // budget: 40 registers
 extern "C" __global__ void rotate_half_f32(float* __restrict__ x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                            unsigned rows, unsigned cols, unsigned head_dim, unsigned half) {

@@ -3,6 +3,7 @@
 
 // Reverses each block's 64-element slice through shared memory (a write, a barrier, a read).
 // flops: none
+// ptx: bar.sync, ld.shared.f32
 // budget: 32 registers
 extern "C" __global__ void selftest_reverse(const float* __restrict__ x, float* __restrict__ out, int sync) {
     __shared__ float s[64];
@@ -15,6 +16,7 @@ extern "C" __global__ void selftest_reverse(const float* __restrict__ x, float* 
 // Each lane gets the sum of its warp (a butterfly of shuffles), or reads lane `bad` (a planted bug when
 // `bad` is past the warp).
 // flops: none
+// ptx: shfl.sync.bfly.b32, shfl.sync.idx.b32
 // budget: 32 registers
 extern "C" __global__ void selftest_warp(const float* __restrict__ x, float* __restrict__ out, int bad) {
     float v = x[threadIdx.x];
@@ -26,6 +28,7 @@ extern "C" __global__ void selftest_warp(const float* __restrict__ x, float* __r
 // Half the block waits at `__syncthreads`; the other half exits (`mode` 0: allowed, exited threads
 // count as arrived) or waits at `__syncwarp` instead (1: a planted deadlock).
 // flops: none
+// ptx: bar.sync, bar.warp.sync
 // budget: 32 registers
 extern "C" __global__ void selftest_diverge(float* __restrict__ out, int mode) {
     if (threadIdx.x < 16) __syncthreads();
@@ -36,6 +39,7 @@ extern "C" __global__ void selftest_diverge(float* __restrict__ out, int mode) {
 // Copies `n` values, or `n + 1` (`plant` 1: the off-by-one a bounds checker must catch). The ASan build
 // of the emulated kernels (tests/cuda/asan.rs) runs it on a buffer of exactly `n`.
 // flops: none
+// ptx: none
 // budget: 32 registers
 extern "C" __global__ void selftest_copy(const float* __restrict__ x, float* __restrict__ out, unsigned n, int plant) {
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n + (plant ? 1u : 0u); i += gridDim.x * blockDim.x)
@@ -45,6 +49,7 @@ extern "C" __global__ void selftest_copy(const float* __restrict__ x, float* __r
 // Each lane reads the next lane's value under `mask` (all 32 lanes: allowed; a mask without some of
 // them: a planted bug, since a lane outside the mask takes part).
 // flops: none
+// ptx: shfl.sync.idx.b32
 // budget: 32 registers
 extern "C" __global__ void selftest_mask(const float* __restrict__ x, float* __restrict__ out, unsigned mask) {
     const unsigned lane = threadIdx.x % 32;
@@ -54,6 +59,7 @@ extern "C" __global__ void selftest_mask(const float* __restrict__ x, float* __r
 // Block `b` writes `b + 1` to `out[b]`; with `race` 1 it also copies `out[b - 1]` into `out[gridDim.x + b]`,
 // trusting block `b - 1` to have run first: a planted inter-block race (blocks run in no order).
 // flops: none
+// ptx: none
 // budget: 32 registers
 extern "C" __global__ void selftest_blocks(float* __restrict__ out, int race) {
     if (threadIdx.x != 0) return;

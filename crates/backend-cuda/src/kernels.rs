@@ -23,6 +23,9 @@ pub struct KernelInfo {
     /// Registers per thread it may use on any target (written above it in its source); more, or any
     /// spill, fails the NVRTC check.
     pub registers: u32,
+    /// PTX instructions its design names (the `// ptx:` line above it): the NVRTC check finds each in
+    /// the kernel's PTX, so a rewrite that loses its vector loads or `dp4a` fails CI.
+    pub ptx: &'static [&'static str],
 }
 
 /// Grid and block of one launch, as the emulator's `emu::Launch` reads them.

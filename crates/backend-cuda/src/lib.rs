@@ -76,6 +76,13 @@ pub fn open_emulated_with(memory: usize, precision: osprey_backend::Precision) -
     Arc::new(CudaBackend::new(dev, osprey_backend::Device::CudaEmu).with_precision(precision))
 }
 
+/// [`open_emulated_with`] on a device that meters every launch's global-memory bytes
+/// ([`EmuDevice::measuring`]): what `osprey bench roofline` prices.
+pub fn open_emulated_measuring(memory: usize, precision: osprey_backend::Precision) -> osprey_backend::BackendRef {
+    let dev = Arc::new(EmuDevice::new(memory).measuring());
+    Arc::new(CudaBackend::new(dev, osprey_backend::Device::CudaEmu).with_precision(precision))
+}
+
 /// The CUDA backend tests run on (exact): the emulated device with `memory` bytes, or the card named by
 /// `OSPREY_CUDA_TEST_DEVICE=cuda:N` (how the GPU kit, `tools/gpu/run.sh`, runs the same tests on a GPU).
 pub fn open_test_device(memory: usize) -> osprey_backend::BackendRef {

@@ -13,6 +13,7 @@ mod experts;
 pub mod predict;
 pub mod report;
 mod rng;
+pub mod roofline;
 pub mod serve;
 pub mod synth;
 mod verify;

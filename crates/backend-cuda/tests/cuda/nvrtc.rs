@@ -48,9 +48,45 @@ fn every_kernel_compiles_for_every_target_within_its_register_budget() {
         }
         // The JIT path of a card newer than the NVRTC: PTX for the oldest target.
         let ptx = nvrtc::compile(stem, "compute_80").unwrap_or_else(|e| panic!("{e}"));
-        assert!(String::from_utf8_lossy(&ptx.image).contains(".target sm_80"), "{stem}: PTX for sm_80");
+        let ptx = String::from_utf8_lossy(&ptx.image).into_owned();
+        assert!(ptx.contains(".target sm_80"), "{stem}: PTX for sm_80");
+        for k in kernels::all().filter(|k| k.source == stem) {
+            let body = entry_body(&ptx, k.name).unwrap_or_else(|| panic!("{stem}: no .entry {} in its PTX", k.name));
+            for want in k.ptx {
+                assert!(
+                    body.lines()
+                        .any(|l| instruction(l).is_some_and(|i| i == *want || i.starts_with(&format!("{want}.")))),
+                    "{}: its `// ptx:` line names `{want}`, which its PTX lacks",
+                    k.name
+                );
+            }
+        }
     }
     eprintln!("{}", report.join("\n"));
+}
+
+/// The PTX of entry `name`: from its `.entry` to the next one.
+fn entry_body<'a>(ptx: &'a str, name: &str) -> Option<&'a str> {
+    let at = ptx.find(&format!(".entry {name}("))?;
+    let rest = &ptx[at + 1..];
+    Some(&rest[..rest.find(".entry ").unwrap_or(rest.len())])
+}
+
+/// The instruction of a PTX line (`@%p1 ld.global.nc.f32 %f1, [%rd2];` → `ld.global.nc.f32`).
+fn instruction(line: &str) -> Option<&str> {
+    let l = line.trim_start();
+    let l = if l.starts_with('@') { l.split_once(' ')?.1.trim_start() } else { l };
+    let word = l.split(|c: char| c.is_whitespace() || c == ';').next()?;
+    word.starts_with(|c: char| c.is_ascii_lowercase()).then_some(word)
+}
+
+#[test]
+fn a_ptx_line_gives_its_instruction() {
+    assert_eq!(instruction("\t@%p1 ld.global.nc.v4.u32 {%r1, %r2, %r3, %r4}, [%rd2];"), Some("ld.global.nc.v4.u32"));
+    assert_eq!(instruction("\tbar.sync \t0;"), Some("bar.sync"));
+    assert_eq!(instruction("// a comment"), None);
+    let ptx = ".visible .entry a(\n\tbar.sync 0;\n}\n.visible .entry b(\n\tret;\n}";
+    assert!(entry_body(ptx, "a").is_some_and(|b| b.contains("bar.sync") && !b.contains("ret")));
 }
 
 #[test]

@@ -2,4 +2,5 @@
 
 mod device;
 mod report;
+mod roofline;
 mod synth;

@@ -1,0 +1,100 @@
+//! The steps `bench roofline` measures on a metering emulated device: decode at each batch size (a
+//! short prompt per sequence, one unmeasured decode step so the buffer cache has seen the shapes, then
+//! the measured steps, averaged) and one prefill chunk; and the head-only copy of a checkpoint that
+//! separates the head's cost from the layers'.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use osprey_protocol::tokenizer::PreparedPrompt;
+use osprey_runner::{Driver, NoMedia, Work as Item};
+
+use super::Work;
+use crate::{bench_prompt, greedy, Error, Result};
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct RooflineBench {
+    /// Prompt tokens of each decoding sequence.
+    pub prompt: usize,
+    /// Measured decode steps per batch size.
+    pub decode_tokens: usize,
+    /// Sequences decoding together, one scenario each.
+    pub batches: Vec<usize>,
+    /// Tokens of the measured prefill chunk (0: none).
+    pub prefill: usize,
+}
+
+/// One step of `items` through the driver; an item's failure fails the measurement.
+fn step(driver: &mut Driver, items: &[Item]) -> Result<()> {
+    for (_, r) in driver.step(items, &mut NoMedia) {
+        r?;
+    }
+    Ok(())
+}
+
+fn item(seq: u64, start: usize, end: usize) -> Item {
+    Item { seq, admit: None, start, end, sample: true, snapshot: false, budget: 1 << 20, span: tracing::Span::none() }
+}
+
+/// Each scenario's work: `decode xN` per step and `prefill N` for the chunk.
+pub fn measure(driver: &mut Driver, b: &RooflineBench) -> Result<Vec<(String, Work)>> {
+    let vocab = driver.model().info().vocab_size;
+    let backend = driver.model().backend().clone();
+    let mut out = Vec::new();
+    for &n in &b.batches {
+        let seqs: Vec<u64> = (1..=n as u64).collect();
+        for &s in &seqs {
+            // Different prompts, so the sequences route to different experts as real ones would.
+            let ids = bench_prompt(b.prompt + s as usize, vocab)[s as usize..].to_vec();
+            driver.admit(s, Arc::new(PreparedPrompt::text(ids)), greedy(), None, &[])?;
+        }
+        let prefill: Vec<Item> = seqs.iter().map(|&s| item(s, 0, b.prompt)).collect();
+        step(driver, &prefill)?;
+        let decode =
+            |i: usize| -> Vec<Item> { seqs.iter().map(|&s| item(s, b.prompt + i, b.prompt + i + 1)).collect() };
+        step(driver, &decode(0))?;
+        let before = backend.stats();
+        for i in 1..=b.decode_tokens {
+            step(driver, &decode(i))?;
+        }
+        out.push((format!("decode x{n}"), Work::between(&before, &backend.stats(), b.decode_tokens)));
+        seqs.iter().for_each(|&s| driver.release(s));
+    }
+    if b.prefill > 0 {
+        let seq = 1 << 40;
+        driver.admit(seq, Arc::new(PreparedPrompt::text(bench_prompt(b.prefill, vocab))), greedy(), None, &[])?;
+        let before = backend.stats();
+        step(driver, &[item(seq, 0, b.prefill)])?;
+        out.push((format!("prefill {}", b.prefill), Work::between(&before, &backend.stats(), 1)));
+        driver.release(seq);
+    }
+    Ok(out)
+}
+
+/// A copy of checkpoint `dir` under `at` with no decoder layer: its config with `num_hidden_layers` 0
+/// (and an empty `layer_types`), its other files linked. Returns the copy and the layers of the original.
+pub fn head_only(dir: &Path, at: &Path) -> Result<(PathBuf, usize)> {
+    let bad = |what: String| Error::Input(format!("{}: {what}", dir.display()));
+    std::fs::create_dir_all(at).map_err(Error::io(at))?;
+    let cfg_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(Error::io(&cfg_path))?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("config.json: {e}")))?;
+    let text_cfg = if cfg.get("text_config").is_some() { &mut cfg["text_config"] } else { &mut cfg };
+    let layers = text_cfg["num_hidden_layers"].as_u64().ok_or_else(|| bad("no num_hidden_layers".into()))? as usize;
+    text_cfg["num_hidden_layers"] = 0.into();
+    if text_cfg.get("layer_types").is_some() {
+        text_cfg["layer_types"] = serde_json::json!([]);
+    }
+    for e in std::fs::read_dir(dir).map_err(Error::io(dir))? {
+        let e = e.map_err(Error::io(dir))?;
+        let link = at.join(e.file_name());
+        if e.file_name() == "config.json" || link.exists() {
+            continue;
+        }
+        std::os::unix::fs::symlink(e.path(), &link).map_err(Error::io(&link))?;
+    }
+    let out = at.join("config.json");
+    std::fs::write(&out, serde_json::to_vec_pretty(&cfg).map_err(|e| bad(e.to_string()))?).map_err(Error::io(&out))?;
+    Ok((at.to_path_buf(), layers))
+}

@@ -1,0 +1,59 @@
+//! Issue 51, item 6: `bench roofline` measures each step on a metering emulated device and prices it on
+//! a card. On a synthetic checkpoint: a decode token must move at least the weights it reads (the dense
+//! part and its top-k experts), the launches' bytes cover the step's must-move bytes, and the model of a
+//! deeper checkpoint, built from the head-only copy, adds layers at the measured average.
+
+use osprey_bench::roofline::{self, head_only, RooflineBench};
+use osprey_bench::synth::{synth, TINY};
+use osprey_runner::Driver;
+
+fn measure(dir: &std::path::Path, b: &RooflineBench) -> Vec<(String, roofline::Work)> {
+    let backend = osprey_backend_cuda::open_emulated_measuring(1 << 30, osprey_models::backend::Precision::Exact);
+    let model = osprey_models::load_on(dir, backend).expect("load on cuda-emu");
+    roofline::measure(&mut Driver::new(model, 16), b).expect("measure")
+}
+
+#[test]
+fn a_decode_step_moves_at_least_the_weights_it_reads_and_the_model_scales_by_layers() {
+    let base = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("roofline");
+    let _ = std::fs::remove_dir_all(&base);
+    let dir = base.join("tiny-L4");
+    synth(&dir, TINY, 4, 5).expect("synth");
+    let b = RooflineBench { prompt: 3, decode_tokens: 2, batches: vec![1, 2], prefill: 8 };
+    let steps = measure(&dir, &b);
+    let names: Vec<&str> = steps.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["decode x1", "decode x2", "prefill 8"]);
+
+    let cpu = osprey_models::load_on(&dir, osprey_backend_cpu::CpuBackend::shared()).expect("load");
+    let (dense, per_expert) = cpu.weight_bytes();
+    let info = cpu.info();
+    let weights = (dense + info.moe_layers * info.experts_per_token * per_expert) as f64;
+    let (_, one) = &steps[0];
+    let launched: f64 = one.kernels.iter().map(|k| k.bytes[0] + k.bytes[1]).sum();
+    // The head's embedding table is read one row per token, so the step may move less than `dense`;
+    // never less than the routed experts and the LM head.
+    let lm_head = (info.vocab_size * info.hidden_size * 2) as f64;
+    let experts = (info.moe_layers * info.experts_per_token * per_expert) as f64;
+    assert!(one.must_move >= lm_head + experts, "{} < {}", one.must_move, lm_head + experts);
+    assert!(one.must_move <= 1.5 * weights, "{} vs {weights}", one.must_move);
+    assert!(launched >= one.must_move, "each launch's distinct bytes sum over the step's windows");
+    assert!(one.kernels.iter().any(|k| k.name == "linear_grouped" && k.flops[0] > 0.0), "declared arithmetic");
+    // Two sequences read the same dense weights once per step.
+    let (_, two) = &steps[1];
+    assert!(two.must_move < 2.0 * one.must_move, "{} vs {}", two.must_move, one.must_move);
+
+    // The head-only copy; the model of the same depth is the measurement itself.
+    let (head_dir, layers) = head_only(&dir, &base.join("tiny-L0")).expect("head-only copy");
+    assert_eq!(layers, 4);
+    let head = measure(&head_dir, &b);
+    let same = roofline::scale(one, &head[0].1, 4, 4, (info.vocab_size, info.vocab_size));
+    assert!((same.must_move - one.must_move).abs() < 1.0, "{} vs {}", same.must_move, one.must_move);
+    let deep = roofline::scale(one, &head[0].1, 4, 40, (info.vocab_size, info.vocab_size));
+    let per_layer = (one.must_move - head[0].1.must_move) / 4.0;
+    assert!((deep.must_move - (head[0].1.must_move + 40.0 * per_layer)).abs() < 1.0);
+    assert!(head[0].1.must_move >= lm_head, "the head alone reads the LM head");
+
+    let card = roofline::card("rtx-4090").expect("a card");
+    let (eager, graph) = (roofline::price(&deep, &card, false), roofline::price(&deep, &card, true));
+    assert!(graph.secs < eager.secs && eager.roofline_secs > 0.0 && eager.fraction < 1.0);
+}
