@@ -57,3 +57,19 @@ fn a_decode_step_moves_at_least_the_weights_it_reads_and_the_model_scales_by_lay
     let (eager, graph) = (roofline::price(&deep, &card, false), roofline::price(&deep, &card, true));
     assert!(graph.secs < eager.secs && eager.roofline_secs > 0.0 && eager.fraction < 1.0);
 }
+
+#[test]
+fn the_cards_in_docs_cuda_md_are_the_ones_the_model_prices() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/cuda.md")).expect("docs/cuda.md");
+    let rows: Vec<Vec<String>> = doc
+        .lines()
+        .filter(|l| l.starts_with("| ") && roofline::card(l[2..].split(' ').next().unwrap_or("")).is_some())
+        .map(|l| l.trim_matches('|').split('|').map(|c| c.trim().to_string()).collect())
+        .collect();
+    assert_eq!(rows.len(), roofline::CARDS.len(), "one row per card");
+    for (row, c) in rows.iter().zip(roofline::CARDS) {
+        let nums: Vec<f64> = row[1..].iter().map(|v| v.parse().expect("a number")).collect();
+        assert_eq!(row[0], c.name);
+        assert_eq!(nums, [c.bandwidth_gb_s, c.fp32_tflops, c.bf16_tflops, c.int8_tops, c.pcie_gb_s], "{}", c.name);
+    }
+}
