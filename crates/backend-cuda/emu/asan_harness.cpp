@@ -157,6 +157,16 @@ int main(int argc, char** argv) {
     std::vector<int32_t> entries = {8, 0};
     run(moe_scatter_rows, d1(1), d1(64), partials.data(), entries.data(), rw.data(), dd.data(), 2u, 16u);
     run(moe_combine, d1(1), d1(64), partials.data(), comb.data(), 3u, 3u, 16u);
+    // The groups of the router's ids on the device: 3 tokens × 3 entries over 10 experts in 10 slots
+    // (slot = 9 − expert), at most 9 groups, every output exactly its size.
+    std::vector<int32_t> slot_of(10);
+    for (int e = 0; e < 10; ++e) slot_of[e] = 9 - e;
+    std::vector<uint64_t> slot_w(3 * 10, 1), slot_s(3 * 10, 2), gw(3 * 9), gs(3 * 9);
+    std::vector<float> slot_g(3 * 10, 0.5f), gg(3 * 9);
+    std::vector<uint32_t> gr0(9), grows(9);
+    std::vector<int32_t> gent(9), gtok(9);
+    run(moe_align, d1(1), d1(32), rid.data(), slot_of.data(), 9u, 3u, 10u, 9u, slot_w.data(), slot_s.data(), slot_g.data(),
+        gr0.data(), grows.data(), gw.data(), gs.data(), gg.data(), gent.data(), gtok.data());
 
     // qwen4_exp: hyper-connections, PLE, the dilated conv, QSA over the paged pool above.
     const unsigned hn = 2, hc = 4, hh = 12;

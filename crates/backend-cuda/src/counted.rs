@@ -201,6 +201,11 @@ impl DeviceLayer for Counted {
         self.watch("waiting for a copy", self.inner.wait_event(e))
     }
 
+    fn copies_after(&self, e: Event) -> Result<(), DeviceError> {
+        self.healthy()?;
+        self.watch("ordering a copy after compute", self.inner.copies_after(e))
+    }
+
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         self.healthy()?;
         let n = dst.len() as u64;

@@ -183,6 +183,9 @@ pub trait DeviceLayer: Send + Sync + Debug {
     unsafe fn upload_async(&self, dst: DevPtr, src: *const u8, len: usize) -> Result<Event, DeviceError>;
     /// Makes the compute stream's later work wait for `e` (a copy's event) without blocking the host.
     fn wait_event(&self, e: Event) -> Result<(), DeviceError>;
+    /// Makes the copy stream's later copies wait for `e` (a compute event: the last reader of memory a copy
+    /// overwrites) without blocking the host; a copy's event is already in the copy stream's order.
+    fn copies_after(&self, e: Event) -> Result<(), DeviceError>;
     /// Device → host, after the work before it (waits).
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), DeviceError>;
     /// Device → device.

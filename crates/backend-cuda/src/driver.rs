@@ -226,6 +226,17 @@ impl DeviceLayer for CudaDevice {
         }
     }
 
+    fn copies_after(&self, e: Event) -> Result<(), DeviceError> {
+        if e.is_copy() {
+            return Ok(()); // the copy stream's own order
+        }
+        let events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        match events.get(&e.0) {
+            Some(ev) => self.copy.wait(ev).map_err(|e| driver("ordering a copy after compute", e)),
+            None => Ok(()), // already complete and pruned
+        }
+    }
+
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         self.bind()?;
         // SAFETY: `src` holds `dst.len()` bytes; the sync below completes the copy before `dst` is read.

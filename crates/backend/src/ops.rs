@@ -354,17 +354,19 @@ seam! {
             fn route(&self, logits: &Tensor, k: usize, renorm: bool) -> Result<Routing>;
         }
 
-        /// `alloc_expert_pool`, `upload_expert`, `moe_routed`, `moe_combine` (routed experts in slots).
+        /// `alloc_expert_pool`, `upload_expert`, `moe_routed`, `moe_routed_on_device`, `moe_combine` (routed
+        /// experts in slots).
         op ExpertSlots {
             /// A pool of `slots` fixed-stride expert slots for `layer` (device memory for `slots`
             /// experts).
             fn alloc_expert_pool(&self, layer: u32, slots: usize, shape: ExpertShape) -> Result<ExpertPool>;
 
-            /// Copies `expert` into `slot` of `pool` (replacing what it held, whose last reader's fence
-            /// the caller has waited for) and records its key. The returned fence completes when the copy
-            /// has; the backend keeps `expert` (and its lease) until then, or, where the slot is the host
-            /// memory itself (the CPU), until the slot is reused.
-            fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence>;
+            /// Copies `expert` into `slot` of `pool` (replacing what it held) once the work before `after`
+            /// — the slot's last reader — has run, and records its key: a device orders its copy after
+            /// that work without the host waiting. The returned fence completes when the copy has; the
+            /// backend keeps `expert` (and its lease) until then, or, where the slot is the host memory
+            /// itself (the CPU), until the slot is reused.
+            fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert, after: Fence) -> Result<Fence>;
 
             /// Routed experts on resident slots: for every token `t` and entry `j` with `slots[t, j] ≥
             /// 0`, `partials[t·k + j] = weights[t, j] · down(silu(gate(x_t)) · up(x_t))` of the expert in
@@ -373,6 +375,13 @@ seam! {
             /// backend reads it back again), `weights` `[T, k]` f32, `partials` `[T·k, hidden]`. An
             /// expert runs on all of its wave's tokens at once.
             fn moe_routed(&self, x: &Tensor, slots: &[i32], weights: &Tensor, pool: &ExpertPool, partials: &mut Tensor) -> Result<()>;
+
+            /// `moe_routed` over every entry of `routing` when every expert of the layer is in a slot:
+            /// the expert ids stay where the router wrote them (`routing.ids`, as ggml's `MUL_MAT_ID`
+            /// takes its ids tensor), mapped to slots by `slot_of` (`[experts]` i32 on the backend, each
+            /// expert's slot; the layer uploads it when its slots change). A device reads nothing back
+            /// and uploads nothing: the step's routing never reaches the host.
+            fn moe_routed_on_device(&self, x: &Tensor, routing: &Routing, slot_of: &Tensor, pool: &ExpertPool, partials: &mut Tensor) -> Result<()>;
 
             /// `out[t] = 0 + partials[t·k] + partials[t·k + 1] + …` in that order (ascending expert id)
             /// → `[T, hidden]`.

@@ -94,7 +94,8 @@ impl ExpertOps for CpuBackend {
         Ok(ExpertPool::new(layer, shape, slots, Box::new(storage)))
     }
 
-    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
+    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert, _after: Fence) -> Result<Fence> {
+        // Ops run as they are called: the slot's readers have run.
         let key = expert.key;
         let cpu =
             pool.storage_mut::<CpuPool>().ok_or_else(|| BackendError::Slot("a pool of another backend".into()))?;
@@ -113,6 +114,24 @@ impl ExpertOps for CpuBackend {
         partials: &mut Tensor,
     ) -> Result<()> {
         self.routed(x, slots, weights, pool, partials)
+    }
+
+    fn moe_routed_on_device(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        slot_of: &Tensor,
+        pool: &ExpertPool,
+        partials: &mut Tensor,
+    ) -> Result<()> {
+        // Host memory: the ids are here already, so this is `moe_routed` with each expert's slot.
+        let i32s = |t: &Tensor| match self.download(t)? {
+            HostVec::I32(v) => Ok(v),
+            _ => Err(BackendError::DType { expected: DType::I32, got: t.dtype() }),
+        };
+        let (ids, map) = (i32s(&routing.ids)?, i32s(slot_of)?);
+        let slots: Vec<i32> = ids.iter().map(|&e| map.get(e as usize).copied().unwrap_or(-1)).collect();
+        self.routed(x, &slots, &routing.weights, pool, partials)
     }
 
     fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {

@@ -1,20 +1,22 @@
 //! The router and routed experts on the device. A layer's pool is one device allocation of `slots`
 //! fixed-stride slots, each `[gate | up | down]` (NVFP4: each projection's codes, then its scales); an
-//! upload copies the host expert's bytes into its slot. `moe_routed` reads the wave's slot ids back (one
-//! small sync per wave: the first, host-driven version of GPU.md's plan), then runs each referenced slot
-//! on all of its tokens — gather, gate and up, SwiGLU, down — and writes the weighted rows into their
-//! entries of `partials`, slot by slot in ascending order as the CPU does.
+//! upload copies the host expert's bytes into its slot. A wave's experts run as groups of rows — gather,
+//! gate and up, SwiGLU, down, each projection one grouped GEMM over every group — and their weighted rows
+//! go into their entries of `partials`, slot by slot in ascending order as the CPU does. The groups come
+//! from the host (`moe_routed`: the layer's slot ids, packed with the groups' tables into one upload per
+//! wave) or, with every expert in a slot, from the router's ids on the device (`moe_routed_on_device`:
+//! `moe_align` builds them; no readback, no upload).
 
 use std::collections::BTreeMap;
 
 use osprey_backend::{
-    BackendError, DType, ExpertOps, ExpertPool, ExpertShape, Fence, HostData, HostExpert, HostMatrix, MemoryOps,
-    Result, Routing, Tensor, WeightView,
+    BackendError, DType, ExpertOps, ExpertPool, ExpertShape, Fence, HostExpert, HostMatrix, Result, Routing, Tensor,
+    WeightView,
 };
 
 use super::core::RawWeight;
 use super::{ptr, seam_error, u32_of, Buf, CudaBackend};
-use crate::device::{DeviceLayer as _, Event, LaunchConfig};
+use crate::device::{DevPtr, DeviceLayer as _, Event, LaunchConfig};
 use crate::launch;
 
 /// Where one projection sits in a slot.
@@ -37,6 +39,9 @@ struct CudaPool {
     /// The compute stream waits for a slot's copy only when a wave first reads the slot, so an upload
     /// made ahead (a guess, while the layer before computes) overlaps the compute queued meanwhile.
     copying: std::sync::Mutex<Vec<Option<Event>>>,
+    /// Every slot's three projections as `moe_align` reads them (`[3, slots]` weights, scales and global
+    /// scales), made at the first step routed on the device and again after an upload changed a slot.
+    tables: std::sync::Mutex<Option<[Buf; 3]>>,
 }
 
 /// Bytes of a `rows × cols` projection of `dtype`: (codes or elements, scales).
@@ -81,64 +86,145 @@ impl CudaBackend {
     }
 }
 
-/// One wave as groups of rows: per slot its first row, its row count and its three projections; the
-/// token row and partials entry of every row, slot after slot.
+/// One wave as groups of rows, built on the host: per slot its first row, its row count and its three
+/// projections; the token row and partials entry of every row, slot after slot.
 #[derive(Default)]
 struct Groups {
-    row0: Vec<i32>,
-    counts: Vec<i32>,
+    row0: Vec<u32>,
+    counts: Vec<u32>,
     /// Per projection (gate, up, down): each group's weight, scales and global scale.
     weights: [(Vec<u64>, Vec<u64>, Vec<f32>); 3],
-    rows: Vec<usize>,
-    entries: Vec<usize>,
+    tokens: Vec<i32>,
+    entries: Vec<i32>,
 }
 
 impl Groups {
     fn add(&mut self, b: &CudaBackend, pool: &CudaPool, dtype: DType, slot: usize, entries: &[usize], k: usize) {
-        self.row0.push(self.rows.len() as i32);
-        self.counts.push(entries.len() as i32);
+        self.row0.push(self.tokens.len() as u32);
+        self.counts.push(entries.len() as u32);
         for (which, (w, s, g)) in self.weights.iter_mut().enumerate() {
             let part = b.part(pool, dtype, slot, which, pool.globals[slot][which]);
             w.push(part.data.0);
             s.push(part.scales.0);
             g.push(part.global);
         }
-        self.rows.extend(entries.iter().map(|&en| en / k));
-        self.entries.extend_from_slice(entries);
+        self.tokens.extend(entries.iter().map(|&en| (en / k) as i32));
+        self.entries.extend(entries.iter().map(|&en| en as i32));
+    }
+
+    /// Every array in one buffer, each section 8-byte aligned, in [`OnDevice`]'s order: one upload per
+    /// wave.
+    fn packed(&self) -> (Vec<u8>, [usize; 7]) {
+        let mut out = Vec::new();
+        let mut at = [0; 7];
+        let mut section = |i: usize, bytes: &mut dyn Iterator<Item = u8>| {
+            at[i] = out.len();
+            out.extend(bytes);
+            out.resize(out.len().div_ceil(8) * 8, 0);
+        };
+        let [(w0, s0, g0), (w1, s1, g1), (w2, s2, g2)] = &self.weights;
+        let le64 = |v: &[u64]| v.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<u8>>();
+        section(0, &mut self.row0.iter().flat_map(|v| v.to_le_bytes()));
+        section(1, &mut self.counts.iter().flat_map(|v| v.to_le_bytes()));
+        section(2, &mut [w0, w1, w2].into_iter().flat_map(|v| le64(v)));
+        section(3, &mut [s0, s1, s2].into_iter().flat_map(|v| le64(v)));
+        section(
+            4,
+            &mut [g0, g1, g2].into_iter().flat_map(|v| v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>()),
+        );
+        section(5, &mut self.entries.iter().flat_map(|v| v.to_le_bytes()));
+        section(6, &mut self.tokens.iter().flat_map(|v| v.to_le_bytes()));
+        (out, at)
+    }
+}
+
+/// A wave's groups in device memory, from the host ([`Groups::packed`], one upload) or from the router's
+/// ids (`moe_align`): per group its first row and row count, the three projections' tables (`[3,
+/// groups]` weights, scales, global scales), and each row's partials entry and token.
+struct OnDevice {
+    row0: DevPtr,
+    rows: DevPtr,
+    w: DevPtr,
+    s: DevPtr,
+    g: DevPtr,
+    entries: DevPtr,
+    tokens: DevPtr,
+    /// Groups (the tables' stride), rows in all, the most rows a group may have.
+    groups: usize,
+    n: usize,
+    tall: usize,
+}
+
+impl CudaBackend {
+    /// Projection `which` of every group over its rows of `x` → `[rows, cols]` (`dims` = (cols, depth)).
+    fn grouped(
+        &self,
+        x: &Tensor,
+        g: &OnDevice,
+        which: usize,
+        (cols, depth): (usize, usize),
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let out = self.empty(DType::F32, &[g.n, cols])?;
+        let call = launch::linear_grouped(
+            ptr(x),
+            g.w.offset(8 * which * g.groups),
+            g.s.offset(8 * which * g.groups),
+            g.g.offset(4 * which * g.groups),
+            g.row0,
+            g.rows,
+            super::core::wtype(dtype)?,
+            ptr(&out),
+            u32_of(cols),
+            u32_of(depth),
+        );
+        let grid = [cols.div_ceil(16) as u32, g.tall.div_ceil(16) as u32, g.groups as u32];
+        self.try_run(call, LaunchConfig { grid, block: [16, 16, 1] })?;
+        Ok(out)
+    }
+
+    /// Every group on its rows of `x` — gather, gate and up, SwiGLU, down — and each row's output, times
+    /// its weight, into its entry of `partials`.
+    fn run_groups(
+        &self,
+        x: &Tensor,
+        weights: &Tensor,
+        shape: ExpertShape,
+        g: &OnDevice,
+        partials: &mut Tensor,
+    ) -> Result<()> {
+        let (h, n) = (x.cols(), g.n);
+        let xs = self.empty(DType::F32, &[n, h])?;
+        let call = launch::gather_rows(ptr(x), g.tokens, ptr(&xs), u32_of(n), u32_of(h), 4);
+        self.try_run(call, LaunchConfig::elements(n * h * 4))?;
+        let (inter, hidden, dtype) = (shape.inter, shape.hidden, shape.dtype);
+        let mut gate = self.grouped(&xs, g, 0, (inter, hidden), dtype)?;
+        let up = self.grouped(&xs, g, 1, (inter, hidden), dtype)?;
+        osprey_backend::CoreOps::silu_mul(self, &mut gate, &up);
+        let d = self.grouped(&gate, g, 2, (hidden, inter), dtype)?;
+        let call = launch::moe_scatter_rows(ptr(partials), g.entries, ptr(weights), ptr(&d), u32_of(n), u32_of(h));
+        self.try_run(call, LaunchConfig::elements(n * h))
     }
 }
 
 impl CudaBackend {
-    /// Projection `which` of every group over its rows of `x` → `[rows, n]` (`dims` = (n, k)).
-    fn grouped(&self, x: &Tensor, g: &Groups, which: usize, (n, k): (usize, usize), dtype: DType) -> Result<Tensor> {
-        let (w, s, glob) = &g.weights[which];
-        let bytes = |v: &[u64]| v.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<u8>>();
-        let wp = self.upload(HostData::U8(&bytes(w)), &[w.len() * 8])?;
-        let sp = self.upload(HostData::U8(&bytes(s)), &[s.len() * 8])?;
-        let gp = self.upload_f32(glob, &[glob.len()])?;
-        let r0 = self.upload(HostData::I32(&g.row0), &[g.row0.len()])?;
-        let rc = self.upload(HostData::I32(&g.counts), &[g.counts.len()])?;
-        let out = self.empty(DType::F32, &[g.rows.len(), n])?;
-        let wtype = super::core::wtype(dtype)?;
-        let call = launch::linear_grouped(
-            ptr(x),
-            ptr(&wp),
-            ptr(&sp),
-            ptr(&gp),
-            ptr(&r0),
-            ptr(&rc),
-            wtype,
-            ptr(&out),
-            u32_of(n),
-            u32_of(k),
-        );
-        let tall = g.counts.iter().copied().max().unwrap_or(0) as usize;
-        let cfg = LaunchConfig {
-            grid: [n.div_ceil(16) as u32, tall.div_ceil(16) as u32, w.len() as u32],
-            block: [16, 16, 1],
-        };
-        self.try_run(call, cfg)?;
-        Ok(out)
+    /// `cuda`'s per-slot tables for `moe_align`, made if an upload changed a slot since they were.
+    fn slot_tables<'a>(&self, cuda: &'a CudaPool, dtype: DType) -> Result<std::sync::MutexGuard<'a, Option<[Buf; 3]>>> {
+        let mut tables = cuda.tables.lock().unwrap_or_else(|e| e.into_inner());
+        if tables.is_none() {
+            let slots = cuda.globals.len();
+            let (mut w, mut s, mut g) = (Vec::new(), Vec::new(), Vec::new());
+            for which in 0..3 {
+                for slot in 0..slots {
+                    let part = self.part(cuda, dtype, slot, which, cuda.globals[slot][which]);
+                    w.extend_from_slice(&part.data.0.to_le_bytes());
+                    s.extend_from_slice(&part.scales.0.to_le_bytes());
+                    g.extend_from_slice(&part.global.to_le_bytes());
+                }
+            }
+            *tables = Some([self.upload_bytes(&w)?, self.upload_bytes(&s)?, self.upload_bytes(&g)?]);
+        }
+        Ok(tables)
     }
 }
 
@@ -165,11 +251,12 @@ impl ExpertOps for CudaBackend {
         let (parts, stride) = layout(shape);
         let mem = self.buf(stride * slots.max(1))?;
         let copying = std::sync::Mutex::new(vec![None; slots]);
-        let pool = CudaPool { mem, stride, parts, globals: vec![[1.0; 3]; slots], copying };
+        let tables = std::sync::Mutex::new(None);
+        let pool = CudaPool { mem, stride, parts, globals: vec![[1.0; 3]; slots], copying, tables };
         Ok(ExpertPool::new(layer, shape, slots, Box::new(pool)))
     }
 
-    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
+    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert, after: Fence) -> Result<Fence> {
         let key = expert.key;
         let cuda =
             pool.storage_mut::<CudaPool>().ok_or_else(|| BackendError::Slot("a pool of another backend".into()))?;
@@ -177,6 +264,10 @@ impl ExpertOps for CudaBackend {
             return Err(BackendError::Slot(format!("slot {slot} out of the pool")));
         }
         let base = cuda.mem.ptr.offset(slot * cuda.stride);
+        // The slot's last reader runs before the copy overwrites it: the copy stream waits for it.
+        if after != Fence::DONE {
+            self.dev.copies_after(Event(after.0)).map_err(seam_error)?;
+        }
         // The three projections go up on the copy stream, straight from the host expert's memory (the
         // pinned arena on a GPU); the compute stream waits for the last copy before it reads the slot.
         let mut last = None;
@@ -202,6 +293,7 @@ impl ExpertOps for CudaBackend {
             cuda.globals[slot][i] = global;
         }
         cuda.copying.get_mut().unwrap_or_else(|e| e.into_inner())[slot] = last;
+        *cuda.tables.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
         pool.set_key(slot, key);
         let Some(last) = last else { return Ok(Fence(self.dev.record().map_err(super::seam_error)?.0)) };
         let mut uploading = self.uploading.lock().unwrap_or_else(|e| e.into_inner());
@@ -223,7 +315,7 @@ impl ExpertOps for CudaBackend {
             return Err(BackendError::Slot(format!("{} slot ids for {} weights", ids.len(), weights.numel())));
         }
         let cuda = pool.storage::<CudaPool>().ok_or_else(|| BackendError::Slot("a pool of another backend".into()))?;
-        let (k, h, dtype) = (weights.cols(), x.cols(), pool.shape.dtype);
+        let (k, dtype) = (weights.cols(), pool.shape.dtype);
         let mut by_slot: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for (entry, &s) in ids.iter().enumerate() {
             if s >= 0 {
@@ -248,17 +340,92 @@ impl ExpertOps for CudaBackend {
             groups.add(self, cuda, dtype, slot, entries, k);
         }
         drop(copying);
-        let (inter, hidden) = (pool.shape.inter, pool.shape.hidden);
-        let xs = self.gather_rows(x, &groups.rows)?;
-        let mut gate = self.grouped(&xs, &groups, 0, (inter, hidden), dtype)?;
-        let up = self.grouped(&xs, &groups, 1, (inter, hidden), dtype)?;
-        osprey_backend::CoreOps::silu_mul(self, &mut gate, &up);
-        let d = self.grouped(&gate, &groups, 2, (hidden, inter), dtype)?;
-        let en: Vec<i32> = groups.entries.iter().map(|&e| e as i32).collect();
-        let en = self.upload(HostData::I32(&en), &[en.len()])?;
-        let n = groups.entries.len();
-        let call = launch::moe_scatter_rows(ptr(partials), ptr(&en), ptr(weights), ptr(&d), u32_of(n), u32_of(h));
-        self.try_run(call, LaunchConfig::elements(n * h))
+        let (bytes, at) = groups.packed();
+        let buf = self.upload_bytes(&bytes)?;
+        let p = |i: usize| buf.ptr.offset(at[i]);
+        let tall = groups.counts.iter().copied().max().unwrap_or(0) as usize;
+        let g = OnDevice {
+            row0: p(0),
+            rows: p(1),
+            w: p(2),
+            s: p(3),
+            g: p(4),
+            entries: p(5),
+            tokens: p(6),
+            groups: groups.counts.len(),
+            n: groups.entries.len(),
+            tall,
+        };
+        self.run_groups(x, weights, pool.shape, &g, partials)
+    }
+
+    fn moe_routed_on_device(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        slot_of: &Tensor,
+        pool: &ExpertPool,
+        partials: &mut Tensor,
+    ) -> Result<()> {
+        let cuda = pool.storage::<CudaPool>().ok_or_else(|| BackendError::Slot("a pool of another backend".into()))?;
+        let (t, k) = (routing.weights.rows(), routing.weights.cols());
+        let (n, slots, dtype) = (t * k, cuda.globals.len(), pool.shape.dtype);
+        if let Some(s) = (0..slots).find(|&s| pool.key(s).is_none()) {
+            return Err(BackendError::Slot(format!(
+                "slot {s} of layer {}'s pool is empty: every slot must hold an expert",
+                pool.layer
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        // Every slot's copy must have landed before a kernel reads it: stream waits, no host wait.
+        for copy in cuda.copying.lock().unwrap_or_else(|e| e.into_inner()).iter_mut() {
+            if let Some(e) = copy.take() {
+                self.dev.wait_event(e).map_err(seam_error)?;
+            }
+        }
+        // At most one group per entry; a group has at most `t` rows (a token takes an expert once).
+        let groups = n.min(slots);
+        let (row0, rows) = (self.buf(4 * groups)?, self.buf(4 * groups)?);
+        let (w, s, g) = (self.buf(8 * 3 * groups)?, self.buf(8 * 3 * groups)?, self.buf(4 * 3 * groups)?);
+        let (entries, tokens) = (self.empty(DType::I32, &[n])?, self.empty(DType::I32, &[n])?);
+        {
+            let tables = self.slot_tables(cuda, dtype)?;
+            let Some([tw, ts, tg]) = tables.as_ref() else { return Err(BackendError::Slot("no slot tables".into())) };
+            let call = launch::moe_align(
+                ptr(&routing.ids),
+                ptr(slot_of),
+                u32_of(n),
+                u32_of(k),
+                u32_of(slots),
+                u32_of(groups),
+                tw.ptr,
+                ts.ptr,
+                tg.ptr,
+                row0.ptr,
+                rows.ptr,
+                w.ptr,
+                s.ptr,
+                g.ptr,
+                ptr(&entries),
+                ptr(&tokens),
+            );
+            self.try_run(call, LaunchConfig { grid: [1, 1, 1], block: [32, 1, 1] })?;
+        }
+        let on_device = OnDevice {
+            row0: row0.ptr,
+            rows: rows.ptr,
+            w: w.ptr,
+            s: s.ptr,
+            g: g.ptr,
+            entries: ptr(&entries),
+            tokens: ptr(&tokens),
+            groups,
+            n,
+            tall: t,
+        };
+        self.run_groups(x, &routing.weights, pool.shape, &on_device, partials)
     }
 
     fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {

@@ -42,7 +42,7 @@ fn typed(dtype: DType, b: &[u8]) -> Result<HostVec> {
 }
 
 impl CudaBackend {
-    fn upload_bytes(&self, b: &[u8]) -> Result<Buf> {
+    pub(super) fn upload_bytes(&self, b: &[u8]) -> Result<Buf> {
         let buf = self.buf(b.len())?;
         self.copy_to_device(buf.ptr, b)?;
         Ok(buf)

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use osprey_backend::{
-    AttnShape, BackendRef, DType, ExpertKey, ExpertShape, GdnShape, HostData, HostExpert, PagedView, Tensor,
+    AttnShape, BackendRef, DType, ExpertKey, ExpertShape, Fence, GdnShape, HostData, HostExpert, PagedView, Tensor,
 };
 
 use crate::common::{backends, data, on_device, weight, within, U};
@@ -251,7 +251,8 @@ pub(crate) fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wav
                 // MoE layer waits only before reusing a slot). The emulated device runs a copy only when
                 // something waits for it, so a backend that forgot would read stale slots here.
                 for &(slot, e) in uploads {
-                    fences.push(b.upload_expert(&mut pool, slot, expert(dtype, e, shape)).expect("upload"));
+                    fences
+                        .push(b.upload_expert(&mut pool, slot, expert(dtype, e, shape), Fence::DONE).expect("upload"));
                 }
                 b.moe_routed(&xt, slots, &wt, &pool, &mut partials).expect("wave");
             }
@@ -275,6 +276,67 @@ pub(crate) fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wav
     assert!(gpu.moe_routed(&x, &[0], &wt, &pool, &mut p).is_err());
     assert!(gpu.moe_routed(&x, &[0, 1], &wt, &pool, &mut p).is_err(), "two ids for one weight");
     drop(Arc::new(()));
+}
+
+/// Issue 51: with every expert in a slot, the router's ids feed the grouped kernels on the device
+/// (`moe_routed_on_device`, through `moe_align`): the same bits as the host-routed wave of the same
+/// slots, within the chain bound of the CPU's, and no readback or upload once the slot tables exist.
+#[test]
+pub(crate) fn routed_experts_from_device_ids_match_the_host_routed_ones() {
+    let (cpu, gpu) = backends();
+    for dtype in [DType::BF16, DType::Nvfp4] {
+        let shape = ExpertShape { hidden: 256, inter: 64, dtype };
+        let (t, k, experts) = (5, 3, 4);
+        let x = data(810, t * shape.hidden);
+        let w = data(811, t * k).iter().map(|v| v.abs()).collect::<Vec<_>>();
+        // Each token's experts, ascending; expert e sits in slot (e + 2) % 4.
+        let ids: Vec<i32> = vec![0, 1, 3, 1, 2, 3, 0, 2, 3, 0, 1, 2, 1, 2, 3];
+        let slot_of: Vec<i32> = (0..experts).map(|e| ((e + 2) % experts) as i32).collect();
+        let mut outs = Vec::new();
+        for b in [&cpu, &gpu] {
+            let mut pool = b.alloc_expert_pool(0, experts, shape).expect("pool");
+            for e in 0..experts {
+                b.upload_expert(&mut pool, slot_of[e] as usize, expert(dtype, e as u32, shape), Fence::DONE)
+                    .expect("upload");
+            }
+            let xt = b.upload_f32(&x, &[t, shape.hidden]).expect("x");
+            let routing = osprey_backend::Routing {
+                ids: b.upload(HostData::I32(&ids), &[t, k]).expect("ids"),
+                weights: b.upload_f32(&w, &[t, k]).expect("w"),
+            };
+            let map = b.upload(HostData::I32(&slot_of), &[experts]).expect("slot_of");
+            let mut partials = b.zeros_f32(&[t * k, shape.hidden]).expect("partials");
+            b.moe_routed_on_device(&xt, &routing, &map, &pool, &mut partials).expect("on device");
+            // Again, counted: the slot tables exist now, so nothing crosses the bus and nothing waits.
+            let before = b.stats();
+            b.moe_routed_on_device(&xt, &routing, &map, &pool, &mut partials).expect("on device");
+            let after = b.stats();
+            assert_eq!(after.host_waits - before.host_waits, 0, "{dtype:?}: no host wait");
+            assert_eq!(after.bytes_to_device - before.bytes_to_device, 0, "{dtype:?}: no upload");
+            assert_eq!(after.bytes_from_device - before.bytes_from_device, 0, "{dtype:?}: no readback");
+            let on_device = host(b, &b.moe_combine(&partials, k).expect("combine"));
+            // The host-routed wave over the same slots.
+            let slots: Vec<i32> = ids.iter().map(|&e| slot_of[e as usize]).collect();
+            let mut partials = b.zeros_f32(&[t * k, shape.hidden]).expect("partials");
+            b.moe_routed(&xt, &slots, &routing.weights, &pool, &mut partials).expect("wave");
+            let routed = host(b, &b.moe_combine(&partials, k).expect("combine"));
+            assert_eq!(on_device, routed, "{dtype:?}: the device's groups compute the host's bits");
+            outs.push(on_device);
+        }
+        let max = outs[0].iter().fold(0f32, |m, v| m.max(v.abs()));
+        within(&format!("moe on device {dtype:?}"), &outs[1], &outs[0], |_| 2.0 * (256.0 + 64.0) * U * max);
+    }
+    // A pool with an empty slot cannot route on the device.
+    let shape = ExpertShape { hidden: 32, inter: 16, dtype: DType::F32 };
+    let pool = gpu.alloc_expert_pool(0, 2, shape).expect("pool");
+    let x = gpu.zeros_f32(&[1, 32]).expect("x");
+    let routing = osprey_backend::Routing {
+        ids: gpu.upload(HostData::I32(&[0]), &[1, 1]).expect("ids"),
+        weights: gpu.upload_f32(&[1.0], &[1, 1]).expect("w"),
+    };
+    let map = gpu.upload(HostData::I32(&[0, 1]), &[2]).expect("map");
+    let mut p = gpu.zeros_f32(&[1, 32]).expect("p");
+    assert!(gpu.moe_routed_on_device(&x, &routing, &map, &pool, &mut p).is_err(), "an empty slot");
 }
 
 #[test]

@@ -60,7 +60,8 @@ fn a_decode_step_moves_at_least_the_weights_it_reads_and_the_model_scales_by_lay
 
 #[test]
 fn the_cards_in_docs_cuda_md_are_the_ones_the_model_prices() {
-    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/cuda.md")).expect("docs/cuda.md");
+    let doc =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/cuda.md")).expect("docs/cuda.md");
     let rows: Vec<Vec<String>> = doc
         .lines()
         .filter(|l| l.starts_with("| ") && roofline::card(l[2..].split(' ').next().unwrap_or("")).is_some())

@@ -277,6 +277,9 @@ pub fn expert_dtype(ck: &Checkpoint, prefix: &str, hidden: usize, m: MoeConfig) 
 struct Slots {
     pool: Option<ExpertPool>,
     table: Option<SlotTable>,
+    /// Each expert's slot on the backend (`[experts]` i32), for routing that stays on the device; made
+    /// again after the slots change.
+    slot_of: Option<Tensor>,
 }
 
 /// A layer's expert slots, shared with the block before it when that one uploads its guesses here.
@@ -302,7 +305,9 @@ impl LayerSlots {
         b: &dyn Backend,
         source: &dyn ExpertSource,
     ) -> Result<(&'a mut ExpertPool, &'a mut SlotTable)> {
-        let Slots { pool, table } = slots;
+        let Slots { pool, table, slot_of } = slots;
+        // The caller may change the slots: the device's map is made again when next needed.
+        *slot_of = None;
         let pool = match pool {
             Some(p) => p,
             None => pool.insert(b.alloc_expert_pool(self.layer as u32, self.count(source), self.shape)?),
@@ -353,17 +358,17 @@ impl LayerSlots {
     }
 }
 
-/// Uploads an expert into `slot` of `pool`, once the slot's last reader is done. Until a wave reads it,
-/// the slot's last use is this copy: a miss that evicts an unused guess must wait for it (the copy reads
-/// the host expert, whose lease the slot may drop then).
+/// Uploads an expert into `slot` of `pool`, ordered after the slot's last reader (on a device, by the
+/// copy stream, not the host). Until a wave reads it, the slot's last use is this copy, which a later
+/// copy into the slot follows in the copy stream's order (the backend keeps the host expert until its
+/// copy is done).
 fn upload(
     b: &dyn Backend,
     (pool, table): (&mut ExpertPool, &mut SlotTable),
     slot: usize,
     e: ExpertHandle,
 ) -> Result<()> {
-    b.wait_fence(table.reader(slot))?;
-    let copied = b.upload_expert(pool, slot, e.into_host())?;
+    let copied = b.upload_expert(pool, slot, e.into_host(), table.reader(slot))?;
     table.read(slot, copied);
     Ok(())
 }
@@ -453,6 +458,80 @@ impl SparseMoe {
         }
     }
 
+    /// Whether the routing may stay on the device: a device backend, a slot for every expert of the layer,
+    /// and no read-ahead (its predictor learns from the routing on the host).
+    fn routes_on_device(&self, b: &dyn Backend, experts: &dyn ExpertSource) -> bool {
+        b.device() != osprey_backend::Device::Cpu
+            && self.ahead.is_none()
+            && self.slots.count(experts) == self.cfg.num_experts
+    }
+
+    /// The layer's step with every expert in a slot (issue 51): the first step uploads the experts not in
+    /// a slot yet (all of them, once); from then on the router's ids feed the grouped expert kernels on
+    /// the device (`moe_routed_on_device`), so a decode token reads no routing back and uploads nothing.
+    /// The slot table's hits are not counted per expert here (the ids never reach the host); its waves
+    /// are.
+    fn forward_on_device(
+        &self,
+        b: &dyn Backend,
+        x: &Tensor,
+        routing: &osprey_backend::Routing,
+        experts: &dyn ExpertSource,
+    ) -> Result<Tensor> {
+        let (t, k, h) = (x.rows(), self.cfg.top_k, x.cols());
+        let mut guard = self.slots.lock();
+        let slot_of = match guard.slot_of.take() {
+            Some(m) => m,
+            None => {
+                let (pool, table) = self.slots.ready(&mut guard, b, experts)?;
+                self.fill(b, (pool, table), experts)?;
+                let held = table.resident();
+                let map: Vec<i32> = (0..self.cfg.num_experts)
+                    .map(|e| held.get(&ExpertKey::new(self.layer, e)).map_or(-1, |&s| s as i32))
+                    .collect();
+                b.upload(osprey_backend::HostData::I32(&map), &[map.len()])?
+            }
+        };
+        let shared = self.shared.forward(b, x)?;
+        let sgate = b.linear(x, &self.shared_gate)?;
+        let mut partials = b.zeros_f32(&[t * k, h])?;
+        let Slots { pool: Some(pool), table: Some(table), .. } = &mut *guard else {
+            return Err(Error::Engine("a layer's slots were not allocated before its step".into()));
+        };
+        b.moe_routed_on_device(x, routing, &slot_of, pool, &mut partials)?;
+        let fence = b.record_fence();
+        (0..table.slots()).for_each(|s| table.read(s, fence));
+        table.stats.waves += 1;
+        guard.slot_of = Some(slot_of);
+        drop(guard);
+        let mut out = b.moe_combine(&partials, k)?;
+        b.add_sigmoid_gated(&mut out, &shared, &sgate);
+        Ok(out)
+    }
+
+    /// Uploads every expert of the layer that no slot holds yet (one request, then one wave: the pool has
+    /// a slot per expert).
+    fn fill(
+        &self,
+        b: &dyn Backend,
+        (pool, table): (&mut ExpertPool, &mut SlotTable),
+        experts: &dyn ExpertSource,
+    ) -> Result<()> {
+        let all: Vec<ExpertKey> = (0..self.cfg.num_experts).map(|e| ExpertKey::new(self.layer, e)).collect();
+        let (hits, misses) = table.lookup(&all);
+        if misses.is_empty() {
+            return Ok(());
+        }
+        let in_slots: Vec<ExpertKey> = hits.iter().map(|&(k, _)| k).collect();
+        let handles = experts.request(LayerStep { need: &misses, in_slots: &in_slots }).wait()?;
+        let keys: Vec<ExpertKey> = handles.iter().map(ExpertHandle::key).collect();
+        let slots = table.assign(&keys);
+        for (handle, slot) in handles.into_iter().zip(slots) {
+            upload(b, (pool, table), slot, handle)?;
+        }
+        Ok(())
+    }
+
     /// `x [T, hidden]` (already normed) → `[T, hidden]`.
     ///
     /// Per step: route on the backend and download the expert ids (the layer's one routing sync), each
@@ -466,6 +545,9 @@ impl SparseMoe {
         let (t, k, h) = (x.rows(), self.cfg.top_k, x.cols());
         let logits = b.linear(x, &self.router)?;
         let routing = b.route(&logits, k, self.cfg.renorm)?;
+        if self.routes_on_device(b, experts) {
+            return self.forward_on_device(b, x, &routing, experts);
+        }
         let ids = match b.download(&routing.ids)? {
             HostVec::I32(v) => v,
             _ => return Err(BackendError::DType { expected: DType::I32, got: routing.ids.dtype() }.into()),

@@ -70,9 +70,9 @@ impl Wrapper for Counting {
         bump(&self.uploads);
         self.cpu.rope_table(rope, positions)
     }
-    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert) -> Result<Fence> {
+    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, expert: HostExpert, after: Fence) -> Result<Fence> {
         bump(&self.expert_uploads);
-        self.cpu.upload_expert(pool, slot, expert)
+        self.cpu.upload_expert(pool, slot, expert, after)
     }
 }
 

@@ -1,9 +1,11 @@
 //! The execution contract under a backend whose fences complete late: ops are "queued" (the CPU runs
 //! them at once, but a fence counts as complete only once waited for, or when the simulated device
 //! catches up at random), and the backend checks that the MoE block never overwrites an expert slot
-//! before the fence of the slot's last reader has completed, that no RAM lease handed over with an
-//! upload ends before that upload's fence, and that no host snapshot is read (uploaded back) before the
-//! fence of the copy that filled it. One slot per layer, so every step reuses slots in waves; the answers
+//! before the slot's last reader — the copy is either issued after that reader's fence completed or
+//! ordered after it (`upload_expert`'s `after`, which a device's copy stream waits for without the host) —
+//! that no RAM lease handed over with an upload ends before that upload's fence (the wrapper keeps each
+//! lease until then, as a device backend must: the CUDA backend's `uploading`), and that no host snapshot
+//! is read (uploaded back) before the fence of the copy that filled it. One slot per layer, so every step reuses slots in waves; the answers
 //! must still be the CPU backend's bits.
 
 use crate::common;
@@ -33,6 +35,8 @@ struct Deferred {
     violations: AtomicUsize,
     /// RAM leases released before their upload's fence completed.
     early_releases: Arc<AtomicUsize>,
+    /// The leases of uploads whose fence may not have completed, kept until it has.
+    leases: Mutex<Vec<LeaseWatch>>,
     /// Host copies (by address of their elements) → the issue count of the download that fills them.
     copies: Mutex<HashMap<usize, u64>>,
     /// Host copies read before their download's fence completed.
@@ -72,6 +76,7 @@ impl Deferred {
             readers: Mutex::new(HashMap::new()),
             violations: AtomicUsize::new(0),
             early_releases: Arc::new(AtomicUsize::new(0)),
+            leases: Mutex::new(Vec::new()),
             copies: Mutex::new(HashMap::new()),
             early_reads: AtomicUsize::new(0),
             rng: AtomicU64::new(12345),
@@ -106,9 +111,10 @@ impl Wrapper for Deferred {
     fn describe(&self) -> String {
         format!("deferred-fence {}", self.inner.describe())
     }
-    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, mut expert: HostExpert) -> Result<Fence> {
+    fn upload_expert(&self, pool: &mut ExpertPool, slot: usize, mut expert: HostExpert, after: Fence) -> Result<Fence> {
+        // The copy must be ordered after the slot's last reader: done already, or named by `after`.
         let last = self.readers.lock().expect("lock").get(&(pool.layer, slot)).copied().unwrap_or(0);
-        if last > self.done.load(Ordering::SeqCst) {
+        if last > self.done.load(Ordering::SeqCst) && last > after.0 {
             self.violations.fetch_add(1, Ordering::SeqCst);
         }
         // The copy is queued: the RAM lease must outlive its fence (the slot keeps it until reused).
@@ -119,8 +125,12 @@ impl Wrapper for Deferred {
             done: self.done_handle(),
             early: self.early_releases.clone(),
         };
-        expert.lease = Some(Box::new(watch));
-        self.inner.upload_expert(pool, slot, expert)?;
+        let mut leases = self.leases.lock().expect("lock");
+        let done = self.done.load(Ordering::SeqCst);
+        leases.retain(|l| l.fence > done);
+        leases.push(watch);
+        drop(leases);
+        self.inner.upload_expert(pool, slot, expert, after)?;
         Ok(Fence(fence))
     }
     fn moe_routed(&self, x: &Tensor, slots: &[i32], w: &Tensor, pool: &ExpertPool, out: &mut Tensor) -> Result<()> {
@@ -202,6 +212,7 @@ fn no_slot_is_overwritten_before_its_last_reader_completes() {
             // The device drains its queue, then the model's slots release the leases they still hold.
             deferred.wait_fence(deferred.record_fence()).expect("drain");
             drop(model);
+            deferred.leases.lock().expect("lock").clear();
             assert_eq!(
                 deferred.early_releases.load(Ordering::SeqCst),
                 0,
