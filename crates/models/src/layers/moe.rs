@@ -391,6 +391,12 @@ struct ReadAhead {
     next_slots: Option<Arc<LayerSlots>>,
 }
 
+/// The most rows a step may have for its routing to stay on the device: one 16-row tile per expert. The
+/// grouped GEMM's grid is sized by the most rows a group may have, which without reading the routing
+/// back is the step's rows; a prefill chunk routes on the host (one readback per layer and chunk) until
+/// the expert kernels take their tiles from the device (the next CUDA issue).
+pub const DEVICE_ROUTED_ROWS: usize = 16;
+
 /// One MoE block.
 #[derive(Debug)]
 pub struct SparseMoe {
@@ -459,9 +465,11 @@ impl SparseMoe {
     }
 
     /// Whether the routing may stay on the device: a device backend, a slot for every expert of the layer,
-    /// and no read-ahead (its predictor learns from the routing on the host).
-    fn routes_on_device(&self, b: &dyn Backend, experts: &dyn ExpertSource) -> bool {
+    /// no read-ahead (its predictor learns from the routing on the host), and a decode-shaped step of at
+    /// most [`DEVICE_ROUTED_ROWS`] rows.
+    fn routes_on_device(&self, b: &dyn Backend, experts: &dyn ExpertSource, rows: usize) -> bool {
         b.device() != osprey_backend::Device::Cpu
+            && rows <= DEVICE_ROUTED_ROWS
             && self.ahead.is_none()
             && self.slots.count(experts) == self.cfg.num_experts
     }
@@ -545,7 +553,7 @@ impl SparseMoe {
         let (t, k, h) = (x.rows(), self.cfg.top_k, x.cols());
         let logits = b.linear(x, &self.router)?;
         let routing = b.route(&logits, k, self.cfg.renorm)?;
-        if self.routes_on_device(b, experts) {
+        if self.routes_on_device(b, experts, t) {
             return self.forward_on_device(b, x, &routing, experts);
         }
         let ids = match b.download(&routing.ids)? {
