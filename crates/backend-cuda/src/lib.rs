@@ -34,7 +34,7 @@ use std::sync::Arc;
 pub use backend::{CudaBackend, CudaStorage, BUF_CACHE, SCRATCH_CAP};
 pub use counted::{Counted, DeviceCounts};
 pub use device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
-pub use emu::EmuDevice;
+pub use emu::{CopyOrder, EmuDevice};
 pub use traffic::Traffic;
 
 /// The CUDA backend on device `ordinal` at `precision`: a clear error without the `cuda` feature, a

@@ -19,6 +19,71 @@ fn download(dev: &EmuDevice, p: osprey_backend_cuda::DevPtr, n: usize) -> Vec<f3
     b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
+/// A launch and the fence after it: a kernel's fault shows at the next fence, as on a GPU (the compute
+/// stream runs when the host waits).
+fn fenced(
+    dev: &EmuDevice,
+    name: &str,
+    cfg: LaunchConfig,
+    args: &[Arg],
+) -> Result<(), osprey_backend_cuda::DeviceError> {
+    dev.launch(name, cfg, args)?;
+    dev.synchronize(dev.record()?)
+}
+
+/// Issue 51, item 5: compute is queued and runs when the host waits, and a copy runs as early or as late
+/// as its order allows: a copy into memory that queued compute still reads overwrites it first unless
+/// ordered after that compute (`copies_after`), and a kernel that reads a copy's destination without
+/// waiting for it (`wait_event`) sees the old bytes.
+#[test]
+fn compute_is_queued_and_a_copy_needs_its_fence_on_either_side() {
+    use osprey_backend_cuda::CopyOrder;
+    let (a, b) = (data(7, 64), data(8, 64));
+    let bytes: Vec<u8> = b.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let copy = |dev: &EmuDevice, order_after: bool| {
+        let (x, out) = (upload(dev, &a), upload(dev, &[0.0; 64]));
+        dev.synchronize(dev.record().expect("event")).expect("the uploads land");
+        let cfg = LaunchConfig::elements(64);
+        dev.launch("selftest_copy", cfg, &[Arg::Ptr(x), Arg::Ptr(out), Arg::U32(64), Arg::I32(0)]).expect("queued");
+        if order_after {
+            dev.copies_after(dev.record().expect("event")).expect("ordered");
+        }
+        // SAFETY: `bytes` outlives the copy: the download below drains both streams' work before it.
+        let e = unsafe { dev.upload_async(x, bytes.as_ptr(), bytes.len()) }.expect("copy");
+        dev.synchronize(e).expect("the copy");
+        download(dev, out, 64)
+    };
+    let early = EmuDevice::new(1 << 20).with_copy_order(CopyOrder::Early);
+    assert_eq!(copy(&early, true), a, "ordered after its reader, the copy leaves the read alone");
+    assert_eq!(copy(&early, false), b, "unordered, an early copy overwrites what the queued kernel reads");
+    // Late: a reader that waits for the copy sees the new bytes, one that does not sees the old.
+    let late = EmuDevice::new(1 << 20).with_copy_order(CopyOrder::Late);
+    let read = |wait: bool| {
+        let (x, out) = (upload(&late, &a), upload(&late, &[0.0; 64]));
+        late.synchronize(late.record().expect("event")).expect("the uploads land");
+        // SAFETY: as above.
+        let e = unsafe { late.upload_async(x, bytes.as_ptr(), bytes.len()) }.expect("copy");
+        if wait {
+            late.wait_event(e).expect("ordered");
+        }
+        let cfg = LaunchConfig::elements(64);
+        late.launch("selftest_copy", cfg, &[Arg::Ptr(x), Arg::Ptr(out), Arg::U32(64), Arg::I32(0)]).expect("queued");
+        let got = download(&late, out, 64);
+        late.synchronize(e).expect("drain the copy");
+        got
+    };
+    assert_eq!((read(true), read(false)), (b.clone(), a.clone()));
+    // Compute is queued: nothing ran before the host waited.
+    let dev = EmuDevice::new(1 << 20);
+    let (x, out) = (upload(&dev, &a), upload(&dev, &[0.0; 64]));
+    dev.launch("selftest_copy", LaunchConfig::elements(64), &[Arg::Ptr(x), Arg::Ptr(out), Arg::U32(64), Arg::I32(0)])
+        .expect("queued");
+    let e = dev.record().expect("event");
+    assert!(!dev.is_complete(e), "queued work is not complete before a fence");
+    dev.synchronize(e).expect("fence");
+    assert!(dev.is_complete(e));
+}
+
 #[test]
 fn a_barrier_orders_shared_memory_and_its_absence_is_caught() {
     let dev = EmuDevice::new(1 << 20);
@@ -51,7 +116,7 @@ fn shuffles_exchange_lanes_and_a_lane_past_the_warp_fails_the_launch() {
     dev.launch("selftest_warp", cfg, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::I32(5)]).expect("launch");
     let got = download(&dev, out, 64);
     assert!((0..64).all(|i| got[i] == x[(i / 32) * 32 + 5]), "every lane reads lane 5 of its own warp");
-    let e = dev.launch("selftest_warp", cfg, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::I32(40)]).expect_err("lane 40");
+    let e = fenced(&dev, "selftest_warp", cfg, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::I32(40)]).expect_err("lane 40");
     assert!(e.to_string().contains("lane"), "{e}");
 }
 
@@ -67,7 +132,7 @@ fn shuffle_masks_are_honoured_and_blocks_run_in_no_order() {
     dev.launch("selftest_mask", warp, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::U32(u32::MAX)]).expect("a full mask");
     let got = download(&dev, out, 32);
     assert!((0..32).all(|l| got[l] == x[(l + 1) % 32]), "each lane reads the next");
-    let e = dev.launch("selftest_mask", warp, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::U32(0xffff)]).expect_err("half");
+    let e = fenced(&dev, "selftest_mask", warp, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::U32(0xffff)]).expect_err("half");
     assert!(e.to_string().contains("outside its mask"), "{e}");
 
     let blocks = 64;
@@ -88,10 +153,10 @@ fn a_barrier_half_the_block_never_reaches_is_a_deadlock_not_a_hang() {
     // Threads 16..32 exit; CUDA counts exited threads as arrived, so this one completes.
     dev.launch("selftest_diverge", cfg, &[Arg::Ptr(out), Arg::I32(0)]).expect("exited threads count as arrived");
     // A block barrier against a warp barrier: neither can complete. A GPU hangs; the emulator says so.
-    let e = dev.launch("selftest_diverge", cfg, &[Arg::Ptr(out), Arg::I32(1)]).expect_err("a deadlock");
-    assert!(e.to_string().contains("deadlock"), "{e}");
+    let e = fenced(&dev, "selftest_diverge", cfg, &[Arg::Ptr(out), Arg::I32(1)]).expect_err("a deadlock");
+    assert!(e.to_string().contains("deadlock") && e.to_string().contains("selftest_diverge"), "{e}");
     // The device still runs the next launch.
-    dev.launch("selftest_diverge", cfg, &[Arg::Ptr(out), Arg::I32(0)]).expect("a launch after a fault");
+    fenced(&dev, "selftest_diverge", cfg, &[Arg::Ptr(out), Arg::I32(0)]).expect("a launch after a fault");
 }
 
 #[test]

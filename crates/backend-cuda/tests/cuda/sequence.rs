@@ -246,15 +246,17 @@ pub(crate) fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wav
             let wt = b.upload_f32(&w, &[t, k]).expect("w");
             let mut partials = b.zeros_f32(&[t * k, shape.hidden]).expect("partials");
             let mut fences = Vec::new();
+            let mut read = Fence::DONE;
             for (uploads, slots) in &waves {
-                // No wait on the uploads' fences: the backend orders its own reads after its copies (the
-                // MoE layer waits only before reusing a slot). The emulated device runs a copy only when
-                // something waits for it, so a backend that forgot would read stale slots here.
+                // No wait on the uploads' fences: the backend orders its own reads after its copies, and
+                // each copy after the last wave that read its slot (`after`, as the MoE layer passes each
+                // slot's last reader). The emulated device runs a copy as early or as late as that order
+                // allows, so a backend that forgot either would read stale or overwritten slots here.
                 for &(slot, e) in uploads {
-                    fences
-                        .push(b.upload_expert(&mut pool, slot, expert(dtype, e, shape), Fence::DONE).expect("upload"));
+                    fences.push(b.upload_expert(&mut pool, slot, expert(dtype, e, shape), read).expect("upload"));
                 }
                 b.moe_routed(&xt, slots, &wt, &pool, &mut partials).expect("wave");
+                read = b.record_fence();
             }
             outs.push(host(b, &b.moe_combine(&partials, k).expect("combine")));
             for f in fences {

@@ -22,18 +22,20 @@ fn each_launch_is_metered_in_distinct_global_bytes_and_a_window_counts_a_byte_on
     let (x, y) = (upload(&dev, &data(1, n)), upload(&dev, &data(2, n)));
     let add = || dev.launch("add_f32", LaunchConfig::elements(n), &[Arg::Ptr(x), Arg::Ptr(y), Arg::U32(n as u32)]);
     add().expect("launch");
+    dev.synchronize(dev.record().expect("event")).expect("the launch runs (a host wait: the window closes)");
     let t = dev.traffic().expect("a metering device");
     // `x[i] += y[i]`: x and y read, x written, 4,000 bytes each (125 sectors of 32).
-    assert_eq!(t.kernels["add_f32"], (8000, 4000));
+    assert_eq!((t.kernels["add_f32"], t.windows), ((8000, 4000), (8000, 4000)));
+    add().expect("launch");
     add().expect("launch");
     let mut back = vec![0u8; 16];
     dev.download(x, &mut back).expect("download (a host wait: the window closes)");
     let t = dev.traffic().expect("a metering device");
-    assert_eq!(t.kernels["add_f32"], (16000, 8000), "launch by launch");
-    // The window saw the same sectors twice, and the download's own read is a copy, not a launch's.
-    assert_eq!(t.windows, (8000, 4000), "a window counts each sector once");
+    assert_eq!(t.kernels["add_f32"], (24000, 12000), "launch by launch");
+    // The second window saw the same sectors twice; the download's own read is a copy, not a launch's.
+    assert_eq!(t.windows, (16000, 8000), "a window counts each sector once");
     let c = dev.counts();
-    assert_eq!(c.flops["add_f32"], Flops { fp32: 2 * n as u64, ..Flops::default() }, "declared: one add per element");
+    assert_eq!(c.flops["add_f32"], Flops { fp32: 3 * n as u64, ..Flops::default() }, "declared: one add per element");
 }
 
 #[test]
@@ -43,6 +45,7 @@ fn shared_memory_and_locals_are_not_global_traffic() {
     // Each block reverses 64 floats through `__shared__ float s[64]`.
     let cfg = LaunchConfig { grid: [4, 1, 1], block: [64, 1, 1] };
     dev.launch("selftest_reverse", cfg, &[Arg::Ptr(x), Arg::Ptr(out), Arg::I32(1)]).expect("launch");
+    dev.synchronize(dev.record().expect("event")).expect("the launch runs");
     assert_eq!(dev.traffic().expect("metering").kernels["selftest_reverse"], (1024, 1024));
     // An unmetered device measures nothing.
     assert!(EmuDevice::new(1 << 20).traffic().is_none());
@@ -69,6 +72,7 @@ fn a_copy_a_memset_and_a_blas_gemm_are_metered_too() {
         beta: 0.0,
     };
     dev.gemm_bf16(g).expect("gemm");
+    dev.synchronize(dev.record().expect("event")).expect("the work runs");
     let t = dev.traffic().expect("metering");
     assert_eq!((t.kernels["memset"], t.kernels["memcpy"]), ((0, 4096), (1024, 1024)));
     assert_eq!(t.kernels["cublasGemmEx"], (64, 64));
