@@ -16,6 +16,15 @@ LIMIT=$((64 * 1024 * 1024))
 features="" test_features=""
 if grep -qE '^cuda *=' Cargo.toml; then features="--features cuda" test_features="--features osprey-backend-cuda/cuda"; fi
 
+# NVRTC at build time embeds every kernel's cubins (each target card) and PTX in the binaries
+# (crates/backend-cuda/build.rs), so the GPU machine needs only its driver.
+NVRTC_LIB="$(ls -d "$HOME"/.cache/osprey/nvrtc-venv/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -1 || true)"
+if [ -n "$NVRTC_LIB" ]; then
+  export LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export OSPREY_REQUIRE_NVRTC=1
+else
+  echo "WARNING: no NVRTC (pip install nvidia-cuda-nvrtc==13.0.88 into ~/.cache/osprey/nvrtc-venv): the kit embeds no kernel image and needs libnvrtc on the GPU machine" >&2
+fi
 echo "== cargo build --release $features"
 # shellcheck disable=SC2086
 cargo build --release --bin osprey $features

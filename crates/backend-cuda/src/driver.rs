@@ -1,10 +1,10 @@
 //! The real device layer (feature `cuda`): cudarc over the driver API, libraries loaded at run time.
 //! At open it probes `libcuda` (cudarc panics on a missing library; a probe turns that into a clear
 //! error), creates the device's primary context and its streams, and loads every kernel source's image
-//! for the device's architecture from the disk cache (`kernel_cache`: keyed by source text and
-//! architecture, written atomically, checked on read), compiling with NVRTC (probed only then) what is
-//! not cached, falling back to PTX for `compute_80` when this NVRTC does not know the card. A machine
-//! with only the driver starts from a warm cache. Operations are issued on the stream in order; events are CUDA events.
+//! for the device's architecture (`images::choose`): the cubin embedded at build time, else one in the
+//! disk cache (`kernel_cache`: keyed by source text and architecture, written atomically, checked on
+//! read), else the embedded PTX for `compute_80`; NVRTC (probed only then) compiles only what none of
+//! them has. A binary built with NVRTC, or a warm cache, starts with only the driver. Operations are issued on the stream in order; events are CUDA events.
 //!
 //! Not yet run on a GPU: no GPU was lent while it was written (docs/cuda.md says what has run where).
 
@@ -17,7 +17,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStre
 use cudarc::nvrtc::Ptx;
 
 use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
-use crate::{kernel_cache, kernels, nvrtc};
+use crate::{images, kernel_cache, kernels, nvrtc};
 
 /// A CUDA device through cudarc (see the module docs).
 pub struct CudaDevice {
@@ -74,22 +74,26 @@ fn driver(what: &str, e: impl std::fmt::Debug) -> DeviceError {
 
 /// The cubin (or PTX) of source `stem` for `arch`: from the disk cache when a whole file is there (no
 /// NVRTC needed), else compiled by NVRTC and cached (`kernel_cache`: written atomically, checked on read).
+/// The image of source `stem` for `arch`: embedded, cached or JIT PTX (`images::choose`), else compiled by
+/// NVRTC for the card, or for `compute_80` when this NVRTC does not know it (then cached).
 fn image(stem: &str, arch: &str) -> Result<Vec<u8>, DeviceError> {
     let source = kernels::gpu_source(stem).unwrap_or_default();
-    let path = kernel_cache::path(&kernel_cache::dir(), stem, &source, arch);
-    if let Some(bytes) = kernel_cache::read(&path) {
-        return Ok(bytes);
+    let path = |a: &str| kernel_cache::path(&kernel_cache::dir(), stem, &source, a);
+    if let Some(bytes) = images::choose(stem, arch, kernels::embedded(), |a| kernel_cache::read(&path(a))) {
+        return Ok(bytes.into_owned());
     }
     if !nvrtc::available() {
         return Err(DeviceError::Unavailable(format!(
-            "no compiled kernels for {arch} in {} and {}",
+            "no kernel image for {arch}: this binary embeds none, none is cached in {}, and {}",
             kernel_cache::dir().display(),
             nvrtc::NvrtcError::Missing
         )));
     }
-    let compiled = nvrtc::compile(stem, arch).map_err(|e| DeviceError::Unavailable(e.to_string()))?;
+    let compiled = nvrtc::compile(stem, arch)
+        .or_else(|_| nvrtc::compile(stem, images::PTX_ARCH))
+        .map_err(|e| DeviceError::Unavailable(e.to_string()))?;
     // A cache that cannot be written only costs a compile at the next start.
-    let _ = kernel_cache::write(&path, &compiled.image);
+    let _ = kernel_cache::write(&path(arch), &compiled.image);
     Ok(compiled.image)
 }
 
@@ -121,7 +125,7 @@ impl CudaDevice {
         let arch = format!("sm_{major}{minor}");
         let mut functions = HashMap::new();
         for stem in kernels::sources() {
-            let bytes = image(stem, &arch).or_else(|_| image(stem, "compute_80"))?;
+            let bytes = image(stem, &arch)?;
             let ptx = if bytes.starts_with(b"\x7fELF") {
                 Ptx::from_binary(bytes)
             } else {

@@ -39,6 +39,13 @@ pub(crate) struct Launch {
 pub(crate) type EmuEntry = unsafe extern "C" fn(*const Launch, *mut *mut c_void) -> i32;
 
 include!(concat!(env!("OUT_DIR"), "/emu_kernels.rs"));
+include!(concat!(env!("OUT_DIR"), "/embedded.rs"));
+
+/// The images NVRTC compiled when this binary was built (feature `cuda` with `libnvrtc` found by the
+/// build): `(source stem, architecture, cubin or PTX)`; none otherwise.
+pub fn embedded() -> &'static [(&'static str, &'static str, &'static [u8])] {
+    EMBEDDED
+}
 
 /// Every kernel.
 pub fn all() -> impl Iterator<Item = KernelInfo> {

@@ -22,6 +22,7 @@ pub mod device;
 #[cfg(feature = "cuda")]
 pub mod driver;
 pub mod emu;
+pub mod images;
 pub mod kernel_cache;
 pub mod kernels;
 pub mod launch;
