@@ -3,8 +3,8 @@
 // stack, switched by saving six registers) on one OS thread; `__syncthreads` and `__syncwarp` suspend a
 // fiber until every live thread of its block (or warp) has arrived, and shuffles exchange values through a per-warp array between two
 // warp barriers. Blocks run one after another, in a seeded shuffled order, and a block's threads run in a
-// seeded shuffled order between barriers (a GPU promises neither order; runtime.cpp), so `__shared__`
-// memory is a thread-local static: one block's at a time. A barrier some threads never reach
+// seeded shuffled order between barriers (a GPU promises neither order; runtime.cpp); each block has its
+// own shared memory, poisoned when it starts (`SHARED`). A barrier some threads never reach
 // (divergence), a shuffle from a lane that does not exist and a shuffle with a lane outside its mask fail
 // the launch with a message instead of hanging or reading garbage.
 #pragma once
@@ -44,6 +44,8 @@ uint64_t exchange(uint64_t mine, unsigned src);
 unsigned lane_id();
 // Fails the running launch with `msg` (the fiber does not resume).
 [[noreturn]] void fault(const char* msg);
+// The running block's instance of shared declaration `key`, `bytes` long (see `SHARED`).
+void* shared(const void* key, std::size_t bytes);
 
 // Runs `body(arg)` as every thread of the grid; 0, or a nonzero code with `last_error()` set.
 int run(const Launch* l, void (*body)(void*), void* arg);
@@ -90,7 +92,13 @@ int launch(void (*k)(A...), const Launch* l, void** p) {
 #define __device__
 #define __forceinline__ inline
 #define __restrict__ __restrict
-#define __shared__ static thread_local
+// `SHARED(T, name, dims)` (the kernels' shared memory, `__shared__ T name dims` for NVRTC): the running
+// block's own instance of the declaration, poisoned with 0xFF bytes (NaN, −1) when the block starts, so a
+// kernel that reads what its block did not write — left by another block, or not yet written — reads
+// poison, as a GPU would give it garbage. A static key per declaration names the instance.
+#define SHARED(T, name, dims)                  \
+    static const char emu_shared_##name = 0; \
+    T(&name) dims = *static_cast<T(*) dims>(emu::shared(&emu_shared_##name, sizeof(T dims)))
 #define __syncthreads() emu::syncthreads()
 #define __syncwarp(...) emu::syncwarp()
 
@@ -139,8 +147,9 @@ inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 template <typename T>
 inline T __ldg(const T* p) { return *p; }
-// Blocks run one at a time and a block's fibers never interleave inside an expression: a plain add is
-// atomic here.
+// Threads of several blocks interleave, but only at barriers and shuffles (a fiber never yields inside
+// a call), so this read-modify-write is indivisible as a GPU's atomic is; what a non-atomic `+=` across
+// a barrier would lose shows (the blocks interleave). No kernel uses it yet.
 inline float atomicAdd(float* p, float v) {
     float old = *p;
     *p = old + v;

@@ -86,9 +86,15 @@ struct Fiber {
     void* sp;    // saved stack pointer while suspended
     void* fake;  // AddressSanitizer's fake stack while suspended (ASan builds only)
     uint3 tid;
+    uint3 bid;
+    unsigned block;  // which of the blocks alive at once
+    unsigned local;  // its index in its block
     Wait wait;
     unsigned gen;  // shuffles done: picks one of two exchange buffers
 };
+
+// Blocks alive at once: their threads interleave, each block with its own barriers and shared memory.
+constexpr unsigned kAlive = 4;
 
 struct Sched {
     void* main;  // the scheduler's saved stack pointer
@@ -99,12 +105,15 @@ struct Sched {
     void* main_fake = nullptr;
     std::vector<Fiber> fibers;
     std::vector<std::unique_ptr<char[]>> stacks;
-    std::vector<uint64_t> xchg;  // [warps][2][32]
+    std::vector<uint64_t> xchg;  // [blocks alive][warps][2][32]
+    unsigned threads = 0;        // per block
     std::size_t cur = 0;
     void (*body)(void*) = nullptr;
     void* arg = nullptr;
     char error[256] = {0};
     bool failed = false;
+    // Each alive block's shared memory: (declaration key, its instance).
+    std::vector<std::vector<std::pair<const void*, std::vector<unsigned char>>>> shared;
 };
 
 thread_local Sched* S = nullptr;
@@ -164,68 +173,79 @@ void fail(const char* msg) {
     std::snprintf(S->error, sizeof S->error, "%s", msg);
 }
 
-// Releases what can be released after every runnable fiber has run: whole warps waiting at a warp
-// barrier, else the block at `__syncthreads` once every live thread waits there. False: nothing could
-// move (a deadlock: divergent barriers).
-bool release(unsigned n) {
+// Releases what can be released in the block whose fibers are `[b0, b0 + n)` after every runnable fiber
+// has run: whole warps waiting at a warp barrier, else the block at `__syncthreads` once every live
+// thread waits there. False: nothing could move.
+bool release(unsigned b0, unsigned n) {
     bool any = false;
     for (unsigned w = 0; w * 32 < n; ++w) {
         unsigned end = (w + 1) * 32 < n ? (w + 1) * 32 : n;
         bool all = true, some = false;
-        for (unsigned i = w * 32; i < end; ++i) {
+        for (unsigned i = b0 + w * 32; i < b0 + end; ++i) {
             Wait s = S->fibers[i].wait;
             if (s == Wait::Warp) some = true;
             else if (s != Wait::Done) all = false;
         }
         if (some && all) {
-            for (unsigned i = w * 32; i < end; ++i)
+            for (unsigned i = b0 + w * 32; i < b0 + end; ++i)
                 if (S->fibers[i].wait == Wait::Warp) S->fibers[i].wait = Wait::None;
             any = true;
         }
     }
     if (any) return true;
     bool all = true, some = false;
-    for (unsigned i = 0; i < n; ++i) {
+    for (unsigned i = b0; i < b0 + n; ++i) {
         Wait s = S->fibers[i].wait;
         if (s == Wait::Block) some = true;
         else if (s != Wait::Done) all = false;
     }
     if (some && all) {
-        for (unsigned i = 0; i < n; ++i)
+        for (unsigned i = b0; i < b0 + n; ++i)
             if (S->fibers[i].wait == Wait::Block) S->fibers[i].wait = Wait::None;
         return true;
     }
     return false;
 }
 
-bool run_block(unsigned n) {
-    const unsigned bx = block_dim.x, by = block_dim.y;
-    while (S->stacks.size() < n) S->stacks.emplace_back(new char[kStack]);
-    S->fibers.assign(n, Fiber{});
-    S->xchg.assign(((n + 31) / 32) * 64, 0);
-    for (unsigned i = 0; i < n; ++i) {
-        Fiber& f = S->fibers[i];
-        f.tid = uint3{i % bx, (i / bx) % by, i / (bx * by)};
-        f.wait = Wait::None;
-        f.sp = fresh_stack(S->stacks[i].get(), kStack);
-    }
-    std::vector<unsigned> order(n);
-    for (unsigned i = 0; i < n; ++i) order[i] = i;
+// Runs `blocks` (at most kAlive) at once, `n` threads each: every thread a fiber, all of them in one
+// seeded shuffled order between barriers, so the blocks' threads interleave.
+bool run_blocks(const std::vector<uint3>& blocks, unsigned n) {
+    const unsigned bx = block_dim.x, by = block_dim.y, k = static_cast<unsigned>(blocks.size());
+    const std::size_t total = static_cast<std::size_t>(k) * n;
+    while (S->stacks.size() < total) S->stacks.emplace_back(new char[kStack]);
+    S->fibers.assign(total, Fiber{});
+    S->threads = n;
+    S->xchg.assign(k * ((n + 31) / 32) * 64, 0);
+    S->shared.assign(k, {});  // fresh, poisoned instances per block (`shared`)
+    for (unsigned b = 0; b < k; ++b)
+        for (unsigned i = 0; i < n; ++i) {
+            Fiber& f = S->fibers[b * n + i];
+            f.tid = uint3{i % bx, (i / bx) % by, i / (bx * by)};
+            f.bid = blocks[b];
+            f.block = b;
+            f.local = i;
+            f.wait = Wait::None;
+            f.sp = fresh_stack(S->stacks[b * n + i].get(), kStack);
+        }
+    std::vector<unsigned> order(total);
+    for (unsigned i = 0; i < total; ++i) order[i] = i;
     uint64_t seed = next_random(launch_seed);
     for (;;) {
-        bool ran = false, live = false;
+        bool ran = false, live = false, moved = false;
         shuffle_in_place(order, seed);
         for (unsigned i : order) {
             if (S->fibers[i].wait != Wait::None) continue;
             ran = true;
             S->cur = i;
             thread_idx = S->fibers[i].tid;
+            block_idx = S->fibers[i].bid;
             resume(i, S->stacks[i].get());
             if (S->failed) return false;
         }
-        for (unsigned i = 0; i < n; ++i) live |= S->fibers[i].wait != Wait::Done;
+        for (std::size_t i = 0; i < total; ++i) live |= S->fibers[i].wait != Wait::Done;
         if (!live) return true;
-        if (!release(n) && !ran) {
+        for (unsigned b = 0; b < k; ++b) moved |= release(b * n, n);
+        if (!moved && !ran) {
             fail("deadlock: threads wait at barriers that the others never reach (divergent __syncthreads/__syncwarp)");
             return false;
         }
@@ -244,7 +264,7 @@ void syncwarp() {
     yield_to_main();
 }
 
-unsigned lane_id() { return static_cast<unsigned>(S->cur % 32); }
+unsigned lane_id() { return S->fibers[S->cur].local % 32; }
 
 [[noreturn]] void fault(const char* msg) {
     fail(msg);
@@ -253,13 +273,21 @@ unsigned lane_id() { return static_cast<unsigned>(S->cur % 32); }
     __builtin_unreachable();  // the scheduler never resumes a faulted fiber
 }
 
+void* shared(const void* key, std::size_t bytes) {
+    auto& mine = S->shared[S->fibers[S->cur].block];
+    for (auto& [k, mem] : mine)
+        if (k == key) return mem.data();
+    mine.emplace_back(key, std::vector<unsigned char>(bytes, 0xFF));
+    return mine.back().second.data();
+}
+
 uint64_t exchange(uint64_t mine, unsigned src) {
     Fiber& me = S->fibers[S->cur];
-    const std::size_t warp = S->cur / 32, lane = S->cur % 32;
-    const std::size_t n = S->fibers.size();
+    const std::size_t warp = me.local / 32, lane = me.local % 32;
+    const std::size_t n = S->threads, warps = (n + 31) / 32;
     const std::size_t lanes = (warp + 1) * 32 <= n ? 32 : n - warp * 32;
     if (src >= lanes) fault("a shuffle read a lane that does not exist in its warp");
-    const std::size_t buf = (warp * 2 + (me.gen++ & 1)) * 32;
+    const std::size_t buf = ((me.block * warps + warp) * 2 + (me.gen++ & 1)) * 32;
     S->xchg[buf + lane] = mine;
     syncwarp();  // every lane has deposited
     return S->xchg[buf + src];
@@ -286,9 +314,9 @@ int run(const Launch* l, void (*body)(void*), void* arg) {
             for (unsigned x = 0; x < l->grid[0]; ++x) blocks.push_back(uint3{x, y, z});
     uint64_t seed = next_random(launch_seed);
     shuffle_in_place(blocks, seed);
-    for (const uint3& b : blocks) {
-        block_idx = b;
-        if (!run_block(n)) {
+    for (std::size_t b0 = 0; b0 < blocks.size(); b0 += kAlive) {
+        const std::size_t b1 = b0 + kAlive < blocks.size() ? b0 + kAlive : blocks.size();
+        if (!run_blocks(std::vector<uint3>(blocks.begin() + b0, blocks.begin() + b1), n)) {
             rc = 1;
             break;
         }

@@ -11,7 +11,7 @@ extern "C" __global__ void attention_paged(const float* __restrict__ q, float* _
                                            int pool_bf16, const int32_t* __restrict__ table, unsigned page_size,
                                            unsigned row0, unsigned past, unsigned heads, unsigned kv_heads,
                                            unsigned head_dim, float scale, float* __restrict__ scratch, unsigned stride) {
-    __shared__ float red[32];
+    SHARED(float, red, [32]);
     const unsigned i = blockIdx.x / heads, h = blockIdx.x % heads;
     const unsigned kvh = h / (heads / kv_heads), kv_row = kv_heads * head_dim, qcols = heads * head_dim;
     const unsigned len = past + i + 1;
@@ -38,7 +38,7 @@ extern "C" __global__ void attention_paged(const float* __restrict__ q, float* _
 extern "C" __global__ void attention_full(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                                          float* __restrict__ out, unsigned row0, unsigned n, unsigned q0, unsigned heads,
                                          unsigned kv_heads, unsigned head_dim, float scale, float* __restrict__ scratch) {
-    __shared__ float red[32];
+    SHARED(float, red, [32]);
     // Query rows `q0 + blockIdx.x / heads` of the sequence (a launch covers a band of them, so the scratch
     // is bounded by the band, not the sequence), each over all `n` keys.
     const unsigned i = q0 + blockIdx.x / heads, h = blockIdx.x % heads;

@@ -39,8 +39,8 @@ __device__ __forceinline__ float tile_dot(const float* x, const void* w, const u
 // budget: 64 registers
 extern "C" __global__ void linear_tiled(const float* __restrict__ x, const void* __restrict__ w, const uint8_t* __restrict__ scales,
                                         float global, int wtype, float* __restrict__ out, unsigned m, unsigned n, unsigned k) {
-    __shared__ float xs[TILE][TILE + 1];
-    __shared__ float ws[TILE][TILE + 1];
+    SHARED(float, xs, [TILE][TILE + 1]);
+    SHARED(float, ws, [TILE][TILE + 1]);
     const unsigned row = blockIdx.y * TILE + threadIdx.y;  // of x and out
     const unsigned col = blockIdx.x * TILE + threadIdx.x;  // of out: a row of w
     const unsigned wrow = blockIdx.x * TILE + threadIdx.y;  // the w row this thread loads
@@ -83,8 +83,8 @@ extern "C" __global__ void linear_grouped(const float* __restrict__ x, const uin
                                           const float* __restrict__ global, const uint32_t* __restrict__ row0,
                                           const uint32_t* __restrict__ rows, int wtype, float* __restrict__ out, unsigned n,
                                           unsigned k) {
-    __shared__ float xs[TILE][TILE + 1];
-    __shared__ float ws[TILE][TILE + 1];
+    SHARED(float, xs, [TILE][TILE + 1]);
+    SHARED(float, ws, [TILE][TILE + 1]);
     const unsigned g = blockIdx.z, m = rows[g];
     if (blockIdx.y * TILE >= m) return;  // the whole block: this group has fewer row tiles
     const float* xg = x + (size_t)row0[g] * k;

@@ -8,7 +8,7 @@
 // budget: 40 registers
 extern "C" __global__ void rms_norm_f32(float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ z,
                                         unsigned cols, unsigned group, unsigned w_len, float eps, int one_plus, int gate) {
-    __shared__ float scratch[32];
+    SHARED(float, scratch, [32]);
     float* g = x + (size_t)blockIdx.x * group;
     float ss = 0.0f;
     for (unsigned j = threadIdx.x; j < group; j += blockDim.x) ss += g[j] * g[j];
@@ -29,7 +29,7 @@ extern "C" __global__ void rms_norm_f32(float* __restrict__ x, const float* __re
 // ptx: bar.sync, shfl.sync.bfly.b32
 // budget: 32 registers
 extern "C" __global__ void l2_norm_f32(float* __restrict__ x, unsigned group, float eps) {
-    __shared__ float scratch[32];
+    SHARED(float, scratch, [32]);
     float* g = x + (size_t)blockIdx.x * group;
     float ss = 0.0f;
     for (unsigned j = threadIdx.x; j < group; j += blockDim.x) ss += g[j] * g[j];
@@ -44,7 +44,7 @@ extern "C" __global__ void l2_norm_f32(float* __restrict__ x, unsigned group, fl
 // budget: 40 registers
 extern "C" __global__ void layer_norm_f32(float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
                                           unsigned cols, float eps) {
-    __shared__ float scratch[32];
+    SHARED(float, scratch, [32]);
     float* g = x + (size_t)blockIdx.x * cols;
     float s = 0.0f;
     for (unsigned j = threadIdx.x; j < cols; j += blockDim.x) s += g[j];

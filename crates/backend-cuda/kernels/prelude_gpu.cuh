@@ -8,3 +8,6 @@ typedef int int32_t;
 typedef unsigned long long uint64_t;
 typedef long long int64_t;
 #define OSPREY_GPU 1
+// Shared memory: `SHARED(float, red, [32]);` is `__shared__ float red[32];` here; the emulated device
+// gives each block its own instance, poisoned on entry (emu/cuda_emu.hpp).
+#define SHARED(T, name, dims) __shared__ T name dims

@@ -34,7 +34,7 @@ extern "C" __global__ void hc_inject(float* __restrict__ x, const float* __restr
 // budget: 40 registers
 extern "C" __global__ void ple_gate(const float* __restrict__ k, const float* __restrict__ q, const float* __restrict__ v,
                                     float* __restrict__ out, unsigned hc, unsigned h) {
-    __shared__ float gate;
+    SHARED(float, gate, );
     const size_t i = blockIdx.x / hc, at = (size_t)blockIdx.x * h;
     if (threadIdx.x == 0) {
         float g = 0.0f;
@@ -144,7 +144,7 @@ extern "C" __global__ void attention_selected(const float* __restrict__ q, float
                                               const int32_t* __restrict__ blocks, unsigned top, unsigned row0,
                                               unsigned past, unsigned ratio, unsigned heads, unsigned kv_heads,
                                               unsigned head_dim, float scale, float* __restrict__ scratch, unsigned stride) {
-    __shared__ float red[32];
+    SHARED(float, red, [32]);
     const unsigned i = blockIdx.x / heads, h = blockIdx.x % heads;
     const unsigned kvh = h / (heads / kv_heads), kv_row = kv_heads * head_dim, qcols = heads * head_dim;
     const unsigned p = past + i;

@@ -6,7 +6,7 @@
 // ptx: bar.sync, ld.shared.f32
 // budget: 32 registers
 extern "C" __global__ void selftest_reverse(const float* __restrict__ x, float* __restrict__ out, int sync) {
-    __shared__ float s[64];
+    SHARED(float, s, [64]);
     const unsigned t = threadIdx.x, base = blockIdx.x * 64;
     s[t] = x[base + t];
     if (sync) __syncthreads();  // `sync` 0: the planted bug, a read before the other threads wrote
@@ -66,4 +66,55 @@ extern "C" __global__ void selftest_blocks(float* __restrict__ out, int race) {
     const unsigned b = blockIdx.x;
     out[b] = (float)(b + 1);
     if (race && b > 0) out[gridDim.x + b] = out[b - 1];
+}
+
+// Lanes exchange through shared memory: lane `l` writes `s[l]`, then reads `s[31 − l]`, with the warp
+// barrier between when `sync` (without it, a lane may read before its partner wrote: the emulator runs
+// lanes in a seeded order and gives unwritten shared memory as poison).
+// flops: none
+// ptx: bar.warp.sync
+// budget: 32 registers
+extern "C" __global__ void selftest_syncwarp(const float* __restrict__ x, float* __restrict__ out, int sync) {
+    SHARED(float, s, [32]);
+    const unsigned l = threadIdx.x % 32;
+    s[l] = x[l];
+    if (sync) __syncwarp();
+    out[l] = s[31 - l];
+}
+
+// Each block writes its shared memory then reads it back; with `fresh` 0 only block 0 writes, so the
+// others read what no thread of theirs wrote (on a GPU: garbage, or another block's leftovers; here,
+// poison).
+// flops: none
+// ptx: bar.sync
+// budget: 32 registers
+extern "C" __global__ void selftest_stale(float* __restrict__ out, int fresh) {
+    SHARED(float, s, [32]);
+    const unsigned t = threadIdx.x;
+    if (fresh || blockIdx.x == 0) s[t] = (float)(blockIdx.x + 1);
+    __syncthreads();
+    out[blockIdx.x * 32 + t] = s[t];
+}
+
+// Whether blocks run at once: thread 0 of each block counts the flags set, sets its own, and after the
+// block's barrier counts again; `seen[b]` is how many other blocks set theirs while block `b` was alive
+// (0 for every block when blocks run one after another).
+// flops: none
+// ptx: bar.sync
+// budget: 40 registers
+extern "C" __global__ void selftest_alive(float* __restrict__ flags, float* __restrict__ seen, unsigned blocks) {
+    SHARED(float, before, [1]);
+    const unsigned b = blockIdx.x;
+    if (threadIdx.x == 0) {
+        float n = 0.0f;
+        for (unsigned i = 0; i < blocks; ++i) n += flags[i];
+        before[0] = n;
+        flags[b] = 1.0f;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float n = 0.0f;
+        for (unsigned i = 0; i < blocks; ++i) n += flags[i];
+        seen[b] = n - before[0] - 1.0f;
+    }
 }

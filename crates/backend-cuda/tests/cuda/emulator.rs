@@ -93,8 +93,8 @@ fn a_barrier_orders_shared_memory_and_its_absence_is_caught() {
     dev.launch("selftest_reverse", cfg, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::I32(1)]).expect("launch");
     let want: Vec<f32> = x.chunks(64).flat_map(|c| c.iter().rev().copied()).collect();
     assert_eq!(download(&dev, out, 256), want);
-    // Without the barrier, thread t reads s[63 − t] before thread 63 − t has written it (for t < 32):
-    // the emulator runs threads in order between barriers, so the read sees the previous block's value.
+    // Without the barrier, a thread may read s[63 − t] before thread 63 − t has written it: the emulator
+    // runs threads in a seeded order between barriers, and unwritten shared memory reads as poison.
     dev.launch("selftest_reverse", cfg, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::I32(0)]).expect("launch");
     assert_ne!(download(&dev, out, 256), want, "a missing __syncthreads must change the answer");
 }
@@ -206,4 +206,45 @@ fn every_kernel_has_a_budget_and_its_source() {
         let src = osprey_backend_cuda::kernels::gpu_source(k.source).expect("its source");
         assert!(src.contains(&format!("void {}(", k.name)) && src.contains("typedef unsigned int uint32_t"));
     }
+}
+
+/// Issue 51, item 5: each block has its own shared memory, poisoned when it starts, so a missing
+/// `__syncwarp` before lanes read each other's writes, and a block reading shared memory it never wrote
+/// (another block's leftovers on a GPU), both give a wrong answer here.
+#[test]
+fn a_missing_syncwarp_and_a_read_of_unwritten_shared_memory_are_caught() {
+    let dev = EmuDevice::new(1 << 20);
+    let x = data(9, 32);
+    let (xp, out) = (upload(&dev, &x), upload(&dev, &[0.0; 32]));
+    let warp = LaunchConfig { grid: [1, 1, 1], block: [32, 1, 1] };
+    let want: Vec<f32> = (0..32).map(|l| x[31 - l]).collect();
+    dev.launch("selftest_syncwarp", warp, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::I32(1)]).expect("launch");
+    assert_eq!(download(&dev, out, 32), want);
+    dev.launch("selftest_syncwarp", warp, &[Arg::Ptr(xp), Arg::Ptr(out), Arg::I32(0)]).expect("launch");
+    assert!(download(&dev, out, 32).iter().any(|v| v.is_nan()), "without __syncwarp some lane reads poison");
+
+    let blocks = 4;
+    let out = upload(&dev, &vec![0.0; 32 * blocks]);
+    let cfg = LaunchConfig { grid: [blocks as u32, 1, 1], block: [32, 1, 1] };
+    dev.launch("selftest_stale", cfg, &[Arg::Ptr(out), Arg::I32(1)]).expect("launch");
+    let got = download(&dev, out, 32 * blocks);
+    assert!((0..32 * blocks).all(|i| got[i] == (i / 32 + 1) as f32), "each block reads what it wrote");
+    dev.launch("selftest_stale", cfg, &[Arg::Ptr(out), Arg::I32(0)]).expect("launch");
+    let got = download(&dev, out, 32 * blocks);
+    let written_by_block_0 = |i: usize| got[i] == 1.0;
+    assert!((32..32 * blocks).all(|i| got[i].is_nan()), "another block's shared memory is not this block's");
+    assert!((0..32).all(written_by_block_0));
+}
+
+/// Issue 51, item 5: several blocks are alive at once, their threads interleaved (a GPU runs many blocks
+/// concurrently): some block sees another block's write land while it runs.
+#[test]
+fn several_blocks_are_alive_at_once() {
+    let dev = EmuDevice::new(1 << 20);
+    let blocks = 16;
+    let (flags, seen) = (upload(&dev, &vec![0.0; blocks]), upload(&dev, &vec![0.0; blocks]));
+    let cfg = LaunchConfig { grid: [blocks as u32, 1, 1], block: [64, 1, 1] };
+    dev.launch("selftest_alive", cfg, &[Arg::Ptr(flags), Arg::Ptr(seen), Arg::U32(blocks as u32)]).expect("launch");
+    let seen = download(&dev, seen, blocks);
+    assert!(seen.iter().any(|&n| n > 0.0), "no block saw another start and write while it was alive: {seen:?}");
 }
