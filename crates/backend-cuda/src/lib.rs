@@ -13,7 +13,11 @@
 //! Status: every op of the seam has a kernel (memory and fences, linears in f32, bf16, f16 and NVFP4,
 //! embeddings, element-wise ops, norms, rotary, the router, paged and full attention, Gated DeltaNet,
 //! expert slots, `qwen4_exp`'s ops), each checked on the emulated device against the CPU backend, and
-//! `supports` answers yes to all; none has run on a GPU yet (docs/cuda.md).
+//! `supports` answers yes to all; none has run on a GPU yet (docs/cuda.md). The emulated device runs
+//! several blocks at once with per-block poisoned shared memory, and queues compute and copies on two
+//! streams ([`emu`]); it meters each launch's global-memory bytes ([`traffic`]), which with each kernel's
+//! declared arithmetic ([`cost`]) is what `osprey bench roofline` prices. With NVRTC at build time the
+//! kernels' images are embedded ([`images`]), so a start needs only the driver.
 
 mod backend;
 pub mod cost;
