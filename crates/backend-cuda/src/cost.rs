@@ -1,6 +1,6 @@
 //! The arithmetic of a launch, as its kernel declares it: the `// flops: PATH EXPR` line above each
 //! kernel in `kernels/*.cu`, an expression over its scalar parameters and the launch's `blocks` and
-//! `threads`, compiled by `build.rs` into [`declared_flops`]. With the bytes the emulated device measures
+//! `threads`, compiled by `build.rs` into `declared_flops`. With the bytes the emulated device measures
 //! (`emu/traffic.cpp`), it is what the speed model prices (`osprey bench roofline`). A declaration counts
 //! the arithmetic the kernel executes, lanes that compute discarded values included (a 16-row tile with
 //! one row used does sixteen rows' work).

@@ -1,6 +1,6 @@
 //! The emulated device: device memory is host memory, a launch runs the kernel's host-compiled body
 //! (`build.rs`, `emu/`) thread by thread on fibers, and work is queued on two streams that run as a GPU
-//! may run them ([`stream`]): compute when the host waits, each copy as early or as late as its order
+//! may run them (`stream.rs`): compute when the host waits, each copy as early or as late as its order
 //! allows. A test device (`--device cuda-emu`), never chosen by default: it is how the
 //! kernels and the backend above them are checked on machines without a GPU. Allocations are tracked,
 //! so a copy outside one is refused rather than corrupting the process, and the memory cap makes the
@@ -48,7 +48,7 @@ pub struct EmuDevice {
     capacity: usize,
     /// Operations issued (an event is the count when recorded).
     issued: AtomicU64,
-    /// The compute and copy streams' queued work ([`stream`]).
+X
     streams: Mutex<Streams>,
     /// When copies run.
     copy_order: CopyOrder,
