@@ -59,6 +59,7 @@ pub fn measure(driver: &mut Driver, b: &RooflineBench) -> Result<Vec<(String, Wo
             step(driver, &decode(i))?;
         }
         out.push((format!("decode x{n}"), Work::between(&before, &backend.stats(), b.decode_tokens)));
+        tracing::info!(batch = n, "roofline: decode measured");
         seqs.iter().for_each(|&s| driver.release(s));
     }
     if b.prefill > 0 {
@@ -67,6 +68,7 @@ pub fn measure(driver: &mut Driver, b: &RooflineBench) -> Result<Vec<(String, Wo
         let before = backend.stats();
         step(driver, &[item(seq, 0, b.prefill)])?;
         out.push((format!("prefill {}", b.prefill), Work::between(&before, &backend.stats(), 1)));
+        tracing::info!(tokens = b.prefill, "roofline: prefill measured");
         driver.release(seq);
     }
     Ok(out)
