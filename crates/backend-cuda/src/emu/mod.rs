@@ -48,7 +48,7 @@ pub struct EmuDevice {
     capacity: usize,
     /// Operations issued (an event is the count when recorded).
     issued: AtomicU64,
-X
+    /// The compute and copy streams' queued work (`stream.rs`).
     streams: Mutex<Streams>,
     /// When copies run.
     copy_order: CopyOrder,
