@@ -15,6 +15,7 @@
 #include "recurrent.cu"
 #include "rope.cu"
 #include "route.cu"
+#include "sample.cu"
 #include "selftest.cu"
 
 #include <cstdio>
@@ -153,6 +154,8 @@ int main(int argc, char** argv) {
     std::vector<int32_t> rid(3 * 3);
     auto rw = vals(3 * 3);
     run(route_topk, d1(1), d1(64), logits.data(), rid.data(), rw.data(), 3u, 10u, 3u, 1);
+    std::vector<int32_t> best(3);
+    run(argmax_rows, d1(3), d1(64), logits.data(), best.data(), 3u, 10u);
     auto partials = vals(9 * 16), dd = vals(2 * 16), comb = vals(3 * 16);
     std::vector<int32_t> entries = {8, 0};
     run(moe_scatter_rows, d1(1), d1(64), partials.data(), entries.data(), rw.data(), dd.data(), 2u, 16u);

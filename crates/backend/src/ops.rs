@@ -218,6 +218,13 @@ seam! {
 
     /// Core tensor ops: matmuls, embeddings, element-wise ops, norms and rotary positions.
     trait CoreOps: MemoryOps {
+        /// `argmax_rows` (greedy sampling where the logits are).
+        op Argmax {
+            /// Each row's index of its maximum, the first on ties (`torch.argmax`'s rule; NaN never
+            /// wins) → `[rows]` i32: a greedy step reads back one id per sequence, not its logits.
+            fn argmax_rows(&self, x: &Tensor) -> Result<Tensor>;
+        }
+
         /// `linear` (and `linear_pair`) over f32 / bf16 / f16 weights.
         op LinearDense {
             /// `x [m, k] · wᵀ → [m, n]` for a placed weight `[n, k]` of any dtype.

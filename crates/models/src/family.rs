@@ -35,6 +35,10 @@ pub enum LogitsWanted {
     Last,
     /// Every new token's (teacher forcing, prompt logprobs).
     All,
+    /// The last token's greedy id, taken where the logits are (`argmax_rows`): on a device one id comes
+    /// back instead of the vocabulary's logits ([`ForwardOutput::argmax`]). For greedy sampling with no
+    /// penalty, bias, grammar or logprobs, where the id is all the sampler would use.
+    Argmax,
 }
 
 /// Embedding rows that replace the token embeddings of a span of the chunk (vision rows).
@@ -96,8 +100,10 @@ pub struct ForwardOptions<'a> {
 /// Results of a forward.
 #[derive(Clone, Debug, Default)]
 pub struct ForwardOutput {
-    /// Per sequence: `[vocab]` (Last), `[n, vocab]` (All) or empty (None).
+    /// Per sequence: `[vocab]` (Last), `[n, vocab]` (All) or empty (None, Argmax).
     pub logits: Vec<Vec<f32>>,
+    /// Per sequence: its greedy id with `Argmax`, else `None`.
+    pub argmax: Vec<Option<u32>>,
     /// With `capture_hidden`: transformers' `hidden_states` for the whole batch `[T, hidden]`: the input
     /// embeddings, the output of every layer but the last, then the final normed output.
     pub hidden: Vec<Vec<f32>>,

@@ -22,7 +22,7 @@ use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
 use osprey_protocol::{ErrorCode, RequestError, SeqId};
 
 use crate::error::{engine_error, grammar_error, model_error, reserve_error};
-use crate::sampler::{sample, Rng};
+use crate::sampler::{plain_greedy, sample, Rng};
 use crate::seq::{chunk_positions, grammar_mask, MediaRows, SeqRec};
 use crate::speculative::{self, feed_head, DraftOverride};
 use osprey_protocol::runner::{SpecCounters, MAX_SPECULATIVE_TOKENS};
@@ -347,8 +347,8 @@ impl Driver {
         let verify_tokens = self.drafts(&mut ok, &mut out);
         let ends: Vec<usize> =
             ok.iter().zip(&verify_tokens).map(|((w, _), v)| v.as_ref().map_or(w.end, |v| w.start + v.len())).collect();
-        let (logits, hidden) = match self.forward(&mut ok, &verify_tokens, &ends) {
-            Ok(o) => (o.logits, o.last_hidden),
+        let (logits, argmax, hidden) = match self.forward(&mut ok, &verify_tokens, &ends) {
+            Ok(o) => (o.logits, o.argmax, o.last_hidden),
             Err(e) => {
                 let e = model_error(e);
                 out.extend(ok.into_iter().map(|(w, _)| (w.seq, Err(e.clone()))));
@@ -356,11 +356,13 @@ impl Driver {
             }
         };
         let mut row0 = 0;
-        for (((w, rec), logits), (v, end)) in ok.into_iter().zip(logits).zip(verify_tokens.into_iter().zip(ends)) {
+        let items = ok.into_iter().zip(logits.into_iter().zip(argmax)).zip(verify_tokens.into_iter().zip(ends));
+        for (((w, rec), (logits, greedy)), (v, end)) in items {
             let rows_of_item = row0;
             row0 += end - w.start;
             let seq = w.seq;
-            out.push((seq, self.finish(w, rec, &logits, v, hidden.as_ref().map(|h| (h, rows_of_item)))));
+            let head = (&logits[..], greedy);
+            out.push((seq, self.finish(w, rec, head, v, hidden.as_ref().map(|h| (h, rows_of_item)))));
         }
         out
     }
@@ -460,11 +462,17 @@ impl Driver {
         let positions: Vec<Option<Vec<[i64; 3]>>> =
             ok.iter().zip(ends).map(|((w, rec), &e)| chunk_positions(&rec.prompt, w.start, e)).collect();
         let verify: Vec<bool> = verify_tokens.iter().map(Option::is_some).collect();
+        // A greedy step with nothing but the argmax to compute takes it where the logits are: on a device
+        // one id per sequence comes back instead of its logits.
+        let on_device = self.model.backend().device() != osprey_models::backend::Device::Cpu;
         let mut steps: Vec<SeqStep<'_, '_>> = Vec::with_capacity(ok.len());
         for ((((w, rec), inj), pos), v) in ok.iter_mut().zip(&injected).zip(&positions).zip(verify_tokens) {
             let positions = pos.as_deref().map_or(Positions::Text, Positions::Explicit);
             let (tokens, logits) = match v {
                 Some(v) => (&v[..], LogitsWanted::All),
+                None if w.sample && on_device && plain_greedy(&rec.sampling) => {
+                    (&rec.tokens[w.start..w.end], LogitsWanted::Argmax)
+                }
                 None if w.sample => (&rec.tokens[w.start..w.end], LogitsWanted::Last),
                 None => (&rec.tokens[w.start..w.end], LogitsWanted::None),
             };
@@ -481,7 +489,7 @@ impl Driver {
         &mut self,
         w: Work,
         mut rec: SeqRec,
-        logits: &[f32],
+        (logits, greedy): (&[f32], Option<u32>),
         verify: Option<Vec<u32>>,
         hidden: Option<(&osprey_models::backend::Tensor, usize)>,
     ) -> Result<Done, RequestError> {
@@ -512,8 +520,12 @@ impl Driver {
             let plen = rec.prompt.input_ids.len();
             let allowed = grammar_mask(&mut rec)?;
             let (prompt, output) = rec.tokens.split_at(plen);
-            let (token, logprobs) =
-                sample(logits, &rec.sampling, prompt, output, &mut rec.rng, allowed.then_some(&rec.allowed[..]));
+            let (token, logprobs) = match greedy {
+                Some(token) => (token, None),
+                None => {
+                    sample(logits, &rec.sampling, prompt, output, &mut rec.rng, allowed.then_some(&rec.allowed[..]))
+                }
+            };
             if let Some(m) = rec.matcher.as_mut() {
                 m.commit(token).map_err(|e| grammar_error(&e))?;
             }

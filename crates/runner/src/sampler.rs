@@ -36,6 +36,18 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|l| l - lse).collect()
 }
 
+/// Whether sampling with `p` is the logits' argmax and nothing else: greedy, with no penalty, bias,
+/// grammar or logprobs (the model may then take the argmax where the logits are).
+pub(crate) fn plain_greedy(p: &SamplingParams) -> bool {
+    p.temperature <= 0.0
+        && p.repetition_penalty == 1.0
+        && p.presence_penalty == 0.0
+        && p.frequency_penalty == 0.0
+        && p.logit_bias.is_empty()
+        && p.logprobs.is_none()
+        && p.constraint.is_none()
+}
+
 pub(crate) fn argmax(v: &[f32]) -> usize {
     // First index of the maximum (torch.argmax's tie rule).
     let mut best = 0;

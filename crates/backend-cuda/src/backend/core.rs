@@ -133,6 +133,14 @@ impl CudaBackend {
 }
 
 impl CoreOps for CudaBackend {
+    fn argmax_rows(&self, x: &Tensor) -> Result<Tensor> {
+        let (rows, cols) = (x.rows(), x.cols());
+        let out = self.empty(DType::I32, &[rows])?;
+        let call = launch::argmax_rows(ptr(x), ptr(&out), u32_of(rows), u32_of(cols));
+        self.try_run(call, LaunchConfig::per_group(rows, 256))?;
+        Ok(out)
+    }
+
     fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let Some(CudaStorage::Weight(placed)) = w.storage::<CudaStorage>() else {
             return Err(BackendError::Device("linear over a tensor that is not a placed weight: this is a bug".into()));

@@ -31,6 +31,7 @@ fn parity_cases(op: Op) -> &'static [fn()] {
         Op::AttentionBidirectional => &[sequence::bidirectional_attention_matches_the_vision_shapes],
         Op::GatedDeltaNet => &[sequence::gated_deltanet_decodes_to_the_bit_and_prefills_within_the_chunked_bound],
         Op::Router => &[ops::embeddings_memory_ops_rotary_and_the_router_match],
+        Op::Argmax => &[ops::argmax_matches_the_cpu_on_ties_nan_and_wide_rows],
         Op::ExpertSlots => &[
             sequence::routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wave,
             sequence::routed_experts_from_device_ids_match_the_host_routed_ones,

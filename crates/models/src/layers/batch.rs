@@ -87,28 +87,34 @@ pub(crate) fn embed(
     Ok(x)
 }
 
-/// Advances every step's length by its tokens and returns, per step, `head(rows)` for the rows whose
-/// logits it wants (an empty vector when none).
+/// Advances every step's length by its tokens and returns, per step, the logits `head(rows)` computes
+/// on the backend for the rows it wants, downloaded (an empty vector when none), and with
+/// [`LogitsWanted::Argmax`] the last row's greedy id instead, taken on the backend.
 pub(crate) fn logits(
+    b: &dyn Backend,
     steps: &mut [SeqStep<'_, '_>],
     segs: &[Segment],
-    head: impl Fn(&[usize]) -> Result<Vec<f32>>,
-) -> Result<Vec<Vec<f32>>> {
-    steps
-        .iter_mut()
-        .zip(segs)
-        .map(|(s, seg)| {
-            let rows: Vec<usize> = match s.input.logits {
-                LogitsWanted::None => Vec::new(),
-                LogitsWanted::Last => (seg.row + seg.len.saturating_sub(1)..seg.row + seg.len).collect(),
-                LogitsWanted::All => (seg.row..seg.row + seg.len).collect(),
-            };
-            s.state.len += seg.len;
-            if rows.is_empty() {
-                Ok(Vec::new())
-            } else {
-                head(&rows)
-            }
-        })
-        .collect()
+    head: impl Fn(&[usize]) -> Result<Tensor>,
+) -> Result<(Vec<Vec<f32>>, Vec<Option<u32>>)> {
+    let mut out = (Vec::with_capacity(steps.len()), Vec::with_capacity(steps.len()));
+    for (s, seg) in steps.iter_mut().zip(segs) {
+        let last = seg.row + seg.len.saturating_sub(1)..seg.row + seg.len;
+        let rows: Vec<usize> = match s.input.logits {
+            LogitsWanted::None => Vec::new(),
+            LogitsWanted::Last | LogitsWanted::Argmax => last.collect(),
+            LogitsWanted::All => (seg.row..seg.row + seg.len).collect(),
+        };
+        s.state.len += seg.len;
+        let (logits, argmax) = match (s.input.logits, rows.is_empty()) {
+            (_, true) => (Vec::new(), None),
+            (LogitsWanted::Argmax, false) => match b.download(&b.argmax_rows(&head(&rows)?)?)? {
+                osprey_backend::HostVec::I32(v) => (Vec::new(), v.first().map(|&id| id as u32)),
+                _ => return Err(crate::Error::Engine("argmax_rows returned no i32 ids".into())),
+            },
+            (_, false) => (b.download_f32(&head(&rows)?)?, None),
+        };
+        out.0.push(logits);
+        out.1.push(argmax);
+    }
+    Ok(out)
 }
