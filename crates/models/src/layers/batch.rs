@@ -87,6 +87,9 @@ pub(crate) fn embed(
     Ok(x)
 }
 
+/// Per step: its downloaded logits, and its greedy id when it asked for one.
+pub(crate) type Heads = (Vec<Vec<f32>>, Vec<Option<u32>>);
+
 /// Advances every step's length by its tokens and returns, per step, the logits `head(rows)` computes
 /// on the backend for the rows it wants, downloaded (an empty vector when none), and with
 /// [`LogitsWanted::Argmax`] the last row's greedy id instead, taken on the backend.
@@ -95,8 +98,8 @@ pub(crate) fn logits(
     steps: &mut [SeqStep<'_, '_>],
     segs: &[Segment],
     head: impl Fn(&[usize]) -> Result<Tensor>,
-) -> Result<(Vec<Vec<f32>>, Vec<Option<u32>>)> {
-    let mut out = (Vec::with_capacity(steps.len()), Vec::with_capacity(steps.len()));
+) -> Result<Heads> {
+    let mut out: Heads = (Vec::with_capacity(steps.len()), Vec::with_capacity(steps.len()));
     for (s, seg) in steps.iter_mut().zip(segs) {
         let last = seg.row + seg.len.saturating_sub(1)..seg.row + seg.len;
         let rows: Vec<usize> = match s.input.logits {
