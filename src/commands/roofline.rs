@@ -67,17 +67,23 @@ pub fn run(a: RooflineArgs, g: &Global) -> Result<()> {
         a.batches.split(',').map(|b| b.trim().parse().context("--batches")).collect::<Result<Vec<usize>>>()?;
     let b =
         RooflineBench { prompt: a.prompt.max(1), decode_tokens: a.decode_tokens.max(1), batches, prefill: a.prefill };
+    // The head alone first: it is quick, and a checkpoint it cannot load fails before the long run.
+    let head = match &a.scale_to {
+        Some(name) => {
+            let &(_, layers, vocab) = TARGETS
+                .iter()
+                .find(|t| t.0 == name)
+                .with_context(|| format!("--scale-to {name}: qwen3.5-35b-a3b or qwen3.8-flash-next"))?;
+            let tmp = std::env::temp_dir().join(format!("osprey-roofline-head-{}", std::process::id()));
+            let (head_dir, measured_layers) = roofline::head_only(&a.model, &tmp)?;
+            let head = measure(&head_dir, &b, g);
+            let _ = std::fs::remove_dir_all(&tmp);
+            Some((name, layers, vocab, measured_layers, head?.0))
+        }
+        None => None,
+    };
     let (mut steps, own_vocab) = measure(&a.model, &b, g)?;
-    if let Some(name) = &a.scale_to {
-        let &(_, layers, vocab) = TARGETS
-            .iter()
-            .find(|t| t.0 == name)
-            .with_context(|| format!("--scale-to {name}: qwen3.5-35b-a3b or qwen3.8-flash-next"))?;
-        let tmp = std::env::temp_dir().join(format!("osprey-roofline-head-{}", std::process::id()));
-        let (head_dir, measured_layers) = roofline::head_only(&a.model, &tmp)?;
-        let head = measure(&head_dir, &b, g);
-        let _ = std::fs::remove_dir_all(&tmp);
-        let (head, _) = head?;
+    if let Some((name, layers, vocab, measured_layers, head)) = head {
         let scaled: Vec<(String, Work)> = steps
             .iter()
             .zip(&head)

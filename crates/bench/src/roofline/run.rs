@@ -85,8 +85,11 @@ pub fn head_only(dir: &Path, at: &Path) -> Result<(PathBuf, usize)> {
     let text_cfg = if cfg.get("text_config").is_some() { &mut cfg["text_config"] } else { &mut cfg };
     let layers = text_cfg["num_hidden_layers"].as_u64().ok_or_else(|| bad("no num_hidden_layers".into()))? as usize;
     text_cfg["num_hidden_layers"] = 0.into();
-    if text_cfg.get("layer_types").is_some() {
-        text_cfg["layer_types"] = serde_json::json!([]);
+    // Per-layer lists name no layer now (`qwen4_exp`'s PLE layers).
+    for key in ["layer_types", "ple_layer_ids"] {
+        if text_cfg.get(key).is_some() {
+            text_cfg[key] = serde_json::json!([]);
+        }
     }
     for e in std::fs::read_dir(dir).map_err(Error::io(dir))? {
         let e = e.map_err(Error::io(dir))?;

@@ -74,3 +74,16 @@ fn the_cards_in_docs_cuda_md_are_the_ones_the_model_prices() {
         assert_eq!(nums, [c.bandwidth_gb_s, c.fp32_tflops, c.bf16_tflops, c.int8_tops, c.pcie_gb_s], "{}", c.name);
     }
 }
+
+/// The head-only copy of a `qwen4_exp` checkpoint loads too: its PLE layer list names no layer.
+#[test]
+fn a_flash_next_checkpoint_has_a_head_only_copy_that_loads() {
+    let base = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("roofline-flash");
+    let _ = std::fs::remove_dir_all(&base);
+    let dir = base.join("tiny-flash-L4");
+    synth(&dir, osprey_bench::synth::TINY_FLASH, 4, 6).expect("synth");
+    let (head_dir, layers) = head_only(&dir, &base.join("head")).expect("head-only copy");
+    assert_eq!(layers, 4);
+    let head = osprey_models::load_on(&head_dir, osprey_backend_cpu::CpuBackend::shared()).expect("the head loads");
+    assert_eq!(head.info().num_layers, 0);
+}
