@@ -151,7 +151,12 @@ impl Counted {
                 }
             }
             if flops != Flops::default() {
-                *c.flops.entry(name.to_string()).or_default() += flops;
+                match c.flops.get_mut(name) {
+                    Some(f) => *f += flops,
+                    None => {
+                        c.flops.insert(name.to_string(), flops);
+                    }
+                }
             }
         });
     }

@@ -239,9 +239,7 @@ impl EmuDevice {
     /// column-major, `op(X)[i, j]` is `X[i + j·ld]`, or `X[j + i·ld]` transposed; products of bf16 values
     /// are exact in f32, summed in `p` order.
     fn gemm_now(&self, g: GemmBf16) {
-        let (rows_a, cols_a) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
-        let (rows_b, cols_b) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
-        let (a, b, c) = (2 * span(rows_a, cols_a, g.a.1), 2 * span(rows_b, cols_b, g.b.1), 4 * span(g.m, g.n, g.c.1));
+        let [a, b, c] = gemm_bytes(&g);
         let c_read = if g.beta == 0.0 { 0 } else { c };
         self.metered(|m| {
             m.touch(
@@ -270,13 +268,13 @@ impl EmuDevice {
     }
 }
 
-/// Elements a column-major `rows × cols` matrix with leading dimension `ld` spans.
-fn span(rows: usize, cols: usize, ld: usize) -> usize {
-    if cols == 0 {
-        0
-    } else {
-        (cols - 1) * ld + rows
-    }
+/// The bytes a GEMM's bf16 `A` and `B` and f32 `C` span in column-major storage with their leading
+/// dimensions (what is bounds-checked when queued and metered when run).
+fn gemm_bytes(g: &GemmBf16) -> [usize; 3] {
+    let span = |rows: usize, cols: usize, ld: usize| if cols == 0 { 0 } else { (cols - 1) * ld + rows };
+    let (rows_a, cols_a) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
+    let (rows_b, cols_b) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
+    [2 * span(rows_a, cols_a, g.a.1), 2 * span(rows_b, cols_b, g.b.1), 4 * span(g.m, g.n, g.c.1)]
 }
 
 impl DeviceLayer for EmuDevice {
@@ -378,11 +376,10 @@ impl DeviceLayer for EmuDevice {
     }
 
     fn gemm_bf16(&self, g: GemmBf16) -> Result<(), DeviceError> {
-        let (rows_a, cols_a) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
-        let (rows_b, cols_b) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
-        self.check(g.a.0, 2 * span(rows_a, cols_a, g.a.1), "a GEMM's A")?;
-        self.check(g.b.0, 2 * span(rows_b, cols_b, g.b.1), "a GEMM's B")?;
-        self.check(g.c.0, 4 * span(g.m, g.n, g.c.1), "a GEMM's C")?;
+        let [a, b, c] = gemm_bytes(&g);
+        self.check(g.a.0, a, "a GEMM's A")?;
+        self.check(g.b.0, b, "a GEMM's B")?;
+        self.check(g.c.0, c, "a GEMM's C")?;
         self.queue(Work::Gemm(g))
     }
 
