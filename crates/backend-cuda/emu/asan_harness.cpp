@@ -154,8 +154,17 @@ int main(int argc, char** argv) {
     std::vector<int32_t> rid(3 * 3);
     auto rw = vals(3 * 3);
     run(route_topk, d1(1), d1(64), logits.data(), rid.data(), rw.data(), 3u, 10u, 3u, 1);
+    // Sampling: a greedy row and a row with every cut, an edit and a grammar mask (`pack`'s layout).
+    auto bits = [](float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; };
+    std::vector<uint32_t> sp(2 * 12, 0);
+    const uint64_t half = 0x3fe0000000000000ull;  // u = 0.5
+    uint32_t row1[12] = {bits(1.0f), 3u, bits(0.9f), bits(0.05f), bits(1.2f), 1u, 24u, 28u, 1u, 1u, (uint32_t)half, (uint32_t)(half >> 32)};
+    std::memcpy(sp.data() + 12, row1, sizeof row1);
+    sp.insert(sp.end(), {4u, 7u, bits(0.5f), bits(1.0f), 0x3ffu});
+    auto sy = vals(2 * 10);
+    std::vector<double> sm(2 * 10);
     std::vector<int32_t> best(3);
-    run(argmax_rows, d1(3), d1(64), logits.data(), best.data(), 3u, 10u);
+    run(sample_rows, d1(2), d1(64), logits.data(), sp.data(), sy.data(), sm.data(), best.data(), 2u, 10u, 0u);
     auto partials = vals(9 * 16), dd = vals(2 * 16), comb = vals(3 * 16);
     std::vector<int32_t> entries = {8, 0};
     run(moe_scatter_rows, d1(1), d1(64), partials.data(), entries.data(), rw.data(), dd.data(), 2u, 16u);

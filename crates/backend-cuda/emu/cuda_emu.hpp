@@ -143,6 +143,11 @@ inline float __uint_as_float(unsigned v) {
     std::memcpy(&f, &v, 4);
     return f;
 }
+inline double __longlong_as_double(long long v) {
+    double d;
+    std::memcpy(&d, &v, 8);
+    return d;
+}
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 template <typename T>

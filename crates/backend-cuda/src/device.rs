@@ -21,6 +21,49 @@ impl DevPtr {
     }
 }
 
+/// A graph built by a device layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphId(pub u64);
+
+/// One operation of a graph, each after the one before.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Node {
+    /// A kernel launch.
+    Kernel {
+        /// The kernel (of `kernels/`).
+        name: String,
+        /// Its grid and block.
+        cfg: LaunchConfig,
+        /// Its arguments.
+        args: Vec<Arg>,
+    },
+    /// Host → device from the graph's staging memory at byte `at`.
+    Upload {
+        /// Where to.
+        dst: DevPtr,
+        /// Offset in the staging memory.
+        at: usize,
+        /// Bytes.
+        len: usize,
+    },
+    /// Device → device.
+    Copy {
+        /// Where to.
+        dst: DevPtr,
+        /// Where from.
+        src: DevPtr,
+        /// Bytes.
+        bytes: usize,
+    },
+    /// Zeroes `bytes` at `dst`.
+    Zero {
+        /// Where.
+        dst: DevPtr,
+        /// Bytes.
+        bytes: usize,
+    },
+}
+
 /// A launch's grid and block dimensions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchConfig {
@@ -206,5 +249,27 @@ pub trait DeviceLayer: Send + Sync + Debug {
     /// made [`crate::EmuDevice::measuring`]; a card does not).
     fn traffic(&self) -> Option<crate::Traffic> {
         None
+    }
+    /// A graph of `nodes`, each after the one before, its uploads reading `staging` (page-locked host
+    /// memory the caller keeps, unchanged while the graph runs): built once, launched many times
+    /// ([`crate::graph`]).
+    fn graph_build(&self, nodes: &[Node], staging: *const u8) -> Result<GraphId, DeviceError> {
+        let _ = (nodes, staging);
+        Err(DeviceError::Unavailable("this device layer builds no graphs".into()))
+    }
+    /// Node `i` of graph `g` is now `node` (its kind and kernel unchanged): its arguments, sizes or
+    /// addresses, updated in place for the next launch.
+    fn graph_update(&self, g: GraphId, i: usize, node: &Node) -> Result<(), DeviceError> {
+        let _ = (g, i, node);
+        Err(DeviceError::Unavailable("this device layer builds no graphs".into()))
+    }
+    /// Launches graph `g` on the compute stream, after the work before it.
+    fn graph_launch(&self, g: GraphId) -> Result<(), DeviceError> {
+        let _ = g;
+        Err(DeviceError::Unavailable("this device layer builds no graphs".into()))
+    }
+    /// Frees graph `g`.
+    fn graph_drop(&self, g: GraphId) {
+        let _ = g;
     }
 }

@@ -3,7 +3,7 @@
 //! one compiled at an earlier start (the disk cache, `kernel_cache`), else the embedded PTX, which the
 //! driver compiles for any newer card; NVRTC at run time only when none of these exists. So a binary
 //! built with NVRTC starts on a machine that has only the NVIDIA driver. Pure, so it is checked without a
-//! GPU; `driver.rs` calls it.
+//! GPU; `driver/mod.rs` calls it.
 
 use std::borrow::Cow;
 

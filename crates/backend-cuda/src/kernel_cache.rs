@@ -1,4 +1,4 @@
-//! The disk cache of compiled kernels (cubins or PTX) between starts (`driver.rs`). A file is written
+//! The disk cache of compiled kernels (cubins or PTX) between starts (`driver/mod.rs`). A file is written
 //! whole or not at all (a temporary file renamed into place), so a start killed mid-write or two
 //! processes compiling at once never leave half a cubin; and each file ends with a checksum of its image,
 //! so one that is cut short or damaged anyway is compiled again instead of being loaded.

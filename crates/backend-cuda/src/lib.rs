@@ -17,7 +17,9 @@
 //! several blocks at once with per-block poisoned shared memory, and queues compute and copies on two
 //! streams ([`emu`]); it meters each launch's global-memory bytes ([`traffic`]), which with each kernel's
 //! declared arithmetic ([`cost`]) is what `osprey bench roofline` prices. With NVRTC at build time the
-//! kernels' images are embedded ([`images`]), so a start needs only the driver.
+//! kernels' images are embedded ([`images`]), so a start needs only the driver. Decode steps run as CUDA
+//! graphs ([`graph`]: recorded once per step shape, replayed with changed nodes updated in place), and
+//! tokens are sampled where the logits are (`kernels/sample.cu`).
 
 mod backend;
 pub mod cost;
@@ -26,6 +28,7 @@ pub mod device;
 #[cfg(feature = "cuda")]
 pub mod driver;
 pub mod emu;
+pub mod graph;
 pub mod images;
 pub mod kernel_cache;
 pub mod kernels;
@@ -40,6 +43,7 @@ pub use backend::{CudaBackend, CudaStorage, BUF_CACHE, SCRATCH_CAP};
 pub use counted::{Counted, DeviceCounts};
 pub use device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
 pub use emu::{CopyOrder, EmuDevice};
+pub use graph::{GraphCounts, Graphed};
 pub use traffic::Traffic;
 
 /// The CUDA backend on device `ordinal` at `precision`: a clear error without the `cuda` feature, a

@@ -26,18 +26,20 @@ pub mod experts;
 #[macro_use]
 mod table;
 mod ops;
+pub mod sampling;
 mod tensor;
 pub mod types;
 
 pub use device::Device;
 pub use experts::{ExpertKey, ExpertPool, ExpertShape, Fence, HostArena, HostExpert, Routing};
 pub use ops::{
-    AttentionOps, Backend, BackendRef, CoreOps, DeviceStats, ExpertOps, Flops, KernelCost, MemoryOps, Op, PagedView,
-    Qwen4Ops, RecurrentOps, RopeTable, Wrapper,
+    AttentionOps, Backend, BackendRef, CoreOps, DeviceStats, ExpertOps, Flops, GraphStats, KernelCost, MemoryOps, Op,
+    PagedView, Qwen4Ops, RecurrentOps, RopeTable, Wrapper,
 };
 
 /// What a backend op returns.
 pub type Result<T> = std::result::Result<T, BackendError>;
+pub use sampling::{LogitEdit, RowSampling};
 pub use tensor::{HostMatrix, Storage, Tensor};
 pub use types::{AttnShape, DType, GdnShape, HostData, HostTensor, HostVec, MRope, Precision, WeightView};
 

@@ -11,6 +11,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::experts::{ExpertPool, ExpertShape, Fence, HostArena, HostExpert, Routing};
+use crate::sampling::RowSampling;
 use crate::types::{AttnShape, DType, GdnShape, HostData, HostTensor, HostVec, MRope};
 use crate::{BackendError, Device, HostMatrix, Result, Tensor};
 
@@ -45,6 +46,22 @@ pub struct DeviceStats {
     /// window closed so far: the bytes the work must move at the least (`None` where the device does not
     /// measure memory traffic: only the emulated device does).
     pub window_bytes: Option<(u64, u64)>,
+    /// Decode steps run as graphs ([`Backend::begin_step`]): built, launched, their nodes, and nodes
+    /// updated in place before a replay.
+    pub graphs: GraphStats,
+}
+
+/// What a backend's graphs did since start ([`DeviceStats::graphs`]; zero where none are built).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Graphs built: a step shape's first step, or a step whose ops changed.
+    pub built: u64,
+    /// Graphs launched.
+    pub launched: u64,
+    /// Nodes of the launched graphs (kernel launches, copies, uploads).
+    pub nodes: u64,
+    /// Nodes updated in place before a replay (a launch's arguments, a copy's size or address).
+    pub updated: u64,
 }
 
 /// Arithmetic by the unit that runs it: FP32 CUDA cores, bf16 tensor cores, int8 (tensor cores or
@@ -218,11 +235,14 @@ seam! {
 
     /// Core tensor ops: matmuls, embeddings, element-wise ops, norms and rotary positions.
     trait CoreOps: MemoryOps {
-        /// `argmax_rows` (greedy sampling where the logits are).
-        op Argmax {
-            /// Each row's index of its maximum, the first on ties (`torch.argmax`'s rule; NaN never
-            /// wins) → `[rows]` i32: a greedy step reads back one id per sequence, not its logits.
-            fn argmax_rows(&self, x: &Tensor) -> Result<Tensor>;
+        /// `sample_rows` (sampling where the logits are).
+        op Sample {
+            /// One token per row of the `logits` tensors (`[rows, vocab]` f32 each, their rows in order)
+            /// drawn under that row's settings in `rows` ([`crate::sampling`]: penalties, bias, the
+            /// grammar's mask, temperature, top-k/top-p/min-p, the row's uniform number) → `[rows]` i32:
+            /// a decode step reads back one id per sequence, not its logits. The tensors may be the
+            /// sequences' separate head outputs; their ids land in one tensor, one download.
+            fn sample_rows(&self, logits: &[&Tensor], rows: &[&RowSampling]) -> Result<Tensor>;
         }
 
         /// `linear` (and `linear_pair`) over f32 / bf16 / f16 weights.

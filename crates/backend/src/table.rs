@@ -88,6 +88,19 @@ macro_rules! seam {
             fn health(&self) -> Result<()> {
                 Ok(())
             }
+
+            /// The work from here to the next host wait (or [`Backend::end_step`]) is a decode step of
+            /// shape `key` (its sequences' count): a backend that replays graphs records such a step the
+            /// first time and replays it after ([`DeviceStats::graphs`]); the results are the same.
+            fn begin_step(&self, key: u64) -> Result<()> {
+                let _ = key;
+                Ok(())
+            }
+
+            /// Ends the step [`Backend::begin_step`] began: its graph, if one is pending, runs.
+            fn end_step(&self) -> Result<()> {
+                Ok(())
+            }
         }
 
         /// An op group of the set, for [`Backend::supports`]: a backend in progress (a device backend
@@ -155,6 +168,16 @@ macro_rules! seam {
                 self.inner().health()
             }
 
+            /// [`Backend::begin_step`].
+            fn begin_step(&self, key: u64) -> Result<()> {
+                self.inner().begin_step(key)
+            }
+
+            /// [`Backend::end_step`].
+            fn end_step(&self) -> Result<()> {
+                self.inner().end_step()
+            }
+
             $($($(
                 seam_unless_derived! { [$($($kind)?)?]
                     $(#[$fm])*
@@ -193,6 +216,12 @@ macro_rules! seam {
             }
             fn health(&self) -> Result<()> {
                 <W as Wrapper>::health(self)
+            }
+            fn begin_step(&self, key: u64) -> Result<()> {
+                <W as Wrapper>::begin_step(self, key)
+            }
+            fn end_step(&self) -> Result<()> {
+                <W as Wrapper>::end_step(self)
             }
         }
     };

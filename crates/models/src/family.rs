@@ -6,7 +6,7 @@
 
 use std::fmt::Debug;
 
-use osprey_backend::{BackendRef, Tensor};
+use osprey_backend::{BackendRef, RowSampling, Tensor};
 use osprey_protocol::runner::ExpertSlots;
 
 use crate::error::Result;
@@ -27,18 +27,18 @@ pub enum Positions<'a> {
 }
 
 /// Which logits a sequence wants back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogitsWanted {
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LogitsWanted<'a> {
     /// None (a prefill chunk that does not end the prompt).
     None,
     /// The last token's.
     Last,
     /// Every new token's (teacher forcing, prompt logprobs).
     All,
-    /// The last token's greedy id, taken where the logits are (`argmax_rows`): on a device one id comes
-    /// back instead of the vocabulary's logits ([`ForwardOutput::argmax`]). For greedy sampling with no
-    /// penalty, bias, grammar or logprobs, where the id is all the sampler would use.
-    Argmax,
+    /// The last token's sampled id, drawn where the logits are under these settings
+    /// ([`osprey_backend::CoreOps::sample_rows`]): on a device one id comes back instead of the vocabulary's
+    /// logits ([`ForwardOutput::sampled`]), the ids of every such sequence of the batch in one download.
+    Sample(&'a RowSampling),
 }
 
 /// Embedding rows that replace the token embeddings of a span of the chunk (vision rows).
@@ -60,7 +60,7 @@ pub struct SeqInput<'a> {
     /// Rows that replace token embeddings.
     pub injected: &'a [InjectedRows<'a>],
     /// Logits to return.
-    pub logits: LogitsWanted,
+    pub logits: LogitsWanted<'a>,
 }
 
 impl<'a> SeqInput<'a> {
@@ -100,10 +100,10 @@ pub struct ForwardOptions<'a> {
 /// Results of a forward.
 #[derive(Clone, Debug, Default)]
 pub struct ForwardOutput {
-    /// Per sequence: `[vocab]` (Last), `[n, vocab]` (All) or empty (None, Argmax).
+    /// Per sequence: `[vocab]` (Last), `[n, vocab]` (All) or empty (None, Sample).
     pub logits: Vec<Vec<f32>>,
-    /// Per sequence: its greedy id with `Argmax`, else `None`.
-    pub argmax: Vec<Option<u32>>,
+    /// Per sequence: its drawn id with `Sample`, else `None`.
+    pub sampled: Vec<Option<u32>>,
     /// With `capture_hidden`: transformers' `hidden_states` for the whole batch `[T, hidden]`: the input
     /// embeddings, the output of every layer but the last, then the final normed output.
     pub hidden: Vec<Vec<f32>>,

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use osprey_models::backend::DType;
+use osprey_models::backend::{DType, RowSampling};
 use osprey_models::vision::{rows_in_chunk, MediaSpan};
 use osprey_models::{
     ForwardOptions, KvPool, LogitsWanted, Model, PageGeometry, PageRef, Positions, SeqInput, SeqStep, StateSnapshot,
@@ -22,7 +22,7 @@ use osprey_protocol::tokenizer::{PreparedMedia, PreparedPrompt};
 use osprey_protocol::{ErrorCode, RequestError, SeqId};
 
 use crate::error::{engine_error, grammar_error, model_error, reserve_error};
-use crate::sampler::{plain_greedy, sample, Rng};
+use crate::sampler::{device_can_draw, row_settings, sample, uniform_for, Rng};
 use crate::seq::{chunk_positions, grammar_mask, MediaRows, SeqRec};
 use crate::speculative::{self, feed_head, DraftOverride};
 use osprey_protocol::runner::{SpecCounters, MAX_SPECULATIVE_TOKENS};
@@ -347,8 +347,8 @@ impl Driver {
         let verify_tokens = self.drafts(&mut ok, &mut out);
         let ends: Vec<usize> =
             ok.iter().zip(&verify_tokens).map(|((w, _), v)| v.as_ref().map_or(w.end, |v| w.start + v.len())).collect();
-        let (logits, argmax, hidden) = match self.forward(&mut ok, &verify_tokens, &ends) {
-            Ok(o) => (o.logits, o.argmax, o.last_hidden),
+        let (logits, sampled, hidden) = match self.forward(&mut ok, &verify_tokens, &ends) {
+            Ok(o) => (o.logits, o.sampled, o.last_hidden),
             Err(e) => {
                 let e = model_error(e);
                 out.extend(ok.into_iter().map(|(w, _)| (w.seq, Err(e.clone()))));
@@ -356,12 +356,12 @@ impl Driver {
             }
         };
         let mut row0 = 0;
-        let items = ok.into_iter().zip(logits.into_iter().zip(argmax)).zip(verify_tokens.into_iter().zip(ends));
-        for (((w, rec), (logits, greedy)), (v, end)) in items {
+        let items = ok.into_iter().zip(logits.into_iter().zip(sampled)).zip(verify_tokens.into_iter().zip(ends));
+        for (((w, rec), (logits, drawn)), (v, end)) in items {
             let rows_of_item = row0;
             row0 += end - w.start;
             let seq = w.seq;
-            let head = (&logits[..], greedy);
+            let head = (&logits[..], drawn);
             out.push((seq, self.finish(w, rec, head, v, hidden.as_ref().map(|h| (h, rows_of_item)))));
         }
         out
@@ -462,24 +462,58 @@ impl Driver {
         let positions: Vec<Option<Vec<[i64; 3]>>> =
             ok.iter().zip(ends).map(|((w, rec), &e)| chunk_positions(&rec.prompt, w.start, e)).collect();
         let verify: Vec<bool> = verify_tokens.iter().map(Option::is_some).collect();
-        // A greedy step with nothing but the argmax to compute takes it where the logits are: on a device
-        // one id per sequence comes back instead of its logits.
-        let on_device = self.model.backend().device() != osprey_models::backend::Device::Cpu;
+        let draws = self.device_draws(ok, verify_tokens);
         let mut steps: Vec<SeqStep<'_, '_>> = Vec::with_capacity(ok.len());
-        for ((((w, rec), inj), pos), v) in ok.iter_mut().zip(&injected).zip(&positions).zip(verify_tokens) {
+        for (((((w, rec), inj), pos), v), d) in
+            ok.iter_mut().zip(&injected).zip(&positions).zip(verify_tokens).zip(&draws)
+        {
             let positions = pos.as_deref().map_or(Positions::Text, Positions::Explicit);
-            let (tokens, logits) = match v {
-                Some(v) => (&v[..], LogitsWanted::All),
-                None if w.sample && on_device && plain_greedy(&rec.sampling) => {
-                    (&rec.tokens[w.start..w.end], LogitsWanted::Argmax)
-                }
-                None if w.sample => (&rec.tokens[w.start..w.end], LogitsWanted::Last),
-                None => (&rec.tokens[w.start..w.end], LogitsWanted::None),
+            let (tokens, logits) = match (v, d) {
+                (Some(v), _) => (&v[..], LogitsWanted::All),
+                (None, Some(d)) => (&rec.tokens[w.start..w.end], LogitsWanted::Sample(d)),
+                (None, None) if w.sample => (&rec.tokens[w.start..w.end], LogitsWanted::Last),
+                (None, None) => (&rec.tokens[w.start..w.end], LogitsWanted::None),
             };
             steps.push(SeqStep { state: &mut rec.state, input: SeqInput { tokens, positions, injected: inj, logits } });
         }
         let opts = ForwardOptions { keep_hidden: self.spec > 0, verify: &verify, ..ForwardOptions::default() };
-        self.model.forward_with(&mut steps, &opts)
+        // A step of one new token per sequence, text only, is a decode step: a device that replays graphs
+        // records its first and replays those after, keyed by the sequences' count.
+        let decode =
+            steps.iter().all(|s| s.input.tokens.len() == 1 && s.input.injected.is_empty()) && verify.iter().all(|v| !v);
+        let b = self.model.backend().clone();
+        if decode {
+            b.begin_step(steps.len() as u64)?;
+        }
+        let out = self.model.forward_with(&mut steps, &opts);
+        if decode {
+            // After a failed forward the step's recorded work still runs (it only reads and writes this
+            // step's buffers); the forward's error is the one reported.
+            let ended = b.end_step();
+            return out.and_then(|o| ended.map(|()| o).map_err(Into::into));
+        }
+        out
+    }
+
+    /// Per item, the settings of a draw the device makes where the logits are (one id per sequence comes
+    /// back instead of its logits): on a device, for a sampling item that is not verifying drafts and
+    /// wants no logprobs. The grammar's mask is taken now and the draw's number drawn now, as the host
+    /// sampler would after the forward; a mask that fails leaves the item to the host, which reports it.
+    fn device_draws(&self, ok: &mut [(Work, SeqRec)], verify_tokens: &[Option<Vec<u32>>]) -> Vec<Option<RowSampling>> {
+        let on_device = self.model.backend().device() != osprey_models::backend::Device::Cpu;
+        ok.iter_mut()
+            .zip(verify_tokens)
+            .map(|((w, rec), v)| {
+                if !on_device || !w.sample || v.is_some() || !device_can_draw(&rec.sampling) {
+                    return None;
+                }
+                let allowed = grammar_mask(rec).ok()?;
+                let plen = rec.prompt.input_ids.len();
+                let uniform = uniform_for(&rec.sampling, &mut rec.rng);
+                let allowed = allowed.then_some(&rec.allowed[..]);
+                Some(row_settings(&rec.sampling, rec.tokens.split_at(plen), allowed, uniform))
+            })
+            .collect()
     }
 
     /// Finish one item: accept its verified drafts, or feed the draft head, snapshot and sample; the
@@ -489,7 +523,7 @@ impl Driver {
         &mut self,
         w: Work,
         mut rec: SeqRec,
-        (logits, greedy): (&[f32], Option<u32>),
+        (logits, drawn): (&[f32], Option<u32>),
         verify: Option<Vec<u32>>,
         hidden: Option<(&osprey_models::backend::Tensor, usize)>,
     ) -> Result<Done, RequestError> {
@@ -517,12 +551,11 @@ impl Driver {
             }
         }
         if w.sample {
-            let plen = rec.prompt.input_ids.len();
-            let allowed = grammar_mask(&mut rec)?;
-            let (prompt, output) = rec.tokens.split_at(plen);
-            let (token, logprobs) = match greedy {
+            let (token, logprobs) = match drawn {
                 Some(token) => (token, None),
                 None => {
+                    let allowed = grammar_mask(&mut rec)?;
+                    let (prompt, output) = rec.tokens.split_at(rec.prompt.input_ids.len());
                     sample(logits, &rec.sampling, prompt, output, &mut rec.rng, allowed.then_some(&rec.allowed[..]))
                 }
             };

@@ -1,11 +1,14 @@
 //! Sampling: penalties, temperature, top-k, top-p, min-p, seeded randomness, logprobs.
 //!
-//! Order (as vLLM): repetition penalty over prompt + output tokens, presence/frequency penalties over output
-//! tokens, then temperature (0 = greedy), top-k, top-p, min-p, and a draw. Reported logprobs are the
-//! log-softmax of the model's raw logits (vLLM's default `raw_logprobs`), so they do not depend on the
-//! sampling settings.
+//! The rule is `osprey_backend::sampling`'s, the one a device's `sample_rows` follows (order as vLLM:
+//! repetition penalty over prompt + output tokens, presence/frequency penalties over output tokens, the
+//! bias, then temperature (0 = greedy), top-k, top-p, min-p, and a draw); this module turns a request's
+//! settings into a row's ([`row_settings`]) and draws on the host. A draw takes one number from the
+//! request's generator, on the host or the device alike, so a seeded request draws the same stream
+//! wherever it samples. Reported logprobs are the log-softmax of the model's raw logits (vLLM's default
+//! `raw_logprobs`), so they do not depend on the sampling settings.
 
-use std::collections::HashMap;
+use osprey_models::backend::sampling::{self as rule, RowSampling};
 
 use osprey_protocol::runner::TokenLogprobs;
 use osprey_protocol::scheduler::SamplingParams;
@@ -36,16 +39,40 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|l| l - lse).collect()
 }
 
-/// Whether sampling with `p` is the logits' argmax and nothing else: greedy, with no penalty, bias,
-/// grammar or logprobs (the model may then take the argmax where the logits are).
-pub(crate) fn plain_greedy(p: &SamplingParams) -> bool {
-    p.temperature <= 0.0
-        && p.repetition_penalty == 1.0
-        && p.presence_penalty == 0.0
-        && p.frequency_penalty == 0.0
-        && p.logit_bias.is_empty()
-        && p.logprobs.is_none()
-        && p.constraint.is_none()
+/// Whether a device can draw for `p` where the logits are (one id back instead of the logits): always,
+/// but when the request wants logprobs, which the host computes from the logits.
+pub(crate) fn device_can_draw(p: &SamplingParams) -> bool {
+    p.logprobs.is_none()
+}
+
+/// A request's settings for the next token as the rule takes them: its penalties as edits over `prompt`
+/// and `output`, the grammar's mask, and the draw `uniform` (in [0, 1); unused when greedy).
+pub(crate) fn row_settings(
+    p: &SamplingParams,
+    (prompt, output): (&[u32], &[u32]),
+    allowed: Option<&[u32]>,
+    uniform: f64,
+) -> RowSampling {
+    let penalties = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty);
+    RowSampling {
+        temperature: p.temperature,
+        top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
+        top_p: p.top_p,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        edits: rule::edits(prompt.iter().chain(output).copied(), output, penalties, &p.logit_bias),
+        allowed: allowed.map(<[u32]>::to_vec),
+        uniform,
+    }
+}
+
+/// The draw's uniform number for `p`: one from the generator when sampling, none when greedy.
+pub(crate) fn uniform_for(p: &SamplingParams, rng: &mut Rng) -> f64 {
+    if p.temperature > 0.0 {
+        rng.uniform()
+    } else {
+        0.0
+    }
 }
 
 pub(crate) fn argmax(v: &[f32]) -> usize {
@@ -69,9 +96,9 @@ pub fn sample(
     rng: &mut Rng,
     allowed: Option<&[u32]>,
 ) -> (u32, Option<TokenLogprobs>) {
-    let l = processed(logits, p, prompt, output, allowed);
-    let token = if p.temperature <= 0.0 { argmax(&l) } else { draw(&l, p, rng) };
-    (token as u32, logprobs(logits, p, token))
+    let s = row_settings(p, (prompt, output), allowed, uniform_for(p, rng));
+    let token = rule::sample_row(logits, &s);
+    (token, logprobs(logits, p, token as usize))
 }
 
 /// Verifies a drafted token against the model's logits at its position (speculative decoding): the
@@ -90,11 +117,12 @@ pub fn verify(
     allowed: Option<&[u32]>,
     draft: u32,
 ) -> (u32, bool, Option<TokenLogprobs>) {
-    let l = processed(logits, p, prompt, output, allowed);
+    let s = row_settings(p, (prompt, output), allowed, 0.0);
+    let l = rule::processed(logits, &s);
     let token = if p.temperature <= 0.0 {
-        argmax(&l)
+        rule::first_max(&l)
     } else {
-        let (cand, probs) = distribution(&l, p);
+        let (cand, probs) = rule::distribution(&l, &s);
         let total: f64 = probs.iter().sum();
         let pd = cand.iter().zip(&probs).find(|(&c, _)| c == draft as usize).map_or(0.0, |(_, &q)| q / total);
         if rng.uniform() < pd {
@@ -106,7 +134,7 @@ pub fn verify(
             if cand.is_empty() {
                 draft as usize
             } else {
-                pick(&cand, &probs, rng)
+                rule::pick(&cand, &probs, rng.uniform())
             }
         }
     };
@@ -120,95 +148,6 @@ fn logprobs(logits: &[f32], p: &SamplingParams, token: usize) -> Option<TokenLog
     let mut idx: Vec<usize> = (0..lp.len()).collect();
     idx.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
     Some(TokenLogprobs { logprob: lp[token], top: idx[..n].iter().map(|&i| (i as u32, lp[i])).collect() })
-}
-
-/// The logits after the grammar mask and the penalties.
-fn processed(logits: &[f32], p: &SamplingParams, prompt: &[u32], output: &[u32], allowed: Option<&[u32]>) -> Vec<f32> {
-    let mut l = logits.to_vec();
-    if let Some(bits) = allowed {
-        for (t, x) in l.iter_mut().enumerate() {
-            if bits.get(t / 32).is_none_or(|w| w >> (t % 32) & 1 == 0) {
-                *x = f32::NEG_INFINITY;
-            }
-        }
-    }
-    if p.repetition_penalty != 1.0 {
-        let mut seen: Vec<u32> = prompt.iter().chain(output).copied().collect();
-        seen.sort_unstable();
-        seen.dedup();
-        for t in seen {
-            let x = &mut l[t as usize];
-            *x = if *x > 0.0 { *x / p.repetition_penalty } else { *x * p.repetition_penalty };
-        }
-    }
-    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-        let mut counts: HashMap<u32, usize> = HashMap::new();
-        for &t in output {
-            *counts.entry(t).or_default() += 1;
-        }
-        for (t, c) in counts {
-            l[t as usize] -= p.presence_penalty + p.frequency_penalty * c as f32;
-        }
-    }
-    // After the grammar mask: a biased token the grammar forbids stays impossible (-inf + b).
-    for &(t, b) in &p.logit_bias {
-        if let Some(x) = l.get_mut(t as usize) {
-            *x += b;
-        }
-    }
-    l
-}
-
-fn draw(l: &[f32], p: &SamplingParams, rng: &mut Rng) -> usize {
-    let (cand, probs) = distribution(l, p);
-    pick(&cand, &probs, rng)
-}
-
-/// The tokens that can be drawn and their probabilities (normalised before the top-p and min-p cuts,
-/// so they may sum to less than 1), best first: temperature, top-k, top-p, min-p.
-fn distribution(l: &[f32], p: &SamplingParams) -> (Vec<usize>, Vec<f64>) {
-    let mut cand: Vec<(usize, f32)> = l.iter().enumerate().map(|(i, x)| (i, x / p.temperature)).collect();
-    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    if p.top_k > 0 {
-        cand.truncate(p.top_k);
-    }
-    let max = cand[0].1;
-    let mut probs: Vec<f64> = cand.iter().map(|(_, x)| ((x - max) as f64).exp()).collect();
-    let sum: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|x| *x /= sum);
-    if p.top_p < 1.0 {
-        let mut acc = 0.0;
-        let mut keep = probs.len();
-        for (i, q) in probs.iter().enumerate() {
-            acc += q;
-            if acc >= p.top_p as f64 {
-                keep = i + 1;
-                break;
-            }
-        }
-        probs.truncate(keep);
-        cand.truncate(keep);
-    }
-    if p.min_p > 0.0 {
-        let floor = probs[0] * p.min_p as f64;
-        let keep = probs.iter().take_while(|&&q| q >= floor).count().max(1);
-        probs.truncate(keep);
-        cand.truncate(keep);
-    }
-    (cand.into_iter().map(|(i, _)| i).collect(), probs)
-}
-
-/// One draw from `probs` (they need not sum to 1).
-fn pick(cand: &[usize], probs: &[f64], rng: &mut Rng) -> usize {
-    let total: f64 = probs.iter().sum();
-    let mut u = rng.uniform() * total;
-    for (i, q) in probs.iter().enumerate() {
-        if u < *q {
-            return cand[i];
-        }
-        u -= q;
-    }
-    cand[cand.len() - 1]
 }
 
 #[cfg(test)]
@@ -257,8 +196,8 @@ mod tests {
     fn verification_keeps_the_sampling_distribution_for_any_draft() {
         let logits = [1.2f32, 0.3, -0.5, 2.0, 0.9, -2.5];
         let p = SamplingParams { temperature: 0.9, top_k: 5, ..SamplingParams::default() };
-        let l = processed(&logits, &p, &[], &[], None);
-        let (cand, probs) = distribution(&l, &p);
+        let s = row_settings(&p, (&[], &[]), None, 0.0);
+        let (cand, probs) = rule::distribution(&rule::processed(&logits, &s), &s);
         let total: f64 = probs.iter().sum();
         let n = 60_000;
         for draft in 0..logits.len() as u32 {

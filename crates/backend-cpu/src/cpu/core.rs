@@ -4,21 +4,10 @@
 use super::*;
 
 impl CoreOps for CpuBackend {
-    fn argmax_rows(&self, x: &Tensor) -> Result<Tensor> {
-        let c = x.cols().max(1);
-        let ids: Vec<i32> = host(x)
-            .chunks(c)
-            .map(|row| {
-                // The first index of the maximum; NaN never wins (it compares false).
-                let mut best: Option<usize> = None;
-                for (i, v) in row.iter().enumerate() {
-                    if !v.is_nan() && best.is_none_or(|b| *v > row[b]) {
-                        best = Some(i);
-                    }
-                }
-                best.unwrap_or(0) as i32
-            })
-            .collect();
+    fn sample_rows(&self, logits: &[&Tensor], rows: &[&RowSampling]) -> Result<Tensor> {
+        sampling::check_rows(logits, rows)?;
+        let each = logits.iter().flat_map(|t| host(t).chunks(t.cols().max(1)).take(t.rows()));
+        let ids: Vec<i32> = each.zip(rows).map(|(row, s)| sampling::sample_row(row, s) as i32).collect();
         self.upload(HostData::I32(&ids), &[ids.len()])
     }
 

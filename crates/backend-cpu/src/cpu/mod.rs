@@ -19,10 +19,11 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use osprey_backend::sampling;
 use osprey_backend::{
     AttentionOps, AttnShape, Backend, BackendError, BackendRef, CoreOps, DType, Device, ExpertOps, ExpertShape, Fence,
     GdnShape, HostArena, HostData, HostMatrix, HostVec, MRope, MemoryOps, Op, PagedView, Precision, Qwen4Ops,
-    RecurrentOps, Result, RopeTable, Routing, Storage, Tensor,
+    RecurrentOps, Result, RopeTable, Routing, RowSampling, Storage, Tensor,
 };
 use osprey_kernels::attention::{bidirectional_attention, causal_attention_paged, PagedKv};
 use osprey_kernels::attention_bf16::bidirectional_attention_fast;

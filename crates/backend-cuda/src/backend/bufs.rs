@@ -79,7 +79,12 @@ impl BufCache {
         {
             let mut f = self.lock();
             if f.1 + bytes <= self.cap && !self.dev.faulted() {
-                f.0.entry(bytes).or_default().push(ptr);
+                // Kept by address, the lowest taken first: a step that takes and gives its buffers in the
+                // same order as the step before gets the same addresses (a graph replays it with no node
+                // updated for an address), whatever order the buffers came back in before it.
+                let same = f.0.entry(bytes).or_default();
+                let at = same.partition_point(|p| p.0 > ptr.0);
+                same.insert(at, ptr);
                 f.1 += bytes;
                 return;
             }

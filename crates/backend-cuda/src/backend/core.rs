@@ -2,7 +2,9 @@
 //! `norm.cu`, `rope.cu`, and `memory.cu`'s embedding gather. Rotary tables are computed where the
 //! positions are (the host) and uploaded once per forward, as on the CPU.
 
-use osprey_backend::{BackendError, CoreOps, DType, HostData, MRope, MemoryOps, Result, RopeTable, Tensor};
+use osprey_backend::{
+    BackendError, CoreOps, DType, HostData, MRope, MemoryOps, Result, RopeTable, RowSampling, Tensor,
+};
 
 use super::{ptr, u32_of, CudaBackend, CudaStorage};
 use crate::device::{DevPtr, DeviceError, DeviceLayer as _, GemmBf16, LaunchConfig};
@@ -133,12 +135,8 @@ impl CudaBackend {
 }
 
 impl CoreOps for CudaBackend {
-    fn argmax_rows(&self, x: &Tensor) -> Result<Tensor> {
-        let (rows, cols) = (x.rows(), x.cols());
-        let out = self.empty(DType::I32, &[rows])?;
-        let call = launch::argmax_rows(ptr(x), ptr(&out), u32_of(rows), u32_of(cols));
-        self.try_run(call, LaunchConfig::per_group(rows, 256))?;
-        Ok(out)
+    fn sample_rows(&self, logits: &[&Tensor], rows: &[&RowSampling]) -> Result<Tensor> {
+        self.sample(logits, rows)
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {

@@ -13,6 +13,7 @@ mod experts;
 mod memory;
 mod qwen4;
 mod recurrent;
+mod sample;
 
 use std::sync::Arc;
 
@@ -20,6 +21,7 @@ use osprey_backend::{Backend, BackendError, DType, Device, DeviceStats, Op, Resu
 
 use crate::counted::{Counted, DeviceCounts};
 use crate::device::{DevPtr, DeviceError, DeviceInfo, DeviceLayer, LaunchConfig};
+use crate::graph::Graphed;
 use crate::launch::Call;
 pub use bufs::BUF_CACHE;
 use bufs::{Buf, BufCache};
@@ -73,6 +75,8 @@ impl Storage for CudaStorage {
 pub struct CudaBackend {
     /// The device, every call counted, its first fault kept.
     dev: Arc<Counted>,
+    /// Decode steps as CUDA graphs, under the counters ([`crate::graph`]).
+    graphs: Arc<Graphed>,
     /// Tensors' buffers, recycled.
     bufs: Arc<BufCache>,
     device: Device,
@@ -118,8 +122,12 @@ impl CudaBackend {
     /// ([`CudaBackend::counts`]).
     pub fn new(dev: Arc<dyn DeviceLayer>, device: Device) -> Self {
         let info = dev.info();
-        let dev = Arc::new(Counted::new(dev));
+        // Graphs unless `OSPREY_CUDA_GRAPHS=0` (or `off`): the same results, eagerly launched.
+        let on = std::env::var("OSPREY_CUDA_GRAPHS").map_or(true, |v| v != "0" && v != "off");
+        let graphs = Arc::new(Graphed::new(dev, on));
+        let dev = Arc::new(Counted::new(graphs.clone()));
         CudaBackend {
+            graphs,
             bufs: Arc::new(BufCache::new(dev.clone(), BUF_CACHE)),
             dev,
             device,
@@ -166,6 +174,23 @@ impl CudaBackend {
     pub fn with_precision(mut self, precision: osprey_backend::Precision) -> Self {
         self.precision = precision;
         self
+    }
+
+    /// The backend with decode steps as CUDA graphs or not (default: on unless `OSPREY_CUDA_GRAPHS=0`).
+    pub fn with_graphs(self, on: bool) -> Self {
+        self.graphs.set_enabled(on);
+        self
+    }
+
+    /// What graphs did since start.
+    pub fn graph_counts(&self) -> crate::GraphCounts {
+        self.graphs.counts()
+    }
+
+    /// A graph's launch or build that failed is the device's sticky fault, as a kernel's would be.
+    fn graph_fault(&self, e: DeviceError) -> BackendError {
+        self.dev.fail("a step's graph", &e);
+        self.dev.fault().unwrap_or_else(|| seam_error(e))
     }
 
     /// The backend with at most `bytes` of tensors' buffers kept for reuse (default [`BUF_CACHE`]; 0: every
@@ -275,7 +300,19 @@ impl Backend for CudaBackend {
             frees: c.frees,
             costs,
             window_bytes: traffic.map(|t| t.windows),
+            graphs: {
+                let g = self.graphs.counts();
+                osprey_backend::GraphStats { built: g.built, launched: g.launched, nodes: g.nodes, updated: g.updated }
+            },
         }
+    }
+
+    fn begin_step(&self, key: u64) -> Result<()> {
+        self.graphs.begin(key).map_err(|e| self.graph_fault(e))
+    }
+
+    fn end_step(&self) -> Result<()> {
+        self.graphs.end().map_err(|e| self.graph_fault(e))
     }
 
     fn supports(&self, _op: Op) -> bool {

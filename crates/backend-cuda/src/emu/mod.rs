@@ -18,7 +18,7 @@ mod stream;
 pub use stream::CopyOrder;
 use stream::{CopyItem, Streams, Work, MAX_QUEUED, MAX_STAGED};
 
-use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
+use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, GraphId, LaunchConfig, Node};
 use crate::traffic::{Meter, Traffic};
 
 thread_local! {
@@ -59,6 +59,8 @@ pub struct EmuDevice {
     allocations: AtomicU64,
     /// The meter of global-memory traffic ([`EmuDevice::measuring`]).
     meter: Option<Mutex<Meter>>,
+    /// Built graphs: their nodes and staging memory (an address), by id.
+    graphs: Mutex<BTreeMap<u64, (Vec<Node>, usize)>>,
 }
 
 impl EmuDevice {
@@ -76,6 +78,7 @@ impl EmuDevice {
             launches: AtomicU64::new(0),
             allocations: AtomicU64::new(0),
             meter: None,
+            graphs: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -176,6 +179,13 @@ impl EmuDevice {
                 self.metered(|m| m.touch("memcpy", &[(src.0, len, false), (dst.0, len, true)]));
                 // SAFETY: both ranges checked inside live allocations when queued; `copy` allows overlap.
                 unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, len) };
+                Ok(())
+            }
+            Work::Stage { dst, src, len } => {
+                // SAFETY: `dst` checked inside a live allocation when queued; `src` is the graph's staging
+                // memory, which its owner keeps unchanged until the graph has run (read now, as a GPU's
+                // copy node reads it when it runs).
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.0 as *mut u8, len) };
                 Ok(())
             }
             Work::Zero { dst, len } => {
@@ -429,5 +439,47 @@ impl DeviceLayer for EmuDevice {
 
     fn traffic(&self) -> Option<Traffic> {
         self.metered(|m| m.totals())
+    }
+
+    fn graph_build(&self, nodes: &[Node], staging: *const u8) -> Result<GraphId, DeviceError> {
+        let id = self.next_id();
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).insert(id, (nodes.to_vec(), staging as usize));
+        Ok(GraphId(id))
+    }
+
+    fn graph_update(&self, g: GraphId, i: usize, node: &Node) -> Result<(), DeviceError> {
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = graphs.get_mut(&g.0).and_then(|(nodes, _)| nodes.get_mut(i));
+        let slot = slot.ok_or_else(|| DeviceError::Bounds(format!("node {i} of graph {}", g.0)))?;
+        *slot = node.clone();
+        Ok(())
+    }
+
+    /// Queues the graph's nodes as the same launches, copies and writes issued one by one would be (the
+    /// uploads read the staging memory when they run).
+    fn graph_launch(&self, g: GraphId) -> Result<(), DeviceError> {
+        let (nodes, staging) = self
+            .graphs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&g.0)
+            .cloned()
+            .ok_or_else(|| DeviceError::Bounds(format!("graph {} launched after it was dropped", g.0)))?;
+        for n in &nodes {
+            match n {
+                Node::Kernel { name, cfg, args } => self.launch(name, *cfg, args)?,
+                Node::Upload { dst, at, len } => {
+                    self.check(*dst, *len, "a graph's upload")?;
+                    self.queue(Work::Stage { dst: *dst, src: staging + at, len: *len })?;
+                }
+                Node::Copy { dst, src, bytes } => self.copy(*dst, *src, *bytes)?,
+                Node::Zero { dst, bytes } => self.zero(*dst, *bytes)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn graph_drop(&self, g: GraphId) {
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).remove(&g.0);
     }
 }

@@ -40,6 +40,12 @@ pub(super) enum Work {
         src: DevPtr,
         len: usize,
     },
+    /// A graph's upload: from its staging memory (an address), read when it runs.
+    Stage {
+        dst: DevPtr,
+        src: usize,
+        len: usize,
+    },
     Zero {
         dst: DevPtr,
         len: usize,

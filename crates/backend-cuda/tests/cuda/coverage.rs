@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use osprey_backend::Op;
 
-use crate::{ops, sequence};
+use crate::{ops, sample, sequence};
 
 /// The tests that check `op` on the CUDA backend against the CPU backend.
 fn parity_cases(op: Op) -> &'static [fn()] {
@@ -31,7 +31,11 @@ fn parity_cases(op: Op) -> &'static [fn()] {
         Op::AttentionBidirectional => &[sequence::bidirectional_attention_matches_the_vision_shapes],
         Op::GatedDeltaNet => &[sequence::gated_deltanet_decodes_to_the_bit_and_prefills_within_the_chunked_bound],
         Op::Router => &[ops::embeddings_memory_ops_rotary_and_the_router_match],
-        Op::Argmax => &[ops::argmax_matches_the_cpu_on_ties_nan_and_wide_rows],
+        Op::Sample => &[
+            sample::greedy_rows_take_the_first_maximum_on_ties_nan_and_wide_rows,
+            sample::draws_match_the_host_sampler_away_from_rounding,
+            sample::exact_boundaries_fall_as_on_the_host,
+        ],
         Op::ExpertSlots => &[
             sequence::routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wave,
             sequence::routed_experts_from_device_ids_match_the_host_routed_ones,

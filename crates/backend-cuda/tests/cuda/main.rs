@@ -8,5 +8,6 @@ mod emulator;
 #[cfg(feature = "cuda")]
 mod nvrtc;
 mod ops;
+mod sample;
 mod sequence;
 mod traffic;

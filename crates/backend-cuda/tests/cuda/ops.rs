@@ -232,34 +232,6 @@ pub(crate) fn embeddings_memory_ops_rotary_and_the_router_match() {
     }
 }
 
-/// Greedy sampling on the device (issue 51): the first index of each row's maximum, exactly the CPU's,
-/// on ties, NaN entries, a row of NaN, one column, and rows wider than a block.
-#[test]
-pub(crate) fn argmax_matches_the_cpu_on_ties_nan_and_wide_rows() {
-    let (cpu, gpu) = backends();
-    for cols in [1usize, 7, 300, 5000] {
-        let rows = 6;
-        let mut v = data(950 + cols as u64, rows * cols);
-        if cols > 1 {
-            let max = v[..cols].iter().fold(f32::MIN, |m, x| m.max(*x)) + 1.0;
-            (v[cols - 1], v[cols / 2]) = (max, max); // a tie: the lower index wins
-            v[cols] = f32::NAN; // NaN never wins
-            v[2 * cols..3 * cols].iter_mut().for_each(|x| *x = f32::NAN);
-            v[3 * cols..4 * cols].iter_mut().for_each(|x| *x = 0.5); // all equal: index 0
-        }
-        let (c, g) = both(&cpu, &gpu, &v, &[rows, cols]);
-        let ids = |b: &BackendRef, t: &Tensor| match b.download(&b.argmax_rows(t).expect("argmax")).expect("ids") {
-            osprey_backend::HostVec::I32(v) => v,
-            other => panic!("{other:?}"),
-        };
-        let (want, got) = (ids(&cpu, &c), ids(&gpu, &g));
-        assert_eq!(got, want, "{cols} columns");
-        if cols > 1 {
-            assert_eq!((want[0], want[2], want[3]), (cols as i32 / 2, 0, 0), "{cols}: a tie, NaN, all equal");
-        }
-    }
-}
-
 #[test]
 fn the_backend_runs_every_op_and_reports_out_of_memory() {
     let gpu = osprey_backend_cuda::open_emulated(1 << 20);

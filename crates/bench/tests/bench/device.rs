@@ -40,14 +40,14 @@ fn bench_forward_reports_what_each_decode_token_asks_of_the_device() {
     // Tensors' buffers are recycled (`backend/bufs.rs`): a decode token allocates and frees nothing on
     // the device once the shapes have been seen. With a slot for every expert the router's ids stay on
     // the device (`moe_align` groups them), so the token's one host wait is its sampled id: greedy
-    // sampling takes the argmax where the logits are (`argmax_rows`), and 4 bytes come back, not the
+    // sampling takes the argmax where the logits are (`sample_rows`), and 4 bytes come back, not the
     // vocabulary's logits.
     assert_eq!((tok.allocations, tok.frees), (0.0, 0.0), "{tok:?}");
     assert_eq!(tok.host_waits, 1.0, "{tok:?}");
     assert_eq!(tok.bytes_from_device, 4.0, "{tok:?}");
     let launched =
         |w: &osprey_bench::DeviceWork, k: &str| w.kernels.iter().find(|(n, _)| n == k).map_or(0.0, |(_, c)| *c);
-    assert_eq!(launched(&tok, "argmax_rows"), 1.0, "{:?}", tok.kernels);
+    assert_eq!(launched(&tok, "sample_rows"), 1.0, "{:?}", tok.kernels);
     assert_eq!(launched(&tok, "moe_align"), moe_layers as f64, "{:?}", tok.kernels);
 
     // Streamed experts (two slots per layer for eight experts): the layer reads the ids back once (its

@@ -87,37 +87,47 @@ pub(crate) fn embed(
     Ok(x)
 }
 
-/// Per step: its downloaded logits, and its greedy id when it asked for one.
+/// Per step: its downloaded logits, and its drawn id when it asked for one.
 pub(crate) type Heads = (Vec<Vec<f32>>, Vec<Option<u32>>);
 
 /// Advances every step's length by its tokens and returns, per step, the logits `head(rows)` computes
 /// on the backend for the rows it wants, downloaded (an empty vector when none), and with
-/// [`LogitsWanted::Argmax`] the last row's greedy id instead, taken on the backend.
+/// [`LogitsWanted::Sample`] the last row's id drawn on the backend instead: every such step's in one
+/// `sample_rows` and one download (each head is still computed for its own rows, so its numerics do
+/// not depend on the batch).
 pub(crate) fn logits(
     b: &dyn Backend,
     steps: &mut [SeqStep<'_, '_>],
     segs: &[Segment],
     head: impl Fn(&[usize]) -> Result<Tensor>,
 ) -> Result<Heads> {
-    let mut out: Heads = (Vec::with_capacity(steps.len()), Vec::with_capacity(steps.len()));
-    for (s, seg) in steps.iter_mut().zip(segs) {
+    let mut out: Heads = (Vec::with_capacity(steps.len()), vec![None; steps.len()]);
+    let (mut heads, mut settings, mut which) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, (s, seg)) in steps.iter_mut().zip(segs).enumerate() {
         let last = seg.row + seg.len.saturating_sub(1)..seg.row + seg.len;
         let rows: Vec<usize> = match s.input.logits {
             LogitsWanted::None => Vec::new(),
-            LogitsWanted::Last | LogitsWanted::Argmax => last.collect(),
+            LogitsWanted::Last | LogitsWanted::Sample(_) => last.collect(),
             LogitsWanted::All => (seg.row..seg.row + seg.len).collect(),
         };
         s.state.len += seg.len;
-        let (logits, argmax) = match (s.input.logits, rows.is_empty()) {
-            (_, true) => (Vec::new(), None),
-            (LogitsWanted::Argmax, false) => match b.download(&b.argmax_rows(&head(&rows)?)?)? {
-                osprey_backend::HostVec::I32(v) => (Vec::new(), v.first().map(|&id| id as u32)),
-                _ => return Err(crate::Error::Engine("argmax_rows returned no i32 ids".into())),
-            },
-            (_, false) => (b.download_f32(&head(&rows)?)?, None),
-        };
-        out.0.push(logits);
-        out.1.push(argmax);
+        out.0.push(match (s.input.logits, rows.is_empty()) {
+            (_, true) => Vec::new(),
+            (LogitsWanted::Sample(r), false) => {
+                heads.push(head(&rows)?);
+                settings.push(r);
+                which.push(i);
+                Vec::new()
+            }
+            (_, false) => b.download_f32(&head(&rows)?)?,
+        });
+    }
+    if !heads.is_empty() {
+        let heads: Vec<&Tensor> = heads.iter().collect();
+        match b.download(&b.sample_rows(&heads, &settings)?)? {
+            osprey_backend::HostVec::I32(ids) => which.iter().zip(ids).for_each(|(&i, id)| out.1[i] = Some(id as u32)),
+            _ => return Err(crate::Error::Engine("sample_rows returned no i32 ids".into())),
+        }
     }
     Ok(out)
 }

@@ -122,11 +122,11 @@ impl Qwen35 {
         } else {
             None
         };
-        let (logits, argmax) = batch::logits(b, steps, &segs, |rows| {
+        let (logits, sampled) = batch::logits(b, steps, &segs, |rows| {
             let mut sel = b.gather_rows(&x, rows)?;
             b.rms_norm(&mut sel, &self.norm, eps, true);
             Ok(b.linear(&sel, &self.lm_head)?)
         })?;
-        Ok(ForwardOutput { logits, argmax, hidden, last_hidden })
+        Ok(ForwardOutput { logits, sampled, hidden, last_hidden })
     }
 }

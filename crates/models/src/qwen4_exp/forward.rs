@@ -85,9 +85,9 @@ impl Qwen4Exp {
         if opts.capture_hidden {
             hidden.push(b.download_f32(&out)?);
         }
-        let (logits, argmax) =
+        let (logits, sampled) =
             batch::logits(b, steps, &segs, |rows| Ok(b.linear(&b.gather_rows(&out, rows)?, &self.lm_head)?))?;
-        Ok(ForwardOutput { logits, argmax, hidden, last_hidden: None })
+        Ok(ForwardOutput { logits, sampled, hidden, last_hidden: None })
     }
     /// A layer's token mixer on `input`: Gated DeltaNet, or the indexer's block selection then attention
     /// over the selected blocks.

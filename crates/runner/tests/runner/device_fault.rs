@@ -66,3 +66,37 @@ fn an_injected_kernel_fault_fails_the_step_naming_the_kernel_and_stops_the_runne
     assert!(e.to_string().contains("device fault in "), "{e}");
     assert!(osprey_models::backend::MemoryOps::zeros_f32(&*backend, &[4]).is_err(), "no allocation after a fault");
 }
+
+/// A fault inside a decode step that runs as a CUDA graph (recorded at the first decode step, replayed at
+/// the second): the launch that faults is one of the graph's, it surfaces at the step's one host wait
+/// (the sampled ids' download), and the step fails with the device fault as an eager step's would.
+#[test]
+fn a_kernel_fault_inside_a_replayed_decode_graph_fails_the_step() {
+    let emu = Arc::new(EmuDevice::new(1 << 30));
+    let backend = Arc::new(CudaBackend::new(emu.clone(), Device::CudaEmu).with_graphs(true));
+    let dir = common::fixtures().join("models/qwen3_5_moe-tiny");
+    let model = osprey_models::load_on(&dir, backend.clone()).expect("load on cuda-emu");
+    let tx = osprey_runner::spawn(Runner::new(model, None, 16, 16));
+    let n = 9;
+    assert!(step(&tx, plan(1, n)).failed.is_empty(), "the prefill");
+    let decode = |at: usize| {
+        let mut p = plan(1, n);
+        let item = &mut p.items[0];
+        (item.admit, item.start, item.end) = (None, at, at + 1);
+        p
+    };
+    for at in [n, n + 1] {
+        let ok = step(&tx, decode(at));
+        assert!(ok.failed.is_empty() && ok.sampled.len() == 1, "decode at {at}: {:?}", ok.failed);
+    }
+    let g = backend.graph_counts();
+    assert!(g.launched >= 2 && g.built >= 1, "the decode steps ran as graphs: {g:?}");
+    emu.fail_launch_after(7);
+    let bad = step(&tx, decode(n + 2));
+    let (seq, e) = &bad.failed[0];
+    assert_eq!((*seq, e.code), (1, ErrorCode::EngineError));
+    assert!(e.message.contains("device fault in ") && e.message.contains("injected fault"), "{}", e.message);
+    assert_eq!(backend.graph_counts().built, g.built, "the faulting step replayed the graph");
+    let e = osprey_models::backend::Backend::health(&*backend).expect_err("a sticky fault");
+    assert!(e.to_string().contains("device fault in "), "{e}");
+}

@@ -8,6 +8,8 @@
 //!
 //! Not yet run on a GPU: no GPU was lent while it was written (docs/cuda.md says what has run where).
 
+mod graph;
+
 use std::collections::{BTreeMap, HashMap};
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
-use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, LaunchConfig};
+use crate::device::{Arg, DevPtr, DeviceError, DeviceInfo, DeviceLayer, Event, GemmBf16, GraphId, LaunchConfig, Node};
 use crate::{images, kernel_cache, kernels, nvrtc};
 
 /// A CUDA device through cudarc (see the module docs).
@@ -31,6 +33,8 @@ pub struct CudaDevice {
     recorded: AtomicU64,
     /// cuBLAS on the compute stream (`None`: libcublas not found; the backend then keeps to its kernels).
     blas: Option<Blas>,
+    /// Built graphs (`driver/graph.rs`).
+    pub(crate) graphs: graph::Graphs,
 }
 
 /// A cuBLAS handle, used by one caller at a time.
@@ -147,11 +151,31 @@ impl CudaDevice {
             info,
             events: Mutex::new(BTreeMap::new()),
             recorded: AtomicU64::new(0),
+            graphs: graph::Graphs::default(),
         })
     }
 
-    fn bind(&self) -> Result<(), DeviceError> {
+    pub(crate) fn bind(&self) -> Result<(), DeviceError> {
         self.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))
+    }
+
+    /// Kernel `name`'s handle.
+    pub(crate) fn function(&self, name: &str) -> Result<sys::CUfunction, DeviceError> {
+        let f = self
+            .functions
+            .get(name)
+            .ok_or_else(|| DeviceError::Kernel { kernel: name.into(), message: "no such kernel in kernels/".into() })?;
+        Ok(f.cu_function())
+    }
+
+    /// The context's handle.
+    pub(crate) fn cu_ctx(&self) -> sys::CUcontext {
+        self.ctx.cu_ctx()
+    }
+
+    /// The compute stream's handle.
+    pub(crate) fn cu_stream(&self) -> sys::CUstream {
+        self.stream.cu_stream()
     }
 }
 
@@ -338,6 +362,22 @@ impl DeviceLayer for CudaDevice {
             Some(ev) => ev.synchronize().map_err(|e| driver("waiting for an event", e)),
             None => Ok(()),
         }
+    }
+
+    fn graph_build(&self, nodes: &[Node], staging: *const u8) -> Result<GraphId, DeviceError> {
+        self.build_graph(nodes, staging)
+    }
+
+    fn graph_update(&self, g: GraphId, i: usize, node: &Node) -> Result<(), DeviceError> {
+        self.update_graph(g, i, node)
+    }
+
+    fn graph_launch(&self, g: GraphId) -> Result<(), DeviceError> {
+        self.launch_graph(g)
+    }
+
+    fn graph_drop(&self, g: GraphId) {
+        self.drop_graph(g);
     }
 }
 
