@@ -77,6 +77,8 @@ pub fn measure(driver: &mut Driver, b: &RooflineBench) -> Result<Vec<(String, Wo
 /// A copy of checkpoint `dir` under `at` with no decoder layer: its config with `num_hidden_layers` 0
 /// (and an empty `layer_types`), its other files linked. Returns the copy and the layers of the original.
 pub fn head_only(dir: &Path, at: &Path) -> Result<(PathBuf, usize)> {
+    // The links must name the files wherever the copy is (a relative `--model` made them dangle).
+    let dir = &dir.canonicalize().map_err(Error::io(dir))?;
     let bad = |what: String| Error::Input(format!("{}: {what}", dir.display()));
     std::fs::create_dir_all(at).map_err(Error::io(at))?;
     let cfg_path = dir.join("config.json");

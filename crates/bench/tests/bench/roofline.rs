@@ -82,7 +82,11 @@ fn a_flash_next_checkpoint_has_a_head_only_copy_that_loads() {
     let _ = std::fs::remove_dir_all(&base);
     let dir = base.join("tiny-flash-L4");
     synth(&dir, osprey_bench::synth::TINY_FLASH, 4, 6).expect("synth");
-    let (head_dir, layers) = head_only(&dir, &base.join("head")).expect("head-only copy");
+    // Named relative to the working directory, as `--model DIR` may be: the copy's links must not dangle.
+    let cwd = std::env::current_dir().expect("cwd");
+    let up: std::path::PathBuf = cwd.components().skip(1).map(|_| "..").collect();
+    let relative = up.join(dir.strip_prefix("/").expect("an absolute directory"));
+    let (head_dir, layers) = head_only(&relative, &base.join("head")).expect("head-only copy");
     assert_eq!(layers, 4);
     let head = osprey_models::load_on(&head_dir, osprey_backend_cpu::CpuBackend::shared()).expect("the head loads");
     assert_eq!(head.info().num_layers, 0);
