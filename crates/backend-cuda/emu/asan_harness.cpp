@@ -105,6 +105,8 @@ int main(int argc, char** argv) {
     std::vector<uint32_t> row0 = {0, 2}, counts = {2, 1};
     run(linear_grouped, dim3{2, 1, 2}, dim3{16, 16, 1}, xs.data(), wptrs.data(), sptrs.data(), globals.data(), row0.data(),
         counts.data(), 3, out.data(), on, k);
+    run(linear_grouped_gemv, dim3{3, 1, 2}, d1(256), xs.data(), wptrs.data(), sptrs.data(), globals.data(), row0.data(),
+        counts.data(), 3, out.data(), on, k);
 
     // Memory: gathers, scatters, splits, bf16 rows, embeddings.
     std::vector<int32_t> ids = {2, 0, 2};

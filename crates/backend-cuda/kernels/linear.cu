@@ -8,13 +8,15 @@
 
 __device__ __forceinline__ float weight_at(const void* w, const uint8_t* scales, float global, int wtype, size_t row,
                                            unsigned k, unsigned col) {
+    // Weights are read-only for the kernel's life: through the read-only cache (`ld.global.nc`), also
+    // where a weight's address comes from a table (`linear_grouped_gemv`), not a restricted parameter.
     const size_t i = row * k + col;
-    if (wtype == 0) return ((const float*)w)[i];
-    if (wtype == 1) return bf16_to_f32(((const uint16_t*)w)[i]);
-    if (wtype == 2) return f16_to_f32(((const uint16_t*)w)[i]);
-    const uint8_t byte = ((const uint8_t*)w)[i / 2];
+    if (wtype == 0) return __ldg((const float*)w + i);
+    if (wtype == 1) return bf16_to_f32(__ldg((const uint16_t*)w + i));
+    if (wtype == 2) return f16_to_f32(__ldg((const uint16_t*)w + i));
+    const uint8_t byte = __ldg((const uint8_t*)w + i / 2);
     const uint32_t code = (col % 2 == 0) ? (byte & 0xfu) : (byte >> 4);
-    return e2m1_to_f32(code) * (e4m3_to_f32(scales[i / 16]) * global);
+    return e2m1_to_f32(code) * (e4m3_to_f32(__ldg(scales + i / 16)) * global);
 }
 
 // One output of a 16×16 tile: row `row` of `x` against weight row `wrow`, `k` in steps of 16 through the
@@ -48,9 +50,33 @@ extern "C" __global__ void linear_tiled(const float* __restrict__ x, const void*
     if (row < m && col < n) out[(size_t)row * n + col] = acc;
 }
 
-// Decode-shaped products (`m` ≤ 8 rows): one warp per output column (a weight row), its lanes striding
-// over `k` so that neighbouring lanes read neighbouring weights, each row's sum reduced across the warp.
-// The weight is read once for all `m` rows. Same weight types as `linear_tiled`; `m` above 8 is a bug.
+// `out[r·n + col]` for rows `r` < `m` of `x`, by the calling warp (lane `lane`): its lanes stride over `k`
+// so that neighbouring lanes read neighbouring weights, the weight row read once for up to 8 rows, each
+// row's sum reduced across the warp. A row's arithmetic does not depend on the others (`linear_gemv`
+// and `linear_grouped_gemv` agree to the bit on it).
+__device__ __forceinline__ void gemv_rows(const float* __restrict__ x, const void* __restrict__ w,
+                                          const uint8_t* __restrict__ scales, float global, int wtype,
+                                          float* __restrict__ out, unsigned m, unsigned n, unsigned k, unsigned col,
+                                          unsigned lane) {
+    for (unsigned r0 = 0; r0 < m; r0 += 8) {
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (unsigned j = lane; j < k; j += 32) {
+            const float wv = weight_at(w, scales, global, wtype, col, k, j);
+#pragma unroll
+            for (unsigned r = 0; r < 8; ++r)
+                if (r0 + r < m) acc[r] += x[(size_t)(r0 + r) * k + j] * wv;
+        }
+#pragma unroll
+        for (unsigned r = 0; r < 8; ++r) {
+            if (r0 + r >= m) break;
+            const float v = warp_sum(acc[r]);
+            if (lane == 0) out[(size_t)(r0 + r) * n + col] = v;
+        }
+    }
+}
+
+// Decode-shaped products (`m` ≤ 8 rows): one warp per output column (a weight row), the weight read once
+// for all `m` rows (`gemv_rows`). Same weight types as `linear_tiled`.
 // flops: fp32 2 * m * n * k + 2 * n * k
 // ptx: shfl.sync.bfly.b32, ld.global.nc.u8
 // budget: 64 registers
@@ -58,19 +84,25 @@ extern "C" __global__ void linear_gemv(const float* __restrict__ x, const void* 
                                        float global, int wtype, float* __restrict__ out, unsigned m, unsigned n, unsigned k) {
     const unsigned col = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
     if (col >= n) return;  // a whole warp leaves together: `col` is the warp's
-    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    for (unsigned j = lane; j < k; j += 32) {
-        const float wv = weight_at(w, scales, global, wtype, col, k, j);
-#pragma unroll
-        for (unsigned r = 0; r < 8; ++r)
-            if (r < m) acc[r] += x[(size_t)r * k + j] * wv;
-    }
-#pragma unroll
-    for (unsigned r = 0; r < 8; ++r) {
-        if (r >= m) break;
-        const float v = warp_sum(acc[r]);
-        if (lane == 0) out[(size_t)r * n + col] = v;
-    }
+    gemv_rows(x, w, scales, global, wtype, out, m, n, k, col, lane);
+}
+
+// The routed experts of a decode-shaped wave (a step of at most 8 tokens, so at most 8 rows a group):
+// group `g` (blockIdx.z) as `linear_gemv` over its `rows[g]` rows from `row0[g]` with its own weight —
+// each weight row read once, not once per 16-row tile of which one row is used (`linear_grouped`). A
+// group with no rows leaves at once.
+// flops: fp32 4 * threads / 32 * k
+// ptx: shfl.sync.bfly.b32, ld.global.nc.u8
+// budget: 64 registers
+extern "C" __global__ void linear_grouped_gemv(const float* __restrict__ x, const uint64_t* __restrict__ w,
+                                               const uint64_t* __restrict__ scales, const float* __restrict__ global,
+                                               const uint32_t* __restrict__ row0, const uint32_t* __restrict__ rows,
+                                               int wtype, float* __restrict__ out, unsigned n, unsigned k) {
+    const unsigned g = blockIdx.z, m = rows[g];
+    const unsigned col = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (col >= n || m == 0) return;  // the whole warp: `col` and `g` are the warp's
+    gemv_rows(x + (size_t)row0[g] * k, (const void*)w[g], (const uint8_t*)scales[g], global[g], wtype,
+              out + (size_t)row0[g] * n, m, n, k, col, lane);
 }
 
 // The routed experts of one wave in one launch (a grouped GEMM): group `g` (blockIdx.z) multiplies its

@@ -22,7 +22,7 @@ pub(super) fn wtype(dtype: DType) -> Result<i32> {
 }
 
 /// Rows up to which a linear runs as a GEMV (`linear_gemv` keeps one accumulator per row).
-const GEMV_ROWS: usize = 8;
+pub(super) const GEMV_ROWS: usize = 8;
 
 /// Threads for a block reducing `group` values: a multiple of 32 from 32 to 256.
 fn threads_for(group: usize) -> u32 {

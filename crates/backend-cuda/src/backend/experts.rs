@@ -153,6 +153,8 @@ struct OnDevice {
     groups: usize,
     n: usize,
     tall: usize,
+    /// The step's tokens (a group's rows are at most these).
+    step_rows: usize,
 }
 
 impl CudaBackend {
@@ -166,20 +168,21 @@ impl CudaBackend {
         dtype: DType,
     ) -> Result<Tensor> {
         let out = self.empty(DType::F32, &[g.n, cols])?;
-        let call = launch::linear_grouped(
-            ptr(x),
-            g.w.offset(8 * which * g.groups),
-            g.s.offset(8 * which * g.groups),
-            g.g.offset(4 * which * g.groups),
-            g.row0,
-            g.rows,
-            super::core::wtype(dtype)?,
-            ptr(&out),
-            u32_of(cols),
-            u32_of(depth),
-        );
-        let grid = [cols.div_ceil(16) as u32, g.tall.div_ceil(16) as u32, g.groups as u32];
-        self.try_run(call, LaunchConfig { grid, block: [16, 16, 1] })?;
+        let (w, s, gl) =
+            (g.w.offset(8 * which * g.groups), g.s.offset(8 * which * g.groups), g.g.offset(4 * which * g.groups));
+        let (wtype, o, n, k) = (super::core::wtype(dtype)?, ptr(&out), u32_of(cols), u32_of(depth));
+        if g.step_rows <= super::core::GEMV_ROWS {
+            // Decode: a warp per output column reads each weight row once for its group's rows. Chosen by
+            // the step's rows, which bound every group's on either path, so a step's experts compute the
+            // same bits whether the host or the device grouped them.
+            let call = launch::linear_grouped_gemv(ptr(x), w, s, gl, g.row0, g.rows, wtype, o, n, k);
+            let grid = [cols.div_ceil(8) as u32, 1, g.groups as u32];
+            self.try_run(call, LaunchConfig { grid, block: [256, 1, 1] })?;
+        } else {
+            let call = launch::linear_grouped(ptr(x), w, s, gl, g.row0, g.rows, wtype, o, n, k);
+            let grid = [cols.div_ceil(16) as u32, g.tall.div_ceil(16) as u32, g.groups as u32];
+            self.try_run(call, LaunchConfig { grid, block: [16, 16, 1] })?;
+        }
         Ok(out)
     }
 
@@ -355,6 +358,7 @@ impl ExpertOps for CudaBackend {
             groups: groups.counts.len(),
             n: groups.entries.len(),
             tall,
+            step_rows: x.rows(),
         };
         self.run_groups(x, weights, pool.shape, &g, partials)
     }
@@ -424,6 +428,7 @@ impl ExpertOps for CudaBackend {
             groups,
             n,
             tall: t,
+            step_rows: t,
         };
         self.run_groups(x, &routing.weights, pool.shape, &on_device, partials)
     }

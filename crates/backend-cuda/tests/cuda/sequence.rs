@@ -228,16 +228,19 @@ fn expert(dtype: DType, e: u32, shape: ExpertShape) -> HostExpert {
 #[test]
 pub(crate) fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wave() {
     let (cpu, gpu) = backends();
-    for dtype in [DType::BF16, DType::Nvfp4] {
+    // 5 tokens: a decode-shaped step (`linear_grouped_gemv`); 12: past 8 rows (`linear_grouped`'s tiles).
+    for (dtype, t) in [(DType::BF16, 5), (DType::Nvfp4, 5), (DType::Nvfp4, 12)] {
         let shape = ExpertShape { hidden: 256, inter: 64, dtype };
-        let (t, k) = (5, 3);
+        let k = 3;
         let x = data(800, t * shape.hidden);
         let w = data(801, t * k).iter().map(|v| v.abs()).collect::<Vec<_>>();
         // Two waves over two slots: slot 1 reused for another expert in the second; a third wave empty.
+        // Each token's three entries are one of five patterns, repeated over the tokens.
+        let tokens = |p: [i32; 15]| p.iter().copied().cycle().take(t * k).collect::<Vec<i32>>();
         let waves: [Wave; 3] = [
-            (vec![(0, 3), (1, 9)], vec![0, 1, -1, -1, 0, -1, 1, -1, -1, 0, 1, -1, -1, -1, 0]),
-            (vec![(1, 4)], vec![-1, -1, 1, 1, -1, -1, -1, 1, -1, -1, -1, 1, 1, -1, -1]),
-            (vec![], vec![-1; 15]),
+            (vec![(0, 3), (1, 9)], tokens([0, 1, -1, -1, 0, -1, 1, -1, -1, 0, 1, -1, -1, -1, 0])),
+            (vec![(1, 4)], tokens([-1, -1, 1, 1, -1, -1, -1, 1, -1, -1, -1, 1, 1, -1, -1])),
+            (vec![], vec![-1; t * k]),
         ];
         let mut outs = Vec::new();
         for b in [&cpu, &gpu] {

@@ -37,7 +37,7 @@ fn a_decode_step_moves_at_least_the_weights_it_reads_and_the_model_scales_by_lay
     assert!(one.must_move >= lm_head + experts, "{} < {}", one.must_move, lm_head + experts);
     assert!(one.must_move <= 1.5 * weights, "{} vs {weights}", one.must_move);
     assert!(launched >= one.must_move, "each launch's distinct bytes sum over the step's windows");
-    assert!(one.kernels.iter().any(|k| k.name == "linear_grouped" && k.flops[0] > 0.0), "declared arithmetic");
+    assert!(one.kernels.iter().any(|k| k.name == "linear_grouped_gemv" && k.flops[0] > 0.0), "declared arithmetic");
     // Two sequences read the same dense weights once per step.
     let (_, two) = &steps[1];
     assert!(two.must_move < 2.0 * one.must_move, "{} vs {}", two.must_move, one.must_move);
