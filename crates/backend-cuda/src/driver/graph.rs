@@ -72,6 +72,13 @@ impl CudaDevice {
         ptrs: &mut Vec<*mut std::ffi::c_void>,
     ) -> Result<sys::CUDA_KERNEL_NODE_PARAMS, DeviceError> {
         let f = self.function(name)?;
+        // The driver reads one parameter per kernel argument from `values`: a count that differs would
+        // have it read past them (a launch checks the same, `DeviceLayer::launch`).
+        let arity = crate::kernels::find(name).map_or(usize::MAX, |k| k.arity);
+        if values.len() != arity {
+            let message = format!("{} arguments for {arity} parameters: this is a bug", values.len());
+            return Err(DeviceError::Kernel { kernel: name.into(), message });
+        }
         ptrs.clear();
         ptrs.extend(values.iter_mut().map(|v| (v as *mut u64).cast::<std::ffi::c_void>()));
         // SAFETY: an all-zero node description is valid; the fields below set it up.
