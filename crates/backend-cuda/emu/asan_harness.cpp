@@ -150,6 +150,14 @@ int main(int argc, char** argv) {
     auto dq = vals(t * nk * dk), dkv = vals(t * nk * dk), dvv = vals(t * nv * dv), st = vals(nv * dk * dv), dout = vals(t * nv * dv);
     run(gated_delta_recurrent, d1(nv), d1(32), dq.data(), dkv.data(), dvv.data(), gg.data(), beta.data(), st.data(),
         dout.data(), t, nk, nv, dk, dv);
+    // The decode forms over two sequences: each row continues its own state.
+    auto cst2 = vals((kern - 1) * c);
+    std::vector<uint64_t> conv_states = {reinterpret_cast<uint64_t>(cst.data()), reinterpret_cast<uint64_t>(cst2.data())};
+    run(causal_conv_silu_rows, d1(1), d1(64), cx.data(), 2u, c, cw.data(), kern, conv_states.data(), co.data());
+    auto st2 = vals(nv * dk * dv);
+    std::vector<uint64_t> delta_states = {reinterpret_cast<uint64_t>(st.data()), reinterpret_cast<uint64_t>(st2.data())};
+    run(gated_delta_rows, dim3{nv, 2, 1}, d1(32), dq.data(), dkv.data(), dvv.data(), gg.data(), beta.data(),
+        delta_states.data(), dout.data(), 2u, nk, nv, dk, dv);
 
     // Router and experts: 3 tokens over 10 experts, top 3; entries into partials; the combine.
     auto logits = vals(3 * 10);

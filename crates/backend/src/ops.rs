@@ -352,8 +352,9 @@ seam! {
     }
 
     /// Recurrent state: Gated DeltaNet's conv and delta rule, advancing per-sequence state tensors.
-    trait RecurrentOps {
-        /// `causal_conv_silu`, `delta_gates`, `gated_delta`.
+    trait RecurrentOps: MemoryOps {
+        /// `causal_conv_silu`, `delta_gates`, `gated_delta` (and their decode forms over several sequences,
+        /// `causal_conv_silu_rows` and `gated_delta_rows`).
         op GatedDeltaNet {
             /// Depthwise causal conv (`w [channels, kernel]`) then silu over rows `rows` of `x`,
             /// continuing from and advancing `state` (the last `kernel − 1` inputs).
@@ -367,6 +368,35 @@ seam! {
             /// recurrent form token by token (decode) or the chunked form (prefill) → `[n, nv·dv]`.
             #[allow(clippy::too_many_arguments)]
             fn gated_delta(&self, shape: GdnShape, recurrent: bool, q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor, state: &mut Tensor) -> Result<Tensor>;
+
+            /// A decode step of several sequences at once: row `i` of `x` is one new token of the
+            /// sequence whose conv state is `states[i]` → `[rows, channels]`, each row exactly what
+            /// [`RecurrentOps::causal_conv_silu`] gives it alone (the default runs that row by row; a
+            /// device runs one launch).
+            fn causal_conv_silu_rows(&self, x: &Tensor, w: &Tensor, kernel: usize, states: &mut [&mut Tensor]) -> Result<Tensor> = {
+                let (n, c) = (x.rows(), x.cols());
+                let mut out = self.zeros_f32(&[n, c])?;
+                for (i, st) in states.iter_mut().enumerate() {
+                    let o = self.causal_conv_silu(x, i..i + 1, w, kernel, st)?;
+                    self.write_rows(&mut out, i * c, &o, 0..1);
+                }
+                Ok(out)
+            };
+
+            /// A decode step of several sequences at once: row `i` of `q`, `k`, `v`, `g`, `beta` is one
+            /// token (past the first) of the sequence whose state is `states[i]`, by the recurrent rule
+            /// → `[rows, nv·dv]`, each row exactly what [`RecurrentOps::gated_delta`] gives it alone.
+            #[allow(clippy::too_many_arguments)]
+            fn gated_delta_rows(&self, shape: GdnShape, q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor, states: &mut [&mut Tensor]) -> Result<Tensor> = {
+                let vd = shape.nv * shape.dv;
+                let mut out = self.zeros_f32(&[q.rows(), vd])?;
+                for (i, st) in states.iter_mut().enumerate() {
+                    let row = |t: &Tensor| self.gather_rows(t, &[i]);
+                    let o = self.gated_delta(shape, true, &row(q)?, &row(k)?, &row(v)?, &row(g)?, &row(beta)?, st)?;
+                    self.write_rows(&mut out, i * vd, &o, 0..1);
+                }
+                Ok(out)
+            };
         }
     }
 

@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use osprey_backend::{DType, GdnShape, RecurrentOps, Result, Tensor};
+use osprey_backend::{DType, GdnShape, MemoryOps, RecurrentOps, Result, Tensor};
 
 use super::{ptr, u32_of, CudaBackend};
 use crate::device::LaunchConfig;
@@ -92,5 +92,70 @@ impl RecurrentOps for CudaBackend {
         let cfg = LaunchConfig::per_group(shape.nv, (shape.dv.div_ceil(32) * 32).min(1024) as u32);
         self.try_run(call, cfg)?;
         Ok(out)
+    }
+
+    fn causal_conv_silu_rows(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        kernel: usize,
+        states: &mut [&mut Tensor],
+    ) -> Result<Tensor> {
+        assert!((2..=9).contains(&kernel), "conv kernels of 2 to 9 taps: this is a bug");
+        let (n, c) = (x.rows(), x.cols());
+        let out = self.empty(DType::F32, &[n, c])?;
+        let table = self.state_table(states)?;
+        let call =
+            launch::causal_conv_silu_rows(ptr(x), u32_of(n), u32_of(c), ptr(w), u32_of(kernel), ptr(&table), ptr(&out));
+        self.try_run(call, LaunchConfig::elements(n * c))?;
+        Ok(out)
+    }
+
+    fn gated_delta_rows(
+        &self,
+        shape: GdnShape,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        states: &mut [&mut Tensor],
+    ) -> Result<Tensor> {
+        let n = q.rows();
+        let out = self.empty(DType::F32, &[n, shape.nv * shape.dv])?;
+        let table = self.state_table(states)?;
+        let (nk, nv, dk, dv) = (u32_of(shape.nk), u32_of(shape.nv), u32_of(shape.dk), u32_of(shape.dv));
+        let call = launch::gated_delta_rows(
+            ptr(q),
+            ptr(k),
+            ptr(v),
+            ptr(g),
+            ptr(beta),
+            ptr(&table),
+            ptr(&out),
+            u32_of(n),
+            nk,
+            nv,
+            dk,
+            dv,
+        );
+        let block = (shape.dv.div_ceil(32) * 32).min(1024) as u32;
+        self.try_run(call, LaunchConfig { grid: [u32_of(shape.nv), u32_of(n), 1], block: [block, 1, 1] })?;
+        Ok(out)
+    }
+}
+
+impl CudaBackend {
+    /// The device addresses of `states`, uploaded as a table (`u64` each) for a kernel over several
+    /// sequences.
+    fn state_table(&self, states: &[&mut Tensor]) -> Result<Tensor> {
+        let words: Vec<i32> = states
+            .iter()
+            .flat_map(|t| {
+                let a = ptr(t).0;
+                [a as u32 as i32, (a >> 32) as u32 as i32]
+            })
+            .collect();
+        self.upload(osprey_backend::HostData::I32(&words), &[words.len()])
     }
 }

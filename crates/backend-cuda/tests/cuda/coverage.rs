@@ -29,7 +29,10 @@ fn parity_cases(op: Op) -> &'static [fn()] {
         Op::Rotary => &[ops::embeddings_memory_ops_rotary_and_the_router_match],
         Op::AttentionPaged => &[sequence::paged_attention_matches_on_partial_pages_gqa_and_a_bf16_pool],
         Op::AttentionBidirectional => &[sequence::bidirectional_attention_matches_the_vision_shapes],
-        Op::GatedDeltaNet => &[sequence::gated_deltanet_decodes_to_the_bit_and_prefills_within_the_chunked_bound],
+        Op::GatedDeltaNet => &[
+            sequence::gated_deltanet_decodes_to_the_bit_and_prefills_within_the_chunked_bound,
+            sequence::gated_deltanet_rows_advance_each_sequence_as_its_own_decode_step,
+        ],
         Op::Router => &[ops::embeddings_memory_ops_rotary_and_the_router_match],
         Op::Sample => &[
             sample::greedy_rows_take_the_first_maximum_on_ties_nan_and_wide_rows,

@@ -129,6 +129,46 @@ pub(crate) fn bidirectional_attention_matches_the_vision_shapes() {
     within("attention_bidirectional", &outs[1], &outs[0], |_| bound);
 }
 
+/// The decode forms over several sequences (`causal_conv_silu_rows`, `gated_delta_rows`): three
+/// sequences, each row against its own carried states, give the CPU's row-by-row answer and states to the
+/// bit (one launch each on the device instead of one per sequence). Mutation: a kernel that advanced the
+/// first row's state for every row fails it.
+#[test]
+pub(crate) fn gated_deltanet_rows_advance_each_sequence_as_its_own_decode_step() {
+    let (cpu, gpu) = backends();
+    let s = GdnShape { nk: 2, nv: 4, dk: 16, dv: 32 };
+    let (c, kernel, n) = (96, 4, 3);
+    let run = |b: &BackendRef| {
+        let up = |v: Vec<f32>, sh: &[usize]| b.upload_f32(&v, sh).expect("upload");
+        let x = up(data(500, n * c), &[n, c]);
+        let w = up(data(501, c * kernel), &[c, kernel]);
+        let mut convs: Vec<Tensor> =
+            (0..n).map(|i| up(data(510 + i as u64, (kernel - 1) * c), &[kernel - 1, c])).collect();
+        let mut refs: Vec<&mut Tensor> = convs.iter_mut().collect();
+        let conv = b.causal_conv_silu_rows(&x, &w, kernel, &mut refs).expect("conv rows");
+        let q = up(data(520, n * s.nk * s.dk).iter().map(|v| 0.2 * v).collect(), &[n, s.nk * s.dk]);
+        let k = up(data(521, n * s.nk * s.dk).iter().map(|v| 0.2 * v).collect(), &[n, s.nk * s.dk]);
+        let v = up(data(522, n * s.nv * s.dv), &[n, s.nv * s.dv]);
+        let g = up(data(523, n * s.nv).iter().map(|x| -0.5 * x.abs()).collect(), &[n, s.nv]);
+        let beta = up(data(524, n * s.nv).iter().map(|x| 0.5 + 0.4 * x).collect(), &[n, s.nv]);
+        let mut states: Vec<Tensor> = (0..n)
+            .map(|i| up(data(530 + i as u64, s.state_len()).iter().map(|x| 0.1 * x).collect(), &[s.state_len()]))
+            .collect();
+        let mut refs: Vec<&mut Tensor> = states.iter_mut().collect();
+        let out = b.gated_delta_rows(s, &q, &k, &v, &g, &beta, &mut refs).expect("delta rows");
+        let mut all = vec![host(b, &conv), host(b, &out)];
+        all.extend(convs.iter().chain(&states).map(|t| host(b, t)));
+        all
+    };
+    let (want, got) = (run(&cpu), run(&gpu));
+    if on_device() {
+        return; // silu's and the decay's exp on a card are not glibc's: the per-op test holds them to a bound
+    }
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "output or state {i}");
+    }
+}
+
 #[test]
 pub(crate) fn gated_deltanet_decodes_to_the_bit_and_prefills_within_the_chunked_bound() {
     let (cpu, gpu) = backends();

@@ -170,8 +170,19 @@ impl GatedDeltaNet {
             bb: b.linear(x, &self.in_proj_b)?,      // [T, nv]
         };
         let z = b.linear(x, &self.in_proj_z)?; // [T, vd]
-        let mut core = b.zeros_f32(&[x.rows(), self.shape.nv * self.shape.dv])?;
-        for (si, (seg, st)) in segs.iter().zip(states.iter_mut()).enumerate() {
+                                               // A decode step of several sequences: one token each, past its first, not verifying. Every row's
+                                               // ops run on the whole batch at once (one launch each on a device, not one per sequence), each
+                                               // row's answer the one it gets alone.
+        let decode = segs.len() > 1
+            && segs.iter().enumerate().all(|(i, seg)| seg.row == i && seg.len == 1 && seg.past > 0)
+            && !verify.iter().any(|&v| v);
+        let mut core = if decode {
+            states.iter_mut().for_each(|st| st.kept.clear());
+            self.mix_rows(b, &p, states)?
+        } else {
+            b.zeros_f32(&[x.rows(), self.shape.nv * self.shape.dv])?
+        };
+        for (si, (seg, st)) in segs.iter().zip(states.iter_mut()).enumerate().filter(|_| !decode) {
             st.kept.clear();
             if verify.get(si).copied().unwrap_or(false) {
                 for j in 0..seg.len {
@@ -211,6 +222,23 @@ impl GatedDeltaNet {
         let out = b.gated_delta(s, recurrent, &q, &k, &v, &g, &beta, &mut st.recurrent)?;
         b.write_rows(core, seg.row * vd, &out, 0..seg.len);
         Ok(())
+    }
+
+    /// Steps 2–4 for a decode step of several sequences, row `i` sequence `i`: [`Self::mix`]'s ops over
+    /// every row at once → `core [T, vd]`.
+    fn mix_rows(&self, b: &dyn Backend, p: &Projected, states: &mut [&mut LinearState]) -> Result<Tensor> {
+        let s = self.shape;
+        let (kd, vd) = (s.nk * s.dk, s.nv * s.dv);
+        let mut convs: Vec<&mut Tensor> = states.iter_mut().map(|st| &mut st.conv).collect();
+        let conv = b.causal_conv_silu_rows(&p.mixed, &self.conv_w, self.kernel, &mut convs)?;
+        let mut qkv = b.split_cols(&conv, 1, &[kd, kd, vd])?.into_iter();
+        let (mut q, mut k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
+        b.l2_norm(&mut q, s.dk, 1e-6);
+        b.l2_norm(&mut k, s.dk, 1e-6);
+        b.scale(&mut q, (s.dk as f32).powf(-0.5));
+        let (beta, g) = b.delta_gates(&p.a, &p.bb, 0..conv.rows(), &self.neg_a, &self.dt_bias)?;
+        let mut recurrent: Vec<&mut Tensor> = states.iter_mut().map(|st| &mut st.recurrent).collect();
+        Ok(b.gated_delta_rows(s, &q, &k, &v, &g, &beta, &mut recurrent)?)
     }
 
     /// Bytes of weights.

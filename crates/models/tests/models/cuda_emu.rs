@@ -182,3 +182,69 @@ fn cuda_emu_graph_replay_equals_eager_decode_bit_for_bit() {
         assert!(g.updated > 0 && g.updated * 4 < g.nodes, "{name} {slots:?}: a few nodes updated a replay: {g:?}");
     }
 }
+
+/// Issue 52 (fusions where a step launches many tiny kernels): sequences decoding together run each
+/// Gated DeltaNet layer's conv, gates and delta rule once for the batch (`causal_conv_silu_rows`,
+/// `gated_delta_rows`: one launch each, each row against its own state), and every sequence's logits equal
+/// its logits decoded alone, to the bit.
+#[test]
+fn cuda_emu_sequences_decoded_together_match_each_alone_to_the_bit() {
+    use osprey_models::{LogitsWanted, SeqInput, SeqStep};
+    let dir = fixtures().join("models").join("qwen3_5_moe-tiny");
+    let prompts: [Vec<u32>; 3] = [
+        (0..19).map(|i| (i * 37 + 11) % 1000).collect(),
+        (0..7).map(|i| (i * 53 + 5) % 1000).collect(),
+        (0..12).map(|i| (i * 17 + 2) % 1000).collect(),
+    ];
+    let cuda = std::sync::Arc::new(osprey_backend_cuda::CudaBackend::new(
+        std::sync::Arc::new(osprey_backend_cuda::EmuDevice::new(4 << 30)),
+        osprey_backend::Device::CudaEmu,
+    ));
+    let m = osprey_models::load_on(&dir, cuda.clone()).expect("load");
+    let best = |l: &[f32]| l.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).map_or(0, |(i, _)| i as u32);
+    fn input(t: &[u32]) -> SeqInput<'_> {
+        SeqInput { logits: LogitsWanted::Last, ..SeqInput::text(t) }
+    }
+    // Alone: each sequence's prompt, then three tokens.
+    let mut alone = Vec::new();
+    let recurrent =
+        |c: &osprey_backend_cuda::DeviceCounts| c.kernels.get("gated_delta_recurrent").copied().unwrap_or(0);
+    let mut per_step = 0; // a decode step's delta-rule launches alone: one per Gated DeltaNet layer
+    for p in &prompts {
+        let mut st = m.new_state();
+        let (mut next, mut out) = (p.clone(), Vec::new());
+        for step in 0..4 {
+            let before = recurrent(&cuda.counts());
+            let l = m.forward(&mut [SeqStep { state: &mut st, input: input(&next) }], false).expect("alone").logits;
+            if step > 0 {
+                per_step = recurrent(&cuda.counts()) - before;
+            }
+            next = vec![best(&l[0])];
+            out.push(l[0].clone());
+        }
+        alone.push(out);
+    }
+    // Together: the same prompts one by one, then the three decode steps as one batch.
+    let mut states: Vec<_> = prompts.iter().map(|_| m.new_state()).collect();
+    let mut next: Vec<Vec<u32>> = Vec::new();
+    for (st, p) in states.iter_mut().zip(&prompts) {
+        let l = m.forward(&mut [SeqStep { state: st, input: input(p) }], false).expect("prompt").logits;
+        next.push(vec![best(&l[0])]);
+    }
+    let before = cuda.counts();
+    for step in 1..4 {
+        let mut steps: Vec<SeqStep<'_, '_>> =
+            states.iter_mut().zip(&next).map(|(st, t)| SeqStep { state: st, input: input(t) }).collect();
+        let logits = m.forward(&mut steps, false).expect("together").logits;
+        for (i, l) in logits.iter().enumerate() {
+            assert!(*l == alone[i][step], "sequence {i}, decode step {step}: together equals alone");
+        }
+        next = logits.iter().map(|l| vec![best(l)]).collect();
+    }
+    let after = cuda.counts();
+    let launched = |k: &str| after.kernels.get(k).copied().unwrap_or(0) - before.kernels.get(k).copied().unwrap_or(0);
+    assert!(per_step > 0, "the model has Gated DeltaNet layers");
+    assert_eq!(launched("gated_delta_rows"), 3 * per_step, "one delta launch a layer and step");
+    assert_eq!(launched("causal_conv_silu_rows"), 3 * per_step, "one conv launch a layer and step");
+    assert_eq!(launched("gated_delta_recurrent"), 0, "no launch per sequence");
+}
