@@ -99,6 +99,9 @@ struct State {
     last: Option<Event>,
     begun: u64,
     counts: GraphCounts,
+    /// The thread whose step is being recorded: another thread's op (the vision tower shares the
+    /// backend) ends the step's graph and runs eagerly, so a graph holds one step's work alone.
+    owner: Option<std::thread::ThreadId>,
 }
 
 /// The graph-recording device layer (see the module docs).
@@ -122,6 +125,7 @@ impl Graphed {
             last: None,
             begun: 0,
             counts: GraphCounts::default(),
+            owner: None,
         };
         Graphed { inner, enabled: AtomicBool::new(enabled), state: Mutex::new(state) }
     }
@@ -174,6 +178,7 @@ impl Graphed {
             s.mode = Mode::Capture { key };
         }
         s.cursor = 0;
+        s.owner = Some(std::thread::current().id());
         Ok(())
     }
 
@@ -192,6 +197,10 @@ impl Graphed {
             Mode::Eager => return Ok(false),
             Mode::Capture { key } | Mode::Replay { key, .. } => key,
         };
+        if s.owner != Some(std::thread::current().id()) {
+            self.flush(&mut s)?;
+            return Ok(false);
+        }
         if let (Some(b), Node::Upload { at, .. }) = (bytes, &mut node) {
             let start = s.cursor;
             if start + b.len() > STAGING {
@@ -374,6 +383,9 @@ impl DeviceLayer for Graphed {
     }
     fn record(&self) -> Result<Event, DeviceError> {
         let mut s = self.state();
+        if s.owner != Some(std::thread::current().id()) {
+            self.flush(&mut s)?;
+        }
         if matches!(s.mode, Mode::Eager) {
             drop(s);
             return self.inner.record();

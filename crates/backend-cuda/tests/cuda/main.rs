@@ -5,6 +5,7 @@ mod asan;
 mod common;
 mod coverage;
 mod emulator;
+mod graphs;
 #[cfg(feature = "cuda")]
 mod nvrtc;
 mod ops;
