@@ -87,6 +87,10 @@ pub(crate) fn embed(
     Ok(x)
 }
 
+/// Rows of one head call for sampled rows: a device's decode GEMV takes up to 8 rows, each computed as it
+/// would be alone (`linear_gemv`), so batching them changes no bit.
+const HEAD_ROWS: usize = 8;
+
 /// Per step: its downloaded logits, and its drawn id when it asked for one.
 pub(crate) type Heads = (Vec<Vec<f32>>, Vec<Option<u32>>);
 
@@ -102,7 +106,7 @@ pub(crate) fn logits(
     head: impl Fn(&[usize]) -> Result<Tensor>,
 ) -> Result<Heads> {
     let mut out: Heads = (Vec::with_capacity(steps.len()), vec![None; steps.len()]);
-    let (mut heads, mut settings, mut which) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut sampled_rows, mut settings, mut which) = (Vec::new(), Vec::new(), Vec::new());
     for (i, (s, seg)) in steps.iter_mut().zip(segs).enumerate() {
         let last = seg.row + seg.len.saturating_sub(1)..seg.row + seg.len;
         let rows: Vec<usize> = match s.input.logits {
@@ -114,7 +118,7 @@ pub(crate) fn logits(
         out.0.push(match (s.input.logits, rows.is_empty()) {
             (_, true) => Vec::new(),
             (LogitsWanted::Sample(r), false) => {
-                heads.push(head(&rows)?);
+                sampled_rows.extend_from_slice(&rows);
                 settings.push(r);
                 which.push(i);
                 Vec::new()
@@ -122,7 +126,11 @@ pub(crate) fn logits(
             (_, false) => b.download_f32(&head(&rows)?)?,
         });
     }
-    if !heads.is_empty() {
+    if !sampled_rows.is_empty() {
+        // The sampled rows' head in calls of at most `HEAD_ROWS`: a device's decode GEMV reads the head's
+        // weights once for them (not once per sequence: 1 GB a read at Qwen3.5's vocabulary), and each
+        // row's logits are those it gets alone.
+        let heads = sampled_rows.chunks(HEAD_ROWS).map(&head).collect::<Result<Vec<_>>>()?;
         let heads: Vec<&Tensor> = heads.iter().collect();
         match b.download(&b.sample_rows(&heads, &settings)?)? {
             osprey_backend::HostVec::I32(ids) => which.iter().zip(ids).for_each(|(&i, id)| out.1[i] = Some(id as u32)),

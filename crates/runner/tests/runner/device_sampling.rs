@@ -116,7 +116,8 @@ fn a_request_draws_on_the_device_the_host_samplers_tokens_reading_back_its_ids()
 }
 
 /// Three sequences decoding together — greedy, sampled with every cut and penalty, and under a grammar —
-/// read their three ids back in one host wait a step.
+/// read their three ids back in one host wait a step, their head computed in one call (one read of its
+/// weights), and each draws the tokens it draws decoded alone.
 #[test]
 fn a_batch_reads_back_every_sequences_id_in_one_wait() {
     let (mut d, backend) = device();
@@ -142,9 +143,12 @@ fn a_batch_reads_back_every_sequences_id_in_one_wait() {
             })
             .collect()
     };
-    let run = |d: &mut Driver, w: &[Work]| {
+    let mut together: Vec<Vec<u32>> = vec![Vec::new(); all.len()];
+    let mut run = |d: &mut Driver, w: &[Work]| {
         for (seq, r) in d.step(w, &mut NoMedia) {
-            assert_eq!(r.expect("a step").sampled.len(), 1, "sequence {seq}");
+            let done = r.expect("a step");
+            assert_eq!(done.sampled.len(), 1, "sequence {seq}");
+            together[seq as usize].push(done.sampled[0].0);
         }
     };
     run(&mut d, &work(0, plen));
@@ -152,8 +156,25 @@ fn a_batch_reads_back_every_sequences_id_in_one_wait() {
     for i in 0..3 {
         run(&mut d, &work(plen + i, plen + i + 1));
     }
+    let heads = |s: &DeviceStats| s.kernels.iter().find(|(k, _)| k == "linear_gemv").map_or(0, |(_, n)| *n);
+    let per_step = (heads(&backend.stats()) - heads(&before)) / 3;
     let (waits, bytes) = between(&before, &backend.stats());
     assert_eq!((waits, bytes), (3, 3 * 4 * all.len() as u64), "one wait a step, 4 bytes a sequence");
     let launched = backend.stats().kernels.into_iter().find(|(k, _)| k == "sample_rows").map_or(0, |(_, n)| n);
-    assert!(launched >= 3 * all.len() as u64, "{launched}");
+    assert!(launched >= 3, "{launched}");
+    // Alone, each sequence draws the same four tokens; a decode step alone launches as many GEMVs as
+    // the three together (the head is one call for the three rows, every other GEMV one for the batch).
+    for (s, p) in all.iter().enumerate() {
+        let (mut alone, backend) = device();
+        let ids = (0..plen as u32).map(|i| (i * 31 + 3 * s as u32) % vocab as u32).collect();
+        let opts = GenerateOptions { chunk: 64, max_tokens: 4, stop_token_ids: Vec::new() };
+        let mut at_first = backend.stats();
+        let g = alone
+            .generate_observed(Arc::new(PreparedPrompt::text(ids)), p.clone(), &opts, &mut NoMedia, &mut || {
+                at_first = backend.stats()
+            })
+            .expect("alone");
+        assert_eq!(g.tokens, together[s], "sequence {s}: together and alone");
+        assert_eq!((heads(&backend.stats()) - heads(&at_first)) / 3, per_step, "GEMV launches a decode step");
+    }
 }
