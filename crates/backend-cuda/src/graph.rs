@@ -407,16 +407,6 @@ impl DeviceLayer for Graphed {
     fn traffic(&self) -> Option<crate::Traffic> {
         self.inner.traffic()
     }
-    fn graph_build(&self, nodes: &[Node], staging: *const u8) -> Result<GraphId, DeviceError> {
-        self.inner.graph_build(nodes, staging)
-    }
-    fn graph_update(&self, g: GraphId, i: usize, node: &Node) -> Result<(), DeviceError> {
-        self.inner.graph_update(g, i, node)
-    }
-    fn graph_launch(&self, g: GraphId) -> Result<(), DeviceError> {
-        self.inner.graph_launch(g)
-    }
-    fn graph_drop(&self, g: GraphId) {
-        self.inner.graph_drop(g);
-    }
+    // The `graph_*` methods keep their defaults: this layer builds graphs on `inner`, and no layer above
+    // it asks for one.
 }

@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use osprey_backend::{DType, GdnShape, MemoryOps, RecurrentOps, Result, Tensor};
+use osprey_backend::{DType, GdnShape, RecurrentOps, Result, Tensor};
 
 use super::{ptr, u32_of, CudaBackend};
 use crate::device::LaunchConfig;
@@ -106,7 +106,7 @@ impl RecurrentOps for CudaBackend {
         let out = self.empty(DType::F32, &[n, c])?;
         let table = self.state_table(states)?;
         let call =
-            launch::causal_conv_silu_rows(ptr(x), u32_of(n), u32_of(c), ptr(w), u32_of(kernel), ptr(&table), ptr(&out));
+            launch::causal_conv_silu_rows(ptr(x), u32_of(n), u32_of(c), ptr(w), u32_of(kernel), table.ptr, ptr(&out));
         self.try_run(call, LaunchConfig::elements(n * c))?;
         Ok(out)
     }
@@ -131,7 +131,7 @@ impl RecurrentOps for CudaBackend {
             ptr(v),
             ptr(g),
             ptr(beta),
-            ptr(&table),
+            table.ptr,
             ptr(&out),
             u32_of(n),
             nk,
@@ -146,16 +146,10 @@ impl RecurrentOps for CudaBackend {
 }
 
 impl CudaBackend {
-    /// The device addresses of `states`, uploaded as a table (`u64` each) for a kernel over several
-    /// sequences.
-    fn state_table(&self, states: &[&mut Tensor]) -> Result<Tensor> {
-        let words: Vec<i32> = states
-            .iter()
-            .flat_map(|t| {
-                let a = ptr(t).0;
-                [a as u32 as i32, (a >> 32) as u32 as i32]
-            })
-            .collect();
-        self.upload(osprey_backend::HostData::I32(&words), &[words.len()])
+    /// The device addresses of `states`, uploaded as a table (`u64` each, as `slot_tables` uploads the
+    /// slots' addresses) for a kernel over several sequences.
+    fn state_table(&self, states: &[&mut Tensor]) -> Result<super::Buf> {
+        let bytes: Vec<u8> = states.iter().flat_map(|t| ptr(t).0.to_le_bytes()).collect();
+        self.upload_bytes(&bytes)
     }
 }

@@ -3,7 +3,7 @@
 //! step reads back one id per sequence in one download whatever the sampling.
 
 use osprey_backend::sampling::{self, RowSampling};
-use osprey_backend::{DType, HostData, MemoryOps, Result, Tensor};
+use osprey_backend::{DType, Result, Tensor};
 
 use super::{ptr, u32_of, CudaBackend};
 use crate::device::LaunchConfig;
@@ -62,9 +62,8 @@ impl CudaBackend {
         if rows.is_empty() {
             return Ok(out);
         }
-        let words = pack(rows);
-        let ints: Vec<i32> = words.iter().map(|&w| w as i32).collect();
-        let params = self.upload(HostData::I32(&ints), &[ints.len()])?;
+        let bytes: Vec<u8> = pack(rows).iter().flat_map(|w| w.to_le_bytes()).collect();
+        let params = self.upload_bytes(&bytes)?;
         // Scratch for the widest tensor's rows: its processed logits (f32) and their masses (f64).
         let most = logits.iter().map(|t| t.rows() * t.cols()).max().unwrap_or(0);
         let (y, m) = (self.empty(DType::F32, &[most])?, self.empty(DType::I32, &[2 * most])?);
@@ -73,7 +72,7 @@ impl CudaBackend {
             let (n, cols) = (t.rows(), t.cols());
             let call = launch::sample_rows(
                 ptr(t),
-                ptr(&params),
+                params.ptr,
                 ptr(&y),
                 ptr(&m),
                 ptr(&out),

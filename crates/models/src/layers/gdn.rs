@@ -3,6 +3,8 @@
 //! silu(z) → out_proj. Prefill chunks use the chunked rule, single-token steps the recurrent one (as
 //! transformers does: the chunked rule restarts its 64-token chunks at each call).
 
+use std::ops::Range;
+
 use osprey_backend::{Backend, GdnShape, HostTensor, Tensor};
 
 use super::{load_linear, load_vector, Segment};
@@ -75,6 +77,15 @@ struct Projected {
     mixed: Tensor,
     a: Tensor,
     bb: Tensor,
+}
+
+/// The delta rule's inputs for some rows: normalised q and k, v, and the gates.
+struct Inputs {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    g: Tensor,
 }
 
 /// One Gated DeltaNet layer.
@@ -170,30 +181,15 @@ impl GatedDeltaNet {
             bb: b.linear(x, &self.in_proj_b)?,      // [T, nv]
         };
         let z = b.linear(x, &self.in_proj_z)?; // [T, vd]
-                                               // A decode step of several sequences: one token each, past its first, not verifying. Every row's
-                                               // ops run on the whole batch at once (one launch each on a device, not one per sequence), each
-                                               // row's answer the one it gets alone.
+        states.iter_mut().for_each(|st| st.kept.clear());
+        // A decode step of several sequences: one token each, past its first, not verifying. Every row's
+        // ops run on the whole batch at once (one launch each on a device, not one per sequence), each
+        // row's answer the one it gets alone.
         let decode = segs.len() > 1
             && segs.iter().enumerate().all(|(i, seg)| seg.row == i && seg.len == 1 && seg.past > 0)
             && !verify.iter().any(|&v| v);
-        let mut core = if decode {
-            states.iter_mut().for_each(|st| st.kept.clear());
-            self.mix_rows(b, &p, states)?
-        } else {
-            b.zeros_f32(&[x.rows(), self.shape.nv * self.shape.dv])?
-        };
-        for (si, (seg, st)) in segs.iter().zip(states.iter_mut()).enumerate().filter(|_| !decode) {
-            st.kept.clear();
-            if verify.get(si).copied().unwrap_or(false) {
-                for j in 0..seg.len {
-                    let one = Segment { row: seg.row + j, len: 1, past: seg.past + j };
-                    self.mix(b, &p, one, st, &mut core)?;
-                    st.kept.push((st.conv.clone(), st.recurrent.clone()));
-                }
-            } else {
-                self.mix(b, &p, *seg, st, &mut core)?;
-            }
-        }
+        let mut core =
+            if decode { self.mix_rows(b, &p, states)? } else { self.mix_segments(b, &p, segs, states, verify)? };
         // 5. Gated norm per (token, head) with silu(z), then the output projection.
         if self.sigmoid_gate {
             b.rms_norm_gated_sigmoid(&mut core, &z, &self.norm_w, self.eps);
@@ -203,21 +199,38 @@ impl GatedDeltaNet {
         Ok(b.linear(&core, &self.out_proj)?)
     }
 
+    /// Steps 2–4 segment by segment → `core [T, vd]`; a segment marked in `verify` token by token, its
+    /// state kept after each.
+    fn mix_segments(
+        &self,
+        b: &dyn Backend,
+        p: &Projected,
+        segs: &[Segment],
+        states: &mut [&mut LinearState],
+        verify: &[bool],
+    ) -> Result<Tensor> {
+        let mut core = b.zeros_f32(&[p.mixed.rows(), self.shape.nv * self.shape.dv])?;
+        for (si, (seg, st)) in segs.iter().zip(states.iter_mut()).enumerate() {
+            if verify.get(si).copied().unwrap_or(false) {
+                for j in 0..seg.len {
+                    let one = Segment { row: seg.row + j, len: 1, past: seg.past + j };
+                    self.mix(b, p, one, st, &mut core)?;
+                    st.kept.push((st.conv.clone(), st.recurrent.clone()));
+                }
+            } else {
+                self.mix(b, p, *seg, st, &mut core)?;
+            }
+        }
+        Ok(core)
+    }
+
     /// Steps 2–4 for one segment: conv, q/k/v, gates and the delta rule into its rows of `core`.
     fn mix(&self, b: &dyn Backend, p: &Projected, seg: Segment, st: &mut LinearState, core: &mut Tensor) -> Result<()> {
-        let s = self.shape;
-        let (kd, vd) = (s.nk * s.dk, s.nv * s.dv);
+        let (s, vd) = (self.shape, self.shape.nv * self.shape.dv);
         let rows = seg.row..seg.row + seg.len;
         // 2. Causal conv + silu, continuing from the sequence's last kernel-1 inputs.
         let conv = b.causal_conv_silu(&p.mixed, rows.clone(), &self.conv_w, self.kernel, &mut st.conv)?;
-        // 3. Split, L2-normalise q and k, scale q.
-        let mut qkv = b.split_cols(&conv, 1, &[kd, kd, vd])?.into_iter();
-        let (mut q, mut k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
-        b.l2_norm(&mut q, s.dk, 1e-6);
-        b.l2_norm(&mut k, s.dk, 1e-6);
-        b.scale(&mut q, (s.dk as f32).powf(-0.5));
-        // 4. β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias).
-        let (beta, g) = b.delta_gates(&p.a, &p.bb, rows, &self.neg_a, &self.dt_bias)?;
+        let Inputs { q, k, v, beta, g } = self.inputs(b, p, &conv, rows)?;
         let recurrent = seg.len == 1 && seg.past > 0;
         let out = b.gated_delta(s, recurrent, &q, &k, &v, &g, &beta, &mut st.recurrent)?;
         b.write_rows(core, seg.row * vd, &out, 0..seg.len);
@@ -227,18 +240,25 @@ impl GatedDeltaNet {
     /// Steps 2–4 for a decode step of several sequences, row `i` sequence `i`: [`Self::mix`]'s ops over
     /// every row at once → `core [T, vd]`.
     fn mix_rows(&self, b: &dyn Backend, p: &Projected, states: &mut [&mut LinearState]) -> Result<Tensor> {
-        let s = self.shape;
-        let (kd, vd) = (s.nk * s.dk, s.nv * s.dv);
         let mut convs: Vec<&mut Tensor> = states.iter_mut().map(|st| &mut st.conv).collect();
         let conv = b.causal_conv_silu_rows(&p.mixed, &self.conv_w, self.kernel, &mut convs)?;
-        let mut qkv = b.split_cols(&conv, 1, &[kd, kd, vd])?.into_iter();
+        let Inputs { q, k, v, beta, g } = self.inputs(b, p, &conv, 0..conv.rows())?;
+        let mut recurrent: Vec<&mut Tensor> = states.iter_mut().map(|st| &mut st.recurrent).collect();
+        Ok(b.gated_delta_rows(self.shape, &q, &k, &v, &g, &beta, &mut recurrent)?)
+    }
+
+    /// Steps 3–4 on the conv's output for `rows` of the batch: split, L2-normalise q and k, scale q; the
+    /// gates β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias).
+    fn inputs(&self, b: &dyn Backend, p: &Projected, conv: &Tensor, rows: Range<usize>) -> Result<Inputs> {
+        let s = self.shape;
+        let (kd, vd) = (s.nk * s.dk, s.nv * s.dv);
+        let mut qkv = b.split_cols(conv, 1, &[kd, kd, vd])?.into_iter();
         let (mut q, mut k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
         b.l2_norm(&mut q, s.dk, 1e-6);
         b.l2_norm(&mut k, s.dk, 1e-6);
         b.scale(&mut q, (s.dk as f32).powf(-0.5));
-        let (beta, g) = b.delta_gates(&p.a, &p.bb, 0..conv.rows(), &self.neg_a, &self.dt_bias)?;
-        let mut recurrent: Vec<&mut Tensor> = states.iter_mut().map(|st| &mut st.recurrent).collect();
-        Ok(b.gated_delta_rows(s, &q, &k, &v, &g, &beta, &mut recurrent)?)
+        let (beta, g) = b.delta_gates(&p.a, &p.bb, rows, &self.neg_a, &self.dt_bias)?;
+        Ok(Inputs { q, k, v, beta, g })
     }
 
     /// Bytes of weights.
