@@ -8,6 +8,7 @@
 #include "attention.cu"
 #include "elementwise.cu"
 #include "linear.cu"
+#include "linear_q8.cu"
 #include "memory.cu"
 #include "moe.cu"
 #include "norm.cu"
@@ -108,6 +109,35 @@ int main(int argc, char** argv) {
     run(linear_grouped_gemv, dim3{3, 1, 2}, d1(256), xs.data(), wptrs.data(), sptrs.data(), globals.data(), row0.data(),
         counts.data(), 3, out.data(), on, k);
 
+    // The int8 decode path (widths in whole 32-column segments): the quantisation, plain and gathering;
+    // the dense GEMV; the fused expert kernels over the same two groups (2 and 1 rows), hidden 64, inter 32.
+    {
+        const unsigned qk = 64, qn = 20, qi = 32;
+        auto qx = vals(3 * qk), qo = vals(3 * qn);
+        std::vector<uint8_t> q(3 * qk), hq(3 * qi);
+        std::vector<float> d(3 * qk / 16), hd(3 * qi / 16);
+        std::vector<int32_t> qids = {2, 0, 2}, entries = {1, 0, 2};
+        run(quantize_q8, d1(1), d1(256), qx.data(), qids.data(), 0, q.data(), d.data(), 3u, qk);
+        run(quantize_q8, d1(1), d1(256), qx.data(), qids.data(), 1, q.data(), d.data(), 3u, qk);
+        std::vector<uint8_t> wq(qn * qk / 2, 0x5a), sq(qn * qk / 16, 0x38);
+        run(linear_q8_gemv, d1(3), d1(256), q.data(), d.data(), wq.data(), sq.data(), 0.5f, qo.data(), 3u, qn, qk);
+        std::vector<std::vector<uint8_t>> ew, es;  // gate, up, down of the two experts
+        for (unsigned p = 0; p < 6; ++p) {
+            ew.emplace_back(qi * qk / 2, static_cast<uint8_t>(0x35 + p));
+            es.emplace_back(qi * qk / 16, 0x40);
+        }
+        std::vector<uint64_t> wt, st;
+        for (unsigned p = 0; p < 6; ++p) {
+            wt.push_back(reinterpret_cast<uint64_t>(ew[p].data()));
+            st.push_back(reinterpret_cast<uint64_t>(es[p].data()));
+        }
+        std::vector<float> gl = {0.5f, 0.25f, 1.0f, 0.5f, 0.25f, 2.0f}, weights = vals(3), parts = vals(3 * qk);
+        run(moe_gate_up_q8, dim3{qi / 16, 1, 2}, d1(512), q.data(), d.data(), wt.data(), st.data(), gl.data(), row0.data(),
+            counts.data(), 2u, hq.data(), hd.data(), qi, qk);
+        run(moe_down_q8, dim3{qk / 8, 1, 2}, d1(256), hq.data(), hd.data(), wt.data(), st.data(), gl.data(), row0.data(),
+            counts.data(), 2u, entries.data(), weights.data(), parts.data(), qk, qi);
+    }
+
     // Memory: gathers, scatters, splits, bf16 rows, embeddings.
     std::vector<int32_t> ids = {2, 0, 2};
     auto gathered = vals(3 * cols);
@@ -126,12 +156,15 @@ int main(int argc, char** argv) {
     const unsigned past = 19, qn = 2, heads = 4, kvh = 2, hd = 16, ps = 8, pages = 3;
     std::vector<int32_t> table = {2, 0, 1};
     auto q = vals(qn * heads * hd), ao = vals(qn * heads * hd), pool = vals(pages * 2 * ps * kvh * hd);
-    std::vector<float> scratch(qn * heads * (past + qn));
-    run(attention_paged, d1(qn * heads), d1(128), q.data(), ao.data(), static_cast<const void*>(pool.data()), 0, table.data(),
-        ps, 0u, past, heads, kvh, hd, 0.25f, scratch.data(), past + qn);
+    // Flash attention: one split writing the output (both heads of a KV head in a block), then two
+    // splits of 16 positions with a head a block into the partial sums, joined by the combine.
+    run(attention_flash, dim3{qn, kvh, 1}, d1(128), q.data(), ao.data(), static_cast<const void*>(pool.data()), 0,
+        table.data(), ps, 0u, qn, past, heads, kvh, hd, 0.25f, 2u, 32u, ao.data());
     std::vector<uint16_t> pool16(pool.size(), 0x3f80);
-    run(attention_paged, d1(qn * heads), d1(128), q.data(), ao.data(), static_cast<const void*>(pool16.data()), 1,
-        table.data(), ps, 0u, past, heads, kvh, hd, 0.25f, scratch.data(), past + qn);
+    std::vector<float> part(qn * heads * 2 * (hd + 2));
+    run(attention_flash, dim3{qn, kvh * 2, 2}, d1(128), q.data(), ao.data(), static_cast<const void*>(pool16.data()), 1,
+        table.data(), ps, 0u, qn, past, heads, kvh, hd, 0.25f, 1u, 16u, part.data());
+    run(attention_combine, d1(qn * heads), d1(32), part.data(), ao.data(), 0u, qn, heads, hd, 2u);
     auto kf = vals(5 * kvh * hd), vf = vals(5 * kvh * hd), fq = vals(5 * heads * hd), fo = vals(5 * heads * hd);
     std::vector<float> fs(3 * heads * 3);
     run(attention_full, d1(3 * heads), d1(128), fq.data(), kf.data(), vf.data(), fo.data(), 1u, 3u, 0u, heads, kvh, hd,

@@ -24,6 +24,12 @@ struct dim3 {
     unsigned x, y, z;
 };
 
+// The vector types the kernels load and store whole (16 and 8 bytes, aligned as a GPU requires).
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+
 namespace emu {
 
 // Grid and block sizes of one launch (the C side of the Rust `LaunchConfig`).
@@ -150,8 +156,28 @@ inline double __longlong_as_double(long long v) {
 }
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// A load of a `T` from an address not aligned to its size faults on a GPU ("misaligned address"); here
+// too, so a vector load the host lays out wrongly fails on the emulated device as it would on a card.
 template <typename T>
-inline T __ldg(const T* p) { return *p; }
+inline T __ldg(const T* p) {
+    if (reinterpret_cast<std::uintptr_t>(p) % alignof(T) != 0) emu::fault("a misaligned load");
+    return *p;
+}
+// `__byte_perm(x, y, s)` (PTX `prmt.b32`, as NVRTC emits it: selectors masked to 3 bits): byte `n` of the
+// result is byte `(s >> 4n) & 7` of the eight bytes of `x` (0..3) and `y` (4..7).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const uint64_t both = (static_cast<uint64_t>(y) << 32) | x;
+    unsigned out = 0;
+    for (unsigned n = 0; n < 4; ++n) out |= static_cast<unsigned>((both >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+    return out;
+}
+// `__dp4a(a, b, c)` (PTX `dp4a.s32.s32`): `c` plus the four products of the signed bytes of `a` and `b`,
+// wrapping as the hardware's 32-bit sum does.
+inline int __dp4a(int a, int b, int c) {
+    int64_t s = c;
+    for (unsigned n = 0; n < 4; ++n) s += static_cast<int8_t>(a >> (8 * n)) * static_cast<int8_t>(b >> (8 * n));
+    return static_cast<int>(static_cast<uint32_t>(s));
+}
 // Threads of several blocks interleave, but only at barriers and shuffles (a fiber never yields inside
 // a call), so this read-modify-write is indivisible as a GPU's atomic is; what a non-atomic `+=` across
 // a barrier would lose shows (the blocks interleave). No kernel uses it yet.

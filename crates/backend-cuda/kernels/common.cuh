@@ -43,6 +43,8 @@ __device__ __forceinline__ float e2m1_to_f32(uint32_t c) {
     return (c & 8u) ? -v : v;
 }
 
+__device__ __forceinline__ unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 

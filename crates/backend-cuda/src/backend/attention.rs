@@ -1,5 +1,8 @@
-//! Attention on the device (`kernels/attention.cu`): one block per (query row, head) over a scratch
-//! row of scores.
+//! Attention on the device (`kernels/attention.cu`). Causal attention over paged KV is flash attention:
+//! K/V tiles through shared memory read once for a KV head's query heads, online softmax, and for
+//! decode the context split across blocks (flash-decoding) with a combine kernel, so no score is stored
+//! and memory does not grow with the context. Bidirectional attention (vision) is one block per (query
+//! row, head) over a scratch row of scores, in bands under a cap.
 
 use std::ops::Range;
 
@@ -27,6 +30,40 @@ pub(super) fn paged(kv: PagedView<'_>) -> (DevPtr, i32, DevPtr, u32) {
 /// 128 threads: a head's 128 or 256 dims in one or two passes, a context's scores in strides of 128.
 const THREADS: u32 = 128;
 
+/// `attention_flash`'s widest head and the query heads × width one block holds (`FMAX_D`, `FMAX_QD` in
+/// `kernels/attention.cu`), and its tile of positions (`FT`).
+const FLASH_MAX_D: usize = 256;
+const FLASH_MAX_QD: usize = 2048;
+const FLASH_TILE: usize = 16;
+/// Blocks a flash launch aims for (about two per SM of a large card): the context is split until rows ×
+/// KV heads × splits reach it, so a decode step (one row, a few KV heads) still fills the card.
+const FLASH_BLOCKS: usize = 256;
+/// The fewest positions a split takes (below this the combine costs more than the split saves).
+const FLASH_MIN_SPAN: usize = 64;
+
+/// How a flash launch divides its work: query heads a block (`hchunk`, `chunks` blocks a KV head) and
+/// the context's splits of `span` positions.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct FlashPlan {
+    pub(super) hchunk: usize,
+    pub(super) chunks: usize,
+    pub(super) span: usize,
+    pub(super) splits: usize,
+}
+
+impl FlashPlan {
+    /// The plan for `n` query rows after `past` tokens.
+    pub(super) fn new(n: usize, past: usize, shape: AttnShape) -> Self {
+        let group = shape.heads / shape.kv_heads;
+        let hchunk = group.min(FLASH_MAX_QD / shape.head_dim.max(1)).clamp(1, 32);
+        let chunks = group.div_ceil(hchunk);
+        let keys = past + n;
+        let want = FLASH_BLOCKS.div_ceil(n * shape.kv_heads * chunks);
+        let span = keys.div_ceil(want).max(FLASH_MIN_SPAN).next_multiple_of(FLASH_TILE);
+        FlashPlan { hchunk, chunks, span, splits: keys.div_ceil(span) }
+    }
+}
+
 impl CudaBackend {
     /// Query rows per launch so a band's scores (`rows × heads × keys` f32) stay within the scratch cap:
     /// attention's scratch is bounded by the cap, not by the chunk times the context (at least one row).
@@ -50,32 +87,50 @@ impl AttentionOps for CudaBackend {
         if n == 0 {
             return;
         }
-        // Bands of query rows: row `j` of the chunk is row `rows.start + j` of `q` after `past + j` tokens,
-        // so a band starting at `j0` is the same kernel at (`rows.start + j0`, `past + j0`).
-        let stride = past + n;
-        let band = self.band(n, shape.heads, stride);
-        let Some(scratch) = self.scores(band * shape.heads, stride) else { return };
+        let (heads, kv_heads, head_dim) = (shape.heads, shape.kv_heads, shape.head_dim);
+        if head_dim > FLASH_MAX_D || kv_heads == 0 || heads % kv_heads != 0 {
+            return self
+                .fail("attention_paged", format!("no flash attention for {shape:?} (heads of at most {FLASH_MAX_D})"));
+        }
+        let plan = FlashPlan::new(n, past, shape);
+        let part = if plan.splits > 1 {
+            // The splits' partial sums: rows × heads × splits × (head_dim + 2) floats, bounded by the
+            // blocks a launch aims for, not by the context.
+            let t = self.empty(DType::F32, &[n * heads * plan.splits, head_dim + 2]);
+            match t {
+                Ok(t) => Some(t),
+                Err(e) => return self.fail("attention partial sums", e),
+            }
+        } else {
+            None
+        };
         let (pool, bf16, table, page_size) = paged(kv);
-        let (heads, kv_heads, head_dim) = (u32_of(shape.heads), u32_of(shape.kv_heads), u32_of(shape.head_dim));
-        for j0 in (0..n).step_by(band) {
-            let m = band.min(n - j0);
-            let call = launch::attention_paged(
-                ptr(q),
-                ptr(out),
-                pool,
-                bf16,
-                table,
-                page_size,
-                u32_of(rows.start + j0),
-                u32_of(past + j0),
-                heads,
-                kv_heads,
-                head_dim,
-                scale,
-                ptr(&scratch),
-                u32_of(stride),
-            );
-            self.run(call, LaunchConfig::per_group(m * shape.heads, THREADS));
+        let (h, kvh, hd) = (u32_of(heads), u32_of(kv_heads), u32_of(head_dim));
+        let (row0, n32) = (u32_of(rows.start), u32_of(n));
+        let part_ptr = part.as_ref().map_or(ptr(out), ptr);
+        let call = launch::attention_flash(
+            ptr(q),
+            ptr(out),
+            pool,
+            bf16,
+            table,
+            page_size,
+            row0,
+            n32,
+            u32_of(past),
+            h,
+            kvh,
+            hd,
+            scale,
+            u32_of(plan.hchunk),
+            u32_of(plan.span),
+            part_ptr,
+        );
+        let grid = [n32, u32_of(kv_heads * plan.chunks), u32_of(plan.splits)];
+        self.run(call, LaunchConfig { grid, block: [THREADS, 1, 1] });
+        if let Some(part) = part {
+            let call = launch::attention_combine(ptr(&part), ptr(out), row0, n32, h, hd, u32_of(plan.splits));
+            self.run(call, LaunchConfig::per_group(n * heads, THREADS));
         }
     }
 
@@ -116,5 +171,43 @@ impl AttentionOps for CudaBackend {
             );
             self.run(call, LaunchConfig::per_group(m * shape.heads, THREADS));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The partial sums a flash launch needs: rows × heads × splits × (head_dim + 2) floats.
+    fn part_bytes(n: usize, past: usize, s: AttnShape) -> usize {
+        let p = FlashPlan::new(n, past, s);
+        if p.splits > 1 {
+            n * s.heads * p.splits * (s.head_dim + 2) * 4
+        } else {
+            0
+        }
+    }
+
+    #[test]
+    fn flash_attention_memory_does_not_grow_with_the_context() {
+        // Qwen3.5-35B-A3B's attention: 16 query heads over 2 KV heads of 256.
+        let s = AttnShape { heads: 16, kv_heads: 2, head_dim: 256 };
+        // Decode: the context split until the launch has ~256 blocks, every split whole tiles.
+        let p = FlashPlan::new(1, 65_535, s);
+        assert_eq!((p.hchunk, p.chunks), (8, 1), "a KV head's 8 query heads share its tiles");
+        assert_eq!((p.span, p.splits), (512, 128));
+        assert!(FlashPlan::new(1, 10, s).splits == 1, "a short context is one split, no combine");
+        // A 512-token chunk: its rows fill the card, one split, no partial sums at any context.
+        assert_eq!(FlashPlan::new(512, 65_024, s).splits, 1);
+        // The partial sums for 1, 8 and 512 rows at 1k, 32k and 64k tokens stay under 4 MiB: bounded by
+        // the blocks a launch aims for, not by the context (the score scratch this replaced was
+        // rows × heads × context × 4 bytes: 1 GiB for 512 rows at 32k).
+        for n in [1, 8, 512] {
+            for ctx in [1024, 32_768, 65_536] {
+                let bytes = part_bytes(n, ctx - n, s);
+                assert!(bytes <= 4 << 20, "{n} rows at {ctx} tokens: {bytes} bytes of partial sums");
+            }
+        }
+        assert_eq!(part_bytes(1, 65_535, s), 16 * 128 * 258 * 4, "decode at 64k: 2.1 MB");
     }
 }

@@ -117,6 +117,9 @@ impl CudaBackend {
                 return Ok(out);
             }
         }
+        if self.q8_path(m, w.dtype, k) {
+            return self.linear_q8(x, w, n);
+        }
         let wtype = wtype(w.dtype)?;
         let out = self.empty(DType::F32, &[m, n])?;
         let (x, o, mnk) = (ptr(x), ptr(&out), (u32_of(m), u32_of(n), u32_of(k)));

@@ -11,6 +11,7 @@ mod bufs;
 mod core;
 mod experts;
 mod memory;
+mod q8;
 mod qwen4;
 mod recurrent;
 mod sample;
@@ -82,7 +83,9 @@ pub struct CudaBackend {
     device: Device,
     info: DeviceInfo,
     /// `Int8` (the fast default): prefill-shaped bf16 and NVFP4 linears run as bf16 GEMMs (cuBLAS) with
-    /// bf16 activations, as the CPU's fast path rounds them; `Exact`: every linear in f32 (parity tests).
+    /// bf16 activations, as the CPU's fast path rounds them, and decode-shaped NVFP4 ones (dense and
+    /// routed experts) take int8 activations per 16-value block with `dp4a`, as the CPU's `q8` does
+    /// (`q8.rs`); `Exact`: every linear in f32 (parity tests).
     precision: osprey_backend::Precision,
     /// Most bytes of attention scores one launch may hold ([`CudaBackend::with_scratch_cap`]).
     scratch_cap: usize,

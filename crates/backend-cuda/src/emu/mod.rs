@@ -26,6 +26,11 @@ thread_local! {
     static LAUNCHED: std::cell::RefCell<Option<Vec<&'static str>>> = const { std::cell::RefCell::new(None) };
 }
 
+/// 256 bytes aligned as a `cuMemAlloc` allocation is (the unit of the emulated device's memory).
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(256))]
+struct Block([u64; 32]);
+
 /// Runs `f` and returns the kernels the emulated device launched on this thread meanwhile, in order:
 /// which kernels an op's test runs (the emulated device launches on the calling thread).
 pub fn launches_of(f: impl FnOnce()) -> Vec<&'static str> {
@@ -41,8 +46,9 @@ unsafe extern "C" {
 /// The emulated device (see the module docs).
 #[derive(Debug)]
 pub struct EmuDevice {
-    /// Live allocations: address → the memory (8-byte aligned).
-    allocs: Mutex<BTreeMap<u64, Box<[u64]>>>,
+    /// Live allocations: address → the memory (256-byte aligned, as `cuMemAlloc`'s: a kernel's vector
+    /// loads rely on it) and its size in bytes (a multiple of 8).
+    allocs: Mutex<BTreeMap<u64, (Box<[Block]>, usize)>>,
     /// Bytes allocated, and the cap.
     used: AtomicU64,
     capacity: usize,
@@ -208,10 +214,8 @@ impl EmuDevice {
     /// Checks that `[p, p + bytes)` lies inside one live allocation.
     fn check(&self, p: DevPtr, bytes: usize, what: &str) -> Result<(), DeviceError> {
         let allocs = self.allocs.lock().unwrap_or_else(|e| e.into_inner());
-        let inside = allocs
-            .range(..=p.0)
-            .next_back()
-            .is_some_and(|(&base, mem)| p.0 + bytes as u64 <= base + (mem.len() * 8) as u64);
+        let inside =
+            allocs.range(..=p.0).next_back().is_some_and(|(&base, (_, len))| p.0 + bytes as u64 <= base + *len as u64);
         if inside || bytes == 0 {
             Ok(())
         } else {
@@ -307,10 +311,10 @@ impl DeviceLayer for EmuDevice {
         if rounded > available {
             return Err(DeviceError::OutOfMemory { requested: bytes, available });
         }
-        let mem = vec![0u64; rounded / 8].into_boxed_slice();
+        let mem = vec![Block([0; 32]); rounded.div_ceil(256)].into_boxed_slice();
         let at = mem.as_ptr() as u64;
         self.used.fetch_add(rounded as u64, Ordering::Relaxed);
-        self.allocs.lock().unwrap_or_else(|e| e.into_inner()).insert(at, mem);
+        self.allocs.lock().unwrap_or_else(|e| e.into_inner()).insert(at, (mem, rounded));
         self.metered(|m| m.region(at, rounded, true));
         Ok(DevPtr(at))
     }
@@ -323,9 +327,9 @@ impl DeviceLayer for EmuDevice {
         // The work issued before may still read or fill it.
         let mut s = self.streams();
         self.drain(&mut s);
-        if let Some(mem) = self.allocs.lock().unwrap_or_else(|e| e.into_inner()).remove(&p.0) {
-            self.used.fetch_sub((mem.len() * 8) as u64, Ordering::Relaxed);
-            self.metered(|m| m.region(p.0, mem.len() * 8, false));
+        if let Some((_, len)) = self.allocs.lock().unwrap_or_else(|e| e.into_inner()).remove(&p.0) {
+            self.used.fetch_sub(len as u64, Ordering::Relaxed);
+            self.metered(|m| m.region(p.0, len, false));
         }
         s.take_fault()
     }

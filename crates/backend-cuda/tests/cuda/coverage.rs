@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use osprey_backend::Op;
 
-use crate::{ops, sample, sequence};
+use crate::{ops, q8, sample, sequence};
 
 /// The tests that check `op` on the CUDA backend against the CPU backend.
 fn parity_cases(op: Op) -> &'static [fn()] {
@@ -22,6 +22,7 @@ fn parity_cases(op: Op) -> &'static [fn()] {
         Op::LinearNvfp4 => &[
             ops::linears_agree_within_the_dot_product_bound_for_every_weight_type,
             ops::fast_linears_run_as_bf16_gemms_within_the_rounding_bound,
+            q8::int8_decode_linears_take_the_cpus_integers,
         ],
         Op::Embed => &[ops::embeddings_memory_ops_rotary_and_the_router_match],
         Op::Elementwise => &[ops::element_wise_ops_agree_to_a_few_ulps],
@@ -42,6 +43,7 @@ fn parity_cases(op: Op) -> &'static [fn()] {
         Op::ExpertSlots => &[
             sequence::routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wave,
             sequence::routed_experts_from_device_ids_match_the_host_routed_ones,
+            q8::int8_decode_experts_fuse_to_the_bits_of_the_dense_kernels,
         ],
         Op::GroupedNorms | Op::HyperConnections | Op::Ple | Op::AttentionSelected => {
             &[sequence::qwen4_exp_ops_match_the_cpu_backend]

@@ -9,6 +9,7 @@ mod graphs;
 #[cfg(feature = "cuda")]
 mod nvrtc;
 mod ops;
+mod q8;
 mod sample;
 mod sequence;
 mod traffic;

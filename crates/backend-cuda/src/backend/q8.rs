@@ -1,0 +1,120 @@
+//! NVFP4 × int8 products for decode-shaped steps at the fast activations (`Precision::Int8`), the
+//! reading the CPU backend gives it (`osprey_kernels::q8`): activations quantised once to int8 per
+//! 16-value block, weights' codes to int8 by a register table, `dp4a` (`kernels/linear_q8.cu`). A dense
+//! NVFP4 linear of at most [`GEMV_ROWS`] rows is a quantisation and `linear_q8_gemv`; the routed experts
+//! of such a step are three launches — the gather with the quantisation, gate and up with SwiGLU (its
+//! output quantised), down with the routing weight into `partials` — where the f32 path takes six.
+
+use osprey_backend::{DType, ExpertShape, Precision, Result, Tensor};
+
+use super::core::{RawWeight, GEMV_ROWS};
+use super::{ptr, u32_of, CudaBackend};
+use crate::device::{DevPtr, LaunchConfig};
+use crate::launch;
+
+/// Widths the int8 path takes: whole 64-column chunks, as the CPU's (`q8::CHUNK`), so that both backends
+/// quantise the same matmuls (the kernels need multiples of 32).
+pub(super) const Q8_COLS: usize = 64;
+
+/// The routed experts' tables of a wave (`experts.rs`' `OnDevice`), as the fused kernels read them.
+pub(super) struct Groups {
+    pub(super) w: DevPtr,
+    pub(super) s: DevPtr,
+    pub(super) g: DevPtr,
+    pub(super) row0: DevPtr,
+    pub(super) rows: DevPtr,
+    pub(super) entries: DevPtr,
+    pub(super) tokens: DevPtr,
+    pub(super) groups: usize,
+    /// Rows in all.
+    pub(super) n: usize,
+}
+
+impl CudaBackend {
+    /// Whether `m` rows against an NVFP4 matrix of width `k` take the int8 path.
+    pub(super) fn q8_path(&self, m: usize, dtype: DType, k: usize) -> bool {
+        self.precision == Precision::Int8
+            && dtype == DType::Nvfp4
+            && (1..=GEMV_ROWS).contains(&m)
+            && k.is_multiple_of(Q8_COLS)
+    }
+
+    /// `rows` rows of `x` (row `ids[r]` where `ids` is given) quantised: `([rows, k]` int8 as bytes,
+    /// `[rows, k/16]` scales`)`.
+    fn quantize_q8(&self, x: &Tensor, ids: Option<DevPtr>, rows: usize) -> Result<(Tensor, Tensor)> {
+        let k = x.cols();
+        let (q, d) = (self.empty(DType::U8, &[rows, k])?, self.empty(DType::F32, &[rows, k / 16])?);
+        let (ids, gather) = ids.map_or((ptr(x), 0), |p| (p, 1));
+        let call = launch::quantize_q8(ptr(x), ids, gather, ptr(&q), ptr(&d), u32_of(rows), u32_of(k));
+        self.try_run(call, LaunchConfig::elements(rows * k / 16))?;
+        Ok((q, d))
+    }
+
+    /// `x [m, k] · wᵀ` on the int8 path ([`Self::q8_path`]).
+    pub(super) fn linear_q8(&self, x: &Tensor, w: RawWeight, n: usize) -> Result<Tensor> {
+        let (m, k) = (x.rows(), x.cols());
+        let (q, d) = self.quantize_q8(x, None, m)?;
+        let out = self.empty(DType::F32, &[m, n])?;
+        let call = launch::linear_q8_gemv(
+            ptr(&q),
+            ptr(&d),
+            w.data,
+            w.scales,
+            w.global,
+            ptr(&out),
+            u32_of(m),
+            u32_of(n),
+            u32_of(k),
+        );
+        self.try_run(call, LaunchConfig { grid: [n.div_ceil(8) as u32, 1, 1], block: [256, 1, 1] })?;
+        Ok(out)
+    }
+
+    /// A wave's routed experts on the int8 path, each row's output times its weight into its entry of
+    /// `partials` (what `experts.rs`' `run_groups` computes, in three launches).
+    pub(super) fn experts_q8(
+        &self,
+        x: &Tensor,
+        weights: &Tensor,
+        shape: ExpertShape,
+        g: &Groups,
+        partials: &mut Tensor,
+    ) -> Result<()> {
+        let (hidden, inter) = (shape.hidden, shape.inter);
+        let (xq, xd) = self.quantize_q8(x, Some(g.tokens), g.n)?;
+        let (hq, hd) = (self.empty(DType::U8, &[g.n, inter])?, self.empty(DType::F32, &[g.n, inter / 16])?);
+        let groups = g.groups as u32;
+        let call = launch::moe_gate_up_q8(
+            ptr(&xq),
+            ptr(&xd),
+            g.w,
+            g.s,
+            g.g,
+            g.row0,
+            g.rows,
+            groups,
+            ptr(&hq),
+            ptr(&hd),
+            u32_of(inter),
+            u32_of(hidden),
+        );
+        // A block of 16 warps gives 16 columns: one quantisation block of the down projection's input.
+        self.try_run(call, LaunchConfig { grid: [(inter / 16) as u32, 1, groups], block: [512, 1, 1] })?;
+        let call = launch::moe_down_q8(
+            ptr(&hq),
+            ptr(&hd),
+            g.w,
+            g.s,
+            g.g,
+            g.row0,
+            g.rows,
+            groups,
+            g.entries,
+            ptr(weights),
+            ptr(partials),
+            u32_of(hidden),
+            u32_of(inter),
+        );
+        self.try_run(call, LaunchConfig { grid: [hidden.div_ceil(8) as u32, 1, groups], block: [256, 1, 1] })
+    }
+}
