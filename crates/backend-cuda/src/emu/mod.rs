@@ -31,6 +31,13 @@ thread_local! {
 #[repr(C, align(256))]
 struct Block([u64; 32]);
 
+/// A live allocation: its memory and its size in bytes (a multiple of 8; the memory is whole blocks).
+#[derive(Debug)]
+struct Alloc {
+    _mem: Box<[Block]>,
+    len: usize,
+}
+
 /// Runs `f` and returns the kernels the emulated device launched on this thread meanwhile, in order:
 /// which kernels an op's test runs (the emulated device launches on the calling thread).
 pub fn launches_of(f: impl FnOnce()) -> Vec<&'static str> {
@@ -48,7 +55,7 @@ unsafe extern "C" {
 pub struct EmuDevice {
     /// Live allocations: address → the memory (256-byte aligned, as `cuMemAlloc`'s: a kernel's vector
     /// loads rely on it) and its size in bytes (a multiple of 8).
-    allocs: Mutex<BTreeMap<u64, (Box<[Block]>, usize)>>,
+    allocs: Mutex<BTreeMap<u64, Alloc>>,
     /// Bytes allocated, and the cap.
     used: AtomicU64,
     capacity: usize,
@@ -215,7 +222,7 @@ impl EmuDevice {
     fn check(&self, p: DevPtr, bytes: usize, what: &str) -> Result<(), DeviceError> {
         let allocs = self.allocs.lock().unwrap_or_else(|e| e.into_inner());
         let inside =
-            allocs.range(..=p.0).next_back().is_some_and(|(&base, (_, len))| p.0 + bytes as u64 <= base + *len as u64);
+            allocs.range(..=p.0).next_back().is_some_and(|(&base, a)| p.0 + bytes as u64 <= base + a.len as u64);
         if inside || bytes == 0 {
             Ok(())
         } else {
@@ -314,7 +321,7 @@ impl DeviceLayer for EmuDevice {
         let mem = vec![Block([0; 32]); rounded.div_ceil(256)].into_boxed_slice();
         let at = mem.as_ptr() as u64;
         self.used.fetch_add(rounded as u64, Ordering::Relaxed);
-        self.allocs.lock().unwrap_or_else(|e| e.into_inner()).insert(at, (mem, rounded));
+        self.allocs.lock().unwrap_or_else(|e| e.into_inner()).insert(at, Alloc { _mem: mem, len: rounded });
         self.metered(|m| m.region(at, rounded, true));
         Ok(DevPtr(at))
     }
@@ -327,7 +334,7 @@ impl DeviceLayer for EmuDevice {
         // The work issued before may still read or fill it.
         let mut s = self.streams();
         self.drain(&mut s);
-        if let Some((_, len)) = self.allocs.lock().unwrap_or_else(|e| e.into_inner()).remove(&p.0) {
+        if let Some(Alloc { len, .. }) = self.allocs.lock().unwrap_or_else(|e| e.into_inner()).remove(&p.0) {
             self.used.fetch_sub(len as u64, Ordering::Relaxed);
             self.metered(|m| m.region(p.0, len, false));
         }
