@@ -7,6 +7,7 @@
 
 #include "attention.cu"
 #include "elementwise.cu"
+#include "gemm_q8.cu"
 #include "linear.cu"
 #include "linear_q8.cu"
 #include "memory.cu"
@@ -136,6 +137,25 @@ int main(int argc, char** argv) {
             counts.data(), 2u, hq.data(), hd.data(), qi, qk);
         run(moe_down_q8, dim3{qk / 8, 1, 2}, d1(256), hq.data(), hd.data(), wt.data(), st.data(), gl.data(), row0.data(),
             counts.data(), 2u, entries.data(), weights.data(), parts.data(), qk, qi);
+    }
+
+    // The tensor-core GEMM (k a multiple of 32): 70 rows × 72 columns (a partial tile each way), k = 64;
+    // grouped: the two groups of 2 and 1 rows. Then the primitives' selftest.
+    {
+        const unsigned mm = 70, mn = 72, mk = 64;
+        std::vector<uint8_t> q(mm * mk, 0x11), wq(mn * mk / 2, 0x5a), sq(mn * mk / 16, 0x38);
+        std::vector<float> d(mm * mk / 16, 0.25f), mo(mm * mn);
+        run(linear_mma_q8, dim3{2, 2, 1}, d1(128), q.data(), d.data(), wq.data(), sq.data(), 0.5f, mo.data(), mm, mn, mk);
+        std::vector<uint64_t> wt = {reinterpret_cast<uint64_t>(wq.data()), reinterpret_cast<uint64_t>(wq.data())};
+        std::vector<uint64_t> st = {reinterpret_cast<uint64_t>(sq.data()), reinterpret_cast<uint64_t>(sq.data())};
+        std::vector<float> gl = {0.5f, 0.25f};
+        std::vector<float> go(3 * mn);
+        run(linear_grouped_mma_q8, dim3{1, 1, 2}, d1(128), q.data(), d.data(), wt.data(), st.data(), gl.data(), row0.data(),
+            counts.data(), go.data(), mn, mk);
+        std::vector<uint8_t> ta(256, 3), tb(128, 250), rows(512, 7), cp(32);
+        std::vector<int> td(128), tt(128);
+        std::vector<uint32_t> lm(128);
+        run(selftest_mma, d1(1), d1(32), ta.data(), tb.data(), td.data(), tt.data(), rows.data(), lm.data(), cp.data(), 0);
     }
 
     // Memory: gathers, scatters, splits, bf16 rows, embeddings.

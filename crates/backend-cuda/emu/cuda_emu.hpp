@@ -15,6 +15,7 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 struct uint3 {
     unsigned x, y, z;
@@ -29,6 +30,9 @@ struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+struct alignas(8) float2 {
+    float x, y;
+};
 
 namespace emu {
 
@@ -52,6 +56,19 @@ unsigned lane_id();
 [[noreturn]] void fault(const char* msg);
 // The running block's instance of shared declaration `key`, `bytes` long (see `SHARED`).
 void* shared(const void* key, std::size_t bytes);
+
+// One cp.async copy queued by a thread: `bytes` to shared `dst` from global `src`, of which the first
+// `src_bytes` are read and the rest zero-filled; `group` is the thread's commit group it belongs to.
+struct AsyncCopy {
+    unsigned char* dst;
+    const unsigned char* src;
+    unsigned bytes, src_bytes, group;
+};
+// The running thread's cp.async queue (runtime.cpp): queue a copy, close a group, and take the copies
+// of every committed group but the `kept` newest (cp.async.wait_group `kept`), to be performed.
+void async_copy(void* dst, const void* src, unsigned bytes, unsigned src_bytes);
+void async_commit();
+std::vector<AsyncCopy> async_ready(unsigned kept);
 
 // Runs `body(arg)` as every thread of the grid; 0, or a nonzero code with `last_error()` set.
 int run(const Launch* l, void (*body)(void*), void* arg);
@@ -170,6 +187,24 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     unsigned out = 0;
     for (unsigned n = 0; n < 4; ++n) out |= static_cast<unsigned>((both >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
     return out;
+}
+// cp.async (sm_80+) on the emulated device: a copy is queued, not made, and made when the thread waits
+// for its group (`cp_async_wait<N>`), so a kernel that reads its staged tile before waiting for it reads
+// what was there before, as a GPU may give it. Addresses must be aligned to the copy's size (a GPU
+// faults otherwise). The source is read here, in the kernel's translation unit, so the traffic meter
+// counts it.
+inline void cp_async_n(void* dst, const void* src, unsigned bytes, unsigned src_bytes) {
+    if (reinterpret_cast<std::uintptr_t>(dst) % bytes != 0 || reinterpret_cast<std::uintptr_t>(src) % bytes != 0)
+        emu::fault("a misaligned cp.async");
+    emu::async_copy(dst, src, bytes, src_bytes);
+}
+inline void cp_async16(void* dst, const void* src, unsigned src_bytes) { cp_async_n(dst, src, 16, src_bytes); }
+inline void cp_async8(void* dst, const void* src, unsigned src_bytes) { cp_async_n(dst, src, 8, src_bytes); }
+inline void cp_async_commit() { emu::async_commit(); }
+template <int N>
+inline void cp_async_wait() {
+    for (const emu::AsyncCopy& c : emu::async_ready(N))
+        for (unsigned i = 0; i < c.bytes; ++i) c.dst[i] = i < c.src_bytes ? c.src[i] : 0;
 }
 // `__dp4a(a, b, c)` (PTX `dp4a.s32.s32`): `c` plus the four products of the signed bytes of `a` and `b`,
 // wrapping as the hardware's 32-bit sum does.

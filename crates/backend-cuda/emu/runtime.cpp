@@ -91,6 +91,9 @@ struct Fiber {
     unsigned local;  // its index in its block
     Wait wait;
     unsigned gen;  // shuffles done: picks one of two exchange buffers
+    // Its cp.async copies not yet performed, and the groups it has committed (cuda_emu.hpp).
+    std::vector<emu::AsyncCopy> copies;
+    unsigned committed;
 };
 
 // Blocks alive at once: their threads interleave, each block with its own barriers and shared memory.
@@ -225,6 +228,8 @@ bool run_blocks(const std::vector<uint3>& blocks, unsigned n) {
             f.block = b;
             f.local = i;
             f.wait = Wait::None;
+            f.copies.clear();
+            f.committed = 0;
             f.sp = fresh_stack(S->stacks[b * n + i].get(), kStack);
         }
     std::vector<unsigned> order(total);
@@ -253,6 +258,22 @@ bool run_blocks(const std::vector<uint3>& blocks, unsigned n) {
 }
 
 }  // namespace
+
+void async_copy(void* dst, const void* src, unsigned bytes, unsigned src_bytes) {
+    Fiber& me = S->fibers[S->cur];
+    me.copies.push_back(AsyncCopy{static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src), bytes,
+                                  src_bytes, me.committed});
+}
+
+void async_commit() { ++S->fibers[S->cur].committed; }
+
+std::vector<AsyncCopy> async_ready(unsigned kept) {
+    Fiber& me = S->fibers[S->cur];
+    std::vector<AsyncCopy> ready, waiting;
+    for (const AsyncCopy& c : me.copies) (c.group + kept < me.committed ? ready : waiting).push_back(c);
+    me.copies = std::move(waiting);
+    return ready;
+}
 
 void syncthreads() {
     S->fibers[S->cur].wait = Wait::Block;

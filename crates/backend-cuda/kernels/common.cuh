@@ -45,6 +45,16 @@ __device__ __forceinline__ float e2m1_to_f32(uint32_t c) {
 
 __device__ __forceinline__ unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
 
+// `2·e2m1` of the four codes in bits 0..15 of `codes` (column order: a code's nibble is its column) as
+// four int8 in one word: the magnitude's three bits pick a byte of the positive and the negative table
+// (`prmt` reads 3-bit selectors), the sign bit picks between the two.
+__device__ __forceinline__ int e2m1x4_to_i8(uint32_t codes) {
+    const uint32_t sel = codes & 0x7777u;
+    const uint32_t pos = __byte_perm(0x03020100u, 0x0C080604u, sel);  // 0, 1, 2, 3 | 4, 6, 8, 12
+    const uint32_t neg = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, sel);  // their negatives
+    return (int)__byte_perm(pos, neg, 0x3210u | ((codes & 0x8888u) >> 1));
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -117,3 +127,77 @@ __device__ __forceinline__ float softmax_row(float* s, unsigned len, float* red)
     sum = block_sum(sum, red);  // its barriers also publish every s[j]
     return sum;
 }
+
+// Tensor cores (sm_80+), after the PTX ISA's fragment layouts. A lane of a warp is group `g = lane / 4`,
+// index `t = lane % 4` (blocks are one-dimensional, whole warps).
+//
+// `mma_s8_16816`: `mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32` with a zero accumulator. D (16×8
+// s32) = A (16×16 s8, row-major) · B (16×8 s8, column-major). A lane holds `a0` = A[g][4t..4t+3],
+// `a1` = A[g+8][4t..4t+3] and `b` = B[4t..4t+3][g] (4 bytes each, low byte first) and gets
+// `d` = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}.
+// `ldmatrix_x4`: `ldmatrix.sync.aligned.m8n8.x4.shared.b16`. Lane L gives the address of row L % 8 of
+// matrix L / 8 (8 × 16 bytes each, rows 16-byte aligned); register j gets the 4 bytes at (lane % 4)·4 of
+// row lane / 4 of matrix j.
+// The twins compute the same from those layouts with shuffles: the emulated device's instructions, and
+// on a GPU what `selftest_mma` checks the instructions against.
+__device__ __forceinline__ void mma_s8_16816_twin(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+    const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    int s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (unsigned q = 0; q < 4; ++q) {
+        const int r0 = (int)__shfl_sync(0xffffffffu, a0, g * 4 + q);
+        const int r1 = (int)__shfl_sync(0xffffffffu, a1, g * 4 + q);
+        const int c0 = (int)__shfl_sync(0xffffffffu, b, (2 * t) * 4 + q);
+        const int c1 = (int)__shfl_sync(0xffffffffu, b, (2 * t + 1) * 4 + q);
+        s0 = __dp4a(r0, c0, s0);
+        s1 = __dp4a(r0, c1, s1);
+        s2 = __dp4a(r1, c0, s2);
+        s3 = __dp4a(r1, c1, s3);
+    }
+    d[0] = s0;
+    d[1] = s1;
+    d[2] = s2;
+    d[3] = s3;
+}
+
+__device__ __forceinline__ void ldmatrix_x4_twin(uint32_t (&r)[4], const void* row) {
+    const unsigned lane = threadIdx.x % 32;
+#ifndef OSPREY_GPU
+    if (reinterpret_cast<std::uintptr_t>(row) % 16 != 0) emu::fault("ldmatrix: a row address not 16-byte aligned");
+#endif
+    for (unsigned j = 0; j < 4; ++j) {
+        const uint64_t a = __shfl_sync(0xffffffffu, (uint64_t)row, j * 8 + lane / 4);
+        r[j] = *(const uint32_t*)((const uint8_t*)a + (lane % 4) * 4);
+    }
+}
+
+#ifdef OSPREY_GPU
+__device__ __forceinline__ void mma_s8_16816(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b), "r"(0));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(row)));
+}
+// cp.async (sm_80+): `src_bytes` of the 16 (8) read, the rest zero-filled; `.cg` bypasses L1.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, unsigned src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, unsigned src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+#else
+__device__ __forceinline__ void mma_s8_16816(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+    mma_s8_16816_twin(d, a0, a1, b);
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) { ldmatrix_x4_twin(r, row); }
+#endif

@@ -12,16 +12,6 @@
 //
 // Needs `k` a multiple of 32 (the host takes this path where it is a multiple of 64, as the CPU does).
 
-// `2·e2m1` of the four codes in bits 0..15 of `codes` (column order: a code's nibble is its column) as
-// four int8 in one word: the magnitude's three bits pick a byte of the positive and the negative table
-// (`prmt` reads 3-bit selectors), the sign bit picks between the two.
-__device__ __forceinline__ int e2m1x4_to_i8(uint32_t codes) {
-    const uint32_t sel = codes & 0x7777u;
-    const uint32_t pos = __byte_perm(0x03020100u, 0x0C080604u, sel);  // 0, 1, 2, 3 | 4, 6, 8, 12
-    const uint32_t neg = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, sel);  // their negatives
-    return (int)__byte_perm(pos, neg, 0x3210u | ((codes & 0x8888u) >> 1));
-}
-
 // `Σ 2·w·q` over one 16-column block: its 8 packed weight bytes `w0`, `w1` against its 16 int8
 // activations `a` (four words).
 __device__ __forceinline__ int block_dot(uint32_t w0, uint32_t w1, uint4 a) {

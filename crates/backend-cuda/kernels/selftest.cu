@@ -118,3 +118,54 @@ extern "C" __global__ void selftest_alive(float* __restrict__ flags, float* __re
         seen[b] = n - before[0] - 1.0f;
     }
 }
+
+// The tensor-core primitives against their definitions (tests/cuda/emulator.rs), one warp. `a` (16 rows
+// × 16 int8) and `b` (8 columns × 16 int8, a column's 16 values together) go into `mma_s8_16816`'s
+// fragments read from global memory by the layouts written above it in common.cuh, and `d` (16 × 8 s32)
+// comes out by them; `twin` gets the twin's answer (on a GPU the instruction's and the twin's can
+// differ; on the emulated device they are the same code). `rows` (4 matrices × 8 rows × 16 bytes) goes
+// through shared memory and `ldmatrix_x4`: `lm [lane][j]` is register `j` of lane `lane`. With `early`
+// set, `cp` reads its staged bytes before waiting for them (the emulated device has not copied them yet);
+// otherwise after: `cp [0..16)` from a whole 16-byte copy of `rows`, `cp [16..32)` from one that reads 5
+// bytes and zero-fills 11, two groups waited for one after the other.
+// flops: none
+// ptx: mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32, ldmatrix.sync.aligned.m8n8.x4.shared.b16, cp.async.cg.shared.global
+// budget: 48 registers
+extern "C" __global__ void selftest_mma(const uint8_t* __restrict__ a, const uint8_t* __restrict__ b, int* __restrict__ d,
+                                        int* __restrict__ twin, const uint8_t* __restrict__ rows, uint32_t* __restrict__ lm,
+                                        uint8_t* __restrict__ cp, int early) {
+    SHARED(uint4, stage, [32]);
+    SHARED(uint4, copied, [2]);
+    const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const uint32_t a0 = *(const uint32_t*)(a + g * 16 + 4 * t), a1 = *(const uint32_t*)(a + (g + 8) * 16 + 4 * t);
+    const uint32_t b0 = *(const uint32_t*)(b + g * 16 + 4 * t);
+    int r[4], s[4];
+    mma_s8_16816(r, a0, a1, b0);
+    mma_s8_16816_twin(s, a0, a1, b0);
+    const unsigned at[4] = {g * 8 + 2 * t, g * 8 + 2 * t + 1, (g + 8) * 8 + 2 * t, (g + 8) * 8 + 2 * t + 1};
+    for (unsigned e = 0; e < 4; ++e) {
+        d[at[e]] = r[e];
+        twin[at[e]] = s[e];
+    }
+    stage[lane] = *(const uint4*)(rows + lane * 16);
+    __syncthreads();
+    uint32_t m[4];
+    ldmatrix_x4(m, (const uint8_t*)stage + (lane / 8) * 128 + (lane % 8) * 16);
+    for (unsigned j = 0; j < 4; ++j) lm[lane * 4 + j] = m[j];
+    if (lane == 0) {
+        cp_async16(&copied[0], rows, 16);
+        cp_async_commit();
+        cp_async16(&copied[1], rows + 16, 5);
+        cp_async_commit();
+        const uint8_t* c = (const uint8_t*)copied;
+        if (early) {
+            for (unsigned i = 0; i < 32; ++i) cp[i] = c[i];
+            cp_async_wait<0>();
+        } else {
+            cp_async_wait<1>();
+            for (unsigned i = 0; i < 16; ++i) cp[i] = c[i];
+            cp_async_wait<0>();
+            for (unsigned i = 16; i < 32; ++i) cp[i] = c[i];
+        }
+    }
+}

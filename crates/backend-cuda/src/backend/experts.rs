@@ -197,19 +197,22 @@ impl CudaBackend {
         partials: &mut Tensor,
     ) -> Result<()> {
         let (h, n) = (x.cols(), g.n);
+        let q8 = super::q8::Groups {
+            w: g.w,
+            s: g.s,
+            g: g.g,
+            row0: g.row0,
+            rows: g.rows,
+            entries: g.entries,
+            tokens: g.tokens,
+            groups: g.groups,
+            n,
+        };
         if self.q8_path(g.step_rows, shape.dtype, h) && shape.inter.is_multiple_of(super::q8::Q8_COLS) {
-            let q8 = super::q8::Groups {
-                w: g.w,
-                s: g.s,
-                g: g.g,
-                row0: g.row0,
-                rows: g.rows,
-                entries: g.entries,
-                tokens: g.tokens,
-                groups: g.groups,
-                n,
-            };
             return self.experts_q8(x, weights, shape, &q8, partials);
+        }
+        if self.mma_path(g.step_rows, shape.dtype, h) && shape.inter.is_multiple_of(super::q8::MMA_COLS) {
+            return self.experts_mma(x, weights, shape, (&q8, g.tall), partials);
         }
         let xs = self.empty(DType::F32, &[n, h])?;
         let call = launch::gather_rows(ptr(x), g.tokens, ptr(&xs), u32_of(n), u32_of(h), 4);

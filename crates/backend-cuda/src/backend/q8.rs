@@ -1,9 +1,12 @@
-//! NVFP4 × int8 products for decode-shaped steps at the fast activations (`Precision::Int8`), the
-//! reading the CPU backend gives it (`osprey_kernels::q8`): activations quantised once to int8 per
-//! 16-value block, weights' codes to int8 by a register table, `dp4a` (`kernels/linear_q8.cu`). A dense
-//! NVFP4 linear of at most [`GEMV_ROWS`] rows is a quantisation and `linear_q8_gemv`; the routed experts
-//! of such a step are three launches — the gather with the quantisation, gate and up with SwiGLU (its
-//! output quantised), down with the routing weight into `partials` — where the f32 path takes six.
+//! NVFP4 × int8 products at the fast activations (`Precision::Int8`), the reading the CPU backend gives
+//! it (`osprey_kernels::q8`, `q8_gemm`): activations quantised once to int8 per 16-value block, weights'
+//! codes to int8 by a register table. Decode-shaped steps (at most [`GEMV_ROWS`] rows) take `dp4a`
+//! (`kernels/linear_q8.cu`): a dense NVFP4 linear is a quantisation and `linear_q8_gemv`; the routed
+//! experts are three launches — the gather with the quantisation, gate and up with SwiGLU (its output
+//! quantised), down with the routing weight into `partials` — where the f32 path takes six.
+//! Prefill-shaped ones take the tensor cores (`kernels/gemm_q8.cu`: `mma.sync` m16n8k16 on int8,
+//! `ldmatrix`, `cp.async`): a dense NVFP4 linear is a quantisation and `linear_mma_q8`, the routed
+//! experts one grouped launch per projection (`linear_grouped_mma_q8`) for every expert's rows.
 
 use osprey_backend::{DType, ExpertShape, Precision, Result, Tensor};
 
@@ -15,6 +18,14 @@ use crate::launch;
 /// Widths the int8 path takes: whole 64-column chunks, as the CPU's (`q8::CHUNK`), so that both backends
 /// quantise the same matmuls (the kernels need multiples of 32).
 pub(super) const Q8_COLS: usize = 64;
+
+/// Widths the tensor-core GEMM takes: whole 32-value steps (two NVFP4 blocks).
+pub(super) const MMA_COLS: usize = 32;
+
+/// Rows and columns of a tensor-core GEMM block's tile (`mma_q8_tile` in `kernels/gemm_q8.cu`): dense
+/// products 64 × 64, an expert's few rows 16 × 128.
+const MMA_TILE: usize = 64;
+const MMA_EXPERT_TILE: (usize, usize) = (16, 128);
 
 /// The routed experts' tables of a wave (`experts.rs`' `OnDevice`), as the fused kernels read them.
 pub(super) struct Groups {
@@ -37,6 +48,11 @@ impl CudaBackend {
             && dtype == DType::Nvfp4
             && (1..=GEMV_ROWS).contains(&m)
             && k.is_multiple_of(Q8_COLS)
+    }
+
+    /// Whether `m` rows against an NVFP4 matrix of width `k` take the tensor-core GEMM.
+    pub(super) fn mma_path(&self, m: usize, dtype: DType, k: usize) -> bool {
+        self.precision == Precision::Int8 && dtype == DType::Nvfp4 && m > GEMV_ROWS && k.is_multiple_of(MMA_COLS)
     }
 
     /// `rows` rows of `x` (row `ids[r]` where `ids` is given) quantised: `([rows, k]` int8 as bytes,
@@ -67,6 +83,80 @@ impl CudaBackend {
             u32_of(k),
         );
         self.try_run(call, LaunchConfig { grid: [n.div_ceil(8) as u32, 1, 1], block: [256, 1, 1] })?;
+        Ok(out)
+    }
+
+    /// `x [m, k] · wᵀ` on the tensor cores ([`Self::mma_path`]).
+    pub(super) fn linear_mma(&self, x: &Tensor, w: RawWeight, n: usize) -> Result<Tensor> {
+        let (m, k) = (x.rows(), x.cols());
+        let (q, d) = self.quantize_q8(x, None, m)?;
+        let out = self.empty(DType::F32, &[m, n])?;
+        let call = launch::linear_mma_q8(
+            ptr(&q),
+            ptr(&d),
+            w.data,
+            w.scales,
+            w.global,
+            ptr(&out),
+            u32_of(m),
+            u32_of(n),
+            u32_of(k),
+        );
+        let grid = [n.div_ceil(MMA_TILE) as u32, m.div_ceil(MMA_TILE) as u32, 1];
+        self.try_run(call, LaunchConfig { grid, block: [128, 1, 1] })?;
+        Ok(out)
+    }
+
+    /// A prefill-shaped wave's routed experts on the tensor cores: the gather with the quantisation, gate
+    /// and up (a grouped launch each), SwiGLU, the quantisation, down, and each row times its weight into
+    /// its entry of `partials`. `tall` bounds every group's rows.
+    pub(super) fn experts_mma(
+        &self,
+        x: &Tensor,
+        weights: &Tensor,
+        shape: ExpertShape,
+        (g, tall): (&Groups, usize),
+        partials: &mut Tensor,
+    ) -> Result<()> {
+        let (hidden, inter) = (shape.hidden, shape.inter);
+        let (xq, xd) = self.quantize_q8(x, Some(g.tokens), g.n)?;
+        let mut gate = self.grouped_mma(&xq, &xd, (g, tall), 0, (inter, hidden))?;
+        let up = self.grouped_mma(&xq, &xd, (g, tall), 1, (inter, hidden))?;
+        osprey_backend::CoreOps::silu_mul(self, &mut gate, &up);
+        let (hq, hd) = self.quantize_q8(&gate, None, g.n)?;
+        let d = self.grouped_mma(&hq, &hd, (g, tall), 2, (hidden, inter))?;
+        let call =
+            launch::moe_scatter_rows(ptr(partials), g.entries, ptr(weights), ptr(&d), u32_of(g.n), u32_of(hidden));
+        self.try_run(call, LaunchConfig::elements(g.n * hidden))
+    }
+
+    /// Projection `which` of every group over its quantised rows → `[rows, cols]` (`dims` = (cols, depth)).
+    fn grouped_mma(
+        &self,
+        xq: &Tensor,
+        xd: &Tensor,
+        (g, tall): (&Groups, usize),
+        which: usize,
+        (cols, depth): (usize, usize),
+    ) -> Result<Tensor> {
+        let out = self.empty(DType::F32, &[g.n, cols])?;
+        let (w, s, gl) =
+            (g.w.offset(8 * which * g.groups), g.s.offset(8 * which * g.groups), g.g.offset(4 * which * g.groups));
+        let call = launch::linear_grouped_mma_q8(
+            ptr(xq),
+            ptr(xd),
+            w,
+            s,
+            gl,
+            g.row0,
+            g.rows,
+            ptr(&out),
+            u32_of(cols),
+            u32_of(depth),
+        );
+        let (rows, width) = MMA_EXPERT_TILE;
+        let grid = [cols.div_ceil(width) as u32, tall.div_ceil(rows) as u32, g.groups as u32];
+        self.try_run(call, LaunchConfig { grid, block: [128, 1, 1] })?;
         Ok(out)
     }
 

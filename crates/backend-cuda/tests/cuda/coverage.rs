@@ -23,6 +23,7 @@ fn parity_cases(op: Op) -> &'static [fn()] {
             ops::linears_agree_within_the_dot_product_bound_for_every_weight_type,
             ops::fast_linears_run_as_bf16_gemms_within_the_rounding_bound,
             q8::int8_decode_linears_take_the_cpus_integers,
+            q8::int8_prefill_linears_take_the_cpus_integers_on_tensor_cores,
         ],
         Op::Embed => &[ops::embeddings_memory_ops_rotary_and_the_router_match],
         Op::Elementwise => &[ops::element_wise_ops_agree_to_a_few_ulps],
@@ -44,6 +45,7 @@ fn parity_cases(op: Op) -> &'static [fn()] {
             sequence::routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wave,
             sequence::routed_experts_from_device_ids_match_the_host_routed_ones,
             q8::int8_decode_experts_fuse_to_the_bits_of_the_dense_kernels,
+            q8::int8_prefill_experts_group_to_the_bits_of_the_dense_kernels,
         ],
         Op::GroupedNorms | Op::HyperConnections | Op::Ple | Op::AttentionSelected => {
             &[sequence::qwen4_exp_ops_match_the_cpu_backend]

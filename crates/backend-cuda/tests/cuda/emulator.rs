@@ -248,3 +248,73 @@ fn several_blocks_are_alive_at_once() {
     let seen = download(&dev, seen, blocks);
     assert!(seen.iter().any(|&n| n > 0.0), "no block saw another start and write while it was alive: {seen:?}");
 }
+
+fn upload_bytes(dev: &EmuDevice, b: &[u8]) -> osprey_backend_cuda::DevPtr {
+    let p = dev.alloc(b.len()).expect("alloc");
+    dev.upload(p, b).expect("upload");
+    p
+}
+
+fn download_bytes(dev: &EmuDevice, p: osprey_backend_cuda::DevPtr, n: usize) -> Vec<u8> {
+    let mut b = vec![0u8; n];
+    dev.download(p, &mut b).expect("download");
+    b
+}
+
+/// Issue 52, item 2: the tensor-core primitives (common.cuh) against the PTX ISA's definitions, through
+/// `selftest_mma`: an int8 m16n8k16 product against a scalar one, `ldmatrix`'s registers against the
+/// matrices' bytes, and `cp.async`'s copies made at their group's wait (zero-filled past the bytes read),
+/// not before it — a kernel that reads its staged bytes early reads the block's poisoned shared memory.
+#[test]
+fn tensor_core_twins_follow_the_ptx_layouts_and_cp_async_lands_at_its_wait() {
+    let dev = EmuDevice::new(1 << 20);
+    let a = crate::common::bytes(41, 256);
+    let b = crate::common::bytes(42, 128);
+    let rows = crate::common::bytes(43, 512);
+    let (ap, bp, rp) = (upload_bytes(&dev, &a), upload_bytes(&dev, &b), upload_bytes(&dev, &rows));
+    let (dp, tp, lp, cp) = (
+        upload_bytes(&dev, &[0; 512]),
+        upload_bytes(&dev, &[0; 512]),
+        upload_bytes(&dev, &[0; 512]),
+        upload_bytes(&dev, &[0; 32]),
+    );
+    let run = |early: i32| {
+        let args = [
+            Arg::Ptr(ap),
+            Arg::Ptr(bp),
+            Arg::Ptr(dp),
+            Arg::Ptr(tp),
+            Arg::Ptr(rp),
+            Arg::Ptr(lp),
+            Arg::Ptr(cp),
+            Arg::I32(early),
+        ];
+        fenced(&dev, "selftest_mma", LaunchConfig { grid: [1, 1, 1], block: [32, 1, 1] }, &args).expect("selftest_mma");
+    };
+    run(0);
+    let words = |p, n: usize| -> Vec<i32> {
+        download_bytes(&dev, p, 4 * n).chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    };
+    // D = A · B with B's column j the 16 bytes b[16j..16j+16], all as signed bytes.
+    let want: Vec<i32> = (0..16 * 8)
+        .map(|o| (0..16).map(|k| i32::from(a[(o / 8) * 16 + k] as i8) * i32::from(b[(o % 8) * 16 + k] as i8)).sum())
+        .collect();
+    assert_eq!(words(dp, 128), want, "mma.m16n8k16 s8");
+    assert_eq!(words(tp, 128), want, "its twin");
+    // Lane L's register j: the 4 bytes at (L % 4)·4 of row L / 4 of matrix j (8 rows × 16 bytes each).
+    let lm: Vec<u32> = words(lp, 128).iter().map(|&w| w as u32).collect();
+    for (i, &got) in lm.iter().enumerate() {
+        let (lane, j) = (i / 4, i % 4);
+        let at = j * 128 + (lane / 4) * 16 + (lane % 4) * 4;
+        assert_eq!(
+            got,
+            u32::from_le_bytes([rows[at], rows[at + 1], rows[at + 2], rows[at + 3]]),
+            "ldmatrix lane {lane} reg {j}"
+        );
+    }
+    let mut copied = rows[..21].to_vec();
+    copied.extend([0u8; 11]);
+    assert_eq!(download_bytes(&dev, cp, 32), copied, "cp.async: 16 bytes, then 5 and 11 zeros");
+    run(1);
+    assert_eq!(download_bytes(&dev, cp, 32), vec![0xFF; 32], "read before its wait, a staged copy is not there");
+}

@@ -40,14 +40,32 @@ fn magnitude(x: &[f32], w: &Matrix, r: usize) -> f32 {
 
 #[test]
 pub(crate) fn int8_decode_linears_take_the_cpus_integers() {
+    int8_linears_take_the_cpus_integers(&[(1, 40, 256), (3, 33, 512), (8, 17, 128)], "linear_q8_gemv");
+    // Widths the CPU does not quantise (not a multiple of 64) keep the f32 GEMV there too.
     let gpu = int8_gpu();
-    for &(m, n, k) in &[(1usize, 40usize, 256usize), (3, 33, 512), (8, 17, 128)] {
+    let (w, x) = (weight(DType::Nvfp4, 8, 96, 920), data(921, 2 * 96));
+    let (wg, xg) = (gpu.place_weight(w).expect("w"), gpu.upload_f32(&x, &[2, 96]).expect("x"));
+    let ran = osprey_backend_cuda::emu::launches_of(|| drop(gpu.linear(&xg, &wg).expect("linear")));
+    assert_eq!(ran, ["linear_gemv"]);
+}
+
+/// Issue 52, item 2: prefill-shaped NVFP4 linears on the tensor cores (`linear_mma_q8`: int8 `mma.sync`
+/// per 16-value block, one partial tile, 2 × 2 tiles with partial edges, a deep one) take the same
+/// integers as the CPU's, within the same f32-order bound.
+#[test]
+pub(crate) fn int8_prefill_linears_take_the_cpus_integers_on_tensor_cores() {
+    int8_linears_take_the_cpus_integers(&[(9, 40, 256), (70, 72, 128), (130, 17, 512)], "linear_mma_q8");
+}
+
+fn int8_linears_take_the_cpus_integers(shapes: &[(usize, usize, usize)], kernel: &str) {
+    let gpu = int8_gpu();
+    for &(m, n, k) in shapes {
         let w = weight(DType::Nvfp4, n, k, 900 + m as u64);
         let x = data(910 + m as u64, m * k);
         let (wg, xg) = (gpu.place_weight(w.clone()).expect("w"), gpu.upload_f32(&x, &[m, k]).expect("x"));
         let mut out = None;
         let ran = osprey_backend_cuda::emu::launches_of(|| out = Some(gpu.linear(&xg, &wg).expect("linear")));
-        assert_eq!(ran, ["quantize_q8", "linear_q8_gemv"], "({m}, {n}, {k}): the int8 path ran");
+        assert_eq!(ran, ["quantize_q8", kernel], "({m}, {n}, {k}): the int8 path ran");
         let got = host(&gpu, &out.expect("out"));
         let mut want = vec![0f32; m * n];
         let mut mag = vec![0f32; m * n];
@@ -64,11 +82,6 @@ pub(crate) fn int8_decode_linears_take_the_cpus_integers() {
         // magnitudes, so the two differ by at most twice that.
         within(&format!("int8 linear ({m}, {n}, {k})"), &got, &want, |o| 2.0 * k as f32 * U * mag[o] + 1e-7);
     }
-    // Widths the CPU does not quantise (not a multiple of 64) keep the f32 GEMV there too.
-    let (w, x) = (weight(DType::Nvfp4, 8, 96, 920), data(921, 2 * 96));
-    let (wg, xg) = (gpu.place_weight(w).expect("w"), gpu.upload_f32(&x, &[2, 96]).expect("x"));
-    let ran = osprey_backend_cuda::emu::launches_of(|| drop(gpu.linear(&xg, &wg).expect("linear")));
-    assert_eq!(ran, ["linear_gemv"]);
 }
 
 fn expert(e: u32, shape: ExpertShape) -> HostExpert {
@@ -96,12 +109,34 @@ fn composed(gpu: &BackendRef, x: &Tensor, e: &HostExpert) -> Vec<f32> {
 /// one f32 product, the combine the same ordered sum).
 #[test]
 pub(crate) fn int8_decode_experts_fuse_to_the_bits_of_the_dense_kernels() {
+    experts_equal_the_dense_kernels(5, &["moe_align", "quantize_q8", "moe_gate_up_q8", "moe_down_q8"]);
+}
+
+/// Issue 52, item 2: a prefill-shaped wave's experts on the tensor cores, every expert's rows in one
+/// launch a projection (`linear_grouped_mma_q8`), give the bits of the dense tensor-core linears composed.
+#[test]
+pub(crate) fn int8_prefill_experts_group_to_the_bits_of_the_dense_kernels() {
+    let mma = "linear_grouped_mma_q8";
+    experts_equal_the_dense_kernels(
+        12,
+        &["moe_align", "quantize_q8", mma, mma, "silu_mul_f32", "quantize_q8", mma, "moe_scatter_rows"],
+    );
+}
+
+fn experts_equal_the_dense_kernels(t: usize, kernels: &[&str]) {
     let gpu = int8_gpu();
     let shape = ExpertShape { hidden: 256, inter: 64, dtype: DType::Nvfp4 };
-    let (t, k, experts) = (5usize, 3usize, 4usize);
+    let (k, experts) = (3usize, 4usize);
     let x = data(960, t * shape.hidden);
     let w = data(961, t * k).iter().map(|v| v.abs()).collect::<Vec<_>>();
-    let ids: Vec<i32> = vec![0, 1, 3, 1, 2, 3, 0, 2, 3, 0, 1, 2, 1, 2, 3];
+    // Token i takes experts i, i + 1, i + 3 (mod 4), ascending.
+    let ids: Vec<i32> = (0..t)
+        .flat_map(|i| {
+            let mut e = [i % 4, (i + 1) % 4, (i + 3) % 4].map(|e| e as i32);
+            e.sort();
+            e
+        })
+        .collect();
     let slot_of: Vec<i32> = (0..experts).map(|e| ((e + 1) % experts) as i32).collect();
     let mut pool = gpu.alloc_expert_pool(0, experts, shape).expect("pool");
     for e in 0..experts {
@@ -124,7 +159,7 @@ pub(crate) fn int8_decode_experts_fuse_to_the_bits_of_the_dense_kernels() {
     let ran = osprey_backend_cuda::emu::launches_of(|| {
         gpu.moe_routed_on_device(&xt, &routing, &map, &pool, &mut partials).expect("on device")
     });
-    assert_eq!(ran, ["moe_align", "quantize_q8", "moe_gate_up_q8", "moe_down_q8"], "three launches past the groups");
+    assert_eq!(ran, kernels, "the launches past the groups");
     assert_eq!(host(&gpu, &gpu.moe_combine(&partials, k).expect("combine")), want, "routed on the device");
     let slots: Vec<i32> = ids.iter().map(|&e| slot_of[e as usize]).collect();
     let mut partials = gpu.zeros_f32(&[t * k, shape.hidden]).expect("partials");
