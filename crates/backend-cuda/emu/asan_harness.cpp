@@ -98,6 +98,9 @@ int main(int argc, char** argv) {
         on, k);
     run(linear_gemv, d1(3), d1(256), xs.data(), static_cast<const void*>(codes.data()), scales.data(), 0.5f, 3, out.data(), m,
         on, k);
+    // A width that is not whole 8-column steps: one column a lane a step.
+    run(linear_gemv, d1(3), d1(256), xs.data(), static_cast<const void*>(wf.data()), scales.data(), 1.0f, 0, out.data(), m,
+        on, 45u);
 
     // The grouped GEMM of an expert wave: two groups of 2 and 1 rows over two NVFP4 weights.
     std::vector<uint8_t> codes2(on * k / 2, 0x35), scales2(on * k / 16, 0x40);

@@ -50,21 +50,61 @@ extern "C" __global__ void linear_tiled(const float* __restrict__ x, const void*
     if (row < m && col < n) out[(size_t)row * n + col] = acc;
 }
 
-// `out[r·n + col]` for rows `r` < `m` of `x`, by the calling warp (lane `lane`): its lanes stride over `k`
-// so that neighbouring lanes read neighbouring weights, the weight row read once for up to 8 rows, each
-// row's sum reduced across the warp. A row's arithmetic does not depend on the others (`linear_gemv`
-// and `linear_grouped_gemv` agree to the bit on it).
+// Eight weights of row `row` from column `c` (a multiple of 8) as f32, in one load where the type allows:
+// 16 bytes of bf16 or f16 (`ld.global.nc.v4`), two of f32, four bytes of NVFP4 codes and their scale.
+__device__ __forceinline__ void weights8(const void* w, const uint8_t* scales, float global, int wtype, size_t row,
+                                         unsigned k, unsigned c, float (&v)[8]) {
+    const size_t i = row * k + c;
+    if (wtype == 0) {
+        const uint4 a = __ldg((const uint4*)((const float*)w + i)), b = __ldg((const uint4*)((const float*)w + i) + 1);
+        const uint32_t u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        for (unsigned e = 0; e < 8; ++e) v[e] = __uint_as_float(u[e]);
+    } else if (wtype == 1 || wtype == 2) {
+        const uint4 a = __ldg((const uint4*)((const uint16_t*)w + i));
+        const uint32_t u[4] = {a.x, a.y, a.z, a.w};
+        for (unsigned e = 0; e < 8; ++e) {
+            const uint16_t h = (uint16_t)(u[e / 2] >> (16 * (e % 2)));
+            v[e] = wtype == 1 ? bf16_to_f32(h) : f16_to_f32(h);
+        }
+    } else {
+        const uint32_t codes = __ldg((const uint32_t*)((const uint8_t*)w + i / 2));
+        const float s = e4m3_to_f32(__ldg(scales + i / 16)) * global;
+        for (unsigned e = 0; e < 8; ++e) v[e] = e2m1_to_f32(codes >> (4 * e)) * s;
+    }
+}
+
+// `out[r·n + col]` for rows `r` < `m` of `x`, by the calling warp (lane `lane`), the weight row read
+// once for up to 8 rows, each row's sum reduced across the warp. Where `k` is a multiple of 8 a lane
+// takes 8 neighbouring columns a step in one vector load (`weights8`; the activations likewise), else
+// one column a step. A row's arithmetic does not depend on the others (`linear_gemv` and
+// `linear_grouped_gemv` agree to the bit on it).
 __device__ __forceinline__ void gemv_rows(const float* __restrict__ x, const void* __restrict__ w,
                                           const uint8_t* __restrict__ scales, float global, int wtype,
                                           float* __restrict__ out, unsigned m, unsigned n, unsigned k, unsigned col,
                                           unsigned lane) {
+    const bool wide = k % 8 == 0;
     for (unsigned r0 = 0; r0 < m; r0 += 8) {
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (unsigned j = lane; j < k; j += 32) {
-            const float wv = weight_at(w, scales, global, wtype, col, k, j);
+        if (wide) {
+            for (unsigned j = lane * 8; j < k; j += 256) {
+                float wv[8];
+                weights8(w, scales, global, wtype, col, k, j, wv);
 #pragma unroll
-            for (unsigned r = 0; r < 8; ++r)
-                if (r0 + r < m) acc[r] += x[(size_t)(r0 + r) * k + j] * wv;
+                for (unsigned r = 0; r < 8; ++r) {
+                    if (r0 + r >= m) break;
+                    const uint4* xr = (const uint4*)(x + (size_t)(r0 + r) * k + j);
+                    const uint4 a = __ldg(xr), b = __ldg(xr + 1);
+                    const uint32_t u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                    for (unsigned e = 0; e < 8; ++e) acc[r] += __uint_as_float(u[e]) * wv[e];
+                }
+            }
+        } else {
+            for (unsigned j = lane; j < k; j += 32) {
+                const float wv = weight_at(w, scales, global, wtype, col, k, j);
+#pragma unroll
+                for (unsigned r = 0; r < 8; ++r)
+                    if (r0 + r < m) acc[r] += x[(size_t)(r0 + r) * k + j] * wv;
+            }
         }
 #pragma unroll
         for (unsigned r = 0; r < 8; ++r) {
@@ -76,10 +116,11 @@ __device__ __forceinline__ void gemv_rows(const float* __restrict__ x, const voi
 }
 
 // Decode-shaped products (`m` ≤ 8 rows): one warp per output column (a weight row), the weight read once
-// for all `m` rows (`gemv_rows`). Same weight types as `linear_tiled`.
+// for all `m` rows (`gemv_rows`). Same weight types as `linear_tiled`. Registers: 39 on sm_80, 68 on
+// sm_120 (its scheduler keeps the rows' vector loads in flight).
 // flops: fp32 2 * m * n * k + 2 * n * k
-// ptx: shfl.sync.bfly.b32, ld.global.nc.u8
-// budget: 64 registers
+// ptx: shfl.sync.bfly.b32, ld.global.nc.u8, ld.global.nc.v4.u32
+// budget: 72 registers
 extern "C" __global__ void linear_gemv(const float* __restrict__ x, const void* __restrict__ w, const uint8_t* __restrict__ scales,
                                        float global, int wtype, float* __restrict__ out, unsigned m, unsigned n, unsigned k) {
     const unsigned col = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
@@ -92,8 +133,8 @@ extern "C" __global__ void linear_gemv(const float* __restrict__ x, const void* 
 // each weight row read once, not once per 16-row tile of which one row is used (`linear_grouped`). A
 // group with no rows leaves at once.
 // flops: fp32 4 * threads / 32 * k
-// ptx: shfl.sync.bfly.b32, ld.global.nc.u8
-// budget: 64 registers
+// ptx: shfl.sync.bfly.b32, ld.global.nc.u8, ld.global.nc.v4.u32
+// budget: 80 registers
 extern "C" __global__ void linear_grouped_gemv(const float* __restrict__ x, const uint64_t* __restrict__ w,
                                                const uint64_t* __restrict__ scales, const float* __restrict__ global,
                                                const uint32_t* __restrict__ row0, const uint32_t* __restrict__ rows,
