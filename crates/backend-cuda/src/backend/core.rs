@@ -111,17 +111,14 @@ impl CudaBackend {
     /// `x [m, k] · wᵀ → [m, n]` (a placed weight, or an expert's projection in a slot).
     pub(super) fn matmul(&self, x: &Tensor, w: RawWeight, n: usize, k: usize) -> Result<Tensor> {
         let m = x.rows();
-        if self.mma_path(m, w.dtype, k) {
-            return self.linear_mma(x, w, n);
+        if self.q8_path(m, w.dtype, k) || self.mma_path(m, w.dtype, k) {
+            return self.linear_int8(x, w, n);
         }
         let fast = self.precision == osprey_backend::Precision::Int8 && matches!(w.dtype, DType::BF16 | DType::Nvfp4);
         if fast && m > GEMV_ROWS {
             if let Some(out) = self.gemm(x, w, n, k)? {
                 return Ok(out);
             }
-        }
-        if self.q8_path(m, w.dtype, k) {
-            return self.linear_q8(x, w, n);
         }
         let wtype = wtype(w.dtype)?;
         let out = self.empty(DType::F32, &[m, n])?;

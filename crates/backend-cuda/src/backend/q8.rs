@@ -66,44 +66,23 @@ impl CudaBackend {
         Ok((q, d))
     }
 
-    /// `x [m, k] · wᵀ` on the int8 path ([`Self::q8_path`]).
-    pub(super) fn linear_q8(&self, x: &Tensor, w: RawWeight, n: usize) -> Result<Tensor> {
+    /// `x [m, k] · wᵀ` on int8 activations: `dp4a` for a decode-shaped step ([`Self::q8_path`]), the
+    /// tensor cores above ([`Self::mma_path`]). The two kernels take the same operands.
+    pub(super) fn linear_int8(&self, x: &Tensor, w: RawWeight, n: usize) -> Result<Tensor> {
         let (m, k) = (x.rows(), x.cols());
         let (q, d) = self.quantize_q8(x, None, m)?;
         let out = self.empty(DType::F32, &[m, n])?;
-        let call = launch::linear_q8_gemv(
-            ptr(&q),
-            ptr(&d),
-            w.data,
-            w.scales,
-            w.global,
-            ptr(&out),
-            u32_of(m),
-            u32_of(n),
-            u32_of(k),
-        );
-        self.try_run(call, LaunchConfig { grid: [n.div_ceil(8) as u32, 1, 1], block: [256, 1, 1] })?;
-        Ok(out)
-    }
-
-    /// `x [m, k] · wᵀ` on the tensor cores ([`Self::mma_path`]).
-    pub(super) fn linear_mma(&self, x: &Tensor, w: RawWeight, n: usize) -> Result<Tensor> {
-        let (m, k) = (x.rows(), x.cols());
-        let (q, d) = self.quantize_q8(x, None, m)?;
-        let out = self.empty(DType::F32, &[m, n])?;
-        let call = launch::linear_mma_q8(
-            ptr(&q),
-            ptr(&d),
-            w.data,
-            w.scales,
-            w.global,
-            ptr(&out),
-            u32_of(m),
-            u32_of(n),
-            u32_of(k),
-        );
-        let grid = [n.div_ceil(MMA_TILE) as u32, m.div_ceil(MMA_TILE) as u32, 1];
-        self.try_run(call, LaunchConfig { grid, block: [128, 1, 1] })?;
+        let (kernel, cfg) = if m <= GEMV_ROWS {
+            (
+                launch::linear_q8_gemv as fn(_, _, _, _, _, _, _, _, _) -> _,
+                LaunchConfig { grid: [n.div_ceil(8) as u32, 1, 1], block: [256, 1, 1] },
+            )
+        } else {
+            let grid = [n.div_ceil(MMA_TILE) as u32, m.div_ceil(MMA_TILE) as u32, 1];
+            (launch::linear_mma_q8 as fn(_, _, _, _, _, _, _, _, _) -> _, LaunchConfig { grid, block: [128, 1, 1] })
+        };
+        let call = kernel(ptr(&q), ptr(&d), w.data, w.scales, w.global, ptr(&out), u32_of(m), u32_of(n), u32_of(k));
+        self.try_run(call, cfg)?;
         Ok(out)
     }
 
