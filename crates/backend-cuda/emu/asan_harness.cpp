@@ -78,6 +78,8 @@ int main(int argc, char** argv) {
     run(rms_norm_f32, d1(rows), d1(128), x.data(), w.data(), z.data(), cols, cols, cols, 1e-6f, 1, 0);
     run(rms_norm_f32, d1(rows * 4), d1(32), x.data(), w.data(), z.data(), cols, 25u, 25u, 1e-6f, 0, 1);
     run(l2_norm_f32, d1(rows * 4), d1(32), x.data(), 25u, 1e-6f);
+    auto normed = vals(rows * cols);
+    run(add_rms_norm_f32, d1(rows), d1(128), x.data(), z.data(), w.data(), normed.data(), cols, 1e-6f, 1);
     run(layer_norm_f32, d1(rows), d1(128), x.data(), w.data(), b.data(), cols, 1e-6f);
     auto cs = vals(rows * 10), sn = vals(rows * 10);
     run(rotate_half_f32, d1(1), d1(256), x.data(), cs.data(), sn.data(), rows, cols, 25u, 10u);

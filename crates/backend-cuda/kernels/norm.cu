@@ -24,6 +24,30 @@ extern "C" __global__ void rms_norm_f32(float* __restrict__ x, const float* __re
     }
 }
 
+// `x += y` over each row of `cols`, then the row's RMSNorm into `out` (`x̂ · w` or `x̂ · (1 + w)`):
+// `add_f32` and `rms_norm_f32` (a group of one row) in one launch with the same arithmetic — each sum,
+// then the block's sum of squares in the same order — so the same bits, a launch and a copy fewer.
+// flops: fp32 5 * cols * blocks
+// ptx: bar.sync, shfl.sync.bfly.b32
+// budget: 40 registers
+extern "C" __global__ void add_rms_norm_f32(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
+                                            float* __restrict__ out, unsigned cols, float eps, int one_plus) {
+    SHARED(float, scratch, [32]);
+    const size_t base = (size_t)blockIdx.x * cols;
+    float ss = 0.0f;
+    for (unsigned j = threadIdx.x; j < cols; j += blockDim.x) {
+        const float v = x[base + j] + y[base + j];
+        x[base + j] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float r = 1.0f / sqrtf(ss / (float)cols + eps);
+    for (unsigned j = threadIdx.x; j < cols; j += blockDim.x) {
+        const float v = x[base + j] * r, wi = w[j];
+        out[base + j] = one_plus ? v * (1.0f + wi) : v * wi;
+    }
+}
+
 // L2 normalisation of each group: `x / sqrt(Σx² + eps)`.
 // flops: fp32 3 * group * blocks
 // ptx: bar.sync, shfl.sync.bfly.b32

@@ -298,6 +298,17 @@ seam! {
             /// long): `x̂ · (1 + w)` when `one_plus` (Qwen3.5's zero-centred weights), else `x̂ · w`.
             fn rms_norm(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool);
 
+            /// `x += y`, then the RMSNorm of the sum (as [`CoreOps::rms_norm`] over whole rows) into a new
+            /// tensor: a decoder layer's residual add and the next norm, `x` keeping the residual stream.
+            /// A device fuses them into one pass over each row; by default it is `add`, a copy and
+            /// `rms_norm`.
+            fn add_rms_norm(&self, x: &mut Tensor, y: &Tensor, w: &Tensor, eps: f32, one_plus: bool) -> Result<Tensor> = {
+                self.add(x, y);
+                let mut h = x.clone();
+                self.rms_norm(&mut h, w, eps, one_plus);
+                Ok(h)
+            };
+
             /// Gated RMSNorm per group of `w.len()`: `x̂ · w · silu(z)`.
             fn rms_norm_gated(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32);
 

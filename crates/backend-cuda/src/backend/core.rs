@@ -203,6 +203,22 @@ impl CoreOps for CudaBackend {
         self.rms(x, w, w.numel(), eps, if one_plus { Form::OnePlus } else { Form::Plain });
     }
 
+    fn add_rms_norm(&self, x: &mut Tensor, y: &Tensor, w: &Tensor, eps: f32, one_plus: bool) -> Result<Tensor> {
+        let cols = x.cols();
+        if w.numel() != cols || y.numel() != x.numel() {
+            return Err(BackendError::Device(format!(
+                "add_rms_norm of {:?} + {:?} with a weight of {}: this is a bug",
+                x.shape(),
+                y.shape(),
+                w.numel()
+            )));
+        }
+        let out = self.empty(DType::F32, x.shape())?;
+        let call = launch::add_rms_norm_f32(ptr(x), ptr(y), ptr(w), ptr(&out), u32_of(cols), eps, i32::from(one_plus));
+        self.try_run(call, LaunchConfig::per_group(x.numel() / cols.max(1), threads_for(cols)))?;
+        Ok(out)
+    }
+
     fn rms_norm_gated(&self, x: &mut Tensor, z: &Tensor, w: &Tensor, eps: f32) {
         self.rms(x, w, w.numel(), eps, Form::Silu(z));
     }

@@ -43,7 +43,15 @@ struct Alloc {
 pub fn launches_of(f: impl FnOnce()) -> Vec<&'static str> {
     let outer = LAUNCHED.with(|l| l.borrow_mut().replace(Vec::new()));
     f();
-    LAUNCHED.with(|l| std::mem::replace(&mut *l.borrow_mut(), outer)).unwrap_or_default()
+    let inner = LAUNCHED.with(|l| std::mem::replace(&mut *l.borrow_mut(), outer)).unwrap_or_default();
+    // A nested call's launches are the enclosing call's too (a test that checks its op's kernels, run
+    // by the coverage test that collects every case's).
+    LAUNCHED.with(|l| {
+        if let Some(o) = l.borrow_mut().as_mut() {
+            o.extend(inner.iter().copied());
+        }
+    });
+    inner
 }
 
 unsafe extern "C" {

@@ -112,6 +112,30 @@ pub(crate) fn norms_agree_within_the_sum_bound() {
     within("layer_norm", &host(&gpu, &xg), &want, |i| {
         2.0 * norm_bound(&want, cols)(i) + 2.0 * U * bias[i % cols].abs()
     });
+    // Issue 52, item 5: the residual add and the next RMSNorm in one launch (`add_rms_norm_f32`): the
+    // bits of `add`, a copy and `rms_norm` on the device (the same sums in the same order), the CPU's
+    // within the norm's bound; the residual keeps the sum exactly.
+    for (rows, one_plus) in [(1, true), (6, false)] {
+        let (x, y, w) = (data(60, rows * 2048), data(61, rows * 2048), data(62, 2048));
+        let (mut xc, mut xg) = both(&cpu, &gpu, &x, &[rows, 2048]);
+        let (yc, yg) = both(&cpu, &gpu, &y, &[rows, 2048]);
+        let (wc, wg) = both(&cpu, &gpu, &w, &[2048]);
+        let mut fused = None;
+        let ran = osprey_backend_cuda::emu::launches_of(|| {
+            fused = Some(gpu.add_rms_norm(&mut xg, &yg, &wg, 1e-6, one_plus).expect("fused"));
+        });
+        assert_eq!(ran, ["add_rms_norm_f32"]);
+        let got = host(&gpu, &fused.expect("fused"));
+        let mut xs = gpu.upload_f32(&x, &[rows, 2048]).expect("x");
+        gpu.add(&mut xs, &yg);
+        let mut hs = xs.clone();
+        gpu.rms_norm(&mut hs, &wg, 1e-6, one_plus);
+        assert_eq!(got, host(&gpu, &hs), "the unfused ops' bits");
+        assert_eq!(host(&gpu, &xg), host(&gpu, &xs), "the residual");
+        let want = host(&cpu, &cpu.add_rms_norm(&mut xc, &yc, &wc, 1e-6, one_plus).expect("cpu"));
+        assert_eq!(host(&gpu, &xg), host(&cpu, &xc), "the residual: one f32 add on either backend");
+        within(&format!("add_rms_norm [{rows}, 2048]"), &got, &want, norm_bound(&want, 2048));
+    }
 }
 
 /// `Σ_j |x[r, j]·w[c, j]|` for every output `(r, c)` of `x [m, k] · wᵀ`: what a dot product's rounding

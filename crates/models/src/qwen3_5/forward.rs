@@ -74,12 +74,13 @@ impl Qwen35 {
                 (&mut st.kv, family)
             })
             .collect();
+        // The last layer's FFN output, added where the next input norm reads `x` (`norm_after`).
+        let mut ffn_out: Option<osprey_backend::Tensor> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             if let Some(t) = opts.teacher_inputs {
                 x = b.upload_f32(&t[li], &[ids.len(), h])?;
             }
-            let mut hn = x.clone();
-            b.rms_norm(&mut hn, &layer.input_norm, eps, true);
+            let hn = norm_after(b, &mut x, ffn_out.take(), &layer.input_norm, eps)?;
             let mixed = match &layer.mixer {
                 Mixer::Linear(g) => {
                     let mut st: Vec<&mut LinearState> = parts
@@ -102,14 +103,16 @@ impl Qwen35 {
                     a.forward(b, &hn, &segs, (&mut tables, kv_layer), (&rope, &self.rope))?
                 }
             };
-            b.add(&mut x, &mixed);
-            let mut hn = x.clone();
-            b.rms_norm(&mut hn, &layer.post_norm, eps, true);
-            b.add(&mut x, &self.ffn(layer, &hn)?);
+            let hn = b.add_rms_norm(&mut x, &mixed, &layer.post_norm, eps, true)?;
+            let f = self.ffn(layer, &hn)?;
             if capture_hidden && li + 1 < self.layers.len() {
+                b.add(&mut x, &f);
                 hidden.push(b.download_f32(&x)?);
+            } else {
+                ffn_out = Some(f);
             }
         }
+        ffn_out.iter().for_each(|f| b.add(&mut x, f)); // the last layer's
         drop(parts);
         // 3. Final norm and lm_head on the rows whose logits are wanted; only those logits come back.
         let last_hidden = if capture_hidden || opts.keep_hidden {
@@ -129,4 +132,24 @@ impl Qwen35 {
         })?;
         Ok(ForwardOutput { logits, sampled, hidden, last_hidden })
     }
+}
+
+/// A layer's input norm of `x`; with the last layer's FFN output pending, the residual add and the norm
+/// in one op (`add_rms_norm`: one launch on a device), otherwise a copy normed. Hidden states captured
+/// between layers add the FFN output at once instead (they read `x` whole).
+fn norm_after(
+    b: &dyn osprey_backend::Backend,
+    x: &mut osprey_backend::Tensor,
+    pending: Option<osprey_backend::Tensor>,
+    w: &osprey_backend::Tensor,
+    eps: f32,
+) -> Result<osprey_backend::Tensor> {
+    Ok(match pending {
+        Some(f) => b.add_rms_norm(x, &f, w, eps, true)?,
+        None => {
+            let mut hn = x.clone();
+            b.rms_norm(&mut hn, w, eps, true);
+            hn
+        }
+    })
 }

@@ -108,9 +108,7 @@ impl MtpHead {
         b.rms_norm(&mut hn, &self.layer.input_norm, eps, true);
         let mut tables: Vec<&mut PageTable> = steps.iter_mut().map(|s| &mut s.state.kv).collect();
         let mixed = attn.forward(b, &hn, &segs, (&mut tables, self.kv_layer), (&rope, &m.rope))?;
-        b.add(&mut x, &mixed);
-        let mut hn = x.clone();
-        b.rms_norm(&mut hn, &self.layer.post_norm, eps, true);
+        let hn = b.add_rms_norm(&mut x, &mixed, &self.layer.post_norm, eps, true)?;
         b.add(&mut x, &m.ffn(&self.layer, &hn)?);
         if capture {
             captured.push(b.download_f32(&x)?);
