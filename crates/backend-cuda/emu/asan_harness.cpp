@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
             st.push_back(reinterpret_cast<uint64_t>(es[p].data()));
         }
         std::vector<float> gl = {0.5f, 0.25f, 1.0f, 0.5f, 0.25f, 2.0f}, weights = vals(3), parts = vals(3 * qk);
-        run(moe_gate_up_q8, dim3{qi / 16, 1, 2}, d1(512), q.data(), d.data(), wt.data(), st.data(), gl.data(), row0.data(),
+        run(moe_gate_up_q8, dim3{qi / 16, 1, 2}, d1(512), qx.data(), qids.data(), wt.data(), st.data(), gl.data(), row0.data(),
             counts.data(), 2u, hq.data(), hd.data(), qi, qk);
         run(moe_down_q8, dim3{qk / 8, 1, 2}, d1(256), hq.data(), hd.data(), wt.data(), st.data(), gl.data(), row0.data(),
             counts.data(), 2u, entries.data(), weights.data(), parts.data(), qk, qi);

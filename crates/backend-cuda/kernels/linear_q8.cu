@@ -41,7 +41,14 @@ __device__ __forceinline__ void quant16(const float* v, uint8_t* q, float* d) {
 // NVFP4 weight row `col`, by the calling warp (lane `lane`): `put(r, sum)` for each, on every lane. A
 // callback, not an array: its row index is a constant once the loop is unrolled, so the sums stay in
 // registers (an array indexed by a runtime row goes to local memory).
-template <typename Put>
+// A load of the quantised activations: through the read-only cache from global memory, plainly from
+// shared memory (where `moe_gate_up_q8` quantised them; `ld.global.nc` cannot read shared memory).
+template <bool GLOBAL, typename T>
+__device__ __forceinline__ T load_x(const T* p) {
+    return GLOBAL ? __ldg(p) : *p;
+}
+
+template <typename Put, bool GLOBAL = true>
 __device__ __forceinline__ void q8_rows(const uint8_t* __restrict__ xq, const float* __restrict__ xd,
                                         const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales, float global,
                                         unsigned m, unsigned k, unsigned col, unsigned lane, Put put) {
@@ -57,8 +64,8 @@ __device__ __forceinline__ void q8_rows(const uint8_t* __restrict__ xq, const fl
             if (r >= m) break;
             const uint4* xr = (const uint4*)(xq + (size_t)r * k) + 2 * seg;
             const float* dr = xd + (size_t)r * (k / 16) + 2 * seg;
-            acc[r] += (float)block_dot(wv.x, wv.y, __ldg(xr)) * (ws0 * __ldg(dr));
-            acc[r] += (float)block_dot(wv.z, wv.w, __ldg(xr + 1)) * (ws1 * __ldg(dr + 1));
+            acc[r] += (float)block_dot(wv.x, wv.y, load_x<GLOBAL>(xr)) * (ws0 * load_x<GLOBAL>(dr));
+            acc[r] += (float)block_dot(wv.z, wv.w, load_x<GLOBAL>(xr + 1)) * (ws1 * load_x<GLOBAL>(dr + 1));
         }
     }
 #pragma unroll
@@ -102,34 +109,52 @@ extern "C" __global__ void linear_q8_gemv(const uint8_t* __restrict__ xq, const 
     });
 }
 
-// The routed experts' gate and up projections and SwiGLU in one pass, its output quantised for the down
-// projection: group `g` (blockIdx.z: an expert with `rows[g]` ≤ 8 rows from `row0[g]` of the quantised
-// batch `xq`, `xd`; projection `p`'s weight `w[p·groups + g]`, `s[…]`, `glob[…]`) gives `silu(gate)·up`
-// for 16 columns a block (a warp each), quantised into `hq [·, inter]`, `hd [·, inter/16]` — the same
-// bits as the two products, `silu_mul_f32` and `quantize_q8` one after another. Registers: 64 on sm_80,
-// 86 on sm_120, whose scheduler keeps the rows' activation loads in flight; 512 threads of 88 fit an
-// SM's 64 K.
-// flops: fp32 8 * threads / 32 * hidden
+// The widest hidden size `moe_gate_up_q8` quantises into shared memory (8 rows: 32 KiB and 8 KiB).
+#define GU_MAX_HIDDEN 4096
+
+// The routed experts' gate and up projections and SwiGLU in one pass, its input quantised on the way in
+// and its output for the down projection: group `g` (blockIdx.z: an expert with `rows[g]` ≤ 8 rows from
+// `row0[g]` of the batch, row `r` being row `tokens[r]` of `x [·, hidden]`; projection `p`'s weight
+// `w[p·groups + g]`, `s[…]`, `glob[…]`) quantises its rows into shared memory (`quant16`: the bits of
+// `quantize_q8`), then gives `silu(gate)·up` for 16 columns a block (a warp each), quantised into
+// `hq [·, inter]`, `hd [·, inter/16]` — the same bits as the gather's quantisation, the two products,
+// `silu_mul_f32` and `quantize_q8` one after another. Each of a group's blocks quantises its rows again
+// (hidden/16 blocks of 16 values a row, a few per thread): the launch it saves costs more. Needs
+// `hidden` ≤ GU_MAX_HIDDEN. Registers: 64 on sm_80, 86 on sm_120 (its scheduler keeps the rows' loads in
+// flight); 512 threads of 88 fit an SM's 64 K.
+// flops: fp32 8 * threads / 32 * hidden + 4 * blocks * 8 * hidden
 // ptx: ld.global.nc.v4.u32, prmt.b32, dp4a.s32.s32, bar.sync
 // budget: 88 registers
-extern "C" __global__ void moe_gate_up_q8(const uint8_t* __restrict__ xq, const float* __restrict__ xd,
+extern "C" __global__ void moe_gate_up_q8(const float* __restrict__ x, const int32_t* __restrict__ tokens,
                                           const uint64_t* __restrict__ w, const uint64_t* __restrict__ s,
                                           const float* __restrict__ glob, const uint32_t* __restrict__ row0,
                                           const uint32_t* __restrict__ rows, unsigned groups, uint8_t* __restrict__ hq,
                                           float* __restrict__ hd, unsigned inter, unsigned hidden) {
+    SHARED(uint4, xs, [8 * GU_MAX_HIDDEN / 16]);
+    SHARED(float, xds, [8 * GU_MAX_HIDDEN / 16]);
     SHARED(float, h, [8][16]);
     const unsigned g = blockIdx.z, m = rows[g], r0 = row0[g];
     if (m == 0) return;  // the whole block: `g` is the block's
+    const unsigned per_row = hidden / 16;
+    uint8_t* xq = (uint8_t*)xs;
+    for (unsigned b = threadIdx.x; b < m * per_row; b += blockDim.x) {
+        const unsigned r = b / per_row, j = b % per_row;
+        const float* src = x + (size_t)tokens[r0 + r] * hidden + j * 16;
+        float v[16];
+        for (unsigned i = 0; i < 16; ++i) v[i] = __ldg(src + i);
+        quant16(v, xq + r * hidden + j * 16, xds + b);
+    }
+    __syncthreads();
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, col = blockIdx.x * 16 + warp;
-    const uint8_t* x = xq + (size_t)r0 * hidden;
-    const float* dx = xd + (size_t)r0 * (hidden / 16);
     float gate[8];
-    q8_rows(x, dx, (const uint8_t*)w[g], (const uint8_t*)s[g], glob[g], m, hidden, col, lane,
-            [&](unsigned r, float v) { gate[r] = v; });
-    q8_rows(x, dx, (const uint8_t*)w[groups + g], (const uint8_t*)s[groups + g], glob[groups + g], m, hidden, col, lane,
-            [&](unsigned r, float v) {
-                if (lane == 0) h[r][warp] = silu_f(gate[r]) * v;
-            });
+    auto put_gate = [&](unsigned r, float v) { gate[r] = v; };
+    q8_rows<decltype(put_gate), false>(xq, xds, (const uint8_t*)w[g], (const uint8_t*)s[g], glob[g], m, hidden, col, lane,
+                                       put_gate);
+    auto put_up = [&](unsigned r, float v) {
+        if (lane == 0) h[r][warp] = silu_f(gate[r]) * v;
+    };
+    q8_rows<decltype(put_up), false>(xq, xds, (const uint8_t*)w[groups + g], (const uint8_t*)s[groups + g], glob[groups + g],
+                                     m, hidden, col, lane, put_up);
     __syncthreads();
     if (threadIdx.x < m) {
         const size_t row = r0 + threadIdx.x;

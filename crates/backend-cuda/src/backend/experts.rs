@@ -208,7 +208,8 @@ impl CudaBackend {
             groups: g.groups,
             n,
         };
-        if self.q8_path(g.step_rows, shape.dtype, h) && shape.inter.is_multiple_of(super::q8::Q8_COLS) {
+        let q8_fits = shape.inter.is_multiple_of(super::q8::Q8_COLS) && h <= super::q8::Q8_MAX_HIDDEN;
+        if self.q8_path(g.step_rows, shape.dtype, h) && q8_fits {
             return self.experts_q8(x, weights, shape, &q8, partials);
         }
         if self.mma_path(g.step_rows, shape.dtype, h) && shape.inter.is_multiple_of(super::q8::MMA_COLS) {

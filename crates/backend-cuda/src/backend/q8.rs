@@ -2,8 +2,9 @@
 //! it (`osprey_kernels::q8`, `q8_gemm`): activations quantised once to int8 per 16-value block, weights'
 //! codes to int8 by a register table. Decode-shaped steps (at most [`GEMV_ROWS`] rows) take `dp4a`
 //! (`kernels/linear_q8.cu`): a dense NVFP4 linear is a quantisation and `linear_q8_gemv`; the routed
-//! experts are three launches — the gather with the quantisation, gate and up with SwiGLU (its output
-//! quantised), down with the routing weight into `partials` — where the f32 path takes six.
+//! experts are two launches — the gather, its quantisation, gate and up with SwiGLU (its output
+//! quantised) in one, down with the routing weight into `partials` in the other — where the f32 path
+//! takes six (for hidden sizes up to [`Q8_MAX_HIDDEN`]).
 //! Prefill-shaped ones take the tensor cores (`kernels/gemm_q8.cu`: `mma.sync` m16n8k16 on int8,
 //! `ldmatrix`, `cp.async`): a dense NVFP4 linear is a quantisation and `linear_mma_q8`, the routed
 //! experts one grouped launch per projection (`linear_grouped_mma_q8`) for every expert's rows.
@@ -18,6 +19,10 @@ use crate::launch;
 /// Widths the int8 path takes: whole 64-column chunks, as the CPU's (`q8::CHUNK`), so that both backends
 /// quantise the same matmuls (the kernels need multiples of 32).
 pub(super) const Q8_COLS: usize = 64;
+
+/// The widest hidden size whose decode experts take the fused int8 kernels (`GU_MAX_HIDDEN` in
+/// `kernels/linear_q8.cu`: the rows it quantises into shared memory).
+pub(super) const Q8_MAX_HIDDEN: usize = 4096;
 
 /// Widths the tensor-core GEMM takes: whole 32-value steps (two NVFP4 blocks).
 pub(super) const MMA_COLS: usize = 32;
@@ -140,7 +145,7 @@ impl CudaBackend {
     }
 
     /// A wave's routed experts on the int8 path, each row's output times its weight into its entry of
-    /// `partials` (what `experts.rs`' `run_groups` computes, in three launches).
+    /// `partials` (what `experts.rs`' `run_groups` computes, in two launches).
     pub(super) fn experts_q8(
         &self,
         x: &Tensor,
@@ -150,12 +155,11 @@ impl CudaBackend {
         partials: &mut Tensor,
     ) -> Result<()> {
         let (hidden, inter) = (shape.hidden, shape.inter);
-        let (xq, xd) = self.quantize_q8(x, Some(g.tokens), g.n)?;
         let (hq, hd) = (self.empty(DType::U8, &[g.n, inter])?, self.empty(DType::F32, &[g.n, inter / 16])?);
         let groups = g.groups as u32;
         let call = launch::moe_gate_up_q8(
-            ptr(&xq),
-            ptr(&xd),
+            ptr(x),
+            g.tokens,
             g.w,
             g.s,
             g.g,
@@ -167,7 +171,8 @@ impl CudaBackend {
             u32_of(inter),
             u32_of(hidden),
         );
-        // A block of 16 warps gives 16 columns: one quantisation block of the down projection's input.
+        // A block of 16 warps gives 16 columns: one quantisation block of the down projection's input
+        // (and quantises its group's rows of `x` itself: no launch for the gather).
         self.try_run(call, LaunchConfig { grid: [(inter / 16) as u32, 1, groups], block: [512, 1, 1] })?;
         let call = launch::moe_down_q8(
             ptr(&hq),
