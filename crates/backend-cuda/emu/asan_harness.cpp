@@ -169,7 +169,11 @@ int main(int argc, char** argv) {
     run(gather_rows, d1(4), d1(256), reinterpret_cast<const uint8_t*>(x.data()), ids.data(),
         reinterpret_cast<uint8_t*>(gathered.data()), 3u, cols, 4u);
     auto part = vals(rows * 2 * 10);
-    run(split_cols_f32, d1(1), d1(256), x.data(), part.data(), rows, 2u, 50u, 40u, 10u);
+    run(split_cols_f32, d1(1), d1(256), x.data(), part.data(), part.data(), part.data(), part.data(), rows, 2u, 50u, 40u, 10u,
+        0u, 0u, 0u);
+    auto p0 = vals(rows * 2 * 10), p1 = vals(rows * 2 * 15), p2 = vals(rows * 2 * 25);
+    run(split_cols_f32, d1(1), d1(256), x.data(), p0.data(), p1.data(), p2.data(), p0.data(), rows, 2u, 50u, 0u, 10u, 15u,
+        25u, 0u);
     std::vector<uint16_t> half(n);
     run(f32_to_bf16_rows, d1(2), d1(256), x.data(), half.data(), n);
     auto emb = vals(3 * cols);

@@ -13,18 +13,25 @@ extern "C" __global__ void gather_rows(const uint8_t* __restrict__ x, const int3
     }
 }
 
-// Part `[off, off + width)` of each of `heads` groups of `gw` columns of every row of `x` → `out`
-// (`[rows, heads · width]`).
+// Up to four consecutive parts of each of `heads` groups of `gw` columns of every row of `x`, from column
+// `off` of a group: part `i`, `w_i` columns, into `out_i` (`[rows, heads · w_i]`), in one launch (a
+// GDN layer's q, k and v; attention's query and gate). A part of width 0 is not written.
 // flops: none
 // ptx: ld.global.nc.f32
-// budget: 32 registers
-extern "C" __global__ void split_cols_f32(const float* __restrict__ x, float* __restrict__ out, unsigned rows, unsigned heads,
-                                          unsigned gw, unsigned off, unsigned width) {
-    const unsigned oc = heads * width;
+// budget: 40 registers
+extern "C" __global__ void split_cols_f32(const float* __restrict__ x, float* __restrict__ o0, float* __restrict__ o1,
+                                          float* __restrict__ o2, float* __restrict__ o3, unsigned rows, unsigned heads,
+                                          unsigned gw, unsigned off, unsigned w0, unsigned w1, unsigned w2, unsigned w3) {
+    const unsigned ws = w0 + w1 + w2 + w3, oc = heads * ws;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)rows * oc; i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / oc;
-        const unsigned c = (unsigned)(i % oc), h = c / width, j = c % width;
-        out[i] = x[r * heads * gw + h * gw + off + j];
+        const unsigned c = (unsigned)(i % oc), h = c / ws, j = c % ws;
+        const float v = x[r * heads * gw + h * gw + off + j];
+        const size_t rh = r * heads + h;
+        if (j < w0) o0[rh * w0 + j] = v;
+        else if (j < w0 + w1) o1[rh * w1 + (j - w0)] = v;
+        else if (j < w0 + w1 + w2) o2[rh * w2 + (j - w0 - w1)] = v;
+        else o3[rh * w3 + (j - w0 - w1 - w2)] = v;
     }
 }
 

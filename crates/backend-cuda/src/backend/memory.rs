@@ -129,15 +129,19 @@ impl MemoryOps for CudaBackend {
     fn split_cols(&self, x: &Tensor, heads: usize, parts: &[usize]) -> Result<Vec<Tensor>> {
         let gw: usize = parts.iter().sum();
         let rows = x.rows();
+        let outs = parts.iter().map(|&p| self.empty(DType::F32, &[rows, heads * p])).collect::<Result<Vec<_>>>()?;
+        // Four parts a launch (every caller has at most three); an absent part has width 0.
         let mut off = 0;
-        let mut outs = Vec::with_capacity(parts.len());
-        for &p in parts {
-            let out = self.empty(DType::F32, &[rows, heads * p])?;
+        for (ps, os) in parts.chunks(4).zip(outs.chunks(4)) {
+            let w = |i: usize| ps.get(i).copied().unwrap_or(0);
+            let o = |i: usize| os.get(i).map_or(ptr(&os[0]), ptr);
             let (r, h) = (u32_of(rows), u32_of(heads));
-            let call = launch::split_cols_f32(ptr(x), ptr(&out), r, h, u32_of(gw), u32_of(off), u32_of(p));
-            self.try_run(call, LaunchConfig::elements(rows * heads * p))?;
-            outs.push(out);
-            off += p;
+            let (w0, w1, w2, w3) = (u32_of(w(0)), u32_of(w(1)), u32_of(w(2)), u32_of(w(3)));
+            let call =
+                launch::split_cols_f32(ptr(x), o(0), o(1), o(2), o(3), r, h, u32_of(gw), u32_of(off), w0, w1, w2, w3);
+            let width: usize = ps.iter().sum();
+            self.try_run(call, LaunchConfig::elements(rows * heads * width))?;
+            off += width;
         }
         Ok(outs)
     }
