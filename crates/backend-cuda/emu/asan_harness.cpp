@@ -100,6 +100,9 @@ int main(int argc, char** argv) {
         on, k);
     run(linear_gemv, d1(3), d1(256), xs.data(), static_cast<const void*>(codes.data()), scales.data(), 0.5f, 3, out.data(), m,
         on, k);
+    std::vector<float> out2(m * on);
+    run(linear_gemv_pair, d1(5), d1(256), xs.data(), static_cast<const void*>(wh.data()), scales.data(), 1.0f,
+        static_cast<const void*>(wh.data()), scales.data(), 1.0f, 1, out.data(), out2.data(), m, on, k);
     // A width that is not whole 8-column steps: one column a lane a step.
     run(linear_gemv, d1(3), d1(256), xs.data(), static_cast<const void*>(wf.data()), scales.data(), 1.0f, 0, out.data(), m,
         on, 45u);

@@ -128,6 +128,22 @@ extern "C" __global__ void linear_gemv(const float* __restrict__ x, const void* 
     gemv_rows(x, w, scales, global, wtype, out, m, n, k, col, lane);
 }
 
+// Two weights of one shape against the same rows (an MLP's gate and up) in one launch: warps for columns
+// `[0, n)` as `linear_gemv` with `w1` into `out1`, those for `[n, 2n)` with `w2` into `out2` — the same
+// bits as two `linear_gemv` launches.
+// flops: fp32 4 * m * n * k + 4 * n * k
+// ptx: shfl.sync.bfly.b32, ld.global.nc.v4.u32
+// budget: 72 registers
+extern "C" __global__ void linear_gemv_pair(const float* __restrict__ x, const void* __restrict__ w1,
+                                            const uint8_t* __restrict__ s1, float g1, const void* __restrict__ w2,
+                                            const uint8_t* __restrict__ s2, float g2, int wtype, float* __restrict__ out1,
+                                            float* __restrict__ out2, unsigned m, unsigned n, unsigned k) {
+    const unsigned col = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (col >= 2 * n) return;  // a whole warp leaves together: `col` is the warp's
+    if (col < n) gemv_rows(x, w1, s1, g1, wtype, out1, m, n, k, col, lane);
+    else gemv_rows(x, w2, s2, g2, wtype, out2, m, n, k, col - n, lane);
+}
+
 // The routed experts of a decode-shaped wave (a step of at most 8 tokens, so at most 8 rows a group):
 // group `g` (blockIdx.z) as `linear_gemv` over its `rows[g]` rows from `row0[g]` with its own weight —
 // each weight row read once, not once per 16-row tile of which one row is used (`linear_grouped`). A

@@ -137,18 +137,51 @@ impl CudaBackend {
     }
 }
 
+/// A placed weight's device memory as the linear kernels read it.
+fn placed(w: &Tensor) -> Result<RawWeight> {
+    let Some(CudaStorage::Weight(placed)) = w.storage::<CudaStorage>() else {
+        return Err(BackendError::Device("linear over a tensor that is not a placed weight: this is a bug".into()));
+    };
+    let scales = placed.scales.as_ref().map_or(placed.data.ptr, |s| s.ptr);
+    Ok(RawWeight { data: placed.data.ptr, scales, global: placed.global, dtype: w.dtype() })
+}
+
 impl CoreOps for CudaBackend {
     fn sample_rows(&self, logits: &[&Tensor], rows: &[&RowSampling]) -> Result<Tensor> {
         self.sample(logits, rows)
     }
 
+    fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (a, b) = (placed(w1)?, placed(w2)?);
+        let (m, n, k) = (x.rows(), w1.shape()[0], w1.cols());
+        let same = w1.dtype() == w2.dtype() && w1.shape() == w2.shape();
+        // A decode-shaped pair on the f32-activation GEMV: one launch for both weights (a shared
+        // expert's or a dense MLP's gate and up). Other shapes and the int8 paths: two linears.
+        if !same || !(1..=GEMV_ROWS).contains(&m) || self.q8_path(m, a.dtype, k) {
+            return Ok((self.matmul(x, a, n, k)?, self.matmul(x, b, n, k)?));
+        }
+        let (out1, out2) = (self.empty(DType::F32, &[m, n])?, self.empty(DType::F32, &[m, n])?);
+        let call = launch::linear_gemv_pair(
+            ptr(x),
+            a.data,
+            a.scales,
+            a.global,
+            b.data,
+            b.scales,
+            b.global,
+            wtype(a.dtype)?,
+            ptr(&out1),
+            ptr(&out2),
+            u32_of(m),
+            u32_of(n),
+            u32_of(k),
+        );
+        self.try_run(call, LaunchConfig { grid: [(2 * n).div_ceil(8) as u32, 1, 1], block: [256, 1, 1] })?;
+        Ok((out1, out2))
+    }
+
     fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        let Some(CudaStorage::Weight(placed)) = w.storage::<CudaStorage>() else {
-            return Err(BackendError::Device("linear over a tensor that is not a placed weight: this is a bug".into()));
-        };
-        let scales = placed.scales.as_ref().map_or(placed.data.ptr, |s| s.ptr);
-        let weight = RawWeight { data: placed.data.ptr, scales, global: placed.global, dtype: w.dtype() };
-        self.matmul(x, weight, w.shape()[0], w.cols())
+        self.matmul(x, placed(w)?, w.shape()[0], w.cols())
     }
 
     fn embed(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {

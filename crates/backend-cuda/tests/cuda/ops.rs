@@ -168,6 +168,22 @@ pub(crate) fn linears_agree_within_the_dot_product_bound_for_every_weight_type()
             within(&format!("linear {dtype:?} ({m}, {n}, {k})"), &got, &want, |o| 2.0 * (k as f32 * U) * mag[o] + 1e-7);
         }
     }
+    // Issue 52, item 5: a decode-shaped pair of weights (an MLP's gate and up) in one launch
+    // (`linear_gemv_pair`), the bits of the two linears; prefill-shaped pairs stay two.
+    for (dtype, m) in [(DType::BF16, 3usize), (DType::F32, 1), (DType::BF16, 12)] {
+        let (n, k) = (40, 256);
+        let (w1, w2) = (weight(dtype, n, k, 70), weight(dtype, n, k, 71));
+        let x = data(72, m * k);
+        let xg = gpu.upload_f32(&x, &[m, k]).expect("x");
+        let (g1, g2) = (gpu.place_weight(w1).expect("w1"), gpu.place_weight(w2).expect("w2"));
+        let mut pair = None;
+        let ran = osprey_backend_cuda::emu::launches_of(|| pair = Some(gpu.linear_pair(&xg, &g1, &g2).expect("pair")));
+        let (a, b) = pair.expect("pair");
+        let one = if m <= 8 { vec!["linear_gemv_pair"] } else { vec!["linear_tiled", "linear_tiled"] };
+        assert_eq!(ran, one, "{dtype:?}, {m} rows");
+        let (a1, b1) = (gpu.linear(&xg, &g1).expect("a"), gpu.linear(&xg, &g2).expect("b"));
+        assert_eq!((host(&gpu, &a), host(&gpu, &b)), (host(&gpu, &a1), host(&gpu, &b1)), "{dtype:?}, {m} rows");
+    }
 }
 
 /// The fast path of prefill-shaped bf16 linears, and of NVFP4 ones whose width the tensor-core GEMM does
