@@ -37,6 +37,14 @@ __device__ __forceinline__ void quant16(const float* v, uint8_t* q, float* d) {
     *d = amax / 127.0f;
 }
 
+// The 16 values of global memory at `src` quantised (`quant16`): the activations' quantisation, where
+// `quantize_q8` and `moe_gate_up_q8` read them.
+__device__ __forceinline__ void quant16_from(const float* __restrict__ src, uint8_t* q, float* d) {
+    float v[16];
+    for (unsigned i = 0; i < 16; ++i) v[i] = __ldg(src + i);
+    quant16(v, q, d);
+}
+
 // Rows `r` < `m` (at most 8) of the quantised activations (`xq [m, k]` int8, `xd [m, k/16]`) against
 // NVFP4 weight row `col`, by the calling warp (lane `lane`): `put(r, sum)` for each, on every lane. A
 // callback, not an array: its row index is a constant once the loop is unrolled, so the sums stay in
@@ -87,9 +95,7 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, const int32_
          b += (size_t)gridDim.x * blockDim.x) {
         const size_t r = b / per_row, j = b % per_row;
         const size_t src = gather ? (size_t)ids[r] : r;
-        float v[16];
-        for (unsigned i = 0; i < 16; ++i) v[i] = __ldg(x + src * k + j * 16 + i);
-        quant16(v, q + r * k + j * 16, d + b);
+        quant16_from(x + src * k + j * 16, q + r * k + j * 16, d + b);
     }
 }
 
@@ -139,10 +145,7 @@ extern "C" __global__ void moe_gate_up_q8(const float* __restrict__ x, const int
     uint8_t* xq = (uint8_t*)xs;
     for (unsigned b = threadIdx.x; b < m * per_row; b += blockDim.x) {
         const unsigned r = b / per_row, j = b % per_row;
-        const float* src = x + (size_t)tokens[r0 + r] * hidden + j * 16;
-        float v[16];
-        for (unsigned i = 0; i < 16; ++i) v[i] = __ldg(src + i);
-        quant16(v, xq + r * hidden + j * 16, xds + b);
+        quant16_from(x + (size_t)tokens[r0 + r] * hidden + j * 16, xq + r * hidden + j * 16, xds + b);
     }
     __syncthreads();
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, col = blockIdx.x * 16 + warp;

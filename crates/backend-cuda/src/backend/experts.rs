@@ -141,20 +141,28 @@ impl Groups {
 /// A wave's groups in device memory, from the host ([`Groups::packed`], one upload) or from the router's
 /// ids (`moe_align`): per group its first row and row count, the three projections' tables (`[3,
 /// groups]` weights, scales, global scales), and each row's partials entry and token.
-struct OnDevice {
-    row0: DevPtr,
-    rows: DevPtr,
-    w: DevPtr,
-    s: DevPtr,
-    g: DevPtr,
-    entries: DevPtr,
-    tokens: DevPtr,
+pub(super) struct OnDevice {
+    pub(super) row0: DevPtr,
+    pub(super) rows: DevPtr,
+    pub(super) w: DevPtr,
+    pub(super) s: DevPtr,
+    pub(super) g: DevPtr,
+    pub(super) entries: DevPtr,
+    pub(super) tokens: DevPtr,
     /// Groups (the tables' stride), rows in all, the most rows a group may have.
-    groups: usize,
-    n: usize,
-    tall: usize,
+    pub(super) groups: usize,
+    pub(super) n: usize,
+    pub(super) tall: usize,
     /// The step's tokens (a group's rows are at most these).
-    step_rows: usize,
+    pub(super) step_rows: usize,
+}
+
+impl OnDevice {
+    /// Projection `which`'s row of the tables: every group's weight, scales and global scale.
+    pub(super) fn projection(&self, which: usize) -> (DevPtr, DevPtr, DevPtr) {
+        let at = which * self.groups;
+        (self.w.offset(8 * at), self.s.offset(8 * at), self.g.offset(4 * at))
+    }
 }
 
 impl CudaBackend {
@@ -168,8 +176,7 @@ impl CudaBackend {
         dtype: DType,
     ) -> Result<Tensor> {
         let out = self.empty(DType::F32, &[g.n, cols])?;
-        let (w, s, gl) =
-            (g.w.offset(8 * which * g.groups), g.s.offset(8 * which * g.groups), g.g.offset(4 * which * g.groups));
+        let (w, s, gl) = g.projection(which);
         let (wtype, o, n, k) = (super::core::wtype(dtype)?, ptr(&out), u32_of(cols), u32_of(depth));
         if g.step_rows <= super::core::GEMV_ROWS {
             // Decode: a warp per output column reads each weight row once for its group's rows. Chosen by
@@ -197,23 +204,12 @@ impl CudaBackend {
         partials: &mut Tensor,
     ) -> Result<()> {
         let (h, n) = (x.cols(), g.n);
-        let q8 = super::q8::Groups {
-            w: g.w,
-            s: g.s,
-            g: g.g,
-            row0: g.row0,
-            rows: g.rows,
-            entries: g.entries,
-            tokens: g.tokens,
-            groups: g.groups,
-            n,
-        };
         let q8_fits = shape.inter.is_multiple_of(super::q8::Q8_COLS) && h <= super::q8::Q8_MAX_HIDDEN;
         if self.q8_path(g.step_rows, shape.dtype, h) && q8_fits {
-            return self.experts_q8(x, weights, shape, &q8, partials);
+            return self.experts_q8(x, weights, shape, g, partials);
         }
         if self.mma_path(g.step_rows, shape.dtype, h) && shape.inter.is_multiple_of(super::q8::MMA_COLS) {
-            return self.experts_mma(x, weights, shape, (&q8, g.tall), partials);
+            return self.experts_mma(x, weights, shape, g, partials);
         }
         let xs = self.empty(DType::F32, &[n, h])?;
         let call = launch::gather_rows(ptr(x), g.tokens, ptr(&xs), u32_of(n), u32_of(h), 4);

@@ -12,6 +12,7 @@
 use osprey_backend::{DType, ExpertShape, Precision, Result, Tensor};
 
 use super::core::{RawWeight, GEMV_ROWS};
+use super::experts::OnDevice;
 use super::{ptr, u32_of, CudaBackend};
 use crate::device::{DevPtr, LaunchConfig};
 use crate::launch;
@@ -31,20 +32,6 @@ pub(super) const MMA_COLS: usize = 32;
 /// products 64 × 64, an expert's few rows 16 × 128.
 const MMA_TILE: usize = 64;
 const MMA_EXPERT_TILE: (usize, usize) = (16, 128);
-
-/// The routed experts' tables of a wave (`experts.rs`' `OnDevice`), as the fused kernels read them.
-pub(super) struct Groups {
-    pub(super) w: DevPtr,
-    pub(super) s: DevPtr,
-    pub(super) g: DevPtr,
-    pub(super) row0: DevPtr,
-    pub(super) rows: DevPtr,
-    pub(super) entries: DevPtr,
-    pub(super) tokens: DevPtr,
-    pub(super) groups: usize,
-    /// Rows in all.
-    pub(super) n: usize,
-}
 
 impl CudaBackend {
     /// Whether `m` rows against an NVFP4 matrix of width `k` take the int8 path.
@@ -93,22 +80,22 @@ impl CudaBackend {
 
     /// A prefill-shaped wave's routed experts on the tensor cores: the gather with the quantisation, gate
     /// and up (a grouped launch each), SwiGLU, the quantisation, down, and each row times its weight into
-    /// its entry of `partials`. `tall` bounds every group's rows.
+    /// its entry of `partials`.
     pub(super) fn experts_mma(
         &self,
         x: &Tensor,
         weights: &Tensor,
         shape: ExpertShape,
-        (g, tall): (&Groups, usize),
+        g: &OnDevice,
         partials: &mut Tensor,
     ) -> Result<()> {
         let (hidden, inter) = (shape.hidden, shape.inter);
         let (xq, xd) = self.quantize_q8(x, Some(g.tokens), g.n)?;
-        let mut gate = self.grouped_mma(&xq, &xd, (g, tall), 0, (inter, hidden))?;
-        let up = self.grouped_mma(&xq, &xd, (g, tall), 1, (inter, hidden))?;
+        let mut gate = self.grouped_mma(&xq, &xd, g, 0, (inter, hidden))?;
+        let up = self.grouped_mma(&xq, &xd, g, 1, (inter, hidden))?;
         osprey_backend::CoreOps::silu_mul(self, &mut gate, &up);
         let (hq, hd) = self.quantize_q8(&gate, None, g.n)?;
-        let d = self.grouped_mma(&hq, &hd, (g, tall), 2, (hidden, inter))?;
+        let d = self.grouped_mma(&hq, &hd, g, 2, (hidden, inter))?;
         let call =
             launch::moe_scatter_rows(ptr(partials), g.entries, ptr(weights), ptr(&d), u32_of(g.n), u32_of(hidden));
         self.try_run(call, LaunchConfig::elements(g.n * hidden))
@@ -119,13 +106,12 @@ impl CudaBackend {
         &self,
         xq: &Tensor,
         xd: &Tensor,
-        (g, tall): (&Groups, usize),
+        g: &OnDevice,
         which: usize,
         (cols, depth): (usize, usize),
     ) -> Result<Tensor> {
         let out = self.empty(DType::F32, &[g.n, cols])?;
-        let (w, s, gl) =
-            (g.w.offset(8 * which * g.groups), g.s.offset(8 * which * g.groups), g.g.offset(4 * which * g.groups));
+        let (w, s, gl) = g.projection(which);
         let call = launch::linear_grouped_mma_q8(
             ptr(xq),
             ptr(xd),
@@ -139,7 +125,7 @@ impl CudaBackend {
             u32_of(depth),
         );
         let (rows, width) = MMA_EXPERT_TILE;
-        let grid = [cols.div_ceil(width) as u32, tall.div_ceil(rows) as u32, g.groups as u32];
+        let grid = [cols.div_ceil(width) as u32, g.tall.div_ceil(rows) as u32, g.groups as u32];
         self.try_run(call, LaunchConfig { grid, block: [128, 1, 1] })?;
         Ok(out)
     }
@@ -151,7 +137,7 @@ impl CudaBackend {
         x: &Tensor,
         weights: &Tensor,
         shape: ExpertShape,
-        g: &Groups,
+        g: &OnDevice,
         partials: &mut Tensor,
     ) -> Result<()> {
         let (hidden, inter) = (shape.hidden, shape.inter);
