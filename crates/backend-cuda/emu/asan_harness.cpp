@@ -6,6 +6,7 @@
 #include "common.cuh"
 
 #include "attention.cu"
+#include "delta_chunked.cu"
 #include "elementwise.cu"
 #include "gemm_q8.cu"
 #include "linear.cu"
@@ -213,16 +214,32 @@ int main(int argc, char** argv) {
     auto ga = vals((t + 1) * nv), gb = vals((t + 1) * nv), na = vals(nv), dt = vals(nv), beta = vals(t * nv), gg = vals(t * nv);
     run(delta_gates, d1(1), d1(64), ga.data(), gb.data(), 1u, t, nv, na.data(), dt.data(), beta.data(), gg.data());
     auto dq = vals(t * nk * dk), dkv = vals(t * nk * dk), dvv = vals(t * nv * dv), st = vals(nv * dk * dv), dout = vals(t * nv * dv);
-    run(gated_delta_recurrent, d1(nv), d1(32), dq.data(), dkv.data(), dvv.data(), gg.data(), beta.data(), st.data(),
-        dout.data(), t, nk, nv, dk, dv);
+    // The recurrent rule on one state over three tokens (a slab of 8 of a block's 32 columns).
+    run(gated_delta_slab, dim3{nv, 1, 1}, d1(32), dq.data(), dkv.data(), dvv.data(), gg.data(), beta.data(),
+        st.data(), 0u, dout.data(), t, nk, nv, dk, dv);
     // The decode forms over two sequences: each row continues its own state.
     auto cst2 = vals((kern - 1) * c);
     std::vector<uint64_t> conv_states = {reinterpret_cast<uint64_t>(cst.data()), reinterpret_cast<uint64_t>(cst2.data())};
     run(causal_conv_silu_rows, d1(1), d1(64), cx.data(), 2u, c, cw.data(), kern, conv_states.data(), co.data());
     auto st2 = vals(nv * dk * dv);
     std::vector<uint64_t> delta_states = {reinterpret_cast<uint64_t>(st.data()), reinterpret_cast<uint64_t>(st2.data())};
-    run(gated_delta_rows, dim3{nv, 2, 1}, d1(32), dq.data(), dkv.data(), dvv.data(), gg.data(), beta.data(),
-        delta_states.data(), dout.data(), 2u, nk, nv, dk, dv);
+    run(gated_delta_slab, dim3{nv, 2, 1}, d1(32), dq.data(), dkv.data(), dvv.data(), gg.data(), beta.data(),
+        delta_states.data(), 1u, dout.data(), 2u, nk, nv, dk, dv);
+    // A decode step from the conv's output (rows 1 and 2 of the gates), two sequences, then one.
+    auto sconv = vals(2 * (2 * nk * dk + nv * dv));
+    run(gated_delta_step, dim3{nv, 2, 1}, d1(32), sconv.data(), ga.data(), gb.data(), 1u, na.data(), dt.data(), 0.35f,
+        delta_states.data(), 1u, dout.data(), nk, nv, dk, dv);
+    run(gated_delta_step, dim3{nv, 1, 1}, d1(32), sconv.data(), ga.data(), gb.data(), 2u, na.data(), dt.data(), 0.35f,
+        st2.data(), 0u, dout.data(), nk, nv, dk, dv);
+    // The chunked form over 70 tokens: a window of two chunks (64 + 6), then the state's part.
+    const unsigned tn = 70, w = 2;
+    auto cq = vals(tn * nk * dk, 0.2f), ck = vals(tn * nk * dk, 0.2f), cv = vals(tn * nv * dv), cg = vals(tn * nv, 0.1f),
+         cb = vals(tn * nv, 0.5f), co2 = vals(tn * nv * dv);
+    std::vector<float> sx(w * nv * 64 * dv), sy(w * nv * 64 * dk), sa(w * nv * 64 * 64), sc(w * nv * 64);
+    run(gated_delta_chunk_prep, dim3{nv, w, 1}, d1(256), cq.data(), ck.data(), cv.data(), cg.data(), cb.data(), 0u, tn,
+        sx.data(), sy.data(), sa.data(), sc.data(), nk, nv, dk, dv);
+    run(gated_delta_chunk_state, d1(nv), d1(128), cq.data(), ck.data(), sx.data(), sy.data(), sa.data(), sc.data(),
+        st.data(), co2.data(), 0u, tn, w, nk, nv, dk, dv);
 
     // Router and experts: 3 tokens over 10 experts, top 3; entries into partials; the combine.
     auto logits = vals(3 * 10);

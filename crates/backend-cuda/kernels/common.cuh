@@ -55,6 +55,11 @@ __device__ __forceinline__ int e2m1x4_to_i8(uint32_t codes) {
     return (int)__byte_perm(pos, neg, 0x3210u | ((codes & 0x8888u) >> 1));
 }
 
+// Gated DeltaNet on chip (recurrent.cu, delta_chunked.cu): the largest key head dimension a block's
+// shared state slab holds (Qwen3.5/3.6 and qwen4_exp use 128), and the state columns a block owns.
+#define DELTA_DK_MAX 256u
+#define DELTA_COLS 32u
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 

@@ -363,9 +363,10 @@ seam! {
     }
 
     /// Recurrent state: Gated DeltaNet's conv and delta rule, advancing per-sequence state tensors.
-    trait RecurrentOps: MemoryOps {
+    trait RecurrentOps: CoreOps {
         /// `causal_conv_silu`, `delta_gates`, `gated_delta` (and their decode forms over several sequences,
-        /// `causal_conv_silu_rows` and `gated_delta_rows`).
+        /// `causal_conv_silu_rows` and `gated_delta_rows`; a decode step from the conv's output,
+        /// `gated_delta_step`).
         op GatedDeltaNet {
             /// Depthwise causal conv (`w [channels, kernel]`) then silu over rows `rows` of `x`,
             /// continuing from and advancing `state` (the last `kernel − 1` inputs).
@@ -407,6 +408,27 @@ seam! {
                     self.write_rows(&mut out, i * vd, &o, 0..1);
                 }
                 Ok(out)
+            };
+
+            /// A decode step from the conv's output `[rows, 2·nk·dk + nv·dv]`, row `i` one token (past the
+            /// first) of the sequence whose state is `states[i]`: split into q | k | v, q and k
+            /// L2-normalised (eps 1e-6), q scaled by `q_scale`, the gates of rows `rows` of `a` and `b`,
+            /// and the recurrent rule → `[rows, nv·dv]`, exactly those ops one after another (the default
+            /// runs them; a device fuses them into one launch).
+            #[allow(clippy::too_many_arguments)]
+            fn gated_delta_step(&self, shape: GdnShape, conv: &Tensor, a: &Tensor, b: &Tensor, rows: Range<usize>, neg_a: &Tensor, dt_bias: &Tensor, q_scale: f32, states: &mut [&mut Tensor]) -> Result<Tensor> = {
+                let (kd, vd) = (shape.nk * shape.dk, shape.nv * shape.dv);
+                let mut qkv = self.split_cols(conv, 1, &[kd, kd, vd])?.into_iter();
+                let mut part = || qkv.next().ok_or_else(|| BackendError::Device("split_cols lost a part: this is a bug".into()));
+                let (mut q, mut k, v) = (part()?, part()?, part()?);
+                self.l2_norm(&mut q, shape.dk, 1e-6);
+                self.l2_norm(&mut k, shape.dk, 1e-6);
+                self.scale(&mut q, q_scale);
+                let (beta, g) = self.delta_gates(a, b, rows, neg_a, dt_bias)?;
+                match states {
+                    [one] => self.gated_delta(shape, true, &q, &k, &v, &g, &beta, one),
+                    _ => self.gated_delta_rows(shape, &q, &k, &v, &g, &beta, states),
+                }
             };
         }
     }

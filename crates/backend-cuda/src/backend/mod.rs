@@ -167,7 +167,8 @@ impl CudaBackend {
     }
 
     /// The backend with attention's scores held to `bytes` per launch: query rows go in bands that fit
-    /// (default [`SCRATCH_CAP`]; tests set it small to exercise the bands).
+    /// (default [`SCRATCH_CAP`]; tests set it small to exercise the bands). The chunked delta rule's
+    /// window of chunks is held to it too.
     pub fn with_scratch_cap(mut self, bytes: usize) -> Self {
         self.scratch_cap = bytes.max(1);
         self

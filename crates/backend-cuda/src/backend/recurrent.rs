@@ -1,10 +1,13 @@
-//! Gated DeltaNet on the device (`kernels/recurrent.cu`). The delta rule runs token by token for prefill
-//! as for decode: the same answer as the CPU's chunked form within its own chunked-vs-recurrent bound,
-//! and the CPU's recurrent form to the bit. A chunked (UT/WY) kernel is the later, faster prefill.
+//! Gated DeltaNet on the device (`kernels/recurrent.cu`, `kernels/delta_chunked.cu`), the state on chip:
+//! the recurrent form (decode, verify steps) the CPU's to the bit, a block's 32 state columns read once
+//! and written once per launch; a decode step from the conv's output in one launch (split, L2 norms,
+//! scale, gates and the rule fused); prefill in the CPU's chunked form, its state-free part for a
+//! window of chunks at once and the state's part chunk after chunk, within the chunked-vs-recurrent
+//! bound of the CPU's.
 
 use std::ops::Range;
 
-use osprey_backend::{DType, GdnShape, RecurrentOps, Result, Tensor};
+use osprey_backend::{BackendError, DType, GdnShape, RecurrentOps, Result, Tensor};
 
 use super::{ptr, u32_of, CudaBackend};
 use crate::device::LaunchConfig;
@@ -65,7 +68,7 @@ impl RecurrentOps for CudaBackend {
     fn gated_delta(
         &self,
         shape: GdnShape,
-        _recurrent: bool,
+        recurrent: bool,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -73,24 +76,30 @@ impl RecurrentOps for CudaBackend {
         beta: &Tensor,
         state: &mut Tensor,
     ) -> Result<Tensor> {
+        on_chip(shape)?;
         let n = q.rows();
         let out = self.empty(DType::F32, &[n, shape.nv * shape.dv])?;
-        let call = launch::gated_delta_recurrent(
-            ptr(q),
-            ptr(k),
-            ptr(v),
-            ptr(g),
-            ptr(beta),
-            ptr(state),
-            ptr(&out),
-            u32_of(n),
-            u32_of(shape.nk),
-            u32_of(shape.nv),
-            u32_of(shape.dk),
-            u32_of(shape.dv),
-        );
-        let cfg = LaunchConfig::per_group(shape.nv, (shape.dv.div_ceil(32) * 32).min(1024) as u32);
-        self.try_run(call, cfg)?;
+        if recurrent {
+            let (nk, nv, dk, dv) = dims(shape);
+            let call = launch::gated_delta_slab(
+                ptr(q),
+                ptr(k),
+                ptr(v),
+                ptr(g),
+                ptr(beta),
+                ptr(state),
+                0,
+                ptr(&out),
+                u32_of(n),
+                nk,
+                nv,
+                dk,
+                dv,
+            );
+            self.try_run(call, slab_blocks(shape, 1))?;
+        } else {
+            self.delta_chunked(shape, [q, k, v, g, beta], state, &out)?;
+        }
         Ok(out)
     }
 
@@ -121,17 +130,19 @@ impl RecurrentOps for CudaBackend {
         beta: &Tensor,
         states: &mut [&mut Tensor],
     ) -> Result<Tensor> {
+        on_chip(shape)?;
         let n = q.rows();
         let out = self.empty(DType::F32, &[n, shape.nv * shape.dv])?;
         let table = self.state_table(states)?;
-        let (nk, nv, dk, dv) = (u32_of(shape.nk), u32_of(shape.nv), u32_of(shape.dk), u32_of(shape.dv));
-        let call = launch::gated_delta_rows(
+        let (nk, nv, dk, dv) = dims(shape);
+        let call = launch::gated_delta_slab(
             ptr(q),
             ptr(k),
             ptr(v),
             ptr(g),
             ptr(beta),
             table.ptr,
+            1,
             ptr(&out),
             u32_of(n),
             nk,
@@ -139,13 +150,140 @@ impl RecurrentOps for CudaBackend {
             dk,
             dv,
         );
-        let block = (shape.dv.div_ceil(32) * 32).min(1024) as u32;
-        self.try_run(call, LaunchConfig { grid: [u32_of(shape.nv), u32_of(n), 1], block: [block, 1, 1] })?;
+        self.try_run(call, slab_blocks(shape, n))?;
+        Ok(out)
+    }
+
+    fn gated_delta_step(
+        &self,
+        shape: GdnShape,
+        conv: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        rows: Range<usize>,
+        neg_a: &Tensor,
+        dt_bias: &Tensor,
+        q_scale: f32,
+        states: &mut [&mut Tensor],
+    ) -> Result<Tensor> {
+        on_chip(shape)?;
+        let n = conv.rows();
+        assert!(n == rows.len() && n == states.len(), "a decode step: a row per state: this is a bug");
+        let out = self.empty(DType::F32, &[n, shape.nv * shape.dv])?;
+        // One sequence takes its state's address as an argument: no table to upload.
+        let table = match states {
+            [_] => None,
+            _ => Some(self.state_table(states)?),
+        };
+        let (nk, nv, dk, dv) = dims(shape);
+        let call = launch::gated_delta_step(
+            ptr(conv),
+            ptr(a),
+            ptr(b),
+            u32_of(rows.start),
+            ptr(neg_a),
+            ptr(dt_bias),
+            q_scale,
+            table.as_ref().map_or_else(|| ptr(states[0]), |t| t.ptr),
+            u32::from(table.is_some()),
+            ptr(&out),
+            nk,
+            nv,
+            dk,
+            dv,
+        );
+        self.try_run(call, slab_blocks(shape, n))?;
         Ok(out)
     }
 }
 
+/// The largest key head dimension the kernels' shared state slab holds (`DELTA_DK_MAX`, common.cuh).
+const DK_MAX: usize = 256;
+/// Tokens of a chunk of the chunked form (`DELTA_CHUNK`, delta_chunked.cu; the CPU's `CHUNK`).
+const CHUNK: usize = 64;
+/// The chunked form's scratch for a window of chunks is at most this (or the backend's scratch cap, or
+/// one chunk): a prefill of any length runs in windows, its memory bounded (Qwen3.5-35B-A3B: ~2.6 MB a
+/// chunk, 6 chunks a window).
+const WINDOW_BYTES: usize = 16 << 20;
+
+fn on_chip(shape: GdnShape) -> Result<()> {
+    if shape.dk > DK_MAX || shape.nk == 0 || !shape.nv.is_multiple_of(shape.nk) {
+        return Err(BackendError::Device(format!(
+            "Gated DeltaNet with key heads of {} (at most {DK_MAX}) and {} value heads over {} key heads: not supported on the CUDA backend",
+            shape.dk, shape.nv, shape.nk
+        )));
+    }
+    Ok(())
+}
+
+fn dims(s: GdnShape) -> (u32, u32, u32, u32) {
+    (u32_of(s.nk), u32_of(s.nv), u32_of(s.dk), u32_of(s.dv))
+}
+
+/// A block of 32 threads per 32 state columns of each value head, `rows` deep in y.
+fn slab_blocks(s: GdnShape, rows: usize) -> LaunchConfig {
+    LaunchConfig { grid: [u32_of(s.nv * s.dv.div_ceil(32)), u32_of(rows), 1], block: [32, 1, 1] }
+}
+
 impl CudaBackend {
+    /// The chunked form over `q.rows()` tokens: per window of chunks, the state-free part of every chunk
+    /// at once, then the state's part chunk after chunk.
+    fn delta_chunked(
+        &self,
+        s: GdnShape,
+        [q, k, v, g, beta]: [&Tensor; 5],
+        state: &mut Tensor,
+        out: &Tensor,
+    ) -> Result<()> {
+        let n = q.rows();
+        let per_chunk = s.nv * CHUNK * (s.dv + s.dk + CHUNK + 1);
+        let window = (WINDOW_BYTES.min(self.scratch_cap) / (4 * per_chunk)).max(1).min(n.div_ceil(CHUNK));
+        let [x, y, a, cum] = [s.dv, s.dk, CHUNK, 1].map(|w| self.empty(DType::F32, &[window * s.nv * CHUNK * w]));
+        let (x, y, a, cum) = (x?, y?, a?, cum?);
+        let (nk, nv, dk, dv) = dims(s);
+        for first in (0..n.div_ceil(CHUNK)).step_by(window) {
+            let chunks = window.min(n.div_ceil(CHUNK) - first);
+            let t0 = u32_of(first * CHUNK);
+            let prep = launch::gated_delta_chunk_prep(
+                ptr(q),
+                ptr(k),
+                ptr(v),
+                ptr(g),
+                ptr(beta),
+                t0,
+                u32_of(n),
+                ptr(&x),
+                ptr(&y),
+                ptr(&a),
+                ptr(&cum),
+                nk,
+                nv,
+                dk,
+                dv,
+            );
+            self.try_run(prep, LaunchConfig { grid: [nv, u32_of(chunks), 1], block: [256, 1, 1] })?;
+            let run = launch::gated_delta_chunk_state(
+                ptr(q),
+                ptr(k),
+                ptr(&x),
+                ptr(&y),
+                ptr(&a),
+                ptr(&cum),
+                ptr(state),
+                ptr(out),
+                t0,
+                u32_of(n),
+                u32_of(chunks),
+                nk,
+                nv,
+                dk,
+                dv,
+            );
+            self.try_run(run, LaunchConfig { grid: [u32_of(s.nv * s.dv.div_ceil(32)), 1, 1], block: [128, 1, 1] })?;
+        }
+        Ok(())
+    }
+
     /// The device addresses of `states`, uploaded as a table (`u64` each, as `slot_tables` uploads the
     /// slots' addresses) for a kernel over several sequences.
     fn state_table(&self, states: &[&mut Tensor]) -> Result<super::Buf> {

@@ -34,6 +34,7 @@ fn parity_cases(op: Op) -> &'static [fn()] {
         Op::GatedDeltaNet => &[
             sequence::gated_deltanet_decodes_to_the_bit_and_prefills_within_the_chunked_bound,
             sequence::gated_deltanet_rows_advance_each_sequence_as_its_own_decode_step,
+            sequence::gated_delta_steps_from_the_conv_fuse_the_cpus_ops_to_the_bit,
         ],
         Op::Router => &[ops::embeddings_memory_ops_rotary_and_the_router_match],
         Op::Sample => &[

@@ -248,12 +248,97 @@ pub(crate) fn gated_deltanet_decodes_to_the_bit_and_prefills_within_the_chunked_
         } else {
             assert_eq!((og, sg), (oc, sc), "recurrent, n={n}");
         }
-        // Prefill: the device runs the recurrent form; the CPU's chunked form agrees with its recurrent
-        // one within 2e-5 (its own test, crates/kernels/src/gdn.rs), so the device does too.
+        // Prefill: both run the chunked form, the same operations but for the order of the products'
+        // sums; the CPU's chunked form agrees with its recurrent one within 2e-5 (its own test,
+        // crates/kernels/src/gdn.rs), and the device's with the CPU's within the same.
         let ((og, sg), (oc, sc)) = (run(&gpu, false), run(&cpu, false));
         within(&format!("delta rule out, n={n}"), &og, &oc, |_| 2e-5);
         within(&format!("delta rule state, n={n}"), &sg, &sc, |_| 2e-5);
     }
+}
+
+/// A decode step from the conv's output (`gated_delta_step`): the device's one launch — split, both L2
+/// norms (a serial sum of squares, the CPU's), q's scale, the gates and the recurrent rule on a state
+/// slab — gives the CPU's ops one after another to the bit, for one sequence (its state by address) and
+/// for three (a table). Mutation: a tree sum of squares, or k's norm applied to q, fails it.
+#[test]
+pub(crate) fn gated_delta_steps_from_the_conv_fuse_the_cpus_ops_to_the_bit() {
+    let (cpu, gpu) = backends();
+    let s = GdnShape { nk: 2, nv: 4, dk: 128, dv: 40 };
+    let c = 2 * s.nk * s.dk + s.nv * s.dv;
+    for n in [1usize, 3] {
+        let run = |b: &BackendRef| {
+            let up = |v: Vec<f32>, sh: &[usize]| b.upload_f32(&v, sh).expect("upload");
+            let conv = up(data(600 + n as u64, n * c), &[n, c]);
+            let (a, bb) =
+                (up(data(601, (n + 1) * s.nv), &[n + 1, s.nv]), up(data(602, (n + 1) * s.nv), &[n + 1, s.nv]));
+            let na = up(data(603, s.nv).iter().map(|x| -x.abs()).collect(), &[s.nv]);
+            let dt = up(data(604, s.nv), &[s.nv]);
+            let mut states: Vec<Tensor> = (0..n)
+                .map(|i| up(data(610 + i as u64, s.state_len()).iter().map(|x| 0.1 * x).collect(), &[s.state_len()]))
+                .collect();
+            let mut refs: Vec<&mut Tensor> = states.iter_mut().collect();
+            let out = b
+                .gated_delta_step(s, &conv, &a, &bb, 1..n + 1, &na, &dt, (s.dk as f32).powf(-0.5), &mut refs)
+                .expect("step");
+            let mut all = vec![host(b, &out)];
+            all.extend(states.iter().map(|t| host(b, t)));
+            all
+        };
+        let (want, got) = (run(&cpu), run(&gpu));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            if on_device() {
+                within(&format!("step {i}, n={n}"), g, w, |_| 2e-5);
+            } else {
+                assert_eq!(g, w, "step output or state {i}, n={n}");
+            }
+        }
+    }
+}
+
+/// The chunked delta rule runs a long prefill in windows of chunks, its scratch under the backend's cap:
+/// under a cap of one chunk it launches a window per chunk and gives the same bits as one window (each
+/// chunk's state-free part is the same computation, and the state's part runs chunk after chunk either
+/// way). 150 tokens: two full chunks and a partial one.
+#[test]
+fn the_chunked_delta_rule_in_windows_gives_the_same_bits() {
+    let s = GdnShape { nk: 1, nv: 2, dk: 32, dv: 48 };
+    let n = 150;
+    let unit = |seed: u64, d: usize| {
+        let mut v = data(seed, n * s.nk * d);
+        for h in v.chunks_mut(d) {
+            let r = 1.0 / h.iter().map(|x| x * x).sum::<f32>().sqrt();
+            h.iter_mut().for_each(|x| *x *= r);
+        }
+        v
+    };
+    let (q, k, v) = (unit(700, s.dk), unit(701, s.dk), data(702, n * s.nv * s.dv));
+    let g: Vec<f32> = data(703, n * s.nv).iter().map(|x| -0.1 * x.abs()).collect();
+    let beta: Vec<f32> = data(704, n * s.nv).iter().map(|x| 0.5 + 0.4 * x).collect();
+    let run = |cap: Option<usize>| {
+        let mut cuda = osprey_backend_cuda::CudaBackend::new(
+            Arc::new(osprey_backend_cuda::EmuDevice::new(1 << 30)),
+            osprey_backend::Device::CudaEmu,
+        );
+        if let Some(c) = cap {
+            cuda = cuda.with_scratch_cap(c);
+        }
+        let cuda = Arc::new(cuda);
+        let b: BackendRef = cuda.clone();
+        let up = |v: &[f32], sh: &[usize]| b.upload_f32(v, sh).expect("upload");
+        let mut state = up(&data(705, s.state_len()), &[s.state_len()]);
+        let before = cuda.counts();
+        let (kd, vd) = (s.nk * s.dk, s.nv * s.dv);
+        let (qt, kt, vt) = (up(&q, &[n, kd]), up(&k, &[n, kd]), up(&v, &[n, vd]));
+        let o = b.gated_delta(s, false, &qt, &kt, &vt, &up(&g, &[n, s.nv]), &up(&beta, &[n, s.nv]), &mut state);
+        let launches = cuda.counts().since(&before).kernels;
+        (host(&b, &o.expect("delta")), host(&b, &state), launches)
+    };
+    let (one_o, one_s, one) = run(None);
+    let (win_o, win_s, windows) = run(Some(1));
+    assert_eq!((one["gated_delta_chunk_prep"], one["gated_delta_chunk_state"]), (1, 1), "{one:?}");
+    assert_eq!((windows["gated_delta_chunk_prep"], windows["gated_delta_chunk_state"]), (3, 3), "{windows:?}");
+    assert_eq!((win_o, win_s), (one_o, one_s), "windows changed the bits");
 }
 
 /// One wave: the (slot, expert) uploads before it, then its `[T, k]` slot ids.

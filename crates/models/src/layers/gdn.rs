@@ -230,9 +230,23 @@ impl GatedDeltaNet {
         let rows = seg.row..seg.row + seg.len;
         // 2. Causal conv + silu, continuing from the sequence's last kernel-1 inputs.
         let conv = b.causal_conv_silu(&p.mixed, rows.clone(), &self.conv_w, self.kernel, &mut st.conv)?;
-        let Inputs { q, k, v, beta, g } = self.inputs(b, p, &conv, rows)?;
-        let recurrent = seg.len == 1 && seg.past > 0;
-        let out = b.gated_delta(s, recurrent, &q, &k, &v, &g, &beta, &mut st.recurrent)?;
+        // A decode token (the recurrent form): steps 3–4 as one op, one launch on a device.
+        let out = if seg.len == 1 && seg.past > 0 {
+            b.gated_delta_step(
+                s,
+                &conv,
+                &p.a,
+                &p.bb,
+                rows,
+                &self.neg_a,
+                &self.dt_bias,
+                self.q_scale(),
+                &mut [&mut st.recurrent],
+            )?
+        } else {
+            let Inputs { q, k, v, beta, g } = self.inputs(b, p, &conv, rows)?;
+            b.gated_delta(s, false, &q, &k, &v, &g, &beta, &mut st.recurrent)?
+        };
         b.write_rows(core, seg.row * vd, &out, 0..seg.len);
         Ok(())
     }
@@ -242,9 +256,19 @@ impl GatedDeltaNet {
     fn mix_rows(&self, b: &dyn Backend, p: &Projected, states: &mut [&mut LinearState]) -> Result<Tensor> {
         let mut convs: Vec<&mut Tensor> = states.iter_mut().map(|st| &mut st.conv).collect();
         let conv = b.causal_conv_silu_rows(&p.mixed, &self.conv_w, self.kernel, &mut convs)?;
-        let Inputs { q, k, v, beta, g } = self.inputs(b, p, &conv, 0..conv.rows())?;
         let mut recurrent: Vec<&mut Tensor> = states.iter_mut().map(|st| &mut st.recurrent).collect();
-        Ok(b.gated_delta_rows(self.shape, &q, &k, &v, &g, &beta, &mut recurrent)?)
+        let rows = 0..conv.rows();
+        Ok(b.gated_delta_step(
+            self.shape,
+            &conv,
+            &p.a,
+            &p.bb,
+            rows,
+            &self.neg_a,
+            &self.dt_bias,
+            self.q_scale(),
+            &mut recurrent,
+        )?)
     }
 
     /// Steps 3–4 on the conv's output for `rows` of the batch: split, L2-normalise q and k, scale q; the
@@ -256,9 +280,14 @@ impl GatedDeltaNet {
         let (mut q, mut k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
         b.l2_norm(&mut q, s.dk, 1e-6);
         b.l2_norm(&mut k, s.dk, 1e-6);
-        b.scale(&mut q, (s.dk as f32).powf(-0.5));
+        b.scale(&mut q, self.q_scale());
         let (beta, g) = b.delta_gates(&p.a, &p.bb, rows, &self.neg_a, &self.dt_bias)?;
         Ok(Inputs { q, k, v, beta, g })
+    }
+
+    /// q's scale after its L2 norm, `dk^-½`.
+    fn q_scale(&self) -> f32 {
+        (self.shape.dk as f32).powf(-0.5)
     }
 
     /// Bytes of weights.
