@@ -65,7 +65,9 @@ fn the_tile_kernels_compute_odd_shapes_right_with_the_instructions_in_software()
     }
 
     // Through the dispatch (AMX from 16 rows, on the pool's threads, each loading its configuration):
-    // the same numbers as the AVX-512 kernels up to the order of float additions.
+    // the references above, and where the CPU has the AVX-512 kernels (VNNI), the same numbers as those up
+    // to the order of float additions. (An AVX2-only machine has none: its ceiling below is sgemm on f32
+    // activations, another precision, so there the references alone are the check.)
     for (m, n, k) in [(16, 17, 64), (37, 70, 256), (64, 33, 2048)] {
         let x = acts(m, k);
         let (packed, scales) = nvfp4(n, k, 7);
@@ -74,6 +76,25 @@ fn the_tile_kernels_compute_odd_shapes_right_with_the_instructions_in_software()
         for w in [WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.5 }, WeightView::Bf16(&bf)] {
             let mut tiles = vec![0f32; m * n];
             matmul_with(&x, m, w, n, k, &mut tiles, Precision::Int8);
+            if let WeightView::Nvfp4 { .. } = w {
+                let want = reference_with_magnitude(&quantize_rows(&x, m, k), (&packed, &scales, 0.5), n);
+                for (i, (g, (v, mag))) in tiles.iter().zip(&want).enumerate() {
+                    let tol = reference_bound(k, *mag);
+                    assert!((f64::from(*g) - v).abs() <= tol, "dispatch int8 m={m} n={n} k={k} [{i}]: {g} vs {v}");
+                }
+            } else {
+                for (i, g) in tiles.iter().enumerate() {
+                    let (row, col) = (i / n, i % n);
+                    let want: f64 = (0..k)
+                        .map(|c| bf16_value(osprey_kernels::bf16::round(x[row * k + c])) * bf16_value(bf[col * k + c]))
+                        .sum();
+                    let tol = 1e-5 * (k as f64).sqrt() * want.abs().max(1.0);
+                    assert!((f64::from(*g) - want).abs() < tol, "dispatch bf16 m={m} n={n} k={k} [{i}]: {g} vs {want}");
+                }
+            }
+            if !osprey_kernels::q8_gemm::available() {
+                continue;
+            }
             osprey_kernels::set_gemm_ceiling(Gemm::Int8);
             let mut avx512 = vec![0f32; m * n];
             matmul_with(&x, m, w, n, k, &mut avx512, Precision::Int8);

@@ -93,10 +93,16 @@ pub fn gemm(a: &Q8Rows, (packed, scales, global): (&[u8], &[u8], f32), n: usize,
             decode(packed, scales, (r0, r1), k, au, ws);
             let p = ptr;
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: AMX is granted (asserted), the CPU has AVX-512 with it; tile loads read inside au and
-            // x.b, the store writes c, and this task alone writes out[:, r0..r1].
+            // SAFETY: AMX is granted (asserted); `multiply` runs where the CPU has AVX-512 (every CPU with
+            // AMX has it; the emulated tiles may run where it has not); tile loads read inside au and x.b,
+            // the store writes c, and this task alone writes out[:, r0..r1].
             unsafe {
-                multiply(&x, au, ws, c, (m, kb), (r0, r1), n, global * 0.5, p)
+                let args = (&x, &au[..], &ws[..], &mut c[..]);
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    multiply(args, (m, kb), (r0, r1), n, global * 0.5, p)
+                } else {
+                    multiply_portable(args, (m, kb), (r0, r1), n, global * 0.5, p)
+                }
             }
             #[cfg(not(target_arch = "x86_64"))]
             let _ = (p, c);
@@ -104,14 +110,30 @@ pub fn gemm(a: &Q8Rows, (packed, scales, global): (&[u8], &[u8], f32), n: usize,
     );
 }
 
+/// The operands of a task: the activations, its weight tiles and block scales, and the i32 sums' buffer.
+#[cfg(target_arch = "x86_64")]
+type Operands<'a> = (&'a Acts, &'a [u8], &'a [f32], &'a mut [i32]);
+
+/// One block's integer sums into `c`: 16 weight rows × 16 activation rows of group `g`.
+///
+/// # Safety
+/// AMX is granted, and the tiles are configured with [`CONFIG`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn block_sums(x: &Acts, au: &[u8], c: &mut [i32], (g, kb, blk): (usize, usize, usize)) {
+    // SAFETY: see `gemm`.
+    unsafe {
+        super::tile!(zero 0);
+        super::tile!(load 1, au.as_ptr().add(blk * 256), 16usize);
+        super::tile!(load 2, x.b.as_ptr().add((g * kb + blk) * 256), 64usize);
+        super::tile!(busd 0, 1, 2);
+        super::tile!(store 0, c.as_mut_ptr(), 64usize);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn multiply(
-    x: &Acts,
-    au: &[u8],
-    ws: &[f32],
-    c: &mut [i32],
+    (x, au, ws, c): Operands<'_>,
     (m, kb): (usize, usize),
     (r0, r1): (usize, usize),
     n: usize,
@@ -125,11 +147,7 @@ unsafe fn multiply(
         for g in 0..m.div_ceil(T) {
             let mut acc = [_mm512_setzero_ps(); T];
             for blk in 0..kb {
-                super::tile!(zero 0);
-                super::tile!(load 1, au.as_ptr().add(blk * 256), 16usize);
-                super::tile!(load 2, x.b.as_ptr().add((g * kb + blk) * 256), 64usize);
-                super::tile!(busd 0, 1, 2);
-                super::tile!(store 0, c.as_mut_ptr(), 64usize);
+                block_sums(x, au, c, (g, kb, blk));
                 let d = _mm512_loadu_ps(x.d.as_ptr().add((g * kb + blk) * T));
                 let cd = _mm512_loadu_ps(x.cd.as_ptr().add((g * kb + blk) * T));
                 for (r, v) in acc.iter_mut().enumerate() {
@@ -142,6 +160,43 @@ unsafe fn multiply(
                 _mm512_storeu_ps(row.as_mut_ptr(), _mm512_mul_ps(*v, _mm512_set1_ps(scale)));
                 for (j, val) in row.iter().enumerate().take(m - g * T) {
                     *out.0.add((g * T + j) * n + r0 + r) = *val;
+                }
+            }
+        }
+    }
+}
+
+/// [`multiply`] without AVX-512, for the emulated tiles on a CPU without it (a CPU with AMX has
+/// AVX-512): the same operations lane by lane — `mul_add` is the fused multiply-add `_mm512_fmadd_ps`
+/// computes, `as f32` the conversion's rounding — so the same bits. An AVX2-only machine ran
+/// `multiply` here and died of SIGILL in `tests/amx_emulated.rs`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn multiply_portable(
+    (x, au, ws, c): Operands<'_>,
+    (m, kb): (usize, usize),
+    (r0, r1): (usize, usize),
+    n: usize,
+    scale: f32,
+    out: OutPtr,
+) {
+    // SAFETY: see `gemm`.
+    unsafe {
+        configure(&CONFIG);
+        for g in 0..m.div_ceil(T) {
+            let mut acc = [[0f32; T]; T];
+            for blk in 0..kb {
+                block_sums(x, au, c, (g, kb, blk));
+                let (d, cd) = (&x.d[(g * kb + blk) * T..][..T], &x.cd[(g * kb + blk) * T..][..T]);
+                for (r, v) in acc.iter_mut().enumerate() {
+                    let w = ws[blk * T + r];
+                    for (j, a) in v.iter_mut().enumerate() {
+                        *a = w.mul_add((c[r * T + j] as f32).mul_add(d[j], cd[j]), *a);
+                    }
+                }
+            }
+            for (r, v) in acc.iter().enumerate().take(r1 - r0) {
+                for (j, val) in v.iter().enumerate().take(m - g * T) {
+                    *out.0.add((g * T + j) * n + r0 + r) = val * scale;
                 }
             }
         }
