@@ -238,7 +238,7 @@ int main(int argc, char** argv) {
     std::vector<float> sx(w * nv * 64 * dv), sy(w * nv * 64 * dk), sa(w * nv * 64 * 64), sc(w * nv * 64);
     run(gated_delta_chunk_prep, dim3{nv, w, 1}, d1(256), cq.data(), ck.data(), cv.data(), cg.data(), cb.data(), 0u, tn,
         sx.data(), sy.data(), sa.data(), sc.data(), nk, nv, dk, dv);
-    run(gated_delta_chunk_state, d1(nv), d1(128), cq.data(), ck.data(), sx.data(), sy.data(), sa.data(), sc.data(),
+    run(gated_delta_chunk_state, d1(nv), d1(512), cq.data(), ck.data(), sx.data(), sy.data(), sa.data(), sc.data(),
         st.data(), co2.data(), 0u, tn, w, nk, nv, dk, dv);
 
     // Router and experts: 3 tokens over 10 experts, top 3; entries into partials; the combine.

@@ -78,7 +78,8 @@ extern "C" __global__ void gated_delta_chunk_prep(const float* __restrict__ q, c
 // The state's part of `chunks` chunks from token `t0` (of `n`), one after another: per chunk
 // v_new = X − Y·S, out = (q∘e^cum)·S + A·v_new, S ← S·e^last + (k∘e^(last−cum))ᵀ·v_new. Block `x`: value
 // head `x / ⌈dv/32⌉` and 32 of its state columns, held in shared memory from the first chunk to the last
-// (read and written once per window); 128 threads, a lane a column, the warps over rows.
+// (read and written once per window); 512 threads, a lane a column, 16 warps over rows (a chunk's rows
+// are its critical path: 4 a warp for v_new and the output, 8 for the update).
 // flops: fp32 (6 * 64 * dk * 32 + 64 * 64 * 32) * chunks * blocks
 // ptx: ex2.approx.ftz.f32, bar.sync, ld.shared.f32
 // budget: 40 registers

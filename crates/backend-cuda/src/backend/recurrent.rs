@@ -279,7 +279,7 @@ impl CudaBackend {
                 dk,
                 dv,
             );
-            self.try_run(run, LaunchConfig { grid: [u32_of(s.nv * s.dv.div_ceil(32)), 1, 1], block: [128, 1, 1] })?;
+            self.try_run(run, LaunchConfig { grid: [u32_of(s.nv * s.dv.div_ceil(32)), 1, 1], block: [512, 1, 1] })?;
         }
         Ok(())
     }

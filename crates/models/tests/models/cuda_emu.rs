@@ -207,9 +207,8 @@ fn cuda_emu_sequences_decoded_together_match_each_alone_to_the_bit() {
     }
     // Alone: each sequence's prompt, then three tokens.
     let mut alone = Vec::new();
-    let recurrent =
-        |c: &osprey_backend_cuda::DeviceCounts| c.kernels.get("gated_delta_recurrent").copied().unwrap_or(0);
-    let mut per_step = 0; // a decode step's delta-rule launches alone: one per Gated DeltaNet layer
+    let recurrent = |c: &osprey_backend_cuda::DeviceCounts| c.kernels.get("gated_delta_step").copied().unwrap_or(0);
+    let mut per_step = 0; // a decode step's fused delta-rule launches alone: one per Gated DeltaNet layer
     for p in &prompts {
         let mut st = m.new_state();
         let (mut next, mut out) = (p.clone(), Vec::new());
@@ -244,7 +243,7 @@ fn cuda_emu_sequences_decoded_together_match_each_alone_to_the_bit() {
     let after = cuda.counts();
     let launched = |k: &str| after.kernels.get(k).copied().unwrap_or(0) - before.kernels.get(k).copied().unwrap_or(0);
     assert!(per_step > 0, "the model has Gated DeltaNet layers");
-    assert_eq!(launched("gated_delta_rows"), 3 * per_step, "one delta launch a layer and step");
+    assert_eq!(launched("gated_delta_step"), 3 * per_step, "one delta launch a layer and step, not one a sequence");
     assert_eq!(launched("causal_conv_silu_rows"), 3 * per_step, "one conv launch a layer and step");
-    assert_eq!(launched("gated_delta_recurrent"), 0, "no launch per sequence");
+    assert_eq!(launched("gated_delta_slab") + launched("causal_conv_silu"), 0, "no launch per sequence");
 }
