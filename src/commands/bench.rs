@@ -185,12 +185,19 @@ pub struct ServeBenchArgs {
     #[arg(long)]
     pub model: Option<String>,
     /// text, conversation (multi-turn about an image), preamble-image (long text then an image),
-    /// video.
+    /// video, long-images (a conversation of images to `--context-tokens`, per-turn server gauges).
     #[arg(long, default_value = "text")]
     pub scenario: String,
-    /// Requests (conversation: turns).
+    /// Requests (conversation: turns; long-images: the most turns, `--context-tokens` ending it first).
     #[arg(long, default_value_t = 8)]
     pub requests: usize,
+    /// long-images: end at the first turn whose prompt holds this many tokens (8k, 32k, 64k).
+    #[arg(long)]
+    pub context_tokens: Option<usize>,
+    /// long-images: each image as a sentence of as many words as it has tokens (a text-only peer,
+    /// e.g. llama-server, gets the same conversation and context growth).
+    #[arg(long)]
+    pub text_only: bool,
     /// Requests in flight at once.
     #[arg(long, default_value_t = 1)]
     pub concurrency: usize,
@@ -377,6 +384,8 @@ fn serve(a: ServeBenchArgs) -> Result<()> {
         api_key: a.api_key,
         timeout_secs: a.timeout_secs,
         response_format,
+        context_tokens: a.context_tokens,
+        text_only: a.text_only,
     };
     let report = osprey_bench::serve::run(&opts)?;
     print!("{}", osprey_bench::serve::table(&report));

@@ -24,6 +24,8 @@ fn opts(url: String, scenario: Scenario, requests: usize) -> ServeOptions {
         api_key: None,
         timeout_secs: 60.0,
         response_format: None,
+        context_tokens: None,
+        text_only: false,
     }
 }
 
@@ -61,6 +63,51 @@ fn every_scenario_runs_against_osprey_and_reports_every_field() {
     let r = run(&ServeOptions { rate: Some(20.0), ..opts(url, Scenario::Text, 5) }).expect("rate");
     let sent: Vec<f64> = r.samples.iter().map(|s| s.sent_at_s).collect();
     assert!(sent.windows(2).all(|w| w[0] <= w[1] + 0.05) && sent[4] > 0.0, "{sent:?}");
+}
+
+/// Issue 53: the long-images conversation on the embedded model to a context of 1,200 tokens. It ends
+/// at the first turn past the context; every turn resends the history and reports the server's view
+/// after it: KV pages and bytes, snapshots, the process's memory, and the vision encoder running only on
+/// the turn's new media (the resent images are served from the prefix cache or the encoder's cache).
+/// The text-only form of the same conversation sends no media and grows alike. (The history's images
+/// exceed the default 8 a request: the server takes 64.)
+#[test]
+fn a_long_image_conversation_reports_every_turn() {
+    let dir = osprey::model_dir(&Settings::default()).expect("default model");
+    let addr = harness::start(Settings { max_media_per_request: Some(64), ..Settings::default() }, dir);
+    let o = ServeOptions {
+        context_tokens: Some(1200),
+        requests: 20,
+        max_tokens: 4,
+        ..opts(format!("http://{addr}"), Scenario::LongImages, 20)
+    };
+    let r = run(&o).expect("long images");
+    let last = r.samples.last().expect("turns");
+    assert!(
+        last.prompt_tokens.unwrap_or(0) >= 1200 && r.samples.len() < 20,
+        "ends at its context: {}",
+        r.samples.len()
+    );
+    assert!(r.samples[..r.samples.len() - 1].iter().all(|s| s.prompt_tokens.unwrap_or(0) < 1200));
+    for (i, s) in r.samples.iter().enumerate() {
+        let t = s.turn.as_ref().expect("turn stats");
+        assert!(s.error.is_none() && t.request_bytes > 0 && t.media_items > 0, "turn {i}: {s:?}");
+        assert!(t.kv_pages_used.is_some_and(|p| p > 0.0) && t.kv_bytes.is_some_and(|b| b > 0.0), "turn {i}: {t:?}");
+        assert!(t.snapshots.is_some_and(|n| n > 0.0) && t.rss_bytes.is_some_and(|b| b > 1e6), "turn {i}: {t:?}");
+        assert_eq!(t.vision_misses, Some(t.media_items as f64), "turn {i}: the tower ran on its new media alone");
+        assert_eq!(t.new_tokens, Some(s.prompt_tokens.unwrap_or(0) - s.cached_tokens.unwrap_or(0)));
+    }
+    assert!(table(&r).contains("| turn | media | prompt | cached | new |"));
+    let out = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-long-images");
+    std::fs::create_dir_all(&out).expect("mkdir");
+    let file = out.join("long.json");
+    std::fs::write(&file, serde_json::json!({"report": r}).to_string()).expect("write");
+    let charts = osprey_bench::chart::charts(&[file], &out).expect("charts");
+    assert!(charts.iter().any(|p| p.ends_with("long-context.svg")), "{charts:?}");
+    let text = run(&ServeOptions { text_only: true, ..o }).expect("text only");
+    let grew = |r: &osprey_bench::serve::ServeReport| r.samples.iter().map(|s| s.prompt_tokens.unwrap_or(0)).max();
+    assert!(grew(&text) >= Some(1200), "the text-only form grows to the context too");
+    assert!(text.samples.iter().all(|s| s.turn.as_ref().is_some_and(|t| t.vision_misses == Some(0.0))));
 }
 
 #[test]

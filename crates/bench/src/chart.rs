@@ -2,7 +2,8 @@
 //!
 //! - A `bench serve --out` file gives `<stem>-ttft.svg` (time to first token per request; for a
 //!   conversation, per turn, with the cached share of the prompt beside it) and `<stem>-latency.svg`
-//!   (the distribution of TTFT and inter-token gaps as empirical CDFs).
+//!   (the distribution of TTFT and inter-token gaps as empirical CDFs); a `long-images` run adds
+//!   `<stem>-context.svg` (TTFT and the cached share against the turn's prompt tokens).
 //! - `bench experts` reports (one JSON object per budget, one per line or per file, or a `--budgets
 //!   --out` sweep) give `experts.svg`:
 //!   decode tok/s and expert residency against the budget.
@@ -32,6 +33,9 @@ pub fn charts(files: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>> {
             if let Some(samples) = doc["report"]["samples"].as_array() {
                 written.push(ttft_chart(samples, &out.join(format!("{stem}-ttft.svg")))?);
                 written.push(latency_chart(samples, &out.join(format!("{stem}-latency.svg")))?);
+                if samples.iter().any(|s| s.get("turn").is_some()) {
+                    written.push(context_chart(samples, &out.join(format!("{stem}-context.svg")))?);
+                }
                 let pts = samples
                     .iter()
                     .filter_map(|s| Some((s["index"].as_f64()? + 1.0, s["ttft_s"].as_f64()? * 1e3)))
@@ -111,6 +115,26 @@ fn ttft_chart(samples: &[Value], path: &Path) -> Result<PathBuf> {
     let axes = Axes {
         caption: "time to first token per request (turn)",
         x: ("request / turn", 0.5..n + 0.5),
+        left: ("TTFT (ms)", "TTFT (ms)"),
+        right: ("cached share of the prompt", "cached share"),
+        markers: true,
+    };
+    two_lines(path, &axes, &pts)
+}
+
+/// A long-images run: TTFT against the context (the turn's prompt tokens), with the cached share.
+fn context_chart(samples: &[Value], path: &Path) -> Result<PathBuf> {
+    let pts: Vec<(f64, f64, f64)> = samples
+        .iter()
+        .filter_map(|s| {
+            let (p, c) = (s["prompt_tokens"].as_f64()?, s["cached_tokens"].as_f64().unwrap_or(0.0));
+            Some((p, s["ttft_s"].as_f64()? * 1e3, if p > 0.0 { c / p } else { 0.0 }))
+        })
+        .collect();
+    let right = pts.iter().map(|p| p.0).fold(1.0, f64::max) * 1.05;
+    let axes = Axes {
+        caption: "time to first token against the context (long images)",
+        x: ("prompt tokens", 0.0..right),
         left: ("TTFT (ms)", "TTFT (ms)"),
         right: ("cached share of the prompt", "cached share"),
         markers: true,

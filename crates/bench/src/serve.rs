@@ -18,6 +18,9 @@ use serde::Serialize;
 use crate::rng::Rng;
 use serde_json::{json, Value};
 
+mod long_images;
+pub use long_images::TurnStats;
+
 /// What the run sends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -31,6 +34,9 @@ pub enum Scenario {
     PreambleImage,
     /// A short video (frames as images).
     Video,
+    /// A conversation of images that grows to `context_tokens` (`long_images.rs`): turns in order, each
+    /// adding one or two images or a 4-frame video, with the server's gauges after every turn.
+    LongImages,
 }
 
 impl std::str::FromStr for Scenario {
@@ -41,7 +47,10 @@ impl std::str::FromStr for Scenario {
             "conversation" => Ok(Scenario::Conversation),
             "preamble-image" => Ok(Scenario::PreambleImage),
             "video" => Ok(Scenario::Video),
-            other => Err(format!("unknown scenario {other:?} (text, conversation, preamble-image, video)")),
+            "long-images" => Ok(Scenario::LongImages),
+            other => {
+                Err(format!("unknown scenario {other:?} (text, conversation, preamble-image, video, long-images)"))
+            }
         }
     }
 }
@@ -72,6 +81,10 @@ pub struct ServeOptions {
     pub timeout_secs: f64,
     /// `response_format` sent with every request (structured output), if any.
     pub response_format: Option<Value>,
+    /// Long images: end at the first turn whose prompt holds at least this many tokens.
+    pub context_tokens: Option<usize>,
+    /// Long images: each image as a sentence of as many words as its tokens (a text-only peer).
+    pub text_only: bool,
 }
 
 /// One request as the client saw it.
@@ -97,6 +110,9 @@ pub struct Sample {
     pub output_tok_s: Option<f64>,
     /// The error code (OpenAI `error.code`, an HTTP status, or `transport`), if the request failed.
     pub error: Option<String>,
+    /// Long images: the turn's media and the server's gauges after it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub turn: Option<TurnStats>,
 }
 
 /// Percentiles of one quantity.
@@ -209,6 +225,7 @@ fn messages(o: &ServeOptions, i: usize, answers: &[String]) -> Value {
                 {"type": "text", "text": "What happens in the video?"},
             ]}])
         }
+        Scenario::LongImages => long_images::history(o, i, answers),
         Scenario::Conversation => {
             let mut m = vec![json!({"role": "user", "content": [
                 image_part(256, 256, o.seed),
@@ -258,12 +275,16 @@ fn one(a: &ureq::Agent, o: &ServeOptions, index: usize, msgs: Value, t0: Instant
     if let Some(rf) = &o.response_format {
         body["response_format"] = rf.clone();
     }
+    let body = body.to_string();
+    if o.scenario == Scenario::LongImages {
+        s.turn = Some(TurnStats { request_bytes: body.len(), ..TurnStats::default() });
+    }
     let start = Instant::now();
     let mut req = a.post(&format!("{}/v1/chat/completions", o.url)).set("Content-Type", "application/json");
     if let Some(k) = &o.api_key {
         req = req.set("Authorization", &format!("Bearer {k}"));
     }
-    let resp = match req.send_string(&body.to_string()) {
+    let resp = match req.send_string(&body) {
         Ok(r) => r,
         Err(ureq::Error::Status(code, r)) => {
             let v: Value = r.into_string().ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or(Value::Null);
@@ -385,7 +406,9 @@ fn send_load(a: &ureq::Agent, o: &ServeOptions, t0: Instant) -> Vec<Sample> {
     let n = o.requests.max(1);
     let samples = Mutex::new(Vec::with_capacity(n));
     let progress = Progress::new(n);
-    if o.scenario == Scenario::Conversation {
+    if o.scenario == Scenario::LongImages {
+        long_images_run(a, o, t0, &samples, &progress);
+    } else if o.scenario == Scenario::Conversation {
         let mut answers = Vec::new();
         for i in 0..n {
             let (s, text) = one(a, o, i, messages(o, i, &answers), t0);
@@ -430,6 +453,35 @@ fn send_load(a: &ureq::Agent, o: &ServeOptions, t0: Instant) -> Vec<Sample> {
     let mut samples = samples.into_inner().unwrap_or_else(|e| e.into_inner());
     samples.sort_by_key(|s| s.index);
     samples
+}
+
+/// The long-images conversation turn by turn until its context (or `requests` turns, or a failed turn),
+/// `/metrics` read around each turn for its [`TurnStats`].
+fn long_images_run(a: &ureq::Agent, o: &ServeOptions, t0: Instant, samples: &Mutex<Vec<Sample>>, p: &Progress) {
+    let scrape =
+        || get_json(a, &format!("{}/metrics", o.url), o.api_key.as_deref()).ok().map(|t| long_images::gauges(&t));
+    let mut answers = Vec::new();
+    let mut before = scrape();
+    for i in 0..o.requests.max(1) {
+        let (mut s, text) = one(a, o, i, messages(o, i, &answers), t0);
+        answers.push(text);
+        let after = scrape();
+        let mut turn = match (&before, &after) {
+            (Some(b), Some(a)) => long_images::turn_stats(b, a),
+            _ => TurnStats::default(),
+        };
+        turn.request_bytes = s.turn.as_ref().map_or(0, |t| t.request_bytes);
+        turn.media_items = long_images::media_items(o, i);
+        turn.new_tokens = s.prompt_tokens.map(|p| p - s.cached_tokens.unwrap_or(0).min(p));
+        s.turn = Some(turn);
+        before = after;
+        let done = s.error.is_some() || o.context_tokens.is_some_and(|c| s.prompt_tokens.unwrap_or(0) >= c as u64);
+        samples.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+        p.tick();
+        if done {
+            break;
+        }
+    }
 }
 
 /// Runs the load and returns the report; `Err` names why the run could not produce one.
@@ -525,6 +577,9 @@ pub fn table(r: &ServeReport) -> String {
             s.burst_requests
         ));
     }
+    if r.samples.iter().any(|s| s.turn.is_some()) {
+        out.push_str(&long_images::turn_table(&r.samples));
+    }
     for (k, v) in &r.metrics_delta {
         out.push_str(&format!("{k} +{v}\n"));
     }
@@ -587,14 +642,12 @@ mod tests {
         assert_eq!(percentiles(vec![3.0]).p99, 3.0);
     }
 
-    #[test]
-    fn media_and_prompts_are_deterministic_per_seed() {
-        assert_eq!(synth_png(64, 48, 7), synth_png(64, 48, 7));
-        assert_ne!(synth_png(64, 48, 7), synth_png(64, 48, 8));
-        let o = ServeOptions {
+    /// Options of a run of `scenario` against nothing (the message builders' tests).
+    pub(super) fn options(scenario: Scenario) -> ServeOptions {
+        ServeOptions {
             url: "http://x".into(),
             model: None,
-            scenario: Scenario::PreambleImage,
+            scenario,
             requests: 1,
             concurrency: 1,
             rate: None,
@@ -603,7 +656,16 @@ mod tests {
             api_key: None,
             timeout_secs: 1.0,
             response_format: None,
-        };
+            context_tokens: None,
+            text_only: false,
+        }
+    }
+
+    #[test]
+    fn media_and_prompts_are_deterministic_per_seed() {
+        assert_eq!(synth_png(64, 48, 7), synth_png(64, 48, 7));
+        assert_ne!(synth_png(64, 48, 7), synth_png(64, 48, 8));
+        let o = options(Scenario::PreambleImage);
         assert_eq!(messages(&o, 0, &[]), messages(&o, 0, &[]));
     }
 

@@ -70,6 +70,7 @@ pub fn spawn(page_size: usize, budget_bytes: usize) -> mpsc::UnboundedSender<Pre
                             host_bytes: tree.host_bytes() as u64,
                             budget: tree.budget() as u64,
                             nodes: tree.len() as u64,
+                            snapshots: tree.snapshots() as u64,
                         });
                     }
                 }

@@ -305,6 +305,11 @@ impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
         self.nodes.iter().skip(1).filter(|n| n.is_some()).count()
     }
 
+    /// Nodes holding a recurrent-state snapshot.
+    pub fn snapshots(&self) -> usize {
+        self.nodes.iter().skip(1).flatten().filter(|n| n.snapshot.is_some()).count()
+    }
+
     /// Whether only the root is left.
     pub fn is_empty(&self) -> bool {
         self.len() == 0

@@ -105,6 +105,8 @@ pub struct PrefixStats {
     pub budget: u64,
     /// Nodes in the tree.
     pub nodes: u64,
+    /// Recurrent-state snapshots held (nodes with one).
+    pub snapshots: u64,
 }
 
 /// Commands of the prefix-cache actor.

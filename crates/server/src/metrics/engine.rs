@@ -88,6 +88,13 @@ fn f(v: f64) -> Samples {
     Samples::One(N::F(v))
 }
 
+/// This process's resident memory, from `/proc/self/status` (Linux; none elsewhere).
+fn resident_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = s.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 {
         0.0
@@ -245,6 +252,14 @@ const ENGINE: &[Decl] = &[
         f(ratio(v.hits, v.hits + v.misses))
     }),
     gauge("osprey_vision_cache_bytes", "Bytes held by the encoder cache.", |s| u(s.engine.vision.cached_bytes)),
+    counter("osprey_vision_cache_hits", "Media encodes served from the encoder cache.", |s| u(s.engine.vision.hits)),
+    counter("osprey_vision_cache_misses", "Media items the vision encoder computed.", |s| u(s.engine.vision.misses)),
+    gauge("osprey_prefix_cache_snapshots", "Recurrent-state snapshots the prefix cache holds.", |s| {
+        u(s.engine.prefix.snapshots)
+    }),
+    gauge("osprey_process_resident_bytes", "The server process's resident memory (VmRSS).", |_| {
+        resident_bytes().map_or(Samples::Absent, u)
+    }),
     counter("osprey_expert_hits", "Expert accesses served from RAM.", |s| per_layer(s, |l| N::U(l.hits))),
     counter("osprey_expert_misses", "Expert accesses read from disk.", |s| per_layer(s, |l| N::U(l.misses))),
     counter("osprey_expert_bytes_read", "Bytes of experts read from disk.", |s| per_layer(s, |l| N::U(l.bytes_read))),

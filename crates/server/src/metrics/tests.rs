@@ -89,6 +89,7 @@ fn snapshot() -> Engine {
         host_bytes: 1 << 20,
         budget: 1 << 30,
         nodes: 12,
+        snapshots: 3,
     };
     let layer = |i: u64| LayerStats {
         hits: 10 + i,
@@ -187,6 +188,12 @@ const ADDED: &[&str] = &[
     "osprey_expert_slot_prefetch_issued_total",
     "osprey_expert_slot_prefetch_used_total",
     "osprey_expert_slot_prefetch_wasted_total",
+    // Issue 53: what a long image conversation holds (snapshots, the process's memory) and the vision
+    // cache's hits and misses as counters (a turn's hits are their difference).
+    "osprey_prefix_cache_snapshots",
+    "osprey_process_resident_bytes",
+    "osprey_vision_cache_hits_total",
+    "osprey_vision_cache_misses_total",
 ];
 
 /// Names, label sets, types, help text and values are those of the exposition before the move; what is
