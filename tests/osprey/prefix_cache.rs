@@ -198,3 +198,92 @@ fn disable_prefix_cache_flag_turns_it_off() {
     assert!(ask(c, &long).cached > 0, "on by default");
     assert!(metric(c, "osprey_prefix_cache_hit_rate") > 0.0);
 }
+
+/// Issue 53, item 3: every earlier token reused. A conversation of four turns, images in the first and
+/// third, each resending the history with the answers so far: every turn's cached tokens are at least
+/// the longest common prefix of its prompt's cache keys with the previous turn's (the tokenizer's own
+/// prompts, compared here) less one page, and every answer is the cold server's. Before the tokenizer
+/// reported where the next turn parts (`turn_end`), a turn resumed at the previous snapshot on the grid
+/// whenever the generation prompt crossed a page.
+#[test]
+fn every_turn_reuses_the_previous_turn_to_within_a_page() {
+    let dir = fixtures().join("models/qwen3_5_moe-tiny");
+    let core = osprey_tokenizer::TokenizerCore::from_dir(&dir, true).expect("tokenizer");
+    // Pages of 2 tokens, so a page boundary falls between where the next turn parts and the prompt's
+    // end (the two tokens of the generation prompt's `<think>\n`), on every turn.
+    let page = 2;
+    let c = start(Settings {
+        page_size: Some(page),
+        snapshot_interval: Some(64),
+        max_prefill_tokens: Some(512),
+        ..Settings::default()
+    });
+    let u = uncached();
+    let png = |name: &str| std::fs::read(fixtures().join("media").join(format!("{name}.png"))).expect("png");
+    let questions = [
+        (Some("img_256x256"), "What is in the image?"),
+        (None, "And what colour dominates?"),
+        (Some("img_224x160"), "How does this one compare?"),
+        (None, "Which of the two is brighter?"),
+    ];
+    let (mut history, mut previous): (Vec<Value>, Option<Vec<u64>>) = (Vec::new(), None);
+    let mut media: Vec<osprey_protocol::tokenizer::MediaInput> = Vec::new();
+    for (turn, (img, q)) in questions.iter().enumerate() {
+        let mut parts = Vec::new();
+        if let Some(name) = img {
+            parts.push(image(name));
+            media.push(osprey_protocol::tokenizer::MediaInput::Image { bytes: png(name) });
+        }
+        parts.push(json!({"type": "text", "text": q}));
+        history.push(json!({"role": "user", "content": parts}));
+        let messages = Value::Array(history.clone());
+        let a = ask(c, &messages);
+        assert_same(&format!("turn {}", turn + 1), &a, &ask(u, &messages));
+        // The tokenizer's prompt of the same turn: image parts as the server passes them.
+        let for_tokenizer: Vec<Value> = history
+            .iter()
+            .map(|m| match m["content"].as_array() {
+                Some(parts) => {
+                    let parts: Vec<Value> = parts
+                        .iter()
+                        .map(|p| if p["type"] == "image_url" { json!({"type": "image"}) } else { p.clone() })
+                        .collect();
+                    json!({"role": m["role"], "content": parts})
+                }
+                None => m.clone(),
+            })
+            .collect();
+        let prompt = core
+            .prepare_chat(osprey_protocol::tokenizer::ChatPrompt {
+                messages: Value::Array(for_tokenizer),
+                media: media.clone(),
+                template_kwargs: serde_json::Map::new(),
+                limits: osprey_protocol::tokenizer::MediaLimits {
+                    max_pixels: 1 << 26,
+                    max_frames: 64,
+                    max_total_pixels: 1 << 28,
+                    max_media_tokens: usize::MAX,
+                },
+                grammar: None,
+                parse_special_tokens: false,
+                add_generation_prompt: true,
+                continue_final_message: false,
+                deadline: None,
+            })
+            .expect("prepare");
+        assert_eq!(prompt.cache_ids.len() as u64, a.prompt, "turn {}: the server's prompt", turn + 1);
+        if let Some(prev) = &previous {
+            let lcp = prev.iter().zip(&prompt.cache_ids).take_while(|(x, y)| x == y).count() as u64;
+            assert!(
+                a.cached + page as u64 >= lcp,
+                "turn {}: reused {} of a common prefix of {lcp} ({} tokens)",
+                turn + 1,
+                a.cached,
+                a.prompt
+            );
+        }
+        previous = Some(prompt.cache_ids.clone());
+        let reply = a.text.split('|').nth(1).unwrap_or("").to_string();
+        history.push(json!({"role": "assistant", "content": reply}));
+    }
+}

@@ -111,6 +111,11 @@ pub struct PreparedPrompt {
     pub thinking_open: bool,
     /// The compiled grammar of [`ChatPrompt::grammar`], for the sampler.
     pub constraint: Option<Constraint>,
+    /// Tokens of this prompt the conversation's next turn shares with it: the history up to where the
+    /// generation prompt and the template's rendering of a past reply part (`None`: not a chat prompt
+    /// with a generation prompt, or no split between tokens there). The scheduler snapshots the page at
+    /// or below it, so the next turn resumes there (issue 53).
+    pub turn_end: Option<usize>,
 }
 
 /// Incremental detokenizer state of one answer. Plain data that travels with the request, so the
@@ -138,6 +143,7 @@ impl PreparedPrompt {
             media: Vec::new(),
             thinking_open: false,
             constraint: None,
+            turn_end: None,
         }
     }
 }

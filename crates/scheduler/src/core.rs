@@ -248,12 +248,12 @@ impl Scheduler {
     }
 
     /// Where a chunk starting at `from` and allowed to reach `to` should end so that snapshots land on
-    /// the grid, and whether to snapshot there. Snapshot points: multiples of `snapshot_interval`, and the
-    /// last page boundary of the prompt (what the next turn of a conversation can reuse); during decode,
-    /// every page boundary (the latest becomes the end-of-request snapshot). A chunk that holds both
-    /// ends on the last grid point first: the next turn of an agent loop re-renders the end of this
-    /// prompt differently (its generation prompt becomes a tool call), so it can only resume from a
-    /// point before that.
+    /// the grid, and whether to snapshot there. Snapshot points: multiples of `snapshot_interval`; the
+    /// page at or below the prompt's `turn_end` (where the conversation's next turn stops matching this
+    /// prompt: the re-rendered history parts from the generation prompt there) and the last page
+    /// boundary of the prompt; during decode, every page boundary (the latest becomes the end-of-request
+    /// snapshot). A chunk ends on the first of the turn's two points it reaches, or on the last grid
+    /// point before it: every one of them is snapshotted, and a hit resumes at the deepest that matches.
     fn chunk_end(&self, s: &Seq, from: usize, to: usize) -> (usize, bool) {
         if !self.cfg.prefix_cache {
             return (to, false);
@@ -263,15 +263,20 @@ impl Scheduler {
             return (to, to.is_multiple_of(page) && to > s.cached);
         }
         let prompt_end_page = s.prompt_len / page * page;
+        let turn_page = s.req.prompt.turn_end.map(|t| t.min(s.prompt_len) / page * page);
+        let turn_point = [turn_page, Some(prompt_end_page)]
+            .into_iter()
+            .flatten()
+            .filter(|&p| p > from && p <= to && p > s.cached)
+            .min();
+        let limit = turn_point.unwrap_or(to).min(s.prompt_len);
         let mut best = None;
         let mut k = (from / grid + 1) * grid;
-        while k <= to.min(s.prompt_len) {
+        while k <= limit {
             best = Some(k);
             k += grid;
         }
-        if prompt_end_page > from && prompt_end_page <= to && best.is_none() {
-            best = Some(prompt_end_page);
-        }
+        let best = best.or(turn_point);
         match best {
             // End on the snapshot point unless the chunk would be empty.
             Some(b) if b > from && b > s.cached => (b, true),

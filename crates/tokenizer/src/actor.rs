@@ -377,6 +377,9 @@ impl TokenizerCore {
         })?;
         let thinking_open =
             text.rfind("<think>").map(|o| text.rfind("</think>").is_none_or(|c| c < o)).unwrap_or(false);
+        let turn_end = (add_generation_prompt && continued.is_none())
+            .then(|| crate::turn::turn_end(template, &self.tok, &messages, &kwargs, &text, &prepared.input_ids))
+            .flatten();
         let media: Vec<PreparedMedia> =
             prepared.media.into_iter().zip(hashes).map(|(item, hash)| item.into_media(hash)).collect();
         let positions = (!p.media.is_empty()).then_some(prepared.positions);
@@ -389,6 +392,7 @@ impl TokenizerCore {
             media,
             thinking_open,
             constraint,
+            turn_end,
         })
     }
 
@@ -421,6 +425,7 @@ impl TokenizerCore {
             media: Vec::new(),
             thinking_open: false,
             constraint: None,
+            turn_end: None,
         })
     }
 }

@@ -15,6 +15,7 @@ mod detok;
 mod grammar;
 mod placeholders;
 mod prepare;
+mod turn;
 mod wrapup;
 
 use std::path::{Path, PathBuf};

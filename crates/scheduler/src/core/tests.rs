@@ -21,6 +21,7 @@ fn req(id: SeqId, prompt: usize, max_tokens: usize) -> GenerateRequest {
         thinking_open: false,
         constraint: None,
         cache_ids: vec![1; prompt],
+        turn_end: None,
     };
     GenerateRequest {
         id,
@@ -139,6 +140,30 @@ fn a_hit_skips_cached_tokens_and_chunks_end_on_the_snapshot_grid() {
         _ => None,
     });
     assert_eq!(done, Some(4), "usage reports the cached tokens");
+}
+
+/// Issue 53: the page at or below a prompt's `turn_end` (where the conversation's next turn parts from
+/// it) is a snapshot point beside the grid and the prompt's last page: with a hit of 4, grid 4, page 2
+/// and the turn ending at token 11, the chunks end on grid point 8, the turn's page 10, grid point 12,
+/// the prompt's last page 14, then 15 samples. Without `turn_end` the same prompt snapshots 12 and 14
+/// only (the test above), and a next turn parting at 11 would resume at 8.
+#[test]
+fn chunks_end_on_the_page_where_the_next_turn_parts() {
+    let mut s =
+        Scheduler::new(SchedulerConfig { prefix_cache: true, max_prefill_tokens: 20, max_batch_tokens: 20, ..cfg() });
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let mut r = req(1, 15, 3);
+    r.prompt = Arc::new(PreparedPrompt { turn_end: Some(11), ..(*r.prompt).clone() });
+    s.submit(r, tx).expect("fits");
+    let mut port = Recorder::default();
+    let mut ends = Vec::new();
+    for _ in 0..5 {
+        let p = s.schedule(&mut port).expect("work");
+        let it = &p.items[0];
+        ends.push((it.start, it.end, it.snapshot));
+        s.update(&p, sample_all(&p, 5));
+    }
+    assert_eq!(ends, vec![(4, 8, true), (8, 10, true), (10, 12, true), (12, 14, true), (14, 15, false)]);
 }
 
 #[test]
