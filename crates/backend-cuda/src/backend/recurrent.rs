@@ -80,23 +80,7 @@ impl RecurrentOps for CudaBackend {
         let n = q.rows();
         let out = self.empty(DType::F32, &[n, shape.nv * shape.dv])?;
         if recurrent {
-            let (nk, nv, dk, dv) = dims(shape);
-            let call = launch::gated_delta_slab(
-                ptr(q),
-                ptr(k),
-                ptr(v),
-                ptr(g),
-                ptr(beta),
-                ptr(state),
-                0,
-                ptr(&out),
-                u32_of(n),
-                nk,
-                nv,
-                dk,
-                dv,
-            );
-            self.try_run(call, slab_blocks(shape, 1))?;
+            self.delta_slab(shape, [q, k, v, g, beta], (ptr(state), false), &out)?;
         } else {
             self.delta_chunked(shape, [q, k, v, g, beta], state, &out)?;
         }
@@ -134,23 +118,7 @@ impl RecurrentOps for CudaBackend {
         let n = q.rows();
         let out = self.empty(DType::F32, &[n, shape.nv * shape.dv])?;
         let table = self.state_table(states)?;
-        let (nk, nv, dk, dv) = dims(shape);
-        let call = launch::gated_delta_slab(
-            ptr(q),
-            ptr(k),
-            ptr(v),
-            ptr(g),
-            ptr(beta),
-            table.ptr,
-            1,
-            ptr(&out),
-            u32_of(n),
-            nk,
-            nv,
-            dk,
-            dv,
-        );
-        self.try_run(call, slab_blocks(shape, n))?;
+        self.delta_slab(shape, [q, k, v, g, beta], (table.ptr, true), &out)?;
         Ok(out)
     }
 
@@ -226,6 +194,34 @@ fn slab_blocks(s: GdnShape, rows: usize) -> LaunchConfig {
 }
 
 impl CudaBackend {
+    /// The recurrent rule (`gated_delta_slab`) over `q.rows()` tokens into `out`: on the one state at
+    /// `states` (`table` false), or a token each on the states whose addresses `states` holds.
+    fn delta_slab(
+        &self,
+        shape: GdnShape,
+        [q, k, v, g, beta]: [&Tensor; 5],
+        (states, table): (crate::device::DevPtr, bool),
+        out: &Tensor,
+    ) -> Result<()> {
+        let (n, (nk, nv, dk, dv)) = (q.rows(), dims(shape));
+        let call = launch::gated_delta_slab(
+            ptr(q),
+            ptr(k),
+            ptr(v),
+            ptr(g),
+            ptr(beta),
+            states,
+            u32::from(table),
+            ptr(out),
+            u32_of(n),
+            nk,
+            nv,
+            dk,
+            dv,
+        );
+        self.try_run(call, slab_blocks(shape, if table { n } else { 1 }))
+    }
+
     /// The chunked form over `q.rows()` tokens: per window of chunks, the state-free part of every chunk
     /// at once, then the state's part chunk after chunk.
     fn delta_chunked(

@@ -61,6 +61,18 @@ pub(crate) fn paged_attention_matches_on_partial_pages_gqa_and_a_bf16_pool() {
     paged_case(3, 200, DType::BF16);
 }
 
+/// The CUDA backend on a fresh emulated device, its scratch held to `cap` bytes if given.
+fn emulated(cap: Option<usize>) -> Arc<osprey_backend_cuda::CudaBackend> {
+    let cuda = osprey_backend_cuda::CudaBackend::new(
+        Arc::new(osprey_backend_cuda::EmuDevice::new(1 << 30)),
+        osprey_backend::Device::CudaEmu,
+    );
+    Arc::new(match cap {
+        Some(c) => cuda.with_scratch_cap(c),
+        None => cuda,
+    })
+}
+
 /// Issue 51, item 7: attention's scratch is bounded by a cap, not by the chunk times the context. Paged
 /// attention is flash attention (issue 52) and stores no score: under any cap it is one launch (and its
 /// combine) with the same bits. Bidirectional attention's query rows go in bands that fit: with a cap of
@@ -79,14 +91,7 @@ fn attention_in_bands_under_a_scratch_cap_gives_the_same_bits() {
     // 5 rows of scores: 16 heads × 87 keys × 4 bytes each.
     let cap = 5 * 16 * (past + n) * 4;
     let run = |cap: Option<usize>| {
-        let mut cuda = osprey_backend_cuda::CudaBackend::new(
-            Arc::new(osprey_backend_cuda::EmuDevice::new(1 << 30)),
-            osprey_backend::Device::CudaEmu,
-        );
-        if let Some(c) = cap {
-            cuda = cuda.with_scratch_cap(c);
-        }
-        let cuda = Arc::new(cuda);
+        let cuda = emulated(cap);
         let b: BackendRef = cuda.clone();
         let mut pool = b.zeros(DType::F32, &[pages * 2 * ps, row]).expect("pool");
         b.write_rows(&mut pool, 0, &b.upload_f32(&kv, &[pages * 2 * ps, row]).expect("kv"), 0..pages * 2 * ps);
@@ -316,14 +321,7 @@ fn the_chunked_delta_rule_in_windows_gives_the_same_bits() {
     let g: Vec<f32> = data(703, n * s.nv).iter().map(|x| -0.1 * x.abs()).collect();
     let beta: Vec<f32> = data(704, n * s.nv).iter().map(|x| 0.5 + 0.4 * x).collect();
     let run = |cap: Option<usize>| {
-        let mut cuda = osprey_backend_cuda::CudaBackend::new(
-            Arc::new(osprey_backend_cuda::EmuDevice::new(1 << 30)),
-            osprey_backend::Device::CudaEmu,
-        );
-        if let Some(c) = cap {
-            cuda = cuda.with_scratch_cap(c);
-        }
-        let cuda = Arc::new(cuda);
+        let cuda = emulated(cap);
         let b: BackendRef = cuda.clone();
         let up = |v: &[f32], sh: &[usize]| b.upload_f32(v, sh).expect("upload");
         let mut state = up(&data(705, s.state_len()), &[s.state_len()]);

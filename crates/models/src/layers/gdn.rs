@@ -232,17 +232,7 @@ impl GatedDeltaNet {
         let conv = b.causal_conv_silu(&p.mixed, rows.clone(), &self.conv_w, self.kernel, &mut st.conv)?;
         // A decode token (the recurrent form): steps 3–4 as one op, one launch on a device.
         let out = if seg.len == 1 && seg.past > 0 {
-            b.gated_delta_step(
-                s,
-                &conv,
-                &p.a,
-                &p.bb,
-                rows,
-                &self.neg_a,
-                &self.dt_bias,
-                self.q_scale(),
-                &mut [&mut st.recurrent],
-            )?
+            self.step(b, p, &conv, rows, &mut [&mut st.recurrent])?
         } else {
             let Inputs { q, k, v, beta, g } = self.inputs(b, p, &conv, rows)?;
             b.gated_delta(s, false, &q, &k, &v, &g, &beta, &mut st.recurrent)?
@@ -257,18 +247,21 @@ impl GatedDeltaNet {
         let mut convs: Vec<&mut Tensor> = states.iter_mut().map(|st| &mut st.conv).collect();
         let conv = b.causal_conv_silu_rows(&p.mixed, &self.conv_w, self.kernel, &mut convs)?;
         let mut recurrent: Vec<&mut Tensor> = states.iter_mut().map(|st| &mut st.recurrent).collect();
-        let rows = 0..conv.rows();
-        Ok(b.gated_delta_step(
-            self.shape,
-            &conv,
-            &p.a,
-            &p.bb,
-            rows,
-            &self.neg_a,
-            &self.dt_bias,
-            self.q_scale(),
-            &mut recurrent,
-        )?)
+        self.step(b, p, &conv, 0..conv.rows(), &mut recurrent)
+    }
+
+    /// Steps 3–4 of decode tokens from the conv's output, rows `rows` of the batch's gates, row `i` the
+    /// state `states[i]`: one op (`gated_delta_step`, one launch on a device).
+    fn step(
+        &self,
+        b: &dyn Backend,
+        p: &Projected,
+        conv: &Tensor,
+        rows: Range<usize>,
+        states: &mut [&mut Tensor],
+    ) -> Result<Tensor> {
+        let (s, scale) = (self.shape, self.q_scale());
+        Ok(b.gated_delta_step(s, conv, &p.a, &p.bb, rows, &self.neg_a, &self.dt_bias, scale, states)?)
     }
 
     /// Steps 3–4 on the conv's output for `rows` of the batch: split, L2-normalise q and k, scale q; the
