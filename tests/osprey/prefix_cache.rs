@@ -253,24 +253,7 @@ fn every_turn_reuses_the_previous_turn_to_within_a_page() {
                 None => m.clone(),
             })
             .collect();
-        let prompt = core
-            .prepare_chat(osprey_protocol::tokenizer::ChatPrompt {
-                messages: Value::Array(for_tokenizer),
-                media: media.clone(),
-                template_kwargs: serde_json::Map::new(),
-                limits: osprey_protocol::tokenizer::MediaLimits {
-                    max_pixels: 1 << 26,
-                    max_frames: 64,
-                    max_total_pixels: 1 << 28,
-                    max_media_tokens: usize::MAX,
-                },
-                grammar: None,
-                parse_special_tokens: false,
-                add_generation_prompt: true,
-                continue_final_message: false,
-                deadline: None,
-            })
-            .expect("prepare");
+        let prompt = core.prepare_chat(chat_prompt(Value::Array(for_tokenizer), media.clone())).expect("prepare");
         assert_eq!(prompt.cache_ids.len() as u64, a.prompt, "turn {}: the server's prompt", turn + 1);
         if let Some(prev) = &previous {
             let lcp = prev.iter().zip(&prompt.cache_ids).take_while(|(x, y)| x == y).count() as u64;
@@ -286,4 +269,48 @@ fn every_turn_reuses_the_previous_turn_to_within_a_page() {
         let reply = a.text.split('|').nth(1).unwrap_or("").to_string();
         history.push(json!({"role": "assistant", "content": reply}));
     }
+}
+
+/// A chat prompt as the server hands it to the tokenizer: `messages` with image parts as
+/// `{"type": "image"}`, the images' bytes in order.
+fn chat_prompt(
+    messages: Value,
+    media: Vec<osprey_protocol::tokenizer::MediaInput>,
+) -> osprey_protocol::tokenizer::ChatPrompt {
+    osprey_protocol::tokenizer::ChatPrompt {
+        messages,
+        media,
+        template_kwargs: serde_json::Map::new(),
+        limits: osprey_protocol::tokenizer::MediaLimits {
+            max_pixels: 1 << 26,
+            max_frames: 64,
+            max_total_pixels: 1 << 28,
+            max_media_tokens: usize::MAX,
+        },
+        grammar: None,
+        parse_special_tokens: false,
+        add_generation_prompt: true,
+        continue_final_message: false,
+        deadline: None,
+    }
+}
+
+/// Issue 53: an image sent again (a conversation resends its history every turn) is not decoded and
+/// preprocessed again: the tokenizer's second prompt shares the first one's pixel rows and is the same
+/// prompt; another image gets its own.
+#[test]
+fn a_resent_image_shares_its_preprocessed_rows() {
+    let core = osprey_tokenizer::TokenizerCore::from_dir(&fixtures().join("models/qwen3_5_moe-tiny"), true)
+        .expect("tokenizer");
+    let prompt = |name: &str| {
+        let bytes = std::fs::read(fixtures().join("media").join(format!("{name}.png"))).expect("png");
+        let messages = json!([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]);
+        let media = vec![osprey_protocol::tokenizer::MediaInput::Image { bytes }];
+        core.prepare_chat(chat_prompt(messages, media)).expect("prepare")
+    };
+    let (a, b, other) = (prompt("img_256x256"), prompt("img_256x256"), prompt("img_224x160"));
+    assert!(std::sync::Arc::ptr_eq(&a.media[0].patches, &b.media[0].patches), "the same rows, not preprocessed again");
+    assert_eq!((&a.input_ids, &a.cache_ids, &a.positions), (&b.input_ids, &b.cache_ids, &b.positions));
+    assert_eq!(a.media[0].spans, b.media[0].spans);
+    assert!(!std::sync::Arc::ptr_eq(&a.media[0].patches, &other.media[0].patches));
 }

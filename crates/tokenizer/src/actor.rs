@@ -16,6 +16,7 @@ use osprey_protocol::{ErrorCode, MediaHash, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::grammar::{CompileError, GrammarCompiler};
+use crate::preprocessed::{Preprocessed, PREPROCESSED_BYTES};
 use crate::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
 
 /// Everything the actor owns.
@@ -31,6 +32,8 @@ pub struct TokenizerCore {
     grammar_vocab: (usize, Vec<u32>),
     /// Built on the first constrained request (a trie of the whole vocabulary).
     grammar: OnceLock<Result<GrammarCompiler, crate::Error>>,
+    /// Media preprocessed lately, by content hash.
+    preprocessed: std::sync::Mutex<Preprocessed>,
 }
 
 fn media_error(e: osprey_models::Error) -> RequestError {
@@ -146,7 +149,7 @@ fn decode(
     match m {
         // Images and frames were charged by [`check_declared`].
         MediaInput::Image { bytes } => {
-            Ok((Media::Image(decode_image(bytes, lim).map_err(media_error)?), hash(&[b"image", bytes])))
+            Ok((Media::Image(decode_image(bytes, lim).map_err(media_error)?), media_hash(m)))
         }
         MediaInput::VideoFrames { frames, fps } => {
             if frames.len() > limits.max_frames {
@@ -162,12 +165,7 @@ fn decode(
                     decode_image(f, lim).map_err(media_error)
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            let fps = fps.unwrap_or(24.0);
-            let mut parts: Vec<&[u8]> = vec![b"frames"];
-            let fps_bytes = fps.to_le_bytes();
-            parts.push(&fps_bytes);
-            parts.extend(frames.iter().map(Vec::as_slice));
-            Ok((Media::Video { frames: decoded, fps }, hash(&parts)))
+            Ok((Media::Video { frames: decoded, fps: fps.unwrap_or(24.0) }, media_hash(m)))
         }
         MediaInput::VideoFile { bytes } => {
             // Every frame of an animation has the declared size: no more frames than the budget holds.
@@ -177,8 +175,23 @@ fn decode(
             let lim = DecodeLimits { max_frames: lim.max_frames.min(fit.max(1)), ..lim };
             let f = decode_animation(bytes, lim).map_err(media_error)?;
             budget.take(per_frame * f.frames.len() as u64)?;
-            Ok((Media::Video { frames: f.frames, fps: f.fps.unwrap_or(24.0) }, hash(&[b"video", bytes])))
+            Ok((Media::Video { frames: f.frames, fps: f.fps.unwrap_or(24.0) }, media_hash(m)))
         }
+    }
+}
+
+/// An item's content hash (the vision cache's and [`Preprocessed`]'s key): its kind and bytes, and a
+/// video's frame rate.
+fn media_hash(m: &MediaInput) -> MediaHash {
+    match m {
+        MediaInput::Image { bytes } => hash(&[b"image", bytes]),
+        MediaInput::VideoFrames { frames, fps } => {
+            let fps_bytes = fps.unwrap_or(24.0).to_le_bytes();
+            let mut parts: Vec<&[u8]> = vec![b"frames", &fps_bytes];
+            parts.extend(frames.iter().map(Vec::as_slice));
+            hash(&parts)
+        }
+        MediaInput::VideoFile { bytes } => hash(&[b"video", bytes]),
     }
 }
 
@@ -212,6 +225,7 @@ impl TokenizerCore {
             tokenizer_json: dir.join("tokenizer.json"),
             grammar_vocab: (0, Vec::new()),
             grammar: OnceLock::new(),
+            preprocessed: std::sync::Mutex::new(Preprocessed::new(PREPROCESSED_BYTES)),
         })
     }
 
@@ -324,6 +338,12 @@ impl TokenizerCore {
         let mut budget = check_declared(&p.media, p.limits, &self.processor)?;
         for (i, m) in p.media.iter().enumerate() {
             check_deadline(p.deadline)?;
+            let h = media_hash(m);
+            if let Some(item) = self.preprocessed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&h) {
+                media.push(Media::Preprocessed(item));
+                hashes.push(h);
+                continue;
+            }
             let (d, h) =
                 decode(m, p.limits, &mut budget, p.deadline).map_err(|e| e.with_param(format!("media[{i}]")))?;
             media.push(d);
@@ -380,6 +400,10 @@ impl TokenizerCore {
         let turn_end = (add_generation_prompt && continued.is_none())
             .then(|| crate::turn::turn_end(template, &self.tok, &messages, &kwargs, &text, &prepared.input_ids))
             .flatten();
+        {
+            let mut cache = self.preprocessed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            prepared.media.iter().zip(&hashes).for_each(|(item, h)| cache.put(*h, item));
+        }
         let media: Vec<PreparedMedia> =
             prepared.media.into_iter().zip(hashes).map(|(item, hash)| item.into_media(hash)).collect();
         let positions = (!p.media.is_empty()).then_some(prepared.positions);

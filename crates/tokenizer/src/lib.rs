@@ -15,6 +15,7 @@ mod detok;
 mod grammar;
 mod placeholders;
 mod prepare;
+mod preprocessed;
 mod turn;
 mod wrapup;
 

@@ -25,15 +25,20 @@ pub enum Media {
         /// Frames per second of `frames`.
         fps: f64,
     },
+    /// An item preprocessed before (the same bytes): its rows and placeholder as they were, shared.
+    Preprocessed(PreparedItem),
 }
 
 /// A preprocessed item and where its rows go.
 #[derive(Clone, Debug)]
 pub struct PreparedItem {
-    /// Pixel rows and grid for the vision tower.
-    pub patches: PixelPatches,
+    /// Pixel rows and grid for the vision tower (shared with the engine's message, and with a later
+    /// prompt that sends the same bytes).
+    pub patches: Arc<ProtocolPatches>,
     /// Whether it is a video.
     pub is_video: bool,
+    /// What its placeholder expands to.
+    pub placeholder: MediaPlaceholder,
     /// Placeholder runs `(offset, len)` in the prompt: one for an image, one per frame group of a video.
     pub spans: Vec<(usize, usize)>,
 }
@@ -42,8 +47,7 @@ impl PreparedItem {
     /// The item as the engine's messages carry it, under content hash `hash` (the processor's rows move,
     /// no copy).
     pub fn into_media(self, hash: MediaHash) -> PreparedMedia {
-        let patches = ProtocolPatches { rows: self.patches.rows, grid: self.patches.grid };
-        PreparedMedia { hash, patches: Arc::new(patches), spans: self.spans }
+        PreparedMedia { hash, patches: self.patches, spans: self.spans }
     }
 }
 
@@ -62,6 +66,11 @@ pub struct Prepared {
     pub media: Vec<PreparedItem>,
 }
 
+/// The processor's rows as the engine's messages carry them (moved, no copy).
+fn shared(p: PixelPatches) -> Arc<ProtocolPatches> {
+    Arc::new(ProtocolPatches { rows: p.rows, grid: p.grid })
+}
+
 /// Preprocesses `media`, expands the placeholders of `prompt` (a rendered chat template), tokenizes and
 /// computes positions. Placeholder and media counts must agree.
 pub fn prepare_prompt(tok: &TextTokenizer, proc: &ProcessorConfig, prompt: &str, media: &[Media]) -> Result<Prepared> {
@@ -72,19 +81,19 @@ pub fn prepare_prompt(tok: &TextTokenizer, proc: &ProcessorConfig, prompt: &str,
         match m {
             Media::Image(img) => {
                 let p = preprocess_image(img, &proc.image)?;
-                placeholders.push(MediaPlaceholder::Image { tokens: p.tokens(merge) });
-                items.push(PreparedItem { patches: p, is_video: false, spans: Vec::new() });
+                let placeholder = MediaPlaceholder::Image { tokens: p.tokens(merge) };
+                items.push(PreparedItem { patches: shared(p), is_video: false, placeholder, spans: Vec::new() });
             }
             Media::Video { frames, fps } => {
                 let v = preprocess_video(frames, *fps, &proc.video)?;
                 let [_, h, w] = v.patches.grid;
-                placeholders.push(MediaPlaceholder::Video {
-                    tokens_per_group: h * w / (merge * merge),
-                    timestamps: v.timestamps,
-                });
-                items.push(PreparedItem { patches: v.patches, is_video: true, spans: Vec::new() });
+                let placeholder =
+                    MediaPlaceholder::Video { tokens_per_group: h * w / (merge * merge), timestamps: v.timestamps };
+                items.push(PreparedItem { patches: shared(v.patches), is_video: true, placeholder, spans: Vec::new() });
             }
+            Media::Preprocessed(item) => items.push(PreparedItem { spans: Vec::new(), ..item.clone() }),
         }
+        placeholders.push(items.last().expect("an item a medium").placeholder.clone());
     }
     let text = expand_media_placeholders(prompt, &placeholders)?;
     let input_ids = tok.encode(&text)?;
