@@ -63,7 +63,7 @@ pub struct Settings {
     pub expert_prefetch_margin: Option<usize>,
     /// MoE layers ahead each layer guesses (default 1: the next; 2: the next two).
     pub expert_prefetch_depth: Option<usize>,
-    /// Images + videos per request (default 8).
+    /// Images + videos per request (default 256).
     pub max_media_per_request: Option<usize>,
     /// Bytes per media item (default 16 MiB).
     pub max_media_bytes: Option<usize>,

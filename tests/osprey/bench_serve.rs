@@ -69,12 +69,12 @@ fn every_scenario_runs_against_osprey_and_reports_every_field() {
 /// at the first turn past the context; every turn resends the history and reports the server's view
 /// after it: KV pages and bytes, snapshots, the process's memory, and the vision encoder running only on
 /// the turn's new media (the resent images are served from the prefix cache or the encoder's cache).
-/// The text-only form of the same conversation sends no media and grows alike. (The history's images
-/// exceed the default 8 a request: the server takes 64.)
+/// The text-only form of the same conversation sends no media and grows alike. The server runs with its
+/// defaults: they take a conversation's images (8 a request refused its 5th–7th turn).
 #[test]
 fn a_long_image_conversation_reports_every_turn() {
     let dir = osprey::model_dir(&Settings::default()).expect("default model");
-    let addr = harness::start(Settings { max_media_per_request: Some(64), ..Settings::default() }, dir);
+    let addr = harness::start(Settings::default(), dir);
     let o = ServeOptions {
         context_tokens: Some(1200),
         requests: 20,

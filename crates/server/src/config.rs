@@ -30,7 +30,10 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            max_media_per_request: 8,
+            // A conversation of images resends every earlier one (issue 53): 8 refused its 5th–7th turn.
+            // Memory and decode time are bounded by the request's pixels (`max_request_pixels`), not the
+            // count; a resent image is not decoded again (the tokenizer's preprocessed media).
+            max_media_per_request: 256,
             max_media_bytes: 16 << 20,
             max_image_pixels: 64 << 20,
             max_video_frames: 64,

@@ -2,9 +2,8 @@
 //! target context, the workload osprey exists for. Turn `t` adds one or two 512×384 images (every fifth
 //! turn a 4-frame video instead) and a question, and resends the whole history with the answers so far;
 //! the run ends at the first turn whose prompt reaches `context_tokens` (as the server counts it), after
-//! `requests` turns, or at a failed turn (a full context is an answer too, and the last turn). osprey
-//! takes 8 media items a request by default: serve it with `--max-media-per-request` above the turns'
-//! images (2 a turn at most).
+//! `requests` turns, or at a failed turn (a full context is an answer too, and the last turn). A server
+//! must take the history's images in one request (osprey: `--max-media-per-request`, 256 by default).
 //!
 //! Per turn the client's view (TTFT, prompt, cached and new tokens, decode rate) and, against osprey,
 //! its `/metrics` after the turn: KV pages and bytes, recurrent-state snapshots and their bytes,
