@@ -387,17 +387,7 @@ fn osprey_counters(text: &str) -> BTreeMap<String, f64> {
         "osprey_grammar_masks_total",
         "osprey_grammar_mask_seconds_total",
     ];
-    let mut out = BTreeMap::new();
-    for line in text.lines().filter(|l| !l.starts_with('#')) {
-        let (name, value) = match line.rsplit_once(' ') {
-            Some((n, v)) => (n.split('{').next().unwrap_or(n), v),
-            None => continue,
-        };
-        if let (true, Ok(v)) = (wanted.contains(&name), value.parse::<f64>()) {
-            *out.entry(name.to_string()).or_insert(0.0) += v;
-        }
-    }
-    out
+    long_images::gauges(text).into_iter().filter(|(k, _)| wanted.contains(&k.as_str())).map(|(k, v)| (k, v.0)).collect()
 }
 
 /// Sends the scenario's requests (a conversation turn by turn; otherwise all at once for a fixed

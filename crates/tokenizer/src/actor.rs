@@ -144,13 +144,11 @@ fn decode(
     limits: MediaLimits,
     budget: &mut PixelBudget,
     deadline: Option<Instant>,
-) -> Result<(Media, MediaHash), RequestError> {
+) -> Result<Media, RequestError> {
     let lim = DecodeLimits { max_pixels: limits.max_pixels, max_frames: limits.max_frames };
     match m {
         // Images and frames were charged by [`check_declared`].
-        MediaInput::Image { bytes } => {
-            Ok((Media::Image(decode_image(bytes, lim).map_err(media_error)?), media_hash(m)))
-        }
+        MediaInput::Image { bytes } => Ok(Media::Image(decode_image(bytes, lim).map_err(media_error)?)),
         MediaInput::VideoFrames { frames, fps } => {
             if frames.len() > limits.max_frames {
                 return Err(RequestError::new(
@@ -165,7 +163,7 @@ fn decode(
                     decode_image(f, lim).map_err(media_error)
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            Ok((Media::Video { frames: decoded, fps: fps.unwrap_or(24.0) }, media_hash(m)))
+            Ok(Media::Video { frames: decoded, fps: fps.unwrap_or(24.0) })
         }
         MediaInput::VideoFile { bytes } => {
             // Every frame of an animation has the declared size: no more frames than the budget holds.
@@ -175,7 +173,7 @@ fn decode(
             let lim = DecodeLimits { max_frames: lim.max_frames.min(fit.max(1)), ..lim };
             let f = decode_animation(bytes, lim).map_err(media_error)?;
             budget.take(per_frame * f.frames.len() as u64)?;
-            Ok((Media::Video { frames: f.frames, fps: f.fps.unwrap_or(24.0) }, media_hash(m)))
+            Ok(Media::Video { frames: f.frames, fps: f.fps.unwrap_or(24.0) })
         }
     }
 }
@@ -339,13 +337,13 @@ impl TokenizerCore {
         for (i, m) in p.media.iter().enumerate() {
             check_deadline(p.deadline)?;
             let h = media_hash(m);
-            if let Some(item) = self.preprocessed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&h) {
-                media.push(Media::Preprocessed(item));
-                hashes.push(h);
-                continue;
-            }
-            let (d, h) =
-                decode(m, p.limits, &mut budget, p.deadline).map_err(|e| e.with_param(format!("media[{i}]")))?;
+            let cached = self.preprocessed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&h);
+            let d = match cached {
+                Some(item) => Media::Preprocessed(item),
+                None => {
+                    decode(m, p.limits, &mut budget, p.deadline).map_err(|e| e.with_param(format!("media[{i}]")))?
+                }
+            };
             media.push(d);
             hashes.push(h);
         }
