@@ -2,6 +2,8 @@
 
 pub use osprey_backend::types::AttnShape;
 
+use crate::attention_decode::decode_attention;
+pub use crate::attention_decode::KvElem;
 use crate::matmul::matmul_into_strided as gemm;
 
 /// `out[i, h] = softmax(q[i,h]·K[..=start+i]ᵀ·scale)·V` for `n = q.len()/(heads·head_dim)` queries at
@@ -14,20 +16,29 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], start: usize, s: AttnSh
 
 /// Keys and values stored in pages: `k[i]` and `v[i]` hold rows `[i·page, (i+1)·page)` as
 /// `[page, kv_heads, head_dim]` (the last page may be partly filled).
+/// `T` is the pool's element: f32, or bf16 bits (`u16`).
 #[derive(Clone, Copy, Debug)]
-pub struct PagedKv<'a> {
+pub struct PagedKv<'a, T = f32> {
     /// K planes, one per page.
-    pub k: &'a [&'a [f32]],
+    pub k: &'a [&'a [T]],
     /// V planes, one per page.
-    pub v: &'a [&'a [f32]],
+    pub v: &'a [&'a [T]],
     /// Rows per page.
     pub page: usize,
 }
 
-/// [`causal_attention`] over paged keys and values. Decode (a few queries) reads the pages in place;
-/// prefill gathers the visible rows into contiguous buffers for its GEMMs. Both compute exactly what
-/// `causal_attention` computes on the same rows.
-pub fn causal_attention_paged(q: &[f32], kv: PagedKv<'_>, start: usize, s: AttnShape, scale: f32, out: &mut [f32]) {
+/// [`causal_attention`] over paged keys and values. Decode (a few queries) reads the pages in place
+/// ([`decode_attention`], bf16 as bf16); prefill gathers the visible rows, widened to f32, into
+/// contiguous buffers for its GEMMs. Both compute exactly what `causal_attention` computes on the same
+/// rows.
+pub fn causal_attention_paged<T: KvElem>(
+    q: &[f32],
+    kv: PagedKv<'_, T>,
+    start: usize,
+    s: AttnShape,
+    scale: f32,
+    out: &mut [f32],
+) {
     let PagedKv { k: k_pages, v: v_pages, page } = kv;
     let n = q.len() / (s.heads * s.head_dim);
     let kv_row = s.kv_heads * s.head_dim;
@@ -40,11 +51,11 @@ pub fn causal_attention_paged(q: &[f32], kv: PagedKv<'_>, start: usize, s: AttnS
         // fresh memory for every layer of every chunk.
         GATHER.with(|g| {
             let (k, v) = &mut *g.borrow_mut();
-            let fill = |dst: &mut Vec<f32>, pages: &[&[f32]]| {
+            let fill = |dst: &mut Vec<f32>, pages: &[&[T]]| {
                 dst.clear();
                 for (i, p) in pages.iter().enumerate().take(t.div_ceil(page)) {
                     let rows = page.min(t - i * page);
-                    dst.extend_from_slice(&p[..rows * kv_row]);
+                    T::extend_f32(dst, &p[..rows * kv_row]);
                 }
             };
             fill(k, k_pages);
@@ -58,7 +69,7 @@ pub fn causal_attention_paged(q: &[f32], kv: PagedKv<'_>, start: usize, s: AttnS
             }
         });
     } else {
-        attend_rows(q, k_pages, v_pages, s, scale, out, &visible);
+        decode_attention(q, kv, s, scale, out, &visible);
     }
 }
 
@@ -94,57 +105,10 @@ fn attend(
     if n >= 8 {
         attend_blocked(q, k, v, s, scale, out, &visible);
     } else {
-        attend_rows(q, &[k], &[v], s, scale, out, &visible);
+        // Contiguous rows are one page of all of them.
+        let page = (k.len() / (s.kv_heads * s.head_dim)).max(1);
+        decode_attention(q, PagedKv { k: &[k], v: &[v], page }, s, scale, out, &visible);
     }
-}
-
-/// Few queries (decode): one task per (query, head), dot products against each key. Keys and values come
-/// as runs of whole `[kv_heads, head_dim]` rows, in order: one run for contiguous storage, one per page
-/// (rows past the visible ones are never read), walked without per-key index arithmetic.
-fn attend_rows(
-    q: &[f32],
-    k: &[&[f32]],
-    v: &[&[f32]],
-    s: AttnShape,
-    scale: f32,
-    out: &mut [f32],
-    visible: &(impl Fn(usize) -> usize + Sync),
-) {
-    let (hd, nh, nkv) = (s.head_dim, s.heads, s.kv_heads);
-    let group = nh / nkv;
-    let kv_row = nkv * hd;
-    crate::pool::chunks_mut_init(out, hd, Vec::new, |scores: &mut Vec<f32>, idx, o| {
-        let (i, h) = (idx / nh, idx % nh);
-        let kvh = h / group;
-        let qv = &q[idx * hd..(idx + 1) * hd];
-        let t = visible(i);
-        scores.clear();
-        let mut max = f32::NEG_INFINITY;
-        for kr in rows(k, kv_row).take(t) {
-            let kr = &kr[kvh * hd..(kvh + 1) * hd];
-            let sc = crate::simd::dot_f32(qv, kr) * scale;
-            max = max.max(sc);
-            scores.push(sc);
-        }
-        let mut sum = 0.0;
-        for sc in scores.iter_mut() {
-            *sc = (*sc - max).exp();
-            sum += *sc;
-        }
-        o.fill(0.0);
-        for (p, vr) in scores.iter().zip(rows(v, kv_row)) {
-            let w = p / sum;
-            let vr = &vr[kvh * hd..(kvh + 1) * hd];
-            for (a, b) in o.iter_mut().zip(vr) {
-                *a += w * b;
-            }
-        }
-    });
-}
-
-/// The rows of runs of whole rows, in order.
-fn rows<'a, 'b: 'a>(runs: &'a [&'b [f32]], row: usize) -> impl Iterator<Item = &'b [f32]> + 'a {
-    runs.iter().flat_map(move |r| r.chunks_exact(row))
 }
 
 /// Many queries (prefill, vision): per (head, block of queries) `S = scale·Q·Kᵀ`, masked row softmax,
@@ -229,7 +193,7 @@ mod tests {
     }
 
     #[test]
-    fn blocked_path_equals_row_path() {
+    fn blocked_path_equals_decode_path() {
         let s = AttnShape { heads: 4, kv_heads: 2, head_dim: 8 };
         let (n, past) = (150usize, 7usize);
         let val = |i: usize| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0;
@@ -239,7 +203,8 @@ mod tests {
         for causal in [true, false] {
             let vis = |i: usize| if causal { past + i + 1 } else { n + past };
             let (mut a, mut b) = (vec![0f32; q.len()], vec![0f32; q.len()]);
-            attend_rows(&q, &[&k], &[&v], s, 0.3, &mut a, &vis);
+            let one_page = PagedKv { k: &[&k[..]], v: &[&v[..]], page: n + past };
+            decode_attention(&q, one_page, s, 0.3, &mut a, &vis);
             attend_blocked(&q, &k, &v, s, 0.3, &mut b, &vis);
             let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
             // Same math, different summation order over <= 157 keys of O(1) values.

@@ -29,6 +29,7 @@ mod act;
 pub mod amx;
 pub mod attention;
 pub mod attention_bf16;
+pub mod attention_decode;
 pub mod bf16;
 pub mod calibrate;
 mod dispatch;

@@ -7,7 +7,7 @@ use half::f16;
 
 /// CPU features detected once per call site (cheap: std caches the cpuid result).
 #[inline]
-fn has_avx2_fma() -> bool {
+pub(crate) fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")

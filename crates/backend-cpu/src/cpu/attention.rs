@@ -14,12 +14,22 @@ impl AttentionOps for CpuBackend {
         out: &mut Tensor,
     ) {
         let row = shape.kv_heads * shape.head_dim;
-        let (k, v) = kv_planes(&kv, (past + rows.len()).div_ceil(kv.page_size), row);
-        let (k, v): (Vec<&[f32]>, Vec<&[f32]>) = (k.iter().map(|p| &**p).collect(), v.iter().map(|p| &**p).collect());
+        let pages = (past + rows.len()).div_ceil(kv.page_size);
         let c = q.cols();
-        let paged = PagedKv { k: &k, v: &v, page: kv.page_size };
         let q = &host(q)[rows.start * c..rows.end * c];
-        causal_attention_paged(q, paged, past, shape, scale, &mut host_mut(out)[rows.start * c..rows.end * c]);
+        let out = &mut host_mut(out)[rows.start * c..rows.end * c];
+        // A bf16 pool is read as bf16: decode widens it in registers (half the bytes of f32).
+        match host_data(kv.pool) {
+            HostVec::F32(d) => {
+                let (k, v) = typed_planes(d, &kv, pages, row);
+                causal_attention_paged(q, PagedKv { k: &k, v: &v, page: kv.page_size }, past, shape, scale, out);
+            }
+            HostVec::Bf16(d) => {
+                let (k, v) = typed_planes(d, &kv, pages, row);
+                causal_attention_paged(q, PagedKv { k: &k, v: &v, page: kv.page_size }, past, shape, scale, out);
+            }
+            other => panic!("a KV pool of {:?}: this is a bug", other.as_data().dtype()),
+        }
     }
 
     fn attention_bidirectional(

@@ -224,16 +224,26 @@ type Planes<'a> = Vec<Cow<'a, [f32]>>;
 /// The K and V planes of the first `pages` pages of a sequence's table, as f32 (borrowed from an f32
 /// pool, widened from a bf16 one).
 fn kv_planes<'a>(kv: &PagedView<'a>, pages: usize, row: usize) -> (Planes<'a>, Planes<'a>) {
-    let span = kv.page_size * row;
-    let plane = |p: i32, v: bool| -> Cow<'a, [f32]> {
-        let at = kv.k_row(p as usize, 0) * row + usize::from(v) * span;
-        match host_data(kv.pool) {
-            HostVec::F32(d) => Cow::Borrowed(&d[at..at + span]),
-            HostVec::Bf16(d) => {
-                Cow::Owned(d[at..at + span].iter().map(|&b| f32::from_bits(u32::from(b) << 16)).collect())
-            }
-            other => panic!("a KV pool of {:?}: this is a bug", other.as_data().dtype()),
+    match host_data(kv.pool) {
+        HostVec::F32(d) => {
+            let (k, v) = typed_planes(d, kv, pages, row);
+            (k.into_iter().map(Cow::Borrowed).collect(), v.into_iter().map(Cow::Borrowed).collect())
         }
+        HostVec::Bf16(d) => {
+            let widen = |p: &[u16]| Cow::Owned(p.iter().map(|&b| f32::from_bits(u32::from(b) << 16)).collect());
+            let (k, v) = typed_planes(d, kv, pages, row);
+            (k.into_iter().map(widen).collect(), v.into_iter().map(widen).collect())
+        }
+        other => panic!("a KV pool of {:?}: this is a bug", other.as_data().dtype()),
+    }
+}
+
+/// The K and V planes of the first `pages` pages of a sequence's table, in the pool's own elements.
+fn typed_planes<'a, T>(pool: &'a [T], kv: &PagedView<'_>, pages: usize, row: usize) -> (Vec<&'a [T]>, Vec<&'a [T]>) {
+    let span = kv.page_size * row;
+    let plane = |p: i32, v: bool| {
+        let at = kv.k_row(p as usize, 0) * row + usize::from(v) * span;
+        &pool[at..at + span]
     };
     host_i32(kv.table)[..pages].iter().map(|&p| (plane(p, false), plane(p, true))).unzip()
 }
