@@ -42,5 +42,5 @@ pub fn downcast<T: Opaque>(h: &Handle) -> Option<&T> {
 /// A sequence (one generation request) inside the engine.
 pub type SeqId = u64;
 
-/// 128-bit content hash of a media item (blake2b of its bytes).
+/// 128-bit content hash of a media item (BLAKE3 of its bytes).
 pub type MediaHash = [u8; 16];

@@ -99,23 +99,32 @@ pub fn parse_json(body: &[u8], lim: JsonLimits) -> Result<Value, ApiError> {
         .map_err(|e| ApiError::new(ErrorCode::InvalidJson, format!("could not parse the request body: {e}")))
 }
 
-/// Checks nesting and value count in one pass over the bytes (strings skipped, escapes honoured).
+/// Checks nesting and value count in one pass over the bytes (strings skipped, escapes honoured). A
+/// string's body is skipped with `memchr` to its next quote or backslash: a conversation of images
+/// resends megabytes of base64 every turn (15 MB at turn 52 of the long-images run), and a byte at a
+/// time that was ~10% of the server's CPU.
 fn scan(body: &[u8], lim: JsonLimits) -> Result<(), ApiError> {
     let (mut depth, mut values) = (0usize, 0usize);
-    let (mut in_string, mut escaped) = (false, false);
-    for &c in body {
-        if in_string {
-            if escaped {
-                escaped = false;
-            } else if c == b'\\' {
-                escaped = true;
-            } else if c == b'"' {
-                in_string = false;
-            }
-            continue;
-        }
+    let mut i = 0;
+    while i < body.len() {
+        let c = body[i];
+        i += 1;
         match c {
-            b'"' => in_string = true,
+            b'"' => {
+                // To the closing quote: a backslash escapes the byte after it.
+                loop {
+                    match memchr::memchr2(b'"', b'\\', &body[i..]) {
+                        None => i = body.len(),
+                        Some(at) if body[i + at] == b'\\' => {
+                            i = (i + at + 2).min(body.len());
+                            continue;
+                        }
+                        Some(at) => i += at + 1,
+                    }
+                    break;
+                }
+                continue;
+            }
             b'[' | b'{' => {
                 depth += 1;
                 values += 1;
@@ -162,6 +171,13 @@ mod tests {
         assert_eq!(code("[1,2,3,4,5,6,7,8,9,10,11]"), "request_too_large");
         // Brackets and commas inside strings, escaped quotes included, are text.
         assert_eq!(code(r#"{"s": "[[[[[,,,,,,,,,,,,\"[[[[["}"#), "ok");
+        // An escaped backslash ends before the quote, which closes the string: what follows counts.
+        assert_eq!(code(r#"{"s": "\\", "t": [[[[1]]]]}"#), "invalid_json");
+        assert_eq!(code(r#"["\\\"[[[[[", 1]"#), "ok");
+        // Bodies that stop inside a string or after a backslash are refused by the parser, not a panic.
+        for cut in [r#"{"s": "abc"#, r#"{"s": "abc\"#, "\"", "\"\\"] {
+            assert_eq!(code(cut), "invalid_json", "{cut:?}");
+        }
     }
 }
 

@@ -5,8 +5,6 @@ use std::sync::OnceLock;
 use std::thread;
 use std::time::Instant;
 
-use blake2::digest::{Update, VariableOutput};
-use blake2::Blake2bVar;
 use osprey_models::vision::{declared_size, decode_animation, decode_image, DecodeLimits, ProcessorConfig};
 use osprey_protocol::constraint::{Constraint, Grammar};
 use osprey_protocol::tokenizer::{
@@ -43,14 +41,17 @@ fn media_error(e: osprey_models::Error) -> RequestError {
     }
 }
 
+/// A media item's content hash: BLAKE3 of its length-prefixed parts, the first 128 bits. Every turn of a
+/// conversation hashes every image it resends (15 MB of them by turn 52 of the long-images run), so the
+/// hash's speed is part of each turn's TTFT: BLAKE3 runs at several GB/s on AVX2 where blake2b ran at ~1.
 fn hash(parts: &[&[u8]]) -> MediaHash {
-    let mut h = Blake2bVar::new(16).expect("16-byte blake2b");
+    let mut h = blake3::Hasher::new();
     for p in parts {
         h.update(&(p.len() as u64).to_le_bytes());
         h.update(p);
     }
     let mut out = [0u8; 16];
-    h.finalize_variable(&mut out).expect("16 bytes");
+    out.copy_from_slice(&h.finalize().as_bytes()[..16]);
     out
 }
 
