@@ -96,8 +96,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Fields that say which test a row is (rows of one engine are repetitions only when these agree):
-/// osprey's prompt and decode lengths, llama-bench's prompt and generation tests.
-const SHAPE: [&str; 4] = ["prompt_len", "decode_tokens", "n_prompt", "n_gen"];
+/// osprey's prompt and decode lengths, llama-bench's prompt and generation tests, the context depth of
+/// `tools/bench_depth.sh` (llama-bench's own `n_depth` is bookkeeping below: the script's `depth` names it).
+const SHAPE: [&str; 5] = ["prompt_len", "decode_tokens", "n_prompt", "n_gen", "depth"];
 
 /// llama-bench's bookkeeping fields, left out of the tables (the build, the device list, the defaults
 /// it was run with; the command in `tools/bench_peer.sh` fixes them).
@@ -315,5 +316,16 @@ mod tests {
         let new = splice(&doc, "new\n").expect("splice");
         assert_eq!(new, format!("intro\n{BEGIN}\n\nnew\n{END}\nafter\n"));
         assert!(splice("no markers", "x").is_err());
+    }
+
+    /// Runs of one engine at two context depths are two rows, not repetitions of one.
+    #[test]
+    fn depths_are_tests_of_their_own() {
+        let line = |d: u32, ts: u32| {
+            format!("{{\"engine\":\"a\",\"depth\":{d},\"result\":{{\"n_gen\":32,\"avg_ts\":{ts}}}}}\n")
+        };
+        let rows = jsonl_rows(&(line(1000, 70) + &line(30000, 20)), Path::new("depth.jsonl")).expect("rows");
+        assert_eq!(rows.len(), 2);
+        assert_eq!((rows[0]["avg_ts"].as_f64(), rows[1]["avg_ts"].as_f64()), (Some(70.0), Some(20.0)));
     }
 }
