@@ -3,7 +3,7 @@
 pub use osprey_backend::types::AttnShape;
 
 use crate::attention_decode::decode_attention;
-pub use crate::attention_decode::KvElem;
+pub use crate::attention_decode::{KvElem, PagedKv};
 use crate::matmul::matmul_into_strided as gemm;
 
 /// `out[i, h] = softmax(q[i,h]·K[..=start+i]ᵀ·scale)·V` for `n = q.len()/(heads·head_dim)` queries at
@@ -12,19 +12,6 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], start: usize, s: AttnSh
     let n = q.len() / (s.heads * s.head_dim);
     assert!(k.len() >= (start + n) * s.kv_heads * s.head_dim, "attention cache too short: this is a bug");
     attend(q, k, v, s, scale, out, |i| start + i + 1);
-}
-
-/// Keys and values stored in pages: `k[i]` and `v[i]` hold rows `[i·page, (i+1)·page)` as
-/// `[page, kv_heads, head_dim]` (the last page may be partly filled).
-/// `T` is the pool's element: f32, or bf16 bits (`u16`).
-#[derive(Clone, Copy, Debug)]
-pub struct PagedKv<'a, T = f32> {
-    /// K planes, one per page.
-    pub k: &'a [&'a [T]],
-    /// V planes, one per page.
-    pub v: &'a [&'a [T]],
-    /// Rows per page.
-    pub page: usize,
 }
 
 /// [`causal_attention`] over paged keys and values. Decode (a few queries) reads the pages in place

@@ -12,13 +12,26 @@
 //! call has, and their partial sums are combined in split order: a query's output depends only on its own
 //! keys, so a decode step, a verification of drafts and any `--threads` give the same bits.
 
-use crate::attention::{AttnShape, PagedKv};
+use osprey_backend::types::AttnShape;
 
 /// Key positions a task covers (the last split of a query is shorter).
 pub const SPLIT: usize = 512;
 
 /// Keys a step of the online softmax: a block's K and V rows of one KV head (256 wide, f32) stay in L1.
 const BLOCK: usize = 16;
+
+/// Keys and values stored in pages: `k[i]` and `v[i]` hold rows `[i·page, (i+1)·page)` as
+/// `[page, kv_heads, head_dim]` (the last page may be partly filled).
+/// `T` is the pool's element: f32, or bf16 bits (`u16`).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKv<'a, T = f32> {
+    /// K planes, one per page.
+    pub k: &'a [&'a [T]],
+    /// V planes, one per page.
+    pub v: &'a [&'a [T]],
+    /// Rows per page.
+    pub page: usize,
+}
 
 /// A KV pool's element: f32, or bf16 as its bit pattern.
 pub trait KvElem: Copy + Send + Sync + 'static {
