@@ -14,6 +14,8 @@
 
 use osprey_backend::types::AttnShape;
 
+use crate::simd::bf16_to_f32 as bf16;
+
 /// Key positions a task covers (the last split of a query is shorter).
 pub const SPLIT: usize = 512;
 
@@ -86,10 +88,6 @@ impl KvElem for u16 {
         }
         portable_accumulate(p, corr, values, acc, bf16);
     }
-}
-
-fn bf16(b: u16) -> f32 {
-    f32::from_bits(u32::from(b) << 16)
 }
 
 /// Causal attention for few queries: query `i` (of `n = q.len() / (heads·head_dim)`) attends to key
@@ -224,27 +222,13 @@ fn portable_accumulate<T: Copy>(p: &[f32], corr: &[f32], values: &[&[T]], acc: &
 mod x86 {
     use std::arch::x86_64::*;
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
-    }
+    use crate::simd::x86::{hsum, load_bf16};
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn load_f32(p: *const f32) -> __m256 {
         // SAFETY: the caller guarantees 8 readable values at p.
         unsafe { _mm256_loadu_ps(p) }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn load_bf16(p: *const u16) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable values at p.
-        let h = unsafe { _mm_loadu_si128(p as *const __m128i) };
-        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
     }
 
     macro_rules! kernels {
@@ -360,8 +344,8 @@ mod tests {
         let (hd, g) = (s.head_dim, s.heads / s.kv_heads);
         let row = s.kv_heads * hd;
         let mut out = vec![0f32; q.len()];
-        for (qi, o) in q.chunks(hd).zip(out.chunks_mut(hd)) {
-            let h = (qi.as_ptr() as usize - q.as_ptr() as usize) / 4 / hd % s.heads;
+        for (i, (qi, o)) in q.chunks(hd).zip(out.chunks_mut(hd)).enumerate() {
+            let h = i % s.heads;
             let kv = (h / g) * hd;
             let sc: Vec<f64> = (0..t)
                 .map(|j| qi.iter().zip(&k[j * row + kv..]).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>())

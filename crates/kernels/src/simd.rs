@@ -31,7 +31,7 @@ fn has_f16c() -> bool {
 }
 
 #[inline]
-fn bf16_to_f32(b: u16) -> f32 {
+pub(crate) fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
@@ -113,12 +113,12 @@ pub fn f16_row_to_f32(src: &[u16], dst: &mut [f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(crate) unsafe fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps(v, 1);
         let s = _mm_add_ps(lo, hi);
@@ -130,7 +130,7 @@ mod x86 {
     /// Loads 8 bf16 values as f32.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn load_bf16(p: *const u16) -> __m256 {
+    pub(crate) unsafe fn load_bf16(p: *const u16) -> __m256 {
         // SAFETY: caller guarantees 8 readable u16 at p.
         let h = unsafe { _mm_loadu_si128(p as *const __m128i) };
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
