@@ -19,6 +19,12 @@ const FILES: [(&str, &[u8]); 7] = [
     ("chat_template.jinja", include_bytes!("../fixtures/models/osprey-default/chat_template.jinja")),
 ];
 
+/// The tokenizer, its config, the chat template and the generation config (a synthetic checkpoint is
+/// served with them: `bench synth` writes the media token ids of this tokenizer).
+pub fn tokenizer_files() -> impl Iterator<Item = (&'static str, &'static [u8])> {
+    FILES.into_iter().filter(|(n, _)| !matches!(*n, "config.json" | "model.safetensors" | "processor_config.json"))
+}
+
 /// Name the default model is served under.
 pub const NAME: &str = "osprey-default";
 

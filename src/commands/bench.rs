@@ -60,6 +60,12 @@ pub enum BenchCommand {
         /// Seed of the values.
         #[arg(long, default_value_t = 7)]
         seed: u64,
+        /// Vision blocks (of the real widths; Qwen3.5's tower has 27): 0 writes a text-only checkpoint.
+        #[arg(long, default_value_t = 0)]
+        vision_layers: usize,
+        /// `max_position_embeddings` (Qwen3.5's is 262144).
+        #[arg(long, default_value_t = 32768)]
+        context: usize,
     },
     /// SVG charts from bench JSON files: TTFT per request / turn and latency distributions from a
     /// `bench serve --out` file; decode tok/s and residency vs budget from `bench experts` lines.
@@ -261,12 +267,17 @@ pub fn run(cmd: BenchCommand, g: &Global) -> Result<()> {
         BenchCommand::Experts(a) if a.budgets.is_some() => experts_sweep(a, g),
         BenchCommand::Experts(a) => experts(a, g),
         BenchCommand::Serve(a) => serve(a),
-        BenchCommand::Synth { out, geometry, layers, seed } => {
+        BenchCommand::Synth { out, geometry, layers, seed, vision_layers, context } => {
             let geo = osprey_bench::synth::geometry(&geometry).with_context(|| {
                 format!("unknown geometry {geometry:?} (qwen3.5-35b-a3b, qwen3.8-flash-next, tiny, tiny-flash)")
             })?;
-            let report = osprey_bench::synth::synth(&out, geo, layers.max(1), seed)
+            let o = osprey_bench::synth::Options { vision_layers, context: context.max(1) };
+            let report = osprey_bench::synth::synth_with(&out, geo, layers.max(1), seed, o)
                 .with_context(|| format!("writing {}", out.display()))?;
+            // The embedded model's tokenizer and chat template, so the checkpoint can be served.
+            for (name, bytes) in osprey::default_model::tokenizer_files() {
+                std::fs::write(out.join(name), bytes).with_context(|| format!("writing {name}"))?;
+            }
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }

@@ -4,8 +4,9 @@
 //!
 //! The checkpoint is a Hugging Face directory osprey loads like any other: `config.json` (a text-only
 //! `qwen3_5_moe_text`, or `qwen4_exp_text` for Qwen3.8-Flash-Next's geometry, with ModelOpt NVFP4
-//! `quantization_config`), one safetensors shard per layer plus
-//! one for the embedding and head, and `model.safetensors.index.json`. Routed experts are NVFP4 (ModelOpt
+//! `quantization_config`; with [`Options::vision_layers`], the multimodal `qwen3_5_moe` / `qwen4_exp`
+//! wrapper with a vision tower of the real widths and `processor_config.json`), one safetensors shard
+//! per layer plus one for the embedding and head (and one for the tower), and `model.safetensors.index.json`. Routed experts are NVFP4 (ModelOpt
 //! layout: packed nibbles, e4m3 block scales, a global scale); everything else is bf16. Values are
 //! seeded noise scaled by 1/sqrt(fan-in), so activations stay O(1) through the layers; a shard is built
 //! in memory and written before the next, so memory stays at one layer's bytes.
@@ -51,7 +52,52 @@ pub struct Geometry {
     pub vocab: usize,
     /// Qwen3.8-Flash-Next's additions (a `qwen4_exp` checkpoint), or none (`qwen3_5_moe`).
     pub flash: Option<Flash>,
+    /// The vision tower's widths (written when [`Options::vision_layers`] is not zero).
+    pub vision: Vision,
 }
+
+/// A vision tower's widths (its depth is [`Options::vision_layers`]).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Vision {
+    /// Tower width.
+    pub hidden: usize,
+    /// MLP width.
+    pub intermediate: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Rows of the learned position grid (a square).
+    pub positions: usize,
+    /// Blocks of the real tower (the speed checkpoint cuts them as it cuts the decoder's layers).
+    pub depth: usize,
+}
+
+/// Qwen3.5's vision tower (all sizes, and Qwen3.8-Flash-Next's): 27 blocks of width 1152, MLP 4304,
+/// 16 heads, a 48×48 position grid; patch 16, temporal patch 2, 2×2 merge into the decoder's width.
+pub const QWEN35_VISION: Vision = Vision { hidden: 1152, intermediate: 4304, heads: 16, positions: 2304, depth: 27 };
+
+/// What a checkpoint holds beyond its decoder geometry.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Options {
+    /// Vision blocks to write; 0 writes a text-only checkpoint.
+    pub vision_layers: usize,
+    /// `max_position_embeddings`.
+    pub context: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { vision_layers: 0, context: 32768 }
+    }
+}
+
+/// The embedded tokenizer's ids of the media tokens (the checkpoint is served with its files).
+const IMAGE_TOKEN: u32 = 1004;
+const VIDEO_TOKEN: u32 = 1005;
+const VISION_START: u32 = 1001;
+const VISION_END: u32 = 1002;
+const IM_END: u32 = 994;
+/// Tokens of the embedded tokenizer.
+const TOKENIZER_TOKENS: usize = 1024;
 
 /// What `qwen4_exp` adds to a Qwen3.5-MoE layer.
 #[derive(Clone, Copy, Debug, Serialize)]
@@ -88,6 +134,7 @@ pub const QWEN35_35B_A3B: Geometry = Geometry {
     shared_width: 512,
     vocab: 32768,
     flash: None,
+    vision: QWEN35_VISION,
 };
 
 /// Qwen3.8-Flash-Next's layer shapes (issue 15: hidden 2560, 512 experts top-10 of width 640, 4 streams
@@ -116,6 +163,7 @@ pub const QWEN38_FLASH_NEXT: Geometry = Geometry {
         indexer_heads: 16,
         indexer_dim: 128,
     }),
+    vision: QWEN35_VISION,
 };
 
 /// A tiny geometry for tests.
@@ -134,6 +182,7 @@ pub const TINY: Geometry = Geometry {
     shared_width: 64,
     vocab: 1024,
     flash: None,
+    vision: Vision { hidden: 64, intermediate: 128, heads: 2, positions: 64, depth: 2 },
 };
 
 /// [`TINY`] as a `qwen4_exp` checkpoint, for tests.
@@ -163,6 +212,8 @@ pub struct SynthReport {
     pub geometry: Geometry,
     /// Decoder layers.
     pub layers: usize,
+    /// What else it holds.
+    pub options: Options,
     /// Bytes of all routed experts (NVFP4 with their scales).
     pub expert_bytes: u64,
     /// Bytes written in all.
@@ -264,19 +315,26 @@ fn write(dir: &Path, file: &str, t: &Tensors, index: &mut BTreeMap<String, Strin
 
 /// Writes `layers` layers of geometry `g` (every fourth a full-attention layer, the others Gated
 /// DeltaNet, as Qwen3.5; with `g.flash`, a `qwen4_exp` checkpoint: hyper-connections, PLE on every
-/// fourth layer from the first, QSA indexers) into `dir`.
+/// fourth layer from the first, QSA indexers) into `dir`, text only.
 pub fn synth(dir: &Path, g: Geometry, layers: usize, seed: u64) -> std::io::Result<SynthReport> {
+    synth_with(dir, g, layers, seed, Options::default())
+}
+
+/// [`synth`] with a vision tower and a context length of choice.
+pub fn synth_with(dir: &Path, g: Geometry, layers: usize, seed: u64, o: Options) -> std::io::Result<SynthReport> {
     let t0 = std::time::Instant::now();
     std::fs::create_dir_all(dir)?;
     let mut rng = Rng(seed);
     let mut index = BTreeMap::new();
     let (mut expert_bytes, mut total) = (0u64, 0u64);
     let h = g.hidden;
+    // The multimodal layout nests the decoder under `language_model` (REFERENCE.md section 1).
+    let tp = if o.vision_layers > 0 { "model.language_model" } else { "model" };
     let types: Vec<&str> =
         (0..layers).map(|i| if (i + 1) % 4 == 0 { "full_attention" } else { "linear_attention" }).collect();
     for (i, kind) in types.iter().enumerate() {
         let mut t: Tensors = Vec::new();
-        let p = format!("model.layers.{i}");
+        let p = format!("{tp}.layers.{i}");
         match g.flash {
             None => {
                 vector(&mut t, &mut rng, format!("{p}.input_layernorm.weight"), h, 0.0);
@@ -310,22 +368,100 @@ pub fn synth(dir: &Path, g: Geometry, layers: usize, seed: u64) -> std::io::Resu
     }
     let mut t: Tensors = Vec::new();
     t.push((
-        "model.embed_tokens.weight".into(),
+        format!("{tp}.embed_tokens.weight"),
         Dtype::BF16,
         vec![g.vocab, h],
         bf16(&mut rng, &[g.vocab, h], 1.0, 0.0),
     ));
     match g.flash {
-        None => vector(&mut t, &mut rng, "model.norm.weight".into(), h, 0.0),
-        Some(f) => hyper_connection(&mut t, &mut rng, "model.hyper_connection_mixer", h, f, false),
+        None => vector(&mut t, &mut rng, format!("{tp}.norm.weight"), h, 0.0),
+        Some(f) => hyper_connection(&mut t, &mut rng, &format!("{tp}.hyper_connection_mixer"), h, f, false),
     }
-    dense(&mut t, &mut rng, "lm_head.weight".into(), g.vocab, h);
+    // Rows past the embedded tokenizer's tokens are zero: their logits are 0 where the others spread
+    // about it, so a greedy answer is made of tokens the tokenizer can show (a token it has no text for
+    // streams nothing, and a benchmark would see no first token). They are read at full cost all the same.
+    let mut head = bf16(&mut rng, &[g.vocab, h], 1.0 / (h as f32).sqrt(), 0.0);
+    head[TOKENIZER_TOKENS.min(g.vocab) * h * 2..].fill(0);
+    t.push(("lm_head.weight".into(), Dtype::BF16, vec![g.vocab, h], head));
     total += write(dir, "model-embed.safetensors", &t, &mut index)?;
-    let cfg = config(&g, layers, &types);
+    if o.vision_layers > 0 {
+        let t = tower(&mut rng, g.vision, o.vision_layers, h);
+        total += write(dir, "model-visual.safetensors", &t, &mut index)?;
+        let pc = processor_config();
+        std::fs::write(dir.join("processor_config.json"), serde_json::to_string_pretty(&pc)?)?;
+    }
+    let cfg = config(&g, layers, &types, o);
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
     let idx = json!({"metadata": {"total_size": total}, "weight_map": index});
     std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&idx)?)?;
-    Ok(SynthReport { geometry: g, layers, expert_bytes, total_bytes: total, secs: t0.elapsed().as_secs_f64() })
+    Ok(SynthReport {
+        geometry: g,
+        layers,
+        options: o,
+        expert_bytes,
+        total_bytes: total,
+        secs: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// A linear with its bias (the vision tower's layers all have one).
+fn affine(t: &mut Tensors, rng: &mut Rng, p: &str, out: usize, inp: usize) {
+    dense(t, rng, format!("{p}.weight"), out, inp);
+    vector(t, rng, format!("{p}.bias"), out, 0.0);
+}
+
+/// A LayerNorm: weight near 1, bias near 0.
+fn layer_norm(t: &mut Tensors, rng: &mut Rng, p: &str, d: usize) {
+    vector(t, rng, format!("{p}.weight"), d, 1.0);
+    vector(t, rng, format!("{p}.bias"), d, 0.0);
+}
+
+/// `model.visual.*`: the patch embedding (a Conv3d over 3 channels × 2 frames × 16 × 16), the learned
+/// position grid, `depth` pre-norm blocks, and the merger (LayerNorm, 2×2 merge, MLP into `out` wide rows).
+fn tower(rng: &mut Rng, v: Vision, depth: usize, out: usize) -> Tensors {
+    let (d, p) = (v.hidden, "model.visual");
+    let mut t: Tensors = Vec::new();
+    let shape = vec![d, 3, 2, 16, 16];
+    let w = bf16(rng, &shape, 1.0 / (3.0f32 * 2.0 * 256.0).sqrt(), 0.0);
+    t.push((format!("{p}.patch_embed.proj.weight"), Dtype::BF16, shape, w));
+    vector(&mut t, rng, format!("{p}.patch_embed.proj.bias"), d, 0.0);
+    let pos = bf16(rng, &[v.positions, d], 0.1, 0.0);
+    t.push((format!("{p}.pos_embed.weight"), Dtype::BF16, vec![v.positions, d], pos));
+    for i in 0..depth {
+        let b = format!("{p}.blocks.{i}");
+        layer_norm(&mut t, rng, &format!("{b}.norm1"), d);
+        layer_norm(&mut t, rng, &format!("{b}.norm2"), d);
+        affine(&mut t, rng, &format!("{b}.attn.qkv"), 3 * d, d);
+        affine(&mut t, rng, &format!("{b}.attn.proj"), d, d);
+        affine(&mut t, rng, &format!("{b}.mlp.linear_fc1"), v.intermediate, d);
+        affine(&mut t, rng, &format!("{b}.mlp.linear_fc2"), d, v.intermediate);
+    }
+    layer_norm(&mut t, rng, &format!("{p}.merger.norm"), d);
+    affine(&mut t, rng, &format!("{p}.merger.linear_fc1"), 4 * d, 4 * d);
+    affine(&mut t, rng, &format!("{p}.merger.linear_fc2"), out, 4 * d);
+    t
+}
+
+/// Qwen3.5's preprocessing (REFERENCE.md section 3): images resized to between 65,536 and 16,777,216
+/// pixels, videos sampled at 2 fps (4 to 768 frames) within 25,165,824 pixels, mean and std 0.5.
+fn processor_config() -> serde_json::Value {
+    let common = json!({"do_convert_rgb": true, "do_normalize": true, "do_rescale": true, "do_resize": true,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "merge_size": 2, "patch_size": 16,
+        "resample": 3, "rescale_factor": 1.0 / 255.0, "temporal_patch_size": 2});
+    let mut image = common.clone();
+    let mut video = common;
+    if let (Some(i), Some(v)) = (image.as_object_mut(), video.as_object_mut()) {
+        i.insert("image_processor_type".into(), json!("Qwen2VLImageProcessor"));
+        i.insert("size".into(), json!({"shortest_edge": 65536, "longest_edge": 16777216}));
+        v.insert("video_processor_type".into(), json!("Qwen3VLVideoProcessor"));
+        v.insert("size".into(), json!({"shortest_edge": 4096, "longest_edge": 25165824}));
+        for (k, x) in [("fps", json!(2)), ("min_frames", json!(4)), ("max_frames", json!(768))] {
+            v.insert(k.into(), x);
+        }
+        v.insert("do_sample_frames".into(), json!(true));
+        v.insert("cap_pixels_per_frame".into(), json!(false));
+    }
+    json!({"processor_class": "Qwen3VLProcessor", "image_processor": image, "video_processor": video})
 }
 
 /// A layer's attention: Gated DeltaNet (`linear_attention`) or gated full attention (with the flash
@@ -363,13 +499,16 @@ fn attention(t: &mut Tensors, rng: &mut Rng, p: &str, kind: &str, g: &Geometry) 
 }
 
 /// The checkpoint's `config.json`: the model's shapes, its layer types and the NVFP4 quantization of
-/// its experts (the `qwen4_exp` fields with the flash geometry).
-fn config(g: &Geometry, layers: usize, types: &[&str]) -> serde_json::Value {
+/// its experts (the `qwen4_exp` fields with the flash geometry); with a tower, the multimodal wrapper.
+fn config(g: &Geometry, layers: usize, types: &[&str], o: Options) -> serde_json::Value {
     let h = g.hidden;
     let mut exclude =
         vec!["lm_head", "*embed_tokens*", "*self_attn*", "*linear_attn*", "*shared_expert*", "*.mlp.gate"];
     if g.flash.is_some() {
         exclude.extend(["*hyper_connection*", "*.ple.*", "*indexer*"]);
+    }
+    if o.vision_layers > 0 {
+        exclude.push("*visual*");
     }
     let qc = json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": exclude});
     let mut cfg = json!({
@@ -380,10 +519,10 @@ fn config(g: &Geometry, layers: usize, types: &[&str]) -> serde_json::Value {
         "linear_key_head_dim": g.linear_dim, "linear_value_head_dim": g.linear_dim, "linear_conv_kernel_dim": 4,
         "num_experts": g.experts, "num_experts_per_tok": g.top_k, "moe_intermediate_size": g.expert_width,
         "shared_expert_intermediate_size": g.shared_width, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 32768, "tie_word_embeddings": false,
+        "max_position_embeddings": o.context, "tie_word_embeddings": false,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                             "mrope_section": sections(g.head_dim), "mrope_interleaved": true},
-        "quantization_config": qc,
+        "quantization_config": qc.clone(),
     });
     if let Some(f) = g.flash {
         let kinds: Vec<&str> =
@@ -402,5 +541,35 @@ fn config(g: &Geometry, layers: usize, types: &[&str]) -> serde_json::Value {
             c.extend(e.clone());
         }
     }
-    cfg
+    if o.vision_layers == 0 {
+        return cfg;
+    }
+    multimodal(cfg, g, o.vision_layers, qc)
+}
+
+/// The multimodal wrapper around a text config: `qwen3_5_moe` (or `qwen4_exp`) with the text config,
+/// the tower's config and the media token ids of the embedded tokenizer.
+fn multimodal(mut text: serde_json::Value, g: &Geometry, depth: usize, qc: serde_json::Value) -> serde_json::Value {
+    let (model_type, arch) = if g.flash.is_some() {
+        ("qwen4_exp", "Qwen4ExpForConditionalGeneration")
+    } else {
+        ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")
+    };
+    if let Some(t) = text.as_object_mut() {
+        t.remove("quantization_config");
+        t.remove("architectures");
+        t.insert("eos_token_id".into(), json!(IM_END));
+    }
+    let v = g.vision;
+    json!({
+        "architectures": [arch], "model_type": model_type, "tie_word_embeddings": false,
+        "image_token_id": IMAGE_TOKEN, "video_token_id": VIDEO_TOKEN,
+        "vision_start_token_id": VISION_START, "vision_end_token_id": VISION_END,
+        "text_config": text,
+        "vision_config": {"depth": depth, "hidden_size": v.hidden, "intermediate_size": v.intermediate,
+            "num_heads": v.heads, "num_position_embeddings": v.positions, "out_hidden_size": g.hidden,
+            "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3,
+            "hidden_act": "gelu_pytorch_tanh", "model_type": format!("{model_type}_vision")},
+        "quantization_config": qc,
+    })
 }

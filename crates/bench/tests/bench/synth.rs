@@ -69,6 +69,41 @@ fn a_synthetic_flash_next_checkpoint_loads_and_runs_as_qwen4_exp() {
     assert!(rep.residency < 1.0 && rep.ple_bytes_read_per_token.is_some());
 }
 
+/// With a vision tower (`--vision-layers`): the multimodal `qwen3_5_moe` layout (the decoder under
+/// `model.language_model`), a tower of the geometry's widths and the depth asked for, the context asked
+/// for, Qwen3.5's preprocessing; the decoder runs, the tower encodes a 4×4-patch image into 4 rows of the
+/// decoder's width, and a greedy token is one the embedded tokenizer has (the head's rows past its 1,024
+/// tokens are zero).
+#[test]
+fn a_synthetic_checkpoint_with_a_vision_tower_loads_encodes_and_answers_in_the_tokenizers_range() {
+    let dir = scratch("vision");
+    let o = osprey_bench::synth::Options { vision_layers: 2, context: 65536 };
+    let g = osprey_bench::synth::Geometry { vocab: 2048, ..TINY };
+    osprey_bench::synth::synth_with(&dir, g, 4, 3, o).expect("synth");
+    let cfg = osprey_models::config::ModelConfig::from_dir(&dir).expect("config");
+    assert_eq!((cfg.model_type.as_str(), cfg.text.max_position_embeddings), ("qwen3_5_moe", 65536));
+    let vision = cfg.vision.expect("a vision config");
+    assert_eq!((vision["depth"].as_u64(), vision["hidden_size"].as_u64()), (Some(2), Some(64)));
+    let pc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("processor_config.json")).expect("processor"))
+            .expect("json");
+    assert_eq!(pc["image_processor"]["size"]["shortest_edge"], 65536);
+    let tower = osprey_models::vision::VisionTower::from_dir(&dir, cpu()).expect("load").expect("a tower");
+    let rows: Vec<f32> = (0..16 * 3 * 2 * 16 * 16).map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0).collect();
+    let out = tower.encode(&rows, [1, 4, 4]).expect("encode");
+    assert_eq!(out.len(), 4 * TINY.hidden);
+    assert!(out.iter().all(|v| v.is_finite()) && out.iter().any(|v| v.abs() > 1e-3));
+    let m = osprey_models::load_on(&dir, cpu()).expect("load the decoder");
+    let mut st = m.new_state();
+    let ids: Vec<u32> = (1..=20).collect();
+    let input = SeqInput { logits: LogitsWanted::Last, ..SeqInput::text(&ids) };
+    let logits = m.forward(&mut [SeqStep { state: &mut st, input }], false).expect("forward").logits.remove(0);
+    assert_eq!(logits.len(), 2048);
+    assert!(logits[..1024].iter().all(|v| v.is_finite()) && logits[1024..].iter().all(|&v| v == 0.0));
+    let best = logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i);
+    assert!(best.is_some_and(|i| i < 1024), "greedy picks a token the tokenizer has: {best:?}");
+}
+
 fn cpu() -> osprey_models::backend::BackendRef {
     osprey_backend_cpu::CpuBackend::shared()
 }
