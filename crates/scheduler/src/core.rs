@@ -6,7 +6,8 @@
 //! cost 1), then waiting ones are admitted while the running count and the KV pages allow.
 //!
 //! KV is counted in pages of the runner's pool, as the runner last reported them. A waiting request is
-//! admitted when the pages of its whole prompt fit beside what the running sequences' next chunks need;
+//! matched against the prefix cache when admission may take it, and admitted when the pages of its whole
+//! prompt, less those its hit shares, fit beside what the running sequences' next chunks need;
 //! nothing is reserved for `max_tokens`. Decode takes pages as it needs them; when the pool runs dry the
 //! prefix cache is asked to give pages back and, if running sequences still cannot all advance, the most
 //! recently admitted ones are preempted by recomputation: their state is dropped, they go back to the
@@ -109,6 +110,15 @@ struct Seq {
 impl Seq {
     fn total(&self) -> usize {
         self.prompt_len + self.generated
+    }
+
+    fn match_request(&self) -> MatchRequest {
+        MatchRequest {
+            seq: self.req.id,
+            cache_ids: Arc::new(self.cache_ids.clone()),
+            cap: self.total() - 1,
+            resumed: self.preempted,
+        }
     }
 }
 
@@ -326,37 +336,57 @@ impl Scheduler {
         self.waiting.push_front(s);
     }
 
-    /// One exchange with the prefix cache: the newly admitted sequences' matches (a preempted one's marked
-    /// resumed), the step's inserts and the pages to reclaim.
+    /// Matches the waiting sequences that admission may take this step against the prefix cache, with
+    /// the step's inserts (so a conversation's next turn finds the turn that just ended). Admission then
+    /// counts only the pages a prompt does not share with the cache, and its hit pins those pages, so a
+    /// reclaim for the pages it lacks never evicts the ones it is about to reuse. (Admission counted the
+    /// whole prompt before and matched after: a 6,500-token turn in a 12,000-token pool asked the cache
+    /// for pages, and the cache gave back the conversation's newest pages, which the turn then recomputed.)
+    fn match_waiting(&mut self, prefix: &mut dyn PrefixPort) {
+        if !self.cfg.prefix_cache || !self.preempt.is_empty() {
+            return;
+        }
+        let room = self.cfg.max_running_requests.saturating_sub(self.running.len());
+        let matches: Vec<MatchRequest> =
+            self.waiting.iter().take(room).filter(|s| s.hit.is_none()).map(Seq::match_request).collect();
+        if matches.is_empty() {
+            return;
+        }
+        let inserts = std::mem::take(&mut self.inserts);
+        let out = prefix.step(matches, inserts, 0);
+        self.apply_matches(out);
+    }
+
+    /// One exchange with the prefix cache: the matches of newly admitted sequences not matched while
+    /// waiting (a preempted one's marked resumed), the step's inserts and the pages to reclaim.
     fn exchange(&mut self, prefix: &mut dyn PrefixPort, first_new: usize) {
         let matches: Vec<MatchRequest> = if self.cfg.prefix_cache {
-            self.running[first_new..]
-                .iter()
-                .map(|s| MatchRequest {
-                    seq: s.req.id,
-                    cache_ids: Arc::new(s.cache_ids.clone()),
-                    cap: s.total() - 1,
-                    resumed: s.preempted,
-                })
-                .collect()
+            self.running[first_new..].iter().filter(|s| s.hit.is_none()).map(Seq::match_request).collect()
         } else {
             Vec::new()
         };
         let inserts = std::mem::take(&mut self.inserts);
         let reclaim = if self.cfg.prefix_cache { std::mem::take(&mut self.reclaim) } else { 0 };
         if !(matches.is_empty() && inserts.is_empty() && reclaim == 0) {
-            for m in prefix.step(matches, inserts, reclaim) {
-                if let Some(s) = self.running.iter_mut().find(|s| s.req.id == m.seq) {
-                    // A preempted sequence's hit gives back what it had computed: not reuse, not counted.
-                    if !s.preempted {
-                        s.cached = m.cached_tokens;
-                        self.stats.cached_tokens_total += m.cached_tokens as u64;
-                    }
-                    s.computed = m.cached_tokens;
-                    s.req.span.in_scope(|| tracing::debug!(cached_tokens = m.cached_tokens, "prefix matched"));
-                    s.hit = Some(m);
-                }
+            let out = prefix.step(matches, inserts, reclaim);
+            self.apply_matches(out);
+        }
+    }
+
+    /// Gives each sequence (running or waiting) its hit: the cached tokens count as computed.
+    fn apply_matches(&mut self, out: Vec<PrefixMatch>) {
+        for m in out {
+            let Some(s) = self.running.iter_mut().chain(self.waiting.iter_mut()).find(|s| s.req.id == m.seq) else {
+                continue;
+            };
+            // A preempted sequence's hit gives back what it had computed: not reuse, not counted.
+            if !s.preempted {
+                s.cached = m.cached_tokens;
+                self.stats.cached_tokens_total += m.cached_tokens as u64;
             }
+            s.computed = m.cached_tokens;
+            s.req.span.in_scope(|| tracing::debug!(cached_tokens = m.cached_tokens, "prefix matched"));
+            s.hit = Some(m);
         }
     }
 
@@ -381,12 +411,13 @@ impl Scheduler {
             self.preempt(last);
         }
         // 2. Admission by pages: the whole prompt (and re-fed tokens) beside the running sequences' next
-        //    chunks; nothing is reserved for max_tokens.
+        //    chunks, less the pages its prefix-cache hit shares; nothing is reserved for max_tokens.
+        self.match_waiting(prefix);
         let mut avail = free.saturating_sub(self.running.iter().map(|s| self.next_pages(s)).sum());
         let first_new = self.running.len();
         while self.running.len() < self.cfg.max_running_requests && self.preempt.is_empty() {
             let Some(next) = self.waiting.front() else { break };
-            let want = self.pages_for(next.total());
+            let want = self.pages_for(next.total()) - self.pages_for(next.computed);
             if want > avail {
                 self.reclaim = self.reclaim.max(want - avail);
                 break;

@@ -422,3 +422,46 @@ fn pages_held_by_the_cache_are_reclaimed_and_the_waiting_request_runs() {
     assert!(finished, "the request ran once the cache gave pages back");
     assert!(cache.held < 10, "pages were reclaimed");
 }
+
+/// Issue 53: a conversation's next turn, most of it in the cache, in a pool the cache fills. The turn is
+/// matched while it waits, so admission asks for the pages of its new tokens only (1 of 8) and takes
+/// none from the cache; counting the whole prompt, it asked the cache for 6 pages, which gave back the
+/// conversation's newest pages (the turn then recomputed them).
+#[test]
+fn a_waiting_prompt_needs_only_the_pages_its_cache_hit_does_not_share() {
+    struct Cache {
+        reclaimed: usize,
+        matched_before_admission: bool,
+    }
+    impl PrefixPort for Cache {
+        fn step(&mut self, m: Vec<MatchRequest>, _: Vec<InsertRequest>, reclaim: usize) -> Vec<PrefixMatch> {
+            self.reclaimed += reclaim;
+            m.into_iter()
+                .map(|m| {
+                    self.matched_before_admission = true;
+                    PrefixMatch {
+                        seq: m.seq,
+                        cached_tokens: 14,
+                        pages: Vec::new(),
+                        snapshot: None,
+                        lease: Some(PrefixPin::new(3, None)),
+                    }
+                })
+                .collect()
+        }
+    }
+    let c = SchedulerConfig { prefix_cache: true, kv_capacity_tokens: 20, max_prefill_tokens: 8, ..cfg() };
+    let mut s = Scheduler::new(c);
+    // The runner's last report: 10 pages, 8 of them the cache's (the conversation so far), 2 free.
+    s.update(
+        &BatchPlan::default(),
+        StepResult { kv: KvPages { total: 10, free: 2, shared: 8, running: 0 }, ..StepResult::default() },
+    );
+    let (tx, _rx) = mpsc::unbounded_channel();
+    s.submit(req(1, 16, 2), tx).expect("fits");
+    let mut cache = Cache { reclaimed: 0, matched_before_admission: false };
+    let p = s.schedule(&mut cache).expect("admitted at once");
+    assert!(cache.matched_before_admission);
+    assert_eq!(cache.reclaimed, 0, "no page asked back from the cache");
+    assert_eq!((p.items.len(), p.items[0].start, p.items[0].end), (1, 14, 16), "the new tokens only");
+}
