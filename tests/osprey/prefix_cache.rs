@@ -207,28 +207,72 @@ fn disable_prefix_cache_flag_turns_it_off() {
 /// whenever the generation prompt crossed a page.
 #[test]
 fn every_turn_reuses_the_previous_turn_to_within_a_page() {
-    let dir = fixtures().join("models/qwen3_5_moe-tiny");
-    let core = osprey_tokenizer::TokenizerCore::from_dir(&dir, true).expect("tokenizer");
     // Pages of 2 tokens, so a page boundary falls between where the next turn parts and the prompt's
     // end (the two tokens of the generation prompt's `<think>\n`), on every turn.
-    let page = 2;
-    let c = start(Settings {
-        page_size: Some(page),
+    let settings = Settings {
+        page_size: Some(2),
         snapshot_interval: Some(64),
         max_prefill_tokens: Some(512),
         ..Settings::default()
-    });
-    let u = uncached();
-    let png = |name: &str| std::fs::read(fixtures().join("media").join(format!("{name}.png"))).expect("png");
-    let questions = [
+    };
+    let turns = [
         (Some("img_256x256"), "What is in the image?"),
         (None, "And what colour dominates?"),
         (Some("img_224x160"), "How does this one compare?"),
         (None, "Which of the two is brighter?"),
     ];
+    reuses_every_turn(&fixtures().join("models/qwen3_5_moe-tiny"), settings, &turns);
+}
+
+/// Issue 53 on a `qwen3_5_moe` checkpoint with a long context (`bench synth`: the tiny widths, a vision
+/// tower, 65,536 positions, Qwen3.5's preprocessing, so a 640×480 image is 300 tokens): 18 turns to
+/// ~2,300 tokens, snapshots every page, and a prefix cache of 3 MiB that holds every page but few of the
+/// ~150 snapshots. Every turn still reuses all of the previous one to within a page
+/// and answers as the cold server: the shallow snapshots are evicted, not the conversation's newest
+/// pages (which went at every turn before eviction knew snapshots from pages).
+#[test]
+fn a_long_image_conversation_reuses_every_turn_when_its_snapshots_outgrow_the_cache() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("synth-long-context");
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = osprey_bench::synth::Options { vision_layers: 2, context: 65536 };
+    osprey_bench::synth::synth_with(&dir, osprey_bench::synth::TINY, 4, 11, o).expect("synth");
+    for (name, bytes) in osprey::default_model::tokenizer_files() {
+        std::fs::write(dir.join(name), bytes).expect("tokenizer files");
+    }
+    let settings = Settings {
+        page_size: Some(16),
+        snapshot_interval: Some(16),
+        max_prefill_tokens: Some(64),
+        prefix_cache_mb: Some(3.0),
+        ..Settings::default()
+    };
+    let pictures = [Some("img_640x480"), None, Some("img_256x256"), Some("img_224x160"), None, Some("img_640x480")];
+    let turns: Vec<(Option<&str>, &str)> = (0..18)
+        .map(|i| (pictures[i % pictures.len()], ["What is this?", "And now?", "Compare them."][i % 3]))
+        .collect();
+    let c = reuses_every_turn(&dir, settings, &turns);
+    let m = harness::metrics(
+        c,
+        &["osprey_prefix_cache_evictions_total", "osprey_prefix_cache_snapshots", "osprey_prefix_cache_nodes"],
+    );
+    eprintln!("evictions, snapshots, pages: {m:?}");
+    assert!(m[0] > 0.0 && m[1] < m[2] / 4.0, "snapshots were evicted, most pages kept: {m:?}");
+}
+
+/// Runs `turns` (an optional image and a question each, the history and answers resent) on a cached
+/// server with `settings` and on a cold one, both serving `dir`: the same answers, and each turn's
+/// cached tokens at least its common prefix with the previous turn's prompt less one page.
+/// Returns the cached server.
+fn reuses_every_turn(dir: &std::path::Path, settings: Settings, turns: &[(Option<&str>, &str)]) -> SocketAddr {
+    let core = osprey_tokenizer::TokenizerCore::from_dir(dir, true).expect("tokenizer");
+    let page = settings.page_size.expect("page size") as u64;
+    let serve = |s: Settings| harness::start(Settings { activations: Some("f32".into()), ..s }, dir.to_path_buf());
+    let c = serve(settings);
+    let u = serve(Settings { disable_prefix_cache: Some(true), ..Settings::default() });
+    let png = |name: &str| std::fs::read(fixtures().join("media").join(format!("{name}.png"))).expect("png");
     let (mut history, mut previous): (Vec<Value>, Option<Vec<u64>>) = (Vec::new(), None);
     let mut media: Vec<osprey_protocol::tokenizer::MediaInput> = Vec::new();
-    for (turn, (img, q)) in questions.iter().enumerate() {
+    for (turn, (img, q)) in turns.iter().enumerate() {
         let mut parts = Vec::new();
         if let Some(name) = img {
             parts.push(image(name));
@@ -257,8 +301,14 @@ fn every_turn_reuses_the_previous_turn_to_within_a_page() {
         assert_eq!(prompt.cache_ids.len() as u64, a.prompt, "turn {}: the server's prompt", turn + 1);
         if let Some(prev) = &previous {
             let lcp = prev.iter().zip(&prompt.cache_ids).take_while(|(x, y)| x == y).count() as u64;
+            let names = ["osprey_prefix_cache_host_bytes", "osprey_prefix_cache_device_bytes"];
+            let m = harness::metrics(
+                c,
+                &[names[0], names[1], "osprey_prefix_cache_snapshots", "osprey_prefix_cache_nodes"],
+            );
+            eprintln!("turn {}: cached {} of {lcp}; host, device, snapshots, pages {m:?}", turn + 1, a.cached);
             assert!(
-                a.cached + page as u64 >= lcp,
+                a.cached + page >= lcp,
                 "turn {}: reused {} of a common prefix of {lcp} ({} tokens)",
                 turn + 1,
                 a.cached,
@@ -269,6 +319,7 @@ fn every_turn_reuses_the_previous_turn_to_within_a_page() {
         let reply = a.text.split('|').nth(1).unwrap_or("").to_string();
         history.push(json!({"role": "assistant", "content": reply}));
     }
+    c
 }
 
 /// A chat prompt as the server hands it to the tokenizer: `messages` with image parts as

@@ -8,7 +8,9 @@
 //!   deepest node that has a snapshot (Gated DeltaNet state cannot be rewound);
 //! - a matched path is pinned (lock count) until its lease is released, so pages being copied into a
 //!   sequence are never evicted under it; pages are immutable once inserted (never shared while written);
-//! - eviction drops least-recently-used unlocked leaves until pages + snapshots fit the byte budget.
+//! - eviction drops least-recently-used unlocked leaves until pages + snapshots fit the byte budget, and
+//!   with them snapshots that have a deeper snapshot below them (a long conversation holds one every
+//!   snapshot interval; its next turn needs the deepest, so the shallow ones go before its pages do).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -241,43 +243,93 @@ impl<P: Bytes + ?Sized, S: Bytes + ?Sized> RadixTree<P, S> {
         self.evict();
     }
 
-    /// Drops LRU unlocked leaves until the budget holds (or nothing more can go).
+    /// Drops LRU unlocked leaves and shadowed snapshots until the budget holds (or nothing more can go).
     pub fn evict(&mut self) {
-        while self.used > self.budget && self.evict_one() {}
+        while self.used > self.budget && self.evict_one(true) {}
     }
 
     /// Drops LRU unlocked leaves until `pages` pages are gone (or nothing more can go): the KV pool
     /// needs the pages back for running sequences. Returns the pages dropped.
     pub fn reclaim(&mut self, pages: usize) -> usize {
         let mut dropped = 0;
-        while dropped < pages && self.evict_one() {
+        while dropped < pages && self.evict_one(false) {
             dropped += 1;
         }
         dropped
     }
 
-    /// Drops the least recently used unlocked leaf; false when none is left.
-    fn evict_one(&mut self) -> bool {
-        {
-            let victim = self
-                .nodes
-                .iter()
-                .enumerate()
-                .skip(1)
-                .filter_map(|(i, n)| n.as_ref().map(|n| (i, n)))
-                .filter(|(_, n)| n.children.is_empty() && n.lock == 0)
-                .min_by_key(|(_, n)| n.last_use)
-                .map(|(i, _)| i);
-            let Some(v) = victim else { return false };
-            let node = self.nodes[v].take().expect("live");
-            let snap = node.snapshot.as_ref().map_or(0, |s| s.bytes());
-            self.used -= node.page.as_ref().map_or(0, |p| p.bytes()) + snap;
-            self.host -= snap;
-            self.node_mut(node.parent).children.remove(&node.key);
-            self.free.push(v);
-            self.stats.evictions += 1;
+    /// Drops the least recently used of: an unlocked leaf (its page and snapshot), or, with
+    /// `snapshots`, the snapshot of a node that has another snapshot below it. A shadowed
+    /// snapshot only lets a prompt resume exactly there; the pages under it serve every continuation, and
+    /// the deeper snapshot the one that goes on. So on equal use the snapshot goes first, the shallowest
+    /// of them first: a conversation holds one per snapshot interval and touches its whole path every
+    /// turn, and it is the oldest turns' that its next turn needs least. Without this, a conversation
+    /// whose snapshots outgrow the budget lost its newest pages (the only leaf) every turn. False when
+    /// nothing can go.
+    fn evict_one(&mut self, snapshots: bool) -> bool {
+        let leaf = self
+            .nodes
+            .iter()
+            .enumerate()
+            .skip(1)
+            .filter_map(|(i, n)| n.as_ref().map(|n| (i, n)))
+            .filter(|(_, n)| n.children.is_empty() && n.lock == 0)
+            .min_by_key(|(_, n)| n.last_use)
+            .map(|(i, n)| (n.last_use, i));
+        // Only while dropping every shadowed snapshot would be enough: past that, pages must go whichever
+        // snapshots do, and a path is cut from its newest page back, keeping the snapshots above the cut
+        // (dropping those first would leave pages that no match can end on).
+        let shadowed = match snapshots.then(|| self.shadowed_snapshots()).flatten() {
+            Some((victim, bytes)) if self.used - bytes <= self.budget => Some(victim),
+            _ => None,
+        };
+        match (leaf, shadowed) {
+            (_, Some((used, v))) if leaf.is_none_or(|(l, _)| used <= l) => {
+                let snap = self.node_mut(v).snapshot.take().map_or(0, |s| s.bytes());
+                self.used -= snap;
+                self.host -= snap;
+                self.stats.evictions += 1;
+            }
+            (Some((_, v)), _) => {
+                let node = self.nodes[v].take().expect("live");
+                let snap = node.snapshot.as_ref().map_or(0, |s| s.bytes());
+                self.used -= node.page.as_ref().map_or(0, |p| p.bytes()) + snap;
+                self.host -= snap;
+                self.node_mut(node.parent).children.remove(&node.key);
+                self.free.push(v);
+                self.stats.evictions += 1;
+            }
+            (None, _) => return false,
         }
         true
+    }
+
+    /// The least recently used node whose snapshot has another snapshot below it (the shallowest on
+    /// equal use) with its last use, and the bytes of all such snapshots; `None` when there are none.
+    fn shadowed_snapshots(&self) -> Option<((u64, usize), usize)> {
+        // Breadth first from the root, then back: children come before their parents.
+        let mut order = vec![(0usize, 0usize)];
+        let mut i = 0;
+        while i < order.len() {
+            let (n, d) = order[i];
+            order.extend(self.node(n).children.values().map(|&c| (c, d + 1)));
+            i += 1;
+        }
+        let mut below = vec![false; self.nodes.len()];
+        let (mut best, mut bytes): (Option<(u64, usize, usize)>, usize) = (None, 0);
+        for &(n, depth) in order.iter().rev() {
+            let node = self.node(n);
+            below[n] = node.children.values().any(|&c| below[c] || self.node(c).snapshot.is_some());
+            // A pinned node's snapshot may go too: its hit holds the snapshot it resumed from (an Arc),
+            // and the pin is there for the pages the sequence shares.
+            let Some(snap) = node.snapshot.as_ref().filter(|_| n != 0 && below[n]) else { continue };
+            bytes += snap.bytes();
+            let key = (node.last_use, depth, n);
+            if best.is_none_or(|b| key < b) {
+                best = Some(key);
+            }
+        }
+        best.map(|(used, _, n)| ((used, n), bytes))
     }
 
     /// Bytes held.
@@ -382,6 +434,56 @@ mod tests {
         t.check();
         t.release(h.lease.expect("lease"));
         t.release(h2.lease.expect("lease"));
+        t.check();
+    }
+
+    /// Issue 53: a conversation with a snapshot on every page, longer than the budget holds in snapshots.
+    /// The shallow snapshots go and every page stays, so the whole path still matches at its deepest
+    /// snapshot (before, the path's only leaf, its newest page, went at every insert). A stale branch
+    /// older than the path goes before the path's snapshots, and a pinned node's snapshot may go too.
+    #[test]
+    fn shadowed_snapshots_go_before_the_pages_of_a_long_path() {
+        let mut t: RadixTree<Blob, Blob> = RadixTree::new(1, 200);
+        t.insert(&[9, 9], &pages(&[9, 9], 1), Arc::new(Blob(40, 0)));
+        let ids: Vec<u64> = (0..10).collect();
+        for end in 1..=ids.len() {
+            // Every turn resends the whole path and adds a page with its snapshot.
+            t.insert(&ids[..end], &pages(&ids[..end], 1), Arc::new(Blob(40, end as u64)));
+            t.check();
+        }
+        // 10 pages of 10 bytes and room for 2 snapshots of 40: the deepest two stay.
+        assert_eq!(t.used(), 180);
+        assert_eq!(t.snapshots(), 2);
+        assert_eq!(t.match_prefix(&[9, 9], 2).tokens, 0, "the stale branch went first");
+        let h = t.match_prefix(&ids, ids.len());
+        assert_eq!((h.tokens, h.snapshot.as_ref().map(|s| s.1)), (10, Some(10)), "the whole path, at its tip");
+        assert_eq!(t.match_prefix(&ids[..9], 9).tokens, 9, "and the snapshot before it");
+        assert_eq!(t.match_prefix(&ids[..8], 8).tokens, 0, "the shallow snapshots are gone");
+        // When dropping every shadowed snapshot would not be enough, the path is cut from its newest page
+        // back and keeps the snapshot above the cut (dropping that one first would strand its pages).
+        let mut t: RadixTree<Blob, Blob> = RadixTree::new(1, 65);
+        for end in 1..=3 {
+            t.insert(&ids[..end], &pages(&ids[..end], 1), Arc::new(Blob(40, end as u64)));
+        }
+        assert_eq!((t.used(), t.snapshots()), (60, 1));
+        let h = t.match_prefix(&ids[..3], 3);
+        assert_eq!((h.tokens, h.snapshot.as_ref().map(|s| s.1)), (2, Some(2)), "pages 1-2 and the snapshot at 2");
+        t.release(h.lease.expect("lease"));
+        // A running turn pins the path it resumed from; its own new pages and snapshot are inserted
+        // below. Over budget, the pinned snapshot it resumed from goes (the hit holds it), not the
+        // turn's new pages, which no snapshot above them could let the next turn reach.
+        let mut t: RadixTree<Blob, Blob> = RadixTree::new(1, 1000);
+        t.insert(&ids[..2], &pages(&ids[..2], 1), Arc::new(Blob(40, 2)));
+        let pinned = t.match_prefix(&ids[..4], 4);
+        assert_eq!(pinned.tokens, 2);
+        t.budget = 100;
+        t.insert(&ids[..4], &pages(&ids[..4], 1), Arc::new(Blob(40, 4)));
+        assert_eq!((t.used(), t.snapshots()), (80, 1), "the pinned node's shadowed snapshot went");
+        assert_eq!(pinned.snapshot.as_ref().map(|s| s.1), Some(2), "the hit still holds it");
+        let again = t.match_prefix(&ids[..4], 4);
+        assert_eq!(again.tokens, 4, "the new pages and their snapshot stay");
+        t.release(pinned.lease.expect("lease"));
+        t.release(again.lease.expect("lease"));
         t.check();
     }
 
