@@ -155,9 +155,9 @@ struct TowerRows<'a>(Option<&'a VisionTower>);
 impl RowSource for TowerRows<'_> {
     fn rows(&mut self, m: &PreparedMedia) -> Result<Arc<Vec<f32>>, RequestError> {
         let tower = self.0.ok_or_else(|| RequestError::new(ErrorCode::VisionUnsupported, "no vision tower"))?;
-        let rows = tower
-            .encode(&m.patches.rows, m.patches.grid)
-            .map_err(|e| RequestError::new(ErrorCode::EngineError, e.to_string()))?;
+        let p = m.patches.get()?;
+        let rows =
+            tower.encode(&p.rows, p.grid).map_err(|e| RequestError::new(ErrorCode::EngineError, e.to_string()))?;
         Ok(Arc::new(rows))
     }
 }

@@ -59,7 +59,8 @@ fn case_prompt(dir: &std::path::Path, r: &Ref) -> (Vec<Media>, String) {
 fn tower_rows(tower: &VisionTower, p: &osprey_tokenizer::Prepared, h: usize) -> Vec<(usize, Vec<f32>)> {
     let mut rows = Vec::new();
     for item in &p.media {
-        let emb = tower.encode(&item.patches.rows, item.patches.grid).expect("encode");
+        let p = item.patches.get().expect("rows");
+        let emb = tower.encode(&p.rows, p.grid).expect("encode");
         let mut at = 0;
         for &(o, l) in &item.spans {
             rows.push((o, emb[at * h..(at + l) * h].to_vec()));
@@ -165,7 +166,8 @@ struct Tower<'a>(&'a VisionTower, usize);
 impl RowSource for Tower<'_> {
     fn rows(&mut self, m: &PreparedMedia) -> Result<Arc<Vec<f32>>, RequestError> {
         self.1 += 1;
-        let rows = self.0.encode(&m.patches.rows, m.patches.grid).expect("encode");
+        let p = m.patches.get()?;
+        let rows = self.0.encode(&p.rows, p.grid).expect("encode");
         Ok(Arc::new(rows))
     }
 }

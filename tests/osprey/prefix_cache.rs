@@ -365,3 +365,27 @@ fn a_resent_image_shares_its_preprocessed_rows() {
     assert_eq!(a.media[0].spans, b.media[0].spans);
     assert!(!std::sync::Arc::ptr_eq(&a.media[0].patches, &other.media[0].patches));
 }
+
+/// Issue 53: past the tokenizer's budget for pixel rows, a resent image is laid out from its shape and
+/// not decoded; its rows are made from its bytes only when asked for (the vision encoder, on a miss of
+/// its own cache and the prefix cache's), and are the rows the first prompt made.
+#[test]
+fn a_resent_image_past_the_row_budget_is_decoded_only_when_its_rows_are_asked_for() {
+    let core = osprey_tokenizer::TokenizerCore::from_dir(&fixtures().join("models/qwen3_5_moe-tiny"), true)
+        .expect("tokenizer")
+        .with_preprocessed_bytes(0);
+    let prompt = |name: &str| {
+        let bytes = std::fs::read(fixtures().join("media").join(format!("{name}.png"))).expect("png");
+        let messages = json!([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]);
+        let media = vec![osprey_protocol::tokenizer::MediaInput::Image { bytes }];
+        core.prepare_chat(chat_prompt(messages, media)).expect("prepare")
+    };
+    let (a, b) = (prompt("img_224x160"), prompt("img_224x160"));
+    let first = a.media[0].patches.made().expect("a new image is decoded as its request is prepared").clone();
+    assert!(b.media[0].patches.made().is_none(), "a known image is not decoded again to lay out its prompt");
+    assert_eq!((&a.input_ids, &a.cache_ids, &a.positions), (&b.input_ids, &b.cache_ids, &b.positions));
+    assert_eq!((&a.media[0].spans, a.media[0].hash), (&b.media[0].spans, b.media[0].hash));
+    let made = b.media[0].patches.get().expect("made from the bytes");
+    assert_eq!(*made, *first, "the same rows as the first decode");
+    assert!(std::sync::Arc::ptr_eq(b.media[0].patches.made().expect("kept once made"), &made));
+}

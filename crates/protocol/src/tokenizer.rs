@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::vision::PixelPatches;
+use crate::vision::Pixels;
 use tokio::sync::oneshot;
 
 use crate::constraint::{Constraint, Grammar};
@@ -87,8 +87,8 @@ pub enum CompletionPrompt {
 pub struct PreparedMedia {
     /// Content hash of the item's bytes (the vision cache key).
     pub hash: MediaHash,
-    /// Pixel rows and grid.
-    pub patches: Arc<PixelPatches>,
+    /// Pixel rows and grid (rows made on first need for an item seen before).
+    pub patches: Arc<Pixels>,
     /// Placeholder runs `(offset, len)`: one for an image, one per frame group of a video.
     pub spans: Vec<(usize, usize)>,
 }

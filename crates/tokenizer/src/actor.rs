@@ -1,7 +1,7 @@
 //! The tokenizer actor: a thread owning the tokenizer, chat template and processor config.
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::thread;
 use std::time::Instant;
 
@@ -10,11 +10,13 @@ use osprey_protocol::constraint::{Constraint, Grammar};
 use osprey_protocol::tokenizer::{
     ChatPrompt, CompletionPrompt, DecodeState, MediaInput, MediaLimits, PreparedMedia, PreparedPrompt, TokenizerCommand,
 };
+use osprey_protocol::vision::MakePixels;
 use osprey_protocol::{ErrorCode, MediaHash, RequestError};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::grammar::{CompileError, GrammarCompiler};
-use crate::preprocessed::{Preprocessed, PREPROCESSED_BYTES};
+use crate::prepare::preprocess_item;
+use crate::preprocessed::{Preprocessed, PREPROCESSED_BYTES, SHAPES};
 use crate::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
 
 /// Everything the actor owns.
@@ -22,7 +24,7 @@ use crate::{prepare_prompt, ChatTemplate, Media, TextTokenizer};
 pub struct TokenizerCore {
     tok: TextTokenizer,
     template: Option<ChatTemplate>,
-    processor: ProcessorConfig,
+    processor: Arc<ProcessorConfig>,
     vision: bool,
     /// `tokenizer.json`, for the grammar compiler.
     tokenizer_json: PathBuf,
@@ -179,6 +181,23 @@ fn decode(
     }
 }
 
+/// Item `i` of `inputs` decoded and preprocessed again, with the limits of the request that first
+/// sent it (the same bytes decoded then; its declared pixels were charged to this request).
+fn remake(inputs: Arc<Vec<MediaInput>>, i: usize, limits: MediaLimits, proc: Arc<ProcessorConfig>) -> MakePixels {
+    Box::new(move || {
+        let mut budget = PixelBudget { left: limits.max_total_pixels, total: limits.max_total_pixels };
+        let media = decode(&inputs[i], limits, &mut budget, None)?;
+        preprocess_item(&media, &proc).map_err(prepare_error)?.patches.get()
+    })
+}
+
+fn prepare_error(e: crate::Error) -> RequestError {
+    match e {
+        crate::Error::Model(m) => media_error(m),
+        other => RequestError::new(ErrorCode::InvalidRequest, other.to_string()),
+    }
+}
+
 /// An item's content hash (the vision cache's and [`Preprocessed`]'s key): its kind and bytes, and a
 /// video's frame rate.
 fn media_hash(m: &MediaInput) -> MediaHash {
@@ -219,12 +238,12 @@ impl TokenizerCore {
         Ok(TokenizerCore {
             tok: TextTokenizer::from_dir(dir)?,
             template: ChatTemplate::from_dir(dir).ok(),
-            processor: ProcessorConfig::from_dir(dir)?,
+            processor: Arc::new(ProcessorConfig::from_dir(dir)?),
             vision,
             tokenizer_json: dir.join("tokenizer.json"),
             grammar_vocab: (0, Vec::new()),
             grammar: OnceLock::new(),
-            preprocessed: std::sync::Mutex::new(Preprocessed::new(PREPROCESSED_BYTES)),
+            preprocessed: std::sync::Mutex::new(Preprocessed::new(PREPROCESSED_BYTES, SHAPES)),
         })
     }
 
@@ -307,6 +326,12 @@ impl TokenizerCore {
         self.template.as_ref().map(ChatTemplate::variables)
     }
 
+    /// Keeps at most `bytes` of preprocessed pixel rows for resent media (default 256 MiB); media seen
+    /// before whose rows are not kept are laid out from their shapes and decoded on first need.
+    pub fn with_preprocessed_bytes(self, bytes: usize) -> Self {
+        Self { preprocessed: std::sync::Mutex::new(Preprocessed::new(bytes, SHAPES)), ..self }
+    }
+
     /// The text tokenizer.
     pub fn tokenizer(&self) -> &TextTokenizer {
         &self.tok
@@ -320,7 +345,7 @@ impl TokenizerCore {
     /// [`TokenizerCore::prepare_chat`] whose grammar compile stops once `cancelled()` (the client left).
     pub fn prepare_chat_until(
         &self,
-        p: ChatPrompt,
+        mut p: ChatPrompt,
         cancelled: &dyn Fn() -> bool,
     ) -> Result<PreparedPrompt, RequestError> {
         if !p.media.is_empty() && !self.vision {
@@ -332,13 +357,16 @@ impl TokenizerCore {
         let template = self.template.as_ref().ok_or_else(|| {
             RequestError::new(ErrorCode::InvalidRequest, "this model has no chat template; use /v1/completions")
         })?;
-        let mut media = Vec::with_capacity(p.media.len());
-        let mut hashes = Vec::with_capacity(p.media.len());
-        let mut budget = check_declared(&p.media, p.limits, &self.processor)?;
-        for (i, m) in p.media.iter().enumerate() {
+        let inputs = Arc::new(std::mem::take(&mut p.media));
+        let mut media = Vec::with_capacity(inputs.len());
+        let mut hashes = Vec::with_capacity(inputs.len());
+        let mut budget = check_declared(&inputs, p.limits, &self.processor)?;
+        for (i, m) in inputs.iter().enumerate() {
             check_deadline(p.deadline)?;
             let h = media_hash(m);
-            let cached = self.preprocessed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&h);
+            // Seen before but its rows gone: made from this request's bytes if the encoder asks.
+            let make = || remake(inputs.clone(), i, p.limits, self.processor.clone());
+            let cached = self.preprocessed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&h, make);
             let d = match cached {
                 Some(item) => Media::Preprocessed(item),
                 None => {
@@ -390,10 +418,7 @@ impl TokenizerCore {
         let constraint =
             p.grammar.as_ref().map(|g| self.compile_until(g, &prefix, p.deadline, cancelled)).transpose()?;
         check_deadline(p.deadline)?;
-        let prepared = prepare_prompt(&self.tok, &self.processor, &text, &media).map_err(|e| match e {
-            crate::Error::Model(m) => media_error(m),
-            other => RequestError::new(ErrorCode::InvalidRequest, other.to_string()),
-        })?;
+        let prepared = prepare_prompt(&self.tok, &self.processor, &text, &media).map_err(prepare_error)?;
         let thinking_open =
             text.rfind("<think>").map(|o| text.rfind("</think>").is_none_or(|c| c < o)).unwrap_or(false);
         let turn_end = (add_generation_prompt && continued.is_none())
@@ -405,7 +430,7 @@ impl TokenizerCore {
         }
         let media: Vec<PreparedMedia> =
             prepared.media.into_iter().zip(hashes).map(|(item, hash)| item.into_media(hash)).collect();
-        let positions = (!p.media.is_empty()).then_some(prepared.positions);
+        let positions = (!inputs.is_empty()).then_some(prepared.positions);
         let cache_ids = cache_ids(&prepared.input_ids, &media);
         Ok(PreparedPrompt {
             input_ids: prepared.input_ids,
@@ -617,16 +642,14 @@ fn handle(core: &TokenizerCore, cmd: TokenizerCommand) {
 
 #[cfg(test)]
 mod tests {
-
-    use std::sync::Arc;
-
-    use osprey_protocol::vision::PixelPatches;
     use std::time::Duration;
+
+    use osprey_protocol::vision::{PixelPatches, Pixels};
 
     use super::*;
 
     fn item(bytes: &[u8], spans: Vec<(usize, usize)>) -> PreparedMedia {
-        let patches = Arc::new(PixelPatches { rows: Vec::new(), grid: [1, 2, 2] });
+        let patches = Arc::new(Pixels::ready(Arc::new(PixelPatches { rows: Vec::new(), grid: [1, 2, 2] })));
         PreparedMedia { hash: hash(&[b"image", bytes]), patches, spans }
     }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use osprey_models::positions::{mrope_positions, runs, token_types, TokenType};
 use osprey_models::vision::{preprocess_image, preprocess_video, PixelPatches, ProcessorConfig, RgbImage};
 use osprey_protocol::tokenizer::PreparedMedia;
-use osprey_protocol::vision::PixelPatches as ProtocolPatches;
+use osprey_protocol::vision::{PixelPatches as ProtocolPatches, Pixels};
 use osprey_protocol::MediaHash;
 
 use crate::placeholders::{expand_media_placeholders, MediaPlaceholder, IMAGE_PAD, VIDEO_PAD};
@@ -33,8 +33,8 @@ pub enum Media {
 #[derive(Clone, Debug)]
 pub struct PreparedItem {
     /// Pixel rows and grid for the vision tower (shared with the engine's message, and with a later
-    /// prompt that sends the same bytes).
-    pub patches: Arc<ProtocolPatches>,
+    /// prompt that sends the same bytes; made on first need for an item seen before).
+    pub patches: Arc<Pixels>,
     /// Whether it is a video.
     pub is_video: bool,
     /// What its placeholder expands to.
@@ -67,8 +67,28 @@ pub struct Prepared {
 }
 
 /// The processor's rows as the engine's messages carry them (moved, no copy).
-fn shared(p: PixelPatches) -> Arc<ProtocolPatches> {
-    Arc::new(ProtocolPatches { rows: p.rows, grid: p.grid })
+fn shared(p: PixelPatches) -> Arc<Pixels> {
+    Arc::new(Pixels::ready(Arc::new(ProtocolPatches { rows: p.rows, grid: p.grid })))
+}
+
+/// One decoded item's pixel rows and placeholder (spans empty: they are the prompt's).
+pub fn preprocess_item(m: &Media, proc: &ProcessorConfig) -> Result<PreparedItem> {
+    let merge = proc.image.merge_size;
+    Ok(match m {
+        Media::Image(img) => {
+            let p = preprocess_image(img, &proc.image)?;
+            let placeholder = MediaPlaceholder::Image { tokens: p.tokens(merge) };
+            PreparedItem { patches: shared(p), is_video: false, placeholder, spans: Vec::new() }
+        }
+        Media::Video { frames, fps } => {
+            let v = preprocess_video(frames, *fps, &proc.video)?;
+            let [_, h, w] = v.patches.grid;
+            let placeholder =
+                MediaPlaceholder::Video { tokens_per_group: h * w / (merge * merge), timestamps: v.timestamps };
+            PreparedItem { patches: shared(v.patches), is_video: true, placeholder, spans: Vec::new() }
+        }
+        Media::Preprocessed(item) => PreparedItem { spans: Vec::new(), ..item.clone() },
+    })
 }
 
 /// Preprocesses `media`, expands the placeholders of `prompt` (a rendered chat template), tokenizes and
@@ -76,31 +96,16 @@ fn shared(p: PixelPatches) -> Arc<ProtocolPatches> {
 pub fn prepare_prompt(tok: &TextTokenizer, proc: &ProcessorConfig, prompt: &str, media: &[Media]) -> Result<Prepared> {
     let merge = proc.image.merge_size;
     let mut items = Vec::with_capacity(media.len());
-    let mut placeholders = Vec::with_capacity(media.len());
     for m in media {
-        match m {
-            Media::Image(img) => {
-                let p = preprocess_image(img, &proc.image)?;
-                let placeholder = MediaPlaceholder::Image { tokens: p.tokens(merge) };
-                items.push(PreparedItem { patches: shared(p), is_video: false, placeholder, spans: Vec::new() });
-            }
-            Media::Video { frames, fps } => {
-                let v = preprocess_video(frames, *fps, &proc.video)?;
-                let [_, h, w] = v.patches.grid;
-                let placeholder =
-                    MediaPlaceholder::Video { tokens_per_group: h * w / (merge * merge), timestamps: v.timestamps };
-                items.push(PreparedItem { patches: shared(v.patches), is_video: true, placeholder, spans: Vec::new() });
-            }
-            Media::Preprocessed(item) => items.push(PreparedItem { spans: Vec::new(), ..item.clone() }),
-        }
-        placeholders.push(items.last().expect("an item a medium").placeholder.clone());
+        items.push(preprocess_item(m, proc)?);
     }
+    let placeholders: Vec<MediaPlaceholder> = items.iter().map(|i| i.placeholder.clone()).collect();
     let text = expand_media_placeholders(prompt, &placeholders)?;
     let input_ids = tok.encode(&text)?;
     let id = |t: &str| tok.token_id(t).ok_or_else(|| Error::Media(format!("the tokenizer has no {t} token")));
     let types = token_types(&input_ids, id(IMAGE_PAD)?, id(VIDEO_PAD)?);
     let grids = |video: bool| -> Vec<[usize; 3]> {
-        items.iter().filter(|i| i.is_video == video).map(|i| i.patches.grid).collect()
+        items.iter().filter(|i| i.is_video == video).map(|i| i.patches.grid()).collect()
     };
     let pos = mrope_positions(&types, &grids(false), &grids(true), merge)?;
     // Assign placeholder runs to items: images in order, video frame groups in order.
@@ -109,7 +114,7 @@ pub fn prepare_prompt(tok: &TextTokenizer, proc: &ProcessorConfig, prompt: &str,
     img_runs.reverse();
     vid_runs.reverse();
     for item in &mut items {
-        let groups = if item.is_video { item.patches.grid[0] } else { 1 };
+        let groups = if item.is_video { item.patches.grid()[0] } else { 1 };
         let src = if item.is_video { &mut vid_runs } else { &mut img_runs };
         for _ in 0..groups {
             let r = src.pop().ok_or_else(|| Error::Media("fewer placeholder runs than media".into()))?;

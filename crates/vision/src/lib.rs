@@ -80,7 +80,7 @@ impl VisionHandle {
     pub fn encode_blocking(
         &self,
         hash: MediaHash,
-        patches: Arc<osprey_protocol::vision::PixelPatches>,
+        patches: Arc<osprey_protocol::vision::Pixels>,
     ) -> Result<Arc<Vec<f32>>, RequestError> {
         let gone = || RequestError::new(ErrorCode::Unavailable, "the vision encoder is gone");
         let (reply, rx) = oneshot::channel();
@@ -104,7 +104,8 @@ pub fn spawn(tower: VisionTower, cache_bytes: usize) -> VisionHandle {
                         let _in = span.enter();
                         let before = cache.stats().hits;
                         let out = cache.get_or_encode(hash, || {
-                            tower.encode(&patches.rows, patches.grid).map_err(|e| {
+                            let p = patches.get()?;
+                            tower.encode(&p.rows, p.grid).map_err(|e| {
                                 // Out of device memory fails this request (503), as the runner's steps do.
                                 let code =
                                     if e.is_out_of_memory() { ErrorCode::OutOfMemory } else { ErrorCode::EngineError };
@@ -112,7 +113,7 @@ pub fn spawn(tower: VisionTower, cache_bytes: usize) -> VisionHandle {
                             })
                         });
                         let hit = cache.stats().hits > before;
-                        tracing::debug!(hit, grid = ?patches.grid, ok = out.is_ok(), "vision rows");
+                        tracing::debug!(hit, grid = ?patches.grid(), ok = out.is_ok(), "vision rows");
                         let _ = reply.send(out);
                     }
                     VisionCommand::Stats { reply } => {
