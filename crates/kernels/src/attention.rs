@@ -4,20 +4,21 @@ pub use osprey_backend::types::AttnShape;
 
 use crate::attention_decode::decode_attention;
 pub use crate::attention_decode::{KvElem, PagedKv};
+use crate::attention_prefill::prefill_attention;
 use crate::matmul::matmul_into_strided as gemm;
 
 /// `out[i, h] = softmax(q[i,h]·K[..=start+i]ᵀ·scale)·V` for `n = q.len()/(heads·head_dim)` queries at
 /// positions `start..start+n`. `k`, `v` are `[t, kv_heads, head_dim]` and already hold the new tokens.
 pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], start: usize, s: AttnShape, scale: f32, out: &mut [f32]) {
-    let n = q.len() / (s.heads * s.head_dim);
-    assert!(k.len() >= (start + n) * s.kv_heads * s.head_dim, "attention cache too short: this is a bug");
-    attend(q, k, v, s, scale, out, |i| start + i + 1);
+    // Contiguous rows are one page of all of them.
+    let page = (k.len() / (s.kv_heads * s.head_dim)).max(1);
+    causal_attention_paged(q, PagedKv { k: &[k], v: &[v], page }, start, s, scale, out);
 }
 
-/// [`causal_attention`] over paged keys and values. Decode (a few queries) reads the pages in place
-/// ([`decode_attention`], bf16 as bf16); prefill gathers the visible rows, widened to f32, into
-/// contiguous buffers for its GEMMs. Both compute exactly what `causal_attention` computes on the same
-/// rows.
+/// [`causal_attention`] over paged keys and values, read in place (bf16 as bf16, widened in registers
+/// or as a block is packed): decode (a few queries) by [`decode_attention`], prefill by
+/// [`prefill_attention`]. Either computes a query's output from its own keys only, so paged and
+/// contiguous rows give the same bits.
 pub fn causal_attention_paged<T: KvElem>(
     q: &[f32],
     kv: PagedKv<'_, T>,
@@ -26,35 +27,13 @@ pub fn causal_attention_paged<T: KvElem>(
     scale: f32,
     out: &mut [f32],
 ) {
-    let PagedKv { k: k_pages, v: v_pages, page } = kv;
     let n = q.len() / (s.heads * s.head_dim);
-    let kv_row = s.kv_heads * s.head_dim;
     let t = start + n;
-    assert!(k_pages.len() * page >= t && v_pages.len() == k_pages.len(), "attention pages too short: this is a bug");
+    assert!(kv.k.len() * kv.page >= t && kv.v.len() == kv.k.len(), "attention pages too short: this is a bug");
     assert!(out.len() == q.len(), "attention shapes: this is a bug");
     let visible = |i: usize| start + i + 1;
     if n >= 8 {
-        // Gathered into buffers kept per thread: a long context would otherwise page-fault tens of MB of
-        // fresh memory for every layer of every chunk.
-        GATHER.with(|g| {
-            let (k, v) = &mut *g.borrow_mut();
-            let fill = |dst: &mut Vec<f32>, pages: &[&[T]]| {
-                dst.clear();
-                for (i, p) in pages.iter().enumerate().take(t.div_ceil(page)) {
-                    let rows = page.min(t - i * page);
-                    T::extend_f32(dst, &p[..rows * kv_row]);
-                }
-            };
-            fill(k, k_pages);
-            fill(v, v_pages);
-            attend_blocked(q, k, v, s, scale, out, &visible);
-            // Keep at most 64 MiB each between calls (a very long context pays the faults instead).
-            for buf in [k, v] {
-                if buf.capacity() > GATHER_KEEP {
-                    *buf = Vec::new();
-                }
-            }
-        });
+        prefill_attention(q, kv, s, scale, out, &visible);
     } else {
         decode_attention(q, kv, s, scale, out, &visible);
     }
@@ -65,14 +44,6 @@ pub fn bidirectional_attention(q: &[f32], k: &[f32], v: &[f32], s: AttnShape, sc
     let m = k.len() / (s.kv_heads * s.head_dim);
     attend(q, k, v, s, scale, out, |_| m);
 }
-
-thread_local! {
-    /// Contiguous K and V rows gathered from pages for the GEMM path.
-    static GATHER: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
-}
-
-/// Floats of a gather buffer kept between calls.
-const GATHER_KEEP: usize = 16 << 20;
 
 /// Queries per block of the GEMM path.
 const QBLOCK: usize = 256;
@@ -98,7 +69,7 @@ fn attend(
     }
 }
 
-/// Many queries (prefill, vision): per (head, block of queries) `S = scale·Q·Kᵀ`, masked row softmax,
+/// Many queries (the vision towers' bidirectional attention): per (head, block of queries) `S = scale·Q·Kᵀ`, masked row softmax,
 /// `O = P·V`, both products as sgemm over strided views of the `[rows, heads, head_dim]` layouts.
 fn attend_blocked(
     q: &[f32],
@@ -196,6 +167,9 @@ mod tests {
             let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
             // Same math, different summation order over <= 157 keys of O(1) values.
             assert!(d < 1e-5, "causal={causal}: {d}");
+            crate::attention_prefill::prefill_attention(&q, one_page, s, 0.3, &mut b, &vis);
+            let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(d < 1e-5, "prefill path, causal={causal}: {d}");
         }
     }
 

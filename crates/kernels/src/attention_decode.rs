@@ -332,22 +332,29 @@ mod x86 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn val(i: usize) -> f32 {
+    pub(crate) fn val(i: usize) -> f32 {
         ((i.wrapping_mul(2654435761) >> 7) % 2001) as f32 / 1000.0 - 1.0
     }
 
-    /// Two-pass softmax in f64 over the first `t` rows of contiguous K and V.
-    fn exact(q: &[f32], k: &[f32], v: &[f32], t: usize, s: AttnShape, scale: f32) -> Vec<f32> {
+    /// Two-pass softmax in f64 over the first `t(i)` rows of contiguous K and V for query position `i`.
+    pub(crate) fn exact(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        t: &dyn Fn(usize) -> usize,
+        s: AttnShape,
+        scale: f32,
+    ) -> Vec<f32> {
         let (hd, g) = (s.head_dim, s.heads / s.kv_heads);
         let row = s.kv_heads * hd;
         let mut out = vec![0f32; q.len()];
         for (i, (qi, o)) in q.chunks(hd).zip(out.chunks_mut(hd)).enumerate() {
             let h = i % s.heads;
             let kv = (h / g) * hd;
-            let sc: Vec<f64> = (0..t)
+            let sc: Vec<f64> = (0..t(i / s.heads))
                 .map(|j| qi.iter().zip(&k[j * row + kv..]).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>())
                 .map(|x| x * f64::from(scale))
                 .collect();
@@ -361,7 +368,7 @@ mod tests {
         out
     }
 
-    fn pages<T: Copy>(x: &[T], page_rows: usize, pad: T) -> Vec<Vec<T>> {
+    pub(crate) fn pages<T: Copy>(x: &[T], page_rows: usize, pad: T) -> Vec<Vec<T>> {
         x.chunks(page_rows).map(|c| c.iter().copied().chain(std::iter::repeat(pad)).take(page_rows).collect()).collect()
     }
 
@@ -379,7 +386,7 @@ mod tests {
             let k: Vec<f32> = (0..t * row).map(|i| val(i + 5) + (i / row) as f32 * 2e-3).collect();
             let v: Vec<f32> = (0..t * row).map(|i| val(i + 77)).collect();
             let q: Vec<f32> = (0..s.heads * hd).map(|i| val(i + 901) * 2.0).collect();
-            let want = exact(&q, &k, &v, t, s, scale);
+            let want = exact(&q, &k, &v, &|_| t, s, scale);
             let (kp, vp) = (pages(&k, page * row, f32::NAN), pages(&v, page * row, f32::NAN));
             let (kr, vr): (Vec<&[f32]>, Vec<&[f32]>) =
                 (kp.iter().map(|p| &p[..]).collect(), vp.iter().map(|p| &p[..]).collect());
@@ -396,7 +403,7 @@ mod tests {
             let to_bf16 = |x: &f32| (x.to_bits() >> 16) as u16;
             let (kb, vb): (Vec<u16>, Vec<u16>) = (k.iter().map(to_bf16).collect(), v.iter().map(to_bf16).collect());
             let widen = |x: &[u16]| x.iter().map(|&b| bf16(b)).collect::<Vec<f32>>();
-            let want = exact(&q, &widen(&kb), &widen(&vb), t, s, scale);
+            let want = exact(&q, &widen(&kb), &widen(&vb), &|_| t, s, scale);
             let (kp, vp) = (pages(&kb, page * row, 0x7fc0), pages(&vb, page * row, 0x7fc0));
             let (kr, vr): (Vec<&[u16]>, Vec<&[u16]>) =
                 (kp.iter().map(|p| &p[..]).collect(), vp.iter().map(|p| &p[..]).collect());

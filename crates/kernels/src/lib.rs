@@ -30,6 +30,7 @@ pub mod amx;
 pub mod attention;
 pub mod attention_bf16;
 pub mod attention_decode;
+pub mod attention_prefill;
 pub mod bf16;
 pub mod calibrate;
 mod dispatch;
