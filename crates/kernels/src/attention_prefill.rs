@@ -8,7 +8,7 @@
 //!
 //! Here a task owns one KV head and a tile of query positions, with every query head of the group: its
 //! rows (positions × group heads, ≤ [`ROWS`]) meet each block of [`KB`] keys while the block's K (packed
-//! transposed) and V sit in L1, and an online softmax per row (running maximum and sum, as in
+//! transposed) and V sit in cache (L2), and an online softmax per row (running maximum and sum, as in
 //! [`crate::attention_decode`]) replaces the score matrix. Register-blocked micro-kernels: scores as
 //! 6 rows × 16 keys outer products over the head dimension, `P·V` as 6 rows × 16 columns over the block.
 //!
@@ -20,9 +20,10 @@ use osprey_backend::types::AttnShape;
 
 use crate::attention_decode::{KvElem, PagedKv};
 
-/// Keys a block: a block's K and V rows of one KV head (256 wide, f32) are 64 KB, in L2 beside the
-/// tile; the per-row softmax work of a block is spread over 32 keys.
-pub const KB: usize = 32;
+/// Keys a block: a block's K and V rows of one KV head (256 wide, f32) are 128 KB, in L2 beside the
+/// tile; a row's softmax bookkeeping and its outputs' reload are spread over 64 keys (16 keys ran at
+/// ~60% of 64's speed, 32 at ~80%, 128 as 64: examples/attention_depth on an AVX2 Zen 3).
+pub const KB: usize = 64;
 
 /// Query rows (positions × query heads of a group) a task holds: its queries and outputs (2 × 192 KB at
 /// head dim 256) stay in L2.
