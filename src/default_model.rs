@@ -4,7 +4,7 @@
 //! a few text turns; see docs/default_model.md). Its files (a complete HF directory, 10 MB) are compiled
 //! into the binary and written once to a cache directory.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{Context, Result};
@@ -23,6 +23,15 @@ const FILES: [(&str, &[u8]); 7] = [
 /// served with them: `bench synth` writes the media token ids of this tokenizer).
 pub fn tokenizer_files() -> impl Iterator<Item = (&'static str, &'static [u8])> {
     FILES.into_iter().filter(|(n, _)| !matches!(*n, "config.json" | "model.safetensors" | "processor_config.json"))
+}
+
+/// Writes [`tokenizer_files`] into `dir`, beside a synthetic checkpoint, so that it can be served.
+pub fn write_tokenizer_files(dir: &Path) -> Result<()> {
+    for (name, bytes) in tokenizer_files() {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
 }
 
 /// Name the default model is served under.

@@ -275,9 +275,7 @@ pub fn run(cmd: BenchCommand, g: &Global) -> Result<()> {
             let report = osprey_bench::synth::synth_with(&out, geo, layers.max(1), seed, o)
                 .with_context(|| format!("writing {}", out.display()))?;
             // The embedded model's tokenizer and chat template, so the checkpoint can be served.
-            for (name, bytes) in osprey::default_model::tokenizer_files() {
-                std::fs::write(out.join(name), bytes).with_context(|| format!("writing {name}"))?;
-            }
+            osprey::default_model::write_tokenizer_files(&out)?;
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }

@@ -236,9 +236,7 @@ fn a_long_image_conversation_reuses_every_turn_when_its_snapshots_outgrow_the_ca
     let _ = std::fs::remove_dir_all(&dir);
     let o = osprey_bench::synth::Options { vision_layers: 2, context: 65536 };
     osprey_bench::synth::synth_with(&dir, osprey_bench::synth::TINY, 4, 11, o).expect("synth");
-    for (name, bytes) in osprey::default_model::tokenizer_files() {
-        std::fs::write(dir.join(name), bytes).expect("tokenizer files");
-    }
+    osprey::default_model::write_tokenizer_files(&dir).expect("tokenizer files");
     let settings = Settings {
         page_size: Some(16),
         snapshot_interval: Some(16),

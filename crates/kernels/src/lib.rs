@@ -19,7 +19,8 @@
 //! - [`norm`]: zero-centred RMSNorm `x̂·(1+w)`, gated RMSNorm `x̂·w·silu(z)`, L2 norm.
 //! - [`pool`]: the persistent spinning pool every data-parallel loop here runs on.
 //! - [`rope`]: partial NeoX rotary with interleaved mRoPE sections.
-//! - [`attention`]: causal GQA attention of new queries over a sequence's cached K/V.
+//! - [`attention`]: causal GQA attention of new queries over a sequence's cached K/V: flash-decoding for a
+//!   few queries ([`attention_decode`]), flash attention for a prefill's ([`attention_prefill`]).
 //! - [`gdn`]: the gated delta rule (chunked for prefill, recurrent for decode) and its causal conv.
 //!
 //! Every kernel computes in f32 with the reduction orders noted in its docs; parity with the reference is

@@ -181,8 +181,9 @@ fn decode(
     }
 }
 
-/// Item `i` of `inputs` decoded and preprocessed again, with the limits of the request that first
-/// sent it (the same bytes decoded then; its declared pixels were charged to this request).
+/// Item `i` of `inputs` decoded and preprocessed again under this request's limits (the same bytes
+/// decoded when they were first sent; its declared pixels were charged to this request). The closure
+/// holds the request's media bytes until its last [`PreparedMedia`] goes: at most a request body.
 fn remake(inputs: Arc<Vec<MediaInput>>, i: usize, limits: MediaLimits, proc: Arc<ProcessorConfig>) -> MakePixels {
     Box::new(move || {
         let mut budget = PixelBudget { left: limits.max_total_pixels, total: limits.max_total_pixels };
