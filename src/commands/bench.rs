@@ -204,6 +204,10 @@ pub struct ServeBenchArgs {
     /// e.g. llama-server, gets the same conversation and context growth).
     #[arg(long)]
     pub text_only: bool,
+    /// long-images: after each turn, send its message alone with fresh media of the same sizes (a cold
+    /// request of the same content at the same moment; its TTFT goes beside the turn's).
+    #[arg(long)]
+    pub cold_reference: bool,
     /// Requests in flight at once.
     #[arg(long, default_value_t = 1)]
     pub concurrency: usize,
@@ -395,6 +399,7 @@ fn serve(a: ServeBenchArgs) -> Result<()> {
         response_format,
         context_tokens: a.context_tokens,
         text_only: a.text_only,
+        cold_reference: a.cold_reference,
     };
     let report = osprey_bench::serve::run(&opts)?;
     print!("{}", osprey_bench::serve::table(&report));

@@ -26,6 +26,7 @@ fn opts(url: String, scenario: Scenario, requests: usize) -> ServeOptions {
         response_format: None,
         context_tokens: None,
         text_only: false,
+        cold_reference: false,
     }
 }
 
@@ -108,6 +109,21 @@ fn a_long_image_conversation_reports_every_turn() {
     let grew = |r: &osprey_bench::serve::ServeReport| r.samples.iter().map(|s| s.prompt_tokens.unwrap_or(0)).max();
     assert!(grew(&text) >= Some(1200), "the text-only form grows to the context too");
     assert!(text.samples.iter().all(|s| s.turn.as_ref().is_some_and(|t| t.vision_misses == Some(0.0))));
+    // With a cold reference after every turn: the reference's media are new (nothing of it cached but
+    // at most its first page), and the conversation's own turns still reuse their history and encode
+    // only their new media (the reference's encodes are left out of the turn's deltas).
+    let paired = run(&ServeOptions { cold_reference: true, ..o }).expect("paired");
+    for (i, s) in paired.samples.iter().enumerate() {
+        let t = s.turn.as_ref().expect("turn stats");
+        assert!(t.cold_ttft_s.is_some_and(|c| c > 0.0), "turn {i}: {t:?}");
+        assert!(t.cold_cached_tokens.is_some_and(|c| c < 16), "turn {i}: the reference is cold: {t:?}");
+        assert!(t.vision_misses.is_some_and(|m| m <= t.media_items as f64), "turn {i}: {t:?}");
+        if i > 0 {
+            let (p, c) = (s.prompt_tokens.unwrap_or(0), s.cached_tokens.unwrap_or(0));
+            assert!(c * 10 >= p * 8, "turn {i}: the history is still reused ({c} of {p})");
+        }
+    }
+    assert!(table(&paired).contains("| cold TTFT ms |"));
 }
 
 #[test]

@@ -85,6 +85,10 @@ pub struct ServeOptions {
     pub context_tokens: Option<usize>,
     /// Long images: each image as a sentence of as many words as its tokens (a text-only peer).
     pub text_only: bool,
+    /// Long images: after each turn, the turn's message alone with fresh media of the same sizes (a
+    /// cold request of the same content, at the same moment: its TTFT is the turn's
+    /// [`TurnStats::cold_ttft_s`]). A shared machine's speed moves between minutes; a pair does not.
+    pub cold_reference: bool,
 }
 
 /// One request as the client saw it.
@@ -463,8 +467,14 @@ fn long_images_run(a: &ureq::Agent, o: &ServeOptions, t0: Instant, samples: &Mut
         turn.request_bytes = s.turn.as_ref().map_or(0, |t| t.request_bytes);
         turn.media_items = long_images::media_items(o, i);
         turn.new_tokens = s.prompt_tokens.map(|p| p - s.cached_tokens.unwrap_or(0).min(p));
-        s.turn = Some(turn);
         before = after;
+        if o.cold_reference && s.error.is_none() {
+            let (c, _) = one(a, o, i, json!([long_images::cold_turn(o, i)]), t0);
+            (turn.cold_ttft_s, turn.cold_cached_tokens) = (c.ttft_s, c.cached_tokens);
+            // The next turn's deltas leave the reference out.
+            before = scrape();
+        }
+        s.turn = Some(turn);
         let done = s.error.is_some() || o.context_tokens.is_some_and(|c| s.prompt_tokens.unwrap_or(0) >= c as u64);
         samples.lock().unwrap_or_else(|e| e.into_inner()).push(s);
         p.tick();
@@ -648,6 +658,7 @@ mod tests {
             response_format: None,
             context_tokens: None,
             text_only: false,
+            cold_reference: false,
         }
     }
 

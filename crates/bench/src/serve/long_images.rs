@@ -50,6 +50,10 @@ pub struct TurnStats {
     pub expert_residency: Option<f64>,
     /// The server's resident memory (`osprey_process_resident_bytes`).
     pub rss_bytes: Option<f64>,
+    /// TTFT of the turn's message sent alone with fresh media right after it (`--cold-reference`).
+    pub cold_ttft_s: Option<f64>,
+    /// Cached prompt tokens of that cold request (its template's first tokens at most).
+    pub cold_cached_tokens: Option<u64>,
 }
 
 /// Whether turn `t` is a video turn.
@@ -73,7 +77,19 @@ fn stand_in(seed: u64, tokens: u32) -> Value {
 
 /// The user message of turn `t`.
 pub(super) fn user_turn(o: &ServeOptions, t: usize) -> Value {
-    let seed = o.seed.wrapping_add(t as u64 * 1_000_003);
+    message(o, t, 0)
+}
+
+/// Turn `t`'s message alone, its media drawn afresh (same sizes, other pixels: nothing cached for them),
+/// the same question: a cold request of the turn's content.
+pub(super) fn cold_turn(o: &ServeOptions, t: usize) -> Value {
+    message(o, t, 0xC01D_C01D)
+}
+
+/// Turn `t`'s message with its media seeds salted by `salt` (0: the conversation's own).
+fn message(o: &ServeOptions, t: usize, salt: u64) -> Value {
+    let question = o.seed.wrapping_add(t as u64 * 1_000_003);
+    let seed = question ^ salt;
     let mut content = Vec::new();
     if video_turn(t) {
         if o.text_only {
@@ -97,7 +113,7 @@ pub(super) fn user_turn(o: &ServeOptions, t: usize) -> Value {
             image_part(IMAGE.0, IMAGE.1, seed.wrapping_add(i))
         });
     }
-    let mut rng = Rng(seed ^ 0x5EED);
+    let mut rng = Rng(question ^ 0x5EED);
     let what = if video_turn(t) { "the video" } else { "these pictures" };
     content.push(json!({"type": "text", "text": format!("How do {what} relate to the {}?", sentence(&mut rng, 3))}));
     json!({"role": "user", "content": content})
@@ -164,21 +180,22 @@ pub(super) fn turn_stats(before: &BTreeMap<String, (f64, usize)>, after: &BTreeM
 /// The per-turn table of a long-images run.
 pub(super) fn turn_table(samples: &[super::Sample]) -> String {
     let mut out = String::from(
-        "| turn | media | prompt | cached | new | TTFT ms | decode tok/s | KV pages | KV MB | snapshots | snapshot MB | vision hits/misses | residency | RSS MB |\n\
-         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        "| turn | media | prompt | cached | new | TTFT ms | cold TTFT ms | decode tok/s | KV pages | KV MB | snapshots | snapshot MB | vision hits/misses | residency | RSS MB |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     let n = |v: Option<u64>| v.map_or("–".into(), |v| v.to_string());
     let f = |v: Option<f64>, scale: f64, digits: usize| v.map_or("–".into(), |v| format!("{:.*}", digits, v * scale));
     for s in samples {
         let Some(t) = &s.turn else { continue };
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} | {} | {} |\n",
             s.index + 1,
             t.media_items,
             n(s.prompt_tokens),
             n(s.cached_tokens),
             n(t.new_tokens),
             f(s.ttft_s, 1e3, 1),
+            f(t.cold_ttft_s, 1e3, 1),
             f(s.output_tok_s, 1.0, 1),
             f(t.kv_pages_used, 1.0, 0),
             f(t.kv_bytes, 1e-6, 1),
@@ -214,6 +231,14 @@ mod tests {
         assert!((0..4).all(|t| (1..=2).contains(&media_items(&o(false), t))));
         let text = history(&o(true), 6, &answers).to_string();
         assert!(!text.contains("image_url") && !text.contains("\"video\"") && text.contains("[picture:"));
+        // A cold reference: the same question and media of the same kinds, other pixels.
+        for t in [3, 4] {
+            let (turn, cold) = (user_turn(&o(false), t), cold_turn(&o(false), t));
+            let parts = |v: &Value| v["content"].as_array().map(|a| a.iter().map(|p| p["type"].clone()).collect::<Vec<_>>());
+            assert_eq!(parts(&turn), parts(&cold));
+            assert_eq!(turn["content"].as_array().and_then(|a| a.last()), cold["content"].as_array().and_then(|a| a.last()));
+            assert_ne!(turn["content"][0], cold["content"][0], "turn {t}: fresh media");
+        }
     }
 
     #[test]
