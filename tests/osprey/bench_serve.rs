@@ -105,7 +105,7 @@ fn a_long_image_conversation_reports_every_turn() {
     std::fs::write(&file, serde_json::json!({"report": r}).to_string()).expect("write");
     let charts = osprey_bench::chart::charts(&[file], &out).expect("charts");
     assert!(charts.iter().any(|p| p.ends_with("long-context.svg")), "{charts:?}");
-    let text = run(&ServeOptions { text_only: true, ..o }).expect("text only");
+    let text = run(&ServeOptions { text_only: true, ..o.clone() }).expect("text only");
     let grew = |r: &osprey_bench::serve::ServeReport| r.samples.iter().map(|s| s.prompt_tokens.unwrap_or(0)).max();
     assert!(grew(&text) >= Some(1200), "the text-only form grows to the context too");
     assert!(text.samples.iter().all(|s| s.turn.as_ref().is_some_and(|t| t.vision_misses == Some(0.0))));

@@ -469,8 +469,12 @@ fn long_images_run(a: &ureq::Agent, o: &ServeOptions, t0: Instant, samples: &Mut
         turn.new_tokens = s.prompt_tokens.map(|p| p - s.cached_tokens.unwrap_or(0).min(p));
         before = after;
         if o.cold_reference && s.error.is_none() {
-            let (c, _) = one(a, o, i, json!([long_images::cold_turn(o, i)]), t0);
-            (turn.cold_ttft_s, turn.cold_cached_tokens) = (c.ttft_s, c.cached_tokens);
+            // One token: its time to the end is its time to the first token even when that token
+            // streams no text (a reasoning tag, the end).
+            let one_token = ServeOptions { max_tokens: 1, ..o.clone() };
+            let (c, _) = one(a, &one_token, i, json!([long_images::cold_turn(o, i)]), t0);
+            turn.cold_ttft_s = c.error.is_none().then(|| c.ttft_s.unwrap_or(c.total_s));
+            turn.cold_cached_tokens = c.cached_tokens;
             // The next turn's deltas leave the reference out.
             before = scrape();
         }

@@ -234,9 +234,13 @@ mod tests {
         // A cold reference: the same question and media of the same kinds, other pixels.
         for t in [3, 4] {
             let (turn, cold) = (user_turn(&o(false), t), cold_turn(&o(false), t));
-            let parts = |v: &Value| v["content"].as_array().map(|a| a.iter().map(|p| p["type"].clone()).collect::<Vec<_>>());
+            let parts =
+                |v: &Value| v["content"].as_array().map(|a| a.iter().map(|p| p["type"].clone()).collect::<Vec<_>>());
             assert_eq!(parts(&turn), parts(&cold));
-            assert_eq!(turn["content"].as_array().and_then(|a| a.last()), cold["content"].as_array().and_then(|a| a.last()));
+            assert_eq!(
+                turn["content"].as_array().and_then(|a| a.last()),
+                cold["content"].as_array().and_then(|a| a.last())
+            );
             assert_ne!(turn["content"][0], cold["content"][0], "turn {t}: fresh media");
         }
     }
