@@ -19,15 +19,12 @@ const FILES: [(&str, &[u8]); 7] = [
     ("chat_template.jinja", include_bytes!("../fixtures/models/osprey-default/chat_template.jinja")),
 ];
 
-/// The tokenizer, its config, the chat template and the generation config (a synthetic checkpoint is
-/// served with them: `bench synth` writes the media token ids of this tokenizer).
-pub fn tokenizer_files() -> impl Iterator<Item = (&'static str, &'static [u8])> {
-    FILES.into_iter().filter(|(n, _)| !matches!(*n, "config.json" | "model.safetensors" | "processor_config.json"))
-}
-
-/// Writes [`tokenizer_files`] into `dir`, beside a synthetic checkpoint, so that it can be served.
+/// Writes the tokenizer, its config, the chat template and the generation config into `dir`, beside a
+/// synthetic checkpoint, so that it can be served (`bench synth` writes the media token ids of this
+/// tokenizer).
 pub fn write_tokenizer_files(dir: &Path) -> Result<()> {
-    for (name, bytes) in tokenizer_files() {
+    let own = |n: &str| matches!(n, "config.json" | "model.safetensors" | "processor_config.json");
+    for (name, bytes) in FILES.into_iter().filter(|(n, _)| !own(n)) {
         let path = dir.join(name);
         std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
     }
