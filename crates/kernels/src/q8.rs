@@ -101,7 +101,16 @@ pub struct Q8Act {
     dx: Vec<f32>,
     /// Per chunk and lane: `−12 · Σ q` over the lane's 4 bytes.
     corr: Vec<i32>,
+    /// Per pair of chunks, 8 blocks in [`PAIR_ORDER`]: the activation scale (a missing second chunk
+    /// of an odd count: 0). The 256-bit dots sum a block's lanes before any float work.
+    pair_d: Vec<f32>,
+    /// The same blocks' `−12 · Σ q`.
+    pair_corr: Vec<i32>,
 }
+
+/// The 8 blocks of a pair of chunks in the order the 256-bit dots produce their sums
+/// (`vphaddd` of two chunks' lane sums): `(chunk of the pair, block)`.
+const PAIR_ORDER: [(usize, usize); 8] = [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)];
 
 /// The column of byte `b` of a chunk.
 #[inline]
@@ -117,7 +126,14 @@ fn column(b: usize) -> usize {
 pub fn quantize(x: &[f32]) -> Q8Act {
     assert!(x.len().is_multiple_of(CHUNK), "q8 rows are whole chunks: this is a bug");
     let chunks = x.len() / CHUNK;
-    let mut a = Q8Act { q: vec![0; x.len()], dx: vec![0.0; chunks * LANES], corr: vec![0; chunks * LANES] };
+    let pairs = chunks.div_ceil(2);
+    let mut a = Q8Act {
+        q: vec![0; x.len()],
+        dx: vec![0.0; chunks * LANES],
+        corr: vec![0; chunks * LANES],
+        pair_d: vec![0.0; pairs * 8],
+        pair_corr: vec![0; pairs * 8],
+    };
     for c in 0..chunks {
         let xs = &x[c * CHUNK..(c + 1) * CHUNK];
         let mut d = [0f32; 4];
@@ -135,6 +151,15 @@ pub fn quantize(x: &[f32]) -> Q8Act {
         for lane in 0..LANES {
             a.dx[c * LANES + lane] = d[(lane % 8) / 2];
             a.corr[c * LANES + lane] = -12 * q[lane * 4..lane * 4 + 4].iter().map(|&v| i32::from(v)).sum::<i32>();
+        }
+        for (slot, &(half, blk)) in PAIR_ORDER.iter().enumerate() {
+            if half == c % 2 {
+                let i = c / 2 * 8 + slot;
+                a.pair_d[i] = d[blk];
+                // A block's 16 values are lanes 2·blk, 2·blk + 1 of each nibble half.
+                let lanes = [2 * blk, 2 * blk + 1, 8 + 2 * blk, 9 + 2 * blk];
+                a.pair_corr[i] = lanes.iter().map(|&l| a.corr[c * LANES + l]).sum();
+            }
         }
     }
     a
@@ -192,15 +217,6 @@ pub(crate) mod x86 {
 
     /// e4m3 codes (one per 32-bit lane) to f32: the 7 magnitude bits moved under an f32 exponent, then
     /// scaled by 2^120 (exact for normals and subnormals alike); the sign bit moved to bit 31.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn e4m3_256(codes: __m256i) -> __m256 {
-        let mag = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(0x7F)), 20);
-        let sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(0x80)), 24);
-        let v = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(f32::from_bits(247 << 23)));
-        _mm256_or_ps(v, _mm256_castsi256_ps(sign))
-    }
-
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(crate) fn e4m3_512(codes: __m512i) -> __m512 {
@@ -301,48 +317,124 @@ pub(crate) mod x86 {
         }
     }
 
-    /// `corr + Σ u·q` per 32-bit lane with `vpmaddubsw` + `vpmaddwd` (no overflow: |pair sum| ≤ 2·24·127).
+    /// A chunk's 8 lane sums `Σ u·q` (lane ℓ: block ℓ/2 mod 4) with `vpmaddubsw`: the two nibble halves
+    /// add as i16 (|value| ≤ 2 · 2·24·127 = 12,192), then `vpmaddwd` pairs them into lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn lanes_avx2(corr: __m256i, w: __m256i, q: __m256i) -> __m256i {
-        _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1)), corr)
+    fn sums_avx2(w_lo: __m256i, q_lo: __m256i, w_hi: __m256i, q_hi: __m256i) -> __m256i {
+        let s = _mm256_add_epi16(_mm256_maddubs_epi16(w_lo, q_lo), _mm256_maddubs_epi16(w_hi, q_hi));
+        _mm256_madd_epi16(s, _mm256_set1_epi16(1))
     }
 
-    /// The same sums with one AVX-VNNI `vpdpbusd`.
+    /// The same sums with two AVX-VNNI `vpdpbusd`.
     #[inline]
     #[target_feature(enable = "avx2,fma,avxvnni")]
-    fn lanes_avx_vnni(corr: __m256i, w: __m256i, q: __m256i) -> __m256i {
-        _mm256_dpbusd_avx_epi32(corr, w, q)
+    fn sums_avx_vnni(w_lo: __m256i, q_lo: __m256i, w_hi: __m256i, q_hi: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w_lo, q_lo), w_hi, q_hi)
     }
 
-    /// The 256-bit dot, once per way of summing a lane's four byte products (a macro, not a closure,
-    /// so that the lane sums inline under each function's own target features).
+    /// For each dword of a pair's scale codes (8 bytes, in both 128-bit halves), the byte
+    /// [`super::PAIR_ORDER`] puts there, moved to the dword's top byte (`-1`: zero).
+    const PAIR_SCALES: [i8; 32] = {
+        let mut t = [-1i8; 32];
+        let mut slot = 0;
+        while slot < 8 {
+            let (half, blk) = super::PAIR_ORDER[slot];
+            // Dwords 0-3 sit in the low 128 bits and 4-7 in the high; `vpshufb` indexes within each.
+            t[slot * 4 + 3] = (half * 4 + blk) as i8;
+            slot += 1;
+        }
+        t
+    };
+
+    /// The 256-bit dot, once per way of summing a chunk's bytes (a macro, not a closure, so that the
+    /// sums inline under each function's own target features). A pair of chunks costs one `vphaddd`
+    /// (a block's lanes summed), one conversion of 8 block scales and one FMA: the float work is
+    /// paid per 16-value block, not per lane.
     macro_rules! dot_256 {
-        ($(#[$doc:meta])* $name:ident, $feat:literal, $lanes:ident) => {
+        ($(#[$doc:meta])* $name:ident, $feat:literal, $sums:ident) => {
             $(#[$doc])*
             #[target_feature(enable = $feat)]
             pub unsafe fn $name(a: &Q8Act, packed: &[u8], scales: &[u8]) -> f32 {
-                // SAFETY: as in dot_vnni.
+                // SAFETY: as in dot_vnni; a pair's 8 scale bytes are read only when both chunks exist.
                 unsafe {
                     let lut128 = _mm_loadu_si128(LUT_U8.as_ptr() as *const __m128i);
                     let lut = _mm256_set_m128i(lut128, lut128);
                     let nib = _mm256_set1_epi8(0x0F);
-                    let mut total = _mm256_setzero_ps();
-                    for c in 0..a.q.len() / CHUNK {
-                        let p = _mm256_loadu_si256(packed.as_ptr().add(c * 32) as *const __m256i);
-                        let w_lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(p, nib));
-                        let w_hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p, 4), nib));
-                        let qp = a.q.as_ptr().add(c * CHUNK);
-                        let q_lo = _mm256_loadu_si256(qp as *const __m256i);
-                        let q_hi = _mm256_loadu_si256(qp.add(32) as *const __m256i);
-                        let cp = a.corr.as_ptr().add(c * LANES);
-                        let s_lo = $lanes(_mm256_loadu_si256(cp as *const __m256i), w_lo, q_lo);
-                        let s_hi = $lanes(_mm256_loadu_si256(cp.add(8) as *const __m256i), w_hi, q_hi);
-                        let ws = e4m3_256(_mm256_cvtepu8_epi32(scale_bytes(scales, c)));
-                        let dp = a.dx.as_ptr().add(c * LANES);
-                        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_lo), _mm256_mul_ps(ws, _mm256_loadu_ps(dp)), total);
-                        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_hi), _mm256_mul_ps(ws, _mm256_loadu_ps(dp.add(8))), total);
+                    let pattern = _mm256_loadu_si256(PAIR_SCALES.as_ptr() as *const __m256i);
+                    // Chunk c's 8 lane sums (a function, not a closure: it inlines with the features).
+                    #[inline]
+                    #[target_feature(enable = $feat)]
+                    unsafe fn chunk(a: &Q8Act, packed: &[u8], c: usize, lut: __m256i, nib: __m256i) -> __m256i {
+                        // SAFETY: the caller's lengths cover chunk c.
+                        unsafe {
+                            let p = _mm256_loadu_si256(packed.as_ptr().add(c * 32) as *const __m256i);
+                            let w_lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(p, nib));
+                            let w_hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p, 4), nib));
+                            let qp = a.q.as_ptr().add(c * CHUNK);
+                            let q_lo = _mm256_loadu_si256(qp as *const __m256i);
+                            $sums(w_lo, q_lo, w_hi, _mm256_loadu_si256(qp.add(32) as *const __m256i))
+                        }
                     }
+                    // Pair p's 8 block sums, scaled, added to `acc` (FULL: both chunks exist; else
+                    // only the first, and the second's lanes are zero).
+                    #[inline]
+                    #[target_feature(enable = $feat)]
+                    unsafe fn pair<const FULL: bool>(
+                        a: &Q8Act,
+                        (packed, scales, pa): (&[u8], &[u8], *const u8),
+                        p: usize,
+                        (lut, nib, pattern): (__m256i, __m256i, __m256i),
+                        acc: __m256,
+                    ) -> __m256 {
+                        // SAFETY: the caller's lengths cover pair p (its second chunk only when FULL).
+                        unsafe {
+                            let c = 2 * p;
+                            _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add(c * 32).cast());
+                            let (second, codes) = if FULL {
+                                (chunk(a, packed, c + 1, lut, nib), std::ptr::read_unaligned(scales.as_ptr().add(c * 4) as *const i64))
+                            } else {
+                                let word = std::ptr::read_unaligned(scales.as_ptr().add(c * 4) as *const u32);
+                                (_mm256_setzero_si256(), i64::from(word))
+                            };
+                            let sums = _mm256_hadd_epi32(chunk(a, packed, c, lut, nib), second);
+                            let sums = _mm256_add_epi32(sums, _mm256_loadu_si256(a.pair_corr.as_ptr().add(p * 8) as *const __m256i));
+                            // e4m3 codes in each dword's top byte: the sign is f32's, the 7 magnitude
+                            // bits go under the exponent, then × 2^120 (exact for normals and subnormals).
+                            let top = _mm256_shuffle_epi8(_mm256_set1_epi64x(codes), pattern);
+                            let mag = _mm256_srli_epi32(_mm256_and_si256(top, _mm256_set1_epi32(0x7F00_0000)), 4);
+                            let sign = _mm256_and_si256(top, _mm256_set1_epi32(i32::MIN));
+                            let ws = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(f32::from_bits(247 << 23)));
+                            let ws = _mm256_or_ps(ws, _mm256_castsi256_ps(sign));
+                            let s = _mm256_mul_ps(ws, _mm256_loadu_ps(a.pair_d.as_ptr().add(p * 8)));
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), s, acc)
+                        }
+                    }
+                    let chunks = a.q.len() / CHUNK;
+                    // The row PREFETCH_ROWS on (as dot_vnni): its scales now, a line of its codes per pair.
+                    let ahead = |p: *const u8, len: usize| p.wrapping_add(super::PREFETCH_ROWS * len);
+                    let (pa, sa) = (ahead(packed.as_ptr(), chunks * 32), ahead(scales.as_ptr(), chunks * 4));
+                    for line in (0..chunks * 4).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(sa.wrapping_add(line).cast());
+                    }
+                    let (row, consts) = ((packed, scales, pa), (lut, nib, pattern));
+                    // Two pairs a step into two accumulators (no branch in the loop); then the rest.
+                    let (mut t0, mut t1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                    let full = chunks / 2;
+                    let mut p = 0;
+                    while p + 2 <= full {
+                        t0 = pair::<true>(a, row, p, consts, t0);
+                        t1 = pair::<true>(a, row, p + 1, consts, t1);
+                        p += 2;
+                    }
+                    if p < full {
+                        t0 = pair::<true>(a, row, p, consts, t0);
+                        p += 1;
+                    }
+                    if chunks % 2 == 1 {
+                        t1 = pair::<false>(a, row, p, consts, t1);
+                    }
+                    let total = _mm256_add_ps(t0, t1);
                     let s = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
                     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
                     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
@@ -355,13 +447,13 @@ pub(crate) mod x86 {
         /// AVX2: `vpmaddubsw` + `vpmaddwd`.
         dot_avx2,
         "avx2,fma",
-        lanes_avx2
+        sums_avx2
     );
     dot_256!(
         /// AVX-VNNI: one 256-bit `vpdpbusd` (the caller checked the CPU has it).
         dot_avx_vnni,
         "avx2,fma,avxvnni",
-        lanes_avx_vnni
+        sums_avx_vnni
     );
 }
 
@@ -388,7 +480,7 @@ mod tests {
 
     #[test]
     fn every_path_computes_the_same_integers_as_the_portable_one() {
-        for (k, seed) in [(64, 0), (128, 1), (2048, 2), (512, 3)] {
+        for (k, seed) in [(64, 0), (128, 1), (2048, 2), (512, 3), (192, 6)] {
             let (packed, scales, x) = row(k, seed);
             let a = quantize(&x);
             let want = dot(Isa::Portable, &a, &packed, &scales, 0.75);
