@@ -1,5 +1,6 @@
 //! `--gemm auto` (the default): the prefill GEMM for each weight class chosen by measuring
-//! ([`osprey_kernels::calibrate`]) once per CPU model, thread count and osprey version, and cached under
+//! ([`osprey_kernels::calibrate`]) once per CPU model, thread count, osprey version and set of kernels the
+//! build has for this CPU (a build that gained one measures again), and cached under
 //! `gemm-calibration/` in [`crate::cache_root`]. The kernels round differently, so every process on a
 //! machine must take the same choice: the first to publish the cache entry wins (it is linked into
 //! place, which fails when it exists), and a process that finds an entry already there takes it instead
@@ -19,7 +20,12 @@ fn entry() -> Option<PathBuf> {
         .ok()
         .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(str::to_string))
         .unwrap_or_default();
-    let key = format!("{cpu}|threads={}|{}", osprey_kernels::threads(), env!("CARGO_PKG_VERSION"));
+    let key = format!(
+        "{cpu}|threads={}|{}|{}",
+        osprey_kernels::threads(),
+        env!("CARGO_PKG_VERSION"),
+        osprey_kernels::calibrate::candidates()
+    );
     let mut h = blake2::Blake2bVar::new(8).ok()?;
     h.update(key.as_bytes());
     let mut d = [0u8; 8];

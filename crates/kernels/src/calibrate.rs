@@ -78,6 +78,21 @@ impl Calibration {
     }
 }
 
+/// The kernels a calibration on this CPU would time, by name (`nvfp4: int8 gemm avx2, f32 sgemm; …`):
+/// part of the cache key, so that a build with other kernels measures again instead of taking a choice
+/// made among fewer.
+pub fn candidates() -> String {
+    WeightClass::ALL
+        .iter()
+        .map(|&class| {
+            let names: Vec<&str> =
+                Gemm::ALL.into_iter().filter(|&g| available(class, g)).map(|g| kernel_name(class, g)).collect();
+            format!("{}: {}", class.name(), names.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// Times every prefill GEMM this CPU has (under the ceiling) for each weight class and chooses the
 /// fastest. Tens of milliseconds; does not change the dispatch until [`Calibration::apply`].
 pub fn calibrate() -> Calibration {

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 pub enum Gemm {
     /// AMX tiles (bf16 and int8), where the CPU has them and the kernel grants their state.
     Amx = 0,
-    /// NVFP4 × int8 on AVX-512 VNNI ([`crate::q8_gemm`]).
+    /// NVFP4 × int8 on AVX-512 VNNI or AVX2 ([`crate::q8_gemm`]).
     Int8 = 1,
     /// bf16 tiles on AVX512-BF16 ([`crate::bf16`]).
     Bf16 = 2,
@@ -129,7 +129,7 @@ pub fn kernel_name(class: WeightClass, g: Gemm) -> &'static str {
     match (class, g) {
         (WeightClass::Nvfp4, Gemm::Amx) => "amx-int8 tiles",
         (WeightClass::Bf16, Gemm::Amx) => "amx-bf16 tiles",
-        (_, Gemm::Int8) => "int8 gemm avx512-vnni",
+        (_, Gemm::Int8) => crate::q8_gemm::name(),
         (_, Gemm::Bf16) => "bf16 tiles avx512-bf16",
         (_, Gemm::F32) => "f32 sgemm",
     }

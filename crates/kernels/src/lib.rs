@@ -9,9 +9,10 @@
 //! - [`bf16`]: bf16 × bf16 dot-product tiles (AVX512-BF16 `vdpbf16ps`), the fast precision's GEMM for bf16
 //!   and NVFP4 weights and its GEMV for bf16 weights, on CPUs that have it.
 //! - [`nvfp4`]: NVFP4 decoding and the dequantise-in-registers dot product.
-//! - [`q8_gemm`]: the fast NVFP4 GEMM for many rows (prefill) on AVX-512 VNNI: int8 activations per
-//!   16-value block, weights decoded per call into an interleaved tile, `vpdpbusd` with one lane per
-//!   weight row; [`set_gemm_ceiling`] (`--gemm`) chooses below the best.
+//! - [`q8_gemm`]: the fast NVFP4 GEMM for many rows (prefill) on AVX-512 VNNI and AVX2: int8
+//!   activations per 16-value block, weights decoded per call into an interleaved tile, `vpdpbusd`
+//!   (`vpmaddubsw` on AVX2) with one lane per weight row; [`set_gemm_ceiling`] (`--gemm`) chooses below
+//!   the best.
 //! - [`q8`]: the fast NVFP4 path for few rows (decode; up to 2 rows where the int8 GEMM runs, else a
 //!   prefill's routed experts up to 32 rows, or 8 where bf16 tiles take the rest): int8 activations,
 //!   integer dot products (AVX-512 VNNI / AVX-VNNI / AVX2 / portable, picked once at run time), chosen

@@ -39,6 +39,8 @@ pub const Q8_GEMV_MAX_ROWS_WITH_BF16: usize = 8;
 /// for all rows and does 64 multiply-adds per instruction with no horizontal sums, so it wins from 3
 /// rows on (expert gate/up 512×2048, 2 threads, `timing::gemm_vs`: 1 row 0.028 ms on the dot path vs
 /// 0.045; 2 rows 0.050 vs 0.047, a tie kept on the dot path; 3 rows 0.074 vs 0.050; 8 rows 0.20 vs 0.072).
+/// The AVX2 GEMM crosses at the same place (Zen 3, 2 threads: 2 rows 0.087 vs 0.120 ms and, down
+/// 2048×512, 0.076 vs 0.081; 3 rows 0.123 vs 0.101 and 0.112 vs 0.090).
 pub const Q8_GEMV_MAX_ROWS_WITH_INT8_GEMM: usize = 2;
 
 /// The row limit of the integer dot path on this CPU.
@@ -161,8 +163,9 @@ pub const AMX_MIN_ROWS: usize = 16;
 
 /// The fastest GEMM this CPU has (under the [`crate::set_gemm_ceiling`]) for `m` rows against `w` at
 /// `p`: at the fast precision, AMX tiles where granted (int8 for NVFP4, bf16 for bf16) from
-/// [`AMX_MIN_ROWS`] rows; else NVFP4 takes the int8 GEMM where AVX-512 VNNI is present (2× the bf16
-/// tiles' multiply-adds per instruction), else bf16 tiles where AVX512-BF16 is, else sgemm.
+/// [`AMX_MIN_ROWS`] rows; else NVFP4 takes the int8 GEMM (AVX-512 VNNI: 2× the bf16 tiles'
+/// multiply-adds per instruction; AVX2: 2× sgemm on Zen 3), else bf16 tiles where AVX512-BF16 is, else
+/// sgemm. The calibration may prefer a lower one per weight class.
 fn gemm_kind(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
     let fast_nvfp4 = p == Precision::Int8 && matches!(w, WeightView::Nvfp4 { .. });
     let amx_weights = fast_nvfp4 || (p == Precision::Int8 && matches!(w, WeightView::Bf16(_)));

@@ -14,7 +14,7 @@ pub const BLOCK: usize = 16;
 
 /// Decodes one float8 e4m3fn (bias 7, no infinities; 0x7F/0xFF are NaN), by moving its bits into an f32.
 #[inline]
-pub fn e4m3_to_f32(b: u8) -> f32 {
+pub const fn e4m3_to_f32(b: u8) -> f32 {
     let sign = ((b & 0x80) as u32) << 24;
     let e = ((b >> 3) & 0x0F) as u32;
     let m = (b & 0x07) as u32;

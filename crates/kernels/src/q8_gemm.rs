@@ -1,4 +1,5 @@
-//! NVFP4 × int8 GEMM for prefill-shaped matmuls (many activation rows), on AVX-512 VNNI.
+//! NVFP4 × int8 GEMM for prefill-shaped matmuls (many activation rows), on AVX-512 VNNI (here) and on
+//! AVX2 ([`avx2`], the same scheme at 256 bits).
 //!
 //! Why: the bf16 tiles do 32 multiply-adds per `vdpbf16ps`; `vpdpbusd` does 64. llama.cpp's Q4_0
 //! prefill quantises its activations to int8 and runs `vpdpbusd`; this is the same for NVFP4.
@@ -31,9 +32,22 @@ const GROUP: usize = 16;
 /// Activation rows per micro-tile (2 groups × MR rows of accumulators and block sums stay in 32 zmm).
 const MR: usize = 4;
 
-/// Whether this CPU has AVX-512 F/BW with VNNI (the decode path's best level, detected once there).
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
+/// Whether this CPU runs the int8 GEMM: AVX-512 F/BW with VNNI (64-byte lanes, `vpdpbusd`), or AVX2
+/// with FMA (32-byte lanes, `vpmaddubsw`: [`avx2`]), the decode path's level, detected once there.
 pub fn available() -> bool {
-    Isa::detected() == Isa::Avx512Vnni
+    matches!(Isa::detected(), Isa::Avx512Vnni | Isa::AvxVnni | Isa::Avx2)
+}
+
+/// The instructions the int8 GEMM runs on this CPU (for logs).
+pub fn name() -> &'static str {
+    if Isa::detected() == Isa::Avx512Vnni {
+        "int8 gemm avx512-vnni"
+    } else {
+        "int8 gemm avx2"
+    }
 }
 
 /// Activation rows quantised per 16-value block, in column order.
@@ -73,28 +87,39 @@ pub fn quantize_rows(x: &[f32], m: usize, k: usize) -> Q8Rows {
         .collect();
     pool::chunks_mut(&mut parts, 1, |p, part| {
         let (q, d, corr) = &mut part[0];
-        let x = &x[p * rows_per * k..];
-        #[cfg(target_arch = "x86_64")]
-        if available() {
-            // SAFETY: the CPU has the features; q holds whole blocks, d and corr one entry per block,
-            // and x at least as many values as q.
-            return unsafe { x86::quantize(&x[..q.len()], q, d, corr) };
-        }
-        for (blk, ((qb, db), cb)) in q.chunks_mut(BLOCK).zip(d.iter_mut()).zip(corr.iter_mut()).enumerate() {
-            let xs = &x[blk * BLOCK..(blk + 1) * BLOCK];
-            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-            let mut sum = 0i32;
-            for (o, &v) in qb.iter_mut().zip(xs) {
-                let r = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
-                sum += i32::from(r);
-                *o = r;
-            }
-            *db = amax / 127.0;
-            *cb = -12 * sum;
-        }
+        quantize_run(Isa::detected(), &x[p * rows_per * k..][..q.len()], q, d, corr);
     });
     a
+}
+
+/// One run of whole blocks quantised on `isa` (which the CPU must have): every level gives the same
+/// bits as the scalar loop (`the_vector_quantisation_equals_the_scalar_one`).
+fn quantize_run(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32], corr: &mut [i32]) {
+    assert!(x.len() == q.len() && q.len() == d.len() * BLOCK && d.len() == corr.len(), "q8 run: a bug");
+    match isa {
+        // SAFETY: `Isa::available` lists a level only when the CPU has its features; lengths asserted.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => unsafe { x86::quantize(x, q, d, corr) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::AvxVnni | Isa::Avx2 => unsafe { avx2::quantize(x, q, d, corr) },
+        _ => quantize_scalar(x, q, d, corr),
+    }
+}
+
+fn quantize_scalar(x: &[f32], q: &mut [i8], d: &mut [f32], corr: &mut [i32]) {
+    for (blk, ((qb, db), cb)) in q.chunks_mut(BLOCK).zip(d.iter_mut()).zip(corr.iter_mut()).enumerate() {
+        let xs = &x[blk * BLOCK..(blk + 1) * BLOCK];
+        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (o, &v) in qb.iter_mut().zip(xs) {
+            let r = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+            sum += i32::from(r);
+            *o = r;
+        }
+        *db = amax / 127.0;
+        *cb = -12 * sum;
+    }
 }
 
 /// `out[i, r] = Σ_c x[i, c] · W[r, c]` for the quantised rows `a` and NVFP4 weight rows `[n, k]`
@@ -102,14 +127,29 @@ pub fn quantize_rows(x: &[f32], m: usize, k: usize) -> Q8Rows {
 /// blocks of weight rows across the pool.
 ///
 /// Panics (a bug) unless [`available`] and the slices hold their rows.
-pub fn gemm(a: &Q8Rows, (packed, scales, global): (&[u8], &[u8], f32), n: usize, out: &mut [f32]) {
+pub fn gemm(a: &Q8Rows, weights: (&[u8], &[u8], f32), n: usize, out: &mut [f32]) {
+    gemm_on(Isa::detected(), a, weights, n, out)
+}
+
+/// The int8 GEMMs `isa` selects: AVX-512 VNNI's, or the AVX2 one for any lower x86 level.
+pub fn isas() -> Vec<Isa> {
+    Isa::available().into_iter().filter(|&i| matches!(i, Isa::Avx512Vnni | Isa::Avx2)).collect()
+}
+
+/// [`gemm`] on `isa`'s kernel (one of [`isas`]; the tests run each this CPU has).
+pub fn gemm_on(isa: Isa, a: &Q8Rows, (packed, scales, global): (&[u8], &[u8], f32), n: usize, out: &mut [f32]) {
     let (m, k) = (a.rows(), a.k);
-    assert!(available(), "the int8 GEMM needs AVX-512 VNNI: a bug");
+    assert!(available() && Isa::available().contains(&isa), "the int8 GEMM needs AVX2 or AVX-512 VNNI: a bug");
     assert!(k.is_multiple_of(BLOCK) && k > 0, "int8 GEMM width: a bug");
     assert!(packed.len() >= n * k / 2 && scales.len() >= n * k / BLOCK, "int8 GEMM weights: a bug");
     assert!(out.len() >= m * n, "int8 GEMM output: a bug");
     if m == 0 || n == 0 {
         return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Avx512Vnni {
+        // SAFETY: every level `available` lists has AVX2 + FMA; the lengths are asserted above.
+        return unsafe { avx2::gemm(a, (packed, scales, global), n, out) };
     }
     let ptr = OutPtr(out.as_mut_ptr());
     pool::for_each_init(
@@ -462,19 +502,47 @@ mod tests {
     #[test]
     fn every_shape_computes_the_same_integers_as_the_reference() {
         if !available() {
-            eprintln!("no AVX-512 VNNI here: the int8 GEMM is not used on this CPU");
+            eprintln!("no AVX2 here: the int8 GEMM is not used on this CPU");
             return;
         }
         for (m, n, k) in [(1, 1, 16), (5, 17, 48), (9, 64, 64), (13, 70, 128), (4, 130, 2048), (33, 33, 96)] {
             let (packed, scales) = weights(n, k, m);
             let a = quantize_rows(&acts(m, k, n), m, k);
             let want = reference(&a, (&packed, &scales, 0.75), n);
-            let mut got = vec![f32::NAN; m * n];
-            gemm(&a, (&packed, &scales, 0.75), n, &mut got);
-            for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
-                let tol = 1e-5 * w.abs().max(1.0) * (k as f64 / 16.0).sqrt();
-                assert!((f64::from(*g) - w).abs() <= tol, "m={m} n={n} k={k} [{idx}]: {g} vs {w}");
+            for isa in isas() {
+                let mut got = vec![f32::NAN; m * n];
+                gemm_on(isa, &a, (&packed, &scales, 0.75), n, &mut got);
+                for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let tol = 1e-5 * w.abs().max(1.0) * (k as f64 / 16.0).sqrt();
+                    assert!((f64::from(*g) - w).abs() <= tol, "{isa:?} m={m} n={n} k={k} [{idx}]: {g} vs {w}");
+                }
             }
+        }
+    }
+
+    /// Every vector quantisation gives the scalar loop's bits: ties to even, zero blocks, a block
+    /// whose maximum is negative, values that round to the clamp.
+    #[test]
+    fn the_vector_quantisation_equals_the_scalar_one() {
+        let mut x = acts(3, 64, 5);
+        x[16..32].fill(0.0);
+        for (i, v) in x[32..48].iter_mut().enumerate() {
+            *v = -127.0 + i as f32 * 0.5; // steps of exactly ½: every other value a tie
+        }
+        x[48..64].copy_from_slice(&[
+            -3.0, 1.5, 0.25, 2.9999, -0.5, 0.0, 1e-30, -1e-30, 7.0, 3.5, -3.5, 1.0, 2.0, 2.5, -2.5, 0.1,
+        ]);
+        let blocks = x.len() / BLOCK;
+        let (mut q0, mut d0, mut c0) = (vec![0i8; x.len()], vec![0f32; blocks], vec![0i32; blocks]);
+        quantize_scalar(&x, &mut q0, &mut d0, &mut c0);
+        for isa in Isa::available() {
+            let (mut q, mut d, mut c) = (vec![0i8; x.len()], vec![0f32; blocks], vec![0i32; blocks]);
+            quantize_run(isa, &x, &mut q, &mut d, &mut c);
+            assert_eq!((&q, &c), (&q0, &c0), "{isa:?}");
+            assert_eq!(
+                d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                d0.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
         }
     }
 
@@ -484,7 +552,7 @@ mod tests {
     #[test]
     fn the_int8_gemm_is_within_activation_rounding_of_the_exact_product() {
         if !available() {
-            eprintln!("no AVX-512 VNNI here: the int8 GEMM is not used on this CPU");
+            eprintln!("no AVX2 here: the int8 GEMM is not used on this CPU");
             return;
         }
         let (m, n, k) = (7, 20, 512);
@@ -522,14 +590,16 @@ mod tests {
         let (packed, scales) = weights(n, k, 1);
         let x = acts(11, k, 2);
         let all = quantize_rows(&x, 11, k);
-        let mut batch = vec![0f32; 11 * n];
-        gemm(&all, (&packed, &scales, 0.5), n, &mut batch);
-        for i in 0..11 {
-            let one = quantize_rows(&x[i * k..(i + 1) * k], 1, k);
-            let mut alone = vec![0f32; n];
-            gemm(&one, (&packed, &scales, 0.5), n, &mut alone);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&batch[i * n..(i + 1) * n]), bits(&alone), "row {i}");
+        for isa in isas() {
+            let mut batch = vec![0f32; 11 * n];
+            gemm_on(isa, &all, (&packed, &scales, 0.5), n, &mut batch);
+            for i in 0..11 {
+                let one = quantize_rows(&x[i * k..(i + 1) * k], 1, k);
+                let mut alone = vec![0f32; n];
+                gemm_on(isa, &one, (&packed, &scales, 0.5), n, &mut alone);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&batch[i * n..(i + 1) * n]), bits(&alone), "{isa:?} row {i}");
+            }
         }
     }
 }

@@ -65,9 +65,10 @@ fn the_tile_kernels_compute_odd_shapes_right_with_the_instructions_in_software()
     }
 
     // Through the dispatch (AMX from 16 rows, on the pool's threads, each loading its configuration):
-    // the references above, and where the CPU has the AVX-512 kernels (VNNI), the same numbers as those up
-    // to the order of float additions. (An AVX2-only machine has none: its ceiling below is sgemm on f32
-    // activations, another precision, so there the references alone are the check.)
+    // the references above, and where the CPU has the kernel ranked below the tiles at the same precision
+    // (the int8 GEMM for NVFP4; the bf16 tiles for bf16), the same numbers as it up to the order of float
+    // additions. (Without AVX512-BF16 the ceiling below for bf16 weights is sgemm on f32 activations,
+    // another precision, so there the reference alone is the check.)
     for (m, n, k) in [(16, 17, 64), (37, 70, 256), (64, 33, 2048)] {
         let x = acts(m, k);
         let (packed, scales) = nvfp4(n, k, 7);
@@ -92,7 +93,13 @@ fn the_tile_kernels_compute_odd_shapes_right_with_the_instructions_in_software()
                     assert!((f64::from(*g) - want).abs() < tol, "dispatch bf16 m={m} n={n} k={k} [{i}]: {g} vs {want}");
                 }
             }
-            if !osprey_kernels::q8_gemm::available() {
+            // The kernel one rank below the tiles for these weights: the int8 GEMM (AVX-512 VNNI or
+            // AVX2) for NVFP4, the bf16 tiles (AVX512-BF16) for bf16.
+            let below = match w {
+                WeightView::Nvfp4 { .. } => osprey_kernels::q8_gemm::available(),
+                _ => osprey_kernels::bf16::available(),
+            };
+            if !below {
                 continue;
             }
             osprey_kernels::set_gemm_ceiling(Gemm::Int8);
