@@ -8,7 +8,7 @@ pub enum Precision {
     /// f32 activations everywhere (what the parity tests use).
     Exact,
     /// The fast default: NVFP4 matmuls take int8 activations quantised per 16-value block (few rows:
-    /// `osprey_kernels::q8`; more, on AVX-512 VNNI: `osprey_kernels::q8_gemm`); on CPUs with
+    /// `osprey_kernels::q8`; more, on AVX-512 VNNI or AVX2: `osprey_kernels::q8_gemm`); on CPUs with
     /// AVX512-BF16, bf16 matmuls (and NVFP4 ones of many rows without VNNI) take activations rounded to
     /// bf16 (`osprey_kernels::bf16`); everything else is as `Exact`. A device backend documents its own
     /// reading of it.
