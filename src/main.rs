@@ -27,8 +27,8 @@ struct Cli {
     #[arg(long, global = true)]
     activations: Option<String>,
     /// The prefill GEMM at the fast precision: auto (default: per weight class, the fastest kernel this
-    /// CPU has, measured at start-up and cached per CPU model), amx, int8, bf16 or f32 (the best it may
-    /// use). For measuring one kernel against another, or forcing a fallback.
+    /// CPU has, measured at start-up and cached per CPU model), amx, amx-int8, int8, bf16 or f32 (the best
+    /// it may use). For measuring one kernel against another, or forcing a fallback.
     #[arg(long, global = true)]
     gemm: Option<String>,
     #[command(subcommand)]

@@ -6,14 +6,18 @@ use std::sync::atomic::{AtomicU8, Ordering};
 /// A prefill GEMM kernel family, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Gemm {
-    /// AMX tiles (bf16 and int8), where the CPU has them and the kernel grants their state.
+    /// AMX-BF16 tiles, where the CPU has them and the kernel grants their state: bf16 weights, and
+    /// NVFP4 weights decoded exactly into bf16 ([`crate::amx::bf16`]).
     Amx = 0,
+    /// AMX-INT8 tiles for NVFP4 × int8 ([`crate::amx::int8`]): one tile product per 16-value block,
+    /// each scaled on its own (docs/architecture.md: why it loses to the bf16 tiles).
+    AmxInt8 = 1,
     /// NVFP4 × int8 on AVX-512 VNNI or AVX2 ([`crate::q8_gemm`]).
-    Int8 = 1,
+    Int8 = 2,
     /// bf16 tiles on AVX512-BF16 ([`crate::bf16`]).
-    Bf16 = 2,
+    Bf16 = 3,
     /// f32 sgemm over widened weight tiles.
-    F32 = 3,
+    F32 = 4,
 }
 
 /// The ceiling before anything set it: read from `OSPREY_GEMM` on first use.
@@ -44,12 +48,13 @@ pub fn allowed(g: Gemm) -> bool {
 
 impl Gemm {
     /// Every kernel family, best first.
-    pub const ALL: [Gemm; 4] = [Gemm::Amx, Gemm::Int8, Gemm::Bf16, Gemm::F32];
+    pub const ALL: [Gemm; 5] = [Gemm::Amx, Gemm::AmxInt8, Gemm::Int8, Gemm::Bf16, Gemm::F32];
 
     /// Its name as `--gemm` takes it (what [`std::str::FromStr`] reads back).
     pub fn name(self) -> &'static str {
         match self {
             Gemm::Amx => "amx",
+            Gemm::AmxInt8 => "amx-int8",
             Gemm::Int8 => "int8",
             Gemm::Bf16 => "bf16",
             Gemm::F32 => "f32",
@@ -63,16 +68,17 @@ impl std::str::FromStr for Gemm {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "auto" | "amx" => Ok(Gemm::Amx),
+            "amx-int8" => Ok(Gemm::AmxInt8),
             "int8" => Ok(Gemm::Int8),
             "bf16" => Ok(Gemm::Bf16),
             "f32" => Ok(Gemm::F32),
-            other => Err(format!("{other:?}: expected auto, amx, int8, bf16 or f32")),
+            other => Err(format!("{other:?}: expected auto, amx, amx-int8, int8, bf16 or f32")),
         }
     }
 }
 
-/// A class of weights the prefill dispatch chooses a GEMM for on its own: NVFP4 (AMX-INT8 tiles,
-/// the AVX-512 VNNI int8 GEMM, bf16 tiles, sgemm) and bf16 (AMX-BF16 tiles, bf16 tiles, sgemm).
+/// A class of weights the prefill dispatch chooses a GEMM for on its own: NVFP4 (AMX-BF16 tiles,
+/// AMX-INT8 tiles, the int8 GEMM, bf16 tiles, sgemm) and bf16 (AMX-BF16 tiles, bf16 tiles, sgemm).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightClass {
     /// NVFP4 weights.
@@ -118,6 +124,7 @@ pub fn prefill_kernel(class: WeightClass) -> Gemm {
 pub fn available(class: WeightClass, g: Gemm) -> bool {
     match g {
         Gemm::Amx => crate::amx::available(),
+        Gemm::AmxInt8 => class == WeightClass::Nvfp4 && crate::amx::available(),
         Gemm::Int8 => class == WeightClass::Nvfp4 && crate::q8_gemm::available(),
         Gemm::Bf16 => crate::bf16::available(),
         Gemm::F32 => true,
@@ -127,8 +134,8 @@ pub fn available(class: WeightClass, g: Gemm) -> bool {
 /// A kernel's name in logs.
 pub fn kernel_name(class: WeightClass, g: Gemm) -> &'static str {
     match (class, g) {
-        (WeightClass::Nvfp4, Gemm::Amx) => "amx-int8 tiles",
-        (WeightClass::Bf16, Gemm::Amx) => "amx-bf16 tiles",
+        (_, Gemm::Amx) => "amx-bf16 tiles",
+        (_, Gemm::AmxInt8) => "amx-int8 tiles",
         (_, Gemm::Int8) => crate::q8_gemm::name(),
         (_, Gemm::Bf16) => "bf16 tiles avx512-bf16",
         (_, Gemm::F32) => "f32 sgemm",
@@ -143,7 +150,7 @@ pub fn prefill_kernels() -> String {
         .iter()
         .map(|&c| {
             let g = prefill_kernel(c);
-            let from = if g == Gemm::Amx { " (from 16 rows)" } else { "" };
+            let from = if matches!(g, Gemm::Amx | Gemm::AmxInt8) { " (from 16 rows)" } else { "" };
             format!("{} {}{from}", c.name(), kernel_name(c, g))
         })
         .collect();
@@ -175,6 +182,9 @@ mod tests {
         }
         if crate::q8_gemm::available() {
             paths.push("int8");
+        }
+        if crate::amx::available() {
+            paths.push("amx-int8");
         }
         let exe = std::env::current_exe().expect("test binary");
         for p in paths {

@@ -162,16 +162,19 @@ fn int8_eligible(w: WeightView<'_>, k: usize) -> bool {
 pub const AMX_MIN_ROWS: usize = 16;
 
 /// The fastest GEMM this CPU has (under the [`crate::set_gemm_ceiling`]) for `m` rows against `w` at
-/// `p`: at the fast precision, AMX tiles where granted (int8 for NVFP4, bf16 for bf16) from
-/// [`AMX_MIN_ROWS`] rows; else NVFP4 takes the int8 GEMM (AVX-512 VNNI: 2× the bf16 tiles'
+/// `p`: at the fast precision, AMX-BF16 tiles where granted (bf16 weights, NVFP4 decoded to bf16)
+/// from [`AMX_MIN_ROWS`] rows, then for NVFP4 the AMX-INT8 tiles; else NVFP4 takes the int8 GEMM (AVX-512 VNNI: 2× the bf16 tiles'
 /// multiply-adds per instruction; AVX2: 2× sgemm on Zen 3), else bf16 tiles where AVX512-BF16 is, else
 /// sgemm. The calibration may prefer a lower one per weight class.
 fn gemm_kind(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
     let fast_nvfp4 = p == Precision::Int8 && matches!(w, WeightView::Nvfp4 { .. });
     let amx_weights = fast_nvfp4 || (p == Precision::Int8 && matches!(w, WeightView::Bf16(_)));
     let class = class_of(w);
-    if amx_weights && m >= AMX_MIN_ROWS && allowed_for(class, Gemm::Amx) && amx::available() {
+    let amx = amx_weights && m >= AMX_MIN_ROWS && amx::available();
+    if amx && allowed_for(class, Gemm::Amx) {
         Gemm::Amx
+    } else if amx && fast_nvfp4 && k.is_multiple_of(nvfp4::BLOCK) && allowed_for(class, Gemm::AmxInt8) {
+        Gemm::AmxInt8
     } else if fast_nvfp4
         && k.is_multiple_of(nvfp4::BLOCK)
         && q8_gemm::available()
@@ -185,10 +188,10 @@ fn gemm_kind(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
     }
 }
 
-/// The NVFP4 × int8 GEMM of `kind` (AMX tiles or AVX-512 VNNI): both take the same quantised rows.
+/// The NVFP4 × int8 GEMM of `kind` (AMX-INT8 tiles or the int8 GEMM): both take the same quantised rows.
 type Int8Gemm = fn(&q8_gemm::Q8Rows, (&[u8], &[u8], f32), usize, &mut [f32]);
 fn int8_gemm(kind: Gemm) -> Int8Gemm {
-    if kind == Gemm::Amx {
+    if kind == Gemm::AmxInt8 {
         amx::int8::gemm
     } else {
         q8_gemm::gemm
@@ -215,10 +218,10 @@ fn class_of(w: WeightView<'_>) -> WeightClass {
 }
 
 /// The prefill GEMM of `kind` on `x` (`m`×`k`) against `w` (the dispatch's choice, or a candidate the
-/// calibration times): NVFP4 on AMX or int8 takes int8-quantised rows; bf16 tiles and sgemm take f32.
+/// calibration times): NVFP4 on AMX-INT8 tiles or the int8 GEMM takes int8-quantised rows; the rest take f32.
 pub(crate) fn run_gemm(kind: Gemm, x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, out: &mut [f32]) {
     match (w, kind) {
-        (WeightView::Nvfp4 { packed, scales, global }, kind @ (Gemm::Amx | Gemm::Int8)) => {
+        (WeightView::Nvfp4 { packed, scales, global }, kind @ (Gemm::AmxInt8 | Gemm::Int8)) => {
             int8_gemm(kind)(&q8_gemm::quantize_rows(x, m, k), (packed, scales, global), n, out)
         }
         (_, Gemm::Amx) => amx::bf16::gemm(x, m, w, n, k, out),
@@ -307,7 +310,7 @@ pub fn matmul_pair_with(
     ) = (w1, w2)
     {
         let kind = gemm_kind(m, w1, k, p);
-        if m > 0 && n > 0 && !on_gemv_path(m, w1, k, p) && matches!(kind, Gemm::Int8 | Gemm::Amx) {
+        if m > 0 && n > 0 && !on_gemv_path(m, w1, k, p) && matches!(kind, Gemm::Int8 | Gemm::AmxInt8) {
             assert!(x.len() == m * k && w1.len() == n * k && w2.len() == n * k, "matmul shapes: this is a bug");
             // Both GEMMs take the same int8 rows: quantised once.
             let a = q8_gemm::quantize_rows(x, m, k);
@@ -549,8 +552,12 @@ mod tests {
                     }
                 }
             } else if m >= AMX_MIN_ROWS && amx::available() && allowed(Gemm::Amx) {
-                // Beyond the limit, from a whole tile of rows, AMX-INT8 tiles where granted (their values:
-                // amx::int8's tests; they sum in another order than the AVX-512 GEMM).
+                // Beyond the limit, from a whole tile of rows, AMX-BF16 tiles where granted (their values:
+                // amx::bf16's tests).
+                amx::bf16::gemm(&x, m, view, n, k, &mut want);
+            } else if m >= AMX_MIN_ROWS && amx::available() && allowed(Gemm::AmxInt8) {
+                // Under the amx-int8 ceiling, AMX-INT8 tiles (their values: amx::int8's tests; they sum
+                // in another order than the AVX-512 GEMM).
                 amx::int8::gemm(&q8_gemm::quantize_rows(&x, m, k), (&packed, &scales, 0.25), n, &mut want);
             } else if q8_gemm::available() && allowed(Gemm::Int8) {
                 // Beyond the limit, the int8 GEMM (its values: q8_gemm's tests).

@@ -12,6 +12,17 @@ pub const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 /// Values per scale block.
 pub const BLOCK: usize = 16;
 
+/// Every e4m3 code as f32 (kernels that read a scale per row and block: a table beats converting).
+pub(crate) static E4M3: [f32; 256] = {
+    let mut t = [0f32; 256];
+    let mut c = 0;
+    while c < 256 {
+        t[c] = e4m3_to_f32(c as u8);
+        c += 1;
+    }
+    t
+};
+
 /// Decodes one float8 e4m3fn (bias 7, no infinities; 0x7F/0xFF are NaN), by moving its bits into an f32.
 #[inline]
 pub const fn e4m3_to_f32(b: u8) -> f32 {

@@ -225,3 +225,57 @@ mod cold_nvfp4_gemv {
         }
     }
 }
+
+/// Every prefill GEMM this CPU has, per weight class, on a dense projection and routed-expert shapes
+/// (issue 54: AMX tiles against their AVX-512 counterparts), best of 5 after a warm-up.
+mod each_gemm {
+    use crate::dispatch::{available, kernel_name, Gemm, WeightClass};
+    use crate::matmul::run_gemm;
+    use crate::WeightView;
+
+    #[test]
+    #[ignore]
+    fn each_gemm() {
+        for (m, n, k) in
+            [(512, 2048, 2048), (128, 1024, 2048), (32, 512, 2048), (32, 2048, 512), (16, 512, 2048), (1, 512, 2048)]
+        {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 97.0) - 0.5).collect();
+            let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
+            let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
+            let wb: Vec<u16> =
+                (0..n * k).map(|i| crate::bf16::round(((i * 104729 % 89) as f32 / 89.0) - 0.5)).collect();
+            let mut out = vec![0f32; m * n];
+            for class in WeightClass::ALL {
+                let w = match class {
+                    WeightClass::Nvfp4 => WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.01 },
+                    WeightClass::Bf16 => WeightView::Bf16(&wb),
+                };
+                let mut line = format!("{} m={m} n={n} k={k}:", class.name());
+                for g in Gemm::ALL.into_iter().filter(|&g| available(class, g)) {
+                    run_gemm(g, &x, m, w, n, k, &mut out);
+                    let s = (0..5)
+                        .map(|_| {
+                            let t = std::time::Instant::now();
+                            run_gemm(g, &x, m, w, n, k, &mut out);
+                            t.elapsed().as_secs_f64()
+                        })
+                        .fold(f64::INFINITY, f64::min);
+                    let gmac = (m * n * k) as f64 / s / 1e9;
+                    line += &format!(" {} {:.3} ms ({gmac:.0} GMAC/s);", kernel_name(class, g), s * 1e3);
+                }
+                if class == WeightClass::Nvfp4 && crate::amx::available() {
+                    crate::amx::bf16::gemm(&x, m, w, n, k, &mut out);
+                    let s = (0..5)
+                        .map(|_| {
+                            let t = std::time::Instant::now();
+                            crate::amx::bf16::gemm(&x, m, w, n, k, &mut out);
+                            t.elapsed().as_secs_f64()
+                        })
+                        .fold(f64::INFINITY, f64::min);
+                    line += &format!(" amx-bf16 {:.3} ms ({:.0} GMAC/s);", s * 1e3, (m * n * k) as f64 / s / 1e9);
+                }
+                eprintln!("{line}");
+            }
+        }
+    }
+}

@@ -15,7 +15,6 @@
 use std::arch::x86_64::*;
 
 use super::{Q8Rows, BLOCK};
-use crate::nvfp4::e4m3_to_f32;
 use crate::pool::{self, OutPtr};
 use crate::q8::LUT_U8 as LUT;
 
@@ -29,17 +28,6 @@ const GROUP_BLOCK: usize = 4 * 32;
 /// a broadcast and the ones stay in the 16 ymm registers (measured, `timing::gemm_vs` on 512 × 2048 ×
 /// 2048: 3 rows × 2 groups spilled, 23.4 ms against 19.4; 6 rows × 1 group 16.9 ms against 16.0).
 const MR: usize = 4;
-
-/// Every e4m3 code as f32 (the tile's scales are read per row and block, a table beats converting).
-static E4M3: [f32; 256] = {
-    let mut t = [0f32; 256];
-    let mut c = 0;
-    while c < 256 {
-        t[c] = e4m3_to_f32(c as u8);
-        c += 1;
-    }
-    t
-};
 
 /// One task's weights: per group of 8 rows, per block, four 32-byte steps; and per group and block,
 /// the 8 rows' e4m3 scales as f32.
@@ -148,7 +136,7 @@ unsafe fn decode(packed: &[u8], scales: &[u8], (r0, r1): (usize, usize), k: usiz
             for j in 0..GROUP {
                 let r = r0 + g * GROUP + j;
                 for b in 0..kb {
-                    ts[b * GROUP + j] = if r < r1 { E4M3[scales[r * kb + b] as usize] } else { 0.0 };
+                    ts[b * GROUP + j] = if r < r1 { crate::nvfp4::E4M3[scales[r * kb + b] as usize] } else { 0.0 };
                 }
             }
         }
