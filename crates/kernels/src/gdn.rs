@@ -161,6 +161,12 @@ pub fn gated_delta_chunked(s: GdnShape, inp: DeltaInputs<'_>, state: &mut [f32],
 }
 
 fn chunked_head(io: HeadIo<'_>) {
+    // A fast-forgetting head's decays reach exp(-87) and below inside a chunk, so its decayed keys and
+    // queries, and products with them, fall below f32's smallest normal; Intel cores take a microcode
+    // assist on every such operand. Measured (Sapphire Rapids, Qwen3.5-35B-A3B shapes, a random-weight
+    // checkpoint): 0.22 s per layer for a 512-token chunk with denormals against 0.031 s flushed. The
+    // values flushed are below 1.2e-38, and the outputs O(1).
+    let _flush = FlushDenormals::new();
     let (dk, dv) = (io.dk, io.dv);
     let n = io.g.len();
     let st = io.s;
@@ -238,6 +244,38 @@ fn chunked_head(io: HeadIo<'_>) {
     }
 }
 
+/// MXCSR's flush-to-zero and denormals-are-zero on this thread for the life of the guard (dropped on
+/// unwinding too), then the caller's mode again.
+struct FlushDenormals(#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] u32);
+
+impl FlushDenormals {
+    fn new() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut old = 0u32;
+            // SAFETY: stmxcsr/ldmxcsr read and write this thread's MXCSR through a local.
+            unsafe {
+                std::arch::asm!("stmxcsr [{p}]", p = in(reg) &mut old as *mut u32, options(nostack));
+                let new = old | 0x8040;
+                std::arch::asm!("ldmxcsr [{p}]", p = in(reg) &new as *const u32, options(nostack, readonly));
+            }
+            FlushDenormals(old)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        FlushDenormals(0)
+    }
+}
+
+impl Drop for FlushDenormals {
+    fn drop(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: restores the MXCSR value read in `new`.
+        unsafe {
+            std::arch::asm!("ldmxcsr [{p}]", p = in(reg) &self.0 as *const u32, options(nostack, readonly));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,6 +284,45 @@ mod tests {
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+    }
+
+    /// Inside the guard a product below f32's smallest normal is zero; after it, the caller's mode is
+    /// back (the product is a denormal again). Mutation-checked: a guard that does not restore fails.
+    #[test]
+    fn denormals_are_flushed_inside_the_guard_only() {
+        let tiny = || std::hint::black_box(1e-30f32) * std::hint::black_box(1e-10f32);
+        assert!(tiny() > 0.0, "this thread starts with denormals on");
+        {
+            let _flush = FlushDenormals::new();
+            if cfg!(target_arch = "x86_64") {
+                assert_eq!(tiny(), 0.0);
+            }
+        }
+        assert!(tiny() > 0.0 && tiny() < f32::MIN_POSITIVE);
+    }
+
+    /// Fast-forgetting heads (decays to exp(-190) over a chunk, so denormals would arise and are flushed
+    /// in the chunked form, while the token-by-token form keeps them) give the same outputs and state.
+    #[test]
+    fn chunked_equals_recurrent_with_fast_forgetting_heads() {
+        let s = GdnShape { nk: 1, nv: 2, dk: 16, dv: 8 };
+        let mut seed = 11;
+        let n = 150;
+        let mut q: Vec<f32> = (0..n * s.dk).map(|_| lcg(&mut seed)).collect();
+        let mut k: Vec<f32> = (0..n * s.dk).map(|_| lcg(&mut seed)).collect();
+        l2_norm(&mut q, s.dk, 1e-6);
+        l2_norm(&mut k, s.dk, 1e-6);
+        let v: Vec<f32> = (0..n * s.nv * s.dv).map(|_| lcg(&mut seed)).collect();
+        let g: Vec<f32> = (0..n * s.nv).map(|_| -3.0 + lcg(&mut seed)).collect();
+        let beta: Vec<f32> = (0..n * s.nv).map(|_| lcg(&mut seed) + 0.5).collect();
+        let inp = DeltaInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
+        let (mut s1, mut s2) = (vec![0.1; s.state_len()], vec![0.1; s.state_len()]);
+        let (mut o1, mut o2) = (vec![0.0; n * s.nv * s.dv], vec![0.0; n * s.nv * s.dv]);
+        gated_delta_recurrent(s, inp, &mut s1, &mut o1);
+        gated_delta_chunked(s, inp, &mut s2, &mut o2);
+        let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(diff(&o1, &o2) < 2e-5 && diff(&s1, &s2) < 2e-5, "{} {}", diff(&o1, &o2), diff(&s1, &s2));
+        assert!(o2.iter().any(|v| v.abs() > 0.1), "the outputs are not all decayed away");
     }
 
     #[test]

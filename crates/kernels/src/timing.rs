@@ -279,3 +279,38 @@ mod each_gemm {
         }
     }
 }
+
+/// The chunked delta rule at Qwen3.5-35B-A3B's shapes (16 key heads, 32 value heads, 128 × 128), one
+/// 512-token prefill chunk: what one Gated DeltaNet layer's mix costs.
+mod gdn_chunked {
+    use crate::gdn::{gated_delta_chunked, DeltaInputs, GdnShape};
+
+    #[test]
+    #[ignore]
+    fn gdn_chunked() {
+        let s = GdnShape { nk: 16, nv: 32, dk: 128, dv: 128 };
+        // Mild decays, and a fast-forgetting head's (exp(-3) a token: denormals inside a chunk).
+        for (n, decay) in [(512usize, 0.1f32), (64, 0.1), (512, 3.0)] {
+            let f = |i: usize, m: usize| ((i * 7919 % m) as f32 / m as f32) - 0.5;
+            let mut q: Vec<f32> = (0..n * s.nk * s.dk).map(|i| f(i, 97)).collect();
+            let mut k: Vec<f32> = (0..n * s.nk * s.dk).map(|i| f(i, 89)).collect();
+            crate::norm::l2_norm(&mut q, s.dk, 1e-6);
+            crate::norm::l2_norm(&mut k, s.dk, 1e-6);
+            let v: Vec<f32> = (0..n * s.nv * s.dv).map(|i| f(i, 83)).collect();
+            let g: Vec<f32> = (0..n * s.nv).map(|i| -decay - f(i, 13).abs() * 0.2).collect();
+            let beta: Vec<f32> = (0..n * s.nv).map(|i| 0.5 + f(i, 11)).collect();
+            let inp = DeltaInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
+            let mut st = vec![0f32; s.state_len()];
+            let mut out = vec![0f32; n * s.nv * s.dv];
+            gated_delta_chunked(s, inp, &mut st, &mut out);
+            let best = (0..5)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    gated_delta_chunked(s, inp, &mut st, &mut out);
+                    t.elapsed().as_secs_f64()
+                })
+                .fold(f64::INFINITY, f64::min);
+            eprintln!("gdn chunked n={n} decay {decay}: {:.2} ms", best * 1e3);
+        }
+    }
+}
