@@ -263,17 +263,6 @@ mod each_gemm {
                     let gmac = (m * n * k) as f64 / s / 1e9;
                     line += &format!(" {} {:.3} ms ({gmac:.0} GMAC/s);", kernel_name(class, g), s * 1e3);
                 }
-                if class == WeightClass::Nvfp4 && crate::amx::available() {
-                    crate::amx::bf16::gemm(&x, m, w, n, k, &mut out);
-                    let s = (0..5)
-                        .map(|_| {
-                            let t = std::time::Instant::now();
-                            crate::amx::bf16::gemm(&x, m, w, n, k, &mut out);
-                            t.elapsed().as_secs_f64()
-                        })
-                        .fold(f64::INFINITY, f64::min);
-                    line += &format!(" amx-bf16 {:.3} ms ({:.0} GMAC/s);", s * 1e3, (m * n * k) as f64 / s / 1e9);
-                }
                 eprintln!("{line}");
             }
         }
