@@ -27,3 +27,13 @@ ttft_run() {
   "$bench_venv/bin/python" "$bench_here/bench_prefix.py" --base "http://127.0.0.1:$port" --turns "$turns"
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
+
+# wait_up / stop: a server on $port answering /health (up to 10 minutes), and a server stopped.
+wait_up() {
+  for _ in $(seq 1 600); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && return 0
+    sleep 1
+  done
+  echo "server on $port did not start" >&2; return 1
+}
+stop() { kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }

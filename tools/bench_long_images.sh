@@ -17,14 +17,7 @@ peer_bin=${PEER_BIN:-$HOME/.cache/osprey/llamacpp/llama_cpp_python-0.3.36/vendor
 port=${PORT:-18300}
 mkdir -p "$out"
 stem=$(date -u +%Y-%m-%d)
-wait_up() {
-  for _ in $(seq 1 600); do
-    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && return 0
-    sleep 1
-  done
-  echo "server on $port did not start" >&2; return 1
-}
-stop() { kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+. "$(dirname "$0")/bench_lib.sh"
 run() { # NAME ARGS...: bench serve against the server on $port
   local name=$1; shift
   "$osprey" bench serve --url "http://127.0.0.1:$port" --scenario long-images --requests 1000 --max-tokens 16 \

@@ -15,14 +15,7 @@ peer_bin=${PEER_BIN:-$HOME/.cache/osprey/llamacpp/llama_cpp_python-0.3.36/vendor
 port=${PORT:-18310}
 mkdir -p "$out"
 stem=$(date -u +%Y-%m-%d)
-wait_up() {
-  for _ in $(seq 1 600); do
-    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && return 0
-    sleep 1
-  done
-  echo "server on $port did not start" >&2; return 1
-}
-stop() { kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+. "$(dirname "$0")/bench_lib.sh"
 run() { # NAME: bench serve against the server on $port
   "$osprey" bench serve --url "http://127.0.0.1:$port" --scenario text --requests "$requests" \
     --concurrency "$conc" --max-tokens 64 --out "$out/$stem-serve-$1.json" > /dev/null

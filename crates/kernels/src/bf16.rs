@@ -138,6 +138,9 @@ mod x86 {
     /// cold ran at 100 GMAC/s against 160 warm, with compute and DRAM adding up.
     const PREFETCH_TILES: usize = 2;
 
+    /// Weight rows ahead that a decode row prefetches (few activation rows: one weight row at a time).
+    const PREFETCH_ROWS: usize = 4;
+
     /// `TT` activation rows × `RR` weight rows over all `k` columns. Each (activation, weight) pair has
     /// two accumulators taking 32-column steps in turn (two independent `vdpbf16ps` chains per weight row
     /// keep decode, one row, above the DRAM's rate), a last partial round goes to the first, and the two
@@ -256,9 +259,16 @@ mod x86 {
         // SAFETY: tiles stay inside a (m rows), b (n rows) and the output indices the caller checked.
         unsafe {
             if m <= 4 {
+                // Decode: each weight row prefetches the one PREFETCH_ROWS on (its 4 KiB pages are where the
+                // hardware prefetchers stop), inside this call's rows.
                 for r in 0..n {
                     let (pb, po) = (b.add(r * k), out.add(r * os.1));
-                    dispatch!(1, m, (a, pb, k, scale, po, os, (std::ptr::null(), 0)); 1; 1 2 3 4);
+                    let ahead = if r + PREFETCH_ROWS < n {
+                        (b.add((r + PREFETCH_ROWS) * k).cast::<u8>(), 2 * k)
+                    } else {
+                        (std::ptr::null(), 0)
+                    };
+                    dispatch!(1, m, (a, pb, k, scale, po, os, ahead); 1; 1 2 3 4);
                 }
                 return;
             }
