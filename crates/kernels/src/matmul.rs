@@ -164,24 +164,22 @@ fn int8_eligible(w: WeightView<'_>, k: usize) -> bool {
 pub const AMX_MIN_ROWS: usize = 16;
 
 /// The fastest GEMM this CPU has (under the [`crate::set_gemm_ceiling`]) for `m` rows against `w` at
-/// `p`: at the fast precision, AMX-BF16 tiles where granted (bf16 weights, NVFP4 decoded to bf16)
-/// from [`AMX_MIN_ROWS`] rows, then for NVFP4 the AMX-INT8 tiles; else NVFP4 takes the int8 GEMM (AVX-512 VNNI: 2× the bf16 tiles'
-/// multiply-adds per instruction; AVX2: 2× sgemm on Zen 3), else bf16 tiles where AVX512-BF16 is, else
-/// sgemm. The calibration may prefer a lower one per weight class.
+/// `p`: at the fast precision, AMX-BF16 tiles where granted (bf16 weights, NVFP4 decoded to bf16) from
+/// [`AMX_MIN_ROWS`] rows, then for NVFP4 the AMX-INT8 tiles; else NVFP4 takes the int8 GEMM (AVX-512
+/// VNNI: 2× the bf16 tiles' multiply-adds per instruction; AVX2: 2× sgemm on Zen 3), else bf16 tiles
+/// where AVX512-BF16 is, else sgemm. The calibration may prefer a lower one per weight class.
 fn gemm_kind(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
     let fast_nvfp4 = p == Precision::Int8 && matches!(w, WeightView::Nvfp4 { .. });
+    // NVFP4 rows the int8 GEMMs (AMX-INT8 tiles, VNNI / AVX2) take: whole blocks.
+    let int8_nvfp4 = fast_nvfp4 && k.is_multiple_of(nvfp4::BLOCK);
     let amx_weights = fast_nvfp4 || (p == Precision::Int8 && matches!(w, WeightView::Bf16(_)));
     let class = class_of(w);
     let amx = amx_weights && m >= AMX_MIN_ROWS && amx::available();
     if amx && allowed_for(class, Gemm::Amx) {
         Gemm::Amx
-    } else if amx && fast_nvfp4 && k.is_multiple_of(nvfp4::BLOCK) && allowed_for(class, Gemm::AmxInt8) {
+    } else if amx && int8_nvfp4 && allowed_for(class, Gemm::AmxInt8) {
         Gemm::AmxInt8
-    } else if fast_nvfp4
-        && k.is_multiple_of(nvfp4::BLOCK)
-        && q8_gemm::available()
-        && allowed_for(WeightClass::Nvfp4, Gemm::Int8)
-    {
+    } else if int8_nvfp4 && q8_gemm::available() && allowed_for(class, Gemm::Int8) {
         Gemm::Int8
     } else if bf16_tiles(w, p) {
         Gemm::Bf16

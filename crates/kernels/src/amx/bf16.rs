@@ -7,7 +7,8 @@
 //! rows): the **weights are the A operand**, which `tdpbf16ps` reads row-major, 16 rows × 32 values —
 //! the layout a bf16 weight matrix already has, so its tiles load straight from the model's memory
 //! with the row stride. NVFP4 rows are decoded per task into a scratch of the same layout (AVX-512:
-//! a block's 16 values are one `vpermw` from a 16-entry table of `e2m1 · scale`). The **activations
+//! two blocks' 32 values are one `vpermw` from their rows of a table of every e4m3 × e2m1 product,
+//! [`PRODUCTS`]). The **activations
 //! are the B operand**, pair-interleaved (tile row `kk`, column `j` = activation row `j`'s values
 //! `2kk, 2kk+1`), rounded and packed once per call for every task. A task takes 32 weight rows; per 32
 //! activation rows, 4 accumulator tiles hold 32 × 32 sums over all of `k`, so each step loads 2 A and
