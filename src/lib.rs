@@ -124,9 +124,13 @@ fn depth(settings: &Settings) -> usize {
     settings.expert_prefetch_depth.unwrap_or(1).max(1)
 }
 
+/// The read-ahead policy `--expert-prefetch` names (docs/architecture.md, "Read-ahead"); by default the
+/// router's guesses, gated by their measured precision (issue 55).
+pub const DEFAULT_EXPERT_PREFETCH: &str = "router";
+
 /// The read-ahead policy `--expert-prefetch` names (docs/architecture.md, "Read-ahead").
 fn expert_predictor(settings: &Settings) -> Result<Option<Arc<dyn osprey_models::layers::predict::ExpertPredictor>>> {
-    let name = settings.expert_prefetch.as_deref().unwrap_or("off");
+    let name = settings.expert_prefetch.as_deref().unwrap_or(DEFAULT_EXPERT_PREFETCH);
     Ok(osprey_models::layers::predict::by_name(name, margin(settings))?)
 }
 

@@ -158,8 +158,10 @@ pub struct ExpertsArgs {
     /// Write the routing trace the run recorded (JSON) for `bench replay` and `--prefetch oracle`.
     #[arg(long)]
     pub trace_out: Option<PathBuf>,
-    /// Read experts ahead: off, router, previous, union (as `serve --expert-prefetch`), or oracle (the
-    /// next layer's true experts from `--trace-in`: the pipeline's ceiling).
+    /// Read experts ahead: off, router, previous, union (as `serve --expert-prefetch`), oracle (the
+    /// next layer's true experts from `--trace-in`: the pipeline's ceiling), or wrong / wrong-unscored
+    /// (as many experts the next layer does not route to: what a wrong guess costs, scored by its measured
+    /// precision or claimed sure).
     #[arg(long, default_value = "off")]
     pub prefetch: String,
     /// Experts per token the router guess adds beyond top-k.
@@ -360,6 +362,10 @@ fn experts(a: ExpertsArgs, g: &Global) -> Result<()> {
             "oracle" => {
                 let path = a.trace_in.as_ref().context("--prefetch oracle needs --trace-in (a --trace-out file)")?;
                 osprey_bench::Prefetch::Oracle(serde_json::from_value(read_json(path)?)?)
+            }
+            name @ ("wrong" | "wrong-unscored") => {
+                let path = a.trace_in.as_ref().context("--prefetch wrong needs --trace-in (a --trace-out file)")?;
+                osprey_bench::Prefetch::Wrong(serde_json::from_value(read_json(path)?)?, name == "wrong")
             }
             "off" => osprey_bench::Prefetch::Off,
             name => osprey_bench::Prefetch::Policy(name.to_string(), a.prefetch_margin),

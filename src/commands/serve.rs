@@ -88,7 +88,7 @@ pub struct ServeArgs {
     /// Fill the expert budget after startup, in the background (requests are served first).
     #[arg(long)]
     expert_warmup: bool,
-    /// Read experts ahead, guessed one layer early: off, router, previous or union.
+    /// Read experts ahead, guessed one layer early: router (the default), previous, union or off.
     #[arg(long)]
     expert_prefetch: Option<String>,
     /// Experts per token the router guess adds beyond top-k.

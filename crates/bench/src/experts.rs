@@ -9,7 +9,7 @@ use osprey_experts::{
     ResidentSet,
 };
 use osprey_models::backend::BackendRef;
-use osprey_models::layers::predict::ExpertPredictor;
+use osprey_models::layers::predict::{Calibrated, ExpertPredictor};
 use osprey_models::{
     Checkpoint, ExpertKey, ExpertSource, ExpertTicket, ExpertWeights, Guess, LayerStep, ModelConfig, PendingExperts,
     Weight,
@@ -149,6 +149,12 @@ pub struct PrefetchReport {
     pub wasted_bytes_per_token: f64,
     /// Guesses not read (held already, or over the cap), per token.
     pub skipped_per_token: f64,
+    /// Guesses dropped before their read was submitted (their layer came first), per token.
+    pub cancelled_per_token: f64,
+    /// Guesses not read for a measured precision below the disk's break-even, per token.
+    pub gated_per_token: f64,
+    /// Milliseconds demand reads waited behind a guess being read, per token.
+    pub demand_delay_ms_per_token: f64,
     /// Per MoE layer, the policy's guesses against what the layer then routed to, every step of the run
     /// (prefill included; whether or not a guess was read).
     pub per_layer: Vec<GuessAccuracy>,
@@ -208,10 +214,17 @@ impl ExpertPredictor for Scored {
     }
 
     fn predict(&self, a: &osprey_models::layers::predict::Ahead<'_>) -> osprey_models::Result<Vec<ExpertKey>> {
-        let guess = self.inner.predict(a)?;
+        Ok(self.predict_scored(a)?.into_iter().map(|(k, _)| k).collect())
+    }
+
+    fn predict_scored(
+        &self,
+        a: &osprey_models::layers::predict::Ahead<'_>,
+    ) -> osprey_models::Result<Vec<(ExpertKey, f32)>> {
+        let guess = self.inner.predict_scored(a)?;
         let mut st = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(p) = st.0.get_mut(a.next) {
-            *p = Some(guess.clone());
+            *p = Some(guess.iter().map(|&(k, _)| k).collect());
         }
         Ok(guess)
     }
@@ -232,6 +245,9 @@ impl PrefetchReport {
             used_fraction: after.used.saturating_sub(before.used) as f64 / issued.max(1) as f64,
             wasted_bytes_per_token: per(after.wasted_bytes, before.wasted_bytes),
             skipped_per_token: per(after.skipped, before.skipped),
+            cancelled_per_token: per(after.cancelled, before.cancelled),
+            gated_per_token: per(after.gated, before.gated),
+            demand_delay_ms_per_token: per(after.demand_delay_us, before.demand_delay_us) / 1e3,
             per_layer: scored.map(Scored::accuracy).unwrap_or_default(),
         }
     }
@@ -340,6 +356,11 @@ pub enum Prefetch {
     Policy(String, usize),
     /// Exactly the next layer's experts, from a trace of the same prompt: the pipeline's own ceiling.
     Oracle(TraceFile),
+    /// As many experts as the oracle guesses, none of which the next layer routes to (the trace's
+    /// complement): what a wrong guess costs. Scored by [`Calibrated`] (`wrong`), its measured precision
+    /// falls to 0 and the gate stops reading it; unscored (`wrong-unscored`, every guess claimed sure), it
+    /// is read with the widest window whenever the disk is idle.
+    Wrong(TraceFile, bool),
 }
 
 impl Prefetch {
@@ -349,6 +370,8 @@ impl Prefetch {
             Prefetch::Off => "off".into(),
             Prefetch::Policy(n, m) => format!("{n} (margin {m})"),
             Prefetch::Oracle(_) => "oracle".into(),
+            Prefetch::Wrong(_, true) => "wrong".into(),
+            Prefetch::Wrong(_, false) => "wrong-unscored".into(),
         }
     }
 
@@ -357,6 +380,19 @@ impl Prefetch {
             Prefetch::Off => None,
             Prefetch::Policy(n, m) => osprey_models::layers::predict::by_name(n, *m)?,
             Prefetch::Oracle(t) => Some(Arc::new(osprey_models::layers::predict::Replay::new(t.trace.clone()))),
+            Prefetch::Wrong(t, scored) => {
+                let k = t.top_k.max(1);
+                // Per step, `k` experts of the layer it does not route to (as many as the oracle guesses
+                // at a decode step), starting after its last routed one so they vary.
+                let wrong = t.trace.iter().map(|(l, routed)| {
+                    let start = routed.iter().max().map_or(0, |m| m + 1);
+                    let others = (0..t.experts_per_layer).map(|i| (start + i) % t.experts_per_layer);
+                    (*l, others.filter(|e| !routed.contains(e)).take(k).collect())
+                });
+                let replay: Arc<dyn ExpertPredictor> =
+                    Arc::new(osprey_models::layers::predict::Replay::new(wrong.collect()));
+                Some(if *scored { Arc::new(Calibrated::new(replay)) } else { replay })
+            }
         })
     }
 

@@ -81,6 +81,41 @@ pub trait Reader: Send {
             .collect()
     }
 
+    /// [`Reader::read_into`] at a pace: at most `max_bytes` of windows at the disk at once (a lone larger
+    /// window goes alone), and `go()` asked before each submission — it may wait; false submits nothing
+    /// more, and the requests not submitted fail. The read-ahead thread's reads (issue 55): its next piece
+    /// waits while a demand read is under way, and bounds what a demand read can queue behind. This
+    /// default asks once per group that fits `max_bytes` and reads the group with `read_into`; the
+    /// io_uring reader keeps the window full instead, submitting the next request as each completes.
+    ///
+    /// # Safety
+    /// As [`Reader::read_into`].
+    unsafe fn read_into_paced(
+        &mut self,
+        reqs: &[ReadReq],
+        dests: &[Dest],
+        max_bytes: usize,
+        go: &mut dyn FnMut() -> bool,
+    ) -> Vec<std::io::Result<usize>> {
+        let mut out = Vec::with_capacity(reqs.len());
+        let mut i = 0;
+        while i < reqs.len() {
+            let (mut j, mut bytes) = (i, 0);
+            while j < reqs.len() && (j == i || bytes + window(reqs[j].offset, reqs[j].len).2 <= max_bytes) {
+                bytes += window(reqs[j].offset, reqs[j].len).2;
+                j += 1;
+            }
+            if !go() {
+                break;
+            }
+            // SAFETY: the caller's contract, for a sub-slice of its requests.
+            out.extend(unsafe { self.read_into(&reqs[i..j], &dests[i..j]) });
+            i = j;
+        }
+        out.resize_with(reqs.len(), not_submitted);
+        out
+    }
+
     /// Registers `slots` buffers of `stride` bytes from `base` (the expert arena) so reads into them skip
     /// per-I/O page pinning; false when the reader cannot (pread) or the kernel refuses (memlock).
     ///
@@ -266,6 +301,11 @@ fn reap(
     Some(done)
 }
 
+/// A paced read's request that `go()` stopped before it was submitted.
+fn not_submitted() -> std::io::Result<usize> {
+    Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "read not submitted: stopped"))
+}
+
 /// A completion's result: bytes read, or the errno it carries.
 fn completed(res: i32) -> std::io::Result<usize> {
     if res < 0 {
@@ -365,17 +405,36 @@ impl Reader for UringReader {
     }
 
     unsafe fn read_into(&mut self, reqs: &[ReadReq], dests: &[Dest]) -> Vec<std::io::Result<usize>> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.read_into_paced(reqs, dests, usize::MAX, &mut || true) }
+    }
+
+    unsafe fn read_into_paced(
+        &mut self,
+        reqs: &[ReadReq],
+        dests: &[Dest],
+        max_bytes: usize,
+        go: &mut dyn FnMut() -> bool,
+    ) -> Vec<std::io::Result<usize>> {
         let mut results: Vec<Option<std::io::Result<usize>>> = (0..reqs.len()).map(|_| None).collect();
         let cap = self.ring.params().sq_entries() as usize;
-        let (mut next, mut inflight) = (0, 0);
+        let (mut next, mut inflight, mut bytes, mut stopped) = (0, 0, 0usize, false);
+        let mut sizes = vec![0usize; reqs.len()];
         while next < reqs.len() || inflight > 0 {
-            while next < reqs.len() && inflight < cap {
+            while !stopped && next < reqs.len() && inflight < cap {
                 let (r, d) = (&reqs[next], dests[next]);
                 let (start, _, total) = window(r.offset, r.len);
                 if total > d.cap {
                     results[next] = Some(Err(std::io::Error::other("read destination smaller than its window")));
                     next += 1;
                     continue;
+                }
+                if inflight > 0 && bytes + total > max_bytes {
+                    break;
+                }
+                if !go() {
+                    stopped = true;
+                    break;
                 }
                 let fd = io_uring::types::Fd(self.files[r.file].file.as_raw_fd());
                 let e = match d.fixed.filter(|_| self.arena) {
@@ -387,19 +446,22 @@ impl Reader for UringReader {
                 if unsafe { self.ring.submission().push(&e) }.is_err() {
                     break;
                 }
+                (sizes[next], bytes) = (total, bytes + total);
                 next += 1;
                 inflight += 1;
             }
             if inflight == 0 {
                 if next < reqs.len() {
+                    let refused = || Err(std::io::Error::other("io_uring submission queue refused a read"));
                     for r in results.iter_mut().filter(|r| r.is_none()) {
-                        *r = Some(Err(std::io::Error::other("io_uring submission queue refused a read")));
+                        *r = Some(if stopped { not_submitted() } else { refused() });
                     }
                 }
                 break;
             }
             let Some(done) = reap(&mut self.ring, &mut inflight, &mut results) else { break };
             for (i, res) in done {
+                bytes -= sizes[i];
                 results[i] = Some(completed(res));
             }
         }
@@ -534,6 +596,61 @@ mod tests {
             }
             let past = r.read_batch(&[ReadReq { file: 0, offset: 49_995, len: 10 }]);
             assert!(past[0].is_err(), "{:?}: reading past the end is a short-read error", r.kind());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A paced read (issue 55) gets the bytes `read_into` gets, asks `go()` once per submission (the
+    /// io_uring reader once per request, keeping at most the window's bytes at the disk; the default once
+    /// per group), and once `go()` says stop submits nothing more: the requests not submitted fail, those
+    /// submitted complete.
+    #[test]
+    fn a_paced_read_asks_before_each_submission_and_stops_when_told() {
+        let dir = std::env::temp_dir().join(format!("osprey-reader-paced-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let path = dir.join("data.bin");
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i * 13 % 251) as u8).collect();
+        std::fs::write(&path, &data).expect("write");
+        let reqs: Vec<ReadReq> = (0..6).map(|i| ReadReq { file: 0, offset: i * 32_768, len: 32_768 }).collect();
+        let mut readers: Vec<Box<dyn Reader>> =
+            vec![Box::new(PreadReader::new(std::slice::from_ref(&path), 2).expect("pread"))];
+        if let Ok(u) = UringReader::new(std::slice::from_ref(&path), 8) {
+            readers.push(Box::new(u));
+        }
+        for mut r in readers {
+            let per_request = r.kind() == ReaderKind::IoUring;
+            for stop_after in [usize::MAX, 2] {
+                let mut bufs: Vec<AlignedBuf> = reqs.iter().map(|_| AlignedBuf::new(32_768)).collect();
+                let dests: Vec<Dest> =
+                    bufs.iter_mut().map(|b| Dest { ptr: b.as_mut_ptr(), cap: b.len(), fixed: None }).collect();
+                let mut asked = 0;
+                let mut go = || {
+                    asked += 1;
+                    asked <= stop_after
+                };
+                // SAFETY: each buffer is ours and holds its request's window.
+                let got = unsafe { r.read_into_paced(&reqs, &dests, 2 * 32_768, &mut go) };
+                let read = got.iter().filter(|g| g.is_ok()).count();
+                let what = format!("{:?}, stop after {stop_after}", r.kind());
+                if stop_after == usize::MAX {
+                    assert_eq!(read, reqs.len(), "{what}");
+                    assert_eq!(asked, if per_request { 6 } else { 3 }, "{what}: asked per submission");
+                } else {
+                    assert_eq!(read, if per_request { 2 } else { 4 }, "{what}: what was submitted completes");
+                    assert!(
+                        got[read..]
+                            .iter()
+                            .all(|g| g.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::Interrupted)),
+                        "{what}"
+                    );
+                }
+                for ((q, g), b) in reqs.iter().zip(&got).zip(&bufs) {
+                    if let Ok(at) = g {
+                        let o = q.offset as usize;
+                        assert_eq!(&b.as_ref()[*at..*at + q.len], &data[o..o + q.len], "{what} {q:?}");
+                    }
+                }
+            }
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -237,8 +237,10 @@ impl ExpertPredictor for Recorder {
 }
 
 /// Issue 36: perfect guesses are read before their layer asks, every one is used, none is wasted, and
-/// only the first layer misses (at the first forward, which nothing guesses for; later ones are guessed
-/// by the last layer of the forward before); the logits stay the mapped model's. With a
+/// past the first layer (at the first forward, which nothing guesses for; later ones are guessed by the
+/// last layer of the forward before) a layer misses only guesses its step came before: since issue 55
+/// those are dropped before their read is submitted (cancelled) and the step reads them itself, so the
+/// misses of layers 1.. are at most the guesses cancelled. The logits stay the mapped model's. With a
 /// budget that the backend's slots fill (a byte budget of 3 experts), guesses are held beside it, not
 /// evicted by it before their layer comes.
 #[test]
@@ -269,7 +271,11 @@ fn perfect_guesses_are_read_ahead_and_all_used() {
         assert!(p.issued > 0, "{budget}: guesses were read: {p:?}");
         assert_eq!((p.used, p.wasted, p.wasted_bytes), (p.issued, 0, 0), "{budget}: every guess used: {p:?}");
         let missed: Vec<u64> = s.layers.iter().map(|l| l.misses).collect();
-        assert!(missed[0] > 0 && missed[1..].iter().all(|&m| m == 0), "{budget}: only layer 0 misses: {missed:?}");
+        let late: u64 = missed[1..].iter().sum();
+        assert!(
+            missed[0] > 0 && late <= p.cancelled,
+            "{budget}: past layer 0 only cancelled guesses miss: {missed:?}, {p:?}"
+        );
     }
 }
 
@@ -295,6 +301,48 @@ fn wrong_guesses_are_counted_wasted_and_change_nothing() {
     let p = stats(&set).prefetch;
     assert!(p.issued > 0 && p.used == 0, "guesses read, none used: {p:?}");
     assert!(p.wasted > 0 && p.wasted <= p.issued && p.wasted_bytes > 0, "counted wasted: {p:?}");
+}
+
+/// Perfect guesses that claim no confidence.
+#[derive(Debug)]
+struct Unsure(Replay);
+
+impl ExpertPredictor for Unsure {
+    fn observe(&self, layer: usize, touched: &[ExpertKey]) {
+        self.0.observe(layer, touched);
+    }
+    fn predict(&self, a: &Ahead<'_>) -> osprey_models::Result<Vec<ExpertKey>> {
+        self.0.predict(a)
+    }
+    fn predict_scored(&self, a: &Ahead<'_>) -> osprey_models::Result<Vec<(ExpertKey, f32)>> {
+        Ok(self.0.predict(a)?.into_iter().map(|k| (k, 0.0)).collect())
+    }
+}
+
+/// Issue 55: the manager reads a guess only where its measured precision beats the disk's break-even:
+/// guesses scored 0 are gated, none is read, each layer reads what it needs itself, and the logits stay
+/// the mapped model's; the same guesses scored 1 (the default) are read.
+#[test]
+fn guesses_below_the_break_even_are_not_read() {
+    let dir = nvfp4_dir();
+    let idx = index(&dir);
+    let reference = run(&model_with(&dir, None), &prompt()).expect("mapped");
+    let recorder = Arc::new(Recorder::default());
+    run(&model_guessing(&dir, None, Some(recorder.clone())), &prompt()).expect("recorded");
+    let trace = recorder.0.lock().expect("trace").clone();
+    for sure in [false, true] {
+        let replay = Replay::new(trace.clone());
+        let predictor: Arc<dyn ExpertPredictor> = if sure { Arc::new(replay) } else { Arc::new(Unsure(replay)) };
+        let set = manager(&idx, None, Budget::PerLayer(4), false);
+        let m = model_guessing(&dir, Some(Arc::new(set.clone())), Some(predictor));
+        assert!(run(&m, &prompt()).expect("streamed") == reference, "sure: {sure}: the logits changed");
+        let p = stats(&set).prefetch;
+        if sure {
+            assert!(p.gated == 0 && p.issued + p.cancelled > 0, "sure guesses are queued: {p:?}");
+        } else {
+            assert!(p.gated > 0 && p.issued == 0 && p.cancelled == 0, "unsure guesses are not read: {p:?}");
+        }
+    }
 }
 
 /// Issue 36: the cap bounds what guesses hold: with room for one guessed expert, the rest of each guess
@@ -345,8 +393,11 @@ fn guesses_uploaded_into_slots_count_no_access_and_change_no_answer() {
             let m = osprey_models::load_with_options(&cfg, &ck, opts, backend, &mut |_, _| {}).expect("model");
             let what = format!("{budget:?}, guesses uploaded: {uploads}");
             assert!(run(&m, &prompt()).expect("streamed") == reference, "{what}: the logits changed");
-            // A byte budget of three experts holds too few for a guess to find its expert in RAM.
-            let some = uploads && matches!(budget, Budget::PerLayer(_));
+            // Guesses go up only for experts held in RAM when the guess is made. With every expert held
+            // once read (8 per layer) that is certain; under smaller budgets it depends on which guesses
+            // the disk read before their layer came (issue 55: the rest are cancelled), so it is not
+            // asserted there (a byte budget of three experts holds too few for any).
+            let some = uploads && budget == Budget::PerLayer(8);
             assert!(m.slot_stats().guesses == 0 || uploads, "{what}: no upload without guesses uploaded");
             assert!(m.slot_stats().guesses > 0 || !some, "{what}: guesses went up");
             let s = stats(&set);

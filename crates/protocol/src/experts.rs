@@ -76,6 +76,15 @@ pub struct PrefetchStats {
     pub wasted_bytes: u64,
     /// Guesses dropped: already held, over the cap, or given up because a request was waiting.
     pub skipped: u64,
+    /// Guesses not read because their measured precision was below the break-even of this disk (what a
+    /// wrong read costs the steps against what a right one saves).
+    pub gated: u64,
+    /// Guesses dropped before their read was submitted, because their layer's step came first (it reads
+    /// what it needs itself).
+    pub cancelled: u64,
+    /// Microseconds demand reads waited behind a guess being read when they came (a read at the device
+    /// cannot be recalled; nothing more is submitted while a demand read is under way).
+    pub demand_delay_us: u64,
 }
 
 /// The experts of one layer as the residency manager sees them.

@@ -189,6 +189,13 @@ pub struct ExpertSlots {
     pub guesses_wasted: u64,
 }
 
+impl ExpertSlots {
+    /// Share of routed experts found in a slot (0 before any step).
+    pub fn hit_rate(&self) -> f64 {
+        self.hits as f64 / (self.hits + self.misses).max(1) as f64
+    }
+}
+
 impl std::ops::Add for ExpertSlots {
     type Output = ExpertSlots;
     fn add(self, o: ExpertSlots) -> ExpertSlots {

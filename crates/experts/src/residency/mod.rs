@@ -31,7 +31,7 @@ pub use table::{Budget, Policy, ResidencyTable};
 
 use crate::reader::{open_reader, Reader};
 use crate::store::ExpertIndex;
-use guesser::{start_guesser, Guesser, Landed};
+use guesser::{start_guesser, Guesser, Job, Landed};
 use read::{host_tier, read_missing, HostTier};
 
 type Weights = Arc<ExpertWeights>;
@@ -53,10 +53,15 @@ enum Command {
         /// The experts `resident` left out, in order, once read (leased), or the read error.
         reply: oneshot::Sender<Result<Vec<Weights>, RequestError>>,
     },
-    /// A guess ([`Guess`]): the manager reads the experts of `read` it does not hold, up to its cap,
-    /// when nothing else waits (nothing leased), and answers, per expert of `lease`, its weights leased
-    /// if held now (no access counted).
-    Guess { read: Vec<ExpertKey>, lease: Vec<ExpertKey>, reply: Option<oneshot::Sender<Vec<Option<Weights>>>> },
+    /// A guess ([`Guess`]): the manager queues the experts of `read` it does not hold whose `confidence`
+    /// beats its break-even, up to its cap, for the read-ahead thread, and answers, per expert of
+    /// `lease`, its weights leased if held now (no access counted).
+    Guess {
+        read: Vec<ExpertKey>,
+        confidence: Vec<f32>,
+        lease: Vec<ExpertKey>,
+        reply: Option<oneshot::Sender<Vec<Option<Weights>>>>,
+    },
     /// A lease was dropped.
     Release(ExpertKey),
     /// Counters.
@@ -120,7 +125,12 @@ impl ExpertSource for ResidentSet {
         let (reply, rx) = oneshot::channel();
         let lease = guess.lease.to_vec();
         let reply = (!lease.is_empty()).then_some(reply);
-        let cmd = Command::Guess { read: guess.read.to_vec(), lease: lease.clone(), reply };
+        let cmd = Command::Guess {
+            read: guess.read.to_vec(),
+            confidence: guess.confidence.to_vec(),
+            lease: lease.clone(),
+            reply,
+        };
         if self.tx.send(cmd).is_err() || lease.is_empty() {
             return PendingExperts::none();
         }
@@ -237,7 +247,8 @@ pub fn spawn(
             }
         },
     };
-    let m = Manager { index, tier, reader, table, rx, guesser, warm, peak: 0, stall, opts };
+    let cost = GuessCost::default();
+    let m = Manager { index, tier, reader, table, rx, guesser, warm, peak: 0, stall, opts, cost };
     std::thread::Builder::new()
         .name("osprey-experts".into())
         .spawn(move || m.run())
@@ -260,10 +271,63 @@ struct Manager {
     peak: usize,
     stall: Arc<AtomicU64>,
     opts: Options,
+    /// What guesses cost and save on this disk, as measured.
+    cost: GuessCost,
+}
+
+/// What reading guesses costs against what it saves, measured as they are read: seconds demand reads
+/// waited behind guesses being read, against the seconds of reads the used guesses took off the steps
+/// (each used guess saves about the mean guess's read time). Both decay by [`GuessCost::KEEP`] a step, so
+/// the break-even follows the disk and the load.
+#[derive(Debug, Clone, Copy)]
+struct GuessCost {
+    delay: f64,
+    saved: f64,
+    /// Guesses read and the seconds their reads took (for the mean).
+    reads: f64,
+    read_secs: f64,
+    /// `prefetch.used` when last counted.
+    used_seen: u64,
+}
+
+impl Default for GuessCost {
+    /// As if a wrong guess had cost a quarter of what a right one saves (break-even 0.2) until measured.
+    fn default() -> Self {
+        GuessCost { delay: 0.25 * Self::PRIOR, saved: Self::PRIOR, reads: 0.0, read_secs: 0.0, used_seen: 0 }
+    }
+}
+
+impl GuessCost {
+    /// Weight of the starting assumption, in seconds saved (a few guesses' worth).
+    const PRIOR: f64 = 0.01;
+    /// Share of the sums kept at each step (a time constant of a thousand layer steps).
+    const KEEP: f64 = 0.999;
+
+    /// A step came: the guesses used since the last one are counted saved.
+    fn step(&mut self, used: u64) {
+        let mean = if self.reads > 0.0 { self.read_secs / self.reads } else { 0.0 };
+        self.saved = self.saved * Self::KEEP + used.saturating_sub(self.used_seen) as f64 * mean;
+        self.delay *= Self::KEEP;
+        self.used_seen = used;
+    }
+
+    /// A guess was read in `secs` and made demand reads wait `delayed` seconds.
+    fn read(&mut self, secs: f64, delayed: f64) {
+        (self.reads, self.read_secs) = (self.reads * Self::KEEP + 1.0, self.read_secs * Self::KEEP + secs);
+        self.delay += delayed;
+    }
+
+    /// The least precision a guess needs to be read: with `c` what a wrong read costs over what a right
+    /// one saves, p·1 − (1 − p)·c ≥ 0, so p ≥ c / (1 + c).
+    fn break_even(&self) -> f32 {
+        let c = self.delay / self.saved.max(1e-9);
+        (c / (1.0 + c)) as f32
+    }
 }
 
 impl Manager {
     fn run(mut self) {
+        io_priority();
         while let Some(cmd) = self.next_command() {
             self.land_guesses(false);
             self.handle(cmd);
@@ -304,17 +368,27 @@ impl Manager {
                     let _ = resident.send(Ok(Vec::new()));
                     return;
                 };
+                self.cost.step(self.table.prefetch.used);
+                // Its guesses not submitted yet are dropped: the step reads what it needs itself.
+                if let Some(g) = self.guesser.as_mut() {
+                    self.table.prefetch.cancelled += g.cancel_layer(layer).len() as u64;
+                    g.abandon_unless(layer, &need);
+                }
                 self.await_guesses(&need);
                 in_slots.iter().for_each(|&k| self.table.hit(k));
+                // While the misses are read the read-ahead thread submits nothing.
+                let demand = self.guesser.as_ref().filter(|_| need.iter().any(|&k| !self.table.contains(k)));
+                demand.inspect(|g| g.demand());
                 let (index, table) = (&self.index, &mut self.table);
                 need_experts(index, (self.reader.as_mut(), self.tier.as_ref()), table, (layer, &need), resident, reply);
+                demand.inspect(|g| g.demand_done());
                 // The layer had its step: its guesses not taken were wrong.
                 if layer < self.index.experts.len() {
                     self.table.pass_over(layer);
                 }
             }
-            Command::Guess { read, lease, reply } => {
-                self.ask(&read);
+            Command::Guess { read, confidence, lease, reply } => {
+                self.ask(&read, &confidence);
                 let Some(reply) = reply else { return };
                 let held: Vec<Option<Weights>> =
                     lease.iter().map(|&k| self.index.has(k).then(|| self.table.lease_quiet(k)).flatten()).collect();
@@ -334,23 +408,31 @@ impl Manager {
 
     /// Hands the guessed experts that are neither held nor being read to the read-ahead thread, in order,
     /// while what guesses hold or read stays within the cap; counts the rest skipped.
-    fn ask(&mut self, experts: &[ExpertKey]) {
+    fn ask(&mut self, experts: &[ExpertKey], confidence: &[f32]) {
         let Some(g) = self.guesser.as_mut() else { return };
         let (index, table) = (&self.index, &mut self.table);
-        for &k in experts {
-            if !index.has(k) || table.contains(k) || g.inflight.contains_key(&k) {
+        let mut reading: usize = g.inflight.values().sum();
+        let mut jobs: Vec<(Job, usize)> = Vec::new();
+        let break_even = self.cost.break_even();
+        for (i, &k) in experts.iter().enumerate() {
+            if !index.has(k) || table.contains(k) || g.inflight.contains_key(&k) || jobs.iter().any(|(j, _)| j.key == k)
+            {
+                continue;
+            }
+            let sure = confidence.get(i).copied().unwrap_or(1.0);
+            if sure < break_even {
+                table.prefetch.gated += 1;
                 continue;
             }
             let fp = index.expert_footprint(k);
-            let reading: usize = g.inflight.values().sum();
-            if table.guess_bytes() + reading + fp > self.opts.prefetch_cap
-                || g.jobs.send((k, table.steps(k.layer()))).is_err()
-            {
+            if table.guess_bytes() + reading + fp > self.opts.prefetch_cap {
                 table.prefetch.skipped += 1;
                 continue;
             }
-            g.inflight.insert(k, fp);
+            reading += fp;
+            jobs.push((Job { key: k, step: table.steps(k.layer()), sure }, fp));
         }
+        g.push(jobs);
     }
 
     /// Takes in the guesses that have landed (`wait`: blocks for one first).
@@ -370,6 +452,8 @@ impl Manager {
         for l in landed {
             g.inflight.remove(&l.key);
             let (table, key) = (&mut self.table, l.key);
+            table.prefetch.demand_delay_us += (l.delayed * 1e6) as u64;
+            self.cost.read(l.secs, l.delayed);
             match l.read {
                 Ok((w, need)) if !table.contains(key) => {
                     let st = &mut table.stats[key.layer()];
@@ -384,6 +468,7 @@ impl Manager {
                     }
                 }
                 Ok(_) => table.prefetch.skipped += 1,
+                Err(_) if l.abandoned => table.prefetch.cancelled += 1,
                 Err(e) => {
                     tracing::debug!(?key, error = %e, "guessed expert not read");
                     table.prefetch.skipped += 1;
@@ -419,6 +504,24 @@ impl Manager {
             arena_registered: tier.is_some_and(|t| t.registered),
             prefetch: t.prefetch,
         }
+    }
+}
+
+/// The nice value the expert I/O threads (the manager and the read-ahead thread) ask for.
+const IO_NICE: i32 = -10;
+
+/// Raises this thread's CPU priority to [`IO_NICE`]: an expert I/O thread must get a core as soon as a
+/// read completes or a step asks, while the kernels' pool keeps every core busy (it spins between
+/// operations). A read-ahead thread that waits for the scheduler leaves the disk idle between its pieces:
+/// on 2 cores decoding with 2 threads, the oracle's read-ahead ran 19.8 tok/s at nice 0 and 24.3 at -10
+/// (docs/benchmarks.md, issue 55). A process without the right (`CAP_SYS_NICE` or `RLIMIT_NICE`) keeps
+/// nice 0, logged; `--threads` one below the cores then leaves the I/O threads a core.
+fn io_priority() {
+    // SAFETY: plain syscalls about this thread.
+    let raised = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, IO_NICE) } == 0;
+    if !raised {
+        let e = std::io::Error::last_os_error();
+        tracing::info!(error = %e, nice = IO_NICE, "expert I/O thread keeps its priority");
     }
 }
 
@@ -515,5 +618,31 @@ fn need_experts(
         // Nobody took the experts just read: release their leases (they stay cached).
         drop(unclaimed);
         missing.iter().for_each(|&k| table.release(k));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GuessCost;
+
+    /// Issue 55: the break-even starts at 0.2 (a wrong read assumed to cost a quarter of what a right one
+    /// saves), falls as used guesses save read time without delaying demand reads, and rises towards 1
+    /// when guesses delay demand reads more than they save: such guesses are switched off by themselves.
+    #[test]
+    fn the_break_even_follows_what_guesses_cost_and_save() {
+        let start = GuessCost::default();
+        assert!((start.break_even() - 0.2).abs() < 1e-6, "{}", start.break_even());
+        let mut paying = start;
+        for used in 1..=50 {
+            paying.read(0.002, 0.0);
+            paying.step(used);
+        }
+        assert!(paying.break_even() < 0.05, "guesses that save and cost nothing: {}", paying.break_even());
+        let mut costly = start;
+        for used in 1..=50 {
+            costly.read(0.002, 0.004);
+            costly.step(used);
+        }
+        assert!(costly.break_even() > 0.6, "guesses that delay demand twice what they save: {}", costly.break_even());
     }
 }

@@ -10,7 +10,7 @@ use osprey_protocol::RequestError;
 use super::{engine_error, Budget, ResidencyTable};
 use crate::arena::{Arena, ArenaSlot};
 use crate::buf::AlignedBuf;
-use crate::reader::{window, Dest, Reader};
+use crate::reader::{window, Dest, ReadReq, Reader};
 use crate::store::ExpertIndex;
 
 /// The RAM tier's arena: slots of the largest expert's read footprint, as many as the budget holds plus
@@ -100,6 +100,19 @@ pub(super) fn read_experts(
     tier: Option<&HostTier>,
     items: &[ExpertKey],
 ) -> (Vec<Result<(ExpertWeights, usize), String>>, f64) {
+    // SAFETY: `read_experts_with` hands the reader destinations valid as `read_into` requires.
+    read_experts_with(index, tier, items, |reqs, dests| unsafe { reader.read_into(reqs, dests) })
+}
+
+/// [`read_experts`] with the reads done by `read`, which must fill each destination with its request's
+/// aligned window as [`Reader::read_into`] does (the read-ahead thread reads in pieces it can pause).
+#[allow(clippy::type_complexity)]
+pub(super) fn read_experts_with(
+    index: &ExpertIndex,
+    tier: Option<&HostTier>,
+    items: &[ExpertKey],
+    read: impl FnOnce(&[ReadReq], &[Dest]) -> Vec<std::io::Result<usize>>,
+) -> (Vec<Result<(ExpertWeights, usize), String>>, f64) {
     let (mut reqs, mut dests, mut landings, mut counts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for &key in items {
         let r = index.reads(key);
@@ -130,9 +143,9 @@ pub(super) fn read_experts(
         landings.push(landing);
     }
     let t0 = Instant::now();
-    // SAFETY: every destination is a slot or buffer owned by `landings`, each window inside its own,
-    // untouched by anyone else until the reads complete.
-    let results = unsafe { reader.read_into(&reqs, &dests) };
+    // Every destination is a slot or buffer owned by `landings`, each window inside its own, untouched by
+    // anyone else until the reads complete.
+    let results = read(&reqs, &dests);
     let secs = t0.elapsed().as_secs_f64();
     let mut results = results.into_iter();
     let mut out = Vec::with_capacity(items.len());

@@ -155,6 +155,10 @@ pub struct Guess<'a> {
     /// Experts to read ahead: a source with a slower tier may start reading them; it must never change
     /// what [`ExpertSource::request`] returns.
     pub read: &'a [ExpertKey],
+    /// Per expert of `read`, the measured chance that its layer routes to it
+    /// ([`crate::layers::predict::Calibrated`]): a source reads the guesses above its break-even (the
+    /// cost of a wrong read against the time a right one saves, on its tier).
+    pub confidence: &'a [f32],
     /// Experts to hand back, leased, if held in RAM now (a device backend uploads them into slots ahead of
     /// their layer); nothing is read for them and no access is counted.
     pub lease: &'a [ExpertKey],
@@ -324,13 +328,26 @@ impl LayerSlots {
     /// The guess's first experts that fit in the pool (most wanted first), and of those, the ones of this
     /// layer no slot holds yet: those to ask the source for, leased if it holds them in RAM, and upload
     /// once the asking block's own step is done ([`Self::upload_guesses`]).
-    fn to_lease(&self, source: &dyn ExpertSource, guess: &[ExpertKey]) -> (Vec<ExpertKey>, Vec<ExpertKey>) {
+    fn to_lease(
+        &self,
+        source: &dyn ExpertSource,
+        guess: &[ExpertKey],
+        confidence: &[f32],
+    ) -> (Vec<ExpertKey>, Vec<ExpertKey>) {
         let guess = &guess[..guess.len().min(self.count(source))];
         let slots = self.lock();
         let in_slot = |k: ExpertKey| slots.table.as_ref().is_some_and(|t| t.contains(k));
-        let lease =
-            guess.iter().copied().filter(|&k| k.layer() == self.layer && k.expert() < self.experts && !in_slot(k));
-        (guess.to_vec(), lease.collect())
+        // A wrong upload costs the slot it takes: the expert it evicts is uploaded again at its next use,
+        // which comes at about the layer's slot hit rate `h`; a right one saves an upload on the step's
+        // critical path. The copy itself runs beside the compute. Break-even: precision h / (1 + h).
+        let h = slots.table.as_ref().map_or(0.0, |t| t.counters().hit_rate()) as f32;
+        let break_even = h / (1.0 + h);
+        let sure = |i: usize| confidence.get(i).is_none_or(|&p| p >= break_even);
+        let lease = guess
+            .iter()
+            .enumerate()
+            .filter(|&(i, &k)| k.layer() == self.layer && k.expert() < self.experts && !in_slot(k) && sure(i));
+        (guess.to_vec(), lease.map(|(_, &k)| k).collect())
     }
 
     /// Uploads guessed experts (most wanted first) into this layer's slots ahead of its step: free slots,
@@ -636,13 +653,13 @@ impl SparseMoe {
         let mut held = None;
         for (d, (next, router)) in next.iter().enumerate() {
             let ahead = Ahead::new(b, (self.layer, *next), self.cfg.top_k, x, router).at_distance(d + 1);
-            let guess = predictor.predict(&ahead)?;
+            let (guess, confidence): (Vec<ExpertKey>, Vec<f32>) = predictor.predict_scored(&ahead)?.into_iter().unzip();
             if guess.is_empty() {
                 continue;
             }
             let slots = next_slots.as_ref().filter(|_| d == 0);
-            let (fits, lease) = slots.map(|s| s.to_lease(experts, &guess)).unwrap_or_default();
-            let answer = experts.guess(Guess { read: &guess, lease: &lease });
+            let (fits, lease) = slots.map(|s| s.to_lease(experts, &guess, &confidence)).unwrap_or_default();
+            let answer = experts.guess(Guess { read: &guess, confidence: &confidence, lease: &lease });
             if let (false, Some(slots)) = (lease.is_empty(), slots) {
                 held = Some(HeldGuess { slots: slots.clone(), guess: fits, held: answer });
             }

@@ -299,9 +299,22 @@ const ENGINE: &[Decl] = &[
     counter("osprey_expert_prefetch_used", "Guessed experts their layer then used.", |s| {
         experts(s, |e| N::U(e.prefetch.used))
     }),
+    counter("osprey_expert_prefetch_wasted", "Guessed experts read that their layer did not use.", |s| {
+        experts(s, |e| N::U(e.prefetch.wasted))
+    }),
     counter("osprey_expert_prefetch_wasted_bytes", "Bytes read for guesses their layer did not use.", |s| {
         experts(s, |e| N::U(e.prefetch.wasted_bytes))
     }),
+    counter(
+        "osprey_expert_prefetch_cancelled",
+        "Guesses dropped before or while being read because their layer came first (it reads what it needs).",
+        |s| experts(s, |e| N::U(e.prefetch.cancelled)),
+    ),
+    counter(
+        "osprey_expert_prefetch_gated",
+        "Guesses not read: their measured precision was below the disk's break-even.",
+        |s| experts(s, |e| N::U(e.prefetch.gated)),
+    ),
     gauge("osprey_expert_prefetch_accuracy", "Fraction of the guessed experts read that their layer used.", |s| {
         experts(s, |e| N::F(ratio(e.prefetch.used, e.prefetch.issued)))
     }),

@@ -182,9 +182,12 @@ const ADDED: &[&str] = &[
     // compared).
     "osprey_expert_peak_bytes",
     "osprey_expert_prefetch_accuracy",
+    "osprey_expert_prefetch_cancelled_total",
+    "osprey_expert_prefetch_gated_total",
     "osprey_expert_prefetch_issued_total",
     "osprey_expert_prefetch_used_total",
     "osprey_expert_prefetch_wasted_bytes_total",
+    "osprey_expert_prefetch_wasted_total",
     "osprey_expert_slot_prefetch_issued_total",
     "osprey_expert_slot_prefetch_used_total",
     "osprey_expert_slot_prefetch_wasted_total",
