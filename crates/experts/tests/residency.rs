@@ -236,6 +236,14 @@ impl ExpertPredictor for Recorder {
     }
 }
 
+/// The routing of the mapped model on [`prompt`]: per MoE step, the layer and the experts it routed to.
+fn routing_trace(dir: &Path) -> Vec<(usize, Vec<usize>)> {
+    let recorder = Arc::new(Recorder::default());
+    run(&model_guessing(dir, None, Some(recorder.clone())), &prompt()).expect("recorded");
+    let trace = recorder.0.lock().expect("trace").clone();
+    trace
+}
+
 /// Issue 36: perfect guesses are read before their layer asks, every one is used, none is wasted, and
 /// past the first layer (at the first forward, which nothing guesses for; later ones are guessed by the
 /// last layer of the forward before) a layer misses only guesses its step came before: since issue 55
@@ -286,9 +294,7 @@ fn wrong_guesses_are_counted_wasted_and_change_nothing() {
     let dir = nvfp4_dir();
     let idx = index(&dir);
     let reference = run(&model_with(&dir, None), &prompt()).expect("mapped");
-    let recorder = Arc::new(Recorder::default());
-    run(&model_guessing(&dir, None, Some(recorder.clone())), &prompt()).expect("recorded");
-    let trace = recorder.0.lock().expect("trace").clone();
+    let trace = routing_trace(&dir);
     // Per step and layer, the experts it does not route to.
     let experts = idx.experts[0].len();
     let wrong: Vec<(usize, Vec<usize>)> =
@@ -327,9 +333,7 @@ fn guesses_below_the_break_even_are_not_read() {
     let dir = nvfp4_dir();
     let idx = index(&dir);
     let reference = run(&model_with(&dir, None), &prompt()).expect("mapped");
-    let recorder = Arc::new(Recorder::default());
-    run(&model_guessing(&dir, None, Some(recorder.clone())), &prompt()).expect("recorded");
-    let trace = recorder.0.lock().expect("trace").clone();
+    let trace = routing_trace(&dir);
     for sure in [false, true] {
         let replay = Replay::new(trace.clone());
         let predictor: Arc<dyn ExpertPredictor> = if sure { Arc::new(replay) } else { Arc::new(Unsure(replay)) };

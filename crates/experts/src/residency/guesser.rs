@@ -19,8 +19,9 @@ use crate::arena::Arena;
 use crate::reader::{window, Dest, ReadReq, Reader};
 use crate::store::ExpertIndex;
 
-/// A guessed expert is read in pieces of at most this many bytes, a window of them at the disk at once
-/// ([`window_for`]): the next piece goes out as one completes, unless a demand read is under way.
+/// A guessed expert is read in pieces of half its window ([`window_for`]), so two are at the disk at once:
+/// the next goes out as one completes (unless a demand read is under way), and the disk has the other
+/// while the thread wakes up to submit it. The smallest piece.
 const PIECE: usize = 256 << 10;
 /// Bytes of wrong guesses a demand read may expect to queue behind: about 0.4 ms at 1.3 GB/s, where a
 /// whole expert of Qwen3.5-35B-A3B is 1.8 MB.
@@ -221,8 +222,8 @@ fn next_job(shared: &Shared) -> Option<Job> {
 }
 
 /// Reads each request's aligned window into its destination as [`Reader::read_into`] does, in pieces of
-/// [`PIECE`] bytes, at most `most` bytes of them at the disk, submitting each only while no demand read
-/// is under way. Adds to `delayed` the seconds demand reads shared the disk with its pieces (from a
+/// half of `most` (at least [`PIECE`]), at most `most` bytes of them at the disk, submitting each only
+/// while no demand read is under way. Adds to `delayed` the seconds demand reads shared the disk with its pieces (from a
 /// demand's start to the next piece that completes after it); gives up (`abandoned`: every request not
 /// read fails) if the manager has it give the guess up, or closes. `secs`: the seconds it read.
 fn read_in_pieces(
@@ -232,6 +233,7 @@ fn read_in_pieces(
     (delayed, abandoned, secs): (&mut f64, &mut bool, &mut f64),
 ) -> Vec<std::io::Result<usize>> {
     let mut out: Vec<std::io::Result<usize>> = Vec::with_capacity(reqs.len());
+    let piece = (most / 2).max(PIECE) / crate::buf::ALIGN * crate::buf::ALIGN;
     let (mut pieces, mut places, mut owner) = (Vec::new(), Vec::new(), Vec::new());
     for (i, (r, d)) in reqs.iter().zip(dests).enumerate() {
         let (start, at, total) = window(r.offset, r.len);
@@ -241,12 +243,12 @@ fn read_in_pieces(
         }
         out.push(Ok(at));
         let wanted = at + r.len;
-        for o in (0..total).step_by(PIECE) {
+        for o in (0..total).step_by(piece) {
             // Each piece starts aligned and asks for the wanted bytes in it (a file's last window may run
             // past its end, as a whole window read does).
-            pieces.push(ReadReq { file: r.file, offset: start + o as u64, len: PIECE.min(wanted - o) });
+            pieces.push(ReadReq { file: r.file, offset: start + o as u64, len: piece.min(wanted - o) });
             // SAFETY: `o < total <= d.cap`: inside the destination.
-            places.push(Dest { ptr: unsafe { d.ptr.add(o) }, cap: PIECE.min(total - o), fixed: d.fixed });
+            places.push(Dest { ptr: unsafe { d.ptr.add(o) }, cap: piece.min(total - o), fixed: d.fixed });
             owner.push(i);
         }
     }

@@ -317,8 +317,8 @@ impl GuessCost {
         self.delay += delayed;
     }
 
-    /// The least precision a guess needs to be read: with `c` what a wrong read costs over what a right
-    /// one saves, p·1 − (1 − p)·c ≥ 0, so p ≥ c / (1 + c).
+    /// The precision a guess must beat to be read: with `c` what a wrong read costs over what a right one
+    /// saves, p·1 − (1 − p)·c > 0, so p > c / (1 + c).
     fn break_even(&self) -> f32 {
         let c = self.delay / self.saved.max(1e-9);
         (c / (1.0 + c)) as f32
@@ -420,7 +420,7 @@ impl Manager {
                 continue;
             }
             let sure = confidence.get(i).copied().unwrap_or(1.0);
-            if sure < break_even {
+            if sure <= break_even {
                 table.prefetch.gated += 1;
                 continue;
             }

@@ -342,7 +342,7 @@ impl LayerSlots {
         // critical path. The copy itself runs beside the compute. Break-even: precision h / (1 + h).
         let h = slots.table.as_ref().map_or(0.0, |t| t.counters().hit_rate()) as f32;
         let break_even = h / (1.0 + h);
-        let sure = |i: usize| confidence.get(i).is_none_or(|&p| p >= break_even);
+        let sure = |i: usize| confidence.get(i).is_none_or(|&p| p > break_even);
         let lease = guess
             .iter()
             .enumerate()

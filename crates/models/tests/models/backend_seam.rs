@@ -258,11 +258,28 @@ impl ExpertPredictor for Wrong {
     }
 }
 
+/// Guesses that claim a measured precision of 0 (as a `Calibrated` policy's do once never right).
+#[derive(Debug)]
+struct Unsure<P>(P);
+
+impl<P: ExpertPredictor> ExpertPredictor for Unsure<P> {
+    fn observe(&self, layer: usize, touched: &[ExpertKey]) {
+        self.0.observe(layer, touched);
+    }
+    fn predict(&self, a: &Ahead<'_>) -> osprey_models::Result<Vec<ExpertKey>> {
+        self.0.predict(a)
+    }
+    fn predict_scored(&self, a: &Ahead<'_>) -> osprey_models::Result<Vec<(ExpertKey, f32)>> {
+        Ok(self.0.predict(a)?.into_iter().map(|k| (k, 0.0)).collect())
+    }
+}
+
 /// Issue 36: the guesses drive uploads into the next layer's slots while the layer before computes. With
 /// the next layer's true experts guessed (a replayed trace of the same prompt), every decode step finds
 /// each routed expert already in its slot: no upload waits for a layer's routing, each guess is used,
 /// and the logits are the CPU's bits. With every guess wrong, every guess is wasted, each routed expert
-/// is still uploaded when its layer routes, and the logits are the same bits.
+/// is still uploaded when its layer routes, and the logits are the same bits; with the same wrong guesses
+/// measured never right (precision 0, under any slot hit rate's break-even), none goes up (issue 55).
 #[test]
 fn guessed_experts_go_up_into_slots_before_their_layer_routes_and_answers_do_not_change() {
     let dir = common::fixtures().join("models/qwen3_5_moe-tiny");
@@ -303,6 +320,12 @@ fn guessed_experts_go_up_into_slots_before_their_layer_routes_and_answers_do_not
     assert_eq!(after.guesses_wasted, before.guesses_wasted);
     assert!(after.guesses > before.guesses, "experts went up on guesses");
     assert_eq!(uploaded, after.guesses - before.guesses, "decode's uploads are the guesses");
+
+    let (got, before, after, uploaded) =
+        decode(Arc::new(Unsure(Wrong(Replay::new(trace.clone()), 2))), true, Arc::new(Counting::default()));
+    assert!(got == reference, "guesses never right: the same bits");
+    assert_eq!(after.guesses, 0, "issue 55: a guess measured never right is not uploaded");
+    assert_eq!(uploaded, after.misses - before.misses, "decode uploads only what layers routed to");
 
     let (got, before, after, uploaded) =
         decode(Arc::new(Wrong(Replay::new(trace), 2)), true, Arc::new(Counting::default()));
