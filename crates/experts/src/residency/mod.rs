@@ -278,8 +278,9 @@ struct Manager {
 /// What reading guesses costs against what it saves, measured as they are read: seconds demand reads
 /// waited behind guesses being read, against the seconds of reads the used guesses took off the steps
 /// (each used guess saves about the mean guess's read time). Both decay by [`GuessCost::KEEP`] a step, so
-/// the break-even follows the disk and the load.
-#[derive(Debug, Clone, Copy)]
+/// the break-even follows the disk and the load; a prior that does not decay is added to both, so once
+/// nothing is read (every guess gated) the break-even returns to the prior's and guesses are tried again.
+#[derive(Debug, Clone, Copy, Default)]
 struct GuessCost {
     delay: f64,
     saved: f64,
@@ -290,16 +291,11 @@ struct GuessCost {
     used_seen: u64,
 }
 
-impl Default for GuessCost {
-    /// As if a wrong guess had cost a quarter of what a right one saves (break-even 0.2) until measured.
-    fn default() -> Self {
-        GuessCost { delay: 0.25 * Self::PRIOR, saved: Self::PRIOR, reads: 0.0, read_secs: 0.0, used_seen: 0 }
-    }
-}
-
 impl GuessCost {
-    /// Weight of the starting assumption, in seconds saved (a few guesses' worth).
+    /// The prior: as if guesses had saved this many seconds (a few guesses' worth) and a wrong one had
+    /// cost a quarter of what a right one saves (break-even 0.2 until measured).
     const PRIOR: f64 = 0.01;
+    const PRIOR_COST: f64 = 0.25;
     /// Share of the sums kept at each step (a time constant of a thousand layer steps).
     const KEEP: f64 = 0.999;
 
@@ -320,7 +316,7 @@ impl GuessCost {
     /// The precision a guess must beat to be read: with `c` what a wrong read costs over what a right one
     /// saves, p·1 − (1 − p)·c > 0, so p > c / (1 + c).
     fn break_even(&self) -> f32 {
-        let c = self.delay / self.saved.max(1e-9);
+        let c = (self.delay + Self::PRIOR_COST * Self::PRIOR) / (self.saved + Self::PRIOR);
         (c / (1.0 + c)) as f32
     }
 }
@@ -627,7 +623,8 @@ mod tests {
 
     /// Issue 55: the break-even starts at 0.2 (a wrong read assumed to cost a quarter of what a right one
     /// saves), falls as used guesses save read time without delaying demand reads, and rises towards 1
-    /// when guesses delay demand reads more than they save: such guesses are switched off by themselves.
+    /// when guesses delay demand reads more than they save: such guesses are switched off by themselves,
+    /// and tried again once that evidence has faded.
     #[test]
     fn the_break_even_follows_what_guesses_cost_and_save() {
         let start = GuessCost::default();
@@ -644,5 +641,10 @@ mod tests {
             costly.step(used);
         }
         assert!(costly.break_even() > 0.6, "guesses that delay demand twice what they save: {}", costly.break_even());
+        // Gated, nothing is read: the evidence fades and the break-even returns to the prior's.
+        for _ in 0..20_000 {
+            costly.step(50);
+        }
+        assert!((costly.break_even() - 0.2).abs() < 0.01, "tried again: {}", costly.break_even());
     }
 }
