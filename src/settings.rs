@@ -55,9 +55,9 @@ pub struct Settings {
     pub expert_policy: Option<String>,
     /// Fill the expert budget after startup, while the manager has nothing else to do (requests first).
     pub expert_warmup: Option<bool>,
-    /// Read each MoE layer's experts ahead, guessed while the layer before computes: "off", "router"
-    /// (the next layer's router on this layer's input), "previous" (the next layer's experts at the
-    /// previous step) or "union" (docs/architecture.md, "Read-ahead").
+    /// Read each MoE layer's experts ahead, guessed while the layer before computes: "router" (the
+    /// default: the next layer's router on this layer's input), "previous" (the next layer's experts at
+    /// the previous step), "union" or "off" (docs/architecture.md, "Read-ahead").
     pub expert_prefetch: Option<String>,
     /// Experts per token the router guess adds beyond the model's top-k (default 2).
     pub expert_prefetch_margin: Option<usize>,

@@ -2,11 +2,12 @@
 //! than the reads a layer waits for (issue 55).
 //!
 //! Guesses wait in a queue the manager fills, most wanted first. The thread takes one expert at a time
-//! and only while no demand read is under way ([`Guesser::demand`]): a layer's misses never queue behind
-//! more than the one guessed expert already being read (a read at the device cannot be recalled, so
-//! what bounds the delay is that nothing more is submitted). When a layer's step comes, its guesses
-//! still queued are dropped before submission (cancelled: the step reads what it needs itself), so a
-//! wrong guess costs disk time only while the disk would otherwise idle.
+//! and reads it in pieces, submitting each only while no demand read is under way ([`Guesser::demand`]):
+//! a layer's misses queue behind at most the window of pieces already at the disk ([`window_for`]; a
+//! read at the device cannot be recalled, so what bounds the delay is that nothing more is submitted).
+//! When a layer's step comes, its guesses still queued are dropped before submission (cancelled: the
+//! step reads what it needs itself), and the one being read is given up if the step does not need it,
+//! so a wrong guess costs disk time only while the disk would otherwise idle.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
