@@ -101,9 +101,12 @@ pub trait Reader: Send {
         let mut i = 0;
         while i < reqs.len() {
             let (mut j, mut bytes) = (i, 0);
-            while j < reqs.len() && (j == i || bytes + window(reqs[j].offset, reqs[j].len).2 <= max_bytes) {
-                bytes += window(reqs[j].offset, reqs[j].len).2;
-                j += 1;
+            while let Some(r) = reqs.get(j) {
+                let total = window(r.offset, r.len).2;
+                if j > i && bytes + total > max_bytes {
+                    break;
+                }
+                (bytes, j) = (bytes + total, j + 1);
             }
             if !go() {
                 break;

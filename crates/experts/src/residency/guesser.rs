@@ -224,9 +224,10 @@ fn next_job(shared: &Shared) -> Option<Job> {
 
 /// Reads each request's aligned window into its destination as [`Reader::read_into`] does, in pieces of
 /// half of `most` (at least [`PIECE`]), at most `most` bytes of them at the disk, submitting each only
-/// while no demand read is under way. Adds to `delayed` the seconds demand reads shared the disk with its pieces (from a
-/// demand's start to the next piece that completes after it); gives up (`abandoned`: every request not
-/// read fails) if the manager has it give the guess up, or closes. `secs`: the seconds it read.
+/// while no demand read is under way. Adds to `delayed` the seconds demand reads shared the disk with
+/// its pieces (from a demand's start to the next piece that completes after it); gives up (`abandoned`:
+/// every request not read fails) if the manager has it give the guess up, or closes. `secs`: the
+/// seconds it read.
 fn read_in_pieces(
     reader: &mut dyn Reader,
     shared: &Shared,

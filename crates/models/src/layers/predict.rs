@@ -69,14 +69,14 @@ impl<'a> Ahead<'a> {
             HostVec::F32(v) if v.len() == ids.len() => v,
             _ => return Err(dtype(DType::F32, routing.weights.dtype())),
         };
-        let mut best: Vec<(usize, f32)> = Vec::new();
+        // Per expert, the largest weight a token gives it (a prefill chunk names each expert many times).
+        let mut most: Vec<Option<f32>> = vec![None; experts];
         for (e, w) in ids.into_iter().zip(weights) {
-            let Ok(e) = usize::try_from(e) else { continue };
-            match best.iter_mut().find(|(b, _)| *b == e) {
-                Some((_, bw)) => *bw = bw.max(w),
-                None => best.push((e, w)),
+            if let Some(m) = usize::try_from(e).ok().and_then(|e| most.get_mut(e)) {
+                *m = Some(m.map_or(w, |m| m.max(w)));
             }
         }
+        let mut best: Vec<(usize, f32)> = most.into_iter().enumerate().filter_map(|(e, w)| Some((e, w?))).collect();
         // Heaviest first; ties (and NaN) by id, so the order is the same on every backend.
         best.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0)));
         Ok(best.into_iter().map(|(e, _)| ExpertKey::new(self.next, e)).collect())
