@@ -29,6 +29,23 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 3)]
         repeats: usize,
     },
+    /// Decode steps of several sequences at once, as a server at that concurrency runs them (no HTTP,
+    /// tokenizer or scheduler): per batch size, the step's time, tokens per second and distinct routed
+    /// experts per MoE layer
+    Batch {
+        /// Model directory.
+        #[arg(long)]
+        model: PathBuf,
+        /// Batch sizes, comma-separated, each on fresh sequences.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+        batch: Vec<usize>,
+        /// Prompt tokens per sequence (each prefilled alone).
+        #[arg(long, default_value_t = 64)]
+        prompt_len: usize,
+        /// Timed decode steps per batch size (median reported).
+        #[arg(long, default_value_t = 16)]
+        decode_steps: usize,
+    },
     /// The cost side of speculative decoding: a verification forward of K + 1 tokens against one decode
     /// step, after the same prompt (docs/speculative.md).
     Verify {
@@ -249,6 +266,7 @@ impl BenchCommand {
         matches!(
             self,
             BenchCommand::Forward { .. }
+                | BenchCommand::Batch { .. }
                 | BenchCommand::Verify { .. }
                 | BenchCommand::Experts(_)
                 | BenchCommand::Vision { .. }
@@ -262,6 +280,12 @@ pub fn run(cmd: BenchCommand, g: &Global) -> Result<()> {
             let mut driver = osprey_runner::Driver::new(load(&model, g)?, 16);
             let report = bench_forward(&mut driver, ForwardBench { prompt_len, decode_tokens, repeats })?;
             println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
+        BenchCommand::Batch { model, batch, prompt_len, decode_steps } => {
+            let model = load(&model, g)?;
+            let b = osprey_bench::BatchBench { batches: batch, prompt_len, decode_steps };
+            println!("{}", serde_json::to_string_pretty(&osprey_bench::bench_batch(&model, &b)?)?);
             Ok(())
         }
         BenchCommand::Verify { model, prompt_len, drafts, repeats } => {

@@ -7,6 +7,7 @@
 //! budgets) and `osprey bench serve` ([`serve`]: a load generator for any OpenAI-compatible server).
 //! Numbers go to `docs/benchmarks.md`, never into tests.
 
+mod batch;
 pub mod chart;
 mod compare;
 mod experts;
@@ -18,6 +19,7 @@ pub mod serve;
 pub mod synth;
 mod verify;
 
+pub use batch::{bench_batch, BatchBench, BatchReport, BatchRow};
 pub use compare::compare;
 pub use verify::{bench_verify, VerifyBench, VerifyReport, VerifyRow};
 

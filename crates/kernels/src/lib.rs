@@ -43,6 +43,7 @@ pub mod nvfp4;
 pub mod pool;
 pub mod q8;
 pub mod q8_gemm;
+pub mod q8_gemv;
 pub mod rope;
 mod simd;
 #[cfg(test)]
@@ -52,6 +53,7 @@ pub use act::{gelu_erf, gelu_tanh, sigmoid, silu, softplus};
 pub use dispatch::{prefill_kernel, prefill_kernels, set_gemm_ceiling, Gemm, WeightClass};
 pub use matmul::{
     matmul, matmul_into_strided, matmul_pair_with, matmul_with, DType, Precision, WeightRows, WeightView,
+    INT8_GEMV_BELOW_ROWS,
 };
 pub use simd::dot_f32;
 

@@ -19,7 +19,7 @@ pub use osprey_backend::types::{DType, Precision, WeightView};
 use crate::dispatch::{allowed_for, Gemm, WeightClass};
 use crate::pool::OutPtr;
 use crate::q8::{self, Isa, Q8Act};
-use crate::{amx, bf16, nvfp4, pool, q8_gemm, simd};
+use crate::{amx, bf16, nvfp4, pool, q8_gemm, q8_gemv, simd};
 
 /// Up to this many input rows a matmul takes the GEMV path.
 pub const GEMV_MAX_ROWS: usize = 4;
@@ -43,9 +43,24 @@ pub const Q8_GEMV_MAX_ROWS_WITH_BF16: usize = 8;
 /// 2048×512, 0.076 vs 0.081; 3 rows 0.123 vs 0.101 and 0.112 vs 0.090).
 pub const Q8_GEMV_MAX_ROWS_WITH_INT8_GEMM: usize = 2;
 
+/// The same limit where the int8 GEMM takes few rows on [`q8_gemv`] (AVX-512 VNNI): one row only. At
+/// two rows the GEMV reads each weight once for both and sums no lanes horizontally (`timing::gemm_vs`,
+/// 2 threads: expert gate/up 512×2048 0.029 ms against 0.069 on the dot path, down 2048×512 0.032
+/// against 0.070); at one row the dot path streams a cold matrix faster (`timing::dense_rows`: 8192×2048
+/// 16.4 GB/s against 13.9, 32768×2048 15.7 against 12.8).
+pub const Q8_GEMV_MAX_ROWS_WITH_INT8_GEMV: usize = 1;
+
+/// Below this many rows the int8 GEMM's rows run on [`q8_gemv`] where the CPU has it (the same bits):
+/// at 4–8 rows it streams the weights 1.3–1.6× faster than the GEMM's interleaved tile (`timing::
+/// dense_rows`, cold, 2 threads: 8192×2048 at 8 rows 1.09 ms against 1.64; 2048×4096 0.50 against 0.70);
+/// at 16 rows they tie and AMX tiles take over where granted ([`AMX_MIN_ROWS`]).
+pub const INT8_GEMV_BELOW_ROWS: usize = 16;
+
 /// The row limit of the integer dot path on this CPU.
 pub fn q8_gemv_max_rows() -> usize {
-    if q8_gemm::available() && allowed_for(WeightClass::Nvfp4, Gemm::Int8) {
+    if q8_gemv::available() && allowed_for(WeightClass::Nvfp4, Gemm::Int8) {
+        Q8_GEMV_MAX_ROWS_WITH_INT8_GEMV
+    } else if q8_gemm::available() && allowed_for(WeightClass::Nvfp4, Gemm::Int8) {
         Q8_GEMV_MAX_ROWS_WITH_INT8_GEMM
     } else if bf16::available() && allowed_for(WeightClass::Nvfp4, Gemm::Bf16) {
         Q8_GEMV_MAX_ROWS_WITH_BF16
@@ -188,11 +203,14 @@ fn gemm_kind(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
     }
 }
 
-/// The NVFP4 × int8 GEMM of `kind` (AMX-INT8 tiles or the int8 GEMM): both take the same quantised rows.
+/// The NVFP4 × int8 GEMM of `kind` for `m` rows (AMX-INT8 tiles, or the int8 GEMM: on [`q8_gemv`] below
+/// [`INT8_GEMV_BELOW_ROWS`] where the CPU has it, with the same bits): all take the same quantised rows.
 type Int8Gemm = fn(&q8_gemm::Q8Rows, (&[u8], &[u8], f32), usize, &mut [f32]);
-fn int8_gemm(kind: Gemm) -> Int8Gemm {
+fn int8_gemm(kind: Gemm, m: usize) -> Int8Gemm {
     if kind == Gemm::AmxInt8 {
         amx::int8::gemm
+    } else if m < INT8_GEMV_BELOW_ROWS && q8_gemv::available() {
+        q8_gemv::gemv
     } else {
         q8_gemm::gemm
     }
@@ -222,7 +240,7 @@ fn class_of(w: WeightView<'_>) -> WeightClass {
 pub(crate) fn run_gemm(kind: Gemm, x: &[f32], m: usize, w: WeightView<'_>, n: usize, k: usize, out: &mut [f32]) {
     match (w, kind) {
         (WeightView::Nvfp4 { packed, scales, global }, kind @ (Gemm::AmxInt8 | Gemm::Int8)) => {
-            int8_gemm(kind)(&q8_gemm::quantize_rows(x, m, k), (packed, scales, global), n, out)
+            int8_gemm(kind, m)(&q8_gemm::quantize_rows(x, m, k), (packed, scales, global), n, out)
         }
         (_, Gemm::Amx) => amx::bf16::gemm(x, m, w, n, k, out),
         (_, Gemm::Bf16) => gemm_bf16(x, m, &mut [(w, out)], n, k),
@@ -314,7 +332,7 @@ pub fn matmul_pair_with(
             assert!(x.len() == m * k && w1.len() == n * k && w2.len() == n * k, "matmul shapes: this is a bug");
             // Both GEMMs take the same int8 rows: quantised once.
             let a = q8_gemm::quantize_rows(x, m, k);
-            let run = int8_gemm(kind);
+            let run = int8_gemm(kind, m);
             run(&a, (p1, s1, g1), n, out1);
             return run(&a, (p2, s2, g2), n, out2);
         }

@@ -6,8 +6,10 @@
 //! Why not rayon: the runner is not a rayon worker, so every `par_iter` injected a job into the global
 //! queue, woke a sleeping worker through the kernel and put the caller to sleep until it finished —
 //! about 13% of a decode step went to that (perf: `__schedule`, `futex`, `sched_yield`). Rayon stays the
-//! fallback when the pool is already busy (a second actor calling kernels at the same time, or a kernel
-//! called from inside a pool item), so nothing waits on anything but its own work.
+//! fallback when the pool is already busy (a second actor calling kernels at the same time), so nothing
+//! waits on anything but its own work. A kernel called from inside an item (the pool's or rayon's) runs
+//! its items on that thread: every thread is already busy with the outer job, so splitting again would
+//! only queue work behind it (the routed experts of a decode step run one per item, each inline).
 //!
 //! Protocol: one job at a time (a try-lock). The job's function and item count are written, then a
 //! 64-bit word packing (generation, next item) is reset to the new generation; an item is claimed by a
@@ -171,9 +173,40 @@ pub fn map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
     out.into_iter().map(|r| r.expect("the pool runs every item")).collect()
 }
 
+thread_local! {
+    /// Whether this thread is running an item of a job (the pool's or the fallback's).
+    static IN_ITEM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread as inside an item until dropped (also on unwinding).
+struct InItem(bool);
+
+impl InItem {
+    fn enter() -> Self {
+        InItem(IN_ITEM.with(|c| c.replace(true)))
+    }
+}
+
+impl Drop for InItem {
+    fn drop(&mut self) {
+        IN_ITEM.with(|c| c.set(self.0));
+    }
+}
+
+/// Runs every item of `f` on this thread.
+fn inline(n: usize, f: &JobFn<'_>) {
+    let counter = AtomicU64::new(1 << 32);
+    f(&Claims { counter: &counter, items: n as u64, generation: 1 })
+}
+
 fn run(n: usize, f: &JobFn<'_>) {
     if n == 0 {
         return;
+    }
+    if IN_ITEM.with(|c| c.get()) {
+        // A kernel inside an item (the experts of a decode step, one per item): every thread is
+        // already busy with the outer job, so its items run here, in order.
+        return inline(n, f);
     }
     let p = pool();
     let guard = match p.dispatch.try_lock() {
@@ -181,8 +214,8 @@ fn run(n: usize, f: &JobFn<'_>) {
         Ok(g) if n > 1 && p.workers > 0 => g,
         Err(TryLockError::Poisoned(g)) if n > 1 && p.workers > 0 => g.into_inner(),
         Ok(_) | Err(_) => {
-            // Busy (another caller, or a call from inside an item), one item, or no workers: rayon
-            // or inline, never a wait on someone else's job.
+            // Busy (another caller), one item, or no workers: rayon or inline, never a wait on
+            // someone else's job.
             return fallback(n, f);
         }
     };
@@ -198,7 +231,10 @@ fn run(n: usize, f: &JobFn<'_>) {
         p.wake.notify_all();
     }
     let finish = Finish { pool: p, generation };
-    f(&Claims { counter: &p.counter, items: n as u64, generation });
+    {
+        let _item = InItem::enter();
+        f(&Claims { counter: &p.counter, items: n as u64, generation });
+    }
     drop(finish);
     drop(guard);
     if p.panicked.load(SeqCst) {
@@ -229,14 +265,18 @@ impl Drop for Finish<'_> {
 fn fallback(n: usize, f: &JobFn<'_>) {
     let counter = AtomicU64::new(1 << 32);
     let claims = || Claims { counter: &counter, items: n as u64, generation: 1 };
+    let item = |c: Claims<'_>| {
+        let _item = InItem::enter();
+        f(&c)
+    };
     if n == 1 || rayon::current_num_threads() == 1 {
-        return f(&claims());
+        return item(claims());
     }
     rayon::scope(|s| {
         for _ in 1..rayon::current_num_threads().min(n) {
-            s.spawn(|_| f(&claims()));
+            s.spawn(|_| item(claims()));
         }
-        f(&claims());
+        item(claims());
     });
 }
 
@@ -254,7 +294,10 @@ impl Pool {
                 if let Some(f) = unsafe { *self.job.get() } {
                     let claims = Claims { counter: &self.counter, items: self.items.load(SeqCst) as u64, generation };
                     // SAFETY: as above. A panic is caught so `active` still drops; the caller re-raises it.
-                    let call = std::panic::AssertUnwindSafe(|| unsafe { (*f)(&claims) });
+                    let call = std::panic::AssertUnwindSafe(|| {
+                        let _item = InItem::enter();
+                        unsafe { (*f)(&claims) }
+                    });
                     if std::panic::catch_unwind(call).is_err() {
                         self.panicked.store(true, SeqCst);
                     }
@@ -324,6 +367,28 @@ mod tests {
         for c in callers {
             c.join().expect("caller");
         }
+    }
+
+    /// A kernel called from inside an item runs all its items on that item's thread, each once, and a
+    /// call after the outer job is split again. Mutation-checked: without the inline branch the nested
+    /// jobs go to rayon and the thread check fails.
+    #[test]
+    fn a_job_inside_an_item_runs_on_that_thread() {
+        let outer = 6;
+        let nested: Vec<Vec<AtomicU32>> = (0..outer).map(|_| (0..9).map(|_| AtomicU32::new(0)).collect()).collect();
+        let elsewhere = AtomicU32::new(0);
+        for_each(outer, |o| {
+            let me = std::thread::current().id();
+            for_each(9, |i| {
+                nested[o][i].fetch_add(1, SeqCst);
+                if std::thread::current().id() != me {
+                    elsewhere.fetch_add(1, SeqCst);
+                }
+            });
+        });
+        assert!(nested.iter().flatten().all(|h| h.load(SeqCst) == 1), "a nested item ran twice or never");
+        assert_eq!(elsewhere.load(SeqCst), 0, "a nested item left its outer item's thread");
+        assert!(!IN_ITEM.with(|c| c.get()), "the caller is still marked inside an item");
     }
 
     #[test]

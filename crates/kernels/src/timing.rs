@@ -32,7 +32,17 @@ mod gemm_vs {
                     gemm(&quantize_rows(&x, m, k), (&packed, &scales, 0.01), n, &mut out);
                 }
                 let q8 = t.elapsed().as_secs_f64() / reps as f64;
-                eprintln!("n={n} k={k} m={m}: dot path {:.3} ms, int8 GEMM {:.3} ms", dot * 1e3, q8 * 1e3);
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    crate::q8_gemv::gemv(&quantize_rows(&x, m, k), (&packed, &scales, 0.01), n, &mut out);
+                }
+                let gemv = t.elapsed().as_secs_f64() / reps as f64;
+                eprintln!(
+                    "n={n} k={k} m={m}: dot path {:.3} ms, int8 GEMM {:.3} ms, int8 GEMV {:.3} ms",
+                    dot * 1e3,
+                    q8 * 1e3,
+                    gemv * 1e3
+                );
             }
         }
     }
@@ -300,6 +310,141 @@ mod gdn_chunked {
                 })
                 .fold(f64::INFINITY, f64::min);
             eprintln!("gdn chunked n={n} decay {decay}: {:.2} ms", best * 1e3);
+        }
+    }
+}
+
+/// A batch of decodes' routed experts (issue 54 item 4): 4 layers × 58 distinct NVFP4 experts of
+/// Qwen3.5-35B-A3B's shapes (410 MiB, read cold as a decode step reads them), one activation row each:
+/// the dot path (a pair, then the down projection), the int8 GEMV, and the same bytes read in the same
+/// 64-row blocks with no arithmetic (what the layout allows).
+mod expert_wave {
+    use crate::matmul_pair_with;
+
+    use super::*;
+
+    #[test]
+    #[ignore]
+    fn expert_wave() {
+        let (h, f, per_layer, layers) = (2048usize, 512usize, 58usize, 4usize);
+        let mat = |n: usize, k: usize, e: usize| -> (Vec<u8>, Vec<u8>) {
+            let packed = (0..n * k / 2).map(|i| ((i * 131 + e) % 256) as u8).collect();
+            let scales = (0..n * k / 16).map(|i| 0x30 + ((i + e) % 16) as u8).collect();
+            (packed, scales)
+        };
+        let experts: Vec<[(Vec<u8>, Vec<u8>); 3]> =
+            (0..per_layer * layers).map(|e| [mat(f, h, 3 * e), mat(f, h, 3 * e + 1), mat(h, f, 3 * e + 2)]).collect();
+        fn view(m: &(Vec<u8>, Vec<u8>)) -> WeightView<'_> {
+            WeightView::Nvfp4 { packed: &m.0, scales: &m.1, global: 0.01 }
+        }
+        let x: Vec<f32> = (0..h).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
+        let xf: Vec<f32> = (0..f).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
+        let bytes = (experts.len() * 3 * f * h) as f64 * 9.0 / 16.0;
+        let (mut g, mut u, mut d) = (vec![0f32; f], vec![0f32; f], vec![0f32; h]);
+        for rep in 0..6 {
+            let t = std::time::Instant::now();
+            for e in &experts {
+                matmul_pair_with(&x, 1, (view(&e[0]), view(&e[1])), f, h, (&mut g, &mut u), Precision::Int8);
+                matmul_with(&xf, 1, view(&e[2]), h, f, &mut d, Precision::Int8);
+            }
+            let calls = t.elapsed().as_secs_f64();
+            let t = std::time::Instant::now();
+            if crate::q8_gemv::available() {
+                let (a, af) = (quantize_rows(&x, 1, h), quantize_rows(&xf, 1, f));
+                for e in &experts {
+                    crate::q8_gemv::gemv(&a, (&e[0].0, &e[0].1, 0.01), f, &mut g);
+                    crate::q8_gemv::gemv(&a, (&e[1].0, &e[1].1, 0.01), f, &mut u);
+                    crate::q8_gemv::gemv(&af, (&e[2].0, &e[2].1, 0.01), h, &mut d);
+                }
+            }
+            let gemv = t.elapsed().as_secs_f64();
+            // Reading the same bytes in the same 64-row blocks with no arithmetic but a sum.
+            let t = std::time::Instant::now();
+            let mut total = 0u64;
+            for e in &experts {
+                for (mat, n, k) in [(&e[0], f, h), (&e[1], f, h), (&e[2], h, f)] {
+                    let rows = crate::pool::map(n.div_ceil(64), |b| {
+                        let (p, s) = (&mat.0[b * 64 * k / 2..((b + 1) * 64).min(n) * k / 2], &mat.1);
+                        let s = &s[b * 64 * k / 16..((b + 1) * 64).min(n) * k / 16];
+                        let words = |x: &[u8]| {
+                            x.chunks_exact(8).fold(0u64, |a, c| a ^ u64::from_le_bytes(c.try_into().unwrap()))
+                        };
+                        words(p) ^ words(s)
+                    });
+                    total ^= rows.iter().fold(0, |a, b| a ^ b);
+                }
+            }
+            std::hint::black_box(total);
+            let read = t.elapsed().as_secs_f64();
+            if rep > 0 {
+                eprintln!("  read only {:.2} ms ({:.1} GB/s)", read * 1e3, bytes / read / 1e9);
+                eprintln!("  gemv {:.2} ms ({:.1} GB/s)", gemv * 1e3, bytes / gemv / 1e9);
+                eprintln!(
+                    "{} experts, 1 row: dot path {:.2} ms ({:.1} GB/s)",
+                    experts.len(),
+                    calls * 1e3,
+                    bytes / calls / 1e9,
+                );
+            }
+        }
+    }
+}
+
+/// A batch of decodes' dense projections (issue 54 item 4): NVFP4 matrices of Qwen3.5-35B-A3B's shapes
+/// at 1–16 rows, read cold (8 copies rotated), on the per-row dot path, the int8 GEMM and AMX tiles.
+mod dense_rows {
+    use crate::dispatch::Gemm;
+    use crate::matmul::run_gemm;
+
+    use super::*;
+
+    #[test]
+    #[ignore]
+    fn dense_rows() {
+        for (n, k) in [(8192usize, 2048usize), (2048, 4096), (32768, 2048)] {
+            let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..8)
+                .map(|e| {
+                    let packed = (0..n * k / 2).map(|i| ((i * 131 + e) % 256) as u8).collect();
+                    let scales = (0..n * k / 16).map(|i| 0x30 + ((i + e) % 16) as u8).collect();
+                    (packed, scales)
+                })
+                .collect();
+            for m in [1usize, 2, 4, 8, 16] {
+                let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
+                let mut out = vec![0f32; m * n];
+                let mut line = format!("{n}x{k} m={m}:");
+                for (name, kind) in
+                    [("dot", None), ("gemv", Some(Gemm::F32)), ("int8", Some(Gemm::Int8)), ("amx", Some(Gemm::Amx))]
+                {
+                    if (kind == Some(Gemm::Amx) && !crate::amx::available())
+                        || (kind == Some(Gemm::F32) && !crate::q8_gemv::available())
+                    {
+                        continue;
+                    }
+                    let reps = 24;
+                    let t = std::time::Instant::now();
+                    for r in 0..reps {
+                        let (p, s) = &mats[r % mats.len()];
+                        let view = WeightView::Nvfp4 { packed: p, scales: s, global: 0.01 };
+                        match kind {
+                            None => {
+                                crate::set_gemm_ceiling(Gemm::Bf16);
+                                matmul_with(&x, m, view, n, k, &mut out, Precision::Int8);
+                                crate::set_gemm_ceiling(Gemm::Amx);
+                            }
+                            // The int8 GEMV (under the F32 label: not a prefill kind).
+                            Some(Gemm::F32) => {
+                                crate::q8_gemv::gemv(&quantize_rows(&x, m, k), (p, s, 0.01), n, &mut out)
+                            }
+                            Some(g) => run_gemm(g, &x, m, view, n, k, &mut out),
+                        }
+                    }
+                    let s = t.elapsed().as_secs_f64() / reps as f64;
+                    let gb = (n * k) as f64 * 9.0 / 16.0 / s / 1e9;
+                    line += &format!(" {name} {:.3} ms ({gb:.1} GB/s)", s * 1e3);
+                }
+                eprintln!("{line}");
+            }
         }
     }
 }
