@@ -11,7 +11,9 @@
 # OUT_DIR/DATE-serve-{osprey,llama}-REP.json (`bench serve --out`) and prints a table of medians.
 set -euo pipefail
 osprey=$1; model=$2; gguf=$3; out=$4; reps=${5:-3}; requests=${6:-32}; conc=${7:-8}
-peer_bin=${PEER_BIN:-$HOME/.cache/osprey/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin}
+# PEER_AMX=off: the build `llamacpp_peer.sh` makes without AMX (build-noamx), as the peer runs on AMX machines.
+build=build; [ "${PEER_AMX:-on}" = off ] && build=build-noamx
+peer_bin=${PEER_BIN:-$HOME/.cache/osprey/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/$build/bin}
 port=${PORT:-18310}
 mkdir -p "$out"
 stem=$(date -u +%Y-%m-%d)

@@ -7,8 +7,9 @@
 //!   tile and multiplied with matrixmultiply's sgemm (AVX2/FMA microkernels).
 //!
 //! At the fast precision ([`Precision::Int8`]) NVFP4 rows take int8 activations: the per-row integer
-//! dots ([`crate::q8`]) in the first regime, the int8 GEMM ([`crate::q8_gemm`], AVX-512 VNNI) in the
-//! second; on CPUs with AVX512-BF16 bf16 weights (both regimes) and NVFP4 weights without VNNI (second
+//! dots ([`crate::q8`]) in the first regime, the int8 GEMM ([`crate::q8_gemm`], AVX-512 VNNI or AVX2)
+//! in the second, whose rows below [`INT8_GEMV_BELOW_ROWS`] run on [`crate::q8_gemv`] where AVX-512 VNNI
+//! is (a decode batch: the same bits, 16 weight rows transposed in registers); on CPUs with AVX512-BF16 bf16 weights (both regimes) and NVFP4 weights without VNNI (second
 //! regime) take bf16-rounded activations on [`crate::bf16`] tiles. `--gemm` ([`crate::set_gemm_ceiling`])
 //! can forbid the faster GEMMs, to measure or to force a fallback.
 //!
@@ -45,15 +46,15 @@ pub const Q8_GEMV_MAX_ROWS_WITH_INT8_GEMM: usize = 2;
 
 /// The same limit where the int8 GEMM takes few rows on [`q8_gemv`] (AVX-512 VNNI): one row only. At
 /// two rows the GEMV reads each weight once for both and sums no lanes horizontally (`timing::gemm_vs`,
-/// 2 threads: expert gate/up 512×2048 0.029 ms against 0.069 on the dot path, down 2048×512 0.032
-/// against 0.070); at one row the dot path streams a cold matrix faster (`timing::dense_rows`: 8192×2048
-/// 16.4 GB/s against 13.9, 32768×2048 15.7 against 12.8).
+/// 2 threads: expert gate/up 512×2048 0.023 ms against 0.051 on the dot path, down 2048×512 0.024
+/// against 0.049); at one row the two are even or the dot path streams faster (`timing::dense_rows`,
+/// cold: 32768×2048 21.1 GB/s against 17.5; `timing::expert_wave`: 17.2 against 16.4).
 pub const Q8_GEMV_MAX_ROWS_WITH_INT8_GEMV: usize = 1;
 
 /// Below this many rows the int8 GEMM's rows run on [`q8_gemv`] where the CPU has it (the same bits):
 /// at 4–8 rows it streams the weights 1.3–1.6× faster than the GEMM's interleaved tile (`timing::
-/// dense_rows`, cold, 2 threads: 8192×2048 at 8 rows 1.09 ms against 1.64; 2048×4096 0.50 against 0.70);
-/// at 16 rows they tie and AMX tiles take over where granted ([`AMX_MIN_ROWS`]).
+/// dense_rows`, cold, 2 threads: 8192×2048 at 8 rows 0.68 ms against 0.91, 2048×4096 0.32 against 0.47);
+/// at 16 rows they are within 10% and AMX tiles take over where granted ([`AMX_MIN_ROWS`]).
 pub const INT8_GEMV_BELOW_ROWS: usize = 16;
 
 /// The row limit of the integer dot path on this CPU.

@@ -2,10 +2,11 @@
 //! VNNI: 16 weight rows transposed in registers, so one `vpdpbusd` adds 4 products into each of 16 rows'
 //! lanes and every weight byte is decoded once for all activation rows (issue 54 item 4).
 //!
-//! Why: at 2–15 rows both older paths were compute-bound (`timing::dense_rows`, 8192 × 2048, cold): the
-//! per-row dot ([`crate::q8::dot`]) decodes each weight again for every activation row and sums
-//! horizontally (2.5 GB/s of weights at 8 rows), and the int8 GEMM ([`crate::q8_gemm`]) builds its
-//! interleaved tile with 8-byte gathers, inserts and two-source permutes (6 GB/s at 8 rows, 8.6 at one).
+//! Why: at 2–15 rows both older paths were compute-bound (`timing::dense_rows`, 8192 × 2048, cold, 2
+//! threads): the per-row dot ([`crate::q8::dot`]) decodes each weight again for every activation row and
+//! sums horizontally (4.4 GB/s of weights at 8 rows, 21 at one), and the int8 GEMM ([`crate::q8_gemm`])
+//! builds its interleaved tile with 8-byte gathers, inserts and two-source permutes (10.4 GB/s at 8 rows,
+//! 13.7 at one). This kernel: 13.9 GB/s at 8 rows, 23.7 at two.
 //!
 //! How: a group is 16 weight rows. Per 128 columns, one 64-byte load per row and a 16 × 16 transpose of
 //! 32-bit words (64 shuffles) leave, in word `w`, lane `j` = row `j`'s 8 codes of columns 8w..8w+8: the

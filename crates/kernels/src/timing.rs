@@ -367,7 +367,7 @@ mod expert_wave {
                         let (p, s) = (&mat.0[b * 64 * k / 2..((b + 1) * 64).min(n) * k / 2], &mat.1);
                         let s = &s[b * 64 * k / 16..((b + 1) * 64).min(n) * k / 16];
                         let words = |x: &[u8]| {
-                            x.chunks_exact(8).fold(0u64, |a, c| a ^ u64::from_le_bytes(c.try_into().unwrap()))
+                            x.chunks_exact(8).fold(0u64, |a, c| a ^ u64::from_le_bytes(c.try_into().expect("8 bytes")))
                         };
                         words(p) ^ words(s)
                     });
@@ -436,6 +436,8 @@ mod dense_rows {
                             Some(Gemm::F32) => {
                                 crate::q8_gemv::gemv(&quantize_rows(&x, m, k), (p, s, 0.01), n, &mut out)
                             }
+                            // The int8 GEMM's own kernel (the dispatch gives fewer than 16 rows to the GEMV).
+                            Some(Gemm::Int8) => gemm(&quantize_rows(&x, m, k), (p, s, 0.01), n, &mut out),
                             Some(g) => run_gemm(g, &x, m, view, n, k, &mut out),
                         }
                     }
