@@ -15,6 +15,11 @@
 //! A query's bits depend only on its own keys: key blocks start at fixed positions (multiples of [`KB`]),
 //! every score is one FMA chain over the head dimension, and masked keys add exact zeros; so a prompt
 //! chunked one way or another, or cut where a cached prefix ends, computes every row the same.
+//!
+//! The micro-kernels come at three [`Level`]s (AVX-512, AVX2, portable) that compute the same bits: the
+//! same chains in the same order, 32, 16 or 1 columns at a time. On AVX-512 the 6 × 32 kernels do twice
+//! the AVX2 kernels' work per instruction (issue 53: on an AVX-512 machine the 16-wide kernels left half
+//! of each FMA unused, and a turn's attention over its context is what grows with the conversation).
 
 use osprey_backend::types::AttnShape;
 
@@ -24,6 +29,7 @@ use crate::attention_decode::{KvElem, PagedKv};
 /// tile; a row's softmax bookkeeping and its outputs' reload are spread over 64 keys (16 keys ran at
 /// ~60% of 64's speed, 32 at ~80%, 128 as 64: examples/attention_depth on an AVX2 Zen 3).
 pub const KB: usize = 64;
+const _: () = assert!(KB.is_multiple_of(32), "the AVX-512 score kernel takes 32 keys a step");
 
 /// Query rows (positions × query heads of a group) a task holds: its queries and outputs (2 × 192 KB at
 /// head dim 256) stay in L2.
@@ -32,8 +38,57 @@ const ROWS: usize = 192;
 /// Rows of a micro-kernel step.
 const MR: usize = 6;
 
+/// The instruction set of the micro-kernels. Every level computes the same bits
+/// (`every_level_computes_the_same_bits`), so the choice is speed only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Level {
+    /// AVX-512F: 6 rows × 32 columns a step.
+    Avx512,
+    /// AVX2 + FMA: 6 rows × 16 columns a step.
+    Avx2,
+    /// Scalar code, one FMA chain per score and output.
+    Portable,
+}
+
+impl Level {
+    /// Every level this CPU runs, best first.
+    pub(crate) fn available() -> Vec<Level> {
+        let mut out = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if crate::simd::has_avx2_fma() && is_x86_feature_detected!("avx512f") {
+                out.push(Level::Avx512);
+            }
+            if crate::simd::has_avx2_fma() {
+                out.push(Level::Avx2);
+            }
+        }
+        out.push(Level::Portable);
+        out
+    }
+
+    /// The best level this CPU runs.
+    fn detected() -> Level {
+        static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
+        *LEVEL.get_or_init(|| Level::available()[0])
+    }
+}
+
 /// `out[i, h] = softmax(q[i,h]·K[..visible(i)]ᵀ·scale)·V` for the `n` queries of `q` (`[n, heads, hd]`).
 pub fn prefill_attention<T: KvElem>(
+    q: &[f32],
+    kv: PagedKv<'_, T>,
+    s: AttnShape,
+    scale: f32,
+    out: &mut [f32],
+    visible: &(impl Fn(usize) -> usize + Sync),
+) {
+    prefill_attention_at(Level::detected(), q, kv, s, scale, out, visible)
+}
+
+/// [`prefill_attention`] on the micro-kernels of `level` (one the CPU runs: [`Level::available`]).
+pub(crate) fn prefill_attention_at<T: KvElem>(
+    level: Level,
     q: &[f32],
     kv: PagedKv<'_, T>,
     s: AttnShape,
@@ -54,7 +109,7 @@ pub fn prefill_attention<T: KvElem>(
     let results = crate::pool::map(nkv * tiles, |task| {
         let (kvh, t) = (task / tiles, task % tiles);
         let (i0, i1) = (t * per_tile, ((t + 1) * per_tile).min(n));
-        (kvh, i0, tile(q, kv, s, scale, (kvh, i0..i1), visible))
+        (kvh, i0, tile(level, q, kv, s, scale, (kvh, i0..i1), visible))
     });
     for (kvh, i0, o) in results {
         for (r, row) in o.chunks(hd).enumerate() {
@@ -66,6 +121,7 @@ pub fn prefill_attention<T: KvElem>(
 
 /// The outputs `[positions × g, hd]` of one KV head's query heads at positions `pos`.
 fn tile<'a, T: KvElem>(
+    level: Level,
     q: &[f32],
     kv: PagedKv<'a, T>,
     s: AttnShape,
@@ -106,7 +162,7 @@ fn tile<'a, T: KvElem>(
             }
             T::extend_f32(&mut vb, at(kv.v, j0 + j));
         }
-        scores(&qt, &kt, hd, scale, &mut sc);
+        scores(level, &qt, &kt, hd, scale, &mut sc);
         for r in 0..rows {
             let row = &mut sc[r * KB..(r + 1) * KB];
             let valid = vis[r].saturating_sub(j0).min(b);
@@ -122,7 +178,7 @@ fn tile<'a, T: KvElem>(
             sum[r] = sum[r] * corr[r] + crate::simd::exp_sub_sum(&mut row[..valid], m);
             row[valid..].fill(0.0);
         }
-        accumulate(&sc, &corr, &vb, b, hd, &mut o);
+        accumulate(level, &sc, &corr, &vb, b, hd, &mut o);
     }
     o.truncate(real * hd);
     for (row, s) in o.chunks_mut(hd).zip(&sum) {
@@ -133,13 +189,22 @@ fn tile<'a, T: KvElem>(
 
 /// `s[r, j] = scale · q_r · k_j` for every row of `qt` (`[rows, hd]`) and the `KB` keys of `kt`
 /// (`[hd, KB]`, transposed).
-fn scores(qt: &[f32], kt: &[f32], hd: usize, scale: f32, s: &mut [f32]) {
+fn scores(level: Level, qt: &[f32], kt: &[f32], hd: usize, scale: f32, s: &mut [f32]) {
     let rows = qt.len() / hd;
     let mut r = 0;
     while r < rows {
         let m = MR.min(rows - r);
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::has_avx2_fma() && m == MR {
+        if level == Level::Avx512 && m == MR {
+            for j in (0..KB).step_by(32) {
+                // SAFETY: AVX-512F was detected (the level); the kernel checks its slices' lengths.
+                unsafe { x86::scores_6x32(&qt[r * hd..], &kt[j..], hd, scale, &mut s[r * KB + j..]) };
+            }
+            r += m;
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if level != Level::Portable && m == MR {
             for j in (0..KB).step_by(16) {
                 // SAFETY: AVX2 and FMA were detected; the kernel checks its slices' lengths.
                 unsafe { x86::scores_6x16(&qt[r * hd..], &kt[j..], hd, scale, &mut s[r * KB + j..]) };
@@ -162,13 +227,20 @@ fn scores(qt: &[f32], kt: &[f32], hd: usize, scale: f32, s: &mut [f32]) {
 }
 
 /// `o_r = corr_r · o_r + Σ_{j<b} p[r, j] · v_j` for every row (`v`: `[b, hd]`).
-fn accumulate(p: &[f32], corr: &[f32], v: &[f32], b: usize, hd: usize, o: &mut [f32]) {
+fn accumulate(level: Level, p: &[f32], corr: &[f32], v: &[f32], b: usize, hd: usize, o: &mut [f32]) {
     let rows = corr.len();
     let mut r = 0;
     while r < rows {
         let m = MR.min(rows - r);
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::has_avx2_fma() && m == MR && hd.is_multiple_of(16) {
+        if level == Level::Avx512 && m == MR && hd.is_multiple_of(32) {
+            // SAFETY: AVX-512F was detected (the level); `p` holds the rows' KB, `v` b·hd, `o` the rows' hd.
+            unsafe { x86::accumulate_6x32(&p[r * KB..], &corr[r..r + MR], v, b, hd, &mut o[r * hd..]) };
+            r += m;
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if level != Level::Portable && m == MR && hd.is_multiple_of(16) {
             // SAFETY: AVX2 and FMA were detected; `p` holds the rows' KB, `v` b·hd, `o` the rows' hd.
             unsafe { x86::accumulate_6x16(&p[r * KB..], &corr[r..r + MR], v, b, hd, &mut o[r * hd..]) };
             r += m;
@@ -255,6 +327,66 @@ mod x86 {
             }
         }
     }
+
+    /// [`scores_6x16`] 32 keys at a time: the same chains, in zmm registers.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores_6x32(q: &[f32], kt: &[f32], hd: usize, scale: f32, s: &mut [f32]) {
+        assert!(q.len() >= MR * hd && kt.len() >= (hd - 1) * KB + 32 && s.len() >= (MR - 1) * KB + 32, "bounds: a bug");
+        let (qp, kp, sp) = (q.as_ptr(), kt.as_ptr(), s.as_mut_ptr());
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        // SAFETY: every offset is inside the slices' asserted lengths.
+        unsafe {
+            for c in 0..hd {
+                let (b0, b1) = (_mm512_loadu_ps(kp.add(c * KB)), _mm512_loadu_ps(kp.add(c * KB + 16)));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let x = _mm512_set1_ps(*qp.add(r * hd + c));
+                    a[0] = _mm512_fmadd_ps(x, b0, a[0]);
+                    a[1] = _mm512_fmadd_ps(x, b1, a[1]);
+                }
+            }
+            let sc = _mm512_set1_ps(scale);
+            for (r, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(sp.add(r * KB), _mm512_mul_ps(a[0], sc));
+                _mm512_storeu_ps(sp.add(r * KB + 16), _mm512_mul_ps(a[1], sc));
+            }
+        }
+    }
+
+    /// [`accumulate_6x16`] 32 columns at a time: the same chains, in zmm registers.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn accumulate_6x32(p: &[f32], corr: &[f32], v: &[f32], b: usize, hd: usize, o: &mut [f32]) {
+        assert!(
+            p.len() >= (MR - 1) * KB + b && v.len() >= b * hd && o.len() >= MR * hd && hd.is_multiple_of(32),
+            "micro-kernel bounds: a bug"
+        );
+        let (pp, vp, op) = (p.as_ptr(), v.as_ptr(), o.as_mut_ptr());
+        // SAFETY: every offset is inside the slices' asserted lengths (columns in whole 32s).
+        unsafe {
+            let mut cr = [_mm512_setzero_ps(); MR];
+            for (r, c) in cr.iter_mut().enumerate() {
+                *c = _mm512_set1_ps(corr[r]);
+            }
+            for c in (0..hd).step_by(32) {
+                let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+                for (r, a) in acc.iter_mut().enumerate() {
+                    a[0] = _mm512_mul_ps(_mm512_loadu_ps(op.add(r * hd + c)), cr[r]);
+                    a[1] = _mm512_mul_ps(_mm512_loadu_ps(op.add(r * hd + c + 16)), cr[r]);
+                }
+                for j in 0..b {
+                    let (v0, v1) = (_mm512_loadu_ps(vp.add(j * hd + c)), _mm512_loadu_ps(vp.add(j * hd + c + 16)));
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let x = _mm512_set1_ps(*pp.add(r * KB + j));
+                        a[0] = _mm512_fmadd_ps(x, v0, a[0]);
+                        a[1] = _mm512_fmadd_ps(x, v1, a[1]);
+                    }
+                }
+                for (r, a) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(op.add(r * hd + c), a[0]);
+                    _mm512_storeu_ps(op.add(r * hd + c + 16), a[1]);
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -307,6 +439,48 @@ mod tests {
             prefill_attention(&q, PagedKv { k: &kr, v: &vr, page }, s, scale, &mut got, &vis);
             let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(err < bound, "bf16 KV, hd {hd}: max error {err}");
+        }
+    }
+
+    /// Each level's micro-kernels give the portable code's bits: head dims on both wide kernels (256),
+    /// on the AVX-512 scores with the AVX2 `P·V` (48: a multiple of 16, not 32), off both (40); a tile
+    /// with padding rows (23 positions × 4 heads) and a last key block shorter than [`KB`]; f32 and bf16
+    /// KV. A chain summed in another order, or a column of the wrong key, changes bits.
+    #[test]
+    fn every_level_computes_the_same_bits() {
+        for (hd, heads, kv_heads, n, past) in
+            [(256usize, 16usize, 2usize, 20usize, 150usize), (48, 8, 2, 23, 97), (40, 4, 1, 11, 70)]
+        {
+            let s = AttnShape { heads, kv_heads, head_dim: hd };
+            let (row, t) = (kv_heads * hd, past + n);
+            let k: Vec<f32> = (0..t * row).map(|i| val(i + 5) + (i / row) as f32 * 2e-3).collect();
+            let v: Vec<f32> = (0..t * row).map(|i| val(i + 77)).collect();
+            let q: Vec<f32> = (0..n * heads * hd).map(|i| val(i + 901) * 2.0).collect();
+            let kb: Vec<u16> = k.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
+            let vb: Vec<u16> = v.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
+            let vis = |i: usize| past + i + 1;
+            let run = |level: Level| {
+                let (mut a, mut b) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+                prefill_attention_at(level, &q, PagedKv { k: &[&k[..]], v: &[&v[..]], page: t }, s, 0.1, &mut a, &vis);
+                prefill_attention_at(
+                    level,
+                    &q,
+                    PagedKv { k: &[&kb[..]], v: &[&vb[..]], page: t },
+                    s,
+                    0.1,
+                    &mut b,
+                    &vis,
+                );
+                (a, b)
+            };
+            let want = run(Level::Portable);
+            for level in Level::available() {
+                let got = run(level);
+                assert!(
+                    got.0 == want.0 && got.1 == want.1,
+                    "{level:?}, head dim {hd}: other bits than the portable code"
+                );
+            }
         }
     }
 
