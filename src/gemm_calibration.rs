@@ -20,18 +20,24 @@ fn entry() -> Option<PathBuf> {
         .ok()
         .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(str::to_string))
         .unwrap_or_default();
-    let key = format!(
-        "{cpu}|threads={}|{}|{}",
-        osprey_kernels::threads(),
-        env!("CARGO_PKG_VERSION"),
-        osprey_kernels::calibrate::candidates()
-    );
+    let key = key(&cpu, osprey_kernels::threads(), !cfg!(debug_assertions));
     let mut h = blake2::Blake2bVar::new(8).ok()?;
     h.update(key.as_bytes());
     let mut d = [0u8; 8];
     h.finalize_variable(&mut d).ok()?;
     let hex: String = d.iter().map(|b| format!("{b:02x}")).collect();
     Some(base.join("gemm-calibration").join(format!("{hex}.txt")))
+}
+
+/// What a choice depends on: the CPU, the thread count, the version, the kernels the build has for the
+/// CPU, and whether the build is optimised. An unoptimised build (`cargo test`'s: opt-level 1 for the
+/// workspace's kernels, 3 for dependencies such as matrixmultiply's sgemm) times its own kernels slow
+/// and chose sgemm over the int8 GEMM (10.7 against 14.4 ms, where a release build measures 4.9 against
+/// 1.5); its entry, under a key without this, then gave a release `serve` on the same machine sgemm:
+/// prefill 183 tok/s instead of 437 (2026-12-07, docs/benchmarks.md).
+fn key(cpu: &str, threads: usize, optimized: bool) -> String {
+    let build = if optimized { "optimized" } else { "unoptimized" };
+    format!("{cpu}|threads={threads}|{}|{}|{build}", env!("CARGO_PKG_VERSION"), osprey_kernels::calibrate::candidates())
 }
 
 /// The cached choice, if one is there and readable.
@@ -67,4 +73,17 @@ pub fn auto() {
     }
     chosen.apply();
     tracing::info!(ms = format!("{ms:.0}"), choice = %chosen.choices_line(), "prefill GEMMs measured: {}", measured.describe());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::key;
+
+    /// A test build's measurement never becomes a release build's choice: the two keep separate entries.
+    #[test]
+    fn an_unoptimised_build_keeps_its_own_entry() {
+        assert_ne!(key("cpu", 2, true), key("cpu", 2, false));
+        assert_eq!(key("cpu", 2, true), key("cpu", 2, true));
+        assert_ne!(key("cpu", 2, true), key("cpu", 4, true));
+    }
 }

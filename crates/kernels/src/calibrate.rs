@@ -4,7 +4,7 @@
 //! beside them). Each candidate runs the same kernel function the dispatch runs
 //! (`matmul::run_gemm`), on weights and activations made here, without touching the dispatch's state;
 //! [`Calibration::apply`] then sets the per-class preference. Timings are the best of a few runs after a
-//! warm-up, summed over the shapes: a routed expert's gate/up with 32 rows (the experts of a 512-token
+//! warm-up (the candidates in turn, round after round), summed over the shapes: a routed expert's gate/up with 32 rows (the experts of a 512-token
 //! chunk get ~16–64 rows each) and a dense projection of 128 rows.
 
 use crate::dispatch::{allowed, available, kernel_name, prefer, Gemm, WeightClass};
@@ -123,8 +123,10 @@ pub fn calibrate() -> Calibration {
                 WeightClass::Bf16 => WeightView::Bf16(&wb),
             };
             let mut out = vec![0f32; m * n];
-            for (s, &gemm) in secs.iter_mut().zip(&candidates) {
-                *s += best_time(|| run_gemm(gemm, &x, m, w, n, k, &mut out));
+            for (s, best) in
+                secs.iter_mut().zip(best_times(&candidates, |gemm| run_gemm(gemm, &x, m, w, n, k, &mut out)))
+            {
+                *s += best;
             }
         }
         timings.extend(candidates.iter().zip(&secs).map(|(&gemm, &secs)| Timing { class, gemm, secs }));
@@ -135,16 +137,20 @@ pub fn calibrate() -> Calibration {
     Calibration { timings, chosen }
 }
 
-/// Best time of [`RUNS`] runs of `run`, after a warm-up.
-fn best_time(mut run: impl FnMut()) -> f64 {
-    run();
-    (0..RUNS)
-        .map(|_| {
+/// Each candidate's best time of [`RUNS`] runs, after a warm-up of each. The runs go round the
+/// candidates in turn, so a burst of load from another process slows one round of all of them rather
+/// than every run of one (which then lost to a slower kernel).
+fn best_times(candidates: &[Gemm], mut run: impl FnMut(Gemm)) -> Vec<f64> {
+    candidates.iter().for_each(|&g| run(g));
+    let mut best = vec![f64::INFINITY; candidates.len()];
+    for _ in 0..RUNS {
+        for (b, &g) in best.iter_mut().zip(candidates) {
             let t = std::time::Instant::now();
-            run();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
+            run(g);
+            *b = b.min(t.elapsed().as_secs_f64());
+        }
+    }
+    best
 }
 
 #[cfg(test)]
