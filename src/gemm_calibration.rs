@@ -37,7 +37,12 @@ fn entry() -> Option<PathBuf> {
 /// prefill 183 tok/s instead of 437 (2026-12-07, docs/benchmarks.md).
 fn key(cpu: &str, threads: usize, optimized: bool) -> String {
     let build = if optimized { "optimized" } else { "unoptimized" };
-    format!("{cpu}|threads={threads}|{}|{}|{build}", env!("CARGO_PKG_VERSION"), osprey_kernels::calibrate::candidates())
+    // "rows": an entry holds a choice per band of rows (an older entry, one a class, is not read).
+    format!(
+        "{cpu}|threads={threads}|{}|{}|{build}|rows",
+        env!("CARGO_PKG_VERSION"),
+        osprey_kernels::calibrate::candidates()
+    )
 }
 
 /// The cached choice, if one is there and readable.

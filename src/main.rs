@@ -26,9 +26,9 @@ struct Cli {
     /// matmuls on CPUs with AVX512-BF16; a small documented drift) or f32 (exact).
     #[arg(long, global = true)]
     activations: Option<String>,
-    /// The prefill GEMM at the fast precision: auto (default: per weight class, the fastest kernel this
-    /// CPU has, measured at start-up and cached per CPU model), amx, amx-int8, int8, bf16 or f32 (the best
-    /// it may use). For measuring one kernel against another, or forcing a fallback.
+    /// The prefill GEMM at the fast precision: auto (default: per weight class and band of rows, the
+    /// fastest kernel this CPU has, measured at start-up and cached per CPU model), amx, amx-int8, int8,
+    /// bf16 or f32 (the best it may use). For measuring one kernel against another, or forcing a fallback.
     #[arg(long, global = true)]
     gemm: Option<String>,
     #[command(subcommand)]

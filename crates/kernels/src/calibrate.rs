@@ -4,15 +4,18 @@
 //! beside them). Each candidate runs the same kernel function the dispatch runs
 //! (`matmul::run_gemm`), on weights and activations made here, without touching the dispatch's state;
 //! [`Calibration::apply`] then sets the per-class preference. Timings are the best of a few runs after a
-//! warm-up (the candidates in turn, round after round), summed over the shapes: a routed expert's gate/up with 32 rows (the experts of a 512-token
-//! chunk get ~16–64 rows each) and a dense projection of 128 rows.
+//! warm-up (the candidates in turn, round after round), summed over the shapes of each band of rows
+//! ([`Rows`]), which chooses on its own: a routed expert's gate/up with 16 and 32 rows (the experts of a
+//! 512-token chunk get ~16–64 rows each) for [`Rows::Few`], a dense projection of 128 rows for
+//! [`Rows::Many`].
 
-use crate::dispatch::{allowed, available, kernel_name, prefer, Gemm, WeightClass};
+use crate::dispatch::{allowed, available, kernel_name, prefer, Gemm, Rows, WeightClass};
 use crate::matmul::run_gemm;
 use crate::WeightView;
 
-/// The shapes timed, `(m, n, k)`: a routed expert's gate/up and a dense projection's slice.
-pub const SHAPES: [(usize, usize, usize); 2] = [(32, 512, 2048), (128, 1024, 2048)];
+/// The shapes timed, `(m, n, k)`: a routed expert's gate/up at two row counts and a dense projection's
+/// slice; each counts for its band of rows ([`Rows::of`]).
+pub const SHAPES: [(usize, usize, usize); 3] = [(16, 512, 2048), (32, 512, 2048), (128, 1024, 2048)];
 /// Timed runs per shape and kernel after one warm-up (the best counts).
 const RUNS: usize = 3;
 
@@ -21,9 +24,11 @@ const RUNS: usize = 3;
 pub struct Timing {
     /// The weight class.
     pub class: WeightClass,
+    /// The band of rows.
+    pub rows: Rows,
     /// The kernel.
     pub gemm: Gemm,
-    /// Seconds over [`SHAPES`] (best of [`RUNS`] each).
+    /// Seconds over the band's [`SHAPES`] (best of [`RUNS`] each).
     pub secs: f64,
 }
 
@@ -32,46 +37,63 @@ pub struct Timing {
 pub struct Calibration {
     /// Every candidate timed (each kernel this CPU has and the ceiling allows, per class).
     pub timings: Vec<Timing>,
-    /// The fastest per class, in [`WeightClass::ALL`] order.
-    pub chosen: Vec<(WeightClass, Gemm)>,
+    /// The fastest per class and band, in [`WeightClass::ALL`] then [`Rows::ALL`] order.
+    pub chosen: Vec<(WeightClass, Rows, Gemm)>,
 }
 
 impl Calibration {
     /// Makes the dispatch use the chosen kernels (and only slower-ranked ones as fallbacks).
     pub fn apply(&self) {
-        for &(c, g) in &self.chosen {
-            prefer(c, g);
+        for &(c, r, g) in &self.chosen {
+            prefer(c, r, g);
         }
     }
 
-    /// The choices as one line for the cache (`nvfp4=int8 bf16=amx`).
+    /// The choices as one line for the cache, each class's few rows then many (`nvfp4=int8,int8
+    /// bf16=bf16,f32`).
     pub fn choices_line(&self) -> String {
-        self.chosen.iter().map(|(c, g)| format!("{}={}", c.name(), g.name())).collect::<Vec<_>>().join(" ")
+        WeightClass::ALL
+            .iter()
+            .map(|&c| {
+                let gs: Vec<&str> = self.chosen.iter().filter(|t| t.0 == c).map(|t| t.2.name()).collect();
+                format!("{}={}", c.name(), gs.join(","))
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 
     /// Choices read back from [`Calibration::choices_line`] (no timings); `None` for anything else.
     pub fn from_choices_line(line: &str) -> Option<Self> {
         let mut chosen = Vec::new();
-        for part in line.split_whitespace() {
-            let (c, g) = part.split_once('=')?;
-            let class = WeightClass::ALL.into_iter().find(|k| k.name() == c)?;
-            chosen.push((class, g.parse::<Gemm>().ok()?));
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        if parts.len() != WeightClass::ALL.len() {
+            return None;
         }
-        (chosen.len() == WeightClass::ALL.len()).then_some(Calibration { timings: Vec::new(), chosen })
+        for (part, class) in parts.into_iter().zip(WeightClass::ALL) {
+            let (c, gs) = part.split_once('=')?;
+            let gs: Vec<&str> = gs.split(',').collect();
+            if c != class.name() || gs.len() != Rows::ALL.len() {
+                return None;
+            }
+            for (g, rows) in gs.into_iter().zip(Rows::ALL) {
+                chosen.push((class, rows, g.parse::<Gemm>().ok()?));
+            }
+        }
+        Some(Calibration { timings: Vec::new(), chosen })
     }
 
-    /// For the log: each class's choice and every time measured.
+    /// For the log: each class's and band's choice and every time measured.
     pub fn describe(&self) -> String {
         self.chosen
             .iter()
-            .map(|&(c, g)| {
+            .map(|&(c, r, g)| {
                 let times: Vec<String> = self
                     .timings
                     .iter()
-                    .filter(|t| t.class == c)
+                    .filter(|t| t.class == c && t.rows == r)
                     .map(|t| format!("{} {:.2} ms", kernel_name(c, t.gemm), t.secs * 1e3))
                     .collect();
-                format!("{} {} [{}]", c.name(), kernel_name(c, g), times.join(", "))
+                format!("{} {:?} rows {} [{}]", c.name(), r, kernel_name(c, g), times.join(", ")).to_lowercase()
             })
             .collect::<Vec<_>>()
             .join("; ")
@@ -93,14 +115,14 @@ pub fn candidates() -> String {
         .join("; ")
 }
 
-/// Times every prefill GEMM this CPU has (under the ceiling) for each weight class and chooses the
-/// fastest. Tens of milliseconds; does not change the dispatch until [`Calibration::apply`].
+/// Times every prefill GEMM this CPU has (under the ceiling) for each weight class and band of rows
+/// and chooses the fastest. Tens of milliseconds; does not change the dispatch until [`Calibration::apply`].
 pub fn calibrate() -> Calibration {
     let mut timings = Vec::new();
     let mut chosen = Vec::new();
     for class in WeightClass::ALL {
         let candidates: Vec<Gemm> = Gemm::ALL.into_iter().filter(|&g| available(class, g) && allowed(g)).collect();
-        let mut secs = vec![0.0; candidates.len()];
+        let mut secs = [vec![0.0; candidates.len()], vec![0.0; candidates.len()]];
         for &(m, n, k) in &SHAPES {
             // One shape's activations and weights, made once for every candidate.
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 97.0) - 0.5).collect();
@@ -123,16 +145,20 @@ pub fn calibrate() -> Calibration {
                 WeightClass::Bf16 => WeightView::Bf16(&wb),
             };
             let mut out = vec![0f32; m * n];
+            let band = &mut secs[Rows::of(m) as usize];
             for (s, best) in
-                secs.iter_mut().zip(best_times(&candidates, |gemm| run_gemm(gemm, &x, m, w, n, k, &mut out)))
+                band.iter_mut().zip(best_times(&candidates, |gemm| run_gemm(gemm, &x, m, w, n, k, &mut out)))
             {
                 *s += best;
             }
         }
-        timings.extend(candidates.iter().zip(&secs).map(|(&gemm, &secs)| Timing { class, gemm, secs }));
-        // The first of equal times wins (kernels ranked higher).
-        let best = candidates.iter().zip(&secs).min_by(|a, b| a.1.total_cmp(b.1)).map_or(Gemm::F32, |(&g, _)| g);
-        chosen.push((class, best));
+        for rows in Rows::ALL {
+            let secs = &secs[rows as usize];
+            timings.extend(candidates.iter().zip(secs).map(|(&gemm, &secs)| Timing { class, rows, gemm, secs }));
+            // The first of equal times wins (kernels ranked higher).
+            let best = candidates.iter().zip(secs).min_by(|a, b| a.1.total_cmp(b.1)).map_or(Gemm::F32, |(&g, _)| g);
+            chosen.push((class, rows, best));
+        }
     }
     Calibration { timings, chosen }
 }
@@ -164,17 +190,25 @@ mod tests {
     fn the_choice_is_the_fastest_kernel_timed() {
         let c = calibrate();
         for class in WeightClass::ALL {
-            let timed: Vec<&Timing> = c.timings.iter().filter(|t| t.class == class).collect();
-            let expected: Vec<Gemm> = Gemm::ALL.into_iter().filter(|&g| available(class, g) && allowed(g)).collect();
-            assert_eq!(timed.iter().map(|t| t.gemm).collect::<Vec<_>>(), expected, "{class:?}");
-            let fastest = timed.iter().min_by(|a, b| a.secs.total_cmp(&b.secs)).expect("a kernel");
-            let chosen = c.chosen.iter().find(|(k, _)| *k == class).expect("a choice").1;
-            assert_eq!(chosen, fastest.gemm, "{class:?}: {}", c.describe());
+            for rows in Rows::ALL {
+                let timed: Vec<&Timing> = c.timings.iter().filter(|t| t.class == class && t.rows == rows).collect();
+                let expected: Vec<Gemm> =
+                    Gemm::ALL.into_iter().filter(|&g| available(class, g) && allowed(g)).collect();
+                assert_eq!(timed.iter().map(|t| t.gemm).collect::<Vec<_>>(), expected, "{class:?} {rows:?}");
+                let fastest = timed.iter().min_by(|a, b| a.secs.total_cmp(&b.secs)).expect("a kernel");
+                let chosen = c.chosen.iter().find(|t| t.0 == class && t.1 == rows).expect("a choice").2;
+                assert_eq!(chosen, fastest.gemm, "{class:?} {rows:?}: {}", c.describe());
+            }
         }
         let back = Calibration::from_choices_line(&c.choices_line()).expect("parses");
         assert_eq!(back.chosen, c.chosen);
+        let line = Calibration::from_choices_line("nvfp4=int8,amx bf16=bf16,f32").expect("parses");
+        assert_eq!(line.chosen[1], (WeightClass::Nvfp4, Rows::Many, Gemm::Amx));
+        assert_eq!(line.chosen[2], (WeightClass::Bf16, Rows::Few, Gemm::Bf16));
         assert!(Calibration::from_choices_line("nvfp4=int8").is_none());
-        assert!(Calibration::from_choices_line("nvfp4=fast bf16=amx").is_none());
+        assert!(Calibration::from_choices_line("nvfp4=int8 bf16=bf16").is_none(), "a line of one choice a class");
+        assert!(Calibration::from_choices_line("nvfp4=fast,int8 bf16=amx,amx").is_none());
+        assert!(Calibration::from_choices_line("bf16=amx,amx nvfp4=int8,int8").is_none());
         eprintln!("{}", c.describe());
     }
 }

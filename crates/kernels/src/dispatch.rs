@@ -100,24 +100,57 @@ impl WeightClass {
     }
 }
 
-/// The best kernel each class may use: [`Gemm::Amx`] (all) until a calibration measured a faster one
-/// lower down ([`prefer`]); the ceiling ([`set_gemm_ceiling`]) applies on top.
-static PREFERRED: [AtomicU8; 2] = [AtomicU8::new(Gemm::Amx as u8), AtomicU8::new(Gemm::Amx as u8)];
+/// From this many rows a prefill GEMM counts as a dense projection's ([`Rows::Many`]), below it as a
+/// routed expert's ([`Rows::Few`]: a 512-token chunk gives each of 256 experts ~16 rows). Kernels rank
+/// differently by rows: on a Sapphire Rapids without AMX the AVX512-BF16 tiles ran a 16 × 512 × 2048
+/// bf16 GEMM in 0.22 ms against sgemm's 0.36, and 128 × 1024 × 2048 in 3.4 ms against 2.5; one choice per
+/// class took sgemm for both (docs/benchmarks.md).
+pub const MANY_ROWS: usize = 64;
 
-/// Lets `class` use `best` and the kernels after it only (what `crate::calibrate` measured fastest).
-pub fn prefer(class: WeightClass, best: Gemm) {
-    PREFERRED[class as usize].store(best as u8, Ordering::Relaxed);
+/// The row counts the calibration chooses a kernel for on their own (see [`MANY_ROWS`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Rows {
+    /// Fewer than [`MANY_ROWS`]: a prefill chunk's routed experts, a batch of decodes.
+    Few = 0,
+    /// [`MANY_ROWS`] and more: a prefill chunk's dense projections.
+    Many = 1,
 }
 
-/// Whether `class` may use `g`: under the ceiling and at or after its preferred kernel.
-pub fn allowed_for(class: WeightClass, g: Gemm) -> bool {
-    allowed(g) && PREFERRED[class as usize].load(Ordering::Relaxed) <= g as u8
+impl Rows {
+    /// Both, fewer first.
+    pub const ALL: [Rows; 2] = [Rows::Few, Rows::Many];
+
+    /// The band of a GEMM of `m` rows.
+    pub fn of(m: usize) -> Rows {
+        if m < MANY_ROWS {
+            Rows::Few
+        } else {
+            Rows::Many
+        }
+    }
 }
 
-/// The GEMM `class` takes for a prefill chunk (a whole tile of rows or more) on this CPU under the
-/// ceiling and its preference.
-pub fn prefill_kernel(class: WeightClass) -> Gemm {
-    Gemm::ALL.into_iter().find(|&g| available(class, g) && allowed_for(class, g)).unwrap_or(Gemm::F32)
+/// The best kernel each class may use at each band of rows: [`Gemm::Amx`] (all) until a calibration
+/// measured a faster one lower down ([`prefer`]); the ceiling ([`set_gemm_ceiling`]) applies on top.
+static PREFERRED: [[AtomicU8; 2]; 2] = [
+    [AtomicU8::new(Gemm::Amx as u8), AtomicU8::new(Gemm::Amx as u8)],
+    [AtomicU8::new(Gemm::Amx as u8), AtomicU8::new(Gemm::Amx as u8)],
+];
+
+/// Lets `class` use `best` and the kernels after it only at `rows` (what `crate::calibrate` measured
+/// fastest).
+pub fn prefer(class: WeightClass, rows: Rows, best: Gemm) {
+    PREFERRED[class as usize][rows as usize].store(best as u8, Ordering::Relaxed);
+}
+
+/// Whether `class` may use `g` at `rows`: under the ceiling and at or after its preferred kernel.
+pub fn allowed_for(class: WeightClass, rows: Rows, g: Gemm) -> bool {
+    allowed(g) && PREFERRED[class as usize][rows as usize].load(Ordering::Relaxed) <= g as u8
+}
+
+/// The GEMM `class` takes for a prefill GEMM of `rows` on this CPU under the ceiling and its preference.
+pub fn prefill_kernel(class: WeightClass, rows: Rows) -> Gemm {
+    Gemm::ALL.into_iter().find(|&g| available(class, g) && allowed_for(class, rows, g)).unwrap_or(Gemm::F32)
 }
 
 /// Whether `g` can run `class` on this CPU (under no ceiling).
@@ -149,9 +182,16 @@ pub fn prefill_kernels() -> String {
     let mut parts: Vec<String> = WeightClass::ALL
         .iter()
         .map(|&c| {
-            let g = prefill_kernel(c);
-            let from = if matches!(g, Gemm::Amx | Gemm::AmxInt8) { " (from 16 rows)" } else { "" };
-            format!("{} {}{from}", c.name(), kernel_name(c, g))
+            let name = |g: Gemm| {
+                let from = if matches!(g, Gemm::Amx | Gemm::AmxInt8) { " (from 16 rows)" } else { "" };
+                format!("{}{from}", kernel_name(c, g))
+            };
+            let (few, many) = (prefill_kernel(c, Rows::Few), prefill_kernel(c, Rows::Many));
+            if few == many {
+                format!("{} {}", c.name(), name(few))
+            } else {
+                format!("{} {} below {MANY_ROWS} rows, {} from {MANY_ROWS}", c.name(), name(few), name(many))
+            }
         })
         .collect();
     if crate::amx::status() == crate::amx::Status::Emulated {

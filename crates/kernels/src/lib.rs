@@ -50,7 +50,7 @@ mod simd;
 mod timing;
 
 pub use act::{gelu_erf, gelu_tanh, sigmoid, silu, softplus};
-pub use dispatch::{prefill_kernel, prefill_kernels, set_gemm_ceiling, Gemm, WeightClass};
+pub use dispatch::{prefill_kernel, prefill_kernels, set_gemm_ceiling, Gemm, Rows, WeightClass};
 pub use matmul::{
     matmul, matmul_into_strided, matmul_pair_with, matmul_with, DType, Precision, WeightRows, WeightView,
     INT8_GEMV_BELOW_ROWS,

@@ -17,7 +17,7 @@
 
 pub use osprey_backend::types::{DType, Precision, WeightView};
 
-use crate::dispatch::{allowed_for, Gemm, WeightClass};
+use crate::dispatch::{allowed, allowed_for, Gemm, Rows, WeightClass};
 use crate::pool::OutPtr;
 use crate::q8::{self, Isa, Q8Act};
 use crate::{amx, bf16, nvfp4, pool, q8_gemm, q8_gemv, simd};
@@ -59,11 +59,11 @@ pub const INT8_GEMV_BELOW_ROWS: usize = 16;
 
 /// The row limit of the integer dot path on this CPU.
 pub fn q8_gemv_max_rows() -> usize {
-    if q8_gemv::available() && allowed_for(WeightClass::Nvfp4, Gemm::Int8) {
+    if q8_gemv::available() && allowed_for(WeightClass::Nvfp4, Rows::Few, Gemm::Int8) {
         Q8_GEMV_MAX_ROWS_WITH_INT8_GEMV
-    } else if q8_gemm::available() && allowed_for(WeightClass::Nvfp4, Gemm::Int8) {
+    } else if q8_gemm::available() && allowed_for(WeightClass::Nvfp4, Rows::Few, Gemm::Int8) {
         Q8_GEMV_MAX_ROWS_WITH_INT8_GEMM
-    } else if bf16::available() && allowed_for(WeightClass::Nvfp4, Gemm::Bf16) {
+    } else if bf16::available() && allowed_for(WeightClass::Nvfp4, Rows::Few, Gemm::Bf16) {
         Q8_GEMV_MAX_ROWS_WITH_BF16
     } else {
         Q8_GEMV_MAX_ROWS
@@ -183,21 +183,22 @@ pub const AMX_MIN_ROWS: usize = 16;
 /// `p`: at the fast precision, AMX-BF16 tiles where granted (bf16 weights, NVFP4 decoded to bf16) from
 /// [`AMX_MIN_ROWS`] rows, then for NVFP4 the AMX-INT8 tiles; else NVFP4 takes the int8 GEMM (AVX-512
 /// VNNI: 2× the bf16 tiles' multiply-adds per instruction; AVX2: 2× sgemm on Zen 3), else bf16 tiles
-/// where AVX512-BF16 is, else sgemm. The calibration may prefer a lower one per weight class.
+/// where AVX512-BF16 is, else sgemm. The calibration may prefer a lower one per weight class and band of
+/// rows ([`Rows`]).
 fn gemm_kind(m: usize, w: WeightView<'_>, k: usize, p: Precision) -> Gemm {
     let fast_nvfp4 = p == Precision::Int8 && matches!(w, WeightView::Nvfp4 { .. });
     // NVFP4 rows the int8 GEMMs (AMX-INT8 tiles, VNNI / AVX2) take: whole blocks.
     let int8_nvfp4 = fast_nvfp4 && k.is_multiple_of(nvfp4::BLOCK);
     let amx_weights = fast_nvfp4 || (p == Precision::Int8 && matches!(w, WeightView::Bf16(_)));
-    let class = class_of(w);
+    let (class, rows) = (class_of(w), Rows::of(m));
     let amx = amx_weights && m >= AMX_MIN_ROWS && amx::available();
-    if amx && allowed_for(class, Gemm::Amx) {
+    if amx && allowed_for(class, rows, Gemm::Amx) {
         Gemm::Amx
-    } else if amx && int8_nvfp4 && allowed_for(class, Gemm::AmxInt8) {
+    } else if amx && int8_nvfp4 && allowed_for(class, rows, Gemm::AmxInt8) {
         Gemm::AmxInt8
-    } else if int8_nvfp4 && q8_gemm::available() && allowed_for(class, Gemm::Int8) {
+    } else if int8_nvfp4 && q8_gemm::available() && allowed_for(class, rows, Gemm::Int8) {
         Gemm::Int8
-    } else if bf16_tiles(w, p) {
+    } else if bf16_tiles(w, p, rows) {
         Gemm::Bf16
     } else {
         Gemm::F32
@@ -217,14 +218,23 @@ fn int8_gemm(kind: Gemm, m: usize) -> Int8Gemm {
     }
 }
 
-/// Whether a matmul against `w` may run on bf16 tiles ([`bf16`]): the fast precision on a CPU with
+/// Whether a GEMM of `rows` against `w` may run on bf16 tiles ([`bf16`]): the fast precision on a CPU with
 /// AVX512-BF16, for bf16 weights and NVFP4 weights (decoded exactly into bf16). The GEMM pads any width
 /// to whole 32-value steps; the GEMV (rows as stored) needs a width in whole steps.
-fn bf16_tiles(w: WeightView<'_>, p: Precision) -> bool {
+fn bf16_tiles(w: WeightView<'_>, p: Precision, rows: Rows) -> bool {
     p == Precision::Int8
-        && allowed_for(class_of(w), Gemm::Bf16)
+        && allowed_for(class_of(w), rows, Gemm::Bf16)
         && matches!(w, WeightView::Bf16(_) | WeightView::Nvfp4 { .. })
         && bf16::available()
+}
+
+/// Whether the GEMV path (decode) takes bf16 weights on bf16 tiles: the fast precision on a CPU with
+/// AVX512-BF16 under the ceiling (`--gemm`), whatever the calibration chose for prefill. The
+/// calibration times prefill shapes only; when it chose sgemm for bf16 prefill (a near tie at its
+/// shapes on a Sapphire Rapids without AMX), decode fell to the f32 dot without prefetch: 24.3 tok/s
+/// against 37.9 on the tiles (q35moe-L4 bf16, 2026-12-07, docs/benchmarks.md).
+fn bf16_gemv(p: Precision) -> bool {
+    p == Precision::Int8 && allowed(Gemm::Bf16) && bf16::available()
 }
 
 /// The weight class the dispatch chooses a GEMM for (any dense weights count as bf16).
@@ -271,7 +281,7 @@ impl RowActs {
     fn new(x: &[f32], m: usize, k: usize, w: WeightView<'_>, p: Precision) -> Self {
         if p == Precision::Int8 && int8_eligible(w, k) {
             RowActs::Q8((0..m).map(|i| q8::quantize(&x[i * k..(i + 1) * k])).collect(), Isa::detected())
-        } else if matches!(w, WeightView::Bf16(_)) && bf16_tiles(w, p) && k.is_multiple_of(bf16::STEP) {
+        } else if matches!(w, WeightView::Bf16(_)) && bf16_gemv(p) && k.is_multiple_of(bf16::STEP) {
             let mut xb = vec![0u16; m * k];
             bf16::round_row(x, &mut xb);
             RowActs::Bf16(xb)
