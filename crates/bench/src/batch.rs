@@ -2,8 +2,9 @@
 //! runs once every request is past its prompt, measured without HTTP, the tokenizer or the scheduler,
 //! so a change to the batched path is priced by the step itself (issue 54 item 4). Each sequence gets
 //! its own prompt (different tokens, so the routed experts differ as requests' do), prefilled alone;
-//! then greedy decode steps of all of them together, timed, each token drawn on the backend as the
-//! server's runner draws it (`LogitsWanted::Sample`: the batch's head rows in one matmul).
+//! then greedy decode steps of all of them together, timed, each token (the prompt's first too) drawn on
+//! the backend as the server's runner draws it (`LogitsWanted::Sample`: the batch's head rows in one
+//! matmul).
 
 use std::time::Instant;
 
@@ -58,10 +59,6 @@ fn prompt_of(s: usize, len: usize, vocab: usize) -> Vec<u32> {
     bench_prompt(len, vocab).into_iter().map(|t| (t + 104_729 * s as u32) % span).collect()
 }
 
-fn argmax(v: &[f32]) -> u32 {
-    v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32)
-}
-
 /// Measures a decode step of each batch size in `b.batches`.
 pub fn bench_batch(m: &dyn CausalLm, b: &BatchBench) -> Result<BatchReport> {
     let vocab = m.info().vocab_size;
@@ -69,17 +66,17 @@ pub fn bench_batch(m: &dyn CausalLm, b: &BatchBench) -> Result<BatchReport> {
     let mut rows: Vec<BatchRow> = Vec::new();
     for &batch in &b.batches {
         let batch = batch.max(1);
+        let greedy = RowSampling::greedy();
         let mut states: Vec<_> = (0..batch).map(|_| m.new_state()).collect();
         let mut next = Vec::with_capacity(batch);
         for (s, st) in states.iter_mut().enumerate() {
             let prompt = prompt_of(s, b.prompt_len.max(1), vocab);
-            let input = SeqInput { logits: LogitsWanted::Last, ..SeqInput::text(&prompt) };
+            let input = SeqInput { logits: LogitsWanted::Sample(&greedy), ..SeqInput::text(&prompt) };
             let out = m.forward(&mut [SeqStep { state: st, input }], false)?;
-            next.push(argmax(&out.logits[0]));
+            next.push(out.sampled[0].unwrap_or(0));
         }
         let mut times = Vec::new();
         let mut experts = 0u64;
-        let greedy = RowSampling::greedy();
         for step in 0..=b.decode_steps {
             let before = m.slot_stats();
             let t = Instant::now();

@@ -9,8 +9,9 @@
 //! At the fast precision ([`Precision::Int8`]) NVFP4 rows take int8 activations: the per-row integer
 //! dots ([`crate::q8`]) in the first regime, the int8 GEMM ([`crate::q8_gemm`], AVX-512 VNNI or AVX2)
 //! in the second, whose rows below [`INT8_GEMV_BELOW_ROWS`] run on [`crate::q8_gemv`] where AVX-512 VNNI
-//! is (a decode batch: the same bits, 16 weight rows transposed in registers); on CPUs with AVX512-BF16 bf16 weights (both regimes) and NVFP4 weights without VNNI (second
-//! regime) take bf16-rounded activations on [`crate::bf16`] tiles. `--gemm` ([`crate::set_gemm_ceiling`])
+//! is (a decode batch: the same bits, 16 weight rows transposed in registers); on CPUs with AVX512-BF16
+//! bf16 weights (both regimes) and NVFP4 weights without VNNI (second regime) take bf16-rounded
+//! activations on [`crate::bf16`] tiles. `--gemm` ([`crate::set_gemm_ceiling`])
 //! can forbid the faster GEMMs, to measure or to force a fallback.
 //!
 //! Both split the output columns (weight rows) across the kernels' [`crate::pool`].
@@ -220,7 +221,7 @@ fn int8_gemm(kind: Gemm, m: usize) -> Int8Gemm {
 
 /// Whether a GEMM of `rows` against `w` may run on bf16 tiles ([`bf16`]): the fast precision on a CPU with
 /// AVX512-BF16, for bf16 weights and NVFP4 weights (decoded exactly into bf16). The GEMM pads any width
-/// to whole 32-value steps; the GEMV (rows as stored) needs a width in whole steps.
+/// to whole 32-value steps.
 fn bf16_tiles(w: WeightView<'_>, p: Precision, rows: Rows) -> bool {
     p == Precision::Int8
         && allowed_for(class_of(w), rows, Gemm::Bf16)
@@ -228,8 +229,9 @@ fn bf16_tiles(w: WeightView<'_>, p: Precision, rows: Rows) -> bool {
         && bf16::available()
 }
 
-/// Whether the GEMV path (decode) takes bf16 weights on bf16 tiles: the fast precision on a CPU with
-/// AVX512-BF16 under the ceiling (`--gemm`), whatever the calibration chose for prefill. The
+/// Whether the GEMV path (decode) takes bf16 weights on bf16 tiles (rows as stored: the caller checks
+/// the width is whole 32-value steps): the fast precision on a CPU with AVX512-BF16 under the ceiling
+/// (`--gemm`), whatever the calibration chose for prefill. The
 /// calibration times prefill shapes only; when it chose sgemm for bf16 prefill (a near tie at its
 /// shapes on a Sapphire Rapids without AMX), decode fell to the f32 dot without prefetch: 24.3 tok/s
 /// against 37.9 on the tiles (q35moe-L4 bf16, 2026-12-07, docs/benchmarks.md).

@@ -263,15 +263,16 @@ impl Drop for Finish<'_> {
 
 /// A job the pool cannot take: split it over rayon (each rayon thread a participant).
 fn fallback(n: usize, f: &JobFn<'_>) {
+    if n == 1 || rayon::current_num_threads() == 1 {
+        let _item = InItem::enter();
+        return inline(n, f);
+    }
     let counter = AtomicU64::new(1 << 32);
     let claims = || Claims { counter: &counter, items: n as u64, generation: 1 };
     let item = |c: Claims<'_>| {
         let _item = InItem::enter();
         f(&c)
     };
-    if n == 1 || rayon::current_num_threads() == 1 {
-        return item(claims());
-    }
     rayon::scope(|s| {
         for _ in 1..rayon::current_num_threads().min(n) {
             s.spawn(|_| item(claims()));

@@ -5,6 +5,13 @@
 use crate::q8_gemm::{gemm, quantize_rows};
 use crate::{matmul_with, Precision, WeightView};
 
+/// A seeded NVFP4 `n × k` matrix (any codes, e4m3 block scales 0.5 .. 1.875), another per `seed`.
+fn nvfp4(n: usize, k: usize, seed: usize) -> (Vec<u8>, Vec<u8>) {
+    let packed = (0..n * k / 2).map(|i| ((i * 131 + seed) % 256) as u8).collect();
+    let scales = (0..n * k / 16).map(|i| 0x30 + ((i + seed) % 16) as u8).collect();
+    (packed, scales)
+}
+
 mod gemm_vs {
     use super::*;
 
@@ -12,8 +19,7 @@ mod gemm_vs {
     #[ignore]
     fn against_the_dot_path() {
         for (n, k) in [(512, 2048), (2048, 512)] {
-            let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
-            let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
+            let (packed, scales) = nvfp4(n, k, 0);
             let view = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.01 };
             for m in [1usize, 2, 3, 4, 6, 8] {
                 let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
@@ -51,8 +57,7 @@ mod gemm_vs {
     #[ignore]
     fn against_bf16_tiles() {
         for (m, n, k) in [(512, 2048, 2048), (512, 512, 2048), (64, 512, 2048), (16, 512, 2048), (512, 2048, 512)] {
-            let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
-            let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
+            let (packed, scales) = nvfp4(n, k, 0);
             let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
             let mut out = vec![0f32; m * n];
             let view = WeightView::Nvfp4 { packed: &packed, scales: &scales, global: 0.01 };
@@ -211,13 +216,7 @@ mod cold_nvfp4_gemv {
     fn cold_nvfp4_gemv() {
         for (n, k) in [(512usize, 2048usize), (2048, 512), (8192, 2048)] {
             let count = (128 * 512 * 2048 / (n * k)).max(8);
-            let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..count)
-                .map(|e| {
-                    let packed = (0..n * k / 2).map(|i| ((i * 131 + e) % 256) as u8).collect();
-                    let scales = (0..n * k / 16).map(|i| 0x30 + ((i + e) % 16) as u8).collect();
-                    (packed, scales)
-                })
-                .collect();
+            let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..count).map(|e| nvfp4(n, k, e)).collect();
             let x: Vec<f32> = (0..k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
             let mut out = vec![0f32; n];
             for cold in [false, true] {
@@ -243,6 +242,8 @@ mod each_gemm {
     use crate::matmul::run_gemm;
     use crate::WeightView;
 
+    use super::nvfp4;
+
     #[test]
     #[ignore]
     fn each_gemm() {
@@ -250,8 +251,7 @@ mod each_gemm {
             [(512, 2048, 2048), (128, 1024, 2048), (32, 512, 2048), (32, 2048, 512), (16, 512, 2048), (1, 512, 2048)]
         {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 97) as f32 / 97.0) - 0.5).collect();
-            let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 131 % 256) as u8).collect();
-            let scales: Vec<u8> = (0..n * k / 16).map(|i| 0x30 + (i % 16) as u8).collect();
+            let (packed, scales) = nvfp4(n, k, 0);
             let wb: Vec<u16> =
                 (0..n * k).map(|i| crate::bf16::round(((i * 104729 % 89) as f32 / 89.0) - 0.5)).collect();
             let mut out = vec![0f32; m * n];
@@ -327,13 +327,9 @@ mod expert_wave {
     #[ignore]
     fn expert_wave() {
         let (h, f, per_layer, layers) = (2048usize, 512usize, 58usize, 4usize);
-        let mat = |n: usize, k: usize, e: usize| -> (Vec<u8>, Vec<u8>) {
-            let packed = (0..n * k / 2).map(|i| ((i * 131 + e) % 256) as u8).collect();
-            let scales = (0..n * k / 16).map(|i| 0x30 + ((i + e) % 16) as u8).collect();
-            (packed, scales)
-        };
-        let experts: Vec<[(Vec<u8>, Vec<u8>); 3]> =
-            (0..per_layer * layers).map(|e| [mat(f, h, 3 * e), mat(f, h, 3 * e + 1), mat(h, f, 3 * e + 2)]).collect();
+        let experts: Vec<[(Vec<u8>, Vec<u8>); 3]> = (0..per_layer * layers)
+            .map(|e| [nvfp4(f, h, 3 * e), nvfp4(f, h, 3 * e + 1), nvfp4(h, f, 3 * e + 2)])
+            .collect();
         fn view(m: &(Vec<u8>, Vec<u8>)) -> WeightView<'_> {
             WeightView::Nvfp4 { packed: &m.0, scales: &m.1, global: 0.01 }
         }
@@ -402,13 +398,7 @@ mod dense_rows {
     #[ignore]
     fn dense_rows() {
         for (n, k) in [(8192usize, 2048usize), (2048, 4096), (32768, 2048)] {
-            let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..8)
-                .map(|e| {
-                    let packed = (0..n * k / 2).map(|i| ((i * 131 + e) % 256) as u8).collect();
-                    let scales = (0..n * k / 16).map(|i| 0x30 + ((i + e) % 16) as u8).collect();
-                    (packed, scales)
-                })
-                .collect();
+            let mats: Vec<(Vec<u8>, Vec<u8>)> = (0..8).map(|e| nvfp4(n, k, e)).collect();
             for m in [1usize, 2, 4, 8, 16] {
                 let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01 - 0.08).collect();
                 let mut out = vec![0f32; m * n];
