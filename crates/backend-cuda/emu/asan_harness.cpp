@@ -194,10 +194,10 @@ int main(int argc, char** argv) {
     run(attention_flash, dim3{qn, kvh, 1}, d1(128), q.data(), ao.data(), static_cast<const void*>(pool.data()), 0,
         table.data(), ps, 0u, qn, past, heads, kvh, hd, 0.25f, 2u, 32u, ao.data());
     std::vector<uint16_t> pool16(pool.size(), 0x3f80);
-    std::vector<float> part(qn * heads * 2 * (hd + 2));
+    std::vector<float> parts(qn * heads * 2 * (hd + 2));
     run(attention_flash, dim3{qn, kvh * 2, 2}, d1(128), q.data(), ao.data(), static_cast<const void*>(pool16.data()), 1,
-        table.data(), ps, 0u, qn, past, heads, kvh, hd, 0.25f, 1u, 16u, part.data());
-    run(attention_combine, d1(qn * heads), d1(32), part.data(), ao.data(), 0u, qn, heads, hd, 2u);
+        table.data(), ps, 0u, qn, past, heads, kvh, hd, 0.25f, 1u, 16u, parts.data());
+    run(attention_combine, d1(qn * heads), d1(32), parts.data(), ao.data(), 0u, qn, heads, hd, 2u);
     auto kf = vals(5 * kvh * hd), vf = vals(5 * kvh * hd), fq = vals(5 * heads * hd), fo = vals(5 * heads * hd);
     std::vector<float> fs(3 * heads * 3);
     run(attention_full, d1(3 * heads), d1(128), fq.data(), kf.data(), vf.data(), fo.data(), 1u, 3u, 0u, heads, kvh, hd,
@@ -232,14 +232,14 @@ int main(int argc, char** argv) {
     run(gated_delta_step, dim3{nv, 1, 1}, d1(32), sconv.data(), ga.data(), gb.data(), 2u, na.data(), dt.data(), 0.35f,
         st2.data(), 0u, dout.data(), nk, nv, dk, dv);
     // The chunked form over 70 tokens: a window of two chunks (64 + 6), then the state's part.
-    const unsigned tn = 70, w = 2;
+    const unsigned tn = 70, windows = 2;
     auto cq = vals(tn * nk * dk, 0.2f), ck = vals(tn * nk * dk, 0.2f), cv = vals(tn * nv * dv), cg = vals(tn * nv, 0.1f),
          cb = vals(tn * nv, 0.5f), co2 = vals(tn * nv * dv);
-    std::vector<float> sx(w * nv * 64 * dv), sy(w * nv * 64 * dk), sa(w * nv * 64 * 64), sc(w * nv * 64);
-    run(gated_delta_chunk_prep, dim3{nv, w, 1}, d1(256), cq.data(), ck.data(), cv.data(), cg.data(), cb.data(), 0u, tn,
-        sx.data(), sy.data(), sa.data(), sc.data(), nk, nv, dk, dv);
-    run(gated_delta_chunk_state, d1(nv), d1(512), cq.data(), ck.data(), sx.data(), sy.data(), sa.data(), sc.data(),
-        st.data(), co2.data(), 0u, tn, w, nk, nv, dk, dv);
+    std::vector<float> sx(windows * nv * 64 * dv), sy_chunk(windows * nv * 64 * dk), sa(windows * nv * 64 * 64), sc(windows * nv * 64);
+    run(gated_delta_chunk_prep, dim3{nv, windows, 1}, d1(256), cq.data(), ck.data(), cv.data(), cg.data(), cb.data(), 0u, tn,
+        sx.data(), sy_chunk.data(), sa.data(), sc.data(), nk, nv, dk, dv);
+    run(gated_delta_chunk_state, d1(nv), d1(512), cq.data(), ck.data(), sx.data(), sy_chunk.data(), sa.data(), sc.data(),
+        st.data(), co2.data(), 0u, tn, windows, nk, nv, dk, dv);
 
     // Router and experts: 3 tokens over 10 experts, top 3; entries into partials; the combine.
     auto logits = vals(3 * 10);
@@ -249,14 +249,14 @@ int main(int argc, char** argv) {
     // Sampling: a greedy row and a row with every cut, an edit and a grammar mask (`pack`'s layout).
     auto bits = [](float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; };
     std::vector<uint32_t> sp(2 * 12, 0);
-    const uint64_t half = 0x3fe0000000000000ull;  // u = 0.5
-    uint32_t row1[12] = {bits(1.0f), 3u, bits(0.9f), bits(0.05f), bits(1.2f), 1u, 24u, 28u, 1u, 1u, (uint32_t)half, (uint32_t)(half >> 32)};
+    const uint64_t u_half = 0x3fe0000000000000ull;  // u = 0.5
+    uint32_t row1[12] = {bits(1.0f), 3u, bits(0.9f), bits(0.05f), bits(1.2f), 1u, 24u, 28u, 1u, 1u, (uint32_t)u_half, (uint32_t)(u_half >> 32)};
     std::memcpy(sp.data() + 12, row1, sizeof row1);
     sp.insert(sp.end(), {4u, 7u, bits(0.5f), bits(1.0f), 0x3ffu});
-    auto sy = vals(2 * 10);
+    auto sy_sample = vals(2 * 10);
     std::vector<double> sm(2 * 10);
     std::vector<int32_t> best(3);
-    run(sample_rows, d1(2), d1(64), logits.data(), sp.data(), sy.data(), sm.data(), best.data(), 2u, 10u, 0u);
+    run(sample_rows, d1(2), d1(64), logits.data(), sp.data(), sy_sample.data(), sm.data(), best.data(), 2u, 10u, 0u);
     auto partials = vals(9 * 16), dd = vals(2 * 16), comb = vals(3 * 16);
     std::vector<int32_t> entries = {8, 0};
     run(moe_scatter_rows, d1(1), d1(64), partials.data(), entries.data(), rw.data(), dd.data(), 2u, 16u);
@@ -266,11 +266,11 @@ int main(int argc, char** argv) {
     std::vector<int32_t> slot_of(10);
     for (int e = 0; e < 10; ++e) slot_of[e] = 9 - e;
     std::vector<uint64_t> slot_w(3 * 10, 1), slot_s(3 * 10, 2), gw(3 * 9), gs(3 * 9);
-    std::vector<float> slot_g(3 * 10, 0.5f), gg(3 * 9);
+    std::vector<float> slot_g(3 * 10, 0.5f), group_g(3 * 9);
     std::vector<uint32_t> gr0(9), grows(9);
     std::vector<int32_t> gent(9), gtok(9);
     run(moe_align, d1(1), d1(32), rid.data(), slot_of.data(), 9u, 3u, 10u, 9u, slot_w.data(), slot_s.data(), slot_g.data(),
-        gr0.data(), grows.data(), gw.data(), gs.data(), gg.data(), gent.data(), gtok.data());
+        gr0.data(), grows.data(), gw.data(), gs.data(), group_g.data(), gent.data(), gtok.data());
 
     // qwen4_exp: hyper-connections, PLE, the dilated conv, QSA over the paged pool above.
     const unsigned hn = 2, hc = 4, hh = 12;
