@@ -191,13 +191,26 @@ int main(int argc, char** argv) {
     auto q = vals(qn * heads * hd), ao = vals(qn * heads * hd), pool = vals(pages * 2 * ps * kvh * hd);
     // Flash attention: one split writing the output (both heads of a KV head in a block), then two
     // splits of 16 positions with a head a block into the partial sums, joined by the combine.
+    // Each row names its page table, its rows of q and out (in reverse here), its positions and split.
+    const auto table_at = static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(table.data()));
+    std::vector<FlashRow> one = {{table_at, 1u, past + 1, 32u, 0u}, {table_at, 0u, past + 2, 32u, 0u}};
     run(attention_flash, dim3{qn, kvh, 1}, d1(128), q.data(), ao.data(), static_cast<const void*>(pool.data()), 0,
-        table.data(), ps, 0u, qn, past, heads, kvh, hd, 0.25f, 2u, 32u, ao.data());
+        one.data(), ps, qn, 2 * past + 3, heads, kvh, hd, 0.25f, 2u, ao.data());
     std::vector<uint16_t> pool16(pool.size(), 0x3f80);
     std::vector<float> parts(qn * heads * 2 * (hd + 2));
+    std::vector<FlashRow> two = {{table_at, 1u, past + 1, 16u, 0u}, {table_at, 0u, past + 2, 16u, 0u}};
     run(attention_flash, dim3{qn, kvh * 2, 2}, d1(128), q.data(), ao.data(), static_cast<const void*>(pool16.data()), 1,
-        table.data(), ps, 0u, qn, past, heads, kvh, hd, 0.25f, 1u, 16u, parts.data());
-    run(attention_combine, d1(qn * heads), d1(32), parts.data(), ao.data(), 0u, qn, heads, hd, 2u);
+        two.data(), ps, qn, 2 * past + 3, heads, kvh, hd, 0.25f, 1u, parts.data());
+    run(attention_combine, d1(qn * heads), d1(32), parts.data(), ao.data(), two.data(), qn, heads, hd, 2u);
+    // K and V rows into the pools (K normed and rotated: 16-wide heads, 4 dims rotated), rows 1 and 0
+    // of the step to page 2 slot 3 and page 0 slot 7; q's norm and rotation in place.
+    auto kn = vals(hd), kc = vals(qn * 2), ks = vals(qn * 2), kk = vals(qn * kvh * hd), kv = vals(qn * kvh * hd);
+    std::vector<uint32_t> slots = {1u, 2 * 2 * ps + 3, 0u, 7u};
+    run(kv_write_rope, d1(qn * kvh), d1(32), kk.data(), kv.data(), static_cast<void*>(pool.data()), 0, slots.data(), ps,
+        kvh, hd, kn.data(), kc.data(), ks.data(), 2u, 1e-6f, 1);
+    run(kv_write_rope, d1(qn * kvh), d1(32), kk.data(), kv.data(), static_cast<void*>(pool16.data()), 1, slots.data(), ps,
+        kvh, hd, kn.data(), kc.data(), ks.data(), 2u, 1e-6f, 0);
+    run(rms_norm_rope_f32, d1(qn * heads), d1(32), q.data(), kn.data(), kc.data(), ks.data(), heads, hd, 2u, 1e-6f, 1);
     auto kf = vals(5 * kvh * hd), vf = vals(5 * kvh * hd), fq = vals(5 * heads * hd), fo = vals(5 * heads * hd);
     std::vector<float> fs(3 * heads * 3);
     run(attention_full, d1(3 * heads), d1(128), fq.data(), kf.data(), vf.data(), fo.data(), 1u, 3u, 0u, heads, kvh, hd,

@@ -35,25 +35,32 @@ extern "C" __global__ void attention_full(const float* __restrict__ q, const flo
 }
 
 // Flash attention over the paged KV (FlashAttention-2's loop, flash-decoding's split): a block takes
-// query row `blockIdx.x` (token `past + i` of the sequence), up to `hchunk` query heads of one KV head
-// (`blockIdx.y`: KV head, then chunk of its heads) and split `blockIdx.z` of the positions it sees
-// (`span` positions from `blockIdx.z · span`). K and V come through shared memory 16 positions a tile,
-// read once for all the block's query heads; each head keeps a running maximum and sum (online
-// softmax), so no score is ever stored beyond its tile: memory does not grow with the context. One
-// split writes the output; several write `part [rows, heads, splits, head_dim + 2]` (the unnormalised
-// sums, the maximum, the sum of exponentials) for `attention_combine`.
+// query row `blockIdx.x` of the launch, up to `hchunk` query heads of one KV head (`blockIdx.y`: KV head,
+// then chunk of its heads) and split `blockIdx.z` of the positions it sees. The launch's rows may come
+// from several sequences (a decode step's, in one launch): row `i`'s `FlashRow` names its sequence's page
+// table, its row of `q` and `out`, the positions it sees (its token's position + 1) and its split width,
+// which its own sequence's plan set, so a row computes the same bits in any launch. K and V come through
+// shared memory 16 positions a tile, read once for all the block's query heads; each head keeps a
+// running maximum and sum (online softmax), so no score is ever stored beyond its tile: memory does not
+// grow with the context. With one split a launch writes the output; with several, `part [rows, heads,
+// splits, head_dim + 2]` (the unnormalised sums, the maximum, the sum of exponentials; a split past a
+// row's positions writes an empty one) for `attention_combine`.
+struct FlashRow {
+    unsigned long long table;  // the sequence's page ids (i32), a device address
+    unsigned q_row, len, span, pad;
+};
+
 #define FT 16        // positions a tile
 #define FMAX_D 256   // the widest head
 #define FMAX_QD 2048 // query heads × head width a block holds (16 sums a thread at 128 threads)
 
-// flops: fp32 4 * head_dim * heads * (rows * past + rows * (rows + 1) / 2)
+// flops: fp32 4 * head_dim * heads * keys
 // ptx: bar.sync, ld.shared.f32, ex2.approx.ftz.f32
 // budget: 64 registers
 extern "C" __global__ void attention_flash(const float* __restrict__ q, float* __restrict__ out, const void* __restrict__ pool,
-                                           int pool_bf16, const int32_t* __restrict__ table, unsigned page_size,
-                                           unsigned row0, unsigned rows, unsigned past, unsigned heads, unsigned kv_heads,
-                                           unsigned head_dim, float scale, unsigned hchunk, unsigned span,
-                                           float* __restrict__ part) {
+                                           int pool_bf16, const FlashRow* __restrict__ desc, unsigned page_size,
+                                           unsigned rows, unsigned keys, unsigned heads, unsigned kv_heads,
+                                           unsigned head_dim, float scale, unsigned hchunk, float* __restrict__ part) {
     SHARED(float, qs, [FMAX_QD]);
     SHARED(float, ks, [FT][FMAX_D]);
     SHARED(float, vs, [FT][FMAX_D]);
@@ -65,9 +72,11 @@ extern "C" __global__ void attention_flash(const float* __restrict__ q, float* _
     if (i >= rows) return;  // the whole block
     const unsigned kvh = blockIdx.y / chunks, h0 = kvh * group + (blockIdx.y % chunks) * hchunk;
     const unsigned hc = umin(hchunk, kvh * group + group - h0), items = hc * head_dim;
-    const unsigned len = past + i + 1, p0 = blockIdx.z * span, p1 = umin(p0 + span, len);
+    const FlashRow r = desc[i];
+    const int32_t* table = (const int32_t*)r.table;
+    const unsigned len = r.len, p0 = blockIdx.z * r.span, p1 = umin(p0 + r.span, len);
     const unsigned kv_row = kv_heads * head_dim, qcols = heads * head_dim;
-    const float* qrow = q + (size_t)(row0 + i) * qcols + (size_t)h0 * head_dim;
+    const float* qrow = q + (size_t)r.q_row * qcols + (size_t)h0 * head_dim;
     for (unsigned x = threadIdx.x; x < items; x += blockDim.x) qs[x] = qrow[x];
     if (threadIdx.x < hc) {
         mrun[threadIdx.x] = -INFINITY_F;
@@ -76,6 +85,7 @@ extern "C" __global__ void attention_flash(const float* __restrict__ q, float* _
     float acc[FMAX_QD / 128];
 #pragma unroll
     for (unsigned it = 0; it < FMAX_QD / 128; ++it) acc[it] = 0.0f;
+    (void)keys;  // the declared arithmetic's (Σ len over the rows)
     for (unsigned t0 = p0; t0 < p1; t0 += FT) {
         const unsigned tn = umin(FT, p1 - t0);
         __syncthreads();  // the last tile's readers are done (and q, the maxima and sums are published)
@@ -128,7 +138,7 @@ extern "C" __global__ void attention_flash(const float* __restrict__ q, float* _
         const unsigned g = x / head_dim, d = x % head_dim;
         const size_t h = h0 + g;
         if (splits == 1) {
-            out[(size_t)(row0 + i) * qcols + h * head_dim + d] = acc[it] / lrun[g];
+            out[(size_t)r.q_row * qcols + h * head_dim + d] = acc[it] / lrun[g];
         } else {
             float* pp = part + (((size_t)i * heads + h) * splits + blockIdx.z) * (head_dim + 2);
             pp[d] = acc[it];
@@ -141,12 +151,14 @@ extern "C" __global__ void attention_flash(const float* __restrict__ q, float* _
 }
 
 // The splits of `attention_flash` joined: for query row `i` (blockIdx.x / heads) and head `h`, each
-// split's sums rescaled to the largest maximum, added in split order, over the summed exponentials.
+// split's sums rescaled to the largest maximum, added in split order, over the summed exponentials
+// (empty splits skipped: a row that saw one split gets `acc / l` exactly, as without a combine).
 // flops: fp32 4 * rows * heads * head_dim * splits
 // ptx: ld.global.nc.f32, ex2.approx.ftz.f32
 // budget: 56 registers
-extern "C" __global__ void attention_combine(const float* __restrict__ part, float* __restrict__ out, unsigned row0,
-                                             unsigned rows, unsigned heads, unsigned head_dim, unsigned splits) {
+extern "C" __global__ void attention_combine(const float* __restrict__ part, float* __restrict__ out,
+                                             const FlashRow* __restrict__ desc, unsigned rows, unsigned heads,
+                                             unsigned head_dim, unsigned splits) {
     const unsigned i = blockIdx.x / heads, h = blockIdx.x % heads;
     if (i >= rows) return;
     const float* pp = part + ((size_t)i * heads + h) * splits * (head_dim + 2);
@@ -163,6 +175,6 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part, flo
             const float* ps = pp + (size_t)s * (head_dim + 2);
             if (ps[head_dim + 1] > 0.0f) o += ps[d] * expf(ps[head_dim] - m);
         }
-        out[(size_t)(row0 + i) * heads * head_dim + (size_t)h * head_dim + d] = o / l;
+        out[(size_t)desc[i].q_row * heads * head_dim + (size_t)h * head_dim + d] = o / l;
     }
 }

@@ -34,7 +34,7 @@ pub use device::Device;
 pub use experts::{ExpertKey, ExpertPool, ExpertShape, Fence, HostArena, HostExpert, Routing};
 pub use ops::{
     AttentionOps, Backend, BackendRef, CoreOps, DeviceStats, ExpertOps, Flops, GraphStats, KernelCost, MemoryOps, Op,
-    PagedView, Qwen4Ops, RecurrentOps, RopeTable, Wrapper,
+    PagedRows, PagedView, Qwen4Ops, RecurrentOps, RopeTable, Wrapper,
 };
 
 /// What a backend op returns.

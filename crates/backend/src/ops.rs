@@ -130,6 +130,18 @@ pub struct PagedView<'a> {
     pub page_size: usize,
 }
 
+/// One sequence's rows of a step for [`AttentionOps::attention_paged_rows`]: rows `rows` of the query
+/// are its tokens `past..past + rows.len()`, over its paged K/V `kv`.
+#[derive(Clone, Debug)]
+pub struct PagedRows<'a> {
+    /// Rows of the query (and of the output).
+    pub rows: Range<usize>,
+    /// The sequence's KV layer.
+    pub kv: PagedView<'a>,
+    /// Tokens the sequence had before these rows.
+    pub past: usize,
+}
+
 impl PagedView<'_> {
     /// Pool row of the K row of `slot` in page `page` (the V row is `page_size` rows further).
     pub fn k_row(&self, page: usize, slot: usize) -> usize {
@@ -337,6 +349,14 @@ seam! {
             /// Partial (m)RoPE on every head of each row `i` of `x`, with row `i` of `table`.
             fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable);
 
+            /// Per-head RMSNorm of `x` (`w` one head long; `x̂·(1+w)` where `one_plus`) then (m)RoPE with
+            /// row `i` of `table` on row `i`, in place: [`CoreOps::rms_norm`] then [`CoreOps::rope`] (the
+            /// default; a device does both in one launch with their bits).
+            fn rms_norm_rope(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool, rope: &MRope, table: &RopeTable) = {
+                self.rms_norm(x, w, eps, one_plus);
+                self.rope(x, rope, table);
+            };
+
             /// NeoX rotary on every `head_dim` head of each row with per-row `cos`/`sin`
             /// `[T, head_dim/2]` (the vision tower's 2-D rotary).
             fn rotate_half(&self, x: &mut Tensor, head_dim: usize, cos: &Tensor, sin: &Tensor);
@@ -344,13 +364,42 @@ seam! {
     }
 
     /// Attention over the paged KV cache, and the vision towers' bidirectional attention.
-    trait AttentionOps {
-        /// `attention_paged`.
+    trait AttentionOps: CoreOps {
+        /// `attention_paged` (and its forms over several sequences of a step, `attention_paged_rows` and
+        /// `write_kv`).
         op AttentionPaged {
             /// Causal attention of `q` rows `rows` (tokens `past..past + n` of one sequence) over its
             /// paged K/V, written into the same rows of `out`.
             #[allow(clippy::too_many_arguments)]
             fn attention_paged(&self, q: &Tensor, rows: Range<usize>, kv: PagedView<'_>, past: usize, shape: AttnShape, scale: f32, out: &mut Tensor);
+
+            /// Causal attention for the rows of several sequences of one step (a decode step's), each
+            /// [`PagedRows`] rows of `q` over its sequence's paged K/V, into the same rows of `out`: every
+            /// sequence's rows exactly what [`AttentionOps::attention_paged`] gives them alone (the
+            /// default calls it sequence by sequence; a device runs one launch for all).
+            fn attention_paged_rows(&self, q: &Tensor, seqs: &[PagedRows<'_>], shape: AttnShape, scale: f32, out: &mut Tensor) = {
+                for s in seqs {
+                    self.attention_paged(q, s.rows.clone(), s.kv, s.past, shape, scale, out);
+                }
+            };
+
+            /// A step's new K and V rows into one KV layer's paged `pool` (see [`PagedView`]), rows of any
+            /// number of sequences at once: row `slots[i].0` of `k` and of `v` to pool rows `slots[i].1`
+            /// (its K) and `slots[i].1 + page_size` (its V). K is normed per head (`k_norm`: the weight of
+            /// one head, eps, the one-plus form) and rotated on the way as
+            /// [`CoreOps::rms_norm_rope`] does (`k` itself is not changed). The default norms and rotates a
+            /// copy and writes it row by row; a device does it all in one launch with the same bits.
+            #[allow(clippy::too_many_arguments)]
+            fn write_kv(&self, pool: &mut Tensor, k: &Tensor, v: &Tensor, slots: &[(usize, usize)], page_size: usize, k_norm: (&Tensor, f32, bool), rope: (&MRope, &RopeTable)) -> Result<()> = {
+                let mut kr = k.clone();
+                self.rms_norm_rope(&mut kr, k_norm.0, k_norm.1, k_norm.2, rope.0, rope.1);
+                let row = k.cols();
+                for &(src, dst) in slots {
+                    self.write_rows(pool, dst * row, &kr, src..src + 1);
+                    self.write_rows(pool, (dst + page_size) * row, v, src..src + 1);
+                }
+                Ok(())
+            };
         }
 
         /// `attention_bidirectional` (vision towers).

@@ -328,41 +328,49 @@ impl PageTable {
         Ok(())
     }
 
-    /// Writes rows `rows` of `k`, `v` (`[T, row]` each) into `layer` at token slots `[at, at + n)`
-    /// (private pages, made so by [`PageTable::grow`]).
-    pub(crate) fn write(
-        &mut self,
-        b: &dyn Backend,
-        layer: usize,
-        at: usize,
-        (k, v): (&Tensor, &Tensor),
-        rows: std::ops::Range<usize>,
-    ) {
-        let (ps, row, per) = (self.geo.page_size, self.geo.row, self.geo.rows_per_page());
-        let store = self.store.as_ref().expect("a table written has pages: this is a bug");
-        let mut l = store.layers();
-        let pool = &mut l.pools[layer];
-        let n = rows.len();
-        let mut i = 0;
-        while i < n {
-            let (page, slot) = ((at + i) / ps, (at + i) % ps);
-            debug_assert_eq!(Arc::strong_count(&self.pages[page]), 1, "a write into a shared page: this is a bug");
-            let take = (ps - slot).min(n - i);
-            let base = self.pages[page].id as usize * per + slot;
-            let src = rows.start + i..rows.start + i + take;
-            b.write_rows(pool, base * row, k, src.clone());
-            b.write_rows(pool, (base + ps) * row, v, src);
-            i += take;
-        }
+    /// The pool rows of the K rows of token slots `[at, at + n)` (each V row `page_size` rows further),
+    /// where a forward writes them (private pages, made so by [`PageTable::grow`]).
+    pub(crate) fn k_rows(&self, at: usize, n: usize) -> impl Iterator<Item = usize> + '_ {
+        let (ps, per) = (self.geo.page_size, self.geo.rows_per_page());
+        (at..at + n).map(move |t| {
+            let page = &self.pages[t / ps];
+            debug_assert_eq!(Arc::strong_count(page), 1, "a write into a shared page: this is a bug");
+            page.id as usize * per + t % ps
+        })
+    }
+
+    /// The page ids as attention reads them (uploaded by [`PageTable::grow`]).
+    pub(crate) fn ids_on_backend(&self) -> &Tensor {
+        self.ids.as_ref().expect("page ids are uploaded before a forward: this is a bug")
     }
 
     /// Runs `f` over KV layer `layer` as attention reads it (after [`PageTable::grow`]).
     pub fn attend<R>(&self, layer: usize, f: impl FnOnce(PagedView<'_>) -> R) -> R {
         let store = self.store.as_ref().expect("a table attended has pages: this is a bug");
         let l = store.layers();
-        let table = self.ids.as_ref().expect("page ids are uploaded before a forward: this is a bug");
-        f(PagedView { pool: &l.pools[layer], table, page_size: self.geo.page_size })
+        f(PagedView { pool: &l.pools[layer], table: self.ids_on_backend(), page_size: self.geo.page_size })
     }
+}
+
+/// Runs `f` once for each store among `tables` (the sequences of a served batch share their pool's;
+/// an unpooled table has its own) with KV layer `layer`'s pool and the indices of the tables it holds,
+/// in order: a step writes and attends each store's sequences together.
+pub(crate) fn by_store<R>(
+    tables: &[&mut PageTable],
+    layer: usize,
+    mut f: impl FnMut(&mut Tensor, &[usize]) -> crate::Result<R>,
+) -> crate::Result<Vec<R>> {
+    let store = |i: usize| tables[i].store.as_ref().expect("a table written has pages: this is a bug");
+    let mut left: Vec<usize> = (0..tables.len()).collect();
+    let mut out = Vec::new();
+    while let Some(&first) = left.first() {
+        let (members, rest): (Vec<usize>, Vec<usize>) =
+            left.iter().partition(|&&i| Arc::ptr_eq(store(i), store(first)));
+        let mut l = store(first).layers();
+        out.push(f(&mut l.pools[layer], &members)?);
+        left = rest;
+    }
+    Ok(out)
 }
 
 /// Page counts of a pool.
@@ -468,6 +476,27 @@ mod tests {
                 }
                 (k, v)
             })
+        }
+
+        /// Writes rows `rows` of `k`, `v` into `layer` at token slots `[at, at + n)`, row by row at
+        /// [`PageTable::k_rows`].
+        fn write(
+            &mut self,
+            b: &dyn Backend,
+            layer: usize,
+            at: usize,
+            (k, v): (&Tensor, &Tensor),
+            rows: std::ops::Range<usize>,
+        ) {
+            let (row, ps) = (self.geo.row, self.geo.page_size);
+            let dst: Vec<usize> = self.k_rows(at, rows.len()).collect();
+            let store = self.store.clone().expect("grown");
+            let mut l = store.layers();
+            let pool = &mut l.pools[layer];
+            for (src, d) in rows.zip(dst) {
+                b.write_rows(pool, d * row, k, src..src + 1);
+                b.write_rows(pool, (d + ps) * row, v, src..src + 1);
+            }
         }
 
         /// Writes `k`, `v` (`n` rows) into `layer` at slot `at`, as a forward does: grow, then write.

@@ -1,13 +1,19 @@
 //! Attention on the device (`kernels/attention.cu`). Causal attention over paged KV is flash attention:
 //! K/V tiles through shared memory read once for a KV head's query heads, online softmax, and for
 //! decode the context split across blocks (flash-decoding) with a combine kernel, so no score is stored
-//! and memory does not grow with the context. Bidirectional attention (vision) is one block per (query
-//! row, head) over a scratch row of scores, in bands under a cap.
+//! and memory does not grow with the context. The sequences of a decode step attend in one launch (and
+//! one combine), each row with its own sequence's page table and split, and their new K/V rows go into
+//! the pool in one launch that norms and rotates K on the way (`kernels/rope.cu`). Bidirectional
+//! attention (vision) is one block per (query row, head) over a scratch row of scores, in bands under a
+//! cap.
 
 use std::ops::Range;
 
-use osprey_backend::{AttentionOps, AttnShape, DType, PagedView, Tensor};
+use osprey_backend::{
+    AttentionOps, AttnShape, BackendError, DType, MRope, PagedRows, PagedView, Result, RopeTable, Tensor,
+};
 
+use super::core::threads_for;
 use super::{ptr, u32_of, CudaBackend};
 use crate::device::{DevPtr, LaunchConfig};
 use crate::launch;
@@ -72,6 +78,76 @@ impl CudaBackend {
     }
 }
 
+/// Bytes of one `FlashRow` (`kernels/attention.cu`): the page table's address, then the row of `q`, the
+/// positions it sees, its split width and a pad, `u32` each.
+const FLASH_ROW: usize = 24;
+
+/// The widest head `kv_write_rope` and `rms_norm_rope_f32` hold in shared memory (`hs[256]`).
+const NORM_ROPE_MAX_D: usize = 256;
+
+impl CudaBackend {
+    /// One `attention_flash` launch (and its combine) for the rows of `seqs`, which share a pool: every
+    /// row with its own sequence's plan, so it computes the bits it would in a launch of its own.
+    fn flash(&self, q: &Tensor, seqs: &[&PagedRows<'_>], shape: AttnShape, scale: f32, out: &mut Tensor) {
+        let (heads, kv_heads, head_dim) = (shape.heads, shape.kv_heads, shape.head_dim);
+        let Some(first) = seqs.first() else { return };
+        let (mut desc, mut splits, mut keys, mut hchunk, mut chunks) = (Vec::new(), 1, 0usize, 1, 1);
+        for s in seqs {
+            let plan = FlashPlan::new(s.rows.len(), s.past, shape);
+            (hchunk, chunks, splits) = (plan.hchunk, plan.chunks, splits.max(plan.splits));
+            let table = ptr(s.kv.table).0;
+            for (i, row) in s.rows.clone().enumerate() {
+                let len = s.past + i + 1;
+                keys += len;
+                desc.extend_from_slice(&table.to_le_bytes());
+                for v in [u32_of(row), u32_of(len), u32_of(plan.span), 0] {
+                    desc.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        let n = desc.len() / FLASH_ROW;
+        let desc = match self.upload_bytes(&desc) {
+            Ok(d) => d,
+            Err(e) => return self.fail("attention rows", e),
+        };
+        let part = if splits > 1 {
+            // The splits' partial sums: rows × heads × splits × (head_dim + 2) floats, bounded by the
+            // blocks a launch aims for, not by the context.
+            match self.empty(DType::F32, &[n * heads * splits, head_dim + 2]) {
+                Ok(t) => Some(t),
+                Err(e) => return self.fail("attention partial sums", e),
+            }
+        } else {
+            None
+        };
+        let (pool, bf16, _, page_size) = paged(first.kv);
+        let (h, kvh, hd) = (u32_of(heads), u32_of(kv_heads), u32_of(head_dim));
+        let part_ptr = part.as_ref().map_or(ptr(out), ptr);
+        let call = launch::attention_flash(
+            ptr(q),
+            ptr(out),
+            pool,
+            bf16,
+            desc.ptr,
+            page_size,
+            u32_of(n),
+            u32_of(keys), // the declared arithmetic's; saturates past 2^32 positions a launch
+            h,
+            kvh,
+            hd,
+            scale,
+            u32_of(hchunk),
+            part_ptr,
+        );
+        let grid = [u32_of(n), u32_of(kv_heads * chunks), u32_of(splits)];
+        self.run(call, LaunchConfig { grid, block: [THREADS, 1, 1] });
+        if let Some(part) = part {
+            let call = launch::attention_combine(ptr(&part), ptr(out), desc.ptr, u32_of(n), h, hd, u32_of(splits));
+            self.run(call, LaunchConfig::per_group(n * heads, THREADS));
+        }
+    }
+}
+
 impl AttentionOps for CudaBackend {
     fn attention_paged(
         &self,
@@ -83,55 +159,72 @@ impl AttentionOps for CudaBackend {
         scale: f32,
         out: &mut Tensor,
     ) {
-        let n = rows.len();
-        if n == 0 {
-            return;
-        }
+        self.attention_paged_rows(q, &[PagedRows { rows, kv, past }], shape, scale, out);
+    }
+
+    fn attention_paged_rows(&self, q: &Tensor, seqs: &[PagedRows<'_>], shape: AttnShape, scale: f32, out: &mut Tensor) {
+        let seqs: Vec<&PagedRows<'_>> = seqs.iter().filter(|s| !s.rows.is_empty()).collect();
+        let Some(first) = seqs.first() else { return };
         let (heads, kv_heads, head_dim) = (shape.heads, shape.kv_heads, shape.head_dim);
         if head_dim > FLASH_MAX_D || kv_heads == 0 || heads % kv_heads != 0 {
             return self
                 .fail("attention_paged", format!("no flash attention for {shape:?} (heads of at most {FLASH_MAX_D})"));
         }
-        let plan = FlashPlan::new(n, past, shape);
-        let part = if plan.splits > 1 {
-            // The splits' partial sums: rows × heads × splits × (head_dim + 2) floats, bounded by the
-            // blocks a launch aims for, not by the context.
-            let t = self.empty(DType::F32, &[n * heads * plan.splits, head_dim + 2]);
-            match t {
-                Ok(t) => Some(t),
-                Err(e) => return self.fail("attention partial sums", e),
-            }
+        // One launch reads one pool: sequences of one pool (a served batch's) together, others apart.
+        let same = |s: &&PagedRows<'_>| paged(s.kv).0 == paged(first.kv).0 && paged(s.kv).1 == paged(first.kv).1;
+        if seqs.iter().all(|s| same(s) && s.kv.page_size == first.kv.page_size) {
+            self.flash(q, &seqs, shape, scale, out);
         } else {
-            None
-        };
-        let (pool, bf16, table, page_size) = paged(kv);
-        let (h, kvh, hd) = (u32_of(heads), u32_of(kv_heads), u32_of(head_dim));
-        let (row0, n32) = (u32_of(rows.start), u32_of(n));
-        let part_ptr = part.as_ref().map_or(ptr(out), ptr);
-        let call = launch::attention_flash(
-            ptr(q),
-            ptr(out),
-            pool,
-            bf16,
-            table,
-            page_size,
-            row0,
-            n32,
-            u32_of(past),
-            h,
-            kvh,
-            hd,
-            scale,
-            u32_of(plan.hchunk),
-            u32_of(plan.span),
-            part_ptr,
-        );
-        let grid = [n32, u32_of(kv_heads * plan.chunks), u32_of(plan.splits)];
-        self.run(call, LaunchConfig { grid, block: [THREADS, 1, 1] });
-        if let Some(part) = part {
-            let call = launch::attention_combine(ptr(&part), ptr(out), row0, n32, h, hd, u32_of(plan.splits));
-            self.run(call, LaunchConfig::per_group(n * heads, THREADS));
+            seqs.iter().for_each(|s| self.flash(q, &[s], shape, scale, out));
         }
+    }
+
+    fn write_kv(
+        &self,
+        pool: &mut Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        slots: &[(usize, usize)],
+        page_size: usize,
+        (w, eps, one_plus): (&Tensor, f32, bool),
+        (rope, table): (&MRope, &RopeTable),
+    ) -> Result<()> {
+        if slots.is_empty() {
+            return Ok(()); // a zero-size grid is not a launch
+        }
+        let (hd, row) = (rope.head_dim(), k.cols());
+        let fits = hd <= NORM_ROPE_MAX_D && w.numel() == hd && hd > 0 && row.is_multiple_of(hd) && pool.cols() == row;
+        let types =
+            k.dtype() == DType::F32 && v.dtype() == DType::F32 && matches!(pool.dtype(), DType::F32 | DType::BF16);
+        if !fits || !types {
+            return Err(BackendError::Device(format!(
+                "write_kv of {:?} {:?} K rows into a {:?} {:?} pool, heads of {hd} (at most {NORM_ROPE_MAX_D}): this is a bug",
+                k.shape(),
+                k.dtype(),
+                pool.shape(),
+                pool.dtype()
+            )));
+        }
+        let pairs: Vec<u8> =
+            slots.iter().flat_map(|&(s, d)| [u32_of(s), u32_of(d)]).flat_map(u32::to_le_bytes).collect();
+        let pairs = self.upload_bytes(&pairs)?;
+        let call = launch::kv_write_rope(
+            ptr(k),
+            ptr(v),
+            ptr(pool),
+            i32::from(pool.dtype() == DType::BF16),
+            pairs.ptr,
+            u32_of(page_size),
+            u32_of(row / hd),
+            u32_of(hd),
+            ptr(w),
+            ptr(&table.cos),
+            ptr(&table.sin),
+            u32_of(table.cos.cols()),
+            eps,
+            i32::from(one_plus),
+        );
+        self.try_run(call, LaunchConfig::per_group(slots.len() * (row / hd), threads_for(hd)))
     }
 
     fn attention_bidirectional(

@@ -25,7 +25,7 @@ pub(super) fn wtype(dtype: DType) -> Result<i32> {
 pub(super) const GEMV_ROWS: usize = 8;
 
 /// Threads for a block reducing `group` values: a multiple of 32 from 32 to 256.
-fn threads_for(group: usize) -> u32 {
+pub(super) fn threads_for(group: usize) -> u32 {
     (group.div_ceil(32) * 32).clamp(32, 256) as u32
 }
 
@@ -269,6 +269,28 @@ impl CoreOps for CudaBackend {
 
     fn rope(&self, x: &mut Tensor, rope: &MRope, table: &RopeTable) {
         self.rotate_half(x, rope.head_dim(), &table.cos, &table.sin);
+    }
+
+    fn rms_norm_rope(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool, rope: &MRope, table: &RopeTable) {
+        let hd = w.numel();
+        // One block a head, held in shared memory (`hs[256]`); anything else as the two launches.
+        if hd != rope.head_dim() || hd == 0 || hd > 256 || !x.cols().is_multiple_of(hd) {
+            self.rms_norm(x, w, eps, one_plus);
+            return self.rope(x, rope, table);
+        }
+        let (heads, half) = (u32_of(x.cols() / hd), u32_of(table.cos.cols()));
+        let call = launch::rms_norm_rope_f32(
+            ptr(x),
+            ptr(w),
+            ptr(&table.cos),
+            ptr(&table.sin),
+            heads,
+            u32_of(hd),
+            half,
+            eps,
+            i32::from(one_plus),
+        );
+        self.run(call, LaunchConfig::per_group(x.numel() / hd, threads_for(hd)));
     }
 
     fn rotate_half(&self, x: &mut Tensor, head_dim: usize, cos: &Tensor, sin: &Tensor) {

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use osprey_backend::Op;
 
-use crate::{ops, q8, sample, sequence};
+use crate::{batched, ops, q8, sample, sequence};
 
 /// The tests that check `op` on the CUDA backend against the CPU backend.
 fn parity_cases(op: Op) -> &'static [fn()] {
@@ -28,8 +28,15 @@ fn parity_cases(op: Op) -> &'static [fn()] {
         Op::Embed => &[ops::embeddings_memory_ops_rotary_and_the_router_match],
         Op::Elementwise => &[ops::element_wise_ops_agree_to_a_few_ulps],
         Op::Norms => &[ops::norms_agree_within_the_sum_bound],
-        Op::Rotary => &[ops::embeddings_memory_ops_rotary_and_the_router_match],
-        Op::AttentionPaged => &[sequence::paged_attention_matches_on_partial_pages_gqa_and_a_bf16_pool],
+        Op::Rotary => &[
+            ops::embeddings_memory_ops_rotary_and_the_router_match,
+            batched::k_and_v_go_into_the_pool_normed_and_rotated_in_one_launch,
+        ],
+        Op::AttentionPaged => &[
+            sequence::paged_attention_matches_on_partial_pages_gqa_and_a_bf16_pool,
+            batched::sequences_attend_in_one_launch_with_the_bits_each_gets_alone,
+            batched::k_and_v_go_into_the_pool_normed_and_rotated_in_one_launch,
+        ],
         Op::AttentionBidirectional => &[sequence::bidirectional_attention_matches_the_vision_shapes],
         Op::GatedDeltaNet => &[
             sequence::gated_deltanet_decodes_to_the_bit_and_prefills_within_the_chunked_bound,

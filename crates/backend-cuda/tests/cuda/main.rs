@@ -2,6 +2,7 @@
 //! the CPU backend, and (feature `cuda`) every kernel through NVRTC for every target architecture.
 
 mod asan;
+mod batched;
 mod common;
 mod coverage;
 mod emulator;

@@ -2,7 +2,7 @@
 //! q/k get a zero-centred RMSNorm per head, partial mRoPE, GQA causal attention over the sequence's KV,
 //! then `o_proj(attn · sigmoid(gate))`.
 
-use osprey_backend::{AttnShape, Backend, MRope, RopeTable, Tensor};
+use osprey_backend::{AttnShape, Backend, MRope, PagedRows, PagedView, RopeTable, Tensor};
 
 use super::{load_linear, load_vector, Segment};
 use crate::checkpoint::Checkpoint;
@@ -41,7 +41,8 @@ impl GatedAttention {
     }
 
     /// `x [T, hidden]` (already normed) → `[T, hidden]`, writing each segment's K/V into plane `kv_layer`
-    /// of its page table (slots `[past, past + len)`, reserved by the caller) and attending through it.
+    /// of its page table (slots `[past, past + len)`, reserved by the caller) and attending through it;
+    /// the segments of one store (a served batch) are written in one op and attend in one.
     pub fn forward(
         &self,
         b: &dyn Backend,
@@ -68,28 +69,41 @@ impl GatedAttention {
         let AttnShape { heads: nh, head_dim: hd, .. } = self.shape;
         // 1. Projections. q_proj rows are [q_h (hd) | gate_h (hd)] per head.
         let qg = b.linear(x, &self.q_proj)?; // [T, nh·2hd]
-        let mut k = b.linear(x, &self.k_proj)?; // [T, nkv·hd]
+        let k = b.linear(x, &self.k_proj)?; // [T, nkv·hd]
         let v = b.linear(x, &self.v_proj)?; // [T, nkv·hd]
         let mut parts = b.split_cols(&qg, nh, &[hd, hd])?.into_iter();
         let (mut q, gate) = (parts.next().expect("q"), parts.next().expect("gate"));
-        // 2. Per-head q/k norms, then rotary on the first rot dims.
-        b.rms_norm(&mut q, &self.q_norm, self.eps, true);
-        b.rms_norm(&mut k, &self.k_norm, self.eps, true);
-        b.rope(&mut q, rot, rope);
-        b.rope(&mut k, rot, rope);
-        // 3. Write into each sequence's pages and attend through its page table.
+        // 2. q's per-head norm and rotary on the first rot dims (one pass on a device).
+        b.rms_norm_rope(&mut q, &self.q_norm, self.eps, true, rot, rope);
+        // 3. The sequences' new K (normed and rotated on the way) and V into their pages, then attention
+        //    through their page tables: each store's sequences (a served batch's, all) in one op each.
         let mut attn = b.zeros_f32(&[x.rows(), nh * hd])?;
         let scale = (hd as f32).powf(-0.5);
-        for (si, (seg, table)) in segs.iter().zip(tables.iter_mut()).enumerate() {
-            let rows = seg.row..seg.row + seg.len;
-            table.write(b, kv_layer, seg.past, (&k, &v), rows.clone());
-            table.attend(kv_layer, |view| match selected {
-                Some((blocks, ratio)) => {
-                    b.attention_selected(&q, rows, view, &blocks[si], (seg.past, ratio), self.shape, scale, &mut attn)
+        let ps = tables.first().map_or(1, |t| t.geometry().page_size);
+        let k_norm = (&self.k_norm, self.eps, true);
+        crate::kv::by_store(tables, kv_layer, |pool, members| {
+            let slots: Vec<(usize, usize)> = members
+                .iter()
+                .flat_map(|&i| {
+                    tables[i].k_rows(segs[i].past, segs[i].len).enumerate().map(move |(j, r)| (segs[i].row + j, r))
+                })
+                .collect();
+            b.write_kv(pool, &k, &v, &slots, ps, k_norm, (rot, rope))?;
+            let view = |i: usize| PagedView { pool, table: tables[i].ids_on_backend(), page_size: ps };
+            let rows = |i: usize| segs[i].row..segs[i].row + segs[i].len;
+            match selected {
+                Some((blocks, ratio)) => members.iter().for_each(|&i| {
+                    let at = (segs[i].past, ratio);
+                    b.attention_selected(&q, rows(i), view(i), &blocks[i], at, self.shape, scale, &mut attn)
+                }),
+                None => {
+                    let seqs: Vec<PagedRows<'_>> =
+                        members.iter().map(|&i| PagedRows { rows: rows(i), kv: view(i), past: segs[i].past }).collect();
+                    b.attention_paged_rows(&q, &seqs, self.shape, scale, &mut attn);
                 }
-                None => b.attention_paged(&q, rows, view, seg.past, self.shape, scale, &mut attn),
-            });
-        }
+            }
+            Ok(())
+        })?;
         // 4. Output gate and projection.
         b.sigmoid_mul(&mut attn, &gate);
         Ok(b.linear(&attn, &self.o_proj)?)

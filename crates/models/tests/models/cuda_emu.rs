@@ -185,8 +185,9 @@ fn cuda_emu_graph_replay_equals_eager_decode_bit_for_bit() {
 
 /// Issue 52 (fusions where a step launches many tiny kernels): sequences decoding together run each
 /// Gated DeltaNet layer's conv, gates and delta rule once for the batch (`causal_conv_silu_rows`,
-/// `gated_delta_rows`: one launch each, each row against its own state), and every sequence's logits equal
-/// its logits decoded alone, to the bit.
+/// `gated_delta_rows`: one launch each, each row against its own state), each attention layer's K/V
+/// write (with K's norm and RoPE) and its flash attention once for the batch (`kv_write_rope`,
+/// `attention_flash`), and every sequence's logits equal its logits decoded alone, to the bit.
 #[test]
 fn cuda_emu_sequences_decoded_together_match_each_alone_to_the_bit() {
     use osprey_models::{LogitsWanted, SeqInput, SeqStep};
@@ -207,26 +208,36 @@ fn cuda_emu_sequences_decoded_together_match_each_alone_to_the_bit() {
     }
     // Alone: each sequence's prompt, then three tokens.
     let mut alone = Vec::new();
-    let recurrent = |c: &osprey_backend_cuda::DeviceCounts| c.kernels.get("gated_delta_step").copied().unwrap_or(0);
-    let mut per_step = 0; // a decode step's fused delta-rule launches alone: one per Gated DeltaNet layer
+    let count = |c: &osprey_backend_cuda::DeviceCounts, k: &str| c.kernels.get(k).copied().unwrap_or(0);
+    // A decode step's launches alone: one fused delta rule per Gated DeltaNet layer, one K/V write and
+    // one flash attention per attention layer.
+    let (mut per_step, mut attn_per_step) = (0, 0);
     for p in &prompts {
         let mut st = m.new_state();
         let (mut next, mut out) = (p.clone(), Vec::new());
         for step in 0..4 {
-            let before = recurrent(&cuda.counts());
+            let before = cuda.counts();
             let l = m.forward(&mut [SeqStep { state: &mut st, input: input(&next) }], false).expect("alone").logits;
             if step > 0 {
-                per_step = recurrent(&cuda.counts()) - before;
+                let after = cuda.counts();
+                per_step = count(&after, "gated_delta_step") - count(&before, "gated_delta_step");
+                attn_per_step = count(&after, "attention_flash") - count(&before, "attention_flash");
+                let writes = count(&after, "kv_write_rope") - count(&before, "kv_write_rope");
+                assert_eq!(writes, attn_per_step, "one K/V write an attention layer");
             }
             next = vec![best(&l[0])];
             out.push(l[0].clone());
         }
         alone.push(out);
     }
-    // Together: the same prompts one by one, then the three decode steps as one batch.
-    let mut states: Vec<_> = prompts.iter().map(|_| m.new_state()).collect();
+    // Together: the same prompts one by one, then the three decode steps as one batch, the sequences'
+    // pages from one pool as a server's are (each state above had its own).
+    let geo = osprey_models::PageGeometry::new(m.kv_layout(), 16);
+    let mut pool = osprey_models::KvPool::new(geo, 64, cuda.clone());
+    let mut states: Vec<_> = prompts.iter().map(|_| m.new_state_with(pool.table()).expect("state")).collect();
     let mut next: Vec<Vec<u32>> = Vec::new();
     for (st, p) in states.iter_mut().zip(&prompts) {
+        pool.reserve(st.pages_mut(), p.len() + 4).expect("pages");
         let l = m.forward(&mut [SeqStep { state: st, input: input(p) }], false).expect("prompt").logits;
         next.push(vec![best(&l[0])]);
     }
@@ -246,4 +257,8 @@ fn cuda_emu_sequences_decoded_together_match_each_alone_to_the_bit() {
     assert_eq!(launched("gated_delta_step"), 3 * per_step, "one delta launch a layer and step, not one a sequence");
     assert_eq!(launched("causal_conv_silu_rows"), 3 * per_step, "one conv launch a layer and step");
     assert_eq!(launched("gated_delta_slab") + launched("causal_conv_silu"), 0, "no launch per sequence");
+    assert!(attn_per_step > 0, "the model has attention layers");
+    assert_eq!(launched("attention_flash"), 3 * attn_per_step, "one attention launch a layer and step");
+    assert_eq!(launched("kv_write_rope"), 3 * attn_per_step, "one K/V write a layer and step");
+    assert_eq!(launched("rotate_half_f32"), 0, "q's and K's RoPE ride with their norms");
 }
