@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use osprey_bench::roofline::{self, Priced, RooflineBench, Work};
+use osprey_models::backend::AttnShape;
 
 use super::Global;
 
@@ -42,6 +43,10 @@ pub struct RooflineArgs {
     /// Tokens of the measured prefill chunk (0: none).
     #[arg(long, default_value_t = 512)]
     pub prefill: usize,
+    /// Contexts (tokens) to model one sequence's decode at, f32 and bf16 KV each (e.g. 1024,65536): the
+    /// one-sequence step with its attention measured at that context.
+    #[arg(long, default_value = "")]
+    pub contexts: String,
     /// Writes the measured and priced work as JSON here.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -53,7 +58,7 @@ fn measure(dir: &std::path::Path, b: &RooflineBench, g: &Global) -> Result<(Vec<
     let backend = osprey_backend_cuda::open_emulated_measuring(24 << 30, precision);
     let model = osprey_models::load_on(dir, backend).with_context(|| format!("loading {}", dir.display()))?;
     let vocab = model.info().vocab_size;
-    let mut driver = osprey_runner::Driver::new(model, 16);
+    let mut driver = osprey_runner::Driver::new(model, roofline::PAGE);
     Ok((roofline::measure(&mut driver, b)?, vocab))
 }
 
@@ -65,8 +70,23 @@ pub fn run(a: RooflineArgs, g: &Global) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let batches =
         a.batches.split(',').map(|b| b.trim().parse().context("--batches")).collect::<Result<Vec<usize>>>()?;
-    let b =
-        RooflineBench { prompt: a.prompt.max(1), decode_tokens: a.decode_tokens.max(1), batches, prefill: a.prefill };
+    let contexts = a
+        .contexts
+        .split(',')
+        .filter(|c| !c.trim().is_empty())
+        .map(|c| c.trim().parse::<usize>().context("--contexts").map(|c| c.max(a.prompt.max(1) + 2)))
+        .collect::<Result<Vec<usize>>>()?;
+    let cfg = osprey_models::ModelConfig::from_dir(&a.model).with_context(|| format!("{}", a.model.display()))?.text;
+    let attention =
+        AttnShape { heads: cfg.num_attention_heads, kv_heads: cfg.num_key_value_heads, head_dim: cfg.head_dim() };
+    let b = RooflineBench {
+        prompt: a.prompt.max(1),
+        decode_tokens: a.decode_tokens.max(1),
+        batches,
+        prefill: a.prefill,
+        contexts,
+        attention: Some(attention),
+    };
     // The head alone first: it is quick, and a checkpoint it cannot load fails before the long run.
     let head = match &a.scale_to {
         Some(name) => {

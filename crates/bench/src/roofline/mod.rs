@@ -18,7 +18,7 @@ use serde::Serialize;
 
 use osprey_models::backend::DeviceStats;
 
-pub use run::{head_only, measure, RooflineBench};
+pub use run::{head_only, measure, RooflineBench, PAGE};
 
 /// A card the model prices on.
 #[derive(Clone, Copy, Debug, Serialize)]

@@ -1,11 +1,15 @@
 //! The steps `bench roofline` measures on a metering emulated device: decode at each batch size (a
 //! short prompt per sequence, each in its own step; one unmeasured decode step so the buffer cache has
 //! seen the shapes; then the measured steps, averaged) and one prefill chunk; and the head-only copy of
-//! a checkpoint that separates the head's cost from the layers'.
+//! a checkpoint that separates the head's cost from the layers'. Decode at a long context is the
+//! measured one-sequence step with its attention layers' work at a short context swapped for their work
+//! at the long one, measured alone on a pool that holds that many positions: prefilling 64k tokens on the
+//! emulated device would take hours, and the rest of a decode step does not depend on the context.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use osprey_models::backend::{AttnShape, BackendRef, DType, HostData, PagedRows, PagedView};
 use osprey_protocol::tokenizer::PreparedPrompt;
 use osprey_runner::{Driver, NoMedia, Work as Item};
 
@@ -23,6 +27,35 @@ pub struct RooflineBench {
     pub batches: Vec<usize>,
     /// Tokens of the measured prefill chunk (0: none).
     pub prefill: usize,
+    /// Contexts to model one sequence's decode at (the `decode x1` scenario with its attention at each),
+    /// with the model's attention shape (from its config).
+    pub contexts: Vec<usize>,
+    /// The model's attention: query heads, KV heads, head width.
+    pub attention: Option<AttnShape>,
+}
+
+/// Slots per KV page of the driver (`Driver::new(model, PAGE)` in the command) and of the pools below.
+pub const PAGE: usize = 16;
+
+/// The work of one decode row's causal attention over `keys` positions, alone on `backend`: a `dtype`
+/// pool holding them (zeros: the meter counts bytes, not values), its page table, the op, and a
+/// download that ends the window (the same download at every context, so it cancels in a difference).
+fn attention_at(backend: &BackendRef, shape: AttnShape, dtype: DType, keys: usize) -> Result<Work> {
+    let dev = |e: osprey_models::backend::BackendError| Error::Model(e.into());
+    let (pages, kv_row, q_cols) = (keys.div_ceil(PAGE), shape.kv_heads * shape.head_dim, shape.heads * shape.head_dim);
+    let pool = backend.zeros(dtype, &[pages * 2 * PAGE, kv_row]).map_err(dev)?;
+    let ids: Vec<i32> = (0..pages).map(|p| p as i32).collect();
+    let table = backend.upload(HostData::I32(&ids), &[pages]).map_err(dev)?;
+    let q = backend.upload_f32(&vec![0.01; q_cols], &[1, q_cols]).map_err(dev)?;
+    let mut out = backend.zeros_f32(&[1, q_cols]).map_err(dev)?;
+    backend.download_f32(&out).map_err(dev)?;
+    let before = backend.stats();
+    let kv = PagedView { pool: &pool, table: &table, page_size: PAGE };
+    let scale = (shape.head_dim as f32).powf(-0.5);
+    backend.attention_paged_rows(&q, &[PagedRows { rows: 0..1, kv, past: keys - 1 }], shape, scale, &mut out);
+    backend.download_f32(&out).map_err(dev)?;
+    backend.health().map_err(dev)?;
+    Ok(Work::between(&before, &backend.stats(), 1))
 }
 
 /// One step of `items` through the driver; an item's failure fails the measurement.
@@ -65,6 +98,22 @@ pub fn measure(driver: &mut Driver, b: &RooflineBench) -> Result<Vec<(String, Wo
         out.push((format!("decode x{n}"), Work::between(&before, &backend.stats(), b.decode_tokens)));
         tracing::info!(batch = n, "roofline: decode measured");
         seqs.iter().for_each(|&s| driver.release(s));
+    }
+    if let (false, Some(shape)) = (b.contexts.is_empty(), b.attention) {
+        let base = out.iter().find(|(n, _)| n == "decode x1").map(|(_, w)| w.clone());
+        let base =
+            base.ok_or_else(|| Error::Input("--contexts models the `decode x1` scenario: --batches 1".into()))?;
+        // Attention layers: the step's attention launches (one a layer, whatever its splits).
+        let layers = base.kernels.iter().find(|k| k.name == "attention_flash").map_or(0.0, |k| k.launches);
+        let short = attention_at(&backend, shape, DType::F32, b.prompt + 1 + b.decode_tokens.div_ceil(2))?;
+        for &keys in &b.contexts {
+            for (dtype, name) in [(DType::F32, "f32"), (DType::BF16, "bf16")] {
+                let long = if layers > 0.0 { attention_at(&backend, shape, dtype, keys)? } else { Work::default() };
+                let w = base.plus(&short, -layers).plus(&long, layers);
+                out.push((format!("decode x1 at {keys}, {name} KV"), w));
+            }
+            tracing::info!(keys, "roofline: decode at a context modelled");
+        }
     }
     if b.prefill > 0 {
         let seq = 1 << 40;

@@ -19,7 +19,14 @@ fn a_decode_step_moves_at_least_the_weights_it_reads_and_the_model_scales_by_lay
     let _ = std::fs::remove_dir_all(&base);
     let dir = base.join("tiny-L4");
     synth(&dir, TINY, 4, 5).expect("synth");
-    let b = RooflineBench { prompt: 3, decode_tokens: 2, batches: vec![1, 2], prefill: 8 };
+    let b = RooflineBench {
+        prompt: 3,
+        decode_tokens: 2,
+        batches: vec![1, 2],
+        prefill: 8,
+        contexts: vec![],
+        attention: None,
+    };
     let steps = measure(&dir, &b);
     let names: Vec<&str> = steps.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["decode x1", "decode x2", "prefill 8"]);
@@ -56,6 +63,60 @@ fn a_decode_step_moves_at_least_the_weights_it_reads_and_the_model_scales_by_lay
     let card = roofline::card("rtx-4090").expect("a card");
     let (eager, graph) = (roofline::price(&deep, &card, false), roofline::price(&deep, &card, true));
     assert!(graph.secs < eager.secs && eager.roofline_secs > 0.0 && eager.fraction < 1.0);
+}
+
+/// Issue 52's long-context target: decode at a context is the one-sequence step with its attention
+/// layers measured at that context instead of at the prompt's. Everything but attention is the step's;
+/// the attention reads each position's K and V once per KV head (f32 or bf16), so its bytes and the
+/// step's must-move bytes grow by that, and the modelled step slows with the context.
+#[test]
+fn decode_at_a_long_context_reads_its_kv_once_beside_the_same_step() {
+    let base = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("roofline-context");
+    let _ = std::fs::remove_dir_all(&base);
+    let dir = base.join("tiny-L4");
+    synth(&dir, TINY, 4, 5).expect("synth");
+    let cfg = osprey_models::ModelConfig::from_dir(&dir).expect("config").text;
+    let shape = osprey_models::backend::AttnShape {
+        heads: cfg.num_attention_heads,
+        kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim(),
+    };
+    let b = RooflineBench {
+        prompt: 3,
+        decode_tokens: 2,
+        batches: vec![1],
+        prefill: 0,
+        contexts: vec![4096],
+        attention: Some(shape),
+    };
+    let steps = measure(&dir, &b);
+    let names: Vec<&str> = steps.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["decode x1", "decode x1 at 4096, f32 KV", "decode x1 at 4096, bf16 KV"]);
+    let kinds = cfg.layer_kinds().expect("layers");
+    let layers = kinds.iter().filter(|k| matches!(k, osprey_models::config::LayerKind::Full)).count() as f64;
+    assert!(layers > 0.0, "the checkpoint has attention layers");
+    let attn = |w: &roofline::Work| -> f64 {
+        w.kernels.iter().filter(|k| k.name.starts_with("attention_")).map(|k| k.bytes[0] + k.bytes[1]).sum()
+    };
+    let rest = |w: &roofline::Work| -> Vec<(String, [f64; 2])> {
+        w.kernels.iter().filter(|k| !k.name.starts_with("attention_")).map(|k| (k.name.clone(), k.bytes)).collect()
+    };
+    let one = &steps[0].1;
+    for (i, size) in [(1, 4.0), (2, 2.0)] {
+        let w = &steps[i].1;
+        let kv = layers * 4096.0 * 2.0 * (shape.kv_heads * shape.head_dim) as f64 * size;
+        assert!(attn(w) >= kv, "{}: {} < {kv}: K and V read", steps[i].0, attn(w));
+        assert!(attn(w) <= 1.1 * kv + attn(one), "{}: {} vs {kv}: read once per KV head", steps[i].0, attn(w));
+        let mut a = rest(w);
+        let mut b = rest(one);
+        a.sort_by(|x, y| x.0.cmp(&y.0));
+        b.sort_by(|x, y| x.0.cmp(&y.0));
+        assert_eq!(a, b, "{}: the rest of the step is the measured one", steps[i].0);
+        assert!(w.must_move >= one.must_move + 0.9 * kv, "{}: {} vs {}", steps[i].0, w.must_move, one.must_move);
+    }
+    let card = roofline::card("rtx-4090").expect("a card");
+    let secs = |w: &roofline::Work| roofline::price(w, &card, true).secs;
+    assert!(secs(one) < secs(&steps[2].1) && secs(&steps[2].1) < secs(&steps[1].1), "bf16 KV between");
 }
 
 #[test]
