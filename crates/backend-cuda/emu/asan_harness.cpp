@@ -104,6 +104,8 @@ int main(int argc, char** argv) {
     std::vector<float> out2(m * on);
     run(linear_gemv_pair, d1(5), d1(256), xs.data(), static_cast<const void*>(wh.data()), scales.data(), 1.0f,
         static_cast<const void*>(wh.data()), scales.data(), 1.0f, 1, out.data(), out2.data(), m, on, k);
+    run(linear_gemv_swiglu, d1(3), d1(256), xs.data(), static_cast<const void*>(wh.data()), scales.data(), 1.0f,
+        static_cast<const void*>(wh.data()), scales.data(), 0.5f, 1, out.data(), m, on, k);
     // A width that is not whole 8-column steps: one column a lane a step.
     run(linear_gemv, d1(3), d1(256), xs.data(), static_cast<const void*>(wf.data()), scales.data(), 1.0f, 0, out.data(), m,
         on, 45u);
@@ -273,7 +275,10 @@ int main(int argc, char** argv) {
     auto partials = vals(9 * 16), dd = vals(2 * 16), comb = vals(3 * 16);
     std::vector<int32_t> entries = {8, 0};
     run(moe_scatter_rows, d1(1), d1(64), partials.data(), entries.data(), rw.data(), dd.data(), 2u, 16u);
-    run(moe_combine, d1(1), d1(64), partials.data(), comb.data(), 3u, 3u, 16u);
+    run(moe_combine, d1(1), d1(64), partials.data(), comb.data(), 3u, 3u, 16u, 0, static_cast<const float*>(nullptr),
+        static_cast<const float*>(nullptr));
+    auto shared16 = vals(3 * 16), gate3 = vals(3);
+    run(moe_combine, d1(1), d1(64), partials.data(), comb.data(), 3u, 3u, 16u, 1, shared16.data(), gate3.data());
     // The groups of the router's ids on the device: 3 tokens × 3 entries over 10 experts in 10 slots
     // (slot = 9 − expert), at most 9 groups, every output exactly its size.
     std::vector<int32_t> slot_of(10);

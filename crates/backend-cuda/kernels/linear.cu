@@ -73,45 +73,56 @@ __device__ __forceinline__ void weights8(const void* w, const uint8_t* scales, f
     }
 }
 
-// `out[r·n + col]` for rows `r` < `m` of `x`, by the calling warp (lane `lane`), the weight row read
-// once for up to 8 rows, each row's sum reduced across the warp. Where `k` is a multiple of 8 a lane
-// takes 8 neighbouring columns a step in one vector load (`weights8`; the activations likewise), else
-// one column a step. A row's arithmetic does not depend on the others (`linear_gemv` and
-// `linear_grouped_gemv` agree to the bit on it).
+// The sums of rows `r0 .. r0 + 8` (those < `m`) of `x` against weight row `col`, by the calling warp
+// (lane `lane`): `put(r, sum)` for each, on every lane (a callback: its row is a constant once unrolled,
+// so the sums stay in registers). Where `k` is a multiple of 8 a lane takes 8 neighbouring columns a step
+// in one vector load (`weights8`; the activations likewise), else one column a step; then the warp's
+// sum. A row's arithmetic does not depend on the others (`linear_gemv`, `linear_grouped_gemv` and
+// `linear_gemv_swiglu` agree to the bit on it).
+template <typename Put>
+__device__ __forceinline__ void gemv_sums(const float* __restrict__ x, const void* __restrict__ w,
+                                          const uint8_t* __restrict__ scales, float global, int wtype, unsigned r0,
+                                          unsigned m, unsigned k, unsigned col, unsigned lane, Put put) {
+    const bool wide = k % 8 == 0;
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (wide) {
+        for (unsigned j = lane * 8; j < k; j += 256) {
+            float wv[8];
+            weights8(w, scales, global, wtype, col, k, j, wv);
+#pragma unroll
+            for (unsigned r = 0; r < 8; ++r) {
+                if (r0 + r >= m) break;
+                const uint4* xr = (const uint4*)(x + (size_t)(r0 + r) * k + j);
+                const uint4 a = __ldg(xr), b = __ldg(xr + 1);
+                const uint32_t u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                for (unsigned e = 0; e < 8; ++e) acc[r] += __uint_as_float(u[e]) * wv[e];
+            }
+        }
+    } else {
+        for (unsigned j = lane; j < k; j += 32) {
+            const float wv = weight_at(w, scales, global, wtype, col, k, j);
+#pragma unroll
+            for (unsigned r = 0; r < 8; ++r)
+                if (r0 + r < m) acc[r] += x[(size_t)(r0 + r) * k + j] * wv;
+        }
+    }
+#pragma unroll
+    for (unsigned r = 0; r < 8; ++r) {
+        if (r0 + r >= m) break;
+        put(r, warp_sum(acc[r]));
+    }
+}
+
+// `out[r·n + col]` for rows `r` < `m` of `x`, by the calling warp: the weight row read once for up to 8
+// rows at a time (`gemv_sums`), lane 0 writing.
 __device__ __forceinline__ void gemv_rows(const float* __restrict__ x, const void* __restrict__ w,
                                           const uint8_t* __restrict__ scales, float global, int wtype,
                                           float* __restrict__ out, unsigned m, unsigned n, unsigned k, unsigned col,
                                           unsigned lane) {
-    const bool wide = k % 8 == 0;
     for (unsigned r0 = 0; r0 < m; r0 += 8) {
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (wide) {
-            for (unsigned j = lane * 8; j < k; j += 256) {
-                float wv[8];
-                weights8(w, scales, global, wtype, col, k, j, wv);
-#pragma unroll
-                for (unsigned r = 0; r < 8; ++r) {
-                    if (r0 + r >= m) break;
-                    const uint4* xr = (const uint4*)(x + (size_t)(r0 + r) * k + j);
-                    const uint4 a = __ldg(xr), b = __ldg(xr + 1);
-                    const uint32_t u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                    for (unsigned e = 0; e < 8; ++e) acc[r] += __uint_as_float(u[e]) * wv[e];
-                }
-            }
-        } else {
-            for (unsigned j = lane; j < k; j += 32) {
-                const float wv = weight_at(w, scales, global, wtype, col, k, j);
-#pragma unroll
-                for (unsigned r = 0; r < 8; ++r)
-                    if (r0 + r < m) acc[r] += x[(size_t)(r0 + r) * k + j] * wv;
-            }
-        }
-#pragma unroll
-        for (unsigned r = 0; r < 8; ++r) {
-            if (r0 + r >= m) break;
-            const float v = warp_sum(acc[r]);
+        gemv_sums(x, w, scales, global, wtype, r0, m, k, col, lane, [&](unsigned r, float v) {
             if (lane == 0) out[(size_t)(r0 + r) * n + col] = v;
-        }
+        });
     }
 }
 
@@ -142,6 +153,29 @@ extern "C" __global__ void linear_gemv_pair(const float* __restrict__ x, const v
     if (col >= 2 * n) return;  // a whole warp leaves together: `col` is the warp's
     if (col < n) gemv_rows(x, w1, s1, g1, wtype, out1, m, n, k, col, lane);
     else gemv_rows(x, w2, s2, g2, wtype, out2, m, n, k, col - n, lane);
+}
+
+// SwiGLU's first half for decode-shaped rows (`m` ≤ 8): warp `col` takes the gate's and the up
+// projection's weight row `col`, both sums for every row (`gemv_sums`, the bits of `linear_gemv`), and
+// writes `silu(g) · u` as `silu_mul_f32` computes it: `linear_gemv_pair` and `silu_mul_f32` in one
+// launch with their bits, the gate and up never stored.
+// flops: fp32 4 * m * n * k + 4 * n * k + 5 * m * n
+// ptx: shfl.sync.bfly.b32, ld.global.nc.v4.u32
+// budget: 80 registers
+extern "C" __global__ void linear_gemv_swiglu(const float* __restrict__ x, const void* __restrict__ w1,
+                                              const uint8_t* __restrict__ s1, float g1, const void* __restrict__ w2,
+                                              const uint8_t* __restrict__ s2, float g2, int wtype, float* __restrict__ out,
+                                              unsigned m, unsigned n, unsigned k) {
+    const unsigned col = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (col >= n) return;  // a whole warp leaves together: `col` is the warp's
+    float g[8], u[8];
+    gemv_sums(x, w1, s1, g1, wtype, 0, m, k, col, lane, [&](unsigned r, float v) { g[r] = v; });
+    gemv_sums(x, w2, s2, g2, wtype, 0, m, k, col, lane, [&](unsigned r, float v) { u[r] = v; });
+#pragma unroll
+    for (unsigned r = 0; r < 8; ++r) {
+        if (r >= m) break;
+        if (lane == 0) out[(size_t)r * n + col] = silu_f(g[r]) * u[r];
+    }
 }
 
 // The routed experts of a decode-shaped wave (a step of at most 8 tokens, so at most 8 rows a group):

@@ -15,16 +15,20 @@ extern "C" __global__ void moe_scatter_rows(float* __restrict__ partials, const 
     }
 }
 
-// `out[t] = 0 + partials[t·k] + … + partials[t·k + k − 1]`, in that order.
+// `out[t] = 0 + partials[t·k] + … + partials[t·k + k − 1]`, in that order; with `with_shared`,
+// then `+= sigmoid(gate[t]) · shared[t]` as `add_sigmoid_gated_f32` adds it (a MoE layer's shared expert,
+// one launch fewer, the same bits).
 // flops: fp32 t * k * h
 // ptx: ld.global.nc.f32
 // budget: 40 registers
 extern "C" __global__ void moe_combine(const float* __restrict__ partials, float* __restrict__ out, unsigned t, unsigned k,
-                                       unsigned h) {
+                                       unsigned h, int with_shared, const float* __restrict__ shared,
+                                       const float* __restrict__ gate) {
     for (size_t x = blockIdx.x * (size_t)blockDim.x + threadIdx.x; x < (size_t)t * h; x += (size_t)gridDim.x * blockDim.x) {
         const size_t i = x / h, c = x % h;
         float acc = 0.0f;
         for (unsigned j = 0; j < k; ++j) acc += partials[((size_t)i * k + j) * h + c];
+        if (with_shared) acc += sigmoid_f(gate[i]) * shared[x];
         out[x] = acc;
     }
 }

@@ -268,6 +268,15 @@ seam! {
             fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> = {
                 Ok((self.linear(x, w1)?, self.linear(x, w2)?))
             };
+
+            /// SwiGLU's first half: `silu(x·gateᵀ) · (x·upᵀ)` → `[m, n]`, [`CoreOps::linear_pair`] then
+            /// [`CoreOps::silu_mul`] (the default; a device may compute both products and the product of
+            /// the two in one pass, with their bits).
+            fn linear_swiglu(&self, x: &Tensor, gate: &Tensor, up: &Tensor) -> Result<Tensor> = {
+                let (mut g, u) = self.linear_pair(x, gate, up)?;
+                self.silu_mul(&mut g, &u);
+                Ok(g)
+            };
         }
 
         /// `linear` over NVFP4 weights.
@@ -483,7 +492,7 @@ seam! {
     }
 
     /// Mixture of experts: the router, and routed experts computed from fixed-stride slots.
-    trait ExpertOps {
+    trait ExpertOps: CoreOps {
         /// `route`.
         op Router {
             /// Softmax over each row of router logits, the `k` most probable experts (ties to the lower
@@ -525,6 +534,15 @@ seam! {
             /// `out[t] = 0 + partials[t·k] + partials[t·k + 1] + …` in that order (ascending expert id)
             /// → `[T, hidden]`.
             fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor>;
+
+            /// [`ExpertOps::moe_combine`], then the shared expert's output `shared` added under its gate
+            /// as [`CoreOps::add_sigmoid_gated`] adds it (`gate [T, 1]`): a MoE layer's output. The
+            /// default runs the two ops; a device runs one launch with their bits.
+            fn moe_combine_shared(&self, partials: &Tensor, k: usize, shared: &Tensor, gate: &Tensor) -> Result<Tensor> = {
+                let mut out = self.moe_combine(partials, k)?;
+                self.add_sigmoid_gated(&mut out, shared, gate);
+                Ok(out)
+            };
         }
     }
 

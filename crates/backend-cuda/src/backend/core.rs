@@ -180,6 +180,35 @@ impl CoreOps for CudaBackend {
         Ok((out1, out2))
     }
 
+    fn linear_swiglu(&self, x: &Tensor, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let (a, b) = (placed(gate)?, placed(up)?);
+        let (m, n, k) = (x.rows(), gate.shape()[0], gate.cols());
+        let same = gate.dtype() == up.dtype() && gate.shape() == up.shape();
+        // Where `linear_pair` is one GEMV launch, the SwiGLU is too; elsewhere the pair, then `silu_mul`.
+        if !same || !(1..=GEMV_ROWS).contains(&m) || self.q8_path(m, a.dtype, k) {
+            let (mut g, u) = self.linear_pair(x, gate, up)?;
+            self.silu_mul(&mut g, &u);
+            return Ok(g);
+        }
+        let out = self.empty(DType::F32, &[m, n])?;
+        let call = launch::linear_gemv_swiglu(
+            ptr(x),
+            a.data,
+            a.scales,
+            a.global,
+            b.data,
+            b.scales,
+            b.global,
+            wtype(a.dtype)?,
+            ptr(&out),
+            u32_of(m),
+            u32_of(n),
+            u32_of(k),
+        );
+        self.try_run(call, LaunchConfig { grid: [n.div_ceil(8) as u32, 1, 1], block: [256, 1, 1] })?;
+        Ok(out)
+    }
+
     fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         self.matmul(x, placed(w)?, w.shape()[0], w.cols())
     }

@@ -448,9 +448,33 @@ impl ExpertOps for CudaBackend {
     }
 
     fn moe_combine(&self, partials: &Tensor, k: usize) -> Result<Tensor> {
-        let (h, t) = (partials.cols(), partials.rows() / k);
+        self.combine(partials, k, None)
+    }
+
+    fn moe_combine_shared(&self, partials: &Tensor, k: usize, shared: &Tensor, gate: &Tensor) -> Result<Tensor> {
+        self.combine(partials, k, Some((shared, gate)))
+    }
+}
+
+impl CudaBackend {
+    /// `moe_combine`, with the shared expert added under its gate in the same launch where given.
+    fn combine(&self, partials: &Tensor, k: usize, shared: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
+        let (h, t) = (partials.cols(), partials.rows() / k.max(1));
+        if let Some((s, g)) = shared {
+            if s.shape() != [t, h] || g.numel() != t {
+                return Err(BackendError::Device(format!(
+                    "moe_combine_shared of {t} × {h} with a shared output {:?} and {} gates: this is a bug",
+                    s.shape(),
+                    g.numel()
+                )));
+            }
+        }
         let out = self.empty(DType::F32, &[t, h])?;
-        let call = launch::moe_combine(ptr(partials), ptr(&out), u32_of(t), u32_of(k), u32_of(h));
+        // Without a shared expert the kernel reads neither pointer; it is given the partials' (a launch
+        // names no null address).
+        let (sp, gp) = shared.map_or((ptr(partials), ptr(partials)), |(s, g)| (ptr(s), ptr(g)));
+        let with = i32::from(shared.is_some());
+        let call = launch::moe_combine(ptr(partials), ptr(&out), u32_of(t), u32_of(k), u32_of(h), with, sp, gp);
         self.try_run(call, LaunchConfig::elements(t * h))?;
         Ok(out)
     }

@@ -183,6 +183,17 @@ pub(crate) fn linears_agree_within_the_dot_product_bound_for_every_weight_type()
         assert_eq!(ran, one, "{dtype:?}, {m} rows");
         let (a1, b1) = (gpu.linear(&xg, &g1).expect("a"), gpu.linear(&xg, &g2).expect("b"));
         assert_eq!((host(&gpu, &a), host(&gpu, &b)), (host(&gpu, &a1), host(&gpu, &b1)), "{dtype:?}, {m} rows");
+        // And SwiGLU's first half (`linear_swiglu`): decode-shaped, one launch with the bits of the pair
+        // and `silu_mul`; prefill-shaped, the pair's launches and `silu_mul_f32`.
+        let mut fused = None;
+        let ran =
+            osprey_backend_cuda::emu::launches_of(|| fused = Some(gpu.linear_swiglu(&xg, &g1, &g2).expect("swiglu")));
+        let one =
+            if m <= 8 { vec!["linear_gemv_swiglu"] } else { vec!["linear_tiled", "linear_tiled", "silu_mul_f32"] };
+        assert_eq!(ran, one, "swiglu {dtype:?}, {m} rows");
+        let mut g = a1.clone();
+        gpu.silu_mul(&mut g, &b1);
+        assert_eq!(host(&gpu, &fused.expect("fused")), host(&gpu, &g), "swiglu {dtype:?}, {m} rows");
     }
 }
 

@@ -390,6 +390,18 @@ pub(crate) fn routed_experts_in_slots_match_in_waves_with_reuse_and_an_empty_wav
                 read = b.record_fence();
             }
             outs.push(host(b, &b.moe_combine(&partials, k).expect("combine")));
+            // Issue 52, item 5: the shared expert added under its gate in the combine's launch, with the
+            // bits of `moe_combine` and `add_sigmoid_gated` (on the CUDA backend one `moe_combine` launch).
+            let sh = b.upload_f32(&data(330, t * shape.hidden), &[t, shape.hidden]).expect("shared");
+            let gt = b.upload_f32(&data(331, t), &[t, 1]).expect("gate");
+            let mut fused = None;
+            let ran = osprey_backend_cuda::emu::launches_of(|| {
+                fused = Some(b.moe_combine_shared(&partials, k, &sh, &gt).expect("combine shared"))
+            });
+            let mut apart = b.moe_combine(&partials, k).expect("combine");
+            b.add_sigmoid_gated(&mut apart, &sh, &gt);
+            assert_eq!(host(b, &fused.expect("fused")), host(b, &apart), "{dtype:?}: combined with the shared expert");
+            assert!(ran.is_empty() || ran == ["moe_combine"], "one launch: {ran:?}");
             for f in fences {
                 b.wait_fence(f).expect("an upload's fence");
             }

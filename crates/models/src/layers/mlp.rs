@@ -40,7 +40,6 @@ impl Mlp {
 
 /// `down(silu(gate(x)) · up(x))` with placed weights (an MLP, or a routed expert).
 pub fn swiglu(b: &dyn Backend, x: &Tensor, (gate, up, down): (&Tensor, &Tensor, &Tensor)) -> Result<Tensor> {
-    let (mut g, u) = b.linear_pair(x, gate, up)?;
-    b.silu_mul(&mut g, &u);
+    let g = b.linear_swiglu(x, gate, up)?;
     Ok(b.linear(&g, down)?)
 }

@@ -529,8 +529,7 @@ impl SparseMoe {
         table.stats.waves += 1;
         guard.slot_of = Some(slot_of);
         drop(guard);
-        let mut out = b.moe_combine(&partials, k)?;
-        b.add_sigmoid_gated(&mut out, &shared, &sgate);
+        let out = b.moe_combine_shared(&partials, k, &shared, &sgate)?;
         Ok(out)
     }
 
@@ -635,8 +634,7 @@ impl SparseMoe {
             let wave: Vec<(ExpertKey, usize)> = wave_keys.into_iter().zip(slots).collect();
             run(&wave, table, pool, &mut partials)?;
         }
-        let mut out = b.moe_combine(&partials, k)?;
-        b.add_sigmoid_gated(&mut out, &shared, &sgate);
+        let out = b.moe_combine_shared(&partials, k, &shared, &sgate)?;
         drop(guard);
         if let Some(HeldGuess { slots, guess, held }) = held {
             slots.upload_guesses(b, experts, &guess, held.wait()?)?;
