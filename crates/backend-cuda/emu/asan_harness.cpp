@@ -102,8 +102,12 @@ int main(int argc, char** argv) {
     run(linear_gemv, d1(3), d1(256), xs.data(), static_cast<const void*>(codes.data()), scales.data(), 0.5f, 3, out.data(), m,
         on, k);
     std::vector<float> out2(m * on);
-    run(linear_gemv_pair, d1(5), d1(256), xs.data(), static_cast<const void*>(wh.data()), scales.data(), 1.0f,
-        static_cast<const void*>(wh.data()), scales.data(), 1.0f, 1, out.data(), out2.data(), m, on, k);
+    // Three weights of one width, each its own type and column count (4, 20, 12), the fourth absent.
+    std::vector<float> out3(m * 12);
+    run(linear_gemv_many, d1(5), d1(256), xs.data(), m, k, static_cast<const void*>(wf.data()), scales.data(), 1.0f, 0,
+        out2.data(), 4u, static_cast<const void*>(wh.data()), scales.data(), 1.0f, 1, out.data(), on,
+        static_cast<const void*>(codes.data()), scales.data(), 0.5f, 3, out3.data(), 12u,
+        static_cast<const void*>(wf.data()), scales.data(), 1.0f, 0, out2.data(), 0u);
     run(linear_gemv_swiglu, d1(3), d1(256), xs.data(), static_cast<const void*>(wh.data()), scales.data(), 1.0f,
         static_cast<const void*>(wh.data()), scales.data(), 0.5f, 1, out.data(), m, on, k);
     // A width that is not whole 8-column steps: one column a lane a step.

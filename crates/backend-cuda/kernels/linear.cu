@@ -139,25 +139,36 @@ extern "C" __global__ void linear_gemv(const float* __restrict__ x, const void* 
     gemv_rows(x, w, scales, global, wtype, out, m, n, k, col, lane);
 }
 
-// Two weights of one shape against the same rows (an MLP's gate and up) in one launch: warps for columns
-// `[0, n)` as `linear_gemv` with `w1` into `out1`, those for `[n, 2n)` with `w2` into `out2` — the same
-// bits as two `linear_gemv` launches.
-// flops: fp32 4 * m * n * k + 4 * n * k
+// Up to four weights of one input width against the same rows in one launch (a layer's projections of
+// one input; an MLP's gate and up): warps for weight 0's `n0` columns as `linear_gemv` with `w0` into
+// `o0`, then weight 1's `n1` into `o1`, and so on (`n` 0: no weight; each its own type) — the bits of one
+// `linear_gemv` launch per weight.
+// flops: fp32 2 * m * (n0 + n1 + n2 + n3) * k + 2 * (n0 + n1 + n2 + n3) * k
 // ptx: shfl.sync.bfly.b32, ld.global.nc.v4.u32
-// budget: 72 registers
-extern "C" __global__ void linear_gemv_pair(const float* __restrict__ x, const void* __restrict__ w1,
-                                            const uint8_t* __restrict__ s1, float g1, const void* __restrict__ w2,
-                                            const uint8_t* __restrict__ s2, float g2, int wtype, float* __restrict__ out1,
-                                            float* __restrict__ out2, unsigned m, unsigned n, unsigned k) {
-    const unsigned col = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
-    if (col >= 2 * n) return;  // a whole warp leaves together: `col` is the warp's
-    if (col < n) gemv_rows(x, w1, s1, g1, wtype, out1, m, n, k, col, lane);
-    else gemv_rows(x, w2, s2, g2, wtype, out2, m, n, k, col - n, lane);
+// budget: 80 registers
+extern "C" __global__ void linear_gemv_many(const float* __restrict__ x, unsigned m, unsigned k, const void* __restrict__ w0,
+                                            const uint8_t* __restrict__ s0, float g0, int t0, float* __restrict__ o0,
+                                            unsigned n0, const void* __restrict__ w1, const uint8_t* __restrict__ s1,
+                                            float g1, int t1, float* __restrict__ o1, unsigned n1,
+                                            const void* __restrict__ w2, const uint8_t* __restrict__ s2, float g2,
+                                            int t2, float* __restrict__ o2, unsigned n2, const void* __restrict__ w3,
+                                            const uint8_t* __restrict__ s3, float g3, int t3, float* __restrict__ o3,
+                                            unsigned n3) {
+    unsigned col = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const unsigned lane = threadIdx.x % 32;
+    // Whole warps take one branch: `col` is the warp's.
+    if (col < n0) return gemv_rows(x, w0, s0, g0, t0, o0, m, n0, k, col, lane);
+    col -= n0;
+    if (col < n1) return gemv_rows(x, w1, s1, g1, t1, o1, m, n1, k, col, lane);
+    col -= n1;
+    if (col < n2) return gemv_rows(x, w2, s2, g2, t2, o2, m, n2, k, col, lane);
+    col -= n2;
+    if (col < n3) gemv_rows(x, w3, s3, g3, t3, o3, m, n3, k, col, lane);
 }
 
 // SwiGLU's first half for decode-shaped rows (`m` ≤ 8): warp `col` takes the gate's and the up
 // projection's weight row `col`, both sums for every row (`gemv_sums`, the bits of `linear_gemv`), and
-// writes `silu(g) · u` as `silu_mul_f32` computes it: `linear_gemv_pair` and `silu_mul_f32` in one
+// writes `silu(g) · u` as `silu_mul_f32` computes it: `linear_gemv_many` and `silu_mul_f32` in one
 // launch with their bits, the gate and up never stored.
 // flops: fp32 4 * m * n * k + 4 * n * k + 5 * m * n
 // ptx: shfl.sync.bfly.b32, ld.global.nc.v4.u32

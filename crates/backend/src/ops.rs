@@ -269,6 +269,13 @@ seam! {
                 Ok((self.linear(x, w1)?, self.linear(x, w2)?))
             };
 
+            /// `x·wᵢᵀ` for several placed weights of `x`'s width (a layer's projections of one input:
+            /// Gated DeltaNet's four, attention's q, k and v, the router and the shared expert's gate). A
+            /// device may compute them in one pass; by default one [`CoreOps::linear`] each.
+            fn linear_many(&self, x: &Tensor, ws: &[&Tensor]) -> Result<Vec<Tensor>> = {
+                ws.iter().map(|w| self.linear(x, w)).collect()
+            };
+
             /// SwiGLU's first half: `silu(x·gateᵀ) · (x·upᵀ)` → `[m, n]`, [`CoreOps::linear_pair`] then
             /// [`CoreOps::silu_mul`] (the default; a device may compute both products and the product of
             /// the two in one pass, with their bits).

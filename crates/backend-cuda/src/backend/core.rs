@@ -152,32 +152,68 @@ impl CoreOps for CudaBackend {
     }
 
     fn linear_pair(&self, x: &Tensor, w1: &Tensor, w2: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (a, b) = (placed(w1)?, placed(w2)?);
-        let (m, n, k) = (x.rows(), w1.shape()[0], w1.cols());
-        let same = w1.dtype() == w2.dtype() && w1.shape() == w2.shape();
-        // A decode-shaped pair on the f32-activation GEMV: one launch for both weights (a shared
-        // expert's or a dense MLP's gate and up). Other shapes and the int8 paths: two linears.
-        if !same || !(1..=GEMV_ROWS).contains(&m) || self.q8_path(m, a.dtype, k) {
-            return Ok((self.matmul(x, a, n, k)?, self.matmul(x, b, n, k)?));
+        let mut out = self.linear_many(x, &[w1, w2])?.into_iter();
+        match (out.next(), out.next()) {
+            (Some(a), Some(b)) => Ok((a, b)),
+            _ => Err(BackendError::Device("linear_many lost a product: this is a bug".into())),
         }
-        let (out1, out2) = (self.empty(DType::F32, &[m, n])?, self.empty(DType::F32, &[m, n])?);
-        let call = launch::linear_gemv_pair(
-            ptr(x),
-            a.data,
-            a.scales,
-            a.global,
-            b.data,
-            b.scales,
-            b.global,
-            wtype(a.dtype)?,
-            ptr(&out1),
-            ptr(&out2),
-            u32_of(m),
-            u32_of(n),
-            u32_of(k),
+    }
+
+    fn linear_many(&self, x: &Tensor, ws: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let m = x.rows();
+        let placed: Vec<RawWeight> = ws.iter().map(|w| placed(w)).collect::<Result<_>>()?;
+        // Decode-shaped products on the f32-activation GEMV, up to four: one launch (a layer's
+        // projections of one input, an MLP's gate and up). Other shapes, the int8 paths, more weights:
+        // one linear each.
+        let gemv = |w: &&Tensor, p: &RawWeight| w.cols() == x.cols() && !self.q8_path(m, p.dtype, w.cols());
+        let one = (2..=4).contains(&ws.len()) && (1..=GEMV_ROWS).contains(&m);
+        if !one || !ws.iter().zip(&placed).all(|(w, p)| gemv(w, p)) {
+            return ws.iter().zip(&placed).map(|(w, p)| self.matmul(x, *p, w.shape()[0], w.cols())).collect();
+        }
+        let outs: Vec<Tensor> = ws.iter().map(|w| self.empty(DType::F32, &[m, w.shape()[0]])).collect::<Result<_>>()?;
+        // Absent weights: no columns, and the first weight's addresses (a launch names no null address).
+        let part = |i: usize| -> Result<(RawWeight, i32, DevPtr, u32)> {
+            let i = if i < ws.len() { i } else { 0 };
+            let n = if i < ws.len() { u32_of(ws[i].shape()[0]) } else { 0 };
+            Ok((placed[i], wtype(placed[i].dtype)?, ptr(&outs[i]), n))
+        };
+        let (p0, p1, p2, p3) = (part(0)?, part(1)?, part(2)?, part(3)?);
+        let (p2, p3) = (
+            if ws.len() > 2 { p2 } else { (p2.0, p2.1, p2.2, 0) },
+            if ws.len() > 3 { p3 } else { (p3.0, p3.1, p3.2, 0) },
         );
-        self.try_run(call, LaunchConfig { grid: [(2 * n).div_ceil(8) as u32, 1, 1], block: [256, 1, 1] })?;
-        Ok((out1, out2))
+        let call = launch::linear_gemv_many(
+            ptr(x),
+            u32_of(m),
+            u32_of(x.cols()),
+            p0.0.data,
+            p0.0.scales,
+            p0.0.global,
+            p0.1,
+            p0.2,
+            p0.3,
+            p1.0.data,
+            p1.0.scales,
+            p1.0.global,
+            p1.1,
+            p1.2,
+            p1.3,
+            p2.0.data,
+            p2.0.scales,
+            p2.0.global,
+            p2.1,
+            p2.2,
+            p2.3,
+            p3.0.data,
+            p3.0.scales,
+            p3.0.global,
+            p3.1,
+            p3.2,
+            p3.3,
+        );
+        let cols: usize = ws.iter().map(|w| w.shape()[0]).sum();
+        self.try_run(call, LaunchConfig { grid: [cols.div_ceil(8) as u32, 1, 1], block: [256, 1, 1] })?;
+        Ok(outs)
     }
 
     fn linear_swiglu(&self, x: &Tensor, gate: &Tensor, up: &Tensor) -> Result<Tensor> {

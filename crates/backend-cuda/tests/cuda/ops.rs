@@ -169,7 +169,7 @@ pub(crate) fn linears_agree_within_the_dot_product_bound_for_every_weight_type()
         }
     }
     // Issue 52, item 5: a decode-shaped pair of weights (an MLP's gate and up) in one launch
-    // (`linear_gemv_pair`), the bits of the two linears; prefill-shaped pairs stay two.
+    // (`linear_gemv_many`), the bits of the two linears; prefill-shaped pairs stay two.
     for (dtype, m) in [(DType::BF16, 3usize), (DType::F32, 1), (DType::BF16, 12)] {
         let (n, k) = (40, 256);
         let (w1, w2) = (weight(dtype, n, k, 70), weight(dtype, n, k, 71));
@@ -179,10 +179,34 @@ pub(crate) fn linears_agree_within_the_dot_product_bound_for_every_weight_type()
         let mut pair = None;
         let ran = osprey_backend_cuda::emu::launches_of(|| pair = Some(gpu.linear_pair(&xg, &g1, &g2).expect("pair")));
         let (a, b) = pair.expect("pair");
-        let one = if m <= 8 { vec!["linear_gemv_pair"] } else { vec!["linear_tiled", "linear_tiled"] };
+        let one = if m <= 8 { vec!["linear_gemv_many"] } else { vec!["linear_tiled", "linear_tiled"] };
         assert_eq!(ran, one, "{dtype:?}, {m} rows");
         let (a1, b1) = (gpu.linear(&xg, &g1).expect("a"), gpu.linear(&xg, &g2).expect("b"));
         assert_eq!((host(&gpu, &a), host(&gpu, &b)), (host(&gpu, &a1), host(&gpu, &b1)), "{dtype:?}, {m} rows");
+        // Up to four weights of one width, each its own type and height (a Gated DeltaNet layer's four
+        // projections): one launch for decode-shaped rows with each weight's `linear` bits; five weights,
+        // or prefill-shaped rows, a launch each.
+        let ws: Vec<Tensor> = [(DType::BF16, 40), (DType::F32, 8), (DType::F16, 1), (DType::BF16, 24), (DType::F32, 3)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(t, n))| gpu.place_weight(weight(t, n, k, 80 + i as u64)).expect("w"))
+            .collect();
+        let refs: Vec<&Tensor> = ws.iter().collect();
+        for count in [2, 4, 5] {
+            let mut many = None;
+            let ran = osprey_backend_cuda::emu::launches_of(|| {
+                many = Some(gpu.linear_many(&xg, &refs[..count]).expect("many"))
+            });
+            let launches = if m <= 8 && count <= 4 { 1 } else { count };
+            assert_eq!(ran.len(), launches, "{dtype:?}, {m} rows, {count} weights: {ran:?}");
+            for (got, w) in many.expect("many").iter().zip(&refs) {
+                assert_eq!(
+                    host(&gpu, got),
+                    host(&gpu, &gpu.linear(&xg, w).expect("one")),
+                    "{dtype:?}, {m} rows, {count} weights"
+                );
+            }
+        }
         // And SwiGLU's first half (`linear_swiglu`): decode-shaped, one launch with the bits of the pair
         // and `silu_mul`; prefill-shaped, the pair's launches and `silu_mul_f32`.
         let mut fused = None;

@@ -68,9 +68,11 @@ impl GatedAttention {
     ) -> Result<Tensor> {
         let AttnShape { heads: nh, head_dim: hd, .. } = self.shape;
         // 1. Projections. q_proj rows are [q_h (hd) | gate_h (hd)] per head.
-        let qg = b.linear(x, &self.q_proj)?; // [T, nh·2hd]
-        let k = b.linear(x, &self.k_proj)?; // [T, nkv·hd]
-        let v = b.linear(x, &self.v_proj)?; // [T, nkv·hd]
+        // q|gate [T, nh·2hd], k and v [T, nkv·hd]: one pass over x on a device.
+        let [qg, k, v]: [Tensor; 3] = b
+            .linear_many(x, &[&self.q_proj, &self.k_proj, &self.v_proj])?
+            .try_into()
+            .map_err(|_| crate::Error::Engine("linear_many returned another count: this is a bug".into()))?;
         let mut parts = b.split_cols(&qg, nh, &[hd, hd])?.into_iter();
         let (mut q, gate) = (parts.next().expect("q"), parts.next().expect("gate"));
         // 2. q's per-head norm and rotary on the first rot dims (one pass on a device).

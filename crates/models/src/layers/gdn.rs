@@ -175,12 +175,12 @@ impl GatedDeltaNet {
         verify: &[bool],
     ) -> Result<Tensor> {
         // 1. Projections for all rows of the batch.
-        let p = Projected {
-            mixed: b.linear(x, &self.in_proj_qkv)?, // [T, cd] rows q|k|v
-            a: b.linear(x, &self.in_proj_a)?,       // [T, nv]
-            bb: b.linear(x, &self.in_proj_b)?,      // [T, nv]
-        };
-        let z = b.linear(x, &self.in_proj_z)?; // [T, vd]
+        // q|k|v [T, cd], a and b [T, nv], z [T, vd]: one pass over x on a device.
+        let [mixed, a, bb, z]: [Tensor; 4] = b
+            .linear_many(x, &[&self.in_proj_qkv, &self.in_proj_a, &self.in_proj_b, &self.in_proj_z])?
+            .try_into()
+            .map_err(|_| crate::Error::Engine("linear_many returned another count: this is a bug".into()))?;
+        let p = Projected { mixed, a, bb };
         states.iter_mut().for_each(|st| st.kept.clear());
         // A decode step of several sequences: one token each, past its first, not verifying. Every row's
         // ops run on the whole batch at once (one launch each on a device, not one per sequence), each

@@ -500,7 +500,7 @@ impl SparseMoe {
         &self,
         b: &dyn Backend,
         x: &Tensor,
-        routing: &osprey_backend::Routing,
+        (routing, sgate): (&osprey_backend::Routing, &Tensor),
         experts: &dyn ExpertSource,
     ) -> Result<Tensor> {
         let (t, k, h) = (x.rows(), self.cfg.top_k, x.cols());
@@ -518,7 +518,6 @@ impl SparseMoe {
             }
         };
         let shared = self.shared.forward(b, x)?;
-        let sgate = b.linear(x, &self.shared_gate)?;
         let mut partials = b.zeros_f32(&[t * k, h])?;
         let Slots { pool: Some(pool), table: Some(table), .. } = &mut *guard else {
             return Err(Error::Engine("a layer's slots were not allocated before its step".into()));
@@ -529,7 +528,7 @@ impl SparseMoe {
         table.stats.waves += 1;
         guard.slot_of = Some(slot_of);
         drop(guard);
-        let out = b.moe_combine_shared(&partials, k, &shared, &sgate)?;
+        let out = b.moe_combine_shared(&partials, k, &shared, sgate)?;
         Ok(out)
     }
 
@@ -567,10 +566,14 @@ impl SparseMoe {
     /// the answer does not depend on what was resident.
     pub fn forward(&self, b: &dyn Backend, x: &Tensor, experts: &dyn ExpertSource) -> Result<Tensor> {
         let (t, k, h) = (x.rows(), self.cfg.top_k, x.cols());
-        let logits = b.linear(x, &self.router)?;
+        // The router's logits and the shared expert's gate: one pass over x on a device.
+        let [logits, sgate]: [Tensor; 2] = b
+            .linear_many(x, &[&self.router, &self.shared_gate])?
+            .try_into()
+            .map_err(|_| Error::Engine("linear_many returned another count: this is a bug".into()))?;
         let routing = b.route(&logits, k, self.cfg.renorm)?;
         if self.routes_on_device(b, experts, t) {
-            return self.forward_on_device(b, x, &routing, experts);
+            return self.forward_on_device(b, x, (&routing, &sgate), experts);
         }
         let ids = match b.download(&routing.ids)? {
             HostVec::I32(v) => v,
@@ -597,7 +600,6 @@ impl SparseMoe {
         let held = self.guess_ahead(b, x, experts)?;
 
         let shared = self.shared.forward(b, x)?;
-        let sgate = b.linear(x, &self.shared_gate)?;
         let mut partials = b.zeros_f32(&[t * k, h])?;
         let run = |wave: &[(ExpertKey, usize)], table: &mut SlotTable, pool: &ExpertPool, partials: &mut Tensor| {
             let slot_of: std::collections::HashMap<ExpertKey, usize> = wave.iter().copied().collect();
