@@ -131,8 +131,11 @@ mod tests {
     }
 
     /// Issue 51, item 7: Qwen3.5-35B-A3B with its vision tower on a 24 GiB card, a 64k-token image
-    /// conversation in bf16 KV, experts in host RAM beyond the slots: every part named in bytes, and the
-    /// step's attention scratch inside the reserve because it is banded (unbanded it would not be).
+    /// conversation in bf16 KV, experts in host RAM beyond the slots: every part named in bytes, and score
+    /// scratch inside the reserve because it is banded (unbanded it would not be). Causal attention over
+    /// the pages stores no score since issue 52 (flash attention; its partial sums stay under 4 MiB,
+    /// `flash_attention_memory_does_not_grow_with_the_context`); the band cap still holds bidirectional
+    /// attention's rows, whose `n × n` grows the same way with a long run of image rows.
     #[test]
     fn qwen35_35b_a3b_with_a_64k_image_context_on_24_gib() {
         // 40 layers, every 4th full attention: 10 KV layers of 2 heads × 256, K and V, bf16, 65,536 tokens.
@@ -150,8 +153,9 @@ mod tests {
             "device memory 24.00 GiB: dense weights 4.20, KV 1.25, reserve 1.70, expert slots 255 of 256 per layer \
              (16.81 GiB)"
         );
-        // A 512-token chunk at 64k: 16 heads × 65,536 keys of f32 scores is 4 MiB a query row. One launch
-        // for the chunk would need 2 GiB, more than the whole reserve; in bands it holds at most the cap.
+        // Rows of 16 heads × 65,536 keys of f32 scores are 4 MiB each (a 512-token chunk's paged attention
+        // before flash attention, or bidirectional rows that long): 512 of them would need 2 GiB, more
+        // than the whole reserve; in bands they hold at most the cap.
         let row = 16 * 65_536 * 4u64;
         assert!(512 * row > p.reserve, "unbanded, the scores alone would not fit");
         let band = (osprey_backend_cuda::SCRATCH_CAP as u64 / row).max(1);
