@@ -13,7 +13,7 @@ use osprey_backend::{
     AttentionOps, AttnShape, BackendError, DType, MRope, PagedRows, PagedView, Result, RopeTable, Tensor,
 };
 
-use super::core::threads_for;
+use super::core::{threads_for, NORM_ROPE_MAX_D};
 use super::{ptr, u32_of, CudaBackend};
 use crate::device::{DevPtr, LaunchConfig};
 use crate::launch;
@@ -82,19 +82,18 @@ impl CudaBackend {
 /// positions it sees, its split width and a pad, `u32` each.
 const FLASH_ROW: usize = 24;
 
-/// The widest head `kv_write_rope` and `rms_norm_rope_f32` hold in shared memory (`hs[256]`).
-const NORM_ROPE_MAX_D: usize = 256;
-
 impl CudaBackend {
     /// One `attention_flash` launch (and its combine) for the rows of `seqs`, which share a pool: every
     /// row with its own sequence's plan, so it computes the bits it would in a launch of its own.
     fn flash(&self, q: &Tensor, seqs: &[&PagedRows<'_>], shape: AttnShape, scale: f32, out: &mut Tensor) {
         let (heads, kv_heads, head_dim) = (shape.heads, shape.kv_heads, shape.head_dim);
         let Some(first) = seqs.first() else { return };
-        let (mut desc, mut splits, mut keys, mut hchunk, mut chunks) = (Vec::new(), 1, 0usize, 1, 1);
+        // A block's query heads depend on the shape alone; the splits on each sequence's rows and past.
+        let FlashPlan { hchunk, chunks, .. } = FlashPlan::new(1, 0, shape);
+        let (mut desc, mut splits, mut keys) = (Vec::new(), 1, 0usize);
         for s in seqs {
             let plan = FlashPlan::new(s.rows.len(), s.past, shape);
-            (hchunk, chunks, splits) = (plan.hchunk, plan.chunks, splits.max(plan.splits));
+            splits = splits.max(plan.splits);
             let table = ptr(s.kv.table).0;
             for (i, row) in s.rows.clone().enumerate() {
                 let len = s.past + i + 1;
@@ -171,8 +170,8 @@ impl AttentionOps for CudaBackend {
                 .fail("attention_paged", format!("no flash attention for {shape:?} (heads of at most {FLASH_MAX_D})"));
         }
         // One launch reads one pool: sequences of one pool (a served batch's) together, others apart.
-        let same = |s: &&PagedRows<'_>| paged(s.kv).0 == paged(first.kv).0 && paged(s.kv).1 == paged(first.kv).1;
-        if seqs.iter().all(|s| same(s) && s.kv.page_size == first.kv.page_size) {
+        let pool_of = |s: &PagedRows<'_>| (ptr(s.kv.pool), s.kv.pool.dtype(), s.kv.page_size);
+        if seqs.iter().all(|s| pool_of(s) == pool_of(first)) {
             self.flash(q, &seqs, shape, scale, out);
         } else {
             seqs.iter().for_each(|s| self.flash(q, &[s], shape, scale, out));

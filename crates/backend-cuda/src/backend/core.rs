@@ -24,6 +24,9 @@ pub(super) fn wtype(dtype: DType) -> Result<i32> {
 /// Rows up to which a linear runs as a GEMV (`linear_gemv` keeps one accumulator per row).
 pub(super) const GEMV_ROWS: usize = 8;
 
+/// The widest head `rms_norm_rope_f32` and `kv_write_rope` hold in shared memory (`hs[256]`).
+pub(super) const NORM_ROPE_MAX_D: usize = 256;
+
 /// Threads for a block reducing `group` values: a multiple of 32 from 32 to 256.
 pub(super) fn threads_for(group: usize) -> u32 {
     (group.div_ceil(32) * 32).clamp(32, 256) as u32
@@ -109,6 +112,12 @@ impl CudaBackend {
     }
 
     /// `x [m, k] · wᵀ → [m, n]` (a placed weight, or an expert's projection in a slot).
+    /// Whether `m` rows against a weight of `dtype` and width `k` take the f32-activation GEMV (decode
+    /// shapes off the int8 path): `linear_gemv` and the launches that fuse several of its products.
+    fn on_gemv(&self, m: usize, dtype: DType, k: usize) -> bool {
+        (1..=GEMV_ROWS).contains(&m) && !self.q8_path(m, dtype, k)
+    }
+
     pub(super) fn matmul(&self, x: &Tensor, w: RawWeight, n: usize, k: usize) -> Result<Tensor> {
         let m = x.rows();
         if self.q8_path(m, w.dtype, k) || self.mma_path(m, w.dtype, k) {
@@ -165,23 +174,17 @@ impl CoreOps for CudaBackend {
         // Decode-shaped products on the f32-activation GEMV, up to four: one launch (a layer's
         // projections of one input, an MLP's gate and up). Other shapes, the int8 paths, more weights:
         // one linear each.
-        let gemv = |w: &&Tensor, p: &RawWeight| w.cols() == x.cols() && !self.q8_path(m, p.dtype, w.cols());
-        let one = (2..=4).contains(&ws.len()) && (1..=GEMV_ROWS).contains(&m);
-        if !one || !ws.iter().zip(&placed).all(|(w, p)| gemv(w, p)) {
+        let gemv = |w: &&Tensor, p: &RawWeight| w.cols() == x.cols() && self.on_gemv(m, p.dtype, w.cols());
+        if !(2..=4).contains(&ws.len()) || !ws.iter().zip(&placed).all(|(w, p)| gemv(w, p)) {
             return ws.iter().zip(&placed).map(|(w, p)| self.matmul(x, *p, w.shape()[0], w.cols())).collect();
         }
         let outs: Vec<Tensor> = ws.iter().map(|w| self.empty(DType::F32, &[m, w.shape()[0]])).collect::<Result<_>>()?;
         // Absent weights: no columns, and the first weight's addresses (a launch names no null address).
         let part = |i: usize| -> Result<(RawWeight, i32, DevPtr, u32)> {
-            let i = if i < ws.len() { i } else { 0 };
-            let n = if i < ws.len() { u32_of(ws[i].shape()[0]) } else { 0 };
-            Ok((placed[i], wtype(placed[i].dtype)?, ptr(&outs[i]), n))
+            let (j, n) = if i < ws.len() { (i, u32_of(ws[i].shape()[0])) } else { (0, 0) };
+            Ok((placed[j], wtype(placed[j].dtype)?, ptr(&outs[j]), n))
         };
         let (p0, p1, p2, p3) = (part(0)?, part(1)?, part(2)?, part(3)?);
-        let (p2, p3) = (
-            if ws.len() > 2 { p2 } else { (p2.0, p2.1, p2.2, 0) },
-            if ws.len() > 3 { p3 } else { (p3.0, p3.1, p3.2, 0) },
-        );
         let call = launch::linear_gemv_many(
             ptr(x),
             u32_of(m),
@@ -220,8 +223,9 @@ impl CoreOps for CudaBackend {
         let (a, b) = (placed(gate)?, placed(up)?);
         let (m, n, k) = (x.rows(), gate.shape()[0], gate.cols());
         let same = gate.dtype() == up.dtype() && gate.shape() == up.shape();
-        // Where `linear_pair` is one GEMV launch, the SwiGLU is too; elsewhere the pair, then `silu_mul`.
-        if !same || !(1..=GEMV_ROWS).contains(&m) || self.q8_path(m, a.dtype, k) {
+        // Where the pair is one GEMV launch of one weight type, the SwiGLU is too; elsewhere the pair,
+        // then `silu_mul`.
+        if !same || !self.on_gemv(m, a.dtype, k) {
             let (mut g, u) = self.linear_pair(x, gate, up)?;
             self.silu_mul(&mut g, &u);
             return Ok(g);
@@ -338,8 +342,8 @@ impl CoreOps for CudaBackend {
 
     fn rms_norm_rope(&self, x: &mut Tensor, w: &Tensor, eps: f32, one_plus: bool, rope: &MRope, table: &RopeTable) {
         let hd = w.numel();
-        // One block a head, held in shared memory (`hs[256]`); anything else as the two launches.
-        if hd != rope.head_dim() || hd == 0 || hd > 256 || !x.cols().is_multiple_of(hd) {
+        // One block a head, held in shared memory; anything else as the two launches.
+        if hd != rope.head_dim() || hd == 0 || hd > NORM_ROPE_MAX_D || !x.cols().is_multiple_of(hd) {
             self.rms_norm(x, w, eps, one_plus);
             return self.rope(x, rope, table);
         }

@@ -4,7 +4,7 @@
 
 use osprey_backend::{AttnShape, Backend, MRope, PagedRows, PagedView, RopeTable, Tensor};
 
-use super::{load_linear, load_vector, Segment};
+use super::{linears, load_linear, load_vector, Segment};
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
 use crate::error::Result;
@@ -69,10 +69,7 @@ impl GatedAttention {
         let AttnShape { heads: nh, head_dim: hd, .. } = self.shape;
         // 1. Projections. q_proj rows are [q_h (hd) | gate_h (hd)] per head.
         // q|gate [T, nh·2hd], k and v [T, nkv·hd]: one pass over x on a device.
-        let [qg, k, v]: [Tensor; 3] = b
-            .linear_many(x, &[&self.q_proj, &self.k_proj, &self.v_proj])?
-            .try_into()
-            .map_err(|_| crate::Error::Engine("linear_many returned another count: this is a bug".into()))?;
+        let [qg, k, v] = linears(b, x, [&self.q_proj, &self.k_proj, &self.v_proj])?;
         let mut parts = b.split_cols(&qg, nh, &[hd, hd])?.into_iter();
         let (mut q, gate) = (parts.next().expect("q"), parts.next().expect("gate"));
         // 2. q's per-head norm and rotary on the first rot dims (one pass on a device).

@@ -176,10 +176,8 @@ impl GatedDeltaNet {
     ) -> Result<Tensor> {
         // 1. Projections for all rows of the batch.
         // q|k|v [T, cd], a and b [T, nv], z [T, vd]: one pass over x on a device.
-        let [mixed, a, bb, z]: [Tensor; 4] = b
-            .linear_many(x, &[&self.in_proj_qkv, &self.in_proj_a, &self.in_proj_b, &self.in_proj_z])?
-            .try_into()
-            .map_err(|_| crate::Error::Engine("linear_many returned another count: this is a bug".into()))?;
+        let [mixed, a, bb, z] =
+            super::linears(b, x, [&self.in_proj_qkv, &self.in_proj_a, &self.in_proj_b, &self.in_proj_z])?;
         let p = Projected { mixed, a, bb };
         states.iter_mut().for_each(|st| st.kept.clear());
         // A decode step of several sequences: one token each, past its first, not verifying. Every row's

@@ -28,6 +28,14 @@ pub struct Segment {
     pub past: usize,
 }
 
+/// `x·wᵢᵀ` for each of `N` placed weights of `x`'s width ([`osprey_backend::CoreOps::linear_many`]: one
+/// pass over `x` on a device), as an array.
+pub fn linears<const N: usize>(b: &dyn Backend, x: &Tensor, ws: [&Tensor; N]) -> Result<[Tensor; N]> {
+    b.linear_many(x, &ws)?
+        .try_into()
+        .map_err(|_| crate::Error::Engine("linear_many returned another count: this is a bug".into()))
+}
+
 /// A host weight placed on `b`.
 pub fn place(b: &dyn Backend, w: Weight) -> Result<Tensor> {
     Ok(b.place_weight(Arc::new(w))?)

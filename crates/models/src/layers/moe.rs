@@ -528,8 +528,7 @@ impl SparseMoe {
         table.stats.waves += 1;
         guard.slot_of = Some(slot_of);
         drop(guard);
-        let out = b.moe_combine_shared(&partials, k, &shared, sgate)?;
-        Ok(out)
+        Ok(b.moe_combine_shared(&partials, k, &shared, sgate)?)
     }
 
     /// Uploads every expert of the layer that no slot holds yet (one request, then one wave: the pool has
@@ -567,10 +566,7 @@ impl SparseMoe {
     pub fn forward(&self, b: &dyn Backend, x: &Tensor, experts: &dyn ExpertSource) -> Result<Tensor> {
         let (t, k, h) = (x.rows(), self.cfg.top_k, x.cols());
         // The router's logits and the shared expert's gate: one pass over x on a device.
-        let [logits, sgate]: [Tensor; 2] = b
-            .linear_many(x, &[&self.router, &self.shared_gate])?
-            .try_into()
-            .map_err(|_| Error::Engine("linear_many returned another count: this is a bug".into()))?;
+        let [logits, sgate] = super::linears(b, x, [&self.router, &self.shared_gate])?;
         let routing = b.route(&logits, k, self.cfg.renorm)?;
         if self.routes_on_device(b, experts, t) {
             return self.forward_on_device(b, x, (&routing, &sgate), experts);
